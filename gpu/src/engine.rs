@@ -1,0 +1,284 @@
+//! A self-contained generation loop over a [`TpGroup`]: what `pdserve generate`, the model
+//! benchmark and the model tests run. It batches every request of a call together — chunked
+//! prefill under a token budget, then batched decode — with block tables from a
+//! [`BlockAllocator`]. The serving scheduler (actors crate) replaces this loop with continuous
+//! batching, admission and preemption, on the same [`TpGroup`].
+
+use crate::chat::{ChatMessage, ChatTemplate};
+use crate::config::ModelConfig;
+use crate::kv::{BlockAllocator, DEFAULT_BLOCK_SIZE};
+use crate::loader::LoadedModel;
+use crate::model::{Batch, SeqChunk};
+use crate::sampling::{FinishReason, Sampler, SamplingParams, StopChecker, StopDecision};
+use crate::tokenizer::{DecodeStream, Tokenizer};
+use crate::tp::{TpGroup, TpOptions};
+use crate::weights::WeightFormat;
+use crate::{ModelError, Result};
+use pdserve_runtime::memory::AnonAllocator;
+
+/// How to build an [`Engine`].
+#[derive(Clone, Debug)]
+pub struct EngineOptions {
+    /// Tensor-parallel ranks.
+    pub tp: usize,
+    /// KV blocks per rank; `None` sizes the pool for `max_seqs` full contexts (at most 8192
+    /// tokens each).
+    pub num_blocks: Option<usize>,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// In-memory weight format.
+    pub format: WeightFormat,
+    /// Most tokens in one forward step (prefill chunk budget).
+    pub max_batch_tokens: usize,
+    /// Sequences the default pool is sized for.
+    pub max_seqs: usize,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        Self {
+            tp: 1,
+            num_blocks: None,
+            block_size: DEFAULT_BLOCK_SIZE,
+            format: WeightFormat::Auto,
+            max_batch_tokens: 512,
+            max_seqs: 8,
+        }
+    }
+}
+
+/// One generation request.
+#[derive(Clone, Debug)]
+pub struct GenRequest {
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Sampling and stop settings.
+    pub params: SamplingParams,
+}
+
+/// What one request produced.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GenOutput {
+    /// Generated token ids (a stop token included, as the model produced it).
+    pub tokens: Vec<u32>,
+    /// Generated text, stop strings and stop tokens excluded.
+    pub text: String,
+    /// Why it ended.
+    pub finish: FinishReason,
+}
+
+struct Seq {
+    prompt: Vec<u32>,
+    output: Vec<u32>,
+    blocks: Vec<u32>,
+    /// Tokens already in the cache.
+    computed: usize,
+    sampler: Sampler,
+    stop: StopChecker,
+    decode: DecodeStream,
+    text: String,
+    finish: Option<FinishReason>,
+}
+
+impl Seq {
+    fn all_tokens(&self) -> usize {
+        self.prompt.len() + self.output.len()
+    }
+}
+
+/// A model, its TP ranks and a block pool, generating for batches of requests.
+#[derive(Debug)]
+pub struct Engine {
+    name: String,
+    tokenizer: Tokenizer,
+    chat_template: ChatTemplate,
+    group: TpGroup,
+    blocks: BlockAllocator,
+    opts: EngineOptions,
+}
+
+impl Engine {
+    /// Cuts the model into `opts.tp` shards and starts the rank threads.
+    ///
+    /// # Errors
+    /// [`ModelError::BadTpSize`], weight and memory errors.
+    pub fn new(model: LoadedModel, opts: EngineOptions) -> Result<Self> {
+        let cfg = &model.config;
+        let num_blocks = opts.num_blocks.unwrap_or_else(|| {
+            opts.max_seqs * cfg.context_length.min(8192).div_ceil(opts.block_size)
+        });
+        let tp_opts = TpOptions { tp: opts.tp, num_blocks, block_size: opts.block_size, format: opts.format };
+        let group = TpGroup::new(cfg, &model.store, &tp_opts, &AnonAllocator)?;
+        Ok(Self {
+            name: model.name,
+            tokenizer: model.tokenizer,
+            chat_template: model.chat_template,
+            group,
+            blocks: BlockAllocator::new(num_blocks),
+            opts,
+        })
+    }
+
+    /// Model name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Model configuration.
+    pub fn config(&self) -> &ModelConfig {
+        self.group.config()
+    }
+
+    /// The tokenizer.
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    /// The TP group (for tests and tools that drive steps directly).
+    pub fn group(&self) -> &TpGroup {
+        &self.group
+    }
+
+    /// Free and total KV blocks.
+    pub fn block_usage(&self) -> (usize, usize) {
+        (self.blocks.num_free(), self.blocks.total())
+    }
+
+    /// Tokenizes a plain prompt.
+    ///
+    /// # Errors
+    /// Tokenizer failures.
+    pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>> {
+        self.tokenizer.encode(text, true)
+    }
+
+    /// Renders a chat through the model's template and tokenizes it.
+    ///
+    /// # Errors
+    /// Template or tokenizer failures.
+    pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
+        let text = self.chat_template.render(messages, true)?;
+        // The template already placed BOS where the model wants it.
+        self.tokenizer.encode(&text, false)
+    }
+
+    /// Generates for every request together. `on_text(i, piece)` receives request `i`'s text
+    /// as it becomes final (for streaming). Every block taken is returned before this returns,
+    /// whether it succeeds or fails.
+    ///
+    /// # Errors
+    /// [`ModelError::ContextOverflow`] when a prompt plus its `max_tokens` exceed the context,
+    /// [`ModelError::OutOfBlocks`] when the pool cannot hold the batch, invalid sampling
+    /// parameters, rank failures.
+    pub fn generate(
+        &mut self,
+        requests: &[GenRequest],
+        on_text: &mut dyn FnMut(usize, &str),
+    ) -> Result<Vec<GenOutput>> {
+        let ctx = self.config().context_length;
+        let vocab = self.config().vocab_size;
+        let mut seqs = Vec::with_capacity(requests.len());
+        for r in requests {
+            r.params.validate(vocab)?;
+            if r.prompt.is_empty() {
+                return Err(ModelError::InvalidBatch("empty prompt".into()));
+            }
+            let total = r.prompt.len() + r.params.max_tokens;
+            if total > ctx {
+                return Err(ModelError::ContextOverflow { tokens: total, context: ctx });
+            }
+            seqs.push(Seq {
+                prompt: r.prompt.clone(),
+                output: Vec::new(),
+                blocks: Vec::new(),
+                computed: 0,
+                sampler: Sampler::new(&r.params),
+                stop: StopChecker::new(&r.params, self.tokenizer.eos_ids()),
+                decode: self.tokenizer.decode_stream(true),
+                text: String::new(),
+                finish: if r.params.max_tokens == 0 { Some(FinishReason::Length) } else { None },
+            });
+        }
+        let result = self.run(&mut seqs, on_text);
+        for s in &mut seqs {
+            self.blocks.free(&std::mem::take(&mut s.blocks));
+        }
+        result?;
+        Ok(seqs
+            .into_iter()
+            .map(|s| GenOutput {
+                tokens: s.output,
+                text: s.text,
+                finish: s.finish.unwrap_or(FinishReason::Length),
+            })
+            .collect())
+    }
+
+    fn run(&mut self, seqs: &mut [Seq], on_text: &mut dyn FnMut(usize, &str)) -> Result<()> {
+        let bs = self.opts.block_size;
+        loop {
+            // Decodes first (one token each), then prefill chunks in the remaining budget.
+            let mut budget = self.opts.max_batch_tokens.max(1);
+            let mut batch = Batch::default();
+            let mut members = Vec::new();
+            let mut order: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].finish.is_none()).collect();
+            if order.is_empty() {
+                return Ok(());
+            }
+            order.sort_by_key(|&i| seqs[i].computed < seqs[i].prompt.len());
+            for i in order {
+                if budget == 0 {
+                    break;
+                }
+                let s = &mut seqs[i];
+                let all: Vec<u32> = s.prompt.iter().chain(&s.output).copied().collect();
+                let remaining = s.all_tokens() - s.computed;
+                let n = remaining.min(budget);
+                let end = s.computed + n;
+                let need = end.div_ceil(bs);
+                if need > s.blocks.len() {
+                    let more = self.blocks.allocate(need - s.blocks.len())?;
+                    s.blocks.extend(more);
+                }
+                batch.seqs.push(SeqChunk {
+                    tokens: all[s.computed..end].to_vec(),
+                    start_pos: s.computed,
+                    block_table: s.blocks.clone(),
+                    want_logits: end == s.all_tokens(),
+                });
+                members.push((i, n));
+                budget -= n;
+            }
+            let logits = self.group.step(batch)?;
+            let mut next_logits = logits.into_iter();
+            for (i, n) in members {
+                let s = &mut seqs[i];
+                s.computed += n;
+                if s.computed < s.all_tokens() {
+                    continue;
+                }
+                let mut l = next_logits.next().ok_or_else(|| {
+                    ModelError::InvalidBatch("forward returned fewer logits than asked".into())
+                })?;
+                let tok = s.sampler.sample(&mut l, &s.prompt, &s.output);
+                s.output.push(tok);
+                let piece = s.decode.step(tok)?.unwrap_or_default();
+                let emitted = match s.stop.push(tok, &piece) {
+                    StopDecision::Continue { text_to_emit } => text_to_emit,
+                    StopDecision::Stop { reason, mut text_to_emit } => {
+                        if matches!(reason, crate::sampling::StopReason::Length) {
+                            text_to_emit.push_str(&s.decode.flush()?);
+                        }
+                        s.finish = Some(reason.finish_reason());
+                        self.blocks.free(&std::mem::take(&mut s.blocks));
+                        text_to_emit
+                    }
+                };
+                if !emitted.is_empty() {
+                    s.text.push_str(&emitted);
+                    on_text(i, &emitted);
+                }
+            }
+        }
+    }
+}

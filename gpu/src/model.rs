@@ -1,0 +1,682 @@
+//! One tensor-parallel rank of a Llama-family decoder and its forward pass over a mixed
+//! batch of prefill chunks and decode tokens, reading and writing the paged KV cache.
+//!
+//! Rank `r` of `tp` owns query heads `[r·H/tp, (r+1)·H/tp)`, KV heads `[r·K/tp, (r+1)·K/tp)`,
+//! MLP columns `[r·F/tp, (r+1)·F/tp)` and vocabulary rows `[r·V/tp, (r+1)·V/tp)`. Q/K/V and
+//! gate/up are column-parallel (each rank computes its own output features), the attention
+//! output and down projections are row-parallel (partial sums joined by an all-reduce), the
+//! embedding is vocabulary-parallel (an all-reduce of zero-padded lookups) and the output layer
+//! is vocabulary-parallel (an all-gather of logits).
+
+use crate::collective::Collective;
+use crate::config::{ModelConfig, RopeStyle};
+use crate::kv::{KvCache, KvKind};
+use crate::weights::{concat_rows, convert, slice_cols, slice_rows, TensorStore, WeightFormat};
+use crate::{ModelError, Result};
+use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::{Device, Module, Tensor};
+use rayon::prelude::*;
+use std::ops::Range;
+use std::sync::Arc;
+
+/// One sequence's part of a forward step.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SeqChunk {
+    /// Tokens to run: a prefill chunk, or the one newest token of a decode.
+    pub tokens: Vec<u32>,
+    /// Position of `tokens[0]` (= tokens of this sequence already in the cache).
+    pub start_pos: usize,
+    /// The sequence's KV blocks, covering at least `start_pos + tokens.len()` positions.
+    pub block_table: Vec<u32>,
+    /// Whether to return logits for the last token.
+    pub want_logits: bool,
+}
+
+/// A forward step over several sequences.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Batch {
+    /// The sequences.
+    pub seqs: Vec<SeqChunk>,
+}
+
+impl Batch {
+    /// Total tokens in the step.
+    pub fn num_tokens(&self) -> usize {
+        self.seqs.iter().map(|s| s.tokens.len()).sum()
+    }
+}
+
+struct Linear {
+    weight: QMatMul,
+    bias: Option<Vec<f32>>,
+    out_features: usize,
+}
+
+impl Linear {
+    fn new(w: QTensor, bias: Option<Vec<f32>>) -> Result<Self> {
+        let out_features = w.shape().dims2()?.0;
+        Ok(Self { weight: QMatMul::from_qtensor(w)?, bias, out_features })
+    }
+
+    /// `x` is `[rows, in]` row-major; returns `[rows, out]`.
+    fn forward(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
+        let inp = x.len() / rows;
+        let xt = Tensor::from_slice(x, (rows, inp), &Device::Cpu)?;
+        let mut y = self.weight.forward(&xt)?.flatten_all()?.to_vec1::<f32>()?;
+        if let Some(b) = &self.bias {
+            for row in y.chunks_mut(self.out_features) {
+                row.iter_mut().zip(b).for_each(|(v, b)| *v += b);
+            }
+        }
+        Ok(y)
+    }
+}
+
+/// Projections whose outputs are concatenated per row (Q|K|V, gate|up). With converted
+/// weights they are fused into one matmul; in [`WeightFormat::Native`] they stay separate so
+/// candle picks the same quantized kernels, shape for shape, as the file's own layout.
+struct Stacked {
+    parts: Vec<Linear>,
+}
+
+impl Stacked {
+    fn new(parts: Vec<QTensor>, biases: Vec<Option<Vec<f32>>>, format: WeightFormat) -> Result<Self> {
+        if format == WeightFormat::Native {
+            let parts = parts
+                .into_iter()
+                .zip(biases)
+                .map(|(p, b)| Linear::new(p, b))
+                .collect::<Result<Vec<_>>>()?;
+            return Ok(Self { parts });
+        }
+        let bias = if biases.iter().all(Option::is_none) {
+            None
+        } else {
+            let mut all = Vec::new();
+            for (p, b) in parts.iter().zip(&biases) {
+                let n = p.shape().dims2()?.0;
+                all.extend(b.clone().unwrap_or_else(|| vec![0.0; n]));
+            }
+            Some(all)
+        };
+        Ok(Self { parts: vec![Linear::new(convert(concat_rows(&parts)?, format)?, bias)?] })
+    }
+
+    fn forward(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
+        if self.parts.len() == 1 {
+            return self.parts[0].forward(x, rows);
+        }
+        let outs = self.parts.iter().map(|p| p.forward(x, rows)).collect::<Result<Vec<_>>>()?;
+        let width: usize = self.parts.iter().map(|p| p.out_features).sum();
+        let mut y = Vec::with_capacity(rows * width);
+        for r in 0..rows {
+            for (o, p) in outs.iter().zip(&self.parts) {
+                y.extend_from_slice(&o[r * p.out_features..(r + 1) * p.out_features]);
+            }
+        }
+        Ok(y)
+    }
+}
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    qkv: Stacked,
+    out: Linear,
+    ffn_norm: Vec<f32>,
+    gate_up: Stacked,
+    down: Linear,
+}
+
+/// Precomputed RoPE cosines and sines, `[position][head_dim / 2]`.
+struct RopeTable {
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    half: usize,
+    style: RopeStyle,
+}
+
+impl RopeTable {
+    fn new(cfg: &ModelConfig) -> Self {
+        let inv = cfg.rope_inv_freq();
+        let scale = cfg.rope_position_scale();
+        let half = cfg.head_dim / 2;
+        let mut cos = Vec::with_capacity(cfg.context_length * half);
+        let mut sin = Vec::with_capacity(cfg.context_length * half);
+        for p in 0..cfg.context_length {
+            for f in &inv {
+                let a = p as f32 * scale * f;
+                cos.push(a.cos());
+                sin.push(a.sin());
+            }
+        }
+        Self { cos, sin, half, style: cfg.rope_style }
+    }
+
+    fn apply(&self, x: &mut [f32], pos: usize) {
+        let c = &self.cos[pos * self.half..(pos + 1) * self.half];
+        let s = &self.sin[pos * self.half..(pos + 1) * self.half];
+        match self.style {
+            RopeStyle::Interleaved => {
+                for j in 0..self.half {
+                    let (a, b) = (x[2 * j], x[2 * j + 1]);
+                    x[2 * j] = a * c[j] - b * s[j];
+                    x[2 * j + 1] = a * s[j] + b * c[j];
+                }
+            }
+            RopeStyle::Half => {
+                for j in 0..self.half {
+                    let (a, b) = (x[j], x[j + self.half]);
+                    x[j] = a * c[j] - b * s[j];
+                    x[j + self.half] = a * s[j] + b * c[j];
+                }
+            }
+        }
+    }
+}
+
+fn split(n: usize, rank: usize, tp: usize) -> Range<usize> {
+    n / tp * rank..n / tp * (rank + 1)
+}
+
+/// The weights of one tensor-parallel rank.
+pub struct ModelShard {
+    config: ModelConfig,
+    rank: usize,
+    tp: usize,
+    heads: Range<usize>,
+    kv_heads: Range<usize>,
+    vocab: Range<usize>,
+    embed: Arc<QTensor>,
+    layers: Vec<Layer>,
+    final_norm: Vec<f32>,
+    lm_head: Linear,
+    rope: RopeTable,
+}
+
+impl std::fmt::Debug for ModelShard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelShard")
+            .field("rank", &self.rank)
+            .field("tp", &self.tp)
+            .field("heads", &self.heads)
+            .field("kv_heads", &self.kv_heads)
+            .finish()
+    }
+}
+
+impl ModelShard {
+    /// Cuts rank `rank` of `tp` out of a loaded model.
+    ///
+    /// # Errors
+    /// [`ModelError::BadTpSize`] when `tp` does not split the model; missing or misshapen
+    /// tensors.
+    pub fn load(
+        cfg: &ModelConfig,
+        store: &TensorStore,
+        rank: usize,
+        tp: usize,
+        format: WeightFormat,
+    ) -> Result<Self> {
+        cfg.validate()?;
+        cfg.check_tp(tp)?;
+        let (h, kvh, hd, d, f, v) = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            cfg.vocab_size,
+        );
+        let heads = split(h, rank, tp);
+        let kv_heads = split(kvh, rank, tp);
+        let ffn = split(f, rank, tp);
+        let vocab = split(v, rank, tp);
+        let rows = |r: &Range<usize>| r.start * hd..r.end * hd;
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for i in 0..cfg.num_layers {
+            let name = |s: &str| format!("blk.{i}.{s}");
+            let q = store.get_shaped(&name("attn_q.weight"), &[h * hd, d])?;
+            let k = store.get_shaped(&name("attn_k.weight"), &[kvh * hd, d])?;
+            let vw = store.get_shaped(&name("attn_v.weight"), &[kvh * hd, d])?;
+            let o = store.get_shaped(&name("attn_output.weight"), &[d, h * hd])?;
+            let gate = store.get_shaped(&name("ffn_gate.weight"), &[f, d])?;
+            let up = store.get_shaped(&name("ffn_up.weight"), &[f, d])?;
+            let down = store.get_shaped(&name("ffn_down.weight"), &[d, f])?;
+            let qkv = vec![
+                slice_rows(q, rows(&heads))?,
+                slice_rows(k, rows(&kv_heads))?,
+                slice_rows(vw, rows(&kv_heads))?,
+            ];
+            let qkv_bias = if cfg.qkv_bias {
+                let qb = store.vector(&name("attn_q.bias"), h * hd)?;
+                let kb = store.vector(&name("attn_k.bias"), kvh * hd)?;
+                let vb = store.vector(&name("attn_v.bias"), kvh * hd)?;
+                vec![
+                    Some(qb[rows(&heads)].to_vec()),
+                    Some(kb[rows(&kv_heads)].to_vec()),
+                    Some(vb[rows(&kv_heads)].to_vec()),
+                ]
+            } else {
+                vec![None, None, None]
+            };
+            let gate_up = vec![slice_rows(gate, ffn.clone())?, slice_rows(up, ffn.clone())?];
+            layers.push(Layer {
+                attn_norm: store.vector(&name("attn_norm.weight"), d)?,
+                qkv: Stacked::new(qkv, qkv_bias, format)?,
+                out: Linear::new(convert(slice_cols(o, rows(&heads))?, format)?, None)?,
+                ffn_norm: store.vector(&name("ffn_norm.weight"), d)?,
+                gate_up: Stacked::new(gate_up, vec![None, None], format)?,
+                down: Linear::new(convert(slice_cols(down, ffn.clone())?, format)?, None)?,
+            });
+        }
+        let embed_full = store.get_shaped("token_embd.weight", &[v, d])?;
+        let embed = Arc::new(slice_rows(embed_full, vocab.clone())?);
+        let head_full = if store.contains("output.weight") {
+            store.get_shaped("output.weight", &[v, d])?
+        } else {
+            embed_full
+        };
+        let lm_head = Linear::new(convert(slice_rows(head_full, vocab.clone())?, format)?, None)?;
+        Ok(Self {
+            config: cfg.clone(),
+            rank,
+            tp,
+            heads,
+            kv_heads,
+            vocab,
+            embed,
+            layers,
+            final_norm: store.vector("output_norm.weight", d)?,
+            lm_head,
+            rope: RopeTable::new(cfg),
+        })
+    }
+
+    /// The model configuration.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// KV heads this rank owns (model-wide indices).
+    pub fn kv_heads(&self) -> Range<usize> {
+        self.kv_heads.clone()
+    }
+
+    /// This rank's index and the group size.
+    pub fn rank(&self) -> (usize, usize) {
+        (self.rank, self.tp)
+    }
+
+    /// Checks a batch against the cache and the context before any work is done.
+    ///
+    /// # Errors
+    /// [`ModelError::ContextOverflow`] or [`ModelError::InvalidBatch`].
+    pub fn validate_batch(&self, batch: &Batch, kv: &KvCache) -> Result<()> {
+        let layout = kv.layout();
+        for (i, s) in batch.seqs.iter().enumerate() {
+            if s.tokens.is_empty() {
+                return Err(ModelError::InvalidBatch(format!("sequence {i} has no tokens")));
+            }
+            let end = s.start_pos + s.tokens.len();
+            if end > self.config.context_length {
+                return Err(ModelError::ContextOverflow {
+                    tokens: end,
+                    context: self.config.context_length,
+                });
+            }
+            if s.block_table.len() < layout.blocks_for(end) {
+                return Err(ModelError::InvalidBatch(format!(
+                    "sequence {i}: {} blocks cannot hold {end} tokens",
+                    s.block_table.len()
+                )));
+            }
+            if let Some(b) = s.block_table.iter().find(|&&b| b as usize >= layout.num_blocks) {
+                return Err(ModelError::InvalidBatch(format!("sequence {i}: block id {b} out of range")));
+            }
+            if let Some(t) = s.tokens.iter().find(|&&t| t as usize >= self.config.vocab_size) {
+                return Err(ModelError::InvalidBatch(format!("sequence {i}: token id {t} out of vocabulary")));
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs one step. Returns, for every sequence with `want_logits`, the full-vocabulary
+    /// logits of its last token (every rank returns the same values). `on_layer(l)` is called
+    /// once layer `l`'s K/V are in the cache (for layerwise KV push).
+    ///
+    /// # Errors
+    /// Invalid batches (checked before any write), collective failures.
+    pub fn forward(
+        &self,
+        batch: &Batch,
+        kv: &mut KvCache,
+        comm: &dyn Collective,
+        on_layer: &mut dyn FnMut(usize),
+    ) -> Result<Vec<Vec<f32>>> {
+        self.validate_batch(batch, kv)?;
+        let cfg = &self.config;
+        let (d, hd) = (cfg.hidden_size, cfg.head_dim);
+        let t = batch.num_tokens();
+        let nh = self.heads.len();
+        let nkv = self.kv_heads.len();
+        let qkv_w = (nh + 2 * nkv) * hd;
+
+        // Embedding: each rank fills the rows of tokens in its vocabulary slice.
+        let mut x = vec![0f32; t * d];
+        let tokens: Vec<u32> = batch.seqs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
+        let local: Vec<(usize, u32)> = tokens
+            .iter()
+            .enumerate()
+            .filter(|(_, &tok)| self.vocab.contains(&(tok as usize)))
+            .map(|(i, &tok)| (i, tok - self.vocab.start as u32))
+            .collect();
+        if !local.is_empty() {
+            let ids: Vec<u32> = local.iter().map(|&(_, id)| id).collect();
+            let ids = Tensor::new(ids.as_slice(), &Device::Cpu)?;
+            let rows = self.embed.embedding(&ids)?.flatten_all()?.to_vec1::<f32>()?;
+            for (j, &(i, _)) in local.iter().enumerate() {
+                x[i * d..(i + 1) * d].copy_from_slice(&rows[j * d..(j + 1) * d]);
+            }
+        }
+        comm.all_reduce_sum(&mut x)?;
+
+        // Where each sequence's tokens sit in the flattened step.
+        let mut offsets = Vec::with_capacity(batch.seqs.len());
+        let mut acc = 0;
+        for s in &batch.seqs {
+            offsets.push(acc);
+            acc += s.tokens.len();
+        }
+
+        let mut h = vec![0f32; t * d];
+        for (li, layer) in self.layers.iter().enumerate() {
+            rms_norm(&x, &layer.attn_norm, cfg.rms_norm_eps, d, &mut h);
+            let mut qkv = layer.qkv.forward(&h, t)?;
+            // RoPE on Q and K, then K/V into the cache.
+            for (s, &off) in batch.seqs.iter().zip(&offsets) {
+                for i in 0..s.tokens.len() {
+                    let pos = s.start_pos + i;
+                    let row = &mut qkv[(off + i) * qkv_w..(off + i + 1) * qkv_w];
+                    for head in 0..nh + nkv {
+                        self.rope.apply(&mut row[head * hd..(head + 1) * hd], pos);
+                    }
+                    let block = s.block_table[pos / kv.layout().block_size] as usize;
+                    let slot = pos % kv.layout().block_size;
+                    for g in 0..nkv {
+                        let k = &row[(nh + g) * hd..(nh + g + 1) * hd];
+                        kv.write_slot(li, KvKind::Key, block, g, slot, k);
+                        let v = &row[(nh + nkv + g) * hd..(nh + nkv + g + 1) * hd];
+                        kv.write_slot(li, KvKind::Value, block, g, slot, v);
+                    }
+                }
+            }
+            on_layer(li);
+            let attn = attention(li, batch, &offsets, &qkv, qkv_w, nh, nkv, hd, kv);
+            let mut o = layer.out.forward(&attn, t)?;
+            comm.all_reduce_sum(&mut o)?;
+            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+
+            rms_norm(&x, &layer.ffn_norm, cfg.rms_norm_eps, d, &mut h);
+            let gu = layer.gate_up.forward(&h, t)?;
+            let f = gu.len() / t / 2;
+            let mut act = vec![0f32; t * f];
+            for r in 0..t {
+                let g = &gu[r * 2 * f..r * 2 * f + f];
+                let u = &gu[r * 2 * f + f..(r + 1) * 2 * f];
+                for ((a, &g), &u) in act[r * f..(r + 1) * f].iter_mut().zip(g).zip(u) {
+                    *a = g / (1.0 + (-g).exp()) * u;
+                }
+            }
+            let mut down = layer.down.forward(&act, t)?;
+            comm.all_reduce_sum(&mut down)?;
+            x.iter_mut().zip(&down).for_each(|(a, b)| *a += b);
+        }
+
+        // Logits for the last token of every sequence that wants them.
+        let last_rows: Vec<usize> = batch
+            .seqs
+            .iter()
+            .zip(&offsets)
+            .filter(|(s, _)| s.want_logits)
+            .map(|(s, &off)| off + s.tokens.len() - 1)
+            .collect();
+        if last_rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut sel = Vec::with_capacity(last_rows.len() * d);
+        for &r in &last_rows {
+            sel.extend_from_slice(&x[r * d..(r + 1) * d]);
+        }
+        let mut normed = vec![0f32; sel.len()];
+        rms_norm(&sel, &self.final_norm, cfg.rms_norm_eps, d, &mut normed);
+        let local_logits = self.lm_head.forward(&normed, last_rows.len())?;
+        let gathered = comm.all_gather(&local_logits)?;
+        // `gathered` is rank-major: [rank][seq][vocab/tp]; rebuild [seq][vocab].
+        let vr = self.vocab.len();
+        let n = last_rows.len();
+        Ok((0..n)
+            .map(|s| {
+                let mut full = Vec::with_capacity(cfg.vocab_size);
+                for r in 0..self.tp {
+                    let base = r * n * vr + s * vr;
+                    full.extend_from_slice(&gathered[base..base + vr]);
+                }
+                full
+            })
+            .collect())
+    }
+}
+
+fn rms_norm(x: &[f32], w: &[f32], eps: f32, d: usize, out: &mut [f32]) {
+    for (xr, or) in x.chunks(d).zip(out.chunks_mut(d)) {
+        let ss: f32 = xr.iter().map(|v| v * v).sum::<f32>() / d as f32;
+        let scale = 1.0 / (ss + eps).sqrt();
+        for ((o, &v), &g) in or.iter_mut().zip(xr).zip(w) {
+            *o = v * scale * g;
+        }
+    }
+}
+
+/// Queries per attention work item, bounding the score matrix of long prefills.
+const QUERY_TILE: usize = 128;
+
+/// Paged attention for every sequence, KV head and query tile in parallel. Returns
+/// `[tokens, nh * hd]`.
+#[allow(clippy::too_many_arguments)]
+fn attention(
+    layer: usize,
+    batch: &Batch,
+    offsets: &[usize],
+    qkv: &[f32],
+    qkv_w: usize,
+    nh: usize,
+    nkv: usize,
+    hd: usize,
+    kv: &KvCache,
+) -> Vec<f32> {
+    let group = nh / nkv;
+    let t = batch.num_tokens();
+    let mut items = Vec::new();
+    for (si, s) in batch.seqs.iter().enumerate() {
+        for g in 0..nkv {
+            let mut i0 = 0;
+            while i0 < s.tokens.len() {
+                let i1 = (i0 + QUERY_TILE).min(s.tokens.len());
+                items.push((si, g, i0, i1));
+                i0 = i1;
+            }
+        }
+    }
+    let scale = 1.0 / (hd as f32).sqrt();
+    let results: Vec<Vec<f32>> = items
+        .par_iter()
+        .map(|&(si, g, i0, i1)| {
+            let s = &batch.seqs[si];
+            let off = offsets[si];
+            // Query rows ordered (token, head-in-group).
+            let nq = (i1 - i0) * group;
+            let mut q = Vec::with_capacity(nq * hd);
+            for i in i0..i1 {
+                let row = &qkv[(off + i) * qkv_w..(off + i + 1) * qkv_w];
+                for j in 0..group {
+                    let head = g * group + j;
+                    q.extend_from_slice(&row[head * hd..(head + 1) * hd]);
+                }
+            }
+            let ctx = s.start_pos + i1;
+            let limit = |r: usize| s.start_pos + i0 + r / group + 1;
+            if nq <= 8 {
+                attend_direct(&q, nq, ctx, hd, scale, limit, |b| {
+                    (
+                        kv.head_block(layer, KvKind::Key, s.block_table[b] as usize, g),
+                        kv.head_block(layer, KvKind::Value, s.block_table[b] as usize, g),
+                    )
+                }, kv.layout().block_size)
+            } else {
+                attend_gemm(&q, nq, ctx, hd, scale, limit, |b| {
+                    (
+                        kv.head_block(layer, KvKind::Key, s.block_table[b] as usize, g),
+                        kv.head_block(layer, KvKind::Value, s.block_table[b] as usize, g),
+                    )
+                }, kv.layout().block_size)
+            }
+        })
+        .collect();
+    let mut out = vec![0f32; t * nh * hd];
+    for (&(si, g, i0, i1), res) in items.iter().zip(results) {
+        let off = offsets[si];
+        for (ti, i) in (i0..i1).enumerate() {
+            for j in 0..group {
+                let head = g * group + j;
+                let src = &res[(ti * group + j) * hd..(ti * group + j + 1) * hd];
+                out[(off + i) * nh * hd + head * hd..(off + i) * nh * hd + (head + 1) * hd]
+                    .copy_from_slice(src);
+            }
+        }
+    }
+    out
+}
+
+/// Few queries (decode): read K and V straight from the blocks.
+#[allow(clippy::too_many_arguments)]
+fn attend_direct<'a>(
+    q: &[f32],
+    nq: usize,
+    ctx: usize,
+    hd: usize,
+    scale: f32,
+    limit: impl Fn(usize) -> usize,
+    block: impl Fn(usize) -> (&'a [f32], &'a [f32]),
+    bs: usize,
+) -> Vec<f32> {
+    let mut out = vec![0f32; nq * hd];
+    let mut scores = vec![0f32; ctx];
+    for r in 0..nq {
+        let qr = &q[r * hd..(r + 1) * hd];
+        let n = limit(r);
+        let mut max = f32::NEG_INFINITY;
+        for b in 0..n.div_ceil(bs) {
+            let (kb, _) = block(b);
+            for slot in 0..bs.min(n - b * bs) {
+                let k = &kb[slot * hd..(slot + 1) * hd];
+                let s = dot(qr, k) * scale;
+                scores[b * bs + slot] = s;
+                max = max.max(s);
+            }
+        }
+        let mut sum = 0f32;
+        for s in &mut scores[..n] {
+            *s = (*s - max).exp();
+            sum += *s;
+        }
+        let o = &mut out[r * hd..(r + 1) * hd];
+        for b in 0..n.div_ceil(bs) {
+            let (_, vb) = block(b);
+            for slot in 0..bs.min(n - b * bs) {
+                let w = scores[b * bs + slot] / sum;
+                let v = &vb[slot * hd..(slot + 1) * hd];
+                o.iter_mut().zip(v).for_each(|(o, v)| *o += w * v);
+            }
+        }
+    }
+    out
+}
+
+/// Many queries (prefill): gather the context's K and V once, two GEMMs with a causal mask.
+#[allow(clippy::too_many_arguments)]
+fn attend_gemm<'a>(
+    q: &[f32],
+    nq: usize,
+    ctx: usize,
+    hd: usize,
+    scale: f32,
+    limit: impl Fn(usize) -> usize,
+    block: impl Fn(usize) -> (&'a [f32], &'a [f32]),
+    bs: usize,
+) -> Vec<f32> {
+    let mut k = vec![0f32; ctx * hd];
+    let mut v = vec![0f32; ctx * hd];
+    for b in 0..ctx.div_ceil(bs) {
+        let n = bs.min(ctx - b * bs);
+        let (kb, vb) = block(b);
+        k[b * bs * hd..(b * bs + n) * hd].copy_from_slice(&kb[..n * hd]);
+        v[b * bs * hd..(b * bs + n) * hd].copy_from_slice(&vb[..n * hd]);
+    }
+    let mut s = vec![0f32; nq * ctx];
+    // S[nq, ctx] = Q[nq, hd] · K[ctx, hd]ᵀ
+    // SAFETY: all pointers cover the strided extents passed (row-major, sizes above).
+    unsafe {
+        gemm::gemm(
+            nq, ctx, hd,
+            s.as_mut_ptr(), 1, ctx as isize, false,
+            q.as_ptr(), 1, hd as isize,
+            k.as_ptr(), hd as isize, 1,
+            0.0, scale, false, false, false,
+            gemm::Parallelism::None,
+        );
+    }
+    for r in 0..nq {
+        let n = limit(r);
+        let row = &mut s[r * ctx..(r + 1) * ctx];
+        let max = row[..n].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0f32;
+        for x in &mut row[..n] {
+            *x = (*x - max).exp();
+            sum += *x;
+        }
+        let inv = 1.0 / sum;
+        row[..n].iter_mut().for_each(|x| *x *= inv);
+        row[n..].iter_mut().for_each(|x| *x = 0.0);
+    }
+    let mut out = vec![0f32; nq * hd];
+    // O[nq, hd] = P[nq, ctx] · V[ctx, hd]
+    // SAFETY: as above.
+    unsafe {
+        gemm::gemm(
+            nq, hd, ctx,
+            out.as_mut_ptr(), 1, hd as isize, false,
+            s.as_ptr(), 1, ctx as isize,
+            v.as_ptr(), 1, hd as isize,
+            0.0, 1.0, false, false, false,
+            gemm::Parallelism::None,
+        );
+    }
+    out
+}
+
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    // Eight independent accumulators let the compiler vectorise without reassociation.
+    let mut acc = [0f32; 8];
+    let chunks = a.len() / 8;
+    for c in 0..chunks {
+        for l in 0..8 {
+            acc[l] += a[c * 8 + l] * b[c * 8 + l];
+        }
+    }
+    let mut s: f32 = acc.iter().sum();
+    for i in chunks * 8..a.len() {
+        s += a[i] * b[i];
+    }
+    s
+}

@@ -1,0 +1,321 @@
+//! Seeded random-weight models of the Llama architecture, in any shape, for fast tests of TP
+//! splits, heterogeneous layouts and the serving stack with no download.
+//!
+//! `synthetic:NAME[,key=value...]` — presets `tiny` (4 layers, 4 heads, 2 KV heads),
+//! `small` (4 layers, 8 heads, 4 KV heads) and `mha` (2 layers, 4 heads, 4 KV heads); keys
+//! `layers`, `heads`, `kv_heads`, `head_dim`, `hidden`, `ffn`, `vocab`, `context`, `seed`,
+//! `bias` (0/1: Qwen2-style QKV bias) override the preset.
+
+use crate::config::{ModelConfig, RopeScaling, RopeStyle};
+use crate::weights::TensorStore;
+use crate::{ModelError, Result};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use rand::{Rng, SeedableRng};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// A parsed `synthetic:` model spec.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SyntheticSpec {
+    /// The spec as written (used as the model name).
+    pub name: String,
+    /// The architecture.
+    pub config: ModelConfig,
+    /// Weight seed.
+    pub seed: u64,
+}
+
+impl SyntheticSpec {
+    /// Parses what follows `synthetic:`.
+    ///
+    /// # Errors
+    /// [`ModelError::BadMetadata`] for an unknown preset or key, or a bad value.
+    pub fn parse(spec: &str) -> Result<Self> {
+        let mut parts = spec.split(',');
+        let preset = parts.next().unwrap_or("tiny");
+        let (layers, heads, kv_heads) = match preset {
+            "tiny" | "" => (4, 4, 2),
+            "small" => (4, 8, 4),
+            "mha" => (2, 4, 4),
+            other => {
+                return Err(ModelError::BadMetadata(format!(
+                    "unknown synthetic preset `{other}` (tiny, small, mha)"
+                )))
+            }
+        };
+        let mut c = ModelConfig {
+            architecture: "llama".into(),
+            vocab_size: 320,
+            hidden_size: heads * 32,
+            num_layers: layers,
+            num_heads: heads,
+            num_kv_heads: kv_heads,
+            head_dim: 32,
+            intermediate_size: heads * 64,
+            rms_norm_eps: 1e-5,
+            rope_theta: 10_000.0,
+            rope_scaling: RopeScaling::None,
+            rope_style: RopeStyle::Half,
+            context_length: 1024,
+            qkv_bias: false,
+            rope_freq_factors: None,
+        };
+        let mut seed = 42;
+        for kv in parts {
+            let (k, v) = kv.split_once('=').ok_or_else(|| {
+                ModelError::BadMetadata(format!("synthetic option `{kv}` is not key=value"))
+            })?;
+            let n: usize = v.parse().map_err(|_| {
+                ModelError::BadMetadata(format!("synthetic option `{k}` needs a number, got `{v}`"))
+            })?;
+            match k {
+                "layers" => c.num_layers = n,
+                "heads" => c.num_heads = n,
+                "kv_heads" => c.num_kv_heads = n,
+                "head_dim" => c.head_dim = n,
+                "hidden" => c.hidden_size = n,
+                "ffn" => c.intermediate_size = n,
+                "vocab" => c.vocab_size = n,
+                "context" => c.context_length = n,
+                "seed" => seed = n as u64,
+                "bias" => c.qkv_bias = n != 0,
+                other => {
+                    return Err(ModelError::BadMetadata(format!("unknown synthetic option `{other}`")))
+                }
+            }
+        }
+        if c.vocab_size < 259 {
+            return Err(ModelError::BadMetadata(
+                "synthetic vocab must be ≥ 259 (the byte-level tokenizer's size)".into(),
+            ));
+        }
+        c.validate()?;
+        Ok(Self { name: format!("synthetic:{spec}"), config: c, seed })
+    }
+
+    /// Builds the seeded f32 weights, by GGUF tensor name.
+    ///
+    /// # Errors
+    /// Only on a tensor-library failure.
+    pub fn build(&self) -> Result<TensorStore> {
+        let c = &self.config;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(self.seed);
+        let mut normal = move |n: usize, std: f32| -> Vec<f32> {
+            // Box-Muller: two uniforms give one standard normal.
+            (0..n)
+                .map(|_| {
+                    let u1: f32 = rng.random::<f32>().max(1e-7);
+                    let u2: f32 = rng.random::<f32>();
+                    std * (-2.0 * u1.ln()).sqrt() * (2.0 * std::f32::consts::PI * u2).cos()
+                })
+                .collect()
+        };
+        let (d, hd, f) = (c.hidden_size, c.head_dim, c.intermediate_size);
+        let mut t: HashMap<String, Arc<QTensor>> = HashMap::new();
+        let mut put = |name: String, data: Vec<f32>, shape: &[usize]| -> Result<()> {
+            let tensor = Tensor::from_vec(data, shape, &Device::Cpu)?;
+            t.insert(name, Arc::new(QTensor::quantize(&tensor, GgmlDType::F32)?));
+            Ok(())
+        };
+        put("token_embd.weight".into(), normal(c.vocab_size * d, 1.0), &[c.vocab_size, d])?;
+        let ones = |n: usize, noise: Vec<f32>| -> Vec<f32> { (0..n).map(|i| 1.0 + noise[i]).collect() };
+        for i in 0..c.num_layers {
+            let n = |s: &str| format!("blk.{i}.{s}");
+            let sd = 1.0 / (d as f32).sqrt();
+            put(n("attn_norm.weight"), ones(d, normal(d, 0.1)), &[d])?;
+            put(n("ffn_norm.weight"), ones(d, normal(d, 0.1)), &[d])?;
+            put(n("attn_q.weight"), normal(c.num_heads * hd * d, sd), &[c.num_heads * hd, d])?;
+            put(n("attn_k.weight"), normal(c.num_kv_heads * hd * d, sd), &[c.num_kv_heads * hd, d])?;
+            put(n("attn_v.weight"), normal(c.num_kv_heads * hd * d, sd), &[c.num_kv_heads * hd, d])?;
+            let so = 1.0 / ((c.num_heads * hd) as f32).sqrt();
+            put(n("attn_output.weight"), normal(d * c.num_heads * hd, so), &[d, c.num_heads * hd])?;
+            put(n("ffn_gate.weight"), normal(f * d, sd), &[f, d])?;
+            put(n("ffn_up.weight"), normal(f * d, sd), &[f, d])?;
+            put(n("ffn_down.weight"), normal(d * f, 1.0 / (f as f32).sqrt()), &[d, f])?;
+            if c.qkv_bias {
+                put(n("attn_q.bias"), normal(c.num_heads * hd, 0.1), &[c.num_heads * hd])?;
+                put(n("attn_k.bias"), normal(c.num_kv_heads * hd, 0.1), &[c.num_kv_heads * hd])?;
+                put(n("attn_v.bias"), normal(c.num_kv_heads * hd, 0.1), &[c.num_kv_heads * hd])?;
+            }
+        }
+        put("output_norm.weight".into(), ones(d, normal(d, 0.1)), &[d])?;
+        // A sharper output layer than the embedding keeps greedy choices well separated.
+        put("output.weight".into(), normal(c.vocab_size * d, 3.0 / (d as f32).sqrt()), &[c.vocab_size, d])?;
+        Ok(TensorStore::from_map(t, self.name.clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn presets_and_overrides_parse() {
+        let s = SyntheticSpec::parse("tiny").unwrap();
+        assert_eq!((s.config.num_layers, s.config.num_heads, s.config.num_kv_heads), (4, 4, 2));
+        let s = SyntheticSpec::parse("small,layers=2,seed=7").unwrap();
+        assert_eq!((s.config.num_layers, s.config.num_kv_heads, s.seed), (2, 4, 7));
+        assert!(SyntheticSpec::parse("huge").is_err());
+        assert!(SyntheticSpec::parse("tiny,wat=3").is_err());
+        assert!(SyntheticSpec::parse("tiny,heads=3").is_err()); // 3 heads over 2 KV heads
+    }
+
+    #[test]
+    fn weights_are_seeded() {
+        let a = SyntheticSpec::parse("tiny,layers=1").unwrap().build().unwrap();
+        let b = SyntheticSpec::parse("tiny,layers=1").unwrap().build().unwrap();
+        let c = SyntheticSpec::parse("tiny,layers=1,seed=1").unwrap().build().unwrap();
+        let v = |s: &TensorStore| s.vector("blk.0.attn_norm.weight", 128).unwrap();
+        assert_eq!(v(&a), v(&b));
+        assert_ne!(v(&a), v(&c));
+    }
+}
+
+/// Writes a synthetic model as a GGUF file (`llama` architecture) with its matmul weights
+/// stored as `dtype`, tokenizer and all, so loaders can be tested on every tensor type.
+/// GGUF `llama` files use interleaved RoPE, so Q/K rows are permuted as llama.cpp's converter
+/// does; the file computes the same function as the in-memory model.
+///
+/// # Errors
+/// I/O and tensor-library failures; models with a QKV bias (not a `llama` GGUF feature).
+pub fn write_gguf(spec: &SyntheticSpec, path: &std::path::Path, dtype: GgmlDType) -> Result<()> {
+    use candle_core::quantized::gguf_file::Value;
+    let c = &spec.config;
+    if c.qkv_bias {
+        return Err(ModelError::BadMetadata("QKV bias cannot be written as a llama GGUF".into()));
+    }
+    let store = spec.build()?;
+    let tok = crate::tokenizer::Tokenizer::byte_level_synthetic();
+    let vocab = tok.inner().get_vocab(true);
+    let mut tokens = vec![String::new(); vocab.len()];
+    for (s, id) in vocab {
+        tokens[id as usize] = s;
+    }
+    let mut types = vec![1i32; tokens.len()];
+    types[256..].iter_mut().for_each(|t| *t = 3);
+    // Pad the vocabulary to the model's size with unused control tokens.
+    while tokens.len() < c.vocab_size {
+        types.push(3);
+        tokens.push(format!("<|unused{}|>", tokens.len()));
+    }
+    let a = "llama";
+    let u = |v: usize| Value::U32(v as u32);
+    let meta: Vec<(String, Value)> = vec![
+        ("general.architecture".into(), Value::String(a.into())),
+        ("general.name".into(), Value::String(spec.name.clone())),
+        (format!("{a}.context_length"), u(c.context_length)),
+        (format!("{a}.embedding_length"), u(c.hidden_size)),
+        (format!("{a}.block_count"), u(c.num_layers)),
+        (format!("{a}.feed_forward_length"), u(c.intermediate_size)),
+        (format!("{a}.attention.head_count"), u(c.num_heads)),
+        (format!("{a}.attention.head_count_kv"), u(c.num_kv_heads)),
+        (format!("{a}.attention.key_length"), u(c.head_dim)),
+        (format!("{a}.rope.dimension_count"), u(c.head_dim)),
+        (format!("{a}.rope.freq_base"), Value::F32(c.rope_theta)),
+        (format!("{a}.attention.layer_norm_rms_epsilon"), Value::F32(c.rms_norm_eps)),
+        ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
+        ("tokenizer.ggml.pre".into(), Value::String("default".into())),
+        ("tokenizer.ggml.tokens".into(), Value::Array(tokens.into_iter().map(Value::String).collect())),
+        ("tokenizer.ggml.token_type".into(), Value::Array(types.into_iter().map(Value::I32).collect())),
+        ("tokenizer.ggml.merges".into(), Value::Array(Vec::new())),
+        ("tokenizer.ggml.bos_token_id".into(), Value::U32(256)),
+        ("tokenizer.ggml.eos_token_id".into(), Value::U32(257)),
+        ("tokenizer.ggml.add_bos_token".into(), Value::Bool(false)),
+    ];
+    let mut tensors: Vec<(String, QTensor)> = Vec::new();
+    let mut names: Vec<&String> = store_names(&store);
+    names.sort();
+    for name in names {
+        let t = store.get(name)?;
+        let f = t.dequantize(&Device::Cpu)?;
+        let f = if name.ends_with("attn_q.weight") {
+            permute_for_interleaved(&f, c.num_heads, c.head_dim)?
+        } else if name.ends_with("attn_k.weight") {
+            permute_for_interleaved(&f, c.num_kv_heads, c.head_dim)?
+        } else {
+            f
+        };
+        let is_matrix = f.rank() == 2;
+        let target = if is_matrix && f.dim(1)?.is_multiple_of(dtype.block_size()) { dtype } else { GgmlDType::F32 };
+        tensors.push((name.clone(), QTensor::quantize(&f, target)?));
+    }
+    let mut file = std::io::BufWriter::new(std::fs::File::create(path)?);
+    let meta_refs: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let tensor_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    candle_core::quantized::gguf_file::write(&mut file, &meta_refs, &tensor_refs)?;
+    Ok(())
+}
+
+fn store_names(store: &TensorStore) -> Vec<&String> {
+    store.names().collect()
+}
+
+/// HF (half-split) Q/K rows → llama.cpp's interleaved order: row `h·d + s·d/2 + j` moves to
+/// `h·d + 2j + s`.
+fn permute_for_interleaved(w: &Tensor, heads: usize, head_dim: usize) -> Result<Tensor> {
+    let cols = w.dim(1)?;
+    Ok(w.reshape((heads, 2, head_dim / 2, cols))?.transpose(1, 2)?.contiguous()?.reshape((heads * head_dim, cols))?)
+}
+
+/// Writes a synthetic model as an HF checkpoint directory: `config.json`,
+/// `model.safetensors` (f32, or `f16` when asked) and `tokenizer.json`.
+///
+/// # Errors
+/// I/O and tensor-library failures.
+pub fn write_safetensors_dir(spec: &SyntheticSpec, dir: &std::path::Path, f16: bool) -> Result<()> {
+    let c = &spec.config;
+    std::fs::create_dir_all(dir)?;
+    let store = spec.build()?;
+    let mut out = HashMap::new();
+    let mut renames: Vec<(String, String)> = vec![
+        ("token_embd.weight".into(), "model.embed_tokens.weight".into()),
+        ("output_norm.weight".into(), "model.norm.weight".into()),
+        ("output.weight".into(), "lm_head.weight".into()),
+    ];
+    for i in 0..c.num_layers {
+        for (g, h) in [
+            ("attn_norm.weight", "input_layernorm.weight"),
+            ("ffn_norm.weight", "post_attention_layernorm.weight"),
+            ("attn_q.weight", "self_attn.q_proj.weight"),
+            ("attn_k.weight", "self_attn.k_proj.weight"),
+            ("attn_v.weight", "self_attn.v_proj.weight"),
+            ("attn_output.weight", "self_attn.o_proj.weight"),
+            ("attn_q.bias", "self_attn.q_proj.bias"),
+            ("attn_k.bias", "self_attn.k_proj.bias"),
+            ("attn_v.bias", "self_attn.v_proj.bias"),
+            ("ffn_gate.weight", "mlp.gate_proj.weight"),
+            ("ffn_up.weight", "mlp.up_proj.weight"),
+            ("ffn_down.weight", "mlp.down_proj.weight"),
+        ] {
+            renames.push((format!("blk.{i}.{g}"), format!("model.layers.{i}.{h}")));
+        }
+    }
+    for (g, h) in renames {
+        if store.contains(&g) {
+            let t = store.get(&g)?.dequantize(&Device::Cpu)?;
+            let t = if f16 { t.to_dtype(candle_core::DType::F16)? } else { t };
+            out.insert(h, t);
+        }
+    }
+    candle_core::safetensors::save(&out, dir.join("model.safetensors"))?;
+    let arch = if c.qkv_bias { "Qwen2ForCausalLM" } else { "LlamaForCausalLM" };
+    let config = serde_json::json!({
+        "architectures": [arch],
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "intermediate_size": c.intermediate_size,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "max_position_embeddings": c.context_length,
+        "tie_word_embeddings": false,
+        "torch_dtype": if f16 { "float16" } else { "float32" },
+    });
+    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config).unwrap_or_default())?;
+    crate::tokenizer::Tokenizer::byte_level_synthetic().save_with_config(dir)?;
+    Ok(())
+}

@@ -1,0 +1,102 @@
+//! Our forward pass against an independent implementation given the same weights:
+//! candle-transformers' `quantized_llama` on the default model's GGUF.
+
+use candle_core::{Device, Tensor};
+use candle_transformers::models::quantized_llama::ModelWeights;
+use pdserve_gpu::engine::{Engine, EngineOptions, GenRequest};
+use pdserve_gpu::fetch::{pull_default_model, Progress};
+use pdserve_gpu::loader::load_gguf;
+use pdserve_gpu::model::{Batch, SeqChunk};
+use pdserve_gpu::sampling::SamplingParams;
+use pdserve_gpu::weights::WeightFormat;
+
+const PROMPTS: [&str; 3] = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "<|im_start|>user\nWhat is 12 times 7? Explain briefly.<|im_end|>\n<|im_start|>assistant\n",
+];
+const STEPS: usize = 32;
+/// Largest |ours − reference| allowed on any last-position logit when both sides run the
+/// weights dequantized to f32: what is left is f32 summation order in attention and norms.
+const F32_LOGIT_TOLERANCE: f32 = 1e-3;
+/// The same bound with the file's Q4_1 weights on both sides. candle's quantized CPU kernels
+/// give results that depend on the call shape (our own prefill and token-by-token runs differ
+/// by ~0.1 under Q4_1 while they agree to 1e-5 in f32), so logits differ by up to ~1.3 on the
+/// tail of the vocabulary (measured 1.27) and near-ties can flip after some tokens.
+const QUANTIZED_LOGIT_TOLERANCE: f32 = 2.0;
+
+fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in v.iter().enumerate() {
+        if x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Greedy tokens and the first step's logits from the reference implementation.
+fn reference(path: &std::path::Path, prompt: &[u32]) -> (Vec<u32>, Vec<f32>) {
+    let mut file = std::fs::File::open(path).unwrap();
+    let content = candle_core::quantized::gguf_file::Content::read(&mut file).unwrap();
+    let mut model = ModelWeights::from_gguf(content, &mut file, &Device::Cpu).unwrap();
+    let input = Tensor::new(prompt, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+    let logits = model.forward(&input, 0).unwrap().squeeze(0).unwrap().to_vec1::<f32>().unwrap();
+    let first = logits.clone();
+    let mut tokens = vec![argmax(&logits)];
+    for i in 1..STEPS {
+        let input = Tensor::new(&[tokens[i - 1]], &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+        let logits = model
+            .forward(&input, prompt.len() + i - 1)
+            .unwrap()
+            .squeeze(0)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        tokens.push(argmax(&logits));
+    }
+    (tokens, first)
+}
+
+#[test]
+fn greedy_tokens_and_logits_match_candle_quantized_llama() {
+    // Quantized weights first, on this thread (candle reads CANDLE_DEQUANTIZE_ALL once per
+    // thread); then f32 weights on both sides, in a thread that sees the variable set.
+    compare(WeightFormat::Native, QUANTIZED_LOGIT_TOLERANCE);
+    std::env::set_var("CANDLE_DEQUANTIZE_ALL", "1");
+    std::thread::spawn(|| compare(WeightFormat::F32, F32_LOGIT_TOLERANCE)).join().unwrap();
+}
+
+fn compare(format: WeightFormat, tolerance: f32) {
+    let path = pull_default_model(Progress::Hide).expect("default model");
+    let model = load_gguf(&path).unwrap();
+    let opts = EngineOptions { format, num_blocks: Some(64), ..Default::default() };
+    let mut engine = Engine::new(model, opts).unwrap();
+    for prompt in PROMPTS {
+        let ids = engine.tokenizer().encode(prompt, false).unwrap();
+        let (ref_tokens, ref_logits) = reference(&path, &ids);
+
+        // Last-position logits of the prompt, straight from a forward step.
+        let blocks: Vec<u32> = (0..ids.len().div_ceil(16) as u32).collect();
+        let batch = Batch {
+            seqs: vec![SeqChunk { tokens: ids.clone(), start_pos: 0, block_table: blocks, want_logits: true }],
+        };
+        let ours = engine.group().step(batch).unwrap().remove(0);
+        let max_diff = ours.iter().zip(&ref_logits).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(max_diff < tolerance, "{format:?} prompt {prompt:?}: max logit diff {max_diff}");
+
+        let mut params = SamplingParams::greedy(STEPS);
+        params.ignore_eos = true;
+        let out = engine.generate(&[GenRequest { prompt: ids, params }], &mut |_, _| {}).unwrap();
+        let same = out[0].tokens.iter().zip(&ref_tokens).take_while(|(a, b)| a == b).count();
+        eprintln!("{format:?} {prompt:?}: {same}/{STEPS} greedy tokens equal, max logit diff {max_diff:.2e}");
+        if format == WeightFormat::F32 {
+            assert_eq!(out[0].tokens, ref_tokens, "{format:?} prompt {prompt:?}");
+        } else {
+            // Quantized kernels are shape-dependent inside candle, so a near-tie can flip
+            // later; the first tokens must still agree.
+            assert!(same >= 8, "{format:?} prompt {prompt:?}: only {same} tokens agree");
+        }
+    }
+    assert_eq!(engine.block_usage().0, 64, "every block back in the pool");
+}

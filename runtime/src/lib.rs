@@ -1,0 +1,10 @@
+//! pdserve's foundation crate: what every other crate shares.
+//!
+//! It grows with the actor runtime (config layers, ids, protocol types, the control-plane
+//! codec, supervision helpers and the supervision-tree snapshot); see `../shared/DESIGN.md`.
+
+/// The pdserve version, part of the compatibility hash two instances compare at handshake.
+pub const PDSERVE_VERSION: &str = env!("CARGO_PKG_VERSION");
+
+pub mod memory;
+pub mod wire;

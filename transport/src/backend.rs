@@ -1,0 +1,10 @@
+//! The backends behind [`crate::TransferEngine`]; each implements the crate-private
+//! `Backend`/`Link` traits and passes the same conformance suite.
+
+pub(crate) mod local;
+pub(crate) mod memcpy;
+pub(crate) mod proto;
+pub(crate) mod quic;
+pub(crate) mod rdma;
+pub(crate) mod shm;
+pub(crate) mod tcp;

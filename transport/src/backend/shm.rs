@@ -1,0 +1,152 @@
+//! The `shm` backend: two processes on one host. Regions are memfds ([`ShmMemory`]) the peer
+//! maps through `/proc/PID/fd/FD`, so a transfer is one memcpy, done by the initiator's
+//! memcpy thread straight into (or out of) the peer's memory. A TCP connection on loopback
+//! carries the greeting, `GetRegisteredMemory` and notifications, and tells when the peer dies.
+//!
+//! Visibility: the copier issues a release fence after each piece and the batch's completion
+//! counter is released/acquired; notifications are sent after a release fence and delivered
+//! after an acquire fence, so a reader that learns of a write (by notification or by polling a
+//! flag it reads with acquire) sees all of its bytes.
+//!
+//! [`ShmMemory`]: crate::memory::ShmMemory
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, RwLock};
+
+use pdserve_runtime::memory::{HostMemory, HostMemoryAllocator};
+use pdserve_runtime::wire::{RegionChunk, RegionDescriptor, ShmHandle};
+
+use super::memcpy::{run_pieces, RemotePointers};
+use super::proto;
+use super::tcp::{listen, TcpConn};
+use crate::engine::{Backend, BackendKind, BatchState, BoxFut, EngineCore, Link, PlannedOp};
+use crate::error::{Result, Side, TransportError};
+use crate::memory::{check_range, plain_chunks, shm_handle_of, BackendRegistration, RemoteShmMapping, ShmAllocator};
+
+pub(crate) struct ShmBackend {
+    addr: SocketAddr,
+    max_reg: Option<u64>,
+}
+
+impl ShmBackend {
+    pub(crate) fn new(core: &Arc<EngineCore>) -> Result<Self> {
+        Ok(Self { addr: listen(core, BackendKind::Shm)?, max_reg: core.config.max_registration_bytes })
+    }
+}
+
+impl Backend for ShmBackend {
+    fn address(&self) -> String {
+        self.addr.to_string()
+    }
+    fn allocator(&self) -> Arc<dyn HostMemoryAllocator> {
+        Arc::new(ShmAllocator)
+    }
+    fn register(&self, mem: &Arc<dyn HostMemory>) -> Result<(Vec<RegionChunk>, Option<ShmHandle>, Option<BackendRegistration>)> {
+        let handle = shm_handle_of(&**mem).ok_or_else(|| {
+            TransportError::NotShareable(
+                "the shm backend registers only memory from its allocator (ShmAllocator / ShmMemory)".into(),
+            )
+        })?;
+        Ok((plain_chunks(mem.len() as u64, self.max_reg), Some(handle), None))
+    }
+    fn connect(&self, core: Arc<EngineCore>, addr: String) -> BoxFut<Result<Arc<dyn Link>>> {
+        Box::pin(async move {
+            let peer: Arc<str> = Arc::from(addr.as_str());
+            let control = TcpConn::open(&core, &addr, peer.clone()).await?;
+            Ok(Arc::new(ShmLink { peer, control, me: core, maps: RwLock::new(HashMap::new()) }) as Arc<dyn Link>)
+        })
+    }
+}
+
+struct MappedRegion {
+    len: u64,
+    map: Arc<RemoteShmMapping>,
+}
+
+struct ShmLink {
+    peer: Arc<str>,
+    control: TcpConn,
+    me: Arc<EngineCore>,
+    maps: RwLock<HashMap<u64, MappedRegion>>,
+}
+
+struct ShmRemote {
+    maps: HashMap<u64, (u64, Arc<RemoteShmMapping>)>,
+    link: Arc<ShmLink>,
+}
+
+impl RemotePointers for ShmRemote {
+    fn remote_ptr(&self, region: u64, offset: u64, len: u64) -> Result<*mut u8> {
+        let (rlen, map) = self.maps.get(&region).ok_or(TransportError::UnknownRegion { side: Side::Remote, id: region })?;
+        check_range(Side::Remote, region, offset, len, *rlen)?;
+        Ok(map.as_ptr().wrapping_add(offset as usize))
+    }
+    fn peer_alive(&self) -> Result<()> {
+        if self.link.control.is_alive() {
+            Ok(())
+        } else {
+            Err(TransportError::peer_gone(&*self.link.peer, "control connection lost"))
+        }
+    }
+}
+
+impl Link for ShmLink {
+    fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    fn fetch_regions(self: Arc<Self>) -> BoxFut<Result<Vec<RegionDescriptor>>> {
+        Box::pin(async move {
+            let bytes = self.control.control(&self.peer, proto::OP_GET_REGIONS, Vec::new()).await?;
+            let regions = proto::decode_regions(&bytes)?;
+            crate::memory::validate_descriptors(&regions)?;
+            let mut maps = HashMap::new();
+            {
+                let old = self.maps.read().expect("shm maps poisoned");
+                for d in &regions {
+                    let handle = d.shm.as_ref().ok_or_else(|| {
+                        TransportError::LayoutMismatch(format!("peer region {} is not shared memory", d.id))
+                    })?;
+                    let map = match old.get(&d.id) {
+                        Some(m) if m.len == d.len => m.map.clone(),
+                        _ => Arc::new(RemoteShmMapping::open(handle, d.len)?),
+                    };
+                    maps.insert(d.id, MappedRegion { len: d.len, map });
+                }
+            }
+            *self.maps.write().expect("shm maps poisoned") = maps;
+            Ok(regions)
+        })
+    }
+
+    fn notify(self: Arc<Self>, bytes: Vec<u8>) -> BoxFut<Result<()>> {
+        Box::pin(async move {
+            self.control.control(&self.peer, proto::OP_NOTIFY, bytes).await?;
+            Ok(())
+        })
+    }
+
+    fn execute(self: Arc<Self>, pieces: Vec<PlannedOp>, batch: Arc<BatchState>) -> Result<()> {
+        if !self.control.is_alive() {
+            return Err(TransportError::peer_gone(&*self.peer, "control connection lost"));
+        }
+        let maps = self
+            .maps
+            .read()
+            .expect("shm maps poisoned")
+            .iter()
+            .map(|(id, m)| (*id, (m.len, m.map.clone())))
+            .collect();
+        let remote = ShmRemote { maps, link: self.clone() };
+        self.me.memcpy.submit(move || run_pieces(pieces, batch, &remote))
+    }
+
+    fn is_alive(&self) -> bool {
+        self.control.is_alive()
+    }
+
+    fn close(&self) {
+        self.control.close();
+    }
+}

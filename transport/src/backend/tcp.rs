@@ -1,0 +1,357 @@
+//! The `tcp` backend: tokio sockets, one control connection and several parallel data
+//! connections per peer.
+//!
+//! Each connection has a writer task (takes pieces from a bounded queue, sends header and
+//! payload straight from registered memory) and a reader task (takes answers in order, reads
+//! read-payloads straight into registered memory, completes pieces). Requests are pipelined.
+//! When a connection breaks, every piece queued or in flight on it fails with `PeerGone`.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use pdserve_runtime::memory::{AnonAllocator, HostMemory, HostMemoryAllocator};
+use pdserve_runtime::wire::{RegionChunk, RegionDescriptor, ShmHandle};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+
+use super::proto::{self, ReqHeader, RespHeader, ServerCtx};
+use crate::engine::{Backend, BackendKind, BatchState, BoxFut, EngineCore, Link, OpKind, PieceCompletion, PlannedOp};
+use crate::error::{Result, TransportError};
+use crate::memory::{plain_chunks, BackendRegistration};
+
+/// Binds the listener and serves incoming connections with [`proto::serve`].
+pub(crate) fn listen(core: &Arc<EngineCore>, backend: BackendKind) -> Result<SocketAddr> {
+    let std_listener = std::net::TcpListener::bind(core.config.listen)?;
+    std_listener.set_nonblocking(true)?;
+    let addr = std_listener.local_addr()?;
+    let listener = TcpListener::from_std(std_listener)?;
+    let core = core.clone();
+    tokio::spawn(async move {
+        loop {
+            let (stream, remote) = match listener.accept().await {
+                Ok(x) => x,
+                Err(e) => {
+                    tracing::warn!(error = %e, "transfer listener accept failed");
+                    continue;
+                }
+            };
+            let _ = stream.set_nodelay(true);
+            let ctx = ServerCtx {
+                core: core.clone(),
+                backend,
+                peer_name: Arc::new(Mutex::new(None)),
+                remote_addr: remote.to_string(),
+            };
+            tokio::spawn(async move {
+                let (mut r, mut w) = stream.into_split();
+                if let Err(e) = proto::serve(&ctx, &mut r, &mut w).await {
+                    tracing::debug!(peer = %ctx.remote_addr, error = %e, "transfer connection ended");
+                }
+            });
+        }
+    });
+    Ok(addr)
+}
+
+pub(crate) struct TcpBackend {
+    addr: SocketAddr,
+    max_reg: Option<u64>,
+}
+
+impl TcpBackend {
+    pub(crate) fn new(core: &Arc<EngineCore>) -> Result<Self> {
+        Ok(Self { addr: listen(core, BackendKind::Tcp)?, max_reg: core.config.max_registration_bytes })
+    }
+}
+
+impl Backend for TcpBackend {
+    fn address(&self) -> String {
+        self.addr.to_string()
+    }
+    fn allocator(&self) -> Arc<dyn HostMemoryAllocator> {
+        Arc::new(AnonAllocator)
+    }
+    fn register(&self, mem: &Arc<dyn HostMemory>) -> Result<(Vec<RegionChunk>, Option<ShmHandle>, Option<BackendRegistration>)> {
+        Ok((plain_chunks(mem.len() as u64, self.max_reg), None, None))
+    }
+    fn connect(&self, core: Arc<EngineCore>, addr: String) -> BoxFut<Result<Arc<dyn Link>>> {
+        Box::pin(async move {
+            let link = TcpLink::connect(&core, &addr, core.config.tcp_connections).await?;
+            Ok(Arc::new(link) as Arc<dyn Link>)
+        })
+    }
+}
+
+enum ConnJob {
+    Piece(PlannedOp, PieceCompletion),
+    Control { op: u8, payload: Vec<u8>, reply: oneshot::Sender<Result<Vec<u8>>> },
+}
+
+enum PendingJob {
+    Piece(PlannedOp, PieceCompletion),
+    Control(oneshot::Sender<Result<Vec<u8>>>),
+}
+
+struct Pending {
+    header: ReqHeader,
+    job: PendingJob,
+}
+
+/// One pipelined connection to a peer.
+pub(crate) struct TcpConn {
+    tx: mpsc::Sender<ConnJob>,
+    alive: Arc<AtomicBool>,
+    cancel: CancellationToken,
+}
+
+impl TcpConn {
+    /// Connects, greets, and starts the writer and reader tasks.
+    pub(crate) async fn open(core: &Arc<EngineCore>, addr: &str, peer: Arc<str>) -> Result<Self> {
+        let mut stream = TcpStream::connect(addr).await.map_err(|e| TransportError::peer_gone(addr, e))?;
+        stream.set_nodelay(true)?;
+        let hello = proto::hello_payload(core);
+        let (mut r, mut w) = stream.split();
+        proto::roundtrip_control(&mut r, &mut w, ReqHeader { op: proto::OP_HELLO, req: 0, region: 0, offset: 0, len: hello.len() as u64 }, &hello).await?;
+        let (mut r, mut w) = stream.into_split();
+        let depth = core.config.queue_depth;
+        let (tx, mut rx) = mpsc::channel::<ConnJob>(depth);
+        let (pending_tx, mut pending_rx) = mpsc::channel::<Pending>(depth);
+        let alive = Arc::new(AtomicBool::new(true));
+        let cancel = CancellationToken::new();
+
+        // Writer: sends requests in queue order.
+        let (w_alive, w_cancel) = (alive.clone(), cancel.clone());
+        tokio::spawn(async move {
+            let mut next_req = 1u64;
+            loop {
+                let job = tokio::select! {
+                    job = rx.recv() => match job { Some(j) => j, None => break },
+                    () = w_cancel.cancelled() => break,
+                };
+                if !w_alive.load(Ordering::Acquire) {
+                    break; // dropping `job` fails its piece
+                }
+                let req = next_req;
+                next_req += 1;
+                let sent = match job {
+                    ConnJob::Piece(op, done) => {
+                        if done.is_cancelled() {
+                            done.complete(Err(TransportError::Cancelled));
+                            continue;
+                        }
+                        let header = ReqHeader {
+                            op: if op.kind == OpKind::Write { proto::OP_WRITE } else { proto::OP_READ },
+                            req,
+                            region: op.remote_region,
+                            offset: op.remote_offset,
+                            len: op.len,
+                        };
+                        let payload = (op.kind == OpKind::Write).then(|| (op.local.clone(), op.local_offset, op.len));
+                        if pending_tx.send(Pending { header, job: PendingJob::Piece(op, done) }).await.is_err() {
+                            break;
+                        }
+                        write_request(&mut w, &header, payload).await
+                    }
+                    ConnJob::Control { op, payload, reply } => {
+                        let header = ReqHeader { op, req, region: 0, offset: 0, len: payload.len() as u64 };
+                        if pending_tx.send(Pending { header, job: PendingJob::Control(reply) }).await.is_err() {
+                            break;
+                        }
+                        let mut buf = header.encode().to_vec();
+                        buf.extend_from_slice(&payload);
+                        w.write_all(&buf).await.map_err(TransportError::from)
+                    }
+                };
+                if let Err(e) = sent {
+                    tracing::debug!(error = %e, "transfer connection write failed");
+                    w_alive.store(false, Ordering::Release);
+                    w_cancel.cancel();
+                    break;
+                }
+            }
+            let _ = w.shutdown().await;
+        });
+
+        // Reader: matches answers to requests in order.
+        let (r_alive, r_cancel, r_peer) = (alive.clone(), cancel.clone(), peer.clone());
+        tokio::spawn(async move {
+            let reason = loop {
+                let mut hb = [0u8; proto::RESP_HEADER];
+                let got = tokio::select! {
+                    got = proto::read_exact_or_eof(&mut r, &mut hb) => got,
+                    () = r_cancel.cancelled() => break "connection closed".to_string(),
+                };
+                match got {
+                    Ok(true) => {}
+                    Ok(false) => break "peer closed the connection".to_string(),
+                    Err(e) => break e.to_string(),
+                }
+                let resp = RespHeader::decode(&hb);
+                let Some(p) = pending_rx.recv().await else { break "answer without a request".to_string() };
+                if p.header.req != resp.req {
+                    break format!("answer for request {} while {} was next", resp.req, p.header.req);
+                }
+                match p.job {
+                    PendingJob::Piece(op, done) => {
+                        let res = match (op.kind, resp.status) {
+                            (OpKind::Write, proto::ST_OK) if resp.len == 0 => Ok(()),
+                            (OpKind::Read, proto::ST_DATA) if resp.len == op.len => {
+                                // SAFETY: the local range was checked at submit; `op.local`
+                                // keeps the region alive; the batch owns these bytes.
+                                let dst = unsafe { std::slice::from_raw_parts_mut(op.local.ptr_at(op.local_offset), op.len as usize) };
+                                match r.read_exact(dst).await {
+                                    Ok(_) => Ok(()),
+                                    Err(e) => {
+                                        done.complete(Err(TransportError::peer_gone(&*r_peer, &e)));
+                                        break e.to_string();
+                                    }
+                                }
+                            }
+                            (_, proto::ST_UNKNOWN_REGION | proto::ST_OUT_OF_BOUNDS | proto::ST_ERROR) => {
+                                Err(proto::answer_error(&mut r, &p.header, &resp).await)
+                            }
+                            (_, status) => {
+                                let e = TransportError::Protocol(format!("unexpected answer status {status} len {}", resp.len));
+                                done.complete(Err(e.clone()));
+                                break e.to_string();
+                            }
+                        };
+                        done.complete(res);
+                    }
+                    PendingJob::Control(reply) => {
+                        let res = proto::read_control_payload(&mut r, &p.header, &resp).await;
+                        let broken = matches!(res, Err(TransportError::Io(_) | TransportError::Protocol(_)));
+                        let _ = reply.send(res);
+                        if broken {
+                            break "bad control answer".to_string();
+                        }
+                    }
+                }
+            };
+            tracing::debug!(peer = %r_peer, %reason, "transfer connection reader stopped");
+            r_alive.store(false, Ordering::Release);
+            r_cancel.cancel();
+            pending_rx.close();
+            while let Ok(p) = pending_rx.try_recv() {
+                match p.job {
+                    PendingJob::Piece(_, done) => done.complete(Err(TransportError::peer_gone(&*r_peer, &reason))),
+                    PendingJob::Control(reply) => {
+                        let _ = reply.send(Err(TransportError::peer_gone(&*r_peer, &reason)));
+                    }
+                }
+            }
+        });
+        Ok(Self { tx, alive, cancel })
+    }
+
+    pub(crate) fn is_alive(&self) -> bool {
+        self.alive.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn close(&self) {
+        self.cancel.cancel();
+    }
+
+    /// Sends one control request and waits for its answer payload.
+    pub(crate) async fn control(&self, peer: &str, op: u8, payload: Vec<u8>) -> Result<Vec<u8>> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(ConnJob::Control { op, payload, reply })
+            .await
+            .map_err(|_| TransportError::peer_gone(peer, "connection closed"))?;
+        rx.await.map_err(|_| TransportError::peer_gone(peer, "connection closed"))?
+    }
+
+    async fn send_piece(&self, op: PlannedOp, done: PieceCompletion) {
+        // A failed send drops the job, which fails the piece.
+        let _ = self.tx.send(ConnJob::Piece(op, done)).await;
+    }
+}
+
+async fn write_request(
+    w: &mut tokio::net::tcp::OwnedWriteHalf,
+    header: &ReqHeader,
+    payload: Option<(Arc<crate::memory::RegionEntry>, u64, u64)>,
+) -> Result<()> {
+    match payload {
+        None => w.write_all(&header.encode()).await?,
+        Some((entry, offset, len)) => {
+            // SAFETY: range checked at submit; `entry` keeps the region alive.
+            let src = unsafe { std::slice::from_raw_parts(entry.ptr_at(offset), len as usize) };
+            if len <= 16 << 10 {
+                let mut buf = Vec::with_capacity(proto::REQ_HEADER + src.len());
+                buf.extend_from_slice(&header.encode());
+                buf.extend_from_slice(src);
+                w.write_all(&buf).await?;
+            } else {
+                w.write_all(&header.encode()).await?;
+                w.write_all(src).await?; // straight from registered memory: no copy
+            }
+        }
+    }
+    Ok(())
+}
+
+pub(crate) struct TcpLink {
+    peer: Arc<str>,
+    control: TcpConn,
+    data: Vec<TcpConn>,
+    next: AtomicUsize,
+    handle: tokio::runtime::Handle,
+}
+
+impl TcpLink {
+    async fn connect(core: &Arc<EngineCore>, addr: &str, connections: usize) -> Result<Self> {
+        let peer: Arc<str> = Arc::from(addr);
+        let control = TcpConn::open(core, addr, peer.clone()).await?;
+        let mut data = Vec::with_capacity(connections);
+        for _ in 0..connections {
+            data.push(TcpConn::open(core, addr, peer.clone()).await?);
+        }
+        Ok(Self { peer, control, data, next: AtomicUsize::new(0), handle: tokio::runtime::Handle::current() })
+    }
+}
+
+impl Link for TcpLink {
+    fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    fn fetch_regions(self: Arc<Self>) -> BoxFut<Result<Vec<RegionDescriptor>>> {
+        Box::pin(async move {
+            let bytes = self.control.control(&self.peer, proto::OP_GET_REGIONS, Vec::new()).await?;
+            proto::decode_regions(&bytes)
+        })
+    }
+
+    fn notify(self: Arc<Self>, bytes: Vec<u8>) -> BoxFut<Result<()>> {
+        Box::pin(async move {
+            self.control.control(&self.peer, proto::OP_NOTIFY, bytes).await?;
+            Ok(())
+        })
+    }
+
+    fn execute(self: Arc<Self>, pieces: Vec<PlannedOp>, batch: Arc<BatchState>) -> Result<()> {
+        let link = self.clone();
+        self.handle.spawn(async move {
+            for op in pieces {
+                let done = PieceCompletion::new(batch.clone(), link.peer.clone());
+                let i = link.next.fetch_add(1, Ordering::Relaxed) % link.data.len();
+                link.data[i].send_piece(op, done).await;
+            }
+        });
+        Ok(())
+    }
+
+    fn is_alive(&self) -> bool {
+        self.control.is_alive() && self.data.iter().all(TcpConn::is_alive)
+    }
+
+    fn close(&self) {
+        self.control.close();
+        self.data.iter().for_each(TcpConn::close);
+    }
+}

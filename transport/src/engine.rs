@@ -1,0 +1,824 @@
+//! The transfer engine: configuration, registration, sessions, batches.
+//!
+//! A [`TransferEngine`] owns one backend, the registry of regions it exposes, and its own
+//! executor: a small tokio runtime for sockets (`pdserve-xfer-io` threads) and, for `local` and
+//! `shm`, a dedicated memcpy thread (`pdserve-memcpy`) fed through a bounded queue. Callers'
+//! tasks never move bytes themselves: [`Session::submit`] validates and plans a batch, hands it
+//! to the executor and returns a [`BatchHandle`] at once.
+//!
+//! Operations of one batch run concurrently and unordered (as in an RDMA batch without
+//! fences); a batch must not contain two operations whose byte ranges overlap where one of them
+//! writes. Adjacent operations (same direction and regions, contiguous on both sides) are
+//! coalesced into one before planning; operations are then split at registration-chunk
+//! boundaries and into pieces of at most [`TransferConfig::piece_bytes`] for parallelism.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use pdserve_runtime::memory::{HostMemory, HostMemoryAllocator};
+use pdserve_runtime::wire::{RegionChunk, RegionDescriptor, ShmHandle};
+use tokio::sync::{mpsc, watch};
+
+use crate::control::tls::MemberCredentials;
+use crate::error::{Result, Side, TransportError};
+use crate::memory::{
+    check_range, validate_descriptors, BackendRegistration, BackendRegistrationHolder, RegionEntry, RegionId,
+    RegisteredRegion, Registry,
+};
+
+pub(crate) type BoxFut<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
+
+/// Which medium moves the bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    /// Both ends in one process; a transfer is a memcpy.
+    Local,
+    /// Two processes on one host; regions are memfds the peer maps; a transfer is a memcpy.
+    Shm,
+    /// Tokio TCP sockets, several parallel connections per peer.
+    Tcp,
+    /// QUIC (quinn) streams, mutual TLS from the cluster CA.
+    Quic,
+    /// One-sided RDMA READ/WRITE (ibverbs, cargo feature `rdma`).
+    Rdma,
+}
+
+impl BackendKind {
+    /// Every backend, in a stable order.
+    pub const ALL: [BackendKind; 5] = [Self::Local, Self::Shm, Self::Tcp, Self::Quic, Self::Rdma];
+
+    /// The backend's config name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Local => "local",
+            Self::Shm => "shm",
+            Self::Tcp => "tcp",
+            Self::Quic => "quic",
+            Self::Rdma => "rdma",
+        }
+    }
+
+    /// Whether this build and this machine can run the backend (`rdma` needs the feature and a
+    /// device listed by ibverbs).
+    pub fn is_available(self) -> bool {
+        match self {
+            Self::Rdma => crate::backend::rdma::device_available(),
+            _ => true,
+        }
+    }
+}
+
+impl std::fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for BackendKind {
+    type Err = TransportError;
+    fn from_str(s: &str) -> Result<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|b| b.as_str() == s)
+            .ok_or_else(|| TransportError::Config(format!("unknown backend {s:?} (local, shm, tcp, quic, rdma)")))
+    }
+}
+
+/// How to build a [`TransferEngine`].
+#[derive(Debug, Clone)]
+pub struct TransferConfig {
+    /// The backend.
+    pub backend: BackendKind,
+    /// This engine's name, shown to peers (in notifications) and in logs.
+    pub name: String,
+    /// Where `shm` (control), `tcp` and `quic` listen; port 0 picks a free port.
+    pub listen: SocketAddr,
+    /// Parallel data connections per peer (`tcp`).
+    pub tcp_connections: usize,
+    /// Largest piece one wire operation or memcpy step moves; larger operations are split.
+    pub piece_bytes: u64,
+    /// Largest single registration; larger regions are registered in chunks (RDMA limits it;
+    /// `None` means one chunk per region).
+    pub max_registration_bytes: Option<u64>,
+    /// Limit for opening a session.
+    pub connect_timeout: Duration,
+    /// A silent peer is declared gone after this long (`quic` idle timeout).
+    pub peer_timeout: Duration,
+    /// Threads of the engine's I/O runtime.
+    pub io_threads: usize,
+    /// Bounded queue depth of the executors (batches for memcpy, pieces per connection).
+    pub queue_depth: usize,
+    /// Largest notification payload.
+    pub max_notify_bytes: usize,
+    /// Cluster member credentials (required by `quic`: mutual TLS).
+    pub credentials: Option<MemberCredentials>,
+}
+
+impl TransferConfig {
+    /// Defaults for `backend`, listening on 127.0.0.1 with a free port.
+    pub fn new(backend: BackendKind, name: impl Into<String>) -> Self {
+        Self {
+            backend,
+            name: name.into(),
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            tcp_connections: 4,
+            piece_bytes: 1 << 20,
+            max_registration_bytes: None,
+            connect_timeout: Duration::from_secs(5),
+            peer_timeout: Duration::from_secs(5),
+            io_threads: 2,
+            queue_depth: 256,
+            max_notify_bytes: 64 << 10,
+            credentials: None,
+        }
+    }
+
+    /// Checks the values.
+    ///
+    /// # Errors
+    /// [`TransportError::Config`] naming the first bad value.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: &str| Err(TransportError::Config(m.to_string()));
+        if self.tcp_connections == 0 || self.tcp_connections > 64 {
+            return bad("tcp_connections must be 1..=64");
+        }
+        if self.piece_bytes < 4096 {
+            return bad("piece_bytes must be at least 4096");
+        }
+        if self.max_registration_bytes == Some(0) {
+            return bad("max_registration_bytes must be positive");
+        }
+        if self.io_threads == 0 || self.queue_depth == 0 {
+            return bad("io_threads and queue_depth must be positive");
+        }
+        if self.backend == BackendKind::Quic && self.credentials.is_none() {
+            return bad("the quic backend needs cluster member credentials (mutual TLS)");
+        }
+        Ok(())
+    }
+}
+
+/// Direction of one operation, seen from the initiator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum OpKind {
+    /// Copy remote bytes into the local region.
+    Read,
+    /// Copy local bytes into the remote region.
+    Write,
+}
+
+/// One operation of a batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TransferOp {
+    /// Read or write.
+    pub kind: OpKind,
+    /// A region registered with this engine.
+    pub local_region: RegionId,
+    /// Byte offset in the local region.
+    pub local_offset: u64,
+    /// A region of the peer (from [`Session::remote_regions`]).
+    pub remote_region: RegionId,
+    /// Byte offset in the remote region.
+    pub remote_offset: u64,
+    /// Bytes to move.
+    pub len: u64,
+}
+
+impl TransferOp {
+    /// A write of `len` bytes from `local` at `lo` to `remote` at `ro`.
+    pub fn write(local: RegionId, lo: u64, remote: RegionId, ro: u64, len: u64) -> Self {
+        Self { kind: OpKind::Write, local_region: local, local_offset: lo, remote_region: remote, remote_offset: ro, len }
+    }
+
+    /// A read of `len` bytes from `remote` at `ro` into `local` at `lo`.
+    pub fn read(local: RegionId, lo: u64, remote: RegionId, ro: u64, len: u64) -> Self {
+        Self { kind: OpKind::Read, local_region: local, local_offset: lo, remote_region: remote, remote_offset: ro, len }
+    }
+}
+
+/// Merges operations that continue each other (same kind and regions, contiguous on both
+/// sides), keeping the order of first appearance. Zero-length operations are dropped.
+pub fn coalesce(ops: &[TransferOp]) -> Vec<TransferOp> {
+    let mut out: Vec<TransferOp> = Vec::with_capacity(ops.len());
+    for op in ops.iter().filter(|o| o.len > 0) {
+        if let Some(last) = out.last_mut() {
+            if last.kind == op.kind
+                && last.local_region == op.local_region
+                && last.remote_region == op.remote_region
+                && last.local_offset.checked_add(last.len) == Some(op.local_offset)
+                && last.remote_offset.checked_add(last.len) == Some(op.remote_offset)
+            {
+                last.len += op.len;
+                continue;
+            }
+        }
+        out.push(*op);
+    }
+    out
+}
+
+/// A planned piece: inside one registration chunk on each side, at most `piece_bytes` long.
+#[derive(Debug, Clone)]
+pub(crate) struct PlannedOp {
+    pub(crate) kind: OpKind,
+    pub(crate) local: Arc<RegionEntry>,
+    pub(crate) local_offset: u64,
+    pub(crate) remote_region: RegionId,
+    pub(crate) remote_offset: u64,
+    pub(crate) len: u64,
+    /// The remote chunk holding the piece (RDMA address and key).
+    #[allow(dead_code)]
+    pub(crate) remote_chunk: RegionChunk,
+}
+
+fn chunk_end(chunks: &[RegionChunk], offset: u64) -> Option<(RegionChunk, u64)> {
+    chunks.iter().find(|c| c.offset <= offset && offset < c.offset + c.len).map(|c| (c.clone(), c.offset + c.len))
+}
+
+/// State of a batch: what the executors complete and the handle observes.
+#[derive(Debug)]
+pub(crate) struct BatchState {
+    total: usize,
+    done: AtomicUsize,
+    error: Mutex<Option<TransportError>>,
+    cancelled: AtomicBool,
+    finished: watch::Sender<bool>,
+}
+
+impl BatchState {
+    pub(crate) fn new(total: usize) -> Arc<Self> {
+        let (finished, _) = watch::channel(total == 0);
+        Arc::new(Self { total, done: AtomicUsize::new(0), error: Mutex::new(None), cancelled: AtomicBool::new(false), finished })
+    }
+
+    /// Records the end of one piece. The piece's bytes are written before this is called; the
+    /// counter's release/acquire makes them visible to whoever observes the batch as done.
+    pub(crate) fn complete(&self, result: Result<()>) {
+        match result {
+            Ok(()) => {
+                if self.done.fetch_add(1, Ordering::AcqRel) + 1 == self.total {
+                    self.finished.send_replace(true);
+                }
+            }
+            Err(e) => {
+                let mut slot = self.error.lock().expect("batch state poisoned");
+                if slot.is_none() {
+                    *slot = Some(e);
+                }
+                drop(slot);
+                self.finished.send_replace(true);
+            }
+        }
+    }
+
+    pub(crate) fn is_cancelled(&self) -> bool {
+        self.cancelled.load(Ordering::Relaxed) || self.error.lock().expect("batch state poisoned").is_some()
+    }
+
+    fn status(&self) -> BatchStatus {
+        if let Some(e) = self.error.lock().expect("batch state poisoned").clone() {
+            return BatchStatus::Failed(e);
+        }
+        let done = self.done.load(Ordering::Acquire);
+        if done == self.total {
+            BatchStatus::Done
+        } else {
+            BatchStatus::Pending { completed: done, total: self.total }
+        }
+    }
+}
+
+/// Completes its piece with an error if dropped unfinished (a queue torn down with the
+/// connection), so no batch waits for a piece that will never run.
+#[derive(Debug)]
+pub(crate) struct PieceCompletion {
+    batch: Option<Arc<BatchState>>,
+    peer: Arc<str>,
+}
+
+impl PieceCompletion {
+    pub(crate) fn new(batch: Arc<BatchState>, peer: Arc<str>) -> Self {
+        Self { batch: Some(batch), peer }
+    }
+    pub(crate) fn is_cancelled(&self) -> bool {
+        self.batch.as_ref().is_some_and(|b| b.is_cancelled())
+    }
+    pub(crate) fn complete(mut self, result: Result<()>) {
+        if let Some(b) = self.batch.take() {
+            b.complete(result);
+        }
+    }
+}
+
+impl Drop for PieceCompletion {
+    fn drop(&mut self) {
+        if let Some(b) = self.batch.take() {
+            b.complete(Err(TransportError::peer_gone(&*self.peer, "connection closed before the operation finished")));
+        }
+    }
+}
+
+/// Where a batch stands.
+#[derive(Debug, Clone)]
+pub enum BatchStatus {
+    /// Still running.
+    Pending {
+        /// Pieces finished.
+        completed: usize,
+        /// Pieces in all.
+        total: usize,
+    },
+    /// Every operation finished; written bytes are visible at the receiver.
+    Done,
+    /// An operation failed (the first error); other pieces may or may not have landed.
+    Failed(TransportError),
+}
+
+/// A submitted batch.
+#[derive(Debug, Clone)]
+pub struct BatchHandle {
+    state: Arc<BatchState>,
+    bytes: u64,
+}
+
+impl BatchHandle {
+    /// Polls the batch without waiting.
+    pub fn status(&self) -> BatchStatus {
+        self.state.status()
+    }
+
+    /// Bytes the batch moves.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Asks the executors to stop at the next piece boundary; the batch then fails with
+    /// [`TransportError::Cancelled`]. Pieces already on the wire may still land.
+    pub fn cancel(&self) {
+        self.state.cancelled.store(true, Ordering::Relaxed);
+        self.state.complete(Err(TransportError::Cancelled));
+    }
+
+    /// Waits until the batch ends or `timeout` passes. On timeout the batch is cancelled.
+    ///
+    /// # Errors
+    /// [`TransportError::Timeout`], or the batch's first error (typed: unknown region, out of
+    /// bounds, peer gone, ...).
+    pub async fn wait(&self, timeout: Duration) -> Result<()> {
+        let mut rx = self.state.finished.subscribe();
+        let finished = tokio::time::timeout(timeout, rx.wait_for(|f| *f)).await;
+        if finished.is_err() {
+            self.state.cancelled.store(true, Ordering::Relaxed);
+            self.state.complete(Err(TransportError::Timeout { what: "transfer batch".into(), after: timeout }));
+        }
+        match self.status() {
+            BatchStatus::Done => Ok(()),
+            BatchStatus::Failed(e) => Err(e),
+            BatchStatus::Pending { .. } => Err(TransportError::Timeout { what: "transfer batch".into(), after: timeout }),
+        }
+    }
+
+    /// Blocking wait for code outside async contexts (benchmarks, tools).
+    ///
+    /// # Errors
+    /// As [`BatchHandle::wait`].
+    pub fn wait_blocking(&self, timeout: Duration) -> Result<()> {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_time().build()?;
+        rt.block_on(self.wait(timeout))
+    }
+}
+
+/// A notification from a peer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Notification {
+    /// The sending engine's name.
+    pub from: String,
+    /// The payload.
+    pub bytes: Vec<u8>,
+}
+
+/// One open connection to a peer, as a backend implements it.
+pub(crate) trait Link: Send + Sync {
+    fn peer(&self) -> &str;
+    fn fetch_regions(self: Arc<Self>) -> BoxFut<Result<Vec<RegionDescriptor>>>;
+    fn notify(self: Arc<Self>, bytes: Vec<u8>) -> BoxFut<Result<()>>;
+    /// Starts the pieces; each is completed through `batch` later, possibly on another thread.
+    fn execute(self: Arc<Self>, pieces: Vec<PlannedOp>, batch: Arc<BatchState>) -> Result<()>;
+    fn is_alive(&self) -> bool;
+    fn close(&self);
+}
+
+/// What a backend does for an engine.
+pub(crate) trait Backend: Send + Sync {
+    fn address(&self) -> String;
+    fn allocator(&self) -> Arc<dyn HostMemoryAllocator>;
+    /// Registers memory with the medium: chunks, shm handle, backend state.
+    fn register(
+        &self,
+        mem: &Arc<dyn HostMemory>,
+    ) -> Result<(Vec<RegionChunk>, Option<ShmHandle>, Option<BackendRegistration>)>;
+    fn connect(&self, core: Arc<EngineCore>, addr: String) -> BoxFut<Result<Arc<dyn Link>>>;
+}
+
+/// What the engine's executors and servers share. Never owns the runtime.
+#[derive(Debug)]
+pub(crate) struct EngineCore {
+    pub(crate) name: String,
+    pub(crate) config: TransferConfig,
+    pub(crate) registry: Arc<Registry>,
+    pub(crate) notify_tx: mpsc::Sender<Notification>,
+    pub(crate) alive: AtomicBool,
+    pub(crate) memcpy: crate::backend::memcpy::MemcpyExecutor,
+}
+
+impl EngineCore {
+    /// Delivers a notification to this engine's receiver. The acquire fence pairs with the
+    /// sender's release: bytes the sender wrote before notifying are visible to whoever reads
+    /// the notification.
+    pub(crate) async fn deliver(&self, from: String, bytes: Vec<u8>) {
+        std::sync::atomic::fence(Ordering::Acquire);
+        if self.notify_tx.send(Notification { from, bytes }).await.is_err() {
+            tracing::debug!(engine = %self.name, "notification dropped: receiver closed");
+        }
+    }
+}
+
+struct EngineShared {
+    runtime: Option<tokio::runtime::Runtime>,
+    core: Arc<EngineCore>,
+    backend: Box<dyn Backend>,
+    notify_rx: Mutex<Option<mpsc::Receiver<Notification>>>,
+}
+
+impl Drop for EngineShared {
+    fn drop(&mut self) {
+        self.core.alive.store(false, Ordering::Release);
+        crate::backend::local::unregister_engine(&self.backend.address());
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+/// The transfer engine of one instance (cheap to clone; the last clone shuts it down, closing
+/// its listeners and connections).
+#[derive(Clone)]
+pub struct TransferEngine {
+    shared: Arc<EngineShared>,
+}
+
+impl std::fmt::Debug for TransferEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TransferEngine")
+            .field("name", &self.shared.core.name)
+            .field("backend", &self.shared.core.config.backend)
+            .field("address", &self.address())
+            .finish()
+    }
+}
+
+impl TransferEngine {
+    /// Builds an engine: starts its executor threads and, for network backends, binds its
+    /// listener. Callable from sync or async code.
+    ///
+    /// # Errors
+    /// [`TransportError::Config`] for invalid settings, [`TransportError::Unsupported`] for
+    /// `rdma` without the feature or a device, I/O and TLS errors from binding.
+    pub fn new(config: TransferConfig) -> Result<Self> {
+        config.validate()?;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(config.io_threads)
+            .thread_name("pdserve-xfer-io")
+            .enable_all()
+            .build()?;
+        let (notify_tx, notify_rx) = mpsc::channel(config.queue_depth);
+        let core = Arc::new(EngineCore {
+            name: config.name.clone(),
+            registry: Arc::new(Registry::new()),
+            notify_tx,
+            alive: AtomicBool::new(true),
+            memcpy: crate::backend::memcpy::MemcpyExecutor::start(&config.name, config.queue_depth)?,
+            config,
+        });
+        let backend: Box<dyn Backend> = {
+            let _guard = runtime.enter();
+            match core.config.backend {
+                BackendKind::Local => Box::new(crate::backend::local::LocalBackend::new(&core)),
+                BackendKind::Shm => Box::new(crate::backend::shm::ShmBackend::new(&core)?),
+                BackendKind::Tcp => Box::new(crate::backend::tcp::TcpBackend::new(&core)?),
+                BackendKind::Quic => Box::new(crate::backend::quic::QuicBackend::new(&core)?),
+                BackendKind::Rdma => crate::backend::rdma::new_backend(&core)?,
+            }
+        };
+        tracing::debug!(engine = %core.name, backend = %core.config.backend, address = %backend.address(), "transfer engine started");
+        Ok(Self {
+            shared: Arc::new(EngineShared { runtime: Some(runtime), core, backend, notify_rx: Mutex::new(Some(notify_rx)) }),
+        })
+    }
+
+    /// The engine's name.
+    pub fn name(&self) -> &str {
+        &self.shared.core.name
+    }
+
+    /// The backend in use.
+    pub fn backend(&self) -> BackendKind {
+        self.shared.core.config.backend
+    }
+
+    /// The address peers pass to [`TransferEngine::connect`] (`local:N` or `host:port`).
+    pub fn address(&self) -> String {
+        self.shared.backend.address()
+    }
+
+    /// The allocator whose memory this backend can register and a peer can reach
+    /// ([`crate::memory::ShmAllocator`] for `shm`, anonymous memory otherwise).
+    pub fn allocator(&self) -> Arc<dyn HostMemoryAllocator> {
+        self.shared.backend.allocator()
+    }
+
+    /// Allocates `len` bytes with [`TransferEngine::allocator`] and registers them.
+    ///
+    /// # Errors
+    /// The allocation's I/O error, or a registration error.
+    pub fn allocate_and_register(&self, len: usize) -> Result<RegisteredRegion> {
+        let mem = self.allocator().allocate(len)?;
+        self.register(mem)
+    }
+
+    /// Registers memory so peers can read and write it. Large memory is registered in chunks
+    /// where the backend limits one registration (invisible to callers). Dropping the returned
+    /// handle deregisters it.
+    ///
+    /// # Errors
+    /// [`TransportError::NotShareable`] when `shm` is given memory a peer cannot map;
+    /// backend registration errors (RDMA).
+    pub fn register(&self, mem: Arc<dyn HostMemory>) -> Result<RegisteredRegion> {
+        if mem.is_empty() {
+            return Err(TransportError::Config("cannot register an empty region".into()));
+        }
+        let (chunks, shm, backend) = self.shared.backend.register(&mem)?;
+        let id = self.shared.core.registry.next_id();
+        let descriptor = RegionDescriptor { id, len: mem.len() as u64, chunks, shm };
+        let entry = Arc::new(RegionEntry { id, mem, descriptor, backend: backend.map(BackendRegistrationHolder) });
+        self.shared.core.registry.insert(entry.clone());
+        Ok(RegisteredRegion { entry, registry: Arc::downgrade(&self.shared.core.registry) })
+    }
+
+    /// Descriptors of every region registered now (what a peer's `GetRegisteredMemory` gets).
+    pub fn local_regions(&self) -> Vec<RegionDescriptor> {
+        self.shared.core.registry.descriptors()
+    }
+
+    /// Takes the receiver of notifications from peers (once; later calls return `None`).
+    pub fn take_notifications(&self) -> Option<mpsc::Receiver<Notification>> {
+        self.shared.notify_rx.lock().expect("engine poisoned").take()
+    }
+
+    /// Opens a session to the engine at `addr` and fetches its registered-memory descriptors.
+    ///
+    /// # Errors
+    /// [`TransportError::Timeout`] after `connect_timeout`, [`TransportError::PeerGone`] when
+    /// nobody answers, [`TransportError::LayoutMismatch`] for inconsistent descriptors, TLS
+    /// errors (`quic`).
+    pub async fn connect(&self, addr: &str) -> Result<Session> {
+        let core = self.shared.core.clone();
+        let timeout = core.config.connect_timeout;
+        let fut = self.shared.backend.connect(core.clone(), addr.to_string());
+        let handle = self.io_handle()?;
+        let link = run_on(&handle, async move {
+            tokio::time::timeout(timeout, fut)
+                .await
+                .map_err(|_| TransportError::Timeout { what: "connect".into(), after: timeout })?
+        })
+        .await?;
+        let session = Session { link, core, handle, remote: RwLock::new(Default::default()) };
+        session.refresh_regions().await?;
+        Ok(session)
+    }
+
+    /// Blocking [`TransferEngine::connect`] for code outside async contexts.
+    ///
+    /// # Errors
+    /// As [`TransferEngine::connect`].
+    pub fn connect_blocking(&self, addr: &str) -> Result<Session> {
+        let handle = self.io_handle()?;
+        let this = self.clone();
+        let addr = addr.to_string();
+        block_on_io(&handle, async move { this.connect(&addr).await })
+    }
+
+    fn io_handle(&self) -> Result<tokio::runtime::Handle> {
+        self.shared
+            .runtime
+            .as_ref()
+            .map(|r| r.handle().clone())
+            .ok_or_else(|| TransportError::peer_gone(&self.shared.core.name, "engine shut down"))
+    }
+}
+
+/// Runs `fut` on the engine's runtime and awaits it from whatever runtime the caller uses.
+async fn run_on<T: Send + 'static>(handle: &tokio::runtime::Handle, fut: impl Future<Output = Result<T>> + Send + 'static) -> Result<T> {
+    handle.spawn(fut).await.map_err(|e| TransportError::peer_gone("local engine", format!("engine task ended: {e}")))?
+}
+
+/// Runs `fut` on the engine runtime and blocks this (non-runtime) thread for its result.
+fn block_on_io<T: Send + 'static>(handle: &tokio::runtime::Handle, fut: impl Future<Output = Result<T>> + Send + 'static) -> Result<T> {
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    handle.spawn(async move {
+        let _ = tx.send(fut.await);
+    });
+    rx.recv().map_err(|_| TransportError::peer_gone("local engine", "engine shut down"))?
+}
+
+/// An open connection to one peer engine.
+pub struct Session {
+    link: Arc<dyn Link>,
+    core: Arc<EngineCore>,
+    handle: tokio::runtime::Handle,
+    remote: RwLock<Arc<std::collections::HashMap<RegionId, RegionDescriptor>>>,
+}
+
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session").field("peer", &self.link.peer()).field("alive", &self.link.is_alive()).finish()
+    }
+}
+
+impl Session {
+    /// The peer's address.
+    pub fn peer(&self) -> &str {
+        self.link.peer()
+    }
+
+    /// Whether the connection is still up (a failed peer makes this false).
+    pub fn is_alive(&self) -> bool {
+        self.link.is_alive() && self.core.alive.load(Ordering::Acquire)
+    }
+
+    /// Fetches the peer's registered-memory descriptors again (`GetRegisteredMemory`),
+    /// validates them and makes them the ones later batches are checked against.
+    ///
+    /// # Errors
+    /// [`TransportError::LayoutMismatch`] for inconsistent descriptors;
+    /// [`TransportError::PeerGone`] when the peer does not answer.
+    pub async fn refresh_regions(&self) -> Result<Vec<RegionDescriptor>> {
+        let link = self.link.clone();
+        let regions = run_on(&self.handle, async move { link.fetch_regions().await }).await?;
+        validate_descriptors(&regions)?;
+        *self.remote.write().expect("session poisoned") = Arc::new(regions.iter().map(|d| (d.id, d.clone())).collect());
+        Ok(regions)
+    }
+
+    /// The peer's descriptors as last fetched, sorted by id.
+    pub fn remote_regions(&self) -> Vec<RegionDescriptor> {
+        let mut all: Vec<_> = self.remote.read().expect("session poisoned").values().cloned().collect();
+        all.sort_by_key(|d| d.id);
+        all
+    }
+
+    /// Checks the peer's layout against what the caller expects: the listed regions exist
+    /// with exactly these lengths.
+    ///
+    /// # Errors
+    /// [`TransportError::LayoutMismatch`] naming the first difference.
+    pub fn expect_layout(&self, expected: &[(RegionId, u64)]) -> Result<()> {
+        let remote = self.remote.read().expect("session poisoned").clone();
+        for &(id, len) in expected {
+            match remote.get(&id) {
+                None => return Err(TransportError::LayoutMismatch(format!("peer has no region {id}"))),
+                Some(d) if d.len != len => {
+                    return Err(TransportError::LayoutMismatch(format!(
+                        "peer region {id} has {} bytes, expected {len}",
+                        d.len
+                    )))
+                }
+                Some(_) => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Validates, coalesces and plans `ops`, and starts them. Returns at once.
+    ///
+    /// # Errors
+    /// [`TransportError::UnknownRegion`] / [`TransportError::OutOfBounds`] (local or remote, as
+    /// last fetched) before anything moves; [`TransportError::PeerGone`] when the session is
+    /// closed; [`TransportError::Busy`] when the executor queue is full.
+    pub fn submit(&self, ops: &[TransferOp]) -> Result<BatchHandle> {
+        if !self.is_alive() {
+            return Err(TransportError::peer_gone(self.peer(), "session closed"));
+        }
+        let ops = coalesce(ops);
+        let remote = self.remote.read().expect("session poisoned").clone();
+        let piece = self.core.config.piece_bytes;
+        let mut pieces = Vec::new();
+        let mut bytes = 0u64;
+        for op in &ops {
+            let local = self.core.registry.get(Side::Local, op.local_region)?;
+            local.check(Side::Local, op.local_offset, op.len)?;
+            let rdesc = remote.get(&op.remote_region).ok_or(TransportError::UnknownRegion { side: Side::Remote, id: op.remote_region })?;
+            check_range(Side::Remote, rdesc.id, op.remote_offset, op.len, rdesc.len)?;
+            bytes += op.len;
+            let mut done = 0u64;
+            while done < op.len {
+                let lo = op.local_offset + done;
+                let ro = op.remote_offset + done;
+                let (_, lend) = chunk_end(&local.descriptor.chunks, lo)
+                    .ok_or_else(|| TransportError::LayoutMismatch("local chunks do not cover the region".into()))?;
+                let (rchunk, rend) = chunk_end(&rdesc.chunks, ro)
+                    .ok_or_else(|| TransportError::LayoutMismatch(format!("peer region {} chunks leave a gap", rdesc.id)))?;
+                let n = (op.len - done).min(piece).min(lend - lo).min(rend - ro);
+                pieces.push(PlannedOp {
+                    kind: op.kind,
+                    local: local.clone(),
+                    local_offset: lo,
+                    remote_region: op.remote_region,
+                    remote_offset: ro,
+                    len: n,
+                    remote_chunk: rchunk,
+                });
+                done += n;
+            }
+        }
+        let state = BatchState::new(pieces.len());
+        if !pieces.is_empty() {
+            self.link.clone().execute(pieces, state.clone())?;
+        }
+        Ok(BatchHandle { state, bytes })
+    }
+
+    /// Sends a small notification to the peer, after every batch this session completed
+    /// before the call (a release fence orders the written bytes before it).
+    ///
+    /// # Errors
+    /// [`TransportError::Config`] when larger than `max_notify_bytes`;
+    /// [`TransportError::PeerGone`] when the peer is unreachable.
+    pub async fn notify(&self, bytes: &[u8]) -> Result<()> {
+        if bytes.len() > self.core.config.max_notify_bytes {
+            return Err(TransportError::Config(format!(
+                "notification of {} bytes exceeds max_notify_bytes {}",
+                bytes.len(),
+                self.core.config.max_notify_bytes
+            )));
+        }
+        std::sync::atomic::fence(Ordering::Release);
+        let link = self.link.clone();
+        let bytes = bytes.to_vec();
+        run_on(&self.handle, async move { link.notify(bytes).await }).await
+    }
+
+    /// Closes the session (also done on drop).
+    pub fn close(&self) {
+        self.link.close();
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        self.link.close();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn coalesce_merges_contiguous_runs_only() {
+        let ops = [
+            TransferOp::write(1, 0, 2, 100, 10),
+            TransferOp::write(1, 10, 2, 110, 5),
+            TransferOp::write(1, 15, 2, 200, 5), // remote not contiguous
+            TransferOp::read(1, 20, 2, 205, 5),  // kind differs
+            TransferOp::read(1, 25, 2, 210, 0),  // empty: dropped
+            TransferOp::read(1, 25, 2, 210, 7),
+        ];
+        let out = coalesce(&ops);
+        assert_eq!(
+            out,
+            vec![
+                TransferOp::write(1, 0, 2, 100, 15),
+                TransferOp::write(1, 15, 2, 200, 5),
+                TransferOp::read(1, 20, 2, 205, 12),
+            ]
+        );
+    }
+
+    #[test]
+    fn config_validation_names_bad_values() {
+        let mut c = TransferConfig::new(BackendKind::Tcp, "a");
+        c.validate().unwrap();
+        c.tcp_connections = 0;
+        assert!(matches!(c.validate(), Err(TransportError::Config(_))));
+        let q = TransferConfig::new(BackendKind::Quic, "q");
+        assert!(matches!(q.validate(), Err(TransportError::Config(_))));
+        assert_eq!("shm".parse::<BackendKind>().unwrap(), BackendKind::Shm);
+        assert!("nope".parse::<BackendKind>().is_err());
+    }
+}

@@ -1,0 +1,146 @@
+//! The transport crate's one error type.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use pdserve_runtime::wire::WireError;
+
+/// Which end of a transfer an error is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    /// This process's region.
+    Local,
+    /// The peer's region.
+    Remote,
+}
+
+impl std::fmt::Display for Side {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Side::Local => "local",
+            Side::Remote => "remote",
+        })
+    }
+}
+
+/// Everything that can go wrong in the transfer engine and the control plane.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum TransportError {
+    /// An operation names a region that is not registered (here or at the peer).
+    #[error("unknown {side} region {id}")]
+    UnknownRegion {
+        /// Which end.
+        side: Side,
+        /// The region id named.
+        id: u64,
+    },
+    /// An operation's byte range does not fit inside its region.
+    #[error("{side} region {id}: range {offset}+{len} is outside its {region_len} bytes")]
+    OutOfBounds {
+        /// Which end.
+        side: Side,
+        /// The region id.
+        id: u64,
+        /// Offset asked for.
+        offset: u64,
+        /// Length asked for.
+        len: u64,
+        /// The region's length.
+        region_len: u64,
+    },
+    /// The peer disconnected, died or shut down.
+    #[error("peer {peer} is gone: {reason}")]
+    PeerGone {
+        /// Peer address or name.
+        peer: String,
+        /// What was observed.
+        reason: String,
+    },
+    /// A wait, connect or request did not finish in time.
+    #[error("{what} timed out after {after:?}")]
+    Timeout {
+        /// What was being waited for.
+        what: String,
+        /// The limit that passed.
+        after: Duration,
+    },
+    /// The peer's registered memory does not have the expected shape, or its descriptors are
+    /// inconsistent.
+    #[error("memory layout mismatch: {0}")]
+    LayoutMismatch(String),
+    /// Memory handed to the `shm` backend is not shared memory a peer can map.
+    #[error("memory is not shareable: {0}")]
+    NotShareable(String),
+    /// The peer refused an operation for a reason without its own variant.
+    #[error("peer refused: {kind}: {message}")]
+    Remote {
+        /// The peer's error kind.
+        kind: String,
+        /// The peer's message.
+        message: String,
+    },
+    /// The peer broke the protocol (unexpected answer, bad header).
+    #[error("protocol violation: {0}")]
+    Protocol(String),
+    /// A control frame could not be encoded or decoded.
+    #[error("wire format: {0}")]
+    Wire(#[from] WireError),
+    /// An operating-system I/O error.
+    #[error("I/O error: {0}")]
+    Io(Arc<std::io::Error>),
+    /// TLS setup or certificate handling failed.
+    #[error("TLS: {0}")]
+    Tls(String),
+    /// A connection was refused because the peer is not a member of this cluster.
+    #[error("not authenticated: {0}")]
+    Unauthenticated(String),
+    /// A configuration value is invalid.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// A bounded queue is full; retry later.
+    #[error("busy: {0}")]
+    Busy(String),
+    /// The operation is not available here (backend not compiled in, no device).
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    /// The batch was cancelled by its owner.
+    #[error("cancelled")]
+    Cancelled,
+}
+
+impl TransportError {
+    /// A stable name of the error kind, for logs, metrics and the wire.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::UnknownRegion { .. } => "unknown_region",
+            Self::OutOfBounds { .. } => "out_of_bounds",
+            Self::PeerGone { .. } => "peer_gone",
+            Self::Timeout { .. } => "timeout",
+            Self::LayoutMismatch(_) => "layout_mismatch",
+            Self::NotShareable(_) => "not_shareable",
+            Self::Remote { .. } => "remote",
+            Self::Protocol(_) => "protocol",
+            Self::Wire(_) => "wire",
+            Self::Io(_) => "io",
+            Self::Tls(_) => "tls",
+            Self::Unauthenticated(_) => "unauthenticated",
+            Self::Config(_) => "config",
+            Self::Busy(_) => "busy",
+            Self::Unsupported(_) => "unsupported",
+            Self::Cancelled => "cancelled",
+        }
+    }
+
+    pub(crate) fn peer_gone(peer: impl Into<String>, reason: impl std::fmt::Display) -> Self {
+        Self::PeerGone { peer: peer.into(), reason: reason.to_string() }
+    }
+}
+
+impl From<std::io::Error> for TransportError {
+    fn from(e: std::io::Error) -> Self {
+        Self::Io(Arc::new(e))
+    }
+}
+
+/// The crate's result type.
+pub type Result<T, E = TransportError> = std::result::Result<T, E>;

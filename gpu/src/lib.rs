@@ -15,6 +15,7 @@ pub use chat::{ChatMessage, ChatTemplate};
 pub use sampling::{FinishReason, Sampler, SamplingParams, StopChecker, StopDecision, StopReason};
 pub use tokenizer::{DecodeStream, Tokenizer};
 
+pub mod bench;
 pub mod collective;
 pub mod config;
 pub mod engine;

@@ -1,1 +1,306 @@
-//! bench
+//! `pdserve bench transfer`: throughput and latency of each backend beside the raw limit of its
+//! medium, measured in the same run.
+//!
+//! For each backend and size, one write of `size` bytes is submitted and waited for, repeatedly
+//! (bounded by count and time): `gbps` is bytes over total time, `latency_us` the median time
+//! of one submit-to-completion. Completion is observed by polling [`crate::BatchHandle::status`]
+//! for `local`/`shm` and by awaiting [`crate::BatchHandle::wait`] for `tcp`/`quic`. The limit is measured the same way on the bare medium: a plain
+//! `memcpy` between two buffers for `local`/`shm`, and for `tcp`/`quic` a plain TCP socket pair
+//! on loopback (send `size` bytes, the receiver answers one byte after reading them all).
+//!
+//! Placement: the peer engine runs in a second process (`pdserve-transfer-peer`, or this
+//! executable re-run as a peer when its `main` calls [`crate::peer::run_if_requested`]); if
+//! neither can be started, the peer runs in this process and the table says so. The socket
+//! baseline's receiver is a thread of this process. Call from outside any async runtime (the
+//! function runs its own), e.g. inside `spawn_blocking`.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use crate::control::tls::{init_cluster, issue_member, MemberCredentials};
+use crate::engine::{BackendKind, BatchStatus, TransferConfig, TransferEngine, TransferOp};
+use crate::error::{Result, TransportError};
+use crate::peer::{PeerProcess, PEER_NODE};
+
+/// What to measure.
+#[derive(Debug, Clone)]
+pub struct TransferBenchOptions {
+    /// Backends to run (default: every one runnable here).
+    pub backends: Vec<BackendKind>,
+    /// Transfer sizes in bytes (default 4 KiB, 64 KiB, 1 MiB, 16 MiB, 64 MiB).
+    pub sizes: Vec<u64>,
+    /// Most repetitions per (backend, size).
+    pub max_iterations: usize,
+    /// Most time per (backend, size) after the first repetition.
+    pub max_time: Duration,
+    /// Peer executable (default: [`PeerProcess::find_exe`], then this executable).
+    pub peer_exe: Option<PathBuf>,
+}
+
+impl Default for TransferBenchOptions {
+    fn default() -> Self {
+        Self {
+            backends: BackendKind::ALL.into_iter().filter(|b| b.is_available()).collect(),
+            sizes: vec![4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20],
+            max_iterations: 2000,
+            max_time: Duration::from_millis(700),
+            peer_exe: None,
+        }
+    }
+}
+
+/// One measured row (the `--json` output is a list of these).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct TransferBenchRow {
+    /// Backend name.
+    pub backend: String,
+    /// Bytes per transfer.
+    pub size_bytes: u64,
+    /// Throughput of the backend, GB/s (10^9 bytes per second).
+    pub gbps: f64,
+    /// Throughput of the bare medium in the same run, GB/s.
+    pub limit_gbps: f64,
+    /// Median time of one transfer, microseconds.
+    pub latency_us: f64,
+}
+
+struct Timing {
+    gbps: f64,
+    median_us: f64,
+}
+
+fn measure(size: u64, opts: &TransferBenchOptions, mut once: impl FnMut() -> Result<()>) -> Result<Timing> {
+    once()?; // warm-up
+    let mut samples = Vec::new();
+    let start = Instant::now();
+    while samples.len() < opts.max_iterations.max(3) && (samples.len() < 3 || start.elapsed() < opts.max_time) {
+        let t = Instant::now();
+        once()?;
+        samples.push(t.elapsed());
+    }
+    let total: Duration = samples.iter().sum();
+    samples.sort();
+    Ok(Timing {
+        gbps: (size as f64 * samples.len() as f64) / total.as_secs_f64() / 1e9,
+        median_us: samples[samples.len() / 2].as_secs_f64() * 1e6,
+    })
+}
+
+fn memcpy_limit(size: u64, opts: &TransferBenchOptions) -> Result<f64> {
+    let src = pdserve_runtime::memory::AnonMemory::new(size as usize)?;
+    let dst = pdserve_runtime::memory::AnonMemory::new(size as usize)?;
+    use pdserve_runtime::memory::HostMemory;
+    // SAFETY: both mappings hold `size` bytes (rounded up to a page) and do not overlap.
+    let fill = unsafe { std::slice::from_raw_parts_mut(src.as_ptr(), size as usize) };
+    fill.iter_mut().enumerate().for_each(|(i, b)| *b = i as u8);
+    Ok(measure(size, opts, || {
+        // SAFETY: as above.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.as_ptr(), size as usize) };
+        std::hint::black_box(dst.as_ptr());
+        Ok(())
+    })?
+    .gbps)
+}
+
+fn socket_limit(size: u64, opts: &TransferBenchOptions) -> Result<f64> {
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let server = std::thread::spawn(move || -> std::io::Result<()> {
+        let (mut s, _) = listener.accept()?;
+        s.set_nodelay(true)?;
+        let mut buf = vec![0u8; size as usize];
+        loop {
+            match s.read_exact(&mut buf) {
+                Ok(()) => s.write_all(&[1])?,
+                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+                Err(e) => return Err(e),
+            }
+        }
+    });
+    let mut c = TcpStream::connect(addr)?;
+    c.set_nodelay(true)?;
+    let data = vec![7u8; size as usize];
+    let mut ack = [0u8; 1];
+    let t = measure(size, opts, || {
+        c.write_all(&data)?;
+        c.read_exact(&mut ack)?;
+        Ok(())
+    })?;
+    drop(c);
+    let _ = server.join();
+    Ok(t.gbps)
+}
+
+/// A scratch cluster directory for the `quic` peer (removed on drop).
+struct ScratchCluster(PathBuf);
+
+impl ScratchCluster {
+    fn new() -> Result<Self> {
+        let dir = std::env::temp_dir().join(format!("pdserve-bench-cluster-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        init_cluster(&dir, "bench")?;
+        issue_member(&dir, PEER_NODE)?;
+        issue_member(&dir, "bench")?;
+        Ok(Self(dir))
+    }
+}
+
+impl Drop for ScratchCluster {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Held for its `Drop` (kills the process / shuts the engine down).
+#[allow(dead_code)]
+enum BenchPeer {
+    Process(PeerProcess),
+    InProcess(TransferEngine, crate::memory::RegisteredRegion),
+}
+
+fn start_peer(backend: BackendKind, len: u64, opts: &TransferBenchOptions, cluster: Option<&ScratchCluster>) -> Result<(BenchPeer, String, u64, String)> {
+    let candidates: Vec<PathBuf> = opts
+        .peer_exe
+        .clone()
+        .into_iter()
+        .chain(PeerProcess::find_exe())
+        .chain(std::env::current_exe().ok())
+        .collect();
+    if backend != BackendKind::Local {
+        for exe in candidates {
+            let dir = cluster.map(|c| c.0.as_path());
+            match PeerProcess::spawn(&exe, backend, &[len], 1, dir, None, Duration::from_secs(5)) {
+                Ok(p) => {
+                    let (addr, id) = (p.address.clone(), p.regions.first().copied().unwrap_or(0));
+                    let placement = format!("peer in a second process (pid {}, {})", p.pid(), exe.display());
+                    return Ok((BenchPeer::Process(p), addr, id, placement));
+                }
+                Err(e) => tracing::debug!(exe = %exe.display(), error = %e, "bench peer did not start"),
+            }
+        }
+    }
+    let mut cfg = TransferConfig::new(backend, PEER_NODE);
+    if let Some(c) = cluster {
+        cfg.credentials = Some(MemberCredentials::load(&c.0, PEER_NODE)?);
+    }
+    let engine = TransferEngine::new(cfg)?;
+    let region = engine.allocate_and_register(len as usize)?;
+    let (addr, id) = (engine.address(), region.id());
+    let placement = if backend == BackendKind::Local {
+        "both engines in this process (the local backend's design)".to_string()
+    } else {
+        "FALLBACK: peer engine in this process (no peer executable could be started)".to_string()
+    };
+    Ok((BenchPeer::InProcess(engine, region), addr, id, placement))
+}
+
+fn bench_backend(backend: BackendKind, opts: &TransferBenchOptions, rows: &mut Vec<TransferBenchRow>, placements: &mut Vec<String>) -> Result<()> {
+    let max = opts.sizes.iter().copied().max().unwrap_or(4096);
+    let cluster = if backend == BackendKind::Quic { Some(ScratchCluster::new()?) } else { None };
+    let (peer, addr, remote_id, placement) = start_peer(backend, max, opts, cluster.as_ref())?;
+    placements.push(format!("{backend}: {placement}"));
+    let mut cfg = TransferConfig::new(backend, "bench");
+    cfg.peer_timeout = Duration::from_secs(10);
+    if let Some(c) = &cluster {
+        cfg.credentials = Some(MemberCredentials::load(&c.0, "bench")?);
+    }
+    let engine = TransferEngine::new(cfg)?;
+    let local = engine.allocate_and_register(max as usize)?;
+    local.write_at(0, &vec![0x3Cu8; max as usize])?;
+    let session = engine.connect_blocking(&addr)?;
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    for &size in &opts.sizes {
+        let op = TransferOp::write(local.id(), 0, remote_id, 0, size);
+        let poll = matches!(backend, BackendKind::Local | BackendKind::Shm);
+        let t = measure(size, opts, || {
+            let handle = session.submit(&[op])?;
+            if poll {
+                // memcpy backends complete in microseconds: poll the status as an RDMA
+                // completion queue is polled, instead of parking this thread.
+                let deadline = Instant::now() + Duration::from_secs(30);
+                loop {
+                    match handle.status() {
+                        BatchStatus::Done => return Ok(()),
+                        BatchStatus::Failed(e) => return Err(e),
+                        BatchStatus::Pending { .. } if Instant::now() > deadline => {
+                            return Err(TransportError::Timeout { what: "bench transfer".into(), after: Duration::from_secs(30) })
+                        }
+                        BatchStatus::Pending { .. } => std::hint::spin_loop(),
+                    }
+                }
+            }
+            rt.block_on(handle.wait(Duration::from_secs(30)))
+        })?;
+        let limit = match backend {
+            BackendKind::Local | BackendKind::Shm => memcpy_limit(size, opts)?,
+            BackendKind::Tcp | BackendKind::Quic => socket_limit(size, opts)?,
+            BackendKind::Rdma => f64::NAN,
+        };
+        rows.push(TransferBenchRow { backend: backend.to_string(), size_bytes: size, gbps: t.gbps, limit_gbps: limit, latency_us: t.median_us });
+    }
+    drop(session);
+    drop(engine);
+    drop(peer);
+    Ok(())
+}
+
+/// Runs the benchmark; also returns, through the log and [`print_table`]'s caller, where the
+/// peers ran (see [`run_transfer_bench_with_placement`]).
+///
+/// # Errors
+/// The first engine or I/O error.
+pub fn run_transfer_bench(opts: &TransferBenchOptions) -> Result<Vec<TransferBenchRow>> {
+    run_transfer_bench_with_placement(opts).map(|(rows, _)| rows)
+}
+
+/// As [`run_transfer_bench`], also returning one line per backend saying where its peer ran.
+///
+/// # Errors
+/// The first engine or I/O error.
+pub fn run_transfer_bench_with_placement(opts: &TransferBenchOptions) -> Result<(Vec<TransferBenchRow>, Vec<String>)> {
+    for b in &opts.backends {
+        if !b.is_available() {
+            return Err(TransportError::Unsupported(format!("backend {b} cannot run here")));
+        }
+    }
+    let opts = opts.clone();
+    // Own thread: the bench builds runtimes and blocks, which must not happen on a runtime thread.
+    std::thread::Builder::new()
+        .name("pdserve-bench-transfer".into())
+        .spawn(move || {
+            let mut rows = Vec::new();
+            let mut placements = Vec::new();
+            for &b in &opts.backends {
+                bench_backend(b, &opts, &mut rows, &mut placements)?;
+            }
+            Ok((rows, placements))
+        })?
+        .join()
+        .map_err(|_| TransportError::Config("transfer bench thread panicked".into()))?
+}
+
+fn human(size: u64) -> String {
+    match size {
+        s if s >= 1 << 20 && s % (1 << 20) == 0 => format!("{} MiB", s >> 20),
+        s if s >= 1 << 10 && s % (1 << 10) == 0 => format!("{} KiB", s >> 10),
+        s => format!("{s} B"),
+    }
+}
+
+/// Prints the rows as a table.
+pub fn print_table(rows: &[TransferBenchRow]) {
+    println!("{:<8} {:>10} {:>10} {:>12} {:>8} {:>12}", "backend", "size", "GB/s", "limit GB/s", "ratio", "latency µs");
+    for r in rows {
+        println!(
+            "{:<8} {:>10} {:>10.2} {:>12.2} {:>8.2} {:>12.1}",
+            r.backend,
+            human(r.size_bytes),
+            r.gbps,
+            r.limit_gbps,
+            r.gbps / r.limit_gbps,
+            r.latency_us
+        );
+    }
+}

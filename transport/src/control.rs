@@ -218,7 +218,9 @@ impl ControlConnection {
         let env = tokio::time::timeout(timeout, fut)
             .await
             .map_err(|_| TransportError::Timeout { what: "control request".into(), after: timeout })??;
-        if env.kind != EnvelopeKind::Response || env.id != id {
+        // A frame the peer could not decode is answered with an Error carrying id 0.
+        let undecodable = env.id == 0 && matches!(env.message, ControlMessage::Error(_));
+        if env.kind != EnvelopeKind::Response || (env.id != id && !undecodable) {
             return Err(TransportError::Protocol(format!("expected response {id}, got {:?} {}", env.kind, env.id)));
         }
         match env.message {

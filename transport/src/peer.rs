@@ -122,7 +122,9 @@ fn run_from_env() -> Result<()> {
                 }
                 b"DROP" => {
                     if let Some(r) = regions.pop() {
-                        println!("DROPPED {}", r.id());
+                        let id = r.id();
+                        drop(r); // deregistered before anyone hears of it
+                        println!("DROPPED {id}");
                     }
                 }
                 b"EXIT" => break,

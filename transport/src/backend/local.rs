@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use pdserve_runtime::memory::{AnonAllocator, HostMemory, HostMemoryAllocator};
 use pdserve_runtime::wire::{RegionChunk, RegionDescriptor, ShmHandle};
 
-use super::memcpy::{run_pieces, RemotePointers};
+use super::memcpy::{run_pieces, KeepAlive, RemotePointers};
 use crate::engine::{Backend, BatchState, BoxFut, EngineCore, Link, PlannedOp};
 use crate::error::{Result, Side, TransportError};
 use crate::memory::{plain_chunks, BackendRegistration};
@@ -89,10 +89,11 @@ impl LocalLink {
 struct LocalRemote(Arc<EngineCore>, String, Arc<LocalLink>);
 
 impl RemotePointers for LocalRemote {
-    fn remote_ptr(&self, region: u64, offset: u64, len: u64) -> Result<*mut u8> {
+    fn remote_ptr(&self, region: u64, offset: u64, len: u64) -> Result<(*mut u8, KeepAlive)> {
         let entry = self.0.registry.get(Side::Remote, region)?;
         entry.check(Side::Remote, offset, len)?;
-        Ok(entry.ptr_at(offset))
+        let ptr = entry.ptr_at(offset);
+        Ok((ptr, Some(entry)))
     }
     fn peer_alive(&self) -> Result<()> {
         self.2.peer_core().map(|_| ()).map_err(|_| TransportError::peer_gone(&self.1, "peer engine shut down"))

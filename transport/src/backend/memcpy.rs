@@ -11,6 +11,12 @@ use std::sync::Arc;
 
 type Job = Box<dyn FnOnce() + Send>;
 
+/// How long the copy thread keeps polling for the next job before it parks.
+const SPIN_AFTER_JOB: std::time::Duration = std::time::Duration::from_micros(50);
+
+/// Holds remote memory mapped while a copy runs.
+pub(crate) type KeepAlive = Option<Arc<dyn std::any::Any + Send + Sync>>;
+
 /// A dedicated copy thread; it exits when the executor is dropped.
 #[derive(Debug)]
 pub(crate) struct MemcpyExecutor {
@@ -21,8 +27,23 @@ impl MemcpyExecutor {
     pub(crate) fn start(engine: &str, depth: usize) -> Result<Self> {
         let (tx, rx) = sync_channel::<Job>(depth);
         std::thread::Builder::new().name(format!("pdserve-memcpy-{engine}")).spawn(move || {
+            // After a job the thread polls its queue for a short while before parking: waking
+            // a parked thread costs tens of microseconds on this class of machine, more than
+            // copying a megabyte (see docs/transport.md). The poll is bounded, so an idle
+            // engine sleeps.
             while let Ok(job) = rx.recv() {
                 job();
+                let mut until = std::time::Instant::now() + SPIN_AFTER_JOB;
+                while std::time::Instant::now() < until {
+                    match rx.try_recv() {
+                        Ok(job) => {
+                            job();
+                            until = std::time::Instant::now() + SPIN_AFTER_JOB;
+                        }
+                        Err(std::sync::mpsc::TryRecvError::Empty) => std::hint::spin_loop(),
+                        Err(std::sync::mpsc::TryRecvError::Disconnected) => return,
+                    }
+                }
             }
         })?;
         Ok(Self { tx })
@@ -43,8 +64,9 @@ impl MemcpyExecutor {
 
 /// Where the other end of a memcpy piece is.
 pub(crate) trait RemotePointers: Send + Sync {
-    /// Pointer to `len` bytes at `offset` of the remote region, checked; or why not.
-    fn remote_ptr(&self, region: u64, offset: u64, len: u64) -> Result<*mut u8>;
+    /// Pointer to `len` bytes at `offset` of the remote region, checked, with whatever keeps
+    /// that memory alive while the copy runs; or why not.
+    fn remote_ptr(&self, region: u64, offset: u64, len: u64) -> Result<(*mut u8, KeepAlive)>;
     /// Whether the peer is still there.
     fn peer_alive(&self) -> Result<()>;
 }
@@ -57,7 +79,7 @@ pub(crate) fn run_pieces(pieces: Vec<PlannedOp>, batch: Arc<BatchState>, remote:
             return;
         }
         let res = remote.peer_alive().and_then(|()| {
-            let rptr = remote.remote_ptr(op.remote_region, op.remote_offset, op.len)?;
+            let (rptr, _keep) = remote.remote_ptr(op.remote_region, op.remote_offset, op.len)?;
             let lptr = op.local.ptr_at(op.local_offset);
             // SAFETY: both ranges were checked (local at submit, remote just now) and their
             // memory is kept mapped by `op.local` and the peer mapping; batches never overlap

@@ -29,6 +29,12 @@ pub(crate) const OP_GET_REGIONS: u8 = 2;
 pub(crate) const OP_WRITE: u8 = 3;
 pub(crate) const OP_READ: u8 = 4;
 pub(crate) const OP_NOTIFY: u8 = 5;
+/// RDMA: exchange queue-pair endpoints (payload: JSON endpoint; answer: the target's).
+pub(crate) const OP_RDMA_CONNECT: u8 = 6;
+
+/// Accepts an RDMA connection: takes the initiator's endpoint, returns the target's endpoint and
+/// the state (queue pair) to keep while the control connection lives.
+pub(crate) type RdmaAcceptHook = Arc<dyn Fn(&[u8]) -> Result<(Vec<u8>, Box<dyn std::any::Any + Send>)> + Send + Sync>;
 
 pub(crate) const ST_OK: u8 = 0;
 pub(crate) const ST_REGIONS: u8 = 1;
@@ -96,12 +102,12 @@ pub(crate) fn host_id() -> String {
 }
 
 /// Per-connection server state.
-#[derive(Debug)]
 pub(crate) struct ServerCtx {
     pub(crate) core: Arc<EngineCore>,
     pub(crate) backend: BackendKind,
     pub(crate) peer_name: Arc<Mutex<Option<String>>>,
     pub(crate) remote_addr: String,
+    pub(crate) rdma_accept: Option<RdmaAcceptHook>,
 }
 
 impl ServerCtx {
@@ -172,6 +178,8 @@ where
     W: AsyncWrite + Unpin,
 {
     let max_notify = ctx.core.config.max_notify_bytes as u64;
+    // Per-connection state (RDMA queue pairs) lives as long as this loop.
+    let mut _kept: Vec<Box<dyn std::any::Any + Send>> = Vec::new();
     loop {
         let mut hb = [0u8; REQ_HEADER];
         if !read_exact_or_eof(r, &mut hb).await? {
@@ -254,6 +262,18 @@ where
                         respond(w, ST_DATA, h.req, 0, src).await?;
                     }
                     Err(e) => respond_error(w, h.req, &e).await?,
+                }
+            }
+            OP_RDMA_CONNECT if h.len <= max_notify => {
+                let mut payload = vec![0u8; h.len as usize];
+                r.read_exact(&mut payload).await?;
+                match ctx.rdma_accept.as_ref().map(|hook| hook(&payload)) {
+                    Some(Ok((answer, state))) => {
+                        _kept.push(state);
+                        respond(w, ST_OK, h.req, 0, &answer).await?;
+                    }
+                    Some(Err(e)) => respond_error(w, h.req, &e).await?,
+                    None => respond_error(w, h.req, &TransportError::Unsupported("not an rdma engine".into())).await?,
                 }
             }
             other => {

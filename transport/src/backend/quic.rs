@@ -48,7 +48,7 @@ impl QuicBackend {
                     };
                     let peer_name = Arc::new(Mutex::new(None));
                     while let Ok((mut send, mut recv)) = conn.accept_bi().await {
-                        let ctx = ServerCtx { core: core.clone(), backend: BackendKind::Quic, peer_name: peer_name.clone(), remote_addr: remote.to_string() };
+                        let ctx = ServerCtx { core: core.clone(), backend: BackendKind::Quic, peer_name: peer_name.clone(), remote_addr: remote.to_string(), rdma_accept: None };
                         tokio::spawn(async move {
                             match proto::serve(&ctx, &mut recv, &mut send).await {
                                 Ok(()) => {

@@ -6,7 +6,9 @@
 use std::sync::Arc;
 
 use crate::engine::{Backend, EngineCore};
-use crate::error::{Result, TransportError};
+use crate::error::Result;
+#[cfg(not(feature = "rdma"))]
+use crate::error::TransportError;
 
 #[cfg(feature = "rdma")]
 #[path = "rdma_verbs.rs"]
@@ -35,6 +37,3 @@ pub(crate) fn new_backend(core: &Arc<EngineCore>) -> Result<Box<dyn Backend>> {
         Err(TransportError::Unsupported("this build has no rdma backend (cargo feature `rdma`)".into()))
     }
 }
-
-#[allow(dead_code)]
-fn _unused(_: TransportError) {}

@@ -17,7 +17,7 @@ use std::sync::{Arc, RwLock};
 use pdserve_runtime::memory::{HostMemory, HostMemoryAllocator};
 use pdserve_runtime::wire::{RegionChunk, RegionDescriptor, ShmHandle};
 
-use super::memcpy::{run_pieces, RemotePointers};
+use super::memcpy::{run_pieces, KeepAlive, RemotePointers};
 use super::proto;
 use super::tcp::{listen, TcpConn};
 use crate::engine::{Backend, BackendKind, BatchState, BoxFut, EngineCore, Link, PlannedOp};
@@ -31,7 +31,7 @@ pub(crate) struct ShmBackend {
 
 impl ShmBackend {
     pub(crate) fn new(core: &Arc<EngineCore>) -> Result<Self> {
-        Ok(Self { addr: listen(core, BackendKind::Shm)?, max_reg: core.config.max_registration_bytes })
+        Ok(Self { addr: listen(core, BackendKind::Shm, None)?, max_reg: core.config.max_registration_bytes })
     }
 }
 
@@ -77,10 +77,10 @@ struct ShmRemote {
 }
 
 impl RemotePointers for ShmRemote {
-    fn remote_ptr(&self, region: u64, offset: u64, len: u64) -> Result<*mut u8> {
+    fn remote_ptr(&self, region: u64, offset: u64, len: u64) -> Result<(*mut u8, KeepAlive)> {
         let (rlen, map) = self.maps.get(&region).ok_or(TransportError::UnknownRegion { side: Side::Remote, id: region })?;
         check_range(Side::Remote, region, offset, len, *rlen)?;
-        Ok(map.as_ptr().wrapping_add(offset as usize))
+        Ok((map.as_ptr().wrapping_add(offset as usize), Some(map.clone())))
     }
     fn peer_alive(&self) -> Result<()> {
         if self.link.control.is_alive() {

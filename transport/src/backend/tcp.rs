@@ -23,7 +23,7 @@ use crate::error::{Result, TransportError};
 use crate::memory::{plain_chunks, BackendRegistration};
 
 /// Binds the listener and serves incoming connections with [`proto::serve`].
-pub(crate) fn listen(core: &Arc<EngineCore>, backend: BackendKind) -> Result<SocketAddr> {
+pub(crate) fn listen(core: &Arc<EngineCore>, backend: BackendKind, rdma_accept: Option<proto::RdmaAcceptHook>) -> Result<SocketAddr> {
     let std_listener = std::net::TcpListener::bind(core.config.listen)?;
     std_listener.set_nonblocking(true)?;
     let addr = std_listener.local_addr()?;
@@ -44,6 +44,7 @@ pub(crate) fn listen(core: &Arc<EngineCore>, backend: BackendKind) -> Result<Soc
                 backend,
                 peer_name: Arc::new(Mutex::new(None)),
                 remote_addr: remote.to_string(),
+                rdma_accept: rdma_accept.clone(),
             };
             tokio::spawn(async move {
                 let (mut r, mut w) = stream.into_split();
@@ -56,6 +57,7 @@ pub(crate) fn listen(core: &Arc<EngineCore>, backend: BackendKind) -> Result<Soc
     Ok(addr)
 }
 
+/// The `tcp` backend.
 pub(crate) struct TcpBackend {
     addr: SocketAddr,
     max_reg: Option<u64>,
@@ -63,7 +65,7 @@ pub(crate) struct TcpBackend {
 
 impl TcpBackend {
     pub(crate) fn new(core: &Arc<EngineCore>) -> Result<Self> {
-        Ok(Self { addr: listen(core, BackendKind::Tcp)?, max_reg: core.config.max_registration_bytes })
+        Ok(Self { addr: listen(core, BackendKind::Tcp, None)?, max_reg: core.config.max_registration_bytes })
     }
 }
 

@@ -9,6 +9,8 @@ use pdserve_gpu::sampling::SamplingParams;
 use pdserve_gpu::weights::WeightFormat;
 use std::io::Write;
 
+mod bench_serve;
+
 /// Environment variables that size the compute thread pools (candle and rayon read them once).
 const THREAD_ENV: [&str; 2] = ["RAYON_NUM_THREADS", "CANDLE_NUM_THREADS"];
 
@@ -24,6 +26,8 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Serve a model over an OpenAI-compatible HTTP API (one instance).
+    Serve(ServeArgs),
     /// Generate text from a prompt, streaming it to stdout.
     Generate(GenerateArgs),
     /// Manage models.
@@ -44,6 +48,8 @@ enum ModelCommand {
 enum BenchCommand {
     /// Model speed: prefill tokens/s (128, 512 tokens) and decode tokens/s (batch 1, 8).
     Model(BenchModelArgs),
+    /// Serving load generator against any OpenAI-compatible URL (TTFT, TPOT, ITL, goodput).
+    Serve(bench_serve::BenchServeArgs),
 }
 
 #[derive(Args, Debug, Clone)]
@@ -95,6 +101,60 @@ struct GenerateArgs {
     stop: Vec<String>,
 }
 
+/// `pdserve serve`: every flag overrides the matching config key (defaults < --config file
+/// < PDSERVE_<SECTION>__<KEY> environment < flags).
+#[derive(Args, Debug)]
+struct ServeArgs {
+    /// TOML config file.
+    #[arg(long)]
+    config: Option<std::path::PathBuf>,
+    /// `model.source`: default, a GGUF file, an HF directory, or synthetic:NAME.
+    #[arg(long)]
+    model: Option<String>,
+    /// `model.name`: the name the API serves the model under.
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// `model.tp`.
+    #[arg(long)]
+    tp: Option<usize>,
+    /// `model.weights`: auto, native, q8_0, f32.
+    #[arg(long)]
+    weights: Option<String>,
+    /// `server.host`.
+    #[arg(long)]
+    host: Option<String>,
+    /// `server.port`.
+    #[arg(long)]
+    port: Option<u16>,
+    /// `server.api_key`: require `Authorization: Bearer KEY`.
+    #[arg(long)]
+    api_key: Option<String>,
+    /// `instance.role`: colocated (prefill and decode arrive with the P/D work).
+    #[arg(long)]
+    role: Option<String>,
+    /// `instance.name`.
+    #[arg(long)]
+    name: Option<String>,
+    /// `scheduler.max_num_seqs`.
+    #[arg(long)]
+    max_num_seqs: Option<usize>,
+    /// `scheduler.max_num_batched_tokens`.
+    #[arg(long)]
+    max_num_batched_tokens: Option<usize>,
+    /// `scheduler.block_size`.
+    #[arg(long)]
+    block_size: Option<usize>,
+    /// `scheduler.num_blocks`.
+    #[arg(long)]
+    num_blocks: Option<usize>,
+    /// `logging.format`: human or json.
+    #[arg(long)]
+    log_format: Option<String>,
+    /// Compute threads (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+}
+
 #[derive(Args, Debug)]
 struct BenchModelArgs {
     #[command(flatten)]
@@ -109,7 +169,10 @@ struct BenchModelArgs {
 
 fn main() {
     let cli = Cli::parse();
-    init_logging(cli.log.as_deref());
+    if !matches!(cli.command, Command::Serve(_)) {
+        init_logging(cli.log.as_deref());
+    }
+    pdserve_runtime::telemetry::install_panic_hook();
     if let Err(e) = run(cli) {
         eprintln!("error: {e:#}");
         std::process::exit(1);
@@ -138,6 +201,7 @@ fn set_threads(threads: Option<usize>) -> usize {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
+        Command::Serve(args) => serve(args, cli.log),
         Command::Generate(args) => generate(args),
         Command::Model(ModelCommand::Pull) => {
             let path = pdserve_gpu::fetch::pull_default_model(pdserve_gpu::fetch::Progress::Show)?;
@@ -145,6 +209,7 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Bench(BenchCommand::Model(args)) => bench_model(args),
+        Command::Bench(BenchCommand::Serve(args)) => bench_serve::run(args),
     }
 }
 
@@ -205,4 +270,53 @@ fn bench_model(args: BenchModelArgs) -> Result<()> {
         println!("  decode   batch 8    : {:8.1} tokens/s", r.decode_tps_b8);
     }
     Ok(())
+}
+
+fn parse_flag<T: serde::de::DeserializeOwned>(key: &str, v: Option<String>) -> Result<Option<T>> {
+    v.map(|v| serde_json::from_value(serde_json::Value::String(v.clone())).with_context(|| format!("--{key}: invalid value `{v}`")))
+        .transpose()
+}
+
+fn serve(args: ServeArgs, log: Option<String>) -> Result<()> {
+    use pdserve_runtime::config::{InstanceRole, ServeConfig, ServeFlags};
+    let flags = ServeFlags {
+        model: args.model,
+        served_model_name: args.served_model_name,
+        tp: args.tp,
+        weights: args.weights,
+        host: args.host,
+        port: args.port,
+        api_key: args.api_key,
+        role: parse_flag("role", args.role)?,
+        name: args.name,
+        max_num_seqs: args.max_num_seqs,
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        block_size: args.block_size,
+        num_blocks: args.num_blocks,
+        log_filter: log,
+        log_format: parse_flag("log-format", args.log_format)?,
+    };
+    let cfg = ServeConfig::load(args.config.as_deref(), flags)?;
+    pdserve_runtime::telemetry::init_tracing(&cfg.logging.filter, cfg.logging.format);
+    if cfg.instance.role != InstanceRole::Colocated {
+        bail!("instance.role `{}` is not available in this build yet: only `colocated` serves", cfg.instance.role.as_str());
+    }
+    set_threads(args.threads);
+    let source: ModelSource = cfg.model.source.parse().expect("infallible");
+    let model = load_model(&source).with_context(|| format!("loading model `{source}`"))?;
+    let opts = pdserve_actors::InstanceOptions::from_config(&cfg, model).map_err(anyhow::Error::msg)?;
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(async move {
+        let mut instance = pdserve_actors::Instance::start(opts).await.map_err(anyhow::Error::msg)?;
+        println!("pdserve: serving `{}` at {}", instance.model_name(), instance.url());
+        tracing::info!(url = %instance.url(), "ready");
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => tracing::info!("interrupt: shutting down"),
+            _ = term.recv() => tracing::info!("terminate: shutting down"),
+            _ = instance.stopped() => bail!("the instance stopped after an unrecoverable failure (see the log)"),
+        }
+        instance.stop().await;
+        Ok(())
+    })
 }

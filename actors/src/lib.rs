@@ -1,1 +1,15 @@
-//! The supervised actors of an instance and of the proxy (built by the serving-instance issue).
+//! The supervised actors of a pdserve instance: `InstanceSupervisor`, `Scheduler`,
+//! `TpWorker` × tp and `HttpFrontend` (the P/D actors — KvSender, KvReceiver, Aggregator,
+//! Proxy — join them with the disaggregation work). See `../shared/DESIGN.md`.
+
+pub mod block_manager;
+pub mod error;
+pub mod http;
+pub mod instance;
+pub mod openai;
+pub mod scheduler;
+pub mod supervisor;
+pub mod worker;
+
+pub use error::RequestError;
+pub use instance::{Instance, InstanceOptions};

@@ -39,7 +39,8 @@ impl ChatMessage {
     }
 }
 
-/// A compiled chat template.
+/// A compiled chat template (cheap to clone: the compiled environment is shared).
+#[derive(Clone)]
 pub struct ChatTemplate {
     env: Environment<'static>,
     bos: Option<String>,

@@ -25,16 +25,13 @@ pub type LayerHook = Arc<dyn Fn(usize, usize) + Send + Sync>;
 
 type KvJob = Box<dyn FnOnce(&mut KvCache) + Send>;
 
-enum Job {
-    Forward { batch: Arc<Batch>, hook: Option<LayerHook>, reply: SyncSender<Result<Vec<Vec<f32>>>> },
-    WithKv { job: KvJob },
-}
+/// Receives the outcome of one forward step on one rank (logits of rank 0; every rank returns
+/// the same values). Runs on the rank's thread: keep it short (send a message).
+pub type StepCallback = Box<dyn FnOnce(Result<Vec<Vec<f32>>>) + Send>;
 
-struct Rank {
-    jobs: SyncSender<Job>,
-    thread: Option<JoinHandle<()>>,
-    layout: KvLayout,
-    comm: ThreadCollective,
+enum Job {
+    Forward { batch: Arc<Batch>, hook: Option<LayerHook>, done: StepCallback },
+    WithKv { job: KvJob },
 }
 
 /// What to build a group from.
@@ -50,9 +47,125 @@ pub struct TpOptions {
     pub format: WeightFormat,
 }
 
-/// A model split over `tp` rank threads.
+/// Jobs a rank thread may have queued beyond the one it runs (bounded: a caller that gets
+/// ahead is told so instead of queueing without limit).
+const RANK_QUEUE: usize = 4;
+
+/// One tensor-parallel rank: a named OS thread (`pdserve-tp{rank}`) that owns the rank's model
+/// shard and KV cache and runs the jobs it is sent, reporting through callbacks.
+pub struct RankExecutor {
+    rank: usize,
+    jobs: Option<SyncSender<Job>>,
+    thread: Option<JoinHandle<()>>,
+    layout: KvLayout,
+    comm: ThreadCollective,
+}
+
+impl std::fmt::Debug for RankExecutor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RankExecutor").field("rank", &self.rank).field("layout", &self.layout).finish()
+    }
+}
+
+impl RankExecutor {
+    /// Cuts rank `comm.rank()` of `opts.tp` out of `store`, allocates its KV cache through
+    /// `alloc` and starts its thread.
+    ///
+    /// # Errors
+    /// [`ModelError::BadTpSize`], weight errors, memory errors, thread spawn errors.
+    pub fn spawn(
+        config: &ModelConfig,
+        store: &TensorStore,
+        comm: ThreadCollective,
+        opts: &TpOptions,
+        alloc: &dyn HostMemoryAllocator,
+    ) -> Result<Self> {
+        let rank = comm.rank();
+        let shard = ModelShard::load(config, store, rank, opts.tp, opts.format)?;
+        let layout = KvLayout {
+            num_layers: config.num_layers,
+            num_blocks: opts.num_blocks,
+            block_size: opts.block_size,
+            num_kv_heads: config.num_kv_heads / opts.tp,
+            head_dim: config.head_dim,
+            dtype: crate::kv::KvDtype::F32,
+        };
+        let kv = KvCache::new(layout, alloc)?;
+        let (tx, rx) = sync_channel::<Job>(RANK_QUEUE);
+        let rank_comm = comm.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("pdserve-tp{rank}"))
+            .spawn(move || rank_loop(shard, kv, rank_comm, rx))?;
+        Ok(Self { rank, jobs: Some(tx), thread: Some(thread), layout, comm })
+    }
+
+    /// This rank's index.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// This rank's KV layout.
+    pub fn layout(&self) -> KvLayout {
+        self.layout
+    }
+
+    /// Queues a forward step; `done` gets the result on the rank thread.
+    ///
+    /// # Errors
+    /// [`ModelError::RankFailed`] when the queue is full or the thread is gone (then `done`
+    /// is not called).
+    pub fn submit(&self, batch: Arc<Batch>, hook: Option<LayerHook>, done: StepCallback) -> Result<()> {
+        self.send(Job::Forward { batch, hook, done })
+    }
+
+    /// Runs `f` on this rank's KV cache, on the rank thread, between steps, and waits for it.
+    ///
+    /// # Errors
+    /// [`ModelError::RankFailed`] when the thread is gone.
+    pub fn with_kv<T: Send + 'static>(&self, f: impl FnOnce(&mut KvCache) -> T + Send + 'static) -> Result<T> {
+        let (tx, rx) = sync_channel(1);
+        let job: KvJob = Box::new(move |kv| {
+            let _ = tx.send(f(kv));
+        });
+        self.send(Job::WithKv { job })?;
+        rx.recv().map_err(|_| self.gone("rank thread is gone"))
+    }
+
+    /// Fails every collective this group is waiting in (a peer rank died).
+    pub fn poison(&self, reason: &str) {
+        self.comm.poison(reason);
+    }
+
+    /// Clears a poisoned collective once no rank is inside a step.
+    pub fn reset(&self) {
+        self.comm.reset();
+    }
+
+    fn gone(&self, reason: &str) -> ModelError {
+        ModelError::RankFailed { rank: self.rank, reason: reason.into() }
+    }
+
+    fn send(&self, job: Job) -> Result<()> {
+        let tx = self.jobs.as_ref().ok_or_else(|| self.gone("rank is shutting down"))?;
+        tx.try_send(job).map_err(|e| match e {
+            std::sync::mpsc::TrySendError::Full(_) => self.gone("rank queue is full"),
+            std::sync::mpsc::TrySendError::Disconnected(_) => self.gone("rank thread is gone"),
+        })
+    }
+}
+
+impl Drop for RankExecutor {
+    fn drop(&mut self) {
+        // Closing the channel ends the loop once the job in hand is done. The thread is not
+        // joined: a dying owner (an actor on an async thread) must not wait on compute.
+        self.jobs = None;
+        drop(self.thread.take());
+    }
+}
+
+/// A model split over `tp` [`RankExecutor`]s, stepped together.
 pub struct TpGroup {
-    ranks: Vec<Rank>,
+    ranks: Vec<RankExecutor>,
     config: ModelConfig,
 }
 
@@ -64,7 +177,7 @@ impl std::fmt::Debug for TpGroup {
 
 impl TpGroup {
     /// Cuts the shards, allocates each rank's KV cache through `alloc`, and starts the rank
-    /// threads (`pdserve-tp{rank}`).
+    /// threads.
     ///
     /// # Errors
     /// [`ModelError::BadTpSize`], weight errors, or memory errors from the allocator.
@@ -75,26 +188,10 @@ impl TpGroup {
         alloc: &dyn HostMemoryAllocator,
     ) -> Result<Self> {
         config.check_tp(opts.tp)?;
-        let comms = ThreadCollective::group(opts.tp, COLLECTIVE_TIMEOUT);
-        let mut ranks = Vec::with_capacity(opts.tp);
-        for (r, comm) in comms.into_iter().enumerate() {
-            let shard = ModelShard::load(config, store, r, opts.tp, opts.format)?;
-            let layout = KvLayout {
-                num_layers: config.num_layers,
-                num_blocks: opts.num_blocks,
-                block_size: opts.block_size,
-                num_kv_heads: config.num_kv_heads / opts.tp,
-                head_dim: config.head_dim,
-                dtype: crate::kv::KvDtype::F32,
-            };
-            let kv = KvCache::new(layout, alloc)?;
-            let (tx, rx) = sync_channel::<Job>(2);
-            let rank_comm = comm.clone();
-            let thread = std::thread::Builder::new()
-                .name(format!("pdserve-tp{r}"))
-                .spawn(move || rank_loop(shard, kv, rank_comm, rx))?;
-            ranks.push(Rank { jobs: tx, thread: Some(thread), layout, comm });
-        }
+        let ranks = ThreadCollective::group(opts.tp, COLLECTIVE_TIMEOUT)
+            .into_iter()
+            .map(|comm| RankExecutor::spawn(config, store, comm, opts, alloc))
+            .collect::<Result<Vec<_>>>()?;
         Ok(Self { ranks, config: config.clone() })
     }
 
@@ -129,12 +226,19 @@ impl TpGroup {
     pub fn step_with_hook(&self, batch: Batch, hook: Option<LayerHook>) -> Result<Vec<Vec<f32>>> {
         let batch = Arc::new(batch);
         let mut replies: Vec<Receiver<Result<Vec<Vec<f32>>>>> = Vec::new();
-        for (r, rank) in self.ranks.iter().enumerate() {
+        for rank in &self.ranks {
             let (tx, rx) = sync_channel(1);
-            let job = Job::Forward { batch: batch.clone(), hook: hook.clone(), reply: tx };
-            if rank.jobs.send(job).is_err() {
-                self.ranks.iter().for_each(|r| r.comm.poison("a rank thread is gone"));
-                return Err(ModelError::RankFailed { rank: r, reason: "rank thread is gone".into() });
+            let done: StepCallback = Box::new(move |r| {
+                let _ = tx.send(r);
+            });
+            if let Err(e) = rank.submit(batch.clone(), hook.clone(), done) {
+                rank.poison(&e.to_string());
+                // Drain the ranks already started so none is left inside a collective.
+                for rx in replies {
+                    let _ = rx.recv();
+                }
+                rank.reset();
+                return Err(e);
             }
             replies.push(rx);
         }
@@ -142,25 +246,19 @@ impl TpGroup {
         let mut logits = Vec::new();
         for (r, rx) in replies.into_iter().enumerate() {
             match rx.recv() {
-                Ok(Ok(l)) => {
-                    if r == 0 {
-                        logits = l;
-                    }
-                }
+                Ok(Ok(l)) if r == 0 => logits = l,
+                Ok(Ok(_)) => {}
                 Ok(Err(e)) => {
                     first_err.get_or_insert(e);
                 }
                 Err(_) => {
-                    first_err.get_or_insert(ModelError::RankFailed {
-                        rank: r,
-                        reason: "rank thread exited".into(),
-                    });
+                    first_err.get_or_insert(ModelError::RankFailed { rank: r, reason: "rank thread exited".into() });
                 }
             }
         }
         if let Some(e) = first_err {
             // Every rank has answered: nobody is inside a collective, so it can be cleared.
-            self.ranks[0].comm.reset();
+            self.ranks[0].reset();
             return Err(e);
         }
         Ok(logits)
@@ -175,26 +273,7 @@ impl TpGroup {
         rank: usize,
         f: impl FnOnce(&mut KvCache) -> T + Send + 'static,
     ) -> Result<T> {
-        let (tx, rx) = sync_channel(1);
-        let job: KvJob = Box::new(move |kv| {
-            let _ = tx.send(f(kv));
-        });
-        let gone = || ModelError::RankFailed { rank, reason: "rank thread is gone".into() };
-        self.ranks[rank].jobs.send(Job::WithKv { job }).map_err(|_| gone())?;
-        rx.recv().map_err(|_| gone())
-    }
-}
-
-impl Drop for TpGroup {
-    fn drop(&mut self) {
-        for rank in &mut self.ranks {
-            // Closing the channel ends the loop.
-            let (dead, _) = sync_channel(1);
-            rank.jobs = dead;
-            if let Some(t) = rank.thread.take() {
-                let _ = t.join();
-            }
-        }
+        self.ranks[rank].with_kv(f)
     }
 }
 
@@ -202,7 +281,7 @@ fn rank_loop(shard: ModelShard, mut kv: KvCache, comm: ThreadCollective, jobs: R
     let rank = comm.rank();
     while let Ok(job) = jobs.recv() {
         match job {
-            Job::Forward { batch, hook, reply } => {
+            Job::Forward { batch, hook, done } => {
                 let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                     let mut on_layer = |l: usize| {
                         if let Some(h) = &hook {
@@ -222,7 +301,7 @@ fn rank_loop(shard: ModelShard, mut kv: KvCache, comm: ThreadCollective, jobs: R
                 if let Err(e) = &result {
                     comm.poison(&e.to_string());
                 }
-                let _ = reply.send(result);
+                done(result);
             }
             Job::WithKv { job } => job(&mut kv),
         }

@@ -6,5 +6,12 @@
 /// The pdserve version, part of the compatibility hash two instances compare at handshake.
 pub const PDSERVE_VERSION: &str = env!("CARGO_PKG_VERSION");
 
+pub mod config;
+pub mod error;
+pub mod ids;
 pub mod memory;
+pub mod supervision;
+pub mod telemetry;
+
+pub use error::{ConfigError, RuntimeError};
 pub mod wire;

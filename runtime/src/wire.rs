@@ -85,7 +85,9 @@ pub struct Hello {
 }
 
 /// Load figures carried by heartbeats (used by the proxy to pick instances).
-#[derive(Debug, Clone, Default, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+#[derive(
+    Debug, Clone, Default, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize,
+)]
 pub struct LoadFigures {
     /// Requests running now.
     pub running: u32,
@@ -225,7 +227,11 @@ pub struct Envelope {
 pub fn to_archive<T>(value: &T) -> Result<AlignedVec, WireError>
 where
     T: for<'a> rkyv::Serialize<
-        rkyv::api::high::HighSerializer<AlignedVec, rkyv::ser::allocator::ArenaHandle<'a>, rancor::Error>,
+        rkyv::api::high::HighSerializer<
+            AlignedVec,
+            rkyv::ser::allocator::ArenaHandle<'a>,
+            rancor::Error,
+        >,
     >,
 {
     rkyv::to_bytes::<rancor::Error>(value).map_err(|e| WireError::Encode(e.to_string()))
@@ -256,7 +262,10 @@ where
 pub fn encode_frame(envelope: &Envelope, max_frame_bytes: usize) -> Result<Vec<u8>, WireError> {
     let payload = to_archive(envelope)?;
     if payload.len() > max_frame_bytes || payload.len() > u32::MAX as usize {
-        return Err(WireError::FrameTooLarge { len: payload.len(), max: max_frame_bytes });
+        return Err(WireError::FrameTooLarge {
+            len: payload.len(),
+            max: max_frame_bytes,
+        });
     }
     let mut frame = Vec::with_capacity(FRAME_HEADER_BYTES + payload.len());
     frame.extend_from_slice(&(payload.len() as u32).to_le_bytes());
@@ -268,10 +277,16 @@ pub fn encode_frame(envelope: &Envelope, max_frame_bytes: usize) -> Result<Vec<u
 ///
 /// # Errors
 /// [`WireError::FrameTooLarge`] when the declared length exceeds `max_frame_bytes`.
-pub fn frame_len(header: [u8; FRAME_HEADER_BYTES], max_frame_bytes: usize) -> Result<usize, WireError> {
+pub fn frame_len(
+    header: [u8; FRAME_HEADER_BYTES],
+    max_frame_bytes: usize,
+) -> Result<usize, WireError> {
     let len = u32::from_le_bytes(header) as usize;
     if len > max_frame_bytes {
-        return Err(WireError::FrameTooLarge { len, max: max_frame_bytes });
+        return Err(WireError::FrameTooLarge {
+            len,
+            max: max_frame_bytes,
+        });
     }
     Ok(len)
 }
@@ -293,14 +308,20 @@ pub fn decode_payload(payload: &[u8]) -> Result<Envelope, WireError> {
 /// [`decode_payload`].
 pub fn decode_frame(bytes: &[u8], max_frame_bytes: usize) -> Result<(Envelope, usize), WireError> {
     if bytes.len() < FRAME_HEADER_BYTES {
-        return Err(WireError::Truncated { needed: FRAME_HEADER_BYTES, have: bytes.len() });
+        return Err(WireError::Truncated {
+            needed: FRAME_HEADER_BYTES,
+            have: bytes.len(),
+        });
     }
     let mut header = [0u8; FRAME_HEADER_BYTES];
     header.copy_from_slice(&bytes[..FRAME_HEADER_BYTES]);
     let len = frame_len(header, max_frame_bytes)?;
     let end = FRAME_HEADER_BYTES + len;
     if bytes.len() < end {
-        return Err(WireError::Truncated { needed: end, have: bytes.len() });
+        return Err(WireError::Truncated {
+            needed: end,
+            have: bytes.len(),
+        });
     }
     Ok((decode_payload(&bytes[FRAME_HEADER_BYTES..end])?, end))
 }
@@ -315,7 +336,10 @@ pub struct FrameDecoder {
 impl FrameDecoder {
     /// A decoder that refuses frames larger than `max_frame_bytes`.
     pub fn new(max_frame_bytes: usize) -> Self {
-        Self { buf: Vec::new(), max_frame_bytes }
+        Self {
+            buf: Vec::new(),
+            max_frame_bytes,
+        }
     }
 
     /// Appends received bytes.
@@ -363,30 +387,60 @@ mod tests {
             ControlMessage::Heartbeat(Heartbeat {
                 node: "n1".into(),
                 seq: 7,
-                load: LoadFigures { running: 1, waiting: 2, free_blocks: 3, total_blocks: 4 },
+                load: LoadFigures {
+                    running: 1,
+                    waiting: 2,
+                    free_blocks: 3,
+                    total_blocks: 4,
+                },
             }),
             ControlMessage::GetRegisteredMemory,
             ControlMessage::RegisteredMemory {
                 regions: vec![RegionDescriptor {
                     id: 1,
                     len: 8192,
-                    chunks: vec![RegionChunk { offset: 0, len: 8192, addr: 0xdead, rkey: 9 }],
-                    shm: Some(ShmHandle { pid: 1, fd: 3, inode: 77 }),
+                    chunks: vec![RegionChunk {
+                        offset: 0,
+                        len: 8192,
+                        addr: 0xdead,
+                        rkey: 9,
+                    }],
+                    shm: Some(ShmHandle {
+                        pid: 1,
+                        fd: 3,
+                        inode: 77,
+                    }),
                 }],
             },
-            ControlMessage::Notify { bytes: vec![1, 2, 3] },
+            ControlMessage::Notify {
+                bytes: vec![1, 2, 3],
+            },
             ControlMessage::Ping { nonce: 5 },
             ControlMessage::Pong { nonce: 5 },
-            ControlMessage::Error(ErrorMessage { kind: "timeout".into(), message: "slow".into() }),
-            ControlMessage::Opaque { topic: "kv".into(), body: vec![0; 100] },
+            ControlMessage::Error(ErrorMessage {
+                kind: "timeout".into(),
+                message: "slow".into(),
+            }),
+            ControlMessage::Opaque {
+                topic: "kv".into(),
+                body: vec![0; 100],
+            },
         ]
     }
 
     #[test]
     fn every_message_round_trips_through_a_frame() {
         for (i, message) in samples().into_iter().enumerate() {
-            for kind in [EnvelopeKind::OneWay, EnvelopeKind::Request, EnvelopeKind::Response] {
-                let env = Envelope { id: i as u64, kind, message: message.clone() };
+            for kind in [
+                EnvelopeKind::OneWay,
+                EnvelopeKind::Request,
+                EnvelopeKind::Response,
+            ] {
+                let env = Envelope {
+                    id: i as u64,
+                    kind,
+                    message: message.clone(),
+                };
                 let frame = encode_frame(&env, DEFAULT_MAX_FRAME_BYTES).unwrap();
                 let (back, used) = decode_frame(&frame, DEFAULT_MAX_FRAME_BYTES).unwrap();
                 assert_eq!(back, env);
@@ -397,7 +451,11 @@ mod tests {
 
     #[test]
     fn truncated_frames_are_errors_at_every_cut() {
-        let env = Envelope { id: 1, kind: EnvelopeKind::Request, message: samples()[3].clone() };
+        let env = Envelope {
+            id: 1,
+            kind: EnvelopeKind::Request,
+            message: samples()[3].clone(),
+        };
         let frame = encode_frame(&env, DEFAULT_MAX_FRAME_BYTES).unwrap();
         for cut in 0..frame.len() {
             match decode_frame(&frame[..cut], DEFAULT_MAX_FRAME_BYTES) {
@@ -417,22 +475,37 @@ mod tests {
         let env = Envelope {
             id: 1,
             kind: EnvelopeKind::OneWay,
-            message: ControlMessage::Notify { bytes: vec![0; 2000] },
+            message: ControlMessage::Notify {
+                bytes: vec![0; 2000],
+            },
         };
-        assert!(matches!(encode_frame(&env, 1000), Err(WireError::FrameTooLarge { .. })));
+        assert!(matches!(
+            encode_frame(&env, 1000),
+            Err(WireError::FrameTooLarge { .. })
+        ));
         let frame = encode_frame(&env, DEFAULT_MAX_FRAME_BYTES).unwrap();
-        assert!(matches!(decode_frame(&frame, 1000), Err(WireError::FrameTooLarge { .. })));
+        assert!(matches!(
+            decode_frame(&frame, 1000),
+            Err(WireError::FrameTooLarge { .. })
+        ));
         // The streaming decoder refuses on the header alone.
         let mut dec = FrameDecoder::new(1000);
         dec.push(&frame[..4]);
-        assert!(matches!(dec.next_frame(), Err(WireError::FrameTooLarge { .. })));
+        assert!(matches!(
+            dec.next_frame(),
+            Err(WireError::FrameTooLarge { .. })
+        ));
     }
 
     #[test]
     fn stream_decoder_splits_frames_fed_byte_by_byte() {
         let mut stream = Vec::new();
         for (i, m) in samples().into_iter().enumerate() {
-            let env = Envelope { id: i as u64, kind: EnvelopeKind::OneWay, message: m };
+            let env = Envelope {
+                id: i as u64,
+                kind: EnvelopeKind::OneWay,
+                message: m,
+            };
             stream.extend(encode_frame(&env, DEFAULT_MAX_FRAME_BYTES).unwrap());
         }
         let mut dec = FrameDecoder::new(DEFAULT_MAX_FRAME_BYTES);
@@ -449,7 +522,10 @@ mod tests {
 
     #[test]
     fn garbage_payloads_are_malformed() {
-        assert!(matches!(decode_payload(&[0xff; 64]), Err(WireError::Malformed(_))));
+        assert!(matches!(
+            decode_payload(&[0xff; 64]),
+            Err(WireError::Malformed(_))
+        ));
         assert!(matches!(decode_payload(&[]), Err(WireError::Malformed(_))));
     }
 

@@ -24,8 +24,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pdserve_runtime::wire::{
-    decode_payload, encode_frame, frame_len, ControlMessage, Envelope, EnvelopeKind, ErrorMessage, Heartbeat, Hello,
-    LoadFigures, Role, WireError, DEFAULT_MAX_FRAME_BYTES, FRAME_HEADER_BYTES,
+    decode_payload, encode_frame, frame_len, ControlMessage, Envelope, EnvelopeKind, ErrorMessage,
+    Heartbeat, Hello, LoadFigures, Role, WireError, DEFAULT_MAX_FRAME_BYTES, FRAME_HEADER_BYTES,
 };
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -66,7 +66,9 @@ impl Default for ControlConfig {
 /// Writes one frame on a stream.
 async fn write_frame(send: &mut quinn::SendStream, env: &Envelope, max: usize) -> Result<()> {
     let frame = encode_frame(env, max)?;
-    send.write_all(&frame).await.map_err(|e| TransportError::peer_gone("control peer", e))?;
+    send.write_all(&frame)
+        .await
+        .map_err(|e| TransportError::peer_gone("control peer", e))?;
     let _ = send.finish();
     Ok(())
 }
@@ -83,9 +85,10 @@ async fn read_frame(recv: &mut quinn::RecvStream, max: usize) -> Result<Envelope
 
 async fn read_exact_stream(recv: &mut quinn::RecvStream, buf: &mut [u8]) -> Result<()> {
     recv.read_exact(buf).await.map_err(|e| match e {
-        quinn::ReadExactError::FinishedEarly(have) => {
-            TransportError::Wire(WireError::Truncated { needed: buf.len(), have })
-        }
+        quinn::ReadExactError::FinishedEarly(have) => TransportError::Wire(WireError::Truncated {
+            needed: buf.len(),
+            have,
+        }),
         quinn::ReadExactError::ReadError(e) => TransportError::peer_gone("control peer", e),
     })
 }
@@ -95,7 +98,10 @@ fn error_message(e: &TransportError) -> ControlMessage {
         TransportError::Wire(w) => w.kind(),
         other => other.kind(),
     };
-    ControlMessage::Error(ErrorMessage { kind: kind.to_string(), message: e.to_string() })
+    ControlMessage::Error(ErrorMessage {
+        kind: kind.to_string(),
+        message: e.to_string(),
+    })
 }
 
 /// A message received on a [`ControlConnection`].
@@ -122,7 +128,11 @@ impl Responder {
     /// [`TransportError::Wire`] when it does not encode or is too large;
     /// [`TransportError::PeerGone`] when the stream is gone.
     pub async fn respond(mut self, message: ControlMessage) -> Result<()> {
-        let env = Envelope { id: self.id, kind: EnvelopeKind::Response, message };
+        let env = Envelope {
+            id: self.id,
+            kind: EnvelopeKind::Response,
+            message,
+        };
         write_frame(&mut self.send, &env, self.max_frame).await
     }
 }
@@ -153,7 +163,13 @@ impl std::fmt::Debug for ControlConnection {
 impl ControlConnection {
     fn start(conn: quinn::Connection, peer: Hello, config: ControlConfig) -> Self {
         let (tx, rx) = mpsc::channel(config.queue_depth);
-        let shared = Arc::new(ConnShared { conn, peer, next_id: AtomicU64::new(1), config, last_heartbeat: Mutex::new(None) });
+        let shared = Arc::new(ConnShared {
+            conn,
+            peer,
+            next_id: AtomicU64::new(1),
+            config,
+            last_heartbeat: Mutex::new(None),
+        });
         let s = shared.clone();
         tokio::spawn(async move {
             loop {
@@ -170,7 +186,10 @@ impl ControlConnection {
             }
             tracing::debug!(peer = %s.peer.node, "control connection closed");
         });
-        Self { shared, incoming: tokio::sync::Mutex::new(rx) }
+        Self {
+            shared,
+            incoming: tokio::sync::Mutex::new(rx),
+        }
     }
 
     /// The peer's greeting (cluster, node, role, version).
@@ -190,7 +209,11 @@ impl ControlConnection {
 
     /// The last heartbeat received and when.
     pub fn last_heartbeat(&self) -> Option<(Instant, Heartbeat)> {
-        self.shared.last_heartbeat.lock().expect("heartbeat poisoned").clone()
+        self.shared
+            .last_heartbeat
+            .lock()
+            .expect("heartbeat poisoned")
+            .clone()
     }
 
     /// The underlying QUIC connection (for diagnostics and tests).
@@ -211,20 +234,42 @@ impl ControlConnection {
         let max = self.shared.config.max_frame_bytes;
         let conn = self.shared.conn.clone();
         let fut = async move {
-            let (mut send, mut recv) = conn.open_bi().await.map_err(|e| TransportError::peer_gone("control peer", e))?;
-            write_frame(&mut send, &Envelope { id, kind: EnvelopeKind::Request, message }, max).await?;
+            let (mut send, mut recv) = conn
+                .open_bi()
+                .await
+                .map_err(|e| TransportError::peer_gone("control peer", e))?;
+            write_frame(
+                &mut send,
+                &Envelope {
+                    id,
+                    kind: EnvelopeKind::Request,
+                    message,
+                },
+                max,
+            )
+            .await?;
             read_frame(&mut recv, max).await
         };
-        let env = tokio::time::timeout(timeout, fut)
-            .await
-            .map_err(|_| TransportError::Timeout { what: "control request".into(), after: timeout })??;
+        let env =
+            tokio::time::timeout(timeout, fut)
+                .await
+                .map_err(|_| TransportError::Timeout {
+                    what: "control request".into(),
+                    after: timeout,
+                })??;
         // A frame the peer could not decode is answered with an Error carrying id 0.
         let undecodable = env.id == 0 && matches!(env.message, ControlMessage::Error(_));
         if env.kind != EnvelopeKind::Response || (env.id != id && !undecodable) {
-            return Err(TransportError::Protocol(format!("expected response {id}, got {:?} {}", env.kind, env.id)));
+            return Err(TransportError::Protocol(format!(
+                "expected response {id}, got {:?} {}",
+                env.kind, env.id
+            )));
         }
         match env.message {
-            ControlMessage::Error(e) => Err(TransportError::Remote { kind: e.kind, message: e.message }),
+            ControlMessage::Error(e) => Err(TransportError::Remote {
+                kind: e.kind,
+                message: e.message,
+            }),
             other => Ok(other),
         }
     }
@@ -235,8 +280,22 @@ impl ControlConnection {
     /// [`TransportError::PeerGone`] when the connection is gone; [`TransportError::Wire`].
     pub async fn send(&self, message: ControlMessage) -> Result<()> {
         let max = self.shared.config.max_frame_bytes;
-        let mut send = self.shared.conn.open_uni().await.map_err(|e| TransportError::peer_gone(&self.shared.peer.node, e))?;
-        write_frame(&mut send, &Envelope { id: 0, kind: EnvelopeKind::OneWay, message }, max).await
+        let mut send = self
+            .shared
+            .conn
+            .open_uni()
+            .await
+            .map_err(|e| TransportError::peer_gone(&self.shared.peer.node, e))?;
+        write_frame(
+            &mut send,
+            &Envelope {
+                id: 0,
+                kind: EnvelopeKind::OneWay,
+                message,
+            },
+            max,
+        )
+        .await
     }
 
     /// Measures a round trip with `Ping`/`Pong`.
@@ -248,7 +307,9 @@ impl ControlConnection {
         let start = Instant::now();
         match self.request(ControlMessage::Ping { nonce }).await? {
             ControlMessage::Pong { nonce: n } if n == nonce => Ok(start.elapsed()),
-            other => Err(TransportError::Protocol(format!("ping answered with {other:?}"))),
+            other => Err(TransportError::Protocol(format!(
+                "ping answered with {other:?}"
+            ))),
         }
     }
 
@@ -259,7 +320,9 @@ impl ControlConnection {
 
     /// Closes the connection.
     pub fn close(&self) {
-        self.shared.conn.close(quinn::VarInt::from_u32(0), b"closed");
+        self.shared
+            .conn
+            .close(quinn::VarInt::from_u32(0), b"closed");
     }
 }
 
@@ -269,33 +332,77 @@ impl Drop for ControlConnection {
     }
 }
 
-async fn handle_bi(s: Arc<ConnShared>, mut send: quinn::SendStream, mut recv: quinn::RecvStream, tx: mpsc::Sender<Incoming>) {
+async fn handle_bi(
+    s: Arc<ConnShared>,
+    mut send: quinn::SendStream,
+    mut recv: quinn::RecvStream,
+    tx: mpsc::Sender<Incoming>,
+) {
     let max = s.config.max_frame_bytes;
     let env = match read_frame(&mut recv, max).await {
         Ok(env) => env,
         Err(e) => {
             tracing::warn!(peer = %s.peer.node, error = %e, "rejected control frame");
-            let _ = write_frame(&mut send, &Envelope { id: 0, kind: EnvelopeKind::Response, message: error_message(&e) }, max).await;
+            let _ = write_frame(
+                &mut send,
+                &Envelope {
+                    id: 0,
+                    kind: EnvelopeKind::Response,
+                    message: error_message(&e),
+                },
+                max,
+            )
+            .await;
             return;
         }
     };
     if env.kind != EnvelopeKind::Request {
         let e = TransportError::Protocol(format!("{:?} on a request stream", env.kind));
-        let _ = write_frame(&mut send, &Envelope { id: env.id, kind: EnvelopeKind::Response, message: error_message(&e) }, max).await;
+        let _ = write_frame(
+            &mut send,
+            &Envelope {
+                id: env.id,
+                kind: EnvelopeKind::Response,
+                message: error_message(&e),
+            },
+            max,
+        )
+        .await;
         return;
     }
     match env.message {
         ControlMessage::Ping { nonce } => {
-            let _ = write_frame(&mut send, &Envelope { id: env.id, kind: EnvelopeKind::Response, message: ControlMessage::Pong { nonce } }, max).await;
+            let _ = write_frame(
+                &mut send,
+                &Envelope {
+                    id: env.id,
+                    kind: EnvelopeKind::Response,
+                    message: ControlMessage::Pong { nonce },
+                },
+                max,
+            )
+            .await;
         }
         message => {
             if let ControlMessage::Heartbeat(hb) = &message {
-                *s.last_heartbeat.lock().expect("heartbeat poisoned") = Some((Instant::now(), hb.clone()));
+                *s.last_heartbeat.lock().expect("heartbeat poisoned") =
+                    Some((Instant::now(), hb.clone()));
             }
-            let incoming = Incoming { message, responder: Some(Responder { send, id: env.id, max_frame: max }) };
+            let incoming = Incoming {
+                message,
+                responder: Some(Responder {
+                    send,
+                    id: env.id,
+                    max_frame: max,
+                }),
+            };
             if let Err(mpsc::error::TrySendError::Full(i)) = tx.try_send(incoming) {
                 if let Some(r) = i.responder {
-                    let _ = r.respond(error_message(&TransportError::Busy("control queue full".into()))).await;
+                    let _ = r
+                        .respond(error_message(&TransportError::Busy(
+                            "control queue full".into(),
+                        )))
+                        .await;
                 }
             }
         }
@@ -306,13 +413,22 @@ async fn handle_uni(s: Arc<ConnShared>, mut recv: quinn::RecvStream, tx: mpsc::S
     match read_frame(&mut recv, s.config.max_frame_bytes).await {
         Ok(env) if env.kind == EnvelopeKind::OneWay => {
             if let ControlMessage::Heartbeat(hb) = &env.message {
-                *s.last_heartbeat.lock().expect("heartbeat poisoned") = Some((Instant::now(), hb.clone()));
+                *s.last_heartbeat.lock().expect("heartbeat poisoned") =
+                    Some((Instant::now(), hb.clone()));
             }
-            if tx.try_send(Incoming { message: env.message, responder: None }).is_err() {
+            if tx
+                .try_send(Incoming {
+                    message: env.message,
+                    responder: None,
+                })
+                .is_err()
+            {
                 tracing::warn!(peer = %s.peer.node, "control queue full: one-way message dropped");
             }
         }
-        Ok(env) => tracing::warn!(peer = %s.peer.node, kind = ?env.kind, "rejected control frame: not one-way on a one-way stream"),
+        Ok(env) => {
+            tracing::warn!(peer = %s.peer.node, kind = ?env.kind, "rejected control frame: not one-way on a one-way stream")
+        }
         Err(e) => tracing::warn!(peer = %s.peer.node, error = %e, "rejected control frame"),
     }
 }
@@ -329,7 +445,10 @@ pub struct ControlEndpoint {
 
 impl std::fmt::Debug for ControlEndpoint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ControlEndpoint").field("hello", &self.hello).field("addr", &self.endpoint.local_addr().ok()).finish()
+        f.debug_struct("ControlEndpoint")
+            .field("hello", &self.hello)
+            .field("addr", &self.endpoint.local_addr().ok())
+            .finish()
     }
 }
 
@@ -339,7 +458,11 @@ impl ControlEndpoint {
     /// # Errors
     /// TLS errors for unusable credentials; I/O errors binding.
     pub fn bind(creds: &MemberCredentials, config: ControlConfig) -> Result<Self> {
-        let endpoint = creds.quic_endpoint(config.listen, ALPN_CONTROL, quic_transport(config.idle_timeout)?)?;
+        let endpoint = creds.quic_endpoint(
+            config.listen,
+            ALPN_CONTROL,
+            quic_transport(config.idle_timeout)?,
+        )?;
         let hello = Hello {
             cluster: creds.cluster().to_string(),
             node: creds.node().to_string(),
@@ -349,7 +472,13 @@ impl ControlEndpoint {
         let (tx, rx) = mpsc::channel(config.queue_depth);
         let refused = Arc::new(AtomicU64::new(0));
         let cancel = CancellationToken::new();
-        let (ep, h, cfg, r, c) = (endpoint.clone(), hello.clone(), config.clone(), refused.clone(), cancel.clone());
+        let (ep, h, cfg, r, c) = (
+            endpoint.clone(),
+            hello.clone(),
+            config.clone(),
+            refused.clone(),
+            cancel.clone(),
+        );
         tokio::spawn(async move {
             loop {
                 let incoming = tokio::select! {
@@ -374,7 +503,14 @@ impl ControlEndpoint {
                 });
             }
         });
-        Ok(Self { endpoint, hello, config, accepted: tokio::sync::Mutex::new(rx), refused, cancel })
+        Ok(Self {
+            endpoint,
+            hello,
+            config,
+            accepted: tokio::sync::Mutex::new(rx),
+            refused,
+            cancel,
+        })
     }
 
     /// The bound address.
@@ -413,27 +549,58 @@ impl ControlEndpoint {
                 .connect(addr, MEMBER_SERVER_NAME)
                 .map_err(|e| TransportError::Config(e.to_string()))?
                 .await
-                .map_err(|e| crate::backend::quic::classify_connection_error(&addr.to_string(), e))?;
+                .map_err(|e| {
+                    crate::backend::quic::classify_connection_error(&addr.to_string(), e)
+                })?;
             let max = self.config.max_frame_bytes;
-            let (mut send, mut recv) = conn.open_bi().await.map_err(|e| gone_or_refused(&conn, addr, e))?;
-            write_frame(&mut send, &Envelope { id: 0, kind: EnvelopeKind::Request, message: ControlMessage::Hello(self.hello.clone()) }, max)
+            let (mut send, mut recv) = conn
+                .open_bi()
+                .await
+                .map_err(|e| gone_or_refused(&conn, addr, e))?;
+            write_frame(
+                &mut send,
+                &Envelope {
+                    id: 0,
+                    kind: EnvelopeKind::Request,
+                    message: ControlMessage::Hello(self.hello.clone()),
+                },
+                max,
+            )
+            .await
+            .map_err(|e| refine(&conn, addr, e))?;
+            let env = read_frame(&mut recv, max)
                 .await
                 .map_err(|e| refine(&conn, addr, e))?;
-            let env = read_frame(&mut recv, max).await.map_err(|e| refine(&conn, addr, e))?;
             match env.message {
-                ControlMessage::Hello(peer) if peer.cluster == self.hello.cluster => Ok(ControlConnection::start(conn, peer, self.config.clone())),
-                ControlMessage::Hello(peer) => Err(TransportError::Unauthenticated(format!("peer is in cluster {:?}", peer.cluster))),
-                ControlMessage::Error(e) => Err(TransportError::Unauthenticated(format!("{}: {}", e.kind, e.message))),
-                other => Err(TransportError::Protocol(format!("greeting answered with {other:?}"))),
+                ControlMessage::Hello(peer) if peer.cluster == self.hello.cluster => {
+                    Ok(ControlConnection::start(conn, peer, self.config.clone()))
+                }
+                ControlMessage::Hello(peer) => Err(TransportError::Unauthenticated(format!(
+                    "peer is in cluster {:?}",
+                    peer.cluster
+                ))),
+                ControlMessage::Error(e) => Err(TransportError::Unauthenticated(format!(
+                    "{}: {}",
+                    e.kind, e.message
+                ))),
+                other => Err(TransportError::Protocol(format!(
+                    "greeting answered with {other:?}"
+                ))),
             }
         };
-        tokio::time::timeout(timeout, fut).await.map_err(|_| TransportError::Timeout { what: format!("control connect to {addr}"), after: timeout })?
+        tokio::time::timeout(timeout, fut)
+            .await
+            .map_err(|_| TransportError::Timeout {
+                what: format!("control connect to {addr}"),
+                after: timeout,
+            })?
     }
 
     /// Stops accepting and closes every connection of this endpoint.
     pub fn close(&self) {
         self.cancel.cancel();
-        self.endpoint.close(quinn::VarInt::from_u32(0), b"endpoint closed");
+        self.endpoint
+            .close(quinn::VarInt::from_u32(0), b"endpoint closed");
     }
 }
 
@@ -443,7 +610,11 @@ impl Drop for ControlEndpoint {
     }
 }
 
-fn gone_or_refused(conn: &quinn::Connection, addr: SocketAddr, e: impl std::fmt::Display) -> TransportError {
+fn gone_or_refused(
+    conn: &quinn::Connection,
+    addr: SocketAddr,
+    e: impl std::fmt::Display,
+) -> TransportError {
     match conn.close_reason() {
         Some(reason) => crate::backend::quic::classify_connection_error(&addr.to_string(), reason),
         None => TransportError::peer_gone(addr.to_string(), e),
@@ -457,24 +628,56 @@ fn refine(conn: &quinn::Connection, addr: SocketAddr, e: TransportError) -> Tran
     }
 }
 
-async fn accept_member(incoming: quinn::Incoming, hello: &Hello, config: &ControlConfig) -> Result<ControlConnection> {
+async fn accept_member(
+    incoming: quinn::Incoming,
+    hello: &Hello,
+    config: &ControlConfig,
+) -> Result<ControlConnection> {
     let remote = incoming.remote_address();
-    let conn = incoming.await.map_err(|e| TransportError::Unauthenticated(format!("TLS handshake with {remote} failed: {e}")))?;
+    let conn = incoming.await.map_err(|e| {
+        TransportError::Unauthenticated(format!("TLS handshake with {remote} failed: {e}"))
+    })?;
     let max = config.max_frame_bytes;
     let greet = async {
-        let (mut send, mut recv) = conn.accept_bi().await.map_err(|e| TransportError::peer_gone(remote.to_string(), e))?;
+        let (mut send, mut recv) = conn
+            .accept_bi()
+            .await
+            .map_err(|e| TransportError::peer_gone(remote.to_string(), e))?;
         let env = read_frame(&mut recv, max).await?;
         match env.message {
             ControlMessage::Hello(peer) if env.kind == EnvelopeKind::Request => {
                 if peer.cluster != hello.cluster {
-                    let e = TransportError::Unauthenticated(format!("{} is in cluster {:?}, not {:?}", peer.node, peer.cluster, hello.cluster));
-                    let _ = write_frame(&mut send, &Envelope { id: env.id, kind: EnvelopeKind::Response, message: error_message(&e) }, max).await;
+                    let e = TransportError::Unauthenticated(format!(
+                        "{} is in cluster {:?}, not {:?}",
+                        peer.node, peer.cluster, hello.cluster
+                    ));
+                    let _ = write_frame(
+                        &mut send,
+                        &Envelope {
+                            id: env.id,
+                            kind: EnvelopeKind::Response,
+                            message: error_message(&e),
+                        },
+                        max,
+                    )
+                    .await;
                     return Err(e);
                 }
-                write_frame(&mut send, &Envelope { id: env.id, kind: EnvelopeKind::Response, message: ControlMessage::Hello(hello.clone()) }, max).await?;
+                write_frame(
+                    &mut send,
+                    &Envelope {
+                        id: env.id,
+                        kind: EnvelopeKind::Response,
+                        message: ControlMessage::Hello(hello.clone()),
+                    },
+                    max,
+                )
+                .await?;
                 Ok(peer)
             }
-            _ => Err(TransportError::Protocol("the first message must be a Hello request".into())),
+            _ => Err(TransportError::Protocol(
+                "the first message must be a Hello request".into(),
+            )),
         }
     };
     match tokio::time::timeout(config.request_timeout, greet).await {
@@ -488,7 +691,10 @@ async fn accept_member(incoming: quinn::Incoming, hello: &Hello, config: &Contro
         }
         Err(_) => {
             conn.close(quinn::VarInt::from_u32(1), b"no greeting");
-            Err(TransportError::Timeout { what: "control greeting".into(), after: config.request_timeout })
+            Err(TransportError::Timeout {
+                what: "control greeting".into(),
+                after: config.request_timeout,
+            })
         }
     }
 }
@@ -506,7 +712,11 @@ pub struct Backoff {
 
 impl Default for Backoff {
     fn default() -> Self {
-        Self { initial: Duration::from_millis(50), max: Duration::from_secs(2), max_attempts: 8 }
+        Self {
+            initial: Duration::from_millis(50),
+            max: Duration::from_secs(2),
+            max_attempts: 8,
+        }
     }
 }
 
@@ -522,14 +732,22 @@ pub struct ControlClient {
 
 impl std::fmt::Debug for ControlClient {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ControlClient").field("addr", &self.addr).finish()
+        f.debug_struct("ControlClient")
+            .field("addr", &self.addr)
+            .finish()
     }
 }
 
 impl ControlClient {
     /// A client for the member at `addr` (no connection is made until first use).
     pub fn new(endpoint: Arc<ControlEndpoint>, addr: SocketAddr, backoff: Backoff) -> Self {
-        Self { endpoint, addr, backoff, current: tokio::sync::Mutex::new(None), connects: AtomicU64::new(0) }
+        Self {
+            endpoint,
+            addr,
+            backoff,
+            current: tokio::sync::Mutex::new(None),
+            connects: AtomicU64::new(0),
+        }
     }
 
     /// Successful connects so far (1 + reconnects).
@@ -567,7 +785,8 @@ impl ControlClient {
                 }
             }
         }
-        Err(last.unwrap_or_else(|| TransportError::peer_gone(self.addr.to_string(), "no attempt made")))
+        Err(last
+            .unwrap_or_else(|| TransportError::peer_gone(self.addr.to_string(), "no attempt made")))
     }
 
     /// A request over the live connection; if it fails because the peer is gone, reconnects
@@ -584,7 +803,12 @@ impl ControlClient {
     }
 
     /// Sends heartbeats every `interval` until `cancel` fires, reconnecting as needed.
-    pub fn spawn_heartbeats<F>(self: Arc<Self>, interval: Duration, load: F, cancel: CancellationToken) -> tokio::task::JoinHandle<()>
+    pub fn spawn_heartbeats<F>(
+        self: Arc<Self>,
+        interval: Duration,
+        load: F,
+        cancel: CancellationToken,
+    ) -> tokio::task::JoinHandle<()>
     where
         F: Fn() -> LoadFigures + Send + Sync + 'static,
     {
@@ -597,7 +821,11 @@ impl ControlClient {
                     () = cancel.cancelled() => break,
                 }
                 seq += 1;
-                let hb = Heartbeat { node: self.endpoint.hello.node.clone(), seq, load: load() };
+                let hb = Heartbeat {
+                    node: self.endpoint.hello.node.clone(),
+                    seq,
+                    load: load(),
+                };
                 let sent = match self.connection().await {
                     Ok(c) => c.send(ControlMessage::Heartbeat(hb)).await,
                     Err(e) => Err(e),

@@ -26,8 +26,8 @@ use tokio::sync::{mpsc, watch};
 use crate::control::tls::MemberCredentials;
 use crate::error::{Result, Side, TransportError};
 use crate::memory::{
-    check_range, validate_descriptors, BackendRegistration, BackendRegistrationHolder, RegionEntry, RegionId,
-    RegisteredRegion, Registry,
+    check_range, validate_descriptors, BackendRegistration, BackendRegistrationHolder, RegionEntry,
+    RegionId, RegisteredRegion, Registry,
 };
 
 pub(crate) type BoxFut<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
@@ -85,7 +85,11 @@ impl std::str::FromStr for BackendKind {
         Self::ALL
             .into_iter()
             .find(|b| b.as_str() == s)
-            .ok_or_else(|| TransportError::Config(format!("unknown backend {s:?} (local, shm, tcp, quic, rdma)")))
+            .ok_or_else(|| {
+                TransportError::Config(format!(
+                    "unknown backend {s:?} (local, shm, tcp, quic, rdma)"
+                ))
+            })
     }
 }
 
@@ -192,12 +196,26 @@ pub struct TransferOp {
 impl TransferOp {
     /// A write of `len` bytes from `local` at `lo` to `remote` at `ro`.
     pub fn write(local: RegionId, lo: u64, remote: RegionId, ro: u64, len: u64) -> Self {
-        Self { kind: OpKind::Write, local_region: local, local_offset: lo, remote_region: remote, remote_offset: ro, len }
+        Self {
+            kind: OpKind::Write,
+            local_region: local,
+            local_offset: lo,
+            remote_region: remote,
+            remote_offset: ro,
+            len,
+        }
     }
 
     /// A read of `len` bytes from `remote` at `ro` into `local` at `lo`.
     pub fn read(local: RegionId, lo: u64, remote: RegionId, ro: u64, len: u64) -> Self {
-        Self { kind: OpKind::Read, local_region: local, local_offset: lo, remote_region: remote, remote_offset: ro, len }
+        Self {
+            kind: OpKind::Read,
+            local_region: local,
+            local_offset: lo,
+            remote_region: remote,
+            remote_offset: ro,
+            len,
+        }
     }
 }
 
@@ -237,7 +255,10 @@ pub(crate) struct PlannedOp {
 }
 
 fn chunk_end(chunks: &[RegionChunk], offset: u64) -> Option<(RegionChunk, u64)> {
-    chunks.iter().find(|c| c.offset <= offset && offset < c.offset + c.len).map(|c| (c.clone(), c.offset + c.len))
+    chunks
+        .iter()
+        .find(|c| c.offset <= offset && offset < c.offset + c.len)
+        .map(|c| (c.clone(), c.offset + c.len))
 }
 
 /// State of a batch: what the executors complete and the handle observes.
@@ -253,7 +274,13 @@ pub(crate) struct BatchState {
 impl BatchState {
     pub(crate) fn new(total: usize) -> Arc<Self> {
         let (finished, _) = watch::channel(total == 0);
-        Arc::new(Self { total, done: AtomicUsize::new(0), error: Mutex::new(None), cancelled: AtomicBool::new(false), finished })
+        Arc::new(Self {
+            total,
+            done: AtomicUsize::new(0),
+            error: Mutex::new(None),
+            cancelled: AtomicBool::new(false),
+            finished,
+        })
     }
 
     /// Records the end of one piece. The piece's bytes are written before this is called; the
@@ -277,7 +304,8 @@ impl BatchState {
     }
 
     pub(crate) fn is_cancelled(&self) -> bool {
-        self.cancelled.load(Ordering::Relaxed) || self.error.lock().expect("batch state poisoned").is_some()
+        self.cancelled.load(Ordering::Relaxed)
+            || self.error.lock().expect("batch state poisoned").is_some()
     }
 
     fn status(&self) -> BatchStatus {
@@ -288,7 +316,10 @@ impl BatchState {
         if done == self.total {
             BatchStatus::Done
         } else {
-            BatchStatus::Pending { completed: done, total: self.total }
+            BatchStatus::Pending {
+                completed: done,
+                total: self.total,
+            }
         }
     }
 }
@@ -303,7 +334,10 @@ pub(crate) struct PieceCompletion {
 
 impl PieceCompletion {
     pub(crate) fn new(batch: Arc<BatchState>, peer: Arc<str>) -> Self {
-        Self { batch: Some(batch), peer }
+        Self {
+            batch: Some(batch),
+            peer,
+        }
     }
     pub(crate) fn is_cancelled(&self) -> bool {
         self.batch.as_ref().is_some_and(|b| b.is_cancelled())
@@ -318,7 +352,10 @@ impl PieceCompletion {
 impl Drop for PieceCompletion {
     fn drop(&mut self) {
         if let Some(b) = self.batch.take() {
-            b.complete(Err(TransportError::peer_gone(&*self.peer, "connection closed before the operation finished")));
+            b.complete(Err(TransportError::peer_gone(
+                &*self.peer,
+                "connection closed before the operation finished",
+            )));
         }
     }
 }
@@ -374,12 +411,18 @@ impl BatchHandle {
         let finished = tokio::time::timeout(timeout, rx.wait_for(|f| *f)).await;
         if finished.is_err() {
             self.state.cancelled.store(true, Ordering::Relaxed);
-            self.state.complete(Err(TransportError::Timeout { what: "transfer batch".into(), after: timeout }));
+            self.state.complete(Err(TransportError::Timeout {
+                what: "transfer batch".into(),
+                after: timeout,
+            }));
         }
         match self.status() {
             BatchStatus::Done => Ok(()),
             BatchStatus::Failed(e) => Err(e),
-            BatchStatus::Pending { .. } => Err(TransportError::Timeout { what: "transfer batch".into(), after: timeout }),
+            BatchStatus::Pending { .. } => Err(TransportError::Timeout {
+                what: "transfer batch".into(),
+                after: timeout,
+            }),
         }
     }
 
@@ -388,7 +431,9 @@ impl BatchHandle {
     /// # Errors
     /// As [`BatchHandle::wait`].
     pub fn wait_blocking(&self, timeout: Duration) -> Result<()> {
-        let rt = tokio::runtime::Builder::new_current_thread().enable_time().build()?;
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()?;
         rt.block_on(self.wait(timeout))
     }
 }
@@ -421,7 +466,11 @@ pub(crate) trait Backend: Send + Sync {
     fn register(
         &self,
         mem: &Arc<dyn HostMemory>,
-    ) -> Result<(Vec<RegionChunk>, Option<ShmHandle>, Option<BackendRegistration>)>;
+    ) -> Result<(
+        Vec<RegionChunk>,
+        Option<ShmHandle>,
+        Option<BackendRegistration>,
+    )>;
     fn connect(&self, core: Arc<EngineCore>, addr: String) -> BoxFut<Result<Arc<dyn Link>>>;
 }
 
@@ -442,7 +491,12 @@ impl EngineCore {
     /// the notification.
     pub(crate) async fn deliver(&self, from: String, bytes: Vec<u8>) {
         std::sync::atomic::fence(Ordering::Acquire);
-        if self.notify_tx.send(Notification { from, bytes }).await.is_err() {
+        if self
+            .notify_tx
+            .send(Notification { from, bytes })
+            .await
+            .is_err()
+        {
             tracing::debug!(engine = %self.name, "notification dropped: receiver closed");
         }
     }
@@ -502,7 +556,10 @@ impl TransferEngine {
             registry: Arc::new(Registry::new()),
             notify_tx,
             alive: AtomicBool::new(true),
-            memcpy: crate::backend::memcpy::MemcpyExecutor::start(&config.name, config.queue_depth)?,
+            memcpy: crate::backend::memcpy::MemcpyExecutor::start(
+                &config.name,
+                config.queue_depth,
+            )?,
             config,
         });
         let backend: Box<dyn Backend> = {
@@ -517,7 +574,12 @@ impl TransferEngine {
         };
         tracing::debug!(engine = %core.name, backend = %core.config.backend, address = %backend.address(), "transfer engine started");
         Ok(Self {
-            shared: Arc::new(EngineShared { runtime: Some(runtime), core, backend, notify_rx: Mutex::new(Some(notify_rx)) }),
+            shared: Arc::new(EngineShared {
+                runtime: Some(runtime),
+                core,
+                backend,
+                notify_rx: Mutex::new(Some(notify_rx)),
+            }),
         })
     }
 
@@ -560,14 +622,29 @@ impl TransferEngine {
     /// backend registration errors (RDMA).
     pub fn register(&self, mem: Arc<dyn HostMemory>) -> Result<RegisteredRegion> {
         if mem.is_empty() {
-            return Err(TransportError::Config("cannot register an empty region".into()));
+            return Err(TransportError::Config(
+                "cannot register an empty region".into(),
+            ));
         }
         let (chunks, shm, backend) = self.shared.backend.register(&mem)?;
         let id = self.shared.core.registry.next_id();
-        let descriptor = RegionDescriptor { id, len: mem.len() as u64, chunks, shm };
-        let entry = Arc::new(RegionEntry { id, mem, descriptor, backend: backend.map(BackendRegistrationHolder) });
+        let descriptor = RegionDescriptor {
+            id,
+            len: mem.len() as u64,
+            chunks,
+            shm,
+        };
+        let entry = Arc::new(RegionEntry {
+            id,
+            mem,
+            descriptor,
+            backend: backend.map(BackendRegistrationHolder),
+        });
         self.shared.core.registry.insert(entry.clone());
-        Ok(RegisteredRegion { entry, registry: Arc::downgrade(&self.shared.core.registry) })
+        Ok(RegisteredRegion {
+            entry,
+            registry: Arc::downgrade(&self.shared.core.registry),
+        })
     }
 
     /// Descriptors of every region registered now (what a peer's `GetRegisteredMemory` gets).
@@ -577,7 +654,11 @@ impl TransferEngine {
 
     /// Takes the receiver of notifications from peers (once; later calls return `None`).
     pub fn take_notifications(&self) -> Option<mpsc::Receiver<Notification>> {
-        self.shared.notify_rx.lock().expect("engine poisoned").take()
+        self.shared
+            .notify_rx
+            .lock()
+            .expect("engine poisoned")
+            .take()
     }
 
     /// Opens a session to the engine at `addr` and fetches its registered-memory descriptors.
@@ -594,10 +675,18 @@ impl TransferEngine {
         let link = run_on(&handle, async move {
             tokio::time::timeout(timeout, fut)
                 .await
-                .map_err(|_| TransportError::Timeout { what: "connect".into(), after: timeout })?
+                .map_err(|_| TransportError::Timeout {
+                    what: "connect".into(),
+                    after: timeout,
+                })?
         })
         .await?;
-        let session = Session { link, core, handle, remote: RwLock::new(Default::default()) };
+        let session = Session {
+            link,
+            core,
+            handle,
+            remote: RwLock::new(Default::default()),
+        };
         session.refresh_regions().await?;
         Ok(session)
     }
@@ -623,17 +712,27 @@ impl TransferEngine {
 }
 
 /// Runs `fut` on the engine's runtime and awaits it from whatever runtime the caller uses.
-async fn run_on<T: Send + 'static>(handle: &tokio::runtime::Handle, fut: impl Future<Output = Result<T>> + Send + 'static) -> Result<T> {
-    handle.spawn(fut).await.map_err(|e| TransportError::peer_gone("local engine", format!("engine task ended: {e}")))?
+async fn run_on<T: Send + 'static>(
+    handle: &tokio::runtime::Handle,
+    fut: impl Future<Output = Result<T>> + Send + 'static,
+) -> Result<T> {
+    handle
+        .spawn(fut)
+        .await
+        .map_err(|e| TransportError::peer_gone("local engine", format!("engine task ended: {e}")))?
 }
 
 /// Runs `fut` on the engine runtime and blocks this (non-runtime) thread for its result.
-fn block_on_io<T: Send + 'static>(handle: &tokio::runtime::Handle, fut: impl Future<Output = Result<T>> + Send + 'static) -> Result<T> {
+fn block_on_io<T: Send + 'static>(
+    handle: &tokio::runtime::Handle,
+    fut: impl Future<Output = Result<T>> + Send + 'static,
+) -> Result<T> {
     let (tx, rx) = std::sync::mpsc::sync_channel(1);
     handle.spawn(async move {
         let _ = tx.send(fut.await);
     });
-    rx.recv().map_err(|_| TransportError::peer_gone("local engine", "engine shut down"))?
+    rx.recv()
+        .map_err(|_| TransportError::peer_gone("local engine", "engine shut down"))?
 }
 
 /// An open connection to one peer engine.
@@ -646,7 +745,10 @@ pub struct Session {
 
 impl std::fmt::Debug for Session {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Session").field("peer", &self.link.peer()).field("alive", &self.link.is_alive()).finish()
+        f.debug_struct("Session")
+            .field("peer", &self.link.peer())
+            .field("alive", &self.link.is_alive())
+            .finish()
     }
 }
 
@@ -671,13 +773,20 @@ impl Session {
         let link = self.link.clone();
         let regions = run_on(&self.handle, async move { link.fetch_regions().await }).await?;
         validate_descriptors(&regions)?;
-        *self.remote.write().expect("session poisoned") = Arc::new(regions.iter().map(|d| (d.id, d.clone())).collect());
+        *self.remote.write().expect("session poisoned") =
+            Arc::new(regions.iter().map(|d| (d.id, d.clone())).collect());
         Ok(regions)
     }
 
     /// The peer's descriptors as last fetched, sorted by id.
     pub fn remote_regions(&self) -> Vec<RegionDescriptor> {
-        let mut all: Vec<_> = self.remote.read().expect("session poisoned").values().cloned().collect();
+        let mut all: Vec<_> = self
+            .remote
+            .read()
+            .expect("session poisoned")
+            .values()
+            .cloned()
+            .collect();
         all.sort_by_key(|d| d.id);
         all
     }
@@ -691,7 +800,11 @@ impl Session {
         let remote = self.remote.read().expect("session poisoned").clone();
         for &(id, len) in expected {
             match remote.get(&id) {
-                None => return Err(TransportError::LayoutMismatch(format!("peer has no region {id}"))),
+                None => {
+                    return Err(TransportError::LayoutMismatch(format!(
+                        "peer has no region {id}"
+                    )))
+                }
                 Some(d) if d.len != len => {
                     return Err(TransportError::LayoutMismatch(format!(
                         "peer region {id} has {} bytes, expected {len}",
@@ -722,17 +835,27 @@ impl Session {
         for op in &ops {
             let local = self.core.registry.get(Side::Local, op.local_region)?;
             local.check(Side::Local, op.local_offset, op.len)?;
-            let rdesc = remote.get(&op.remote_region).ok_or(TransportError::UnknownRegion { side: Side::Remote, id: op.remote_region })?;
+            let rdesc = remote
+                .get(&op.remote_region)
+                .ok_or(TransportError::UnknownRegion {
+                    side: Side::Remote,
+                    id: op.remote_region,
+                })?;
             check_range(Side::Remote, rdesc.id, op.remote_offset, op.len, rdesc.len)?;
             bytes += op.len;
             let mut done = 0u64;
             while done < op.len {
                 let lo = op.local_offset + done;
                 let ro = op.remote_offset + done;
-                let (_, lend) = chunk_end(&local.descriptor.chunks, lo)
-                    .ok_or_else(|| TransportError::LayoutMismatch("local chunks do not cover the region".into()))?;
-                let (rchunk, rend) = chunk_end(&rdesc.chunks, ro)
-                    .ok_or_else(|| TransportError::LayoutMismatch(format!("peer region {} chunks leave a gap", rdesc.id)))?;
+                let (_, lend) = chunk_end(&local.descriptor.chunks, lo).ok_or_else(|| {
+                    TransportError::LayoutMismatch("local chunks do not cover the region".into())
+                })?;
+                let (rchunk, rend) = chunk_end(&rdesc.chunks, ro).ok_or_else(|| {
+                    TransportError::LayoutMismatch(format!(
+                        "peer region {} chunks leave a gap",
+                        rdesc.id
+                    ))
+                })?;
                 let n = (op.len - done).min(piece).min(lend - lo).min(rend - ro);
                 pieces.push(PlannedOp {
                     kind: op.kind,

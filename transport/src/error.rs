@@ -132,7 +132,10 @@ impl TransportError {
     }
 
     pub(crate) fn peer_gone(peer: impl Into<String>, reason: impl std::fmt::Display) -> Self {
-        Self::PeerGone { peer: peer.into(), reason: reason.to_string() }
+        Self::PeerGone {
+            peer: peer.into(),
+            reason: reason.to_string(),
+        }
     }
 }
 

@@ -22,8 +22,8 @@ pub mod memory;
 pub mod peer;
 
 pub use engine::{
-    coalesce, BackendKind, BatchHandle, BatchStatus, Notification, OpKind, Session, TransferConfig, TransferEngine,
-    TransferOp,
+    coalesce, BackendKind, BatchHandle, BatchStatus, Notification, OpKind, Session, TransferConfig,
+    TransferEngine, TransferOp,
 };
 pub use error::{Result, Side, TransportError};
 pub use memory::{RegionId, RegisteredRegion, ShmAllocator, ShmMemory};

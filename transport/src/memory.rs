@@ -33,8 +33,11 @@ unsafe impl Send for ShmMemory {}
 // SAFETY: as above; concurrent access to the bytes is coordinated by users (see HostMemory).
 unsafe impl Sync for ShmMemory {}
 
-fn shareable_registry() -> &'static Mutex<HashMap<usize, (i32, u64, usize)>> {
-    static REG: OnceLock<Mutex<HashMap<usize, (i32, u64, usize)>>> = OnceLock::new();
+/// Live shared memory of this process, by start address: (memfd, inode, length).
+type ShareableMap = Mutex<HashMap<usize, (i32, u64, usize)>>;
+
+fn shareable_registry() -> &'static ShareableMap {
+    static REG: OnceLock<ShareableMap> = OnceLock::new();
     REG.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
@@ -62,18 +65,30 @@ impl ShmMemory {
             .lock()
             .expect("shareable registry poisoned")
             .insert(ptr as usize, (fd.as_raw_fd(), inode, len));
-        Ok(Self { fd, ptr, len, inode })
+        Ok(Self {
+            fd,
+            ptr,
+            len,
+            inode,
+        })
     }
 
     /// The handle a peer on this host uses to map this memory.
     pub fn handle(&self) -> ShmHandle {
-        ShmHandle { pid: std::process::id(), fd: self.fd.as_raw_fd(), inode: self.inode }
+        ShmHandle {
+            pid: std::process::id(),
+            fd: self.fd.as_raw_fd(),
+            inode: self.inode,
+        }
     }
 }
 
 impl Drop for ShmMemory {
     fn drop(&mut self) {
-        shareable_registry().lock().expect("shareable registry poisoned").remove(&(self.ptr as usize));
+        shareable_registry()
+            .lock()
+            .expect("shareable registry poisoned")
+            .remove(&(self.ptr as usize));
         // SAFETY: `ptr`/`len` are the mapping created in `new`, unmapped exactly once.
         unsafe { libc::munmap(self.ptr.cast(), self.len) };
     }
@@ -102,9 +117,15 @@ impl HostMemoryAllocator for ShmAllocator {
 /// The shared-memory handle of `mem` if it was allocated by [`ShmAllocator`] (or is
 /// [`ShmMemory`]) and is still alive; `None` for memory no peer can map.
 pub fn shm_handle_of(mem: &dyn HostMemory) -> Option<ShmHandle> {
-    let reg = shareable_registry().lock().expect("shareable registry poisoned");
+    let reg = shareable_registry()
+        .lock()
+        .expect("shareable registry poisoned");
     let &(fd, inode, len) = reg.get(&(mem.as_ptr() as usize))?;
-    (len == mem.len()).then(|| ShmHandle { pid: std::process::id(), fd, inode })
+    (len == mem.len()).then(|| ShmHandle {
+        pid: std::process::id(),
+        fd,
+        inode,
+    })
 }
 
 fn fd_inode(fd: i32) -> std::io::Result<u64> {
@@ -120,7 +141,14 @@ fn fd_inode(fd: i32) -> std::io::Result<u64> {
 fn map_shared(fd: i32, len: usize) -> std::io::Result<*mut u8> {
     // SAFETY: mapping a file descriptor we hold, with a fresh address chosen by the kernel.
     let ptr = unsafe {
-        libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0)
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd,
+            0,
+        )
     };
     if ptr == libc::MAP_FAILED {
         return Err(std::io::Error::last_os_error());
@@ -144,9 +172,16 @@ impl RemoteShmMapping {
     /// Maps the peer region described by `handle`, checking its identity and size.
     pub(crate) fn open(handle: &ShmHandle, len: u64) -> Result<Self> {
         let path = format!("/proc/{}/fd/{}", handle.pid, handle.fd);
-        let file = std::fs::OpenOptions::new().read(true).write(true).open(&path).map_err(|e| {
-            TransportError::peer_gone(format!("pid {}", handle.pid), format!("cannot open {path}: {e}"))
-        })?;
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(|e| {
+                TransportError::peer_gone(
+                    format!("pid {}", handle.pid),
+                    format!("cannot open {path}: {e}"),
+                )
+            })?;
         let inode = fd_inode(file.as_raw_fd())?;
         if inode != handle.inode {
             return Err(TransportError::LayoutMismatch(format!(
@@ -160,9 +195,13 @@ impl RemoteShmMapping {
                 "{path} holds {file_len} bytes, the descriptor says {len}"
             )));
         }
-        let len = usize::try_from(len).map_err(|_| TransportError::LayoutMismatch("region too large".into()))?;
+        let len = usize::try_from(len)
+            .map_err(|_| TransportError::LayoutMismatch("region too large".into()))?;
         let ptr = map_shared(file.as_raw_fd(), len.max(1))?;
-        Ok(Self { ptr, len: len.max(1) })
+        Ok(Self {
+            ptr,
+            len: len.max(1),
+        })
     }
 
     pub(crate) fn as_ptr(&self) -> *mut u8 {
@@ -216,10 +255,22 @@ impl RegionEntry {
     }
 }
 
-pub(crate) fn check_range(side: Side, id: u64, offset: u64, len: u64, region_len: u64) -> Result<()> {
+pub(crate) fn check_range(
+    side: Side,
+    id: u64,
+    offset: u64,
+    len: u64,
+    region_len: u64,
+) -> Result<()> {
     match offset.checked_add(len) {
         Some(end) if end <= region_len => Ok(()),
-        _ => Err(TransportError::OutOfBounds { side, id, offset, len, region_len }),
+        _ => Err(TransportError::OutOfBounds {
+            side,
+            id,
+            offset,
+            len,
+            region_len,
+        }),
     }
 }
 
@@ -232,15 +283,22 @@ pub(crate) struct Registry {
 
 impl Registry {
     pub(crate) fn new() -> Self {
-        Self { regions: RwLock::new(HashMap::new()), next_id: std::sync::atomic::AtomicU64::new(1) }
+        Self {
+            regions: RwLock::new(HashMap::new()),
+            next_id: std::sync::atomic::AtomicU64::new(1),
+        }
     }
 
     pub(crate) fn next_id(&self) -> RegionId {
-        self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        self.next_id
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     }
 
     pub(crate) fn insert(&self, entry: Arc<RegionEntry>) {
-        self.regions.write().expect("registry poisoned").insert(entry.id, entry);
+        self.regions
+            .write()
+            .expect("registry poisoned")
+            .insert(entry.id, entry);
     }
 
     pub(crate) fn remove(&self, id: RegionId) {
@@ -257,8 +315,13 @@ impl Registry {
     }
 
     pub(crate) fn descriptors(&self) -> Vec<RegionDescriptor> {
-        let mut all: Vec<_> =
-            self.regions.read().expect("registry poisoned").values().map(|e| e.descriptor.clone()).collect();
+        let mut all: Vec<_> = self
+            .regions
+            .read()
+            .expect("registry poisoned")
+            .values()
+            .map(|e| e.descriptor.clone())
+            .collect();
         all.sort_by_key(|d| d.id);
         all
     }
@@ -271,7 +334,12 @@ pub(crate) fn plain_chunks(len: u64, max: Option<u64>) -> Vec<RegionChunk> {
     let mut offset = 0;
     while offset < len {
         let n = max.min(len - offset);
-        chunks.push(RegionChunk { offset, len: n, addr: 0, rkey: 0 });
+        chunks.push(RegionChunk {
+            offset,
+            len: n,
+            addr: 0,
+            rkey: 0,
+        });
         offset += n;
     }
     chunks
@@ -286,10 +354,16 @@ pub fn validate_descriptors(regions: &[RegionDescriptor]) -> Result<()> {
     let mut seen = std::collections::HashSet::new();
     for d in regions {
         if !seen.insert(d.id) {
-            return Err(TransportError::LayoutMismatch(format!("region {} listed twice", d.id)));
+            return Err(TransportError::LayoutMismatch(format!(
+                "region {} listed twice",
+                d.id
+            )));
         }
         if d.len == 0 {
-            return Err(TransportError::LayoutMismatch(format!("region {} is empty", d.id)));
+            return Err(TransportError::LayoutMismatch(format!(
+                "region {} is empty",
+                d.id
+            )));
         }
         let mut expect = 0u64;
         for c in &d.chunks {
@@ -355,7 +429,9 @@ impl RegisteredRegion {
     pub fn write_at(&self, offset: u64, data: &[u8]) -> Result<()> {
         self.entry.check(Side::Local, offset, data.len() as u64)?;
         // SAFETY: range checked; the memory lives while `entry` does.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.entry.ptr_at(offset), data.len()) };
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), self.entry.ptr_at(offset), data.len())
+        };
         Ok(())
     }
 
@@ -407,13 +483,21 @@ mod tests {
 
     #[test]
     fn descriptor_validation_catches_gaps_and_duplicates() {
-        let good = RegionDescriptor { id: 1, len: 10, chunks: plain_chunks(10, Some(4)), shm: None };
+        let good = RegionDescriptor {
+            id: 1,
+            len: 10,
+            chunks: plain_chunks(10, Some(4)),
+            shm: None,
+        };
         assert_eq!(good.chunks.len(), 3);
         validate_descriptors(std::slice::from_ref(&good)).unwrap();
         assert!(validate_descriptors(&[good.clone(), good.clone()]).is_err());
         let mut gap = good.clone();
         gap.chunks.remove(1);
-        assert!(matches!(validate_descriptors(&[gap]), Err(TransportError::LayoutMismatch(_))));
+        assert!(matches!(
+            validate_descriptors(&[gap]),
+            Err(TransportError::LayoutMismatch(_))
+        ));
         let mut short = good;
         short.len = 11;
         assert!(validate_descriptors(&[short]).is_err());

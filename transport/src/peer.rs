@@ -32,12 +32,17 @@ pub const ENV_MAX_REG: &str = "PDSERVE_TRANSFER_PEER_MAX_REG";
 /// Optional path of a peer executable for the benchmark.
 pub const ENV_PEER_EXE: &str = "PDSERVE_TRANSFER_PEER_EXE";
 
+/// The argument a peer process is started with (ignored by the peer itself).
+pub const PEER_ARG: &str = "__pdserve-transfer-peer";
+
 /// The member name a peer uses in its cluster directory.
 pub const PEER_NODE: &str = "peer";
 
 /// Byte `i` of region `region` for `seed`: a cheap deterministic pattern.
 pub fn pattern_byte(seed: u64, region: usize, i: usize) -> u8 {
-    let x = (seed ^ ((region as u64) << 56)).wrapping_add(i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let x = (seed ^ ((region as u64) << 56))
+        .wrapping_add(i as u64)
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15);
     (x >> 56) as u8
 }
 
@@ -82,9 +87,16 @@ fn run_from_env() -> Result<()> {
     let backend: BackendKind = env(ENV_BACKEND)?.parse()?;
     let lens: Vec<usize> = env(ENV_REGIONS)?
         .split(',')
-        .map(|s| s.trim().parse().map_err(|_| TransportError::Config(format!("bad region length {s:?}"))))
+        .map(|s| {
+            s.trim()
+                .parse()
+                .map_err(|_| TransportError::Config(format!("bad region length {s:?}")))
+        })
         .collect::<Result<_>>()?;
-    let seed: u64 = std::env::var(ENV_SEED).ok().and_then(|s| s.parse().ok()).unwrap_or(0);
+    let seed: u64 = std::env::var(ENV_SEED)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
     let mut config = TransferConfig::new(backend, "peer");
     config.max_registration_bytes = std::env::var(ENV_MAX_REG).ok().and_then(|s| s.parse().ok());
     if let Ok(dir) = std::env::var(ENV_CLUSTER_DIR) {
@@ -100,24 +112,36 @@ fn run_from_env() -> Result<()> {
         r.write_at(0, &buf)?;
         regions.push(r);
     }
-    let mut notes = engine.take_notifications().ok_or_else(|| TransportError::Config("no notification receiver".into()))?;
+    let mut notes = engine
+        .take_notifications()
+        .ok_or_else(|| TransportError::Config("no notification receiver".into()))?;
     let ids: Vec<String> = regions.iter().map(|r| r.id().to_string()).collect();
     println!("READY {} {}", engine.address(), ids.join(","));
     std::io::stdout().flush()?;
     // Exit when the parent goes away (stdin closes).
     std::thread::spawn(|| {
         let mut sink = String::new();
-        while std::io::stdin().lock().read_line(&mut sink).map(|n| n > 0).unwrap_or(false) {
+        while std::io::stdin()
+            .lock()
+            .read_line(&mut sink)
+            .map(|n| n > 0)
+            .unwrap_or(false)
+        {
             sink.clear();
         }
         std::process::exit(0);
     });
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
     rt.block_on(async {
         while let Some(n) = notes.recv().await {
             match n.bytes.as_slice() {
                 b"CHECK" => {
-                    let spans: Vec<Vec<u8>> = regions.iter().map(|r| r.read_at(0, r.len() as usize)).collect::<Result<_>>()?;
+                    let spans: Vec<Vec<u8>> = regions
+                        .iter()
+                        .map(|r| r.read_at(0, r.len() as usize))
+                        .collect::<Result<_>>()?;
                     println!("CHECK {:016x}", fnv1a(spans.iter().map(Vec::as_slice)));
                 }
                 b"DROP" => {
@@ -164,8 +188,18 @@ impl PeerProcess {
         timeout: Duration,
     ) -> Result<Self> {
         let mut cmd = Command::new(exe);
-        cmd.env(ENV_BACKEND, backend.as_str())
-            .env(ENV_REGIONS, region_lens.iter().map(u64::to_string).collect::<Vec<_>>().join(","))
+        // The argument makes an executable without the peer hook exit at once (unknown
+        // argument) instead of doing its default work.
+        cmd.arg(PEER_ARG)
+            .env(ENV_BACKEND, backend.as_str())
+            .env(
+                ENV_REGIONS,
+                region_lens
+                    .iter()
+                    .map(u64::to_string)
+                    .collect::<Vec<_>>()
+                    .join(","),
+            )
             .env(ENV_SEED, seed.to_string())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -177,7 +211,10 @@ impl PeerProcess {
             cmd.env(ENV_MAX_REG, m.to_string());
         }
         let mut child = cmd.spawn()?;
-        let stdout = child.stdout.take().ok_or_else(|| TransportError::Config("no peer stdout".into()))?;
+        let stdout = child
+            .stdout
+            .take()
+            .ok_or_else(|| TransportError::Config("no peer stdout".into()))?;
         let (tx, lines) = mpsc::channel();
         std::thread::spawn(move || {
             for line in std::io::BufReader::new(stdout).lines() {
@@ -191,11 +228,21 @@ impl PeerProcess {
                 }
             }
         });
-        let mut peer = Self { child, lines, address: String::new(), regions: Vec::new() };
+        let mut peer = Self {
+            child,
+            lines,
+            address: String::new(),
+            regions: Vec::new(),
+        };
         let ready = peer.expect_line("READY", timeout)?;
         let mut parts = ready.split_whitespace().skip(1);
         peer.address = parts.next().unwrap_or_default().to_string();
-        peer.regions = parts.next().unwrap_or_default().split(',').filter_map(|s| s.parse().ok()).collect();
+        peer.regions = parts
+            .next()
+            .unwrap_or_default()
+            .split(',')
+            .filter_map(|s| s.parse().ok())
+            .collect();
         Ok(peer)
     }
 
@@ -211,7 +258,10 @@ impl PeerProcess {
                 Ok(line) if line.starts_with(prefix) => return Ok(line),
                 Ok(_) => continue,
                 Err(mpsc::RecvTimeoutError::Timeout) => {
-                    return Err(TransportError::Timeout { what: format!("peer line {prefix:?}"), after: timeout })
+                    return Err(TransportError::Timeout {
+                        what: format!("peer line {prefix:?}"),
+                        after: timeout,
+                    })
                 }
                 Err(mpsc::RecvTimeoutError::Disconnected) => {
                     return Err(TransportError::peer_gone("peer process", "exited"))
@@ -239,7 +289,12 @@ impl PeerProcess {
         }
         let me = std::env::current_exe().ok()?;
         let dir = me.parent()?;
-        [dir.join("pdserve-transfer-peer"), dir.parent()?.join("pdserve-transfer-peer")].into_iter().find(|p| p.is_file())
+        [
+            dir.join("pdserve-transfer-peer"),
+            dir.parent()?.join("pdserve-transfer-peer"),
+        ]
+        .into_iter()
+        .find(|p| p.is_file())
     }
 }
 

@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 use common::{engine_config, wait_until, Cluster, Peer, STEP};
 use pdserve_transport::peer::{fill_pattern, fnv1a};
 use pdserve_transport::{
-    BackendKind, BatchStatus, OpKind, RegisteredRegion, Side, TransferEngine, TransferOp, TransportError,
+    BackendKind, BatchStatus, OpKind, RegisteredRegion, Side, TransferEngine, TransferOp,
+    TransportError,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -30,11 +31,25 @@ struct Setup {
 fn setup(backend: BackendKind, seed: u64) -> Setup {
     let cluster = (backend == BackendKind::Quic).then(|| Cluster::new("conformance"));
     let peer = Peer::start(backend, &PEER_LENS, seed, cluster.as_ref(), MAX_REG);
-    let engine = TransferEngine::new(engine_config(backend, "initiator", cluster.as_ref(), MAX_REG)).unwrap();
-    Setup { _cluster: cluster, engine, peer, seed }
+    let engine = TransferEngine::new(engine_config(
+        backend,
+        "initiator",
+        cluster.as_ref(),
+        MAX_REG,
+    ))
+    .unwrap();
+    Setup {
+        _cluster: cluster,
+        engine,
+        peer,
+        seed,
+    }
 }
 
-fn local_regions(engine: &TransferEngine, rng: &mut StdRng) -> (Vec<RegisteredRegion>, Vec<Vec<u8>>) {
+fn local_regions(
+    engine: &TransferEngine,
+    rng: &mut StdRng,
+) -> (Vec<RegisteredRegion>, Vec<Vec<u8>>) {
     let mut regions = Vec::new();
     let mut shadows = Vec::new();
     for &len in &LOCAL_LENS {
@@ -49,11 +64,16 @@ fn local_regions(engine: &TransferEngine, rng: &mut StdRng) -> (Vec<RegisteredRe
 }
 
 fn overlaps(used: &[(usize, u64, u64)], which: usize, off: u64, len: u64) -> bool {
-    used.iter().any(|&(w, o, l)| w == which && off < o + l && o < off + len)
+    used.iter()
+        .any(|&(w, o, l)| w == which && off < o + l && o < off + len)
 }
 
 /// Random ops with disjoint ranges on each side (ops of one batch are unordered).
-fn random_batch(rng: &mut StdRng, local_ids: &[u64], remote_ids: &[u64]) -> Vec<(TransferOp, usize, usize)> {
+fn random_batch(
+    rng: &mut StdRng,
+    local_ids: &[u64],
+    remote_ids: &[u64],
+) -> Vec<(TransferOp, usize, usize)> {
     let mut ops = Vec::new();
     let (mut used_l, mut used_r) = (Vec::new(), Vec::new());
     let n = rng.random_range(1..=12);
@@ -74,16 +94,38 @@ fn random_batch(rng: &mut StdRng, local_ids: &[u64], remote_ids: &[u64]) -> Vec<
         }
         used_l.push((li, lo, len));
         used_r.push((ri, ro, len));
-        let kind = if rng.random_bool(0.5) { OpKind::Write } else { OpKind::Read };
-        let op = TransferOp { kind, local_region: local_ids[li], local_offset: lo, remote_region: remote_ids[ri], remote_offset: ro, len };
+        let kind = if rng.random_bool(0.5) {
+            OpKind::Write
+        } else {
+            OpKind::Read
+        };
+        let op = TransferOp {
+            kind,
+            local_region: local_ids[li],
+            local_offset: lo,
+            remote_region: remote_ids[ri],
+            remote_offset: ro,
+            len,
+        };
         ops.push((op, li, ri));
         // Sometimes a contiguous follower, which the engine coalesces.
-        if rng.random_bool(0.2) && lo + 2 * len <= LOCAL_LENS[li] && ro + 2 * len <= PEER_LENS[ri]
-            && !overlaps(&used_l, li, lo + len, len) && !overlaps(&used_r, ri, ro + len, len)
+        if rng.random_bool(0.2)
+            && lo + 2 * len <= LOCAL_LENS[li]
+            && ro + 2 * len <= PEER_LENS[ri]
+            && !overlaps(&used_l, li, lo + len, len)
+            && !overlaps(&used_r, ri, ro + len, len)
         {
             used_l.push((li, lo + len, len));
             used_r.push((ri, ro + len, len));
-            ops.push((TransferOp { local_offset: lo + len, remote_offset: ro + len, ..op }, li, ri));
+            ops.push((
+                TransferOp {
+                    local_offset: lo + len,
+                    remote_offset: ro + len,
+                    ..op
+                },
+                li,
+                ri,
+            ));
         }
     }
     ops
@@ -95,7 +137,9 @@ async fn random_batches_land_byte_exact(backend: BackendKind) {
     let session = s.engine.connect(&s.peer.address()).await.unwrap();
     let remote_ids = s.peer.region_ids();
     // Descriptors were fetched and validated at connect; chunking is visible there only.
-    session.expect_layout(&[(remote_ids[0], PEER_LENS[0]), (remote_ids[1], PEER_LENS[1])]).unwrap();
+    session
+        .expect_layout(&[(remote_ids[0], PEER_LENS[0]), (remote_ids[1], PEER_LENS[1])])
+        .unwrap();
     assert!(session.remote_regions().iter().all(|d| d.chunks.len() > 1));
     let mut remote_shadow: Vec<Vec<u8>> = PEER_LENS
         .iter()
@@ -117,7 +161,11 @@ async fn random_batches_land_byte_exact(backend: BackendKind) {
         handle.wait(STEP).await.unwrap();
         assert!(matches!(handle.status(), BatchStatus::Done));
         for (op, li, ri) in &batch {
-            let (lo, ro, len) = (op.local_offset as usize, op.remote_offset as usize, op.len as usize);
+            let (lo, ro, len) = (
+                op.local_offset as usize,
+                op.remote_offset as usize,
+                op.len as usize,
+            );
             match op.kind {
                 OpKind::Write => {
                     let src = local_shadow[*li][lo..lo + len].to_vec();
@@ -130,17 +178,29 @@ async fn random_batches_land_byte_exact(backend: BackendKind) {
             }
         }
         for (r, shadow) in locals.iter().zip(&local_shadow) {
-            assert!(r.read_at(0, shadow.len()).unwrap() == *shadow, "local region differs after a batch");
+            assert!(
+                r.read_at(0, shadow.len()).unwrap() == *shadow,
+                "local region differs after a batch"
+            );
         }
     }
     assert!(total_ops >= 25);
     // The receiver itself sees exactly the bytes written (after the notification).
     let expect = fnv1a(remote_shadow.iter().map(Vec::as_slice));
-    assert_eq!(s.peer.check(&session).await, expect, "peer memory differs from the model");
+    assert_eq!(
+        s.peer.check(&session).await,
+        expect,
+        "peer memory differs from the model"
+    );
     // And reading everything back gives the same bytes.
-    let scratch = s.engine.allocate_and_register(PEER_LENS[0] as usize).unwrap();
+    let scratch = s
+        .engine
+        .allocate_and_register(PEER_LENS[0] as usize)
+        .unwrap();
     for (i, &rid) in remote_ids.iter().enumerate() {
-        let h = session.submit(&[TransferOp::read(scratch.id(), 0, rid, 0, PEER_LENS[i])]).unwrap();
+        let h = session
+            .submit(&[TransferOp::read(scratch.id(), 0, rid, 0, PEER_LENS[i])])
+            .unwrap();
         h.wait(STEP).await.unwrap();
         assert!(scratch.read_at(0, PEER_LENS[i] as usize).unwrap() == remote_shadow[i]);
     }
@@ -152,45 +212,127 @@ async fn bad_operations_are_refused_with_typed_errors(backend: BackendKind) {
     let rids = s.peer.region_ids();
     let local = s.engine.allocate_and_register(64 << 10).unwrap();
     let l = local.id();
-    let cases: Vec<(TransferOp, fn(&TransportError) -> bool)> = vec![
-        (TransferOp::write(999, 0, rids[0], 0, 10), |e| matches!(e, TransportError::UnknownRegion { side: Side::Local, id: 999 })),
-        (TransferOp::write(l, 0, 777, 0, 10), |e| matches!(e, TransportError::UnknownRegion { side: Side::Remote, id: 777 })),
-        (TransferOp::write(l, (64 << 10) - 5, rids[0], 0, 10), |e| matches!(e, TransportError::OutOfBounds { side: Side::Local, .. })),
-        (TransferOp::read(l, 0, rids[1], PEER_LENS[1] - 5, 10), |e| matches!(e, TransportError::OutOfBounds { side: Side::Remote, region_len, .. } if *region_len == PEER_LENS[1])),
-        (TransferOp::read(l, 0, rids[1], u64::MAX - 2, 10), |e| matches!(e, TransportError::OutOfBounds { side: Side::Remote, .. })),
+    type Expect = fn(&TransportError) -> bool;
+    let cases: Vec<(TransferOp, Expect)> = vec![
+        (TransferOp::write(999, 0, rids[0], 0, 10), |e| {
+            matches!(
+                e,
+                TransportError::UnknownRegion {
+                    side: Side::Local,
+                    id: 999
+                }
+            )
+        }),
+        (TransferOp::write(l, 0, 777, 0, 10), |e| {
+            matches!(
+                e,
+                TransportError::UnknownRegion {
+                    side: Side::Remote,
+                    id: 777
+                }
+            )
+        }),
+        (TransferOp::write(l, (64 << 10) - 5, rids[0], 0, 10), |e| {
+            matches!(
+                e,
+                TransportError::OutOfBounds {
+                    side: Side::Local,
+                    ..
+                }
+            )
+        }),
+        (
+            TransferOp::read(l, 0, rids[1], PEER_LENS[1] - 5, 10),
+            |e| matches!(e, TransportError::OutOfBounds { side: Side::Remote, region_len, .. } if *region_len == PEER_LENS[1]),
+        ),
+        (TransferOp::read(l, 0, rids[1], u64::MAX - 2, 10), |e| {
+            matches!(
+                e,
+                TransportError::OutOfBounds {
+                    side: Side::Remote,
+                    ..
+                }
+            )
+        }),
     ];
     for (op, check) in cases {
         let err = session.submit(&[op]).unwrap_err();
         assert!(check(&err), "{op:?} gave {err:?}");
     }
-    assert!(matches!(session.expect_layout(&[(rids[0], 12345)]), Err(TransportError::LayoutMismatch(_))));
-    assert!(matches!(session.expect_layout(&[(4242, 1)]), Err(TransportError::LayoutMismatch(_))));
+    assert!(matches!(
+        session.expect_layout(&[(rids[0], 12345)]),
+        Err(TransportError::LayoutMismatch(_))
+    ));
+    assert!(matches!(
+        session.expect_layout(&[(4242, 1)]),
+        Err(TransportError::LayoutMismatch(_))
+    ));
 
     // The peer deregisters a region. With the stale view, the target itself refuses (all but
     // shm, where the initiator owns the mapping until it refreshes); after a refresh the
     // initiator refuses at submit.
     s.peer.drop_last_region(&session).await;
     if backend != BackendKind::Shm {
-        let h = session.submit(&[TransferOp::write(l, 0, rids[1], 0, 100)]).unwrap();
+        let h = session
+            .submit(&[TransferOp::write(l, 0, rids[1], 0, 100)])
+            .unwrap();
         let err = h.wait(STEP).await.unwrap_err();
-        assert!(matches!(err, TransportError::UnknownRegion { side: Side::Remote, .. }), "{err:?}");
+        assert!(
+            matches!(
+                err,
+                TransportError::UnknownRegion {
+                    side: Side::Remote,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
     }
     let regions = session.refresh_regions().await.unwrap();
     assert_eq!(regions.len(), 1);
-    let err = session.submit(&[TransferOp::write(l, 0, rids[1], 0, 100)]).unwrap_err();
-    assert!(matches!(err, TransportError::UnknownRegion { side: Side::Remote, .. }), "{err:?}");
+    let err = session
+        .submit(&[TransferOp::write(l, 0, rids[1], 0, 100)])
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            TransportError::UnknownRegion {
+                side: Side::Remote,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
     // Refusals leave the session working.
     local.write_at(0, &[7u8; 100]).unwrap();
-    session.submit(&[TransferOp::write(l, 0, rids[0], 0, 100)]).unwrap().wait(STEP).await.unwrap();
+    session
+        .submit(&[TransferOp::write(l, 0, rids[0], 0, 100)])
+        .unwrap()
+        .wait(STEP)
+        .await
+        .unwrap();
     // A local region deregistered (dropped) is unknown afterwards.
     drop(local);
-    let err = session.submit(&[TransferOp::write(l, 0, rids[0], 0, 100)]).unwrap_err();
-    assert!(matches!(err, TransportError::UnknownRegion { side: Side::Local, .. }), "{err:?}");
+    let err = session
+        .submit(&[TransferOp::write(l, 0, rids[0], 0, 100)])
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            TransportError::UnknownRegion {
+                side: Side::Local,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
 }
 
 /// Many large writes: long enough (seconds) that the peer dies in the middle.
 fn long_batch(local: &RegisteredRegion, remote: u64) -> Vec<TransferOp> {
-    (0..4000).map(|i| TransferOp::write(local.id(), 0, remote, (i % 2) * (512 << 10), 512 << 10)).collect()
+    (0..4000)
+        .map(|i| TransferOp::write(local.id(), 0, remote, (i % 2) * (512 << 10), 512 << 10))
+        .collect()
 }
 
 async fn killed_peer_gives_timely_error_and_survivor_keeps_working(backend: BackendKind) {
@@ -199,7 +341,14 @@ async fn killed_peer_gives_timely_error_and_survivor_keeps_working(backend: Back
     let rids = s.peer.region_ids();
     let local = s.engine.allocate_and_register(1 << 20).unwrap();
     let handle = session.submit(&long_batch(&local, rids[0])).unwrap();
-    assert!(wait_until(STEP, || !matches!(handle.status(), BatchStatus::Pending { completed: 0, .. })).await, "batch never started");
+    assert!(
+        wait_until(STEP, || !matches!(
+            handle.status(),
+            BatchStatus::Pending { completed: 0, .. }
+        ))
+        .await,
+        "batch never started"
+    );
     let killed_at = Instant::now();
     s.peer.kill();
     let err = handle.wait(Duration::from_secs(20)).await.unwrap_err();
@@ -207,14 +356,18 @@ async fn killed_peer_gives_timely_error_and_survivor_keeps_working(backend: Back
     assert!(matches!(err, TransportError::PeerGone { .. }), "{err:?}");
     assert!(took < Duration::from_secs(6), "error took {took:?}");
     assert!(wait_until(STEP, || !session.is_alive()).await);
-    assert!(matches!(session.submit(&[TransferOp::write(local.id(), 0, rids[0], 0, 8)]), Err(TransportError::PeerGone { .. })));
+    assert!(matches!(
+        session.submit(&[TransferOp::write(local.id(), 0, rids[0], 0, 8)]),
+        Err(TransportError::PeerGone { .. })
+    ));
 
     // The survivor serves a new peer.
     let cluster = (backend == BackendKind::Quic).then(|| Cluster::new("survivor"));
     let engine2;
     let engine = if let Some(c) = &cluster {
         // A fresh cluster needs fresh credentials on this side too.
-        engine2 = TransferEngine::new(engine_config(backend, "initiator", Some(c), MAX_REG)).unwrap();
+        engine2 =
+            TransferEngine::new(engine_config(backend, "initiator", Some(c), MAX_REG)).unwrap();
         &engine2
     } else {
         &s.engine
@@ -224,7 +377,12 @@ async fn killed_peer_gives_timely_error_and_survivor_keeps_working(backend: Back
     local2.write_at(0, &[0xAB; 4096]).unwrap();
     let session2 = engine.connect(&peer2.address()).await.unwrap();
     let r2 = peer2.region_ids();
-    session2.submit(&[TransferOp::write(local2.id(), 0, r2[0], 8192, 4096)]).unwrap().wait(STEP).await.unwrap();
+    session2
+        .submit(&[TransferOp::write(local2.id(), 0, r2[0], 8192, 4096)])
+        .unwrap()
+        .wait(STEP)
+        .await
+        .unwrap();
     let mut expect: Vec<Vec<u8>> = PEER_LENS
         .iter()
         .enumerate()
@@ -235,7 +393,10 @@ async fn killed_peer_gives_timely_error_and_survivor_keeps_working(backend: Back
         })
         .collect();
     expect[0][8192..12288].fill(0xAB);
-    assert_eq!(peer2.check(&session2).await, fnv1a(expect.iter().map(Vec::as_slice)));
+    assert_eq!(
+        peer2.check(&session2).await,
+        fnv1a(expect.iter().map(Vec::as_slice))
+    );
     // The original engine (same one for all but quic) also still works locally.
     s.engine.allocate_and_register(4096).unwrap();
 }
@@ -250,28 +411,50 @@ async fn timeouts_fire_and_the_engine_recovers(backend: BackendKind) {
     let err = handle.wait(Duration::from_millis(20)).await.unwrap_err();
     assert!(matches!(err, TransportError::Timeout { .. }), "{err:?}");
     assert!(started.elapsed() < Duration::from_secs(2));
-    assert!(matches!(handle.status(), BatchStatus::Failed(TransportError::Timeout { .. })));
+    assert!(matches!(
+        handle.status(),
+        BatchStatus::Failed(TransportError::Timeout { .. })
+    ));
     // The abandoned batch drains (its remaining pieces are skipped) and new work goes through.
     local.write_at(0, &[0x5A; 1000]).unwrap();
-    let h = session.submit(&[TransferOp::write(local.id(), 0, rids[1], 0, 1000)]).unwrap();
+    let h = session
+        .submit(&[TransferOp::write(local.id(), 0, rids[1], 0, 1000)])
+        .unwrap();
     h.wait(Duration::from_secs(20)).await.unwrap();
     let back = s.engine.allocate_and_register(4096).unwrap();
-    session.submit(&[TransferOp::read(back.id(), 0, rids[1], 0, 1000)]).unwrap().wait(STEP).await.unwrap();
+    session
+        .submit(&[TransferOp::read(back.id(), 0, rids[1], 0, 1000)])
+        .unwrap()
+        .wait(STEP)
+        .await
+        .unwrap();
     assert_eq!(back.read_at(0, 1000).unwrap(), vec![0x5A; 1000]);
 }
 
 macro_rules! conformance {
-    ($($backend:ident => $kind:expr),* $(,)?) => {$(
+    ($($(#[$attr:meta])* $backend:ident => $kind:expr),* $(,)?) => {$(
         mod $backend {
             use super::*;
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn random_batches_land_byte_exact() { super::random_batches_land_byte_exact($kind).await }
+            $(#[$attr])*
+            async fn random_batches_land_byte_exact() {
+                super::random_batches_land_byte_exact($kind).await
+            }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn bad_operations_are_refused_with_typed_errors() { super::bad_operations_are_refused_with_typed_errors($kind).await }
+            $(#[$attr])*
+            async fn bad_operations_are_refused_with_typed_errors() {
+                super::bad_operations_are_refused_with_typed_errors($kind).await
+            }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn killed_peer_gives_timely_error_and_survivor_keeps_working() { super::killed_peer_gives_timely_error_and_survivor_keeps_working($kind).await }
+            $(#[$attr])*
+            async fn killed_peer_gives_timely_error_and_survivor_keeps_working() {
+                super::killed_peer_gives_timely_error_and_survivor_keeps_working($kind).await
+            }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn timeouts_fire_and_the_engine_recovers() { super::timeouts_fire_and_the_engine_recovers($kind).await }
+            $(#[$attr])*
+            async fn timeouts_fire_and_the_engine_recovers() {
+                super::timeouts_fire_and_the_engine_recovers($kind).await
+            }
         }
     )*};
 }
@@ -283,17 +466,35 @@ conformance! {
     quic => BackendKind::Quic,
 }
 
+// The same suite on RDMA: compiled with `--features rdma`, run with `--ignored` on a machine
+// where `ibv_devices` lists a device (this development machine has none).
+#[cfg(feature = "rdma")]
+conformance! {
+    #[ignore = "needs an RDMA device: run with --features rdma -- --ignored where ibv_devices lists one"]
+    rdma => BackendKind::Rdma,
+}
+
 #[test]
 fn shm_refuses_memory_a_peer_cannot_map() {
     let engine = TransferEngine::new(engine_config(BackendKind::Shm, "x", None, None)).unwrap();
-    let anon = pdserve_runtime::memory::HostMemoryAllocator::allocate(&pdserve_runtime::memory::AnonAllocator, 4096).unwrap();
-    assert!(matches!(engine.register(anon), Err(TransportError::NotShareable(_))));
+    let anon = pdserve_runtime::memory::HostMemoryAllocator::allocate(
+        &pdserve_runtime::memory::AnonAllocator,
+        4096,
+    )
+    .unwrap();
+    assert!(matches!(
+        engine.register(anon),
+        Err(TransportError::NotShareable(_))
+    ));
     let shm = engine.allocator().allocate(4096).unwrap();
     let r = engine.register(shm).unwrap();
     assert!(r.descriptor().shm.is_some());
     let id = r.id();
     drop(r);
-    assert!(engine.local_regions().iter().all(|d| d.id != id), "drop deregisters");
+    assert!(
+        engine.local_regions().iter().all(|d| d.id != id),
+        "drop deregisters"
+    );
 }
 
 #[test]

@@ -8,16 +8,23 @@ use std::time::Duration;
 
 use common::{wait_until, Cluster};
 use pdserve_runtime::wire::{
-    encode_frame, ControlMessage, Envelope, EnvelopeKind, ErrorMessage, Heartbeat, Hello, LoadFigures, RegionChunk,
-    RegionDescriptor, Role, ShmHandle,
+    encode_frame, ControlMessage, Envelope, EnvelopeKind, ErrorMessage, Heartbeat, Hello,
+    LoadFigures, RegionChunk, RegionDescriptor, Role, ShmHandle,
 };
-use pdserve_transport::control::tls::{provider, ClusterCredentials, ALPN_CONTROL, MEMBER_SERVER_NAME};
+use pdserve_transport::control::tls::{
+    provider, ClusterCredentials, ALPN_CONTROL, MEMBER_SERVER_NAME,
+};
 use pdserve_transport::control::{Backoff, ControlClient, ControlConfig, ControlEndpoint};
 use pdserve_transport::TransportError;
 use tokio::sync::mpsc;
 
 fn config(role: Role) -> ControlConfig {
-    ControlConfig { role, request_timeout: Duration::from_secs(5), idle_timeout: Duration::from_secs(3), ..ControlConfig::default() }
+    ControlConfig {
+        role,
+        request_timeout: Duration::from_secs(5),
+        idle_timeout: Duration::from_secs(3),
+        ..ControlConfig::default()
+    }
 }
 
 /// Answers every request with the same message; forwards one-way messages to the channel.
@@ -45,28 +52,57 @@ fn spawn_echo(ep: Arc<ControlEndpoint>) -> mpsc::Receiver<ControlMessage> {
 
 fn every_message() -> Vec<ControlMessage> {
     vec![
-        ControlMessage::Hello(Hello { cluster: "c".into(), node: "n".into(), role: Role::Decode, version: "9".into() }),
-        ControlMessage::Heartbeat(Heartbeat { node: "n".into(), seq: 3, load: LoadFigures { running: 1, waiting: 2, free_blocks: 30, total_blocks: 40 } }),
+        ControlMessage::Hello(Hello {
+            cluster: "c".into(),
+            node: "n".into(),
+            role: Role::Decode,
+            version: "9".into(),
+        }),
+        ControlMessage::Heartbeat(Heartbeat {
+            node: "n".into(),
+            seq: 3,
+            load: LoadFigures {
+                running: 1,
+                waiting: 2,
+                free_blocks: 30,
+                total_blocks: 40,
+            },
+        }),
         ControlMessage::GetRegisteredMemory,
         ControlMessage::RegisteredMemory {
             regions: vec![RegionDescriptor {
                 id: 4,
                 len: 1 << 20,
-                chunks: vec![RegionChunk { offset: 0, len: 1 << 20, addr: 1, rkey: 2 }],
-                shm: Some(ShmHandle { pid: 10, fd: 11, inode: 12 }),
+                chunks: vec![RegionChunk {
+                    offset: 0,
+                    len: 1 << 20,
+                    addr: 1,
+                    rkey: 2,
+                }],
+                shm: Some(ShmHandle {
+                    pid: 10,
+                    fd: 11,
+                    inode: 12,
+                }),
             }],
         },
-        ControlMessage::Notify { bytes: b"kv ready".to_vec() },
+        ControlMessage::Notify {
+            bytes: b"kv ready".to_vec(),
+        },
         ControlMessage::Ping { nonce: 77 },
         ControlMessage::Pong { nonce: 78 },
-        ControlMessage::Opaque { topic: "pd.handshake".into(), body: vec![9; 5000] },
+        ControlMessage::Opaque {
+            topic: "pd.handshake".into(),
+            body: vec![9; 5000],
+        },
     ]
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_message_type_round_trips_and_errors_are_typed() {
     let cluster = Cluster::new("ctl");
-    let server = Arc::new(ControlEndpoint::bind(&cluster.member("peer"), config(Role::Prefill)).unwrap());
+    let server =
+        Arc::new(ControlEndpoint::bind(&cluster.member("peer"), config(Role::Prefill)).unwrap());
     let mut one_way = spawn_echo(server.clone());
     let client = ControlEndpoint::bind(&cluster.member("initiator"), config(Role::Decode)).unwrap();
     let conn = client.connect(server.local_addr().unwrap()).await.unwrap();
@@ -77,16 +113,30 @@ async fn every_message_type_round_trips_and_errors_are_typed() {
         let back = conn.request(m.clone()).await.unwrap();
         match &m {
             // Pings are answered by the connection itself.
-            ControlMessage::Ping { nonce } => assert_eq!(back, ControlMessage::Pong { nonce: *nonce }),
+            ControlMessage::Ping { nonce } => {
+                assert_eq!(back, ControlMessage::Pong { nonce: *nonce })
+            }
             _ => assert_eq!(back, m),
         }
         conn.send(m.clone()).await.unwrap();
-        let got = tokio::time::timeout(Duration::from_secs(5), one_way.recv()).await.unwrap().unwrap();
+        let got = tokio::time::timeout(Duration::from_secs(5), one_way.recv())
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(got, m);
     }
     // An Error answer becomes a typed error.
-    let err = conn.request(ControlMessage::Error(ErrorMessage { kind: "busy".into(), message: "later".into() })).await.unwrap_err();
-    assert!(matches!(err, TransportError::Remote { ref kind, .. } if kind == "busy"), "{err:?}");
+    let err = conn
+        .request(ControlMessage::Error(ErrorMessage {
+            kind: "busy".into(),
+            message: "later".into(),
+        }))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, TransportError::Remote { ref kind, .. } if kind == "busy"),
+        "{err:?}"
+    );
     assert!(conn.ping().await.unwrap() < Duration::from_secs(5));
 }
 
@@ -95,7 +145,10 @@ async fn raw_request(conn: &quinn::Connection, bytes: &[u8]) -> ControlMessage {
     send.write_all(bytes).await.unwrap();
     send.finish().unwrap();
     let answer = recv.read_to_end(1 << 20).await.unwrap();
-    pdserve_runtime::wire::decode_frame(&answer, 1 << 20).unwrap().0.message
+    pdserve_runtime::wire::decode_frame(&answer, 1 << 20)
+        .unwrap()
+        .0
+        .message
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -118,8 +171,21 @@ async fn malformed_truncated_and_oversized_frames_are_rejected_and_the_connectio
     garbage.extend([0xA5; 40]);
     assert_eq!(kind_of(raw_request(q, &garbage).await), "malformed_frame");
     // A valid frame cut short.
-    let good = encode_frame(&Envelope { id: 1, kind: EnvelopeKind::Request, message: ControlMessage::Notify { bytes: vec![1; 100] } }, 1 << 20).unwrap();
-    assert_eq!(kind_of(raw_request(q, &good[..good.len() - 7]).await), "truncated_frame");
+    let good = encode_frame(
+        &Envelope {
+            id: 1,
+            kind: EnvelopeKind::Request,
+            message: ControlMessage::Notify {
+                bytes: vec![1; 100],
+            },
+        },
+        1 << 20,
+    )
+    .unwrap();
+    assert_eq!(
+        kind_of(raw_request(q, &good[..good.len() - 7]).await),
+        "truncated_frame"
+    );
     assert_eq!(kind_of(raw_request(q, &good[..2]).await), "truncated_frame");
     // A valid payload with bytes flipped inside.
     let mut flipped = good.clone();
@@ -127,17 +193,36 @@ async fn malformed_truncated_and_oversized_frames_are_rejected_and_the_connectio
         flipped[i] ^= 0xFF;
     }
     let answer = raw_request(q, &flipped).await;
-    assert!(matches!(answer, ControlMessage::Error(_) | ControlMessage::Notify { .. }), "{answer:?}");
+    assert!(
+        matches!(
+            answer,
+            ControlMessage::Error(_) | ControlMessage::Notify { .. }
+        ),
+        "{answer:?}"
+    );
     // A header announcing more than the maximum.
     let mut huge = (1u32 << 30).to_le_bytes().to_vec();
     huge.extend([0; 16]);
     assert_eq!(kind_of(raw_request(q, &huge).await), "frame_too_large");
     // A response where a request belongs.
-    let resp = encode_frame(&Envelope { id: 1, kind: EnvelopeKind::Response, message: ControlMessage::GetRegisteredMemory }, 1 << 20).unwrap();
+    let resp = encode_frame(
+        &Envelope {
+            id: 1,
+            kind: EnvelopeKind::Response,
+            message: ControlMessage::GetRegisteredMemory,
+        },
+        1 << 20,
+    )
+    .unwrap();
     assert_eq!(kind_of(raw_request(q, &resp).await), "protocol");
     // The connection still works.
     conn.ping().await.unwrap();
-    assert_eq!(conn.request(ControlMessage::GetRegisteredMemory).await.unwrap(), ControlMessage::GetRegisteredMemory);
+    assert_eq!(
+        conn.request(ControlMessage::GetRegisteredMemory)
+            .await
+            .unwrap(),
+        ControlMessage::GetRegisteredMemory
+    );
     // Oversized messages are refused before sending, too.
     let err = client_big(&conn).await;
     assert_eq!(err.kind(), "remote", "{err:?}");
@@ -145,19 +230,28 @@ async fn malformed_truncated_and_oversized_frames_are_rejected_and_the_connectio
 
 async fn client_big(conn: &pdserve_transport::control::ControlConnection) -> TransportError {
     // The client allows 16 MiB; the server only 64 KiB, so the server answers frame_too_large.
-    conn.request(ControlMessage::Opaque { topic: "big".into(), body: vec![0; 100 << 10] }).await.unwrap_err()
+    conn.request(ControlMessage::Opaque {
+        topic: "big".into(),
+        body: vec![0; 100 << 10],
+    })
+    .await
+    .unwrap_err()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_without_a_cluster_certificate_is_refused() {
     let cluster = Cluster::new("ctl");
-    let server = Arc::new(ControlEndpoint::bind(&cluster.member("peer"), config(Role::Prefill)).unwrap());
+    let server =
+        Arc::new(ControlEndpoint::bind(&cluster.member("peer"), config(Role::Prefill)).unwrap());
     let addr = server.local_addr().unwrap();
     // A client that trusts the cluster CA but presents no certificate.
     let mut roots = rustls::RootCertStore::empty();
     {
         use rustls_pki_types::pem::PemObject;
-        let ca = rustls_pki_types::CertificateDer::from_pem_slice(cluster.member("peer").ca_cert_pem().as_bytes()).unwrap();
+        let ca = rustls_pki_types::CertificateDer::from_pem_slice(
+            cluster.member("peer").ca_cert_pem().as_bytes(),
+        )
+        .unwrap();
         roots.add(ca).unwrap();
     }
     let mut tls = rustls::ClientConfig::builder_with_provider(provider())
@@ -166,44 +260,85 @@ async fn a_client_without_a_cluster_certificate_is_refused() {
         .with_root_certificates(roots)
         .with_no_client_auth();
     tls.alpn_protocols = vec![ALPN_CONTROL.to_vec()];
-    let qcfg = quinn::ClientConfig::new(Arc::new(quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap()));
+    let qcfg = quinn::ClientConfig::new(Arc::new(
+        quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap(),
+    ));
     let mut stranger = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
     stranger.set_default_client_config(qcfg);
     let outcome = async {
         let conn = stranger.connect(addr, MEMBER_SERVER_NAME).unwrap().await?;
         let (mut send, mut recv) = conn.open_bi().await?;
-        send.write_all(&encode_frame(&Envelope { id: 1, kind: EnvelopeKind::Request, message: ControlMessage::Ping { nonce: 1 } }, 1 << 20).unwrap()).await?;
+        send.write_all(
+            &encode_frame(
+                &Envelope {
+                    id: 1,
+                    kind: EnvelopeKind::Request,
+                    message: ControlMessage::Ping { nonce: 1 },
+                },
+                1 << 20,
+            )
+            .unwrap(),
+        )
+        .await?;
         let _ = send.finish();
         let answer = recv.read_to_end(1 << 20).await?;
         Ok::<_, Box<dyn std::error::Error>>(answer)
     };
-    let res = tokio::time::timeout(Duration::from_secs(10), outcome).await.expect("refusal must not hang");
+    let res = tokio::time::timeout(Duration::from_secs(10), outcome)
+        .await
+        .expect("refusal must not hang");
     assert!(res.is_err(), "a stranger got an answer: {res:?}");
     assert!(wait_until(Duration::from_secs(5), || server.refused_connections() >= 1).await);
-    assert!(tokio::time::timeout(Duration::from_millis(200), server.accept()).await.is_err(), "stranger reached accept()");
+    assert!(
+        tokio::time::timeout(Duration::from_millis(200), server.accept())
+            .await
+            .is_err(),
+        "stranger reached accept()"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_of_another_cluster_is_refused_both_ways() {
     let ours = Cluster::new("ours");
-    let server = Arc::new(ControlEndpoint::bind(&ours.member("peer"), config(Role::Prefill)).unwrap());
+    let server =
+        Arc::new(ControlEndpoint::bind(&ours.member("peer"), config(Role::Prefill)).unwrap());
     // Same cluster *name*, different CA: still a stranger.
-    let theirs = ClusterCredentials::ephemeral("ours").unwrap().issue("intruder").unwrap();
+    let theirs = ClusterCredentials::ephemeral("ours")
+        .unwrap()
+        .issue("intruder")
+        .unwrap();
     let intruder = Arc::new(ControlEndpoint::bind(&theirs, config(Role::Decode)).unwrap());
-    let err = intruder.connect(server.local_addr().unwrap()).await.unwrap_err();
-    assert!(matches!(err, TransportError::Unauthenticated(_) | TransportError::PeerGone { .. }), "{err:?}");
+    let err = intruder
+        .connect(server.local_addr().unwrap())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            TransportError::Unauthenticated(_) | TransportError::PeerGone { .. }
+        ),
+        "{err:?}"
+    );
     assert!(wait_until(Duration::from_secs(5), || server.refused_connections() >= 1).await);
     // And our member does not accept their server either.
     let member = ControlEndpoint::bind(&ours.member("initiator"), config(Role::Decode)).unwrap();
-    let err = member.connect(intruder.local_addr().unwrap()).await.unwrap_err();
+    let err = member
+        .connect(intruder.local_addr().unwrap())
+        .await
+        .unwrap_err();
     assert!(matches!(err, TransportError::Unauthenticated(_)), "{err:?}");
-    assert!(tokio::time::timeout(Duration::from_millis(200), server.accept()).await.is_err());
+    assert!(
+        tokio::time::timeout(Duration::from_millis(200), server.accept())
+            .await
+            .is_err()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_reconnects_with_backoff_and_sends_heartbeats() {
     let cluster = Cluster::new("ctl");
-    let server = Arc::new(ControlEndpoint::bind(&cluster.member("peer"), config(Role::Proxy)).unwrap());
+    let server =
+        Arc::new(ControlEndpoint::bind(&cluster.member("peer"), config(Role::Proxy)).unwrap());
     let addr = server.local_addr().unwrap();
     let (hb_tx, mut hb_rx) = mpsc::channel(64);
     let srv = server.clone();
@@ -222,21 +357,43 @@ async fn client_reconnects_with_backoff_and_sends_heartbeats() {
             });
         }
     });
-    let endpoint = Arc::new(ControlEndpoint::bind(&cluster.member("initiator"), config(Role::Decode)).unwrap());
-    let backoff = Backoff { initial: Duration::from_millis(20), max: Duration::from_millis(200), max_attempts: 30 };
+    let endpoint = Arc::new(
+        ControlEndpoint::bind(&cluster.member("initiator"), config(Role::Decode)).unwrap(),
+    );
+    let backoff = Backoff {
+        initial: Duration::from_millis(20),
+        max: Duration::from_millis(200),
+        max_attempts: 30,
+    };
     let client = Arc::new(ControlClient::new(endpoint, addr, backoff));
     let cancel = tokio_util::sync::CancellationToken::new();
-    let load = || LoadFigures { running: 2, waiting: 1, free_blocks: 10, total_blocks: 20 };
-    let hb_task = client.clone().spawn_heartbeats(Duration::from_millis(30), load, cancel.clone());
+    let load = || LoadFigures {
+        running: 2,
+        waiting: 1,
+        free_blocks: 10,
+        total_blocks: 20,
+    };
+    let hb_task = client
+        .clone()
+        .spawn_heartbeats(Duration::from_millis(30), load, cancel.clone());
     let mut seqs = Vec::new();
     while seqs.len() < 3 {
-        let hb = tokio::time::timeout(Duration::from_secs(5), hb_rx.recv()).await.unwrap().unwrap();
+        let hb = tokio::time::timeout(Duration::from_secs(5), hb_rx.recv())
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(hb.node, "initiator");
         assert_eq!(hb.load, load());
         seqs.push(hb.seq);
     }
     assert!(seqs.windows(2).all(|w| w[0] < w[1]), "{seqs:?}");
-    assert_eq!(client.request(ControlMessage::GetRegisteredMemory).await.unwrap(), ControlMessage::GetRegisteredMemory);
+    assert_eq!(
+        client
+            .request(ControlMessage::GetRegisteredMemory)
+            .await
+            .unwrap(),
+        ControlMessage::GetRegisteredMemory
+    );
     assert_eq!(client.connects(), 1);
 
     // The server goes away and comes back on the same port.
@@ -244,12 +401,22 @@ async fn client_reconnects_with_backoff_and_sends_heartbeats() {
     server.close();
     drop(server);
     let conn = client.connection().await.unwrap();
-    assert!(wait_until(Duration::from_secs(10), || !conn.is_alive()).await, "close not noticed");
+    assert!(
+        wait_until(Duration::from_secs(10), || !conn.is_alive()).await,
+        "close not noticed"
+    );
     // The old socket closes once its connections have drained; rebind as soon as it has.
     let mut server2 = None;
     assert!(
         wait_until(Duration::from_secs(10), || {
-            server2 = ControlEndpoint::bind(&cluster.member("peer"), ControlConfig { listen: addr, ..config(Role::Proxy) }).ok();
+            server2 = ControlEndpoint::bind(
+                &cluster.member("peer"),
+                ControlConfig {
+                    listen: addr,
+                    ..config(Role::Proxy)
+                },
+            )
+            .ok();
             server2.is_some()
         })
         .await,
@@ -257,9 +424,15 @@ async fn client_reconnects_with_backoff_and_sends_heartbeats() {
     );
     let server2 = Arc::new(server2.unwrap());
     let _rx = spawn_echo(server2.clone());
-    let back = client.request(ControlMessage::Ping { nonce: 5 }).await.unwrap();
+    let back = client
+        .request(ControlMessage::Ping { nonce: 5 })
+        .await
+        .unwrap();
     assert_eq!(back, ControlMessage::Pong { nonce: 5 });
     assert!(client.connects() >= 2, "reconnected");
     cancel.cancel();
-    tokio::time::timeout(Duration::from_secs(5), hb_task).await.unwrap().unwrap();
+    tokio::time::timeout(Duration::from_secs(5), hb_task)
+        .await
+        .unwrap()
+        .unwrap();
 }

@@ -22,7 +22,10 @@ fn engines() -> &'static Mutex<HashMap<String, Weak<EngineCore>>> {
 /// Forgets a dropped engine's address (no-op for addresses of other backends).
 pub(crate) fn unregister_engine(address: &str) {
     if address.starts_with("local:") {
-        engines().lock().expect("local engines poisoned").remove(address);
+        engines()
+            .lock()
+            .expect("local engines poisoned")
+            .remove(address);
     }
 }
 
@@ -35,8 +38,14 @@ impl LocalBackend {
     pub(crate) fn new(core: &Arc<EngineCore>) -> Self {
         static NEXT: AtomicU64 = AtomicU64::new(1);
         let address = format!("local:{}", NEXT.fetch_add(1, Ordering::Relaxed));
-        engines().lock().expect("local engines poisoned").insert(address.clone(), Arc::downgrade(core));
-        Self { address, max_reg: core.config.max_registration_bytes }
+        engines()
+            .lock()
+            .expect("local engines poisoned")
+            .insert(address.clone(), Arc::downgrade(core));
+        Self {
+            address,
+            max_reg: core.config.max_registration_bytes,
+        }
     }
 }
 
@@ -47,7 +56,14 @@ impl Backend for LocalBackend {
     fn allocator(&self) -> Arc<dyn HostMemoryAllocator> {
         Arc::new(AnonAllocator)
     }
-    fn register(&self, mem: &Arc<dyn HostMemory>) -> Result<(Vec<RegionChunk>, Option<ShmHandle>, Option<BackendRegistration>)> {
+    fn register(
+        &self,
+        mem: &Arc<dyn HostMemory>,
+    ) -> Result<(
+        Vec<RegionChunk>,
+        Option<ShmHandle>,
+        Option<BackendRegistration>,
+    )> {
         Ok((plain_chunks(mem.len() as u64, self.max_reg), None, None))
     }
     fn connect(&self, core: Arc<EngineCore>, addr: String) -> BoxFut<Result<Arc<dyn Link>>> {
@@ -57,12 +73,20 @@ impl Backend for LocalBackend {
                 .expect("local engines poisoned")
                 .get(&addr)
                 .and_then(Weak::upgrade)
-                .ok_or_else(|| TransportError::peer_gone(&addr, "no local engine at this address"))?;
+                .ok_or_else(|| {
+                    TransportError::peer_gone(&addr, "no local engine at this address")
+                })?;
             if peer.config.backend != crate::engine::BackendKind::Local {
-                return Err(TransportError::Config(format!("{addr} is not a local engine")));
+                return Err(TransportError::Config(format!(
+                    "{addr} is not a local engine"
+                )));
             }
-            Ok(Arc::new(LocalLink { addr, peer: Arc::downgrade(&peer), me: core, closed: AtomicBool::new(false) })
-                as Arc<dyn Link>)
+            Ok(Arc::new(LocalLink {
+                addr,
+                peer: Arc::downgrade(&peer),
+                me: core,
+                closed: AtomicBool::new(false),
+            }) as Arc<dyn Link>)
         })
     }
 }
@@ -96,7 +120,10 @@ impl RemotePointers for LocalRemote {
         Ok((ptr, Some(entry)))
     }
     fn peer_alive(&self) -> Result<()> {
-        self.2.peer_core().map(|_| ()).map_err(|_| TransportError::peer_gone(&self.1, "peer engine shut down"))
+        self.2
+            .peer_core()
+            .map(|_| ())
+            .map_err(|_| TransportError::peer_gone(&self.1, "peer engine shut down"))
     }
 }
 
@@ -117,7 +144,9 @@ impl Link for LocalLink {
     fn execute(self: Arc<Self>, pieces: Vec<PlannedOp>, batch: Arc<BatchState>) -> Result<()> {
         let peer = self.peer_core()?;
         let remote = LocalRemote(peer, self.addr.clone(), self.clone());
-        self.me.memcpy.submit(move || run_pieces(pieces, batch, &remote))
+        self.me
+            .memcpy
+            .submit(move || run_pieces(pieces, batch, &remote))
     }
     fn is_alive(&self) -> bool {
         self.peer_core().is_ok()

@@ -26,26 +26,28 @@ pub(crate) struct MemcpyExecutor {
 impl MemcpyExecutor {
     pub(crate) fn start(engine: &str, depth: usize) -> Result<Self> {
         let (tx, rx) = sync_channel::<Job>(depth);
-        std::thread::Builder::new().name(format!("pdserve-memcpy-{engine}")).spawn(move || {
-            // After a job the thread polls its queue for a short while before parking: waking
-            // a parked thread costs tens of microseconds on this class of machine, more than
-            // copying a megabyte (see docs/transport.md). The poll is bounded, so an idle
-            // engine sleeps.
-            while let Ok(job) = rx.recv() {
-                job();
-                let mut until = std::time::Instant::now() + SPIN_AFTER_JOB;
-                while std::time::Instant::now() < until {
-                    match rx.try_recv() {
-                        Ok(job) => {
-                            job();
-                            until = std::time::Instant::now() + SPIN_AFTER_JOB;
+        std::thread::Builder::new()
+            .name(format!("pdserve-memcpy-{engine}"))
+            .spawn(move || {
+                // After a job the thread polls its queue for a short while before parking: waking
+                // a parked thread costs tens of microseconds on this class of machine, more than
+                // copying a megabyte (see docs/transport.md). The poll is bounded, so an idle
+                // engine sleeps.
+                while let Ok(job) = rx.recv() {
+                    job();
+                    let mut until = std::time::Instant::now() + SPIN_AFTER_JOB;
+                    while std::time::Instant::now() < until {
+                        match rx.try_recv() {
+                            Ok(job) => {
+                                job();
+                                until = std::time::Instant::now() + SPIN_AFTER_JOB;
+                            }
+                            Err(std::sync::mpsc::TryRecvError::Empty) => std::hint::spin_loop(),
+                            Err(std::sync::mpsc::TryRecvError::Disconnected) => return,
                         }
-                        Err(std::sync::mpsc::TryRecvError::Empty) => std::hint::spin_loop(),
-                        Err(std::sync::mpsc::TryRecvError::Disconnected) => return,
                     }
                 }
-            }
-        })?;
+            })?;
         Ok(Self { tx })
     }
 
@@ -56,8 +58,13 @@ impl MemcpyExecutor {
     pub(crate) fn submit(&self, job: impl FnOnce() + Send + 'static) -> Result<()> {
         match self.tx.try_send(Box::new(job)) {
             Ok(()) => Ok(()),
-            Err(TrySendError::Full(_)) => Err(TransportError::Busy("memcpy executor queue is full".into())),
-            Err(TrySendError::Disconnected(_)) => Err(TransportError::peer_gone("local engine", "memcpy executor stopped")),
+            Err(TrySendError::Full(_)) => {
+                Err(TransportError::Busy("memcpy executor queue is full".into()))
+            }
+            Err(TrySendError::Disconnected(_)) => Err(TransportError::peer_gone(
+                "local engine",
+                "memcpy executor stopped",
+            )),
         }
     }
 }
@@ -73,7 +80,11 @@ pub(crate) trait RemotePointers: Send + Sync {
 
 /// Runs the pieces of one batch as copies, checking liveness and cancellation between pieces.
 /// A write's bytes are published with a release fence before the piece completes.
-pub(crate) fn run_pieces(pieces: Vec<PlannedOp>, batch: Arc<BatchState>, remote: &dyn RemotePointers) {
+pub(crate) fn run_pieces(
+    pieces: Vec<PlannedOp>,
+    batch: Arc<BatchState>,
+    remote: &dyn RemotePointers,
+) {
     for op in pieces {
         if batch.is_cancelled() {
             return;

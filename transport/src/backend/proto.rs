@@ -34,7 +34,8 @@ pub(crate) const OP_RDMA_CONNECT: u8 = 6;
 
 /// Accepts an RDMA connection: takes the initiator's endpoint, returns the target's endpoint and
 /// the state (queue pair) to keep while the control connection lives.
-pub(crate) type RdmaAcceptHook = Arc<dyn Fn(&[u8]) -> Result<(Vec<u8>, Box<dyn std::any::Any + Send>)> + Send + Sync>;
+pub(crate) type RdmaAcceptHook =
+    Arc<dyn Fn(&[u8]) -> Result<(Vec<u8>, Box<dyn std::any::Any + Send>)> + Send + Sync>;
 
 pub(crate) const ST_OK: u8 = 0;
 pub(crate) const ST_REGIONS: u8 = 1;
@@ -64,7 +65,13 @@ impl ReqHeader {
     }
     pub(crate) fn decode(b: &[u8; REQ_HEADER]) -> Self {
         let u = |r: std::ops::Range<usize>| u64::from_le_bytes(b[r].try_into().expect("8 bytes"));
-        Self { op: b[0], req: u(8..16), region: u(16..24), offset: u(24..32), len: u(32..40) }
+        Self {
+            op: b[0],
+            req: u(8..16),
+            region: u(16..24),
+            offset: u(24..32),
+            len: u(32..40),
+        }
     }
 }
 
@@ -87,7 +94,12 @@ impl RespHeader {
     }
     pub(crate) fn decode(b: &[u8; RESP_HEADER]) -> Self {
         let u = |r: std::ops::Range<usize>| u64::from_le_bytes(b[r].try_into().expect("8 bytes"));
-        Self { status: b[0], req: u(8..16), aux: u(16..24), len: u(24..32) }
+        Self {
+            status: b[0],
+            req: u(8..16),
+            aux: u(16..24),
+            len: u(24..32),
+        }
     }
 }
 
@@ -98,7 +110,9 @@ pub(crate) fn hello_payload(core: &EngineCore) -> Vec<u8> {
 
 /// Identifies the running kernel (same value for every process of one host boot).
 pub(crate) fn host_id() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/random/boot_id").map(|s| s.trim().to_string()).unwrap_or_default()
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
 }
 
 /// Per-connection server state.
@@ -112,12 +126,19 @@ pub(crate) struct ServerCtx {
 
 impl ServerCtx {
     fn peer_name(&self) -> String {
-        self.peer_name.lock().expect("peer name poisoned").clone().unwrap_or_else(|| self.remote_addr.clone())
+        self.peer_name
+            .lock()
+            .expect("peer name poisoned")
+            .clone()
+            .unwrap_or_else(|| self.remote_addr.clone())
     }
 }
 
 /// Reads exactly `buf.len()` bytes; `Ok(false)` on a clean end of stream before the first byte.
-pub(crate) async fn read_exact_or_eof<R: AsyncRead + Unpin>(r: &mut R, buf: &mut [u8]) -> std::io::Result<bool> {
+pub(crate) async fn read_exact_or_eof<R: AsyncRead + Unpin>(
+    r: &mut R,
+    buf: &mut [u8],
+) -> std::io::Result<bool> {
     let mut got = 0;
     while got < buf.len() {
         let n = r.read(&mut buf[got..]).await?;
@@ -134,7 +155,9 @@ pub(crate) async fn read_exact_or_eof<R: AsyncRead + Unpin>(r: &mut R, buf: &mut
 
 async fn drain<R: AsyncRead + Unpin>(r: &mut R, mut len: u64) -> Result<()> {
     if len > MAX_DRAIN {
-        return Err(TransportError::Protocol(format!("refusing to drain {len} bytes")));
+        return Err(TransportError::Protocol(format!(
+            "refusing to drain {len} bytes"
+        )));
     }
     let mut buf = vec![0u8; 64 << 10];
     while len > 0 {
@@ -145,8 +168,19 @@ async fn drain<R: AsyncRead + Unpin>(r: &mut R, mut len: u64) -> Result<()> {
     Ok(())
 }
 
-async fn respond<W: AsyncWrite + Unpin>(w: &mut W, status: u8, req: u64, aux: u64, payload: &[u8]) -> Result<()> {
-    let h = RespHeader { status, req, aux, len: payload.len() as u64 };
+async fn respond<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    status: u8,
+    req: u64,
+    aux: u64,
+    payload: &[u8],
+) -> Result<()> {
+    let h = RespHeader {
+        status,
+        req,
+        aux,
+        len: payload.len() as u64,
+    };
     if payload.len() <= 16 << 10 {
         let mut buf = Vec::with_capacity(RESP_HEADER + payload.len());
         buf.extend_from_slice(&h.encode());
@@ -159,11 +193,26 @@ async fn respond<W: AsyncWrite + Unpin>(w: &mut W, status: u8, req: u64, aux: u6
     Ok(())
 }
 
-async fn respond_error<W: AsyncWrite + Unpin>(w: &mut W, req: u64, e: &TransportError) -> Result<()> {
+async fn respond_error<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    req: u64,
+    e: &TransportError,
+) -> Result<()> {
     match e {
         TransportError::UnknownRegion { .. } => respond(w, ST_UNKNOWN_REGION, req, 0, &[]).await,
-        TransportError::OutOfBounds { region_len, .. } => respond(w, ST_OUT_OF_BOUNDS, req, *region_len, &[]).await,
-        other => respond(w, ST_ERROR, req, 0, format!("{}\n{other}", other.kind()).as_bytes()).await,
+        TransportError::OutOfBounds { region_len, .. } => {
+            respond(w, ST_OUT_OF_BOUNDS, req, *region_len, &[]).await
+        }
+        other => {
+            respond(
+                w,
+                ST_ERROR,
+                req,
+                0,
+                format!("{}\n{other}", other.kind()).as_bytes(),
+            )
+            .await
+        }
     }
 }
 
@@ -189,7 +238,10 @@ where
         match h.op {
             OP_HELLO | OP_NOTIFY => {
                 if h.len > max_notify {
-                    let e = TransportError::Protocol(format!("message of {} bytes is too large", h.len));
+                    let e = TransportError::Protocol(format!(
+                        "message of {} bytes is too large",
+                        h.len
+                    ));
                     respond_error(w, h.req, &e).await?;
                     return Err(e);
                 }
@@ -210,7 +262,9 @@ where
                         return Err(e);
                     }
                     if ctx.backend == BackendKind::Shm && host != host_id() {
-                        let e = TransportError::Unsupported("shm peers must run on the same host".into());
+                        let e = TransportError::Unsupported(
+                            "shm peers must run on the same host".into(),
+                        );
                         respond_error(w, h.req, &e).await?;
                         return Err(e);
                     }
@@ -236,7 +290,9 @@ where
                         // keeps alive until the read finishes. Concurrent access to these
                         // bytes is excluded by the users' block ownership (HostMemory's
                         // contract).
-                        let dst = unsafe { std::slice::from_raw_parts_mut(entry.ptr_at(h.offset), h.len as usize) };
+                        let dst = unsafe {
+                            std::slice::from_raw_parts_mut(entry.ptr_at(h.offset), h.len as usize)
+                        };
                         r.read_exact(dst).await?;
                         // Release: the bytes are in memory before the acknowledgement leaves.
                         fence(Ordering::Release);
@@ -258,7 +314,9 @@ where
                     Ok(entry) => {
                         fence(Ordering::Acquire);
                         // SAFETY: as for writes; the bytes are only read.
-                        let src = unsafe { std::slice::from_raw_parts(entry.ptr_at(h.offset), h.len as usize) };
+                        let src = unsafe {
+                            std::slice::from_raw_parts(entry.ptr_at(h.offset), h.len as usize)
+                        };
                         respond(w, ST_DATA, h.req, 0, src).await?;
                     }
                     Err(e) => respond_error(w, h.req, &e).await?,
@@ -273,7 +331,14 @@ where
                         respond(w, ST_OK, h.req, 0, &answer).await?;
                     }
                     Some(Err(e)) => respond_error(w, h.req, &e).await?,
-                    None => respond_error(w, h.req, &TransportError::Unsupported("not an rdma engine".into())).await?,
+                    None => {
+                        respond_error(
+                            w,
+                            h.req,
+                            &TransportError::Unsupported("not an rdma engine".into()),
+                        )
+                        .await?
+                    }
                 }
             }
             other => {
@@ -287,9 +352,16 @@ where
 }
 
 /// Turns an error answer into the typed error of the request it answers.
-pub(crate) async fn answer_error<R: AsyncRead + Unpin>(r: &mut R, req: &ReqHeader, resp: &RespHeader) -> TransportError {
+pub(crate) async fn answer_error<R: AsyncRead + Unpin>(
+    r: &mut R,
+    req: &ReqHeader,
+    resp: &RespHeader,
+) -> TransportError {
     match resp.status {
-        ST_UNKNOWN_REGION => TransportError::UnknownRegion { side: Side::Remote, id: req.region },
+        ST_UNKNOWN_REGION => TransportError::UnknownRegion {
+            side: Side::Remote,
+            id: req.region,
+        },
         ST_OUT_OF_BOUNDS => TransportError::OutOfBounds {
             side: Side::Remote,
             id: req.region,
@@ -304,21 +376,34 @@ pub(crate) async fn answer_error<R: AsyncRead + Unpin>(r: &mut R, req: &ReqHeade
             }
             let text = String::from_utf8_lossy(&buf).to_string();
             let (kind, message) = text.split_once('\n').unwrap_or(("remote", &text));
-            TransportError::Remote { kind: kind.to_string(), message: message.to_string() }
+            TransportError::Remote {
+                kind: kind.to_string(),
+                message: message.to_string(),
+            }
         }
-        other => TransportError::Protocol(format!("unexpected answer status {other} ({} bytes)", resp.len)),
+        other => TransportError::Protocol(format!(
+            "unexpected answer status {other} ({} bytes)",
+            resp.len
+        )),
     }
 }
 
 /// Reads the payload of a control answer (`Ok`, `Regions`), bounded.
-pub(crate) async fn read_control_payload<R: AsyncRead + Unpin>(r: &mut R, req: &ReqHeader, resp: &RespHeader) -> Result<Vec<u8>> {
+pub(crate) async fn read_control_payload<R: AsyncRead + Unpin>(
+    r: &mut R,
+    req: &ReqHeader,
+    resp: &RespHeader,
+) -> Result<Vec<u8>> {
     match resp.status {
         ST_OK | ST_REGIONS if resp.len <= MAX_REGIONS_BYTES => {
             let mut buf = vec![0u8; resp.len as usize];
             r.read_exact(&mut buf).await?;
             Ok(buf)
         }
-        ST_OK | ST_REGIONS => Err(TransportError::Protocol(format!("answer of {} bytes is too large", resp.len))),
+        ST_OK | ST_REGIONS => Err(TransportError::Protocol(format!(
+            "answer of {} bytes is too large",
+            resp.len
+        ))),
         _ => Err(answer_error(r, req, resp).await),
     }
 }
@@ -329,7 +414,12 @@ pub(crate) fn decode_regions(bytes: &[u8]) -> Result<Vec<RegionDescriptor>> {
 }
 
 /// One request/answer on a fresh stream (QUIC, greetings): no pipelining.
-pub(crate) async fn roundtrip_control<R, W>(r: &mut R, w: &mut W, req: ReqHeader, payload: &[u8]) -> Result<Vec<u8>>
+pub(crate) async fn roundtrip_control<R, W>(
+    r: &mut R,
+    w: &mut W,
+    req: ReqHeader,
+    payload: &[u8],
+) -> Result<Vec<u8>>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
@@ -343,7 +433,10 @@ where
     r.read_exact(&mut hb).await?;
     let resp = RespHeader::decode(&hb);
     if resp.req != req.req {
-        return Err(TransportError::Protocol(format!("answer to request {} arrived for {}", resp.req, req.req)));
+        return Err(TransportError::Protocol(format!(
+            "answer to request {} arrived for {}",
+            resp.req, req.req
+        )));
     }
     read_control_payload(r, &req, &resp).await
 }
@@ -354,9 +447,20 @@ mod tests {
 
     #[test]
     fn headers_round_trip() {
-        let h = ReqHeader { op: OP_WRITE, req: 7, region: 3, offset: 1 << 40, len: 12345 };
+        let h = ReqHeader {
+            op: OP_WRITE,
+            req: 7,
+            region: 3,
+            offset: 1 << 40,
+            len: 12345,
+        };
         assert_eq!(ReqHeader::decode(&h.encode()), h);
-        let r = RespHeader { status: ST_OUT_OF_BOUNDS, req: 7, aux: 99, len: 0 };
+        let r = RespHeader {
+            status: ST_OUT_OF_BOUNDS,
+            req: 7,
+            aux: 99,
+            len: 0,
+        };
         assert_eq!(RespHeader::decode(&r.encode()), r);
     }
 }

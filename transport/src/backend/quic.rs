@@ -14,7 +14,9 @@ use tokio::sync::Semaphore;
 
 use super::proto::{self, ReqHeader, RespHeader, ServerCtx};
 use crate::control::tls::{quic_transport, ALPN_TRANSFER, MEMBER_SERVER_NAME};
-use crate::engine::{Backend, BackendKind, BatchState, BoxFut, EngineCore, Link, OpKind, PieceCompletion, PlannedOp};
+use crate::engine::{
+    Backend, BackendKind, BatchState, BoxFut, EngineCore, Link, OpKind, PieceCompletion, PlannedOp,
+};
 use crate::error::{Result, TransportError};
 use crate::memory::{plain_chunks, BackendRegistration};
 
@@ -29,8 +31,16 @@ pub(crate) struct QuicBackend {
 
 impl QuicBackend {
     pub(crate) fn new(core: &Arc<EngineCore>) -> Result<Self> {
-        let creds = core.config.credentials.as_ref().ok_or_else(|| TransportError::Config("quic needs credentials".into()))?;
-        let endpoint = creds.quic_endpoint(core.config.listen, ALPN_TRANSFER, quic_transport(core.config.peer_timeout)?)?;
+        let creds = core
+            .config
+            .credentials
+            .as_ref()
+            .ok_or_else(|| TransportError::Config("quic needs credentials".into()))?;
+        let endpoint = creds.quic_endpoint(
+            core.config.listen,
+            ALPN_TRANSFER,
+            quic_transport(core.config.peer_timeout)?,
+        )?;
         let addr = endpoint.local_addr()?;
         let ep = endpoint.clone();
         let core2 = core.clone();
@@ -48,20 +58,32 @@ impl QuicBackend {
                     };
                     let peer_name = Arc::new(Mutex::new(None));
                     while let Ok((mut send, mut recv)) = conn.accept_bi().await {
-                        let ctx = ServerCtx { core: core.clone(), backend: BackendKind::Quic, peer_name: peer_name.clone(), remote_addr: remote.to_string(), rdma_accept: None };
+                        let ctx = ServerCtx {
+                            core: core.clone(),
+                            backend: BackendKind::Quic,
+                            peer_name: peer_name.clone(),
+                            remote_addr: remote.to_string(),
+                            rdma_accept: None,
+                        };
                         tokio::spawn(async move {
                             match proto::serve(&ctx, &mut recv, &mut send).await {
                                 Ok(()) => {
                                     let _ = send.finish();
                                 }
-                                Err(e) => tracing::debug!(peer = %ctx.remote_addr, error = %e, "transfer stream ended"),
+                                Err(e) => {
+                                    tracing::debug!(peer = %ctx.remote_addr, error = %e, "transfer stream ended")
+                                }
                             }
                         });
                     }
                 });
             }
         });
-        Ok(Self { endpoint, addr, max_reg: core.config.max_registration_bytes })
+        Ok(Self {
+            endpoint,
+            addr,
+            max_reg: core.config.max_registration_bytes,
+        })
     }
 }
 
@@ -72,19 +94,33 @@ impl Backend for QuicBackend {
     fn allocator(&self) -> Arc<dyn HostMemoryAllocator> {
         Arc::new(AnonAllocator)
     }
-    fn register(&self, mem: &Arc<dyn HostMemory>) -> Result<(Vec<RegionChunk>, Option<ShmHandle>, Option<BackendRegistration>)> {
+    fn register(
+        &self,
+        mem: &Arc<dyn HostMemory>,
+    ) -> Result<(
+        Vec<RegionChunk>,
+        Option<ShmHandle>,
+        Option<BackendRegistration>,
+    )> {
         Ok((plain_chunks(mem.len() as u64, self.max_reg), None, None))
     }
     fn connect(&self, core: Arc<EngineCore>, addr: String) -> BoxFut<Result<Arc<dyn Link>>> {
         let endpoint = self.endpoint.clone();
         Box::pin(async move {
-            let sock: SocketAddr = addr.parse().map_err(|e| TransportError::Config(format!("bad address {addr}: {e}")))?;
+            let sock: SocketAddr = addr
+                .parse()
+                .map_err(|e| TransportError::Config(format!("bad address {addr}: {e}")))?;
             let conn = endpoint
                 .connect(sock, MEMBER_SERVER_NAME)
                 .map_err(|e| TransportError::Config(e.to_string()))?
                 .await
                 .map_err(|e| classify_connection_error(&addr, e))?;
-            let link = Arc::new(QuicLink { peer: Arc::from(addr.as_str()), conn, streams: Arc::new(Semaphore::new(MAX_STREAMS)), handle: tokio::runtime::Handle::current() });
+            let link = Arc::new(QuicLink {
+                peer: Arc::from(addr.as_str()),
+                conn,
+                streams: Arc::new(Semaphore::new(MAX_STREAMS)),
+                handle: tokio::runtime::Handle::current(),
+            });
             let hello = proto::hello_payload(&core);
             link.control(proto::OP_HELLO, hello).await?;
             Ok(link as Arc<dyn Link>)
@@ -94,10 +130,14 @@ impl Backend for QuicBackend {
 
 pub(crate) fn classify_connection_error(peer: &str, e: quinn::ConnectionError) -> TransportError {
     match e {
-        quinn::ConnectionError::TransportError(t) if t.code.to_string().contains("crypto") || t.to_string().contains("certificate") => {
+        quinn::ConnectionError::TransportError(t)
+            if t.code.to_string().contains("crypto") || t.to_string().contains("certificate") =>
+        {
             TransportError::Unauthenticated(format!("{peer}: {t}"))
         }
-        quinn::ConnectionError::ConnectionClosed(c) if c.error_code.to_string().contains("crypto") => {
+        quinn::ConnectionError::ConnectionClosed(c)
+            if c.error_code.to_string().contains("crypto") =>
+        {
             TransportError::Unauthenticated(format!("{peer}: {c}"))
         }
         quinn::ConnectionError::TimedOut => TransportError::peer_gone(peer, "QUIC idle timeout"),
@@ -122,7 +162,13 @@ impl QuicLink {
 
     async fn control(&self, op: u8, payload: Vec<u8>) -> Result<Vec<u8>> {
         let (mut send, mut recv) = self.conn.open_bi().await.map_err(|e| self.gone(e))?;
-        let header = ReqHeader { op, req: 1, region: 0, offset: 0, len: payload.len() as u64 };
+        let header = ReqHeader {
+            op,
+            req: 1,
+            region: 0,
+            offset: 0,
+            len: payload.len() as u64,
+        };
         let res = proto::roundtrip_control(&mut recv, &mut send, header, &payload).await;
         let _ = send.finish();
         res.map_err(|e| match e {
@@ -134,7 +180,11 @@ impl QuicLink {
     async fn piece(&self, op: &PlannedOp) -> Result<()> {
         let (mut send, mut recv) = self.conn.open_bi().await.map_err(|e| self.gone(e))?;
         let header = ReqHeader {
-            op: if op.kind == OpKind::Write { proto::OP_WRITE } else { proto::OP_READ },
+            op: if op.kind == OpKind::Write {
+                proto::OP_WRITE
+            } else {
+                proto::OP_READ
+            },
             req: 1,
             region: op.remote_region,
             offset: op.remote_offset,
@@ -144,7 +194,9 @@ impl QuicLink {
             AsyncWriteExt::write_all(&mut send, &header.encode()).await?;
             if op.kind == OpKind::Write {
                 // SAFETY: range checked at submit; `op.local` keeps the region alive.
-                let src = unsafe { std::slice::from_raw_parts(op.local.ptr_at(op.local_offset), op.len as usize) };
+                let src = unsafe {
+                    std::slice::from_raw_parts(op.local.ptr_at(op.local_offset), op.len as usize)
+                };
                 AsyncWriteExt::write_all(&mut send, src).await?;
             }
             let _ = send.finish();
@@ -155,12 +207,21 @@ impl QuicLink {
                 (OpKind::Write, proto::ST_OK) if resp.len == 0 => Ok(()),
                 (OpKind::Read, proto::ST_DATA) if resp.len == op.len => {
                     // SAFETY: as above; the batch owns these local bytes.
-                    let dst = unsafe { std::slice::from_raw_parts_mut(op.local.ptr_at(op.local_offset), op.len as usize) };
+                    let dst = unsafe {
+                        std::slice::from_raw_parts_mut(
+                            op.local.ptr_at(op.local_offset),
+                            op.len as usize,
+                        )
+                    };
                     AsyncReadExt::read_exact(&mut recv, dst).await?;
                     Ok(())
                 }
-                (_, proto::ST_UNKNOWN_REGION | proto::ST_OUT_OF_BOUNDS | proto::ST_ERROR) => Err(proto::answer_error(&mut recv, &header, &resp).await),
-                (_, s) => Err(TransportError::Protocol(format!("unexpected answer status {s}"))),
+                (_, proto::ST_UNKNOWN_REGION | proto::ST_OUT_OF_BOUNDS | proto::ST_ERROR) => {
+                    Err(proto::answer_error(&mut recv, &header, &resp).await)
+                }
+                (_, s) => Err(TransportError::Protocol(format!(
+                    "unexpected answer status {s}"
+                ))),
             }
         };
         io.await.map_err(|e: TransportError| match e {
@@ -175,7 +236,9 @@ impl Link for QuicLink {
         &self.peer
     }
     fn fetch_regions(self: Arc<Self>) -> BoxFut<Result<Vec<RegionDescriptor>>> {
-        Box::pin(async move { proto::decode_regions(&self.control(proto::OP_GET_REGIONS, Vec::new()).await?) })
+        Box::pin(async move {
+            proto::decode_regions(&self.control(proto::OP_GET_REGIONS, Vec::new()).await?)
+        })
     }
     fn notify(self: Arc<Self>, bytes: Vec<u8>) -> BoxFut<Result<()>> {
         Box::pin(async move { self.control(proto::OP_NOTIFY, bytes).await.map(|_| ()) })
@@ -188,7 +251,9 @@ impl Link for QuicLink {
                 if done.is_cancelled() {
                     return;
                 }
-                let Ok(permit) = link.streams.clone().acquire_owned().await else { return };
+                let Ok(permit) = link.streams.clone().acquire_owned().await else {
+                    return;
+                };
                 let link = link.clone();
                 tokio::spawn(async move {
                     let res = link.piece(&op).await;
@@ -203,13 +268,14 @@ impl Link for QuicLink {
         self.conn.close_reason().is_none()
     }
     fn close(&self) {
-        self.conn.close(quinn::VarInt::from_u32(0), b"session closed");
+        self.conn
+            .close(quinn::VarInt::from_u32(0), b"session closed");
     }
 }
 
 impl Drop for QuicLink {
     fn drop(&mut self) {
-        self.conn.close(quinn::VarInt::from_u32(0), b"session dropped");
+        self.conn
+            .close(quinn::VarInt::from_u32(0), b"session dropped");
     }
 }
-

@@ -34,6 +34,8 @@ pub(crate) fn new_backend(core: &Arc<EngineCore>) -> Result<Box<dyn Backend>> {
     #[cfg(not(feature = "rdma"))]
     {
         let _ = core;
-        Err(TransportError::Unsupported("this build has no rdma backend (cargo feature `rdma`)".into()))
+        Err(TransportError::Unsupported(
+            "this build has no rdma backend (cargo feature `rdma`)".into(),
+        ))
     }
 }

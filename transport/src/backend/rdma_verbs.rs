@@ -22,13 +22,15 @@ use std::sync::mpsc::{sync_channel, SyncSender, TryRecvError, TrySendError};
 use std::sync::Arc;
 use std::time::Duration;
 
-use ibverbs::ffi;
+use ibverbs_sys as ffi;
 use pdserve_runtime::memory::{AnonAllocator, HostMemory, HostMemoryAllocator};
 use pdserve_runtime::wire::{RegionChunk, RegionDescriptor, ShmHandle};
 
-use super::proto;
-use super::tcp::{listen, TcpConn};
-use crate::engine::{Backend, BackendKind, BatchState, BoxFut, EngineCore, Link, OpKind, PieceCompletion, PlannedOp};
+use crate::backend::proto;
+use crate::backend::tcp::{listen, TcpConn};
+use crate::engine::{
+    Backend, BackendKind, BatchState, BoxFut, EngineCore, Link, OpKind, PieceCompletion, PlannedOp,
+};
 use crate::error::{Result, TransportError};
 use crate::memory::BackendRegistration;
 
@@ -43,7 +45,10 @@ pub(crate) fn device_available() -> bool {
 }
 
 fn os_err(what: &str) -> TransportError {
-    TransportError::Io(Arc::new(std::io::Error::other(format!("{what}: {}", std::io::Error::last_os_error()))))
+    TransportError::Io(Arc::new(std::io::Error::other(format!(
+        "{what}: {}",
+        std::io::Error::last_os_error()
+    ))))
 }
 
 /// An open device and protection domain.
@@ -69,7 +74,9 @@ impl Verbs {
                 if !list.is_null() {
                     ffi::ibv_free_device_list(list);
                 }
-                return Err(TransportError::Unsupported("no RDMA device (ibv_devices lists none)".into()));
+                return Err(TransportError::Unsupported(
+                    "no RDMA device (ibv_devices lists none)".into(),
+                ));
             }
             let ctx = ffi::ibv_open_device(*list);
             ffi::ibv_free_device_list(list);
@@ -82,7 +89,9 @@ impl Verbs {
                 return Err(os_err("ibv_query_port"));
             }
             let mut gid: ffi::ibv_gid = std::mem::zeroed();
-            let gid = if ffi::ibv_query_gid(ctx, PORT, 0, &mut gid) == 0 && port.link_layer == ffi::IBV_LINK_LAYER_ETHERNET as u8 {
+            let gid = if ffi::ibv_query_gid(ctx, PORT, 0, &mut gid) == 0
+                && port.link_layer == ffi::IBV_LINK_LAYER_ETHERNET as u8
+            {
                 Some(gid.raw)
             } else {
                 None
@@ -92,7 +101,12 @@ impl Verbs {
                 ffi::ibv_close_device(ctx);
                 return Err(os_err("ibv_alloc_pd"));
             }
-            Ok(Arc::new(Self { ctx, pd, lid: port.lid, gid }))
+            Ok(Arc::new(Self {
+                ctx,
+                pd,
+                lid: port.lid,
+                gid,
+            }))
         }
     }
 }
@@ -160,7 +174,13 @@ impl Qp {
     fn new(verbs: Arc<Verbs>) -> Result<Self> {
         // SAFETY: plain verbs calls on live objects.
         unsafe {
-            let cq = ffi::ibv_create_cq(verbs.ctx, CQ_DEPTH, std::ptr::null_mut(), std::ptr::null_mut(), 0);
+            let cq = ffi::ibv_create_cq(
+                verbs.ctx,
+                CQ_DEPTH,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                0,
+            );
             if cq.is_null() {
                 return Err(os_err("ibv_create_cq"));
             }
@@ -183,7 +203,11 @@ impl Qp {
 
     fn endpoint(&self) -> Endpoint {
         // SAFETY: live QP.
-        Endpoint { qpn: unsafe { (*self.qp).qp_num }, lid: self.verbs.lid, gid: self.verbs.gid }
+        Endpoint {
+            qpn: unsafe { (*self.qp).qp_num },
+            lid: self.verbs.lid,
+            gid: self.verbs.gid,
+        }
     }
 
     /// INIT → RTR → RTS against the remote endpoint (RC, remote read and write allowed).
@@ -198,7 +222,8 @@ impl Qp {
                 | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE
                 | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ)
                 .0;
-            let mask = M::IBV_QP_STATE | M::IBV_QP_PKEY_INDEX | M::IBV_QP_PORT | M::IBV_QP_ACCESS_FLAGS;
+            let mask =
+                M::IBV_QP_STATE | M::IBV_QP_PKEY_INDEX | M::IBV_QP_PORT | M::IBV_QP_ACCESS_FLAGS;
             if ffi::ibv_modify_qp(self.qp, &mut a, mask.0 as i32) != 0 {
                 return Err(os_err("ibv_modify_qp(INIT)"));
             }
@@ -254,15 +279,23 @@ impl Qp {
             .backend
             .as_ref()
             .and_then(|b| b.0.downcast_ref::<MrSet>())
-            .ok_or_else(|| TransportError::Config("local region is not registered with rdma".into()))?;
+            .ok_or_else(|| {
+                TransportError::Config("local region is not registered with rdma".into())
+            })?;
         let chunk = mrs
             .mrs
             .iter()
             .find(|(o, l, _)| *o <= op.local_offset && op.local_offset < o + l)
             .map(|c| c.0)
-            .ok_or_else(|| TransportError::LayoutMismatch("local offset outside every memory region".into()))?;
+            .ok_or_else(|| {
+                TransportError::LayoutMismatch("local offset outside every memory region".into())
+            })?;
         let lkey = mrs.lkey(chunk).unwrap_or_default();
-        let mut sge = ffi::ibv_sge { addr: op.local.ptr_at(op.local_offset) as u64, length: op.len as u32, lkey };
+        let mut sge = ffi::ibv_sge {
+            addr: op.local.ptr_at(op.local_offset) as u64,
+            length: op.len as u32,
+            lkey,
+        };
         // SAFETY: the work request is fully initialised; the local range is registered and kept
         // alive by `op` until its completion is polled.
         unsafe {
@@ -275,14 +308,20 @@ impl Qp {
                 OpKind::Read => ffi::ibv_wr_opcode::IBV_WR_RDMA_READ,
             };
             wr.send_flags = ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
-            wr.wr.rdma.remote_addr = op.remote_chunk.addr + (op.remote_offset - op.remote_chunk.offset);
+            wr.wr.rdma.remote_addr =
+                op.remote_chunk.addr + (op.remote_offset - op.remote_chunk.offset);
             wr.wr.rdma.rkey = op.remote_chunk.rkey;
             let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
             let ctx = (*self.qp).context;
-            let post = (*ctx).ops.post_send.ok_or_else(|| TransportError::Unsupported("device has no post_send".into()))?;
+            let post = (*ctx)
+                .ops
+                .post_send
+                .ok_or_else(|| TransportError::Unsupported("device has no post_send".into()))?;
             let errno = post(self.qp, &mut wr, &mut bad);
             if errno != 0 {
-                return Err(TransportError::Io(Arc::new(std::io::Error::from_raw_os_error(errno))));
+                return Err(TransportError::Io(Arc::new(
+                    std::io::Error::from_raw_os_error(errno),
+                )));
             }
         }
         Ok(())
@@ -293,7 +332,10 @@ impl Qp {
         // SAFETY: `out` is writable for its length; live CQ.
         unsafe {
             let ctx = (*self.cq).context;
-            let poll = (*ctx).ops.poll_cq.ok_or_else(|| TransportError::Unsupported("device has no poll_cq".into()))?;
+            let poll = (*ctx)
+                .ops
+                .poll_cq
+                .ok_or_else(|| TransportError::Unsupported("device has no poll_cq".into()))?;
             let n = poll(self.cq, out.len() as i32, out.as_mut_ptr());
             if n < 0 {
                 return Err(os_err("ibv_poll_cq"));
@@ -324,14 +366,23 @@ impl RdmaBackend {
         let verbs = Verbs::open()?;
         let v = verbs.clone();
         let hook: proto::RdmaAcceptHook = Arc::new(move |payload: &[u8]| {
-            let remote: Endpoint = serde_json::from_slice(payload).map_err(|e| TransportError::Protocol(e.to_string()))?;
+            let remote: Endpoint = serde_json::from_slice(payload)
+                .map_err(|e| TransportError::Protocol(e.to_string()))?;
             let qp = Qp::new(v.clone())?;
             qp.connect(&remote)?;
-            let answer = serde_json::to_vec(&qp.endpoint()).map_err(|e| TransportError::Protocol(e.to_string()))?;
+            let answer = serde_json::to_vec(&qp.endpoint())
+                .map_err(|e| TransportError::Protocol(e.to_string()))?;
             Ok((answer, Box::new(qp) as Box<dyn std::any::Any + Send>))
         });
         let addr = listen(core, BackendKind::Rdma, Some(hook))?;
-        Ok(Self { verbs, addr, max_reg: core.config.max_registration_bytes.unwrap_or(DEFAULT_MAX_REGISTRATION) })
+        Ok(Self {
+            verbs,
+            addr,
+            max_reg: core
+                .config
+                .max_registration_bytes
+                .unwrap_or(DEFAULT_MAX_REGISTRATION),
+        })
     }
 }
 
@@ -342,9 +393,19 @@ impl Backend for RdmaBackend {
     fn allocator(&self) -> Arc<dyn HostMemoryAllocator> {
         Arc::new(AnonAllocator)
     }
-    fn register(&self, mem: &Arc<dyn HostMemory>) -> Result<(Vec<RegionChunk>, Option<ShmHandle>, Option<BackendRegistration>)> {
+    fn register(
+        &self,
+        mem: &Arc<dyn HostMemory>,
+    ) -> Result<(
+        Vec<RegionChunk>,
+        Option<ShmHandle>,
+        Option<BackendRegistration>,
+    )> {
         let len = mem.len() as u64;
-        let mut set = MrSet { mrs: Vec::new(), _verbs: self.verbs.clone() };
+        let mut set = MrSet {
+            mrs: Vec::new(),
+            _verbs: self.verbs.clone(),
+        };
         let mut chunks = Vec::new();
         let access = (ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE
             | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE
@@ -362,7 +423,12 @@ impl Backend for RdmaBackend {
             }
             set.mrs.push((offset, n, mr));
             // SAFETY: live MR.
-            chunks.push(RegionChunk { offset, len: n, addr: addr as u64, rkey: unsafe { (*mr).rkey } });
+            chunks.push(RegionChunk {
+                offset,
+                len: n,
+                addr: addr as u64,
+                rkey: unsafe { (*mr).rkey },
+            });
             offset += n;
         }
         Ok((chunks, None, Some(Box::new(set))))
@@ -373,11 +439,16 @@ impl Backend for RdmaBackend {
             let peer: Arc<str> = Arc::from(addr.as_str());
             let control = TcpConn::open(&core, &addr, peer.clone()).await?;
             let qp = Qp::new(verbs)?;
-            let mine = serde_json::to_vec(&qp.endpoint()).map_err(|e| TransportError::Protocol(e.to_string()))?;
+            let mine = serde_json::to_vec(&qp.endpoint())
+                .map_err(|e| TransportError::Protocol(e.to_string()))?;
             let theirs = control.control(&peer, proto::OP_RDMA_CONNECT, mine).await?;
-            let remote: Endpoint = serde_json::from_slice(&theirs).map_err(|e| TransportError::Protocol(e.to_string()))?;
+            let remote: Endpoint = serde_json::from_slice(&theirs)
+                .map_err(|e| TransportError::Protocol(e.to_string()))?;
             qp.connect(&remote)?;
-            Ok(Arc::new(RdmaLink::start(peer, control, qp, core.config.queue_depth)?) as Arc<dyn Link>)
+            Ok(
+                Arc::new(RdmaLink::start(peer, control, qp, core.config.queue_depth)?)
+                    as Arc<dyn Link>,
+            )
         })
     }
 }
@@ -466,7 +537,12 @@ impl RdmaLink {
             drop(pending);
             drop(qp);
         })?;
-        Ok(Self { peer, control, tx, alive })
+        Ok(Self {
+            peer,
+            control,
+            tx,
+            alive,
+        })
     }
 }
 
@@ -475,10 +551,22 @@ impl Link for RdmaLink {
         &self.peer
     }
     fn fetch_regions(self: Arc<Self>) -> BoxFut<Result<Vec<RegionDescriptor>>> {
-        Box::pin(async move { proto::decode_regions(&self.control.control(&self.peer, proto::OP_GET_REGIONS, Vec::new()).await?) })
+        Box::pin(async move {
+            proto::decode_regions(
+                &self
+                    .control
+                    .control(&self.peer, proto::OP_GET_REGIONS, Vec::new())
+                    .await?,
+            )
+        })
     }
     fn notify(self: Arc<Self>, bytes: Vec<u8>) -> BoxFut<Result<()>> {
-        Box::pin(async move { self.control.control(&self.peer, proto::OP_NOTIFY, bytes).await.map(|_| ()) })
+        Box::pin(async move {
+            self.control
+                .control(&self.peer, proto::OP_NOTIFY, bytes)
+                .await
+                .map(|_| ())
+        })
     }
     fn execute(self: Arc<Self>, pieces: Vec<PlannedOp>, batch: Arc<BatchState>) -> Result<()> {
         if !self.is_alive() {
@@ -487,7 +575,10 @@ impl Link for RdmaLink {
         match self.tx.try_send((pieces, batch)) {
             Ok(()) => Ok(()),
             Err(TrySendError::Full(_)) => Err(TransportError::Busy("rdma queue full".into())),
-            Err(TrySendError::Disconnected(_)) => Err(TransportError::peer_gone(&*self.peer, "rdma thread stopped")),
+            Err(TrySendError::Disconnected(_)) => Err(TransportError::peer_gone(
+                &*self.peer,
+                "rdma thread stopped",
+            )),
         }
     }
     fn is_alive(&self) -> bool {

@@ -22,7 +22,9 @@ use super::proto;
 use super::tcp::{listen, TcpConn};
 use crate::engine::{Backend, BackendKind, BatchState, BoxFut, EngineCore, Link, PlannedOp};
 use crate::error::{Result, Side, TransportError};
-use crate::memory::{check_range, plain_chunks, shm_handle_of, BackendRegistration, RemoteShmMapping, ShmAllocator};
+use crate::memory::{
+    check_range, plain_chunks, shm_handle_of, BackendRegistration, RemoteShmMapping, ShmAllocator,
+};
 
 pub(crate) struct ShmBackend {
     addr: SocketAddr,
@@ -31,7 +33,10 @@ pub(crate) struct ShmBackend {
 
 impl ShmBackend {
     pub(crate) fn new(core: &Arc<EngineCore>) -> Result<Self> {
-        Ok(Self { addr: listen(core, BackendKind::Shm, None)?, max_reg: core.config.max_registration_bytes })
+        Ok(Self {
+            addr: listen(core, BackendKind::Shm, None)?,
+            max_reg: core.config.max_registration_bytes,
+        })
     }
 }
 
@@ -42,19 +47,35 @@ impl Backend for ShmBackend {
     fn allocator(&self) -> Arc<dyn HostMemoryAllocator> {
         Arc::new(ShmAllocator)
     }
-    fn register(&self, mem: &Arc<dyn HostMemory>) -> Result<(Vec<RegionChunk>, Option<ShmHandle>, Option<BackendRegistration>)> {
+    fn register(
+        &self,
+        mem: &Arc<dyn HostMemory>,
+    ) -> Result<(
+        Vec<RegionChunk>,
+        Option<ShmHandle>,
+        Option<BackendRegistration>,
+    )> {
         let handle = shm_handle_of(&**mem).ok_or_else(|| {
             TransportError::NotShareable(
                 "the shm backend registers only memory from its allocator (ShmAllocator / ShmMemory)".into(),
             )
         })?;
-        Ok((plain_chunks(mem.len() as u64, self.max_reg), Some(handle), None))
+        Ok((
+            plain_chunks(mem.len() as u64, self.max_reg),
+            Some(handle),
+            None,
+        ))
     }
     fn connect(&self, core: Arc<EngineCore>, addr: String) -> BoxFut<Result<Arc<dyn Link>>> {
         Box::pin(async move {
             let peer: Arc<str> = Arc::from(addr.as_str());
             let control = TcpConn::open(&core, &addr, peer.clone()).await?;
-            Ok(Arc::new(ShmLink { peer, control, me: core, maps: RwLock::new(HashMap::new()) }) as Arc<dyn Link>)
+            Ok(Arc::new(ShmLink {
+                peer,
+                control,
+                me: core,
+                maps: RwLock::new(HashMap::new()),
+            }) as Arc<dyn Link>)
         })
     }
 }
@@ -78,15 +99,27 @@ struct ShmRemote {
 
 impl RemotePointers for ShmRemote {
     fn remote_ptr(&self, region: u64, offset: u64, len: u64) -> Result<(*mut u8, KeepAlive)> {
-        let (rlen, map) = self.maps.get(&region).ok_or(TransportError::UnknownRegion { side: Side::Remote, id: region })?;
+        let (rlen, map) = self
+            .maps
+            .get(&region)
+            .ok_or(TransportError::UnknownRegion {
+                side: Side::Remote,
+                id: region,
+            })?;
         check_range(Side::Remote, region, offset, len, *rlen)?;
-        Ok((map.as_ptr().wrapping_add(offset as usize), Some(map.clone())))
+        Ok((
+            map.as_ptr().wrapping_add(offset as usize),
+            Some(map.clone()),
+        ))
     }
     fn peer_alive(&self) -> Result<()> {
         if self.link.control.is_alive() {
             Ok(())
         } else {
-            Err(TransportError::peer_gone(&*self.link.peer, "control connection lost"))
+            Err(TransportError::peer_gone(
+                &*self.link.peer,
+                "control connection lost",
+            ))
         }
     }
 }
@@ -98,7 +131,10 @@ impl Link for ShmLink {
 
     fn fetch_regions(self: Arc<Self>) -> BoxFut<Result<Vec<RegionDescriptor>>> {
         Box::pin(async move {
-            let bytes = self.control.control(&self.peer, proto::OP_GET_REGIONS, Vec::new()).await?;
+            let bytes = self
+                .control
+                .control(&self.peer, proto::OP_GET_REGIONS, Vec::new())
+                .await?;
             let regions = proto::decode_regions(&bytes)?;
             crate::memory::validate_descriptors(&regions)?;
             let mut maps = HashMap::new();
@@ -106,7 +142,10 @@ impl Link for ShmLink {
                 let old = self.maps.read().expect("shm maps poisoned");
                 for d in &regions {
                     let handle = d.shm.as_ref().ok_or_else(|| {
-                        TransportError::LayoutMismatch(format!("peer region {} is not shared memory", d.id))
+                        TransportError::LayoutMismatch(format!(
+                            "peer region {} is not shared memory",
+                            d.id
+                        ))
                     })?;
                     let map = match old.get(&d.id) {
                         Some(m) if m.len == d.len => m.map.clone(),
@@ -122,14 +161,19 @@ impl Link for ShmLink {
 
     fn notify(self: Arc<Self>, bytes: Vec<u8>) -> BoxFut<Result<()>> {
         Box::pin(async move {
-            self.control.control(&self.peer, proto::OP_NOTIFY, bytes).await?;
+            self.control
+                .control(&self.peer, proto::OP_NOTIFY, bytes)
+                .await?;
             Ok(())
         })
     }
 
     fn execute(self: Arc<Self>, pieces: Vec<PlannedOp>, batch: Arc<BatchState>) -> Result<()> {
         if !self.control.is_alive() {
-            return Err(TransportError::peer_gone(&*self.peer, "control connection lost"));
+            return Err(TransportError::peer_gone(
+                &*self.peer,
+                "control connection lost",
+            ));
         }
         let maps = self
             .maps
@@ -138,8 +182,13 @@ impl Link for ShmLink {
             .iter()
             .map(|(id, m)| (*id, (m.len, m.map.clone())))
             .collect();
-        let remote = ShmRemote { maps, link: self.clone() };
-        self.me.memcpy.submit(move || run_pieces(pieces, batch, &remote))
+        let remote = ShmRemote {
+            maps,
+            link: self.clone(),
+        };
+        self.me
+            .memcpy
+            .submit(move || run_pieces(pieces, batch, &remote))
     }
 
     fn is_alive(&self) -> bool {

@@ -18,12 +18,18 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
 use super::proto::{self, ReqHeader, RespHeader, ServerCtx};
-use crate::engine::{Backend, BackendKind, BatchState, BoxFut, EngineCore, Link, OpKind, PieceCompletion, PlannedOp};
+use crate::engine::{
+    Backend, BackendKind, BatchState, BoxFut, EngineCore, Link, OpKind, PieceCompletion, PlannedOp,
+};
 use crate::error::{Result, TransportError};
 use crate::memory::{plain_chunks, BackendRegistration};
 
 /// Binds the listener and serves incoming connections with [`proto::serve`].
-pub(crate) fn listen(core: &Arc<EngineCore>, backend: BackendKind, rdma_accept: Option<proto::RdmaAcceptHook>) -> Result<SocketAddr> {
+pub(crate) fn listen(
+    core: &Arc<EngineCore>,
+    backend: BackendKind,
+    rdma_accept: Option<proto::RdmaAcceptHook>,
+) -> Result<SocketAddr> {
     let std_listener = std::net::TcpListener::bind(core.config.listen)?;
     std_listener.set_nonblocking(true)?;
     let addr = std_listener.local_addr()?;
@@ -65,7 +71,10 @@ pub(crate) struct TcpBackend {
 
 impl TcpBackend {
     pub(crate) fn new(core: &Arc<EngineCore>) -> Result<Self> {
-        Ok(Self { addr: listen(core, BackendKind::Tcp, None)?, max_reg: core.config.max_registration_bytes })
+        Ok(Self {
+            addr: listen(core, BackendKind::Tcp, None)?,
+            max_reg: core.config.max_registration_bytes,
+        })
     }
 }
 
@@ -76,7 +85,14 @@ impl Backend for TcpBackend {
     fn allocator(&self) -> Arc<dyn HostMemoryAllocator> {
         Arc::new(AnonAllocator)
     }
-    fn register(&self, mem: &Arc<dyn HostMemory>) -> Result<(Vec<RegionChunk>, Option<ShmHandle>, Option<BackendRegistration>)> {
+    fn register(
+        &self,
+        mem: &Arc<dyn HostMemory>,
+    ) -> Result<(
+        Vec<RegionChunk>,
+        Option<ShmHandle>,
+        Option<BackendRegistration>,
+    )> {
         Ok((plain_chunks(mem.len() as u64, self.max_reg), None, None))
     }
     fn connect(&self, core: Arc<EngineCore>, addr: String) -> BoxFut<Result<Arc<dyn Link>>> {
@@ -89,7 +105,11 @@ impl Backend for TcpBackend {
 
 enum ConnJob {
     Piece(PlannedOp, PieceCompletion),
-    Control { op: u8, payload: Vec<u8>, reply: oneshot::Sender<Result<Vec<u8>>> },
+    Control {
+        op: u8,
+        payload: Vec<u8>,
+        reply: oneshot::Sender<Result<Vec<u8>>>,
+    },
 }
 
 enum PendingJob {
@@ -112,11 +132,25 @@ pub(crate) struct TcpConn {
 impl TcpConn {
     /// Connects, greets, and starts the writer and reader tasks.
     pub(crate) async fn open(core: &Arc<EngineCore>, addr: &str, peer: Arc<str>) -> Result<Self> {
-        let mut stream = TcpStream::connect(addr).await.map_err(|e| TransportError::peer_gone(addr, e))?;
+        let mut stream = TcpStream::connect(addr)
+            .await
+            .map_err(|e| TransportError::peer_gone(addr, e))?;
         stream.set_nodelay(true)?;
         let hello = proto::hello_payload(core);
         let (mut r, mut w) = stream.split();
-        proto::roundtrip_control(&mut r, &mut w, ReqHeader { op: proto::OP_HELLO, req: 0, region: 0, offset: 0, len: hello.len() as u64 }, &hello).await?;
+        proto::roundtrip_control(
+            &mut r,
+            &mut w,
+            ReqHeader {
+                op: proto::OP_HELLO,
+                req: 0,
+                region: 0,
+                offset: 0,
+                len: hello.len() as u64,
+            },
+            &hello,
+        )
+        .await?;
         let (mut r, mut w) = stream.into_split();
         let depth = core.config.queue_depth;
         let (tx, mut rx) = mpsc::channel::<ConnJob>(depth);
@@ -145,21 +179,46 @@ impl TcpConn {
                             continue;
                         }
                         let header = ReqHeader {
-                            op: if op.kind == OpKind::Write { proto::OP_WRITE } else { proto::OP_READ },
+                            op: if op.kind == OpKind::Write {
+                                proto::OP_WRITE
+                            } else {
+                                proto::OP_READ
+                            },
                             req,
                             region: op.remote_region,
                             offset: op.remote_offset,
                             len: op.len,
                         };
-                        let payload = (op.kind == OpKind::Write).then(|| (op.local.clone(), op.local_offset, op.len));
-                        if pending_tx.send(Pending { header, job: PendingJob::Piece(op, done) }).await.is_err() {
+                        let payload = (op.kind == OpKind::Write)
+                            .then(|| (op.local.clone(), op.local_offset, op.len));
+                        if pending_tx
+                            .send(Pending {
+                                header,
+                                job: PendingJob::Piece(op, done),
+                            })
+                            .await
+                            .is_err()
+                        {
                             break;
                         }
                         write_request(&mut w, &header, payload).await
                     }
                     ConnJob::Control { op, payload, reply } => {
-                        let header = ReqHeader { op, req, region: 0, offset: 0, len: payload.len() as u64 };
-                        if pending_tx.send(Pending { header, job: PendingJob::Control(reply) }).await.is_err() {
+                        let header = ReqHeader {
+                            op,
+                            req,
+                            region: 0,
+                            offset: 0,
+                            len: payload.len() as u64,
+                        };
+                        if pending_tx
+                            .send(Pending {
+                                header,
+                                job: PendingJob::Control(reply),
+                            })
+                            .await
+                            .is_err()
+                        {
                             break;
                         }
                         let mut buf = header.encode().to_vec();
@@ -192,9 +251,14 @@ impl TcpConn {
                     Err(e) => break e.to_string(),
                 }
                 let resp = RespHeader::decode(&hb);
-                let Some(p) = pending_rx.recv().await else { break "answer without a request".to_string() };
+                let Some(p) = pending_rx.recv().await else {
+                    break "answer without a request".to_string();
+                };
                 if p.header.req != resp.req {
-                    break format!("answer for request {} while {} was next", resp.req, p.header.req);
+                    break format!(
+                        "answer for request {} while {} was next",
+                        resp.req, p.header.req
+                    );
                 }
                 match p.job {
                     PendingJob::Piece(op, done) => {
@@ -203,7 +267,12 @@ impl TcpConn {
                             (OpKind::Read, proto::ST_DATA) if resp.len == op.len => {
                                 // SAFETY: the local range was checked at submit; `op.local`
                                 // keeps the region alive; the batch owns these bytes.
-                                let dst = unsafe { std::slice::from_raw_parts_mut(op.local.ptr_at(op.local_offset), op.len as usize) };
+                                let dst = unsafe {
+                                    std::slice::from_raw_parts_mut(
+                                        op.local.ptr_at(op.local_offset),
+                                        op.len as usize,
+                                    )
+                                };
                                 match r.read_exact(dst).await {
                                     Ok(_) => Ok(()),
                                     Err(e) => {
@@ -212,11 +281,17 @@ impl TcpConn {
                                     }
                                 }
                             }
-                            (_, proto::ST_UNKNOWN_REGION | proto::ST_OUT_OF_BOUNDS | proto::ST_ERROR) => {
-                                Err(proto::answer_error(&mut r, &p.header, &resp).await)
-                            }
+                            (
+                                _,
+                                proto::ST_UNKNOWN_REGION
+                                | proto::ST_OUT_OF_BOUNDS
+                                | proto::ST_ERROR,
+                            ) => Err(proto::answer_error(&mut r, &p.header, &resp).await),
                             (_, status) => {
-                                let e = TransportError::Protocol(format!("unexpected answer status {status} len {}", resp.len));
+                                let e = TransportError::Protocol(format!(
+                                    "unexpected answer status {status} len {}",
+                                    resp.len
+                                ));
                                 done.complete(Err(e.clone()));
                                 break e.to_string();
                             }
@@ -225,7 +300,10 @@ impl TcpConn {
                     }
                     PendingJob::Control(reply) => {
                         let res = proto::read_control_payload(&mut r, &p.header, &resp).await;
-                        let broken = matches!(res, Err(TransportError::Io(_) | TransportError::Protocol(_)));
+                        let broken = matches!(
+                            res,
+                            Err(TransportError::Io(_) | TransportError::Protocol(_))
+                        );
                         let _ = reply.send(res);
                         if broken {
                             break "bad control answer".to_string();
@@ -239,7 +317,9 @@ impl TcpConn {
             pending_rx.close();
             while let Ok(p) = pending_rx.try_recv() {
                 match p.job {
-                    PendingJob::Piece(_, done) => done.complete(Err(TransportError::peer_gone(&*r_peer, &reason))),
+                    PendingJob::Piece(_, done) => {
+                        done.complete(Err(TransportError::peer_gone(&*r_peer, &reason)))
+                    }
                     PendingJob::Control(reply) => {
                         let _ = reply.send(Err(TransportError::peer_gone(&*r_peer, &reason)));
                     }
@@ -264,7 +344,8 @@ impl TcpConn {
             .send(ConnJob::Control { op, payload, reply })
             .await
             .map_err(|_| TransportError::peer_gone(peer, "connection closed"))?;
-        rx.await.map_err(|_| TransportError::peer_gone(peer, "connection closed"))?
+        rx.await
+            .map_err(|_| TransportError::peer_gone(peer, "connection closed"))?
     }
 
     async fn send_piece(&self, op: PlannedOp, done: PieceCompletion) {
@@ -313,7 +394,13 @@ impl TcpLink {
         for _ in 0..connections {
             data.push(TcpConn::open(core, addr, peer.clone()).await?);
         }
-        Ok(Self { peer, control, data, next: AtomicUsize::new(0), handle: tokio::runtime::Handle::current() })
+        Ok(Self {
+            peer,
+            control,
+            data,
+            next: AtomicUsize::new(0),
+            handle: tokio::runtime::Handle::current(),
+        })
     }
 }
 
@@ -324,14 +411,19 @@ impl Link for TcpLink {
 
     fn fetch_regions(self: Arc<Self>) -> BoxFut<Result<Vec<RegionDescriptor>>> {
         Box::pin(async move {
-            let bytes = self.control.control(&self.peer, proto::OP_GET_REGIONS, Vec::new()).await?;
+            let bytes = self
+                .control
+                .control(&self.peer, proto::OP_GET_REGIONS, Vec::new())
+                .await?;
             proto::decode_regions(&bytes)
         })
     }
 
     fn notify(self: Arc<Self>, bytes: Vec<u8>) -> BoxFut<Result<()>> {
         Box::pin(async move {
-            self.control.control(&self.peer, proto::OP_NOTIFY, bytes).await?;
+            self.control
+                .control(&self.peer, proto::OP_NOTIFY, bytes)
+                .await?;
             Ok(())
         })
     }

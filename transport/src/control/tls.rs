@@ -21,7 +21,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use rcgen::{BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair, KeyUsagePurpose};
+use rcgen::{
+    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair,
+    KeyUsagePurpose,
+};
 use rustls::crypto::CryptoProvider;
 use rustls::server::WebPkiClientVerifier;
 use rustls::RootCertStore;
@@ -43,10 +46,18 @@ fn tls_err(e: impl std::fmt::Display) -> TransportError {
 
 fn ca_params(cluster: &str) -> Result<CertificateParams> {
     let mut params = CertificateParams::new(Vec::<String>::new()).map_err(tls_err)?;
-    params.distinguished_name.push(DnType::CommonName, format!("pdserve cluster CA {cluster}"));
-    params.distinguished_name.push(DnType::OrganizationName, "pdserve");
+    params
+        .distinguished_name
+        .push(DnType::CommonName, format!("pdserve cluster CA {cluster}"));
+    params
+        .distinguished_name
+        .push(DnType::OrganizationName, "pdserve");
     params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
+    params.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
     Ok(params)
 }
 
@@ -60,7 +71,9 @@ pub struct ClusterCredentials {
 
 impl std::fmt::Debug for ClusterCredentials {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ClusterCredentials").field("name", &self.name).finish_non_exhaustive()
+        f.debug_struct("ClusterCredentials")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
     }
 }
 
@@ -72,7 +85,11 @@ impl ClusterCredentials {
     pub fn ephemeral(cluster: &str) -> Result<Self> {
         let key = KeyPair::generate().map_err(tls_err)?;
         let cert = ca_params(cluster)?.self_signed(&key).map_err(tls_err)?;
-        Ok(Self { name: cluster.to_string(), ca_cert_pem: cert.pem(), ca_key_pem: key.serialize_pem() })
+        Ok(Self {
+            name: cluster.to_string(),
+            ca_cert_pem: cert.pem(),
+            ca_key_pem: key.serialize_pem(),
+        })
     }
 
     /// Loads a cluster CA written by [`init_cluster`].
@@ -80,11 +97,17 @@ impl ClusterCredentials {
     /// # Errors
     /// I/O errors reading the files; [`TransportError::Tls`] when they do not parse.
     pub fn load(dir: &Path) -> Result<Self> {
-        let name = std::fs::read_to_string(dir.join("cluster-name"))?.trim().to_string();
+        let name = std::fs::read_to_string(dir.join("cluster-name"))?
+            .trim()
+            .to_string();
         let ca_cert_pem = std::fs::read_to_string(dir.join("ca.crt"))?;
         let ca_key_pem = std::fs::read_to_string(dir.join("ca.key"))?;
         KeyPair::from_pem(&ca_key_pem).map_err(tls_err)?;
-        Ok(Self { name, ca_cert_pem, ca_key_pem })
+        Ok(Self {
+            name,
+            ca_cert_pem,
+            ca_key_pem,
+        })
     }
 
     /// The cluster's name.
@@ -104,20 +127,37 @@ impl ClusterCredentials {
     /// name.
     pub fn issue(&self, node: &str) -> Result<MemberCredentials> {
         if node.is_empty() || node.contains(['/', '\\', '\n']) {
-            return Err(TransportError::Config(format!("invalid node name {node:?}")));
+            return Err(TransportError::Config(format!(
+                "invalid node name {node:?}"
+            )));
         }
         let ca_key = KeyPair::from_pem(&self.ca_key_pem).map_err(tls_err)?;
         // Re-signing the same CA parameters with the same key yields an issuer with the
         // subject and key identifier of the CA on disk, which is all a signature chain needs.
-        let ca_cert = ca_params(&self.name)?.self_signed(&ca_key).map_err(tls_err)?;
-        let mut params = CertificateParams::new(vec![MEMBER_SERVER_NAME.to_string()]).map_err(tls_err)?;
+        let ca_cert = ca_params(&self.name)?
+            .self_signed(&ca_key)
+            .map_err(tls_err)?;
+        let mut params =
+            CertificateParams::new(vec![MEMBER_SERVER_NAME.to_string()]).map_err(tls_err)?;
         params.distinguished_name.push(DnType::CommonName, node);
-        params.distinguished_name.push(DnType::OrganizationName, format!("pdserve cluster {}", self.name));
-        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
+        params.distinguished_name.push(
+            DnType::OrganizationName,
+            format!("pdserve cluster {}", self.name),
+        );
+        params.extended_key_usages = vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ];
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
         let key = KeyPair::generate().map_err(tls_err)?;
         let cert = params.signed_by(&key, &ca_cert, &ca_key).map_err(tls_err)?;
-        MemberCredentials::from_pem(&self.name, node, &self.ca_cert_pem, &cert.pem(), &key.serialize_pem())
+        MemberCredentials::from_pem(
+            &self.name,
+            node,
+            &self.ca_cert_pem,
+            &cert.pem(),
+            &key.serialize_pem(),
+        )
     }
 }
 
@@ -129,10 +169,15 @@ impl ClusterCredentials {
 /// [`TransportError::Tls`] when generation fails.
 pub fn init_cluster(dir: &Path, cluster_name: &str) -> Result<ClusterCredentials> {
     if cluster_name.is_empty() || cluster_name.contains('\n') {
-        return Err(TransportError::Config(format!("invalid cluster name {cluster_name:?}")));
+        return Err(TransportError::Config(format!(
+            "invalid cluster name {cluster_name:?}"
+        )));
     }
     if dir.join("ca.key").exists() {
-        return Err(TransportError::Config(format!("{} already holds a cluster CA", dir.display())));
+        return Err(TransportError::Config(format!(
+            "{} already holds a cluster CA",
+            dir.display()
+        )));
     }
     std::fs::create_dir_all(dir.join("members"))?;
     let creds = ClusterCredentials::ephemeral(cluster_name)?;
@@ -164,7 +209,12 @@ fn member_path(dir: &Path, node: &str, ext: &str) -> PathBuf {
 fn write_private(path: &Path, contents: &str) -> Result<()> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
-    let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(path)?;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)?;
     f.write_all(contents.as_bytes())?;
     Ok(())
 }
@@ -184,12 +234,21 @@ pub struct MemberCredentials {
 
 impl std::fmt::Debug for MemberCredentials {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MemberCredentials").field("cluster", &self.cluster).field("node", &self.node).finish_non_exhaustive()
+        f.debug_struct("MemberCredentials")
+            .field("cluster", &self.cluster)
+            .field("node", &self.node)
+            .finish_non_exhaustive()
     }
 }
 
 impl MemberCredentials {
-    fn from_pem(cluster: &str, node: &str, ca_pem: &str, cert_pem: &str, key_pem: &str) -> Result<Self> {
+    fn from_pem(
+        cluster: &str,
+        node: &str,
+        ca_pem: &str,
+        cert_pem: &str,
+        key_pem: &str,
+    ) -> Result<Self> {
         let ca = CertificateDer::from_pem_slice(ca_pem.as_bytes()).map_err(tls_err)?;
         let cert = CertificateDer::from_pem_slice(cert_pem.as_bytes()).map_err(tls_err)?;
         let key = KeyPair::from_pem(key_pem).map_err(tls_err)?;
@@ -211,7 +270,9 @@ impl MemberCredentials {
     /// # Errors
     /// I/O errors reading; [`TransportError::Tls`] when a file does not parse.
     pub fn load(dir: &Path, node: &str) -> Result<Self> {
-        let cluster = std::fs::read_to_string(dir.join("cluster-name"))?.trim().to_string();
+        let cluster = std::fs::read_to_string(dir.join("cluster-name"))?
+            .trim()
+            .to_string();
         let ca = std::fs::read_to_string(dir.join("ca.crt"))?;
         let cert = std::fs::read_to_string(member_path(dir, node, "crt"))?;
         let key = std::fs::read_to_string(member_path(dir, node, "key"))?;
@@ -249,9 +310,10 @@ impl MemberCredentials {
     /// [`TransportError::Tls`] when the credentials are unusable.
     pub fn server_tls(&self, alpn: &[u8]) -> Result<rustls::ServerConfig> {
         let provider = provider();
-        let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(self.roots()?), provider.clone())
-            .build()
-            .map_err(tls_err)?;
+        let verifier =
+            WebPkiClientVerifier::builder_with_provider(Arc::new(self.roots()?), provider.clone())
+                .build()
+                .map_err(tls_err)?;
         let mut cfg = rustls::ServerConfig::builder_with_provider(provider)
             .with_protocol_versions(&[&rustls::version::TLS13])
             .map_err(tls_err)?
@@ -283,11 +345,20 @@ impl MemberCredentials {
     ///
     /// # Errors
     /// TLS and I/O errors. Must be called inside a tokio runtime.
-    pub fn quic_endpoint(&self, addr: std::net::SocketAddr, alpn: &[u8], transport: Arc<quinn::TransportConfig>) -> Result<quinn::Endpoint> {
-        let server_crypto = quinn::crypto::rustls::QuicServerConfig::try_from(self.server_tls(alpn)?).map_err(tls_err)?;
+    pub fn quic_endpoint(
+        &self,
+        addr: std::net::SocketAddr,
+        alpn: &[u8],
+        transport: Arc<quinn::TransportConfig>,
+    ) -> Result<quinn::Endpoint> {
+        let server_crypto =
+            quinn::crypto::rustls::QuicServerConfig::try_from(self.server_tls(alpn)?)
+                .map_err(tls_err)?;
         let mut server = quinn::ServerConfig::with_crypto(Arc::new(server_crypto));
         server.transport_config(transport.clone());
-        let client_crypto = quinn::crypto::rustls::QuicClientConfig::try_from(self.client_tls(alpn)?).map_err(tls_err)?;
+        let client_crypto =
+            quinn::crypto::rustls::QuicClientConfig::try_from(self.client_tls(alpn)?)
+                .map_err(tls_err)?;
         let mut client = quinn::ClientConfig::new(Arc::new(client_crypto));
         client.transport_config(transport);
         let mut endpoint = quinn::Endpoint::server(server, addr)?;
@@ -307,7 +378,9 @@ pub fn provider() -> Arc<CryptoProvider> {
 /// large enough for bulk transfers.
 pub fn quic_transport(idle: Duration) -> Result<Arc<quinn::TransportConfig>> {
     let mut t = quinn::TransportConfig::default();
-    t.max_idle_timeout(Some(quinn::IdleTimeout::try_from(idle).map_err(|e| TransportError::Config(e.to_string()))?));
+    t.max_idle_timeout(Some(
+        quinn::IdleTimeout::try_from(idle).map_err(|e| TransportError::Config(e.to_string()))?,
+    ));
     t.keep_alive_interval(Some(idle / 3));
     t.stream_receive_window(quinn::VarInt::from_u32(16 << 20));
     t.receive_window(quinn::VarInt::from_u32(256 << 20));
@@ -326,14 +399,20 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let ca = init_cluster(dir.path(), "alpha").unwrap();
         assert_eq!(ca.name(), "alpha");
-        assert!(init_cluster(dir.path(), "alpha").is_err(), "must not overwrite a CA");
+        assert!(
+            init_cluster(dir.path(), "alpha").is_err(),
+            "must not overwrite a CA"
+        );
         let m = issue_member(dir.path(), "prefill-0").unwrap();
         let loaded = MemberCredentials::load(dir.path(), "prefill-0").unwrap();
         assert_eq!(loaded.cluster(), "alpha");
         assert_eq!(loaded.node(), "prefill-0");
         assert_eq!(loaded.cert, m.cert);
         use std::os::unix::fs::PermissionsExt;
-        let mode = std::fs::metadata(dir.path().join("ca.key")).unwrap().permissions().mode();
+        let mode = std::fs::metadata(dir.path().join("ca.key"))
+            .unwrap()
+            .permissions()
+            .mode();
         assert_eq!(mode & 0o777, 0o600);
         loaded.server_tls(ALPN_CONTROL).unwrap();
         loaded.client_tls(ALPN_CONTROL).unwrap();

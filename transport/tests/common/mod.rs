@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 
 use pdserve_transport::control::tls::{init_cluster, issue_member, MemberCredentials};
 use pdserve_transport::peer::{fill_pattern, fnv1a, PeerProcess, PEER_NODE};
-use pdserve_transport::{BackendKind, Notification, RegisteredRegion, TransferConfig, TransferEngine};
+use pdserve_transport::{
+    BackendKind, Notification, RegisteredRegion, TransferConfig, TransferEngine,
+};
 
 pub const PEER_EXE: &str = env!("CARGO_BIN_EXE_pdserve-transfer-peer");
 pub const STEP: Duration = Duration::from_secs(10);
@@ -44,20 +46,36 @@ pub enum Peer {
     },
 }
 
-pub fn engine_config(backend: BackendKind, name: &str, cluster: Option<&Cluster>, max_reg: Option<u64>) -> TransferConfig {
+pub fn engine_config(
+    backend: BackendKind,
+    name: &str,
+    cluster: Option<&Cluster>,
+    max_reg: Option<u64>,
+) -> TransferConfig {
     let mut c = TransferConfig::new(backend, name);
     c.max_registration_bytes = max_reg;
     c.peer_timeout = Duration::from_secs(2);
     if let Some(cl) = cluster {
-        c.credentials = Some(cl.member(if name == PEER_NODE { PEER_NODE } else { "initiator" }));
+        c.credentials = Some(cl.member(if name == PEER_NODE {
+            PEER_NODE
+        } else {
+            "initiator"
+        }));
     }
     c
 }
 
 impl Peer {
-    pub fn start(backend: BackendKind, lens: &[u64], seed: u64, cluster: Option<&Cluster>, max_reg: Option<u64>) -> Self {
+    pub fn start(
+        backend: BackendKind,
+        lens: &[u64],
+        seed: u64,
+        cluster: Option<&Cluster>,
+        max_reg: Option<u64>,
+    ) -> Self {
         if backend == BackendKind::Local {
-            let engine = TransferEngine::new(engine_config(backend, PEER_NODE, cluster, max_reg)).unwrap();
+            let engine =
+                TransferEngine::new(engine_config(backend, PEER_NODE, cluster, max_reg)).unwrap();
             let regions: Vec<_> = lens
                 .iter()
                 .enumerate()
@@ -71,10 +89,26 @@ impl Peer {
                 .collect();
             let notes = engine.take_notifications().unwrap();
             let address = engine.address();
-            Peer::InProcess { engine: Some(engine), regions, notes, address }
+            Peer::InProcess {
+                engine: Some(engine),
+                regions,
+                notes,
+                address,
+            }
         } else {
             let dir = cluster.map(Cluster::path);
-            Peer::Process(PeerProcess::spawn(std::path::Path::new(PEER_EXE), backend, lens, seed, dir.as_deref(), max_reg, STEP).unwrap())
+            Peer::Process(
+                PeerProcess::spawn(
+                    std::path::Path::new(PEER_EXE),
+                    backend,
+                    lens,
+                    seed,
+                    dir.as_deref(),
+                    max_reg,
+                    STEP,
+                )
+                .unwrap(),
+            )
         }
     }
 
@@ -102,10 +136,16 @@ impl Peer {
                 u64::from_str_radix(line.split_whitespace().nth(1).unwrap(), 16).unwrap()
             }
             Peer::InProcess { regions, notes, .. } => {
-                let n = tokio::time::timeout(STEP, notes.recv()).await.unwrap().unwrap();
+                let n = tokio::time::timeout(STEP, notes.recv())
+                    .await
+                    .unwrap()
+                    .unwrap();
                 assert_eq!(n.bytes, b"CHECK");
                 assert_eq!(n.from, "initiator");
-                let spans: Vec<Vec<u8>> = regions.iter().map(|r| r.read_at(0, r.len() as usize).unwrap()).collect();
+                let spans: Vec<Vec<u8>> = regions
+                    .iter()
+                    .map(|r| r.read_at(0, r.len() as usize).unwrap())
+                    .collect();
                 fnv1a(spans.iter().map(Vec::as_slice))
             }
         }
@@ -128,7 +168,9 @@ impl Peer {
     pub fn kill(&mut self) {
         match self {
             Peer::Process(p) => p.kill(),
-            Peer::InProcess { engine, regions, .. } => {
+            Peer::InProcess {
+                engine, regions, ..
+            } => {
                 regions.clear();
                 engine.take();
             }

@@ -1,0 +1,420 @@
+//! The HttpFrontend actor: the OpenAI-compatible API of one instance (axum).
+//!
+//! `POST /v1/completions`, `POST /v1/chat/completions` (JSON or SSE), `GET /v1/models`,
+//! `GET /health`, `GET /metrics`. Requests are validated here ([`crate::openai`]), admitted
+//! under a concurrency bound (503 beyond it), tokenized, and handed to the Scheduler; the
+//! answer streams back from the Scheduler's events. A client that disconnects drops its
+//! handler, whose guard aborts the request so its KV blocks return to the pool.
+//!
+//! The actor owns the listening socket (bound in `pre_start`, so a bad address reaches whoever
+//! starts the instance) and the server task, which it shuts down gracefully in `post_stop`.
+//! Supervised by the `InstanceSupervisor`; a failure escalates (the instance stops serving).
+
+use crate::error::RequestError;
+use crate::openai::{self, ParsedRequest, PromptInput};
+use crate::scheduler::{NewRequest, RequestEvent, SchedulerMsg};
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures_util::stream::{self, Stream};
+use pdserve_gpu::chat::ChatTemplate;
+use pdserve_gpu::tokenizer::Tokenizer;
+use pdserve_runtime::ids::RequestId;
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use serde_json::{json, Value};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+/// What every handler shares.
+pub struct AppState {
+    /// The instance's scheduler.
+    pub scheduler: ActorRef<SchedulerMsg>,
+    /// Tokenizer.
+    pub tokenizer: Tokenizer,
+    /// Chat template.
+    pub chat_template: ChatTemplate,
+    /// Served model name.
+    pub model_name: String,
+    /// Longest sequence.
+    pub max_model_len: usize,
+    /// Vocabulary size (for validating token ids).
+    pub vocab_size: usize,
+    /// Admission bound.
+    pub admission: Arc<Semaphore>,
+    /// Per-request deadline.
+    pub request_timeout: Duration,
+    /// Required bearer token, if any.
+    pub api_key: Option<String>,
+    /// Source of request ids.
+    pub next_id: AtomicU64,
+    /// Prometheus registry.
+    pub metrics: pdserve_runtime::telemetry::MetricsHandle,
+}
+
+/// An error as an HTTP response (OpenAI's shape).
+struct ApiError(RequestError);
+
+impl From<RequestError> for ApiError {
+    fn from(e: RequestError) -> Self {
+        Self(e)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = StatusCode::from_u16(self.0.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        (status, Json(openai::error_body(&self.0))).into_response()
+    }
+}
+
+/// The routes of one instance.
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/metrics", get(metrics))
+        .with_state(state)
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+async fn models(State(app): State<Arc<AppState>>) -> Json<Value> {
+    Json(json!({"object": "list", "data": [{
+        "id": app.model_name, "object": "model", "created": unix_now(), "owned_by": "pdserve",
+        "max_model_len": app.max_model_len,
+    }]}))
+}
+
+async fn metrics(State(app): State<Arc<AppState>>) -> impl IntoResponse {
+    ([("content-type", "text/plain; version=0.0.4")], app.metrics.render())
+}
+
+async fn completions(State(app): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    serve(app, headers, body, false).await.unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn chat_completions(State(app): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    serve(app, headers, body, true).await.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// Aborts its request in the scheduler when dropped before the request ended (client gone,
+/// timeout), and holds the admission permit for the request's lifetime.
+struct RequestGuard {
+    id: RequestId,
+    scheduler: ActorRef<SchedulerMsg>,
+    finished: bool,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Drop for RequestGuard {
+    fn drop(&mut self) {
+        if !self.finished {
+            let _ = self.scheduler.cast(SchedulerMsg::Abort(self.id));
+        }
+    }
+}
+
+fn check_auth(app: &AppState, headers: &HeaderMap) -> Result<(), Response> {
+    let Some(key) = &app.api_key else { return Ok(()) };
+    let given = headers.get("authorization").and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+    if given == Some(key.as_str()) {
+        return Ok(());
+    }
+    let body = json!({"error": {"message": "missing or invalid API key", "type": "authentication_error", "param": null, "code": 401}});
+    Err((StatusCode::UNAUTHORIZED, Json(body)).into_response())
+}
+
+async fn serve(app: Arc<AppState>, headers: HeaderMap, body: Bytes, chat: bool) -> Result<Response, ApiError> {
+    if let Err(resp) = check_auth(&app, &headers) {
+        return Ok(resp);
+    }
+    let req = openai::parse_request(&body, chat)?;
+    if let Some(m) = &req.model {
+        if m != &app.model_name {
+            return Err(RequestError::UnknownModel(m.clone()).into());
+        }
+    }
+    let permit = app.admission.clone().try_acquire_owned().map_err(|_| {
+        RequestError::Overloaded(format!("{} requests in flight", app.admission.available_permits()))
+    })?;
+    let prompt = tokenize(&app, &req.prompt)?;
+    let max_tokens = openai::resolve_max_tokens(req.max_tokens, chat, prompt.len(), app.max_model_len)?;
+    let mut params = req.params.clone();
+    params.max_tokens = max_tokens;
+    params.validate(app.vocab_size).map_err(|e| RequestError::BadRequest(e.to_string()))?;
+
+    let id = RequestId(app.next_id.fetch_add(1, Ordering::Relaxed));
+    let token_ids = req.return_token_ids.then(|| prompt.clone());
+    let (tx, rx) = unbounded_channel();
+    app.scheduler
+        .cast(SchedulerMsg::Submit { request: NewRequest { id, prompt, params }, sink: tx })
+        .map_err(|_| RequestError::ShuttingDown)?;
+    let guard = RequestGuard { id, scheduler: app.scheduler.clone(), finished: false, _permit: permit };
+    let meta = ResponseMeta {
+        id: format!("{}-{}", if chat { "chatcmpl" } else { "cmpl" }, id.0),
+        created: unix_now(),
+        model: app.model_name.clone(),
+        chat,
+        include_usage: req.include_usage,
+        kv_transfer_params: req.kv_transfer_params.clone(),
+        token_ids,
+    };
+    let deadline = tokio::time::Instant::now() + app.request_timeout;
+    if req.stream {
+        Ok(Sse::new(sse_stream(rx, guard, meta, deadline, app.request_timeout))
+            .keep_alive(KeepAlive::default())
+            .into_response())
+    } else {
+        collect(rx, guard, meta, deadline, app.request_timeout, &req).await
+    }
+}
+
+fn tokenize(app: &AppState, prompt: &PromptInput) -> Result<Vec<u32>, RequestError> {
+    let ids = match prompt {
+        PromptInput::Text(t) => app.tokenizer.encode(t, true),
+        PromptInput::Tokens(t) => Ok(t.clone()),
+        PromptInput::Chat(messages) => app
+            .chat_template
+            .render(messages, true)
+            .and_then(|text| app.tokenizer.encode(&text, false)),
+    }
+    .map_err(|e| RequestError::BadRequest(e.to_string()))?;
+    if ids.is_empty() {
+        return Err(RequestError::BadRequest("the prompt is empty".into()));
+    }
+    if let Some(bad) = ids.iter().find(|&&t| t as usize >= app.vocab_size) {
+        return Err(RequestError::BadRequest(format!("token id {bad} is outside the vocabulary of {}", app.vocab_size)));
+    }
+    Ok(ids)
+}
+
+struct ResponseMeta {
+    id: String,
+    created: u64,
+    model: String,
+    chat: bool,
+    include_usage: bool,
+    kv_transfer_params: Option<Value>,
+    /// `Some(prompt ids)` when the client asked for token ids.
+    token_ids: Option<Vec<u32>>,
+}
+
+impl ResponseMeta {
+    fn chunk(&self, text: &str, finish: Option<&str>, first: bool, tokens: &[u32]) -> Value {
+        let mut v = self.chunk_body(text, finish, first);
+        if self.token_ids.is_some() {
+            v["choices"][0]["token_ids"] = json!(tokens);
+        }
+        v
+    }
+
+    fn chunk_body(&self, text: &str, finish: Option<&str>, first: bool) -> Value {
+        if self.chat {
+            let delta = if first { json!({"role": "assistant", "content": text}) } else if finish.is_some() && text.is_empty() { json!({}) } else { json!({"content": text}) };
+            json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                   "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}]})
+        } else {
+            json!({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                   "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}]})
+        }
+    }
+
+    fn usage_chunk(&self, prompt: usize, completion: usize) -> Value {
+        let object = if self.chat { "chat.completion.chunk" } else { "text_completion" };
+        json!({"id": self.id, "object": object, "created": self.created, "model": self.model,
+               "choices": [], "usage": openai::usage(prompt, completion)})
+    }
+
+    fn full(&self, text: &str, finish: &str, prompt: usize, completion: usize, tokens: &[u32]) -> Value {
+        let mut v = if self.chat {
+            json!({"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                   "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish}],
+                   "usage": openai::usage(prompt, completion)})
+        } else {
+            json!({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                   "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}],
+                   "usage": openai::usage(prompt, completion)})
+        };
+        if let Some(p) = &self.kv_transfer_params {
+            v["kv_transfer_params"] = p.clone();
+        }
+        if let Some(prompt_ids) = &self.token_ids {
+            v["choices"][0]["token_ids"] = json!(tokens);
+            v["choices"][0]["prompt_token_ids"] = json!(prompt_ids);
+        }
+        v
+    }
+}
+
+async fn next_event(rx: &mut UnboundedReceiver<RequestEvent>, deadline: tokio::time::Instant, timeout: Duration) -> RequestEvent {
+    match tokio::time::timeout_at(deadline, rx.recv()).await {
+        Ok(Some(e)) => e,
+        Ok(None) => RequestEvent::Failed(RequestError::Internal("the scheduler dropped the request".into())),
+        Err(_) => RequestEvent::Failed(RequestError::Timeout(timeout.as_secs())),
+    }
+}
+
+async fn collect(
+    mut rx: UnboundedReceiver<RequestEvent>,
+    mut guard: RequestGuard,
+    meta: ResponseMeta,
+    deadline: tokio::time::Instant,
+    timeout: Duration,
+    _req: &ParsedRequest,
+) -> Result<Response, ApiError> {
+    let mut text = String::new();
+    let mut tokens = Vec::new();
+    loop {
+        match next_event(&mut rx, deadline, timeout).await {
+            RequestEvent::Token { text: t, token } => {
+                text.push_str(&t);
+                tokens.push(token);
+            }
+            RequestEvent::Finished { reason, text: t, prompt_tokens, completion_tokens } => {
+                guard.finished = true;
+                text.push_str(&t);
+                return Ok(Json(meta.full(&text, reason.as_openai(), prompt_tokens, completion_tokens, &tokens)).into_response());
+            }
+            RequestEvent::Failed(e) => {
+                guard.finished = !matches!(e, RequestError::Timeout(_));
+                return Err(e.into());
+            }
+        }
+    }
+}
+
+enum StreamPhase {
+    Running,
+    Done,
+}
+
+fn sse_stream(
+    rx: UnboundedReceiver<RequestEvent>,
+    guard: RequestGuard,
+    meta: ResponseMeta,
+    deadline: tokio::time::Instant,
+    timeout: Duration,
+) -> impl Stream<Item = Result<Event, std::convert::Infallible>> {
+    let state = (rx, guard, meta, StreamPhase::Running, true, Vec::<Event>::new());
+    stream::unfold(state, move |(mut rx, mut guard, meta, phase, mut first, mut pending)| async move {
+        if let Some(ev) = pending.pop() {
+            return Some((Ok(ev), (rx, guard, meta, phase, first, pending)));
+        }
+        if let StreamPhase::Done = phase {
+            return None;
+        }
+        let data = |v: Value| Event::default().data(v.to_string());
+        // Tokens whose text is not final yet (half a UTF-8 character, a possible stop string)
+        // are carried into the next chunk rather than sent as empty chunks.
+        let mut held: Vec<u32> = Vec::new();
+        let ev = loop {
+            match next_event(&mut rx, deadline, timeout).await {
+                RequestEvent::Token { text, token } => {
+                    held.push(token);
+                    if text.is_empty() && !(first && meta.chat) {
+                        continue;
+                    }
+                    let e = data(meta.chunk(&text, None, first, &held));
+                    first = false;
+                    return Some((Ok(e), (rx, guard, meta, StreamPhase::Running, first, pending)));
+                }
+                RequestEvent::Finished { reason, text, prompt_tokens, completion_tokens } => {
+                    guard.finished = true;
+                    // `pending` is emitted from its end.
+                    pending.push(Event::default().data("[DONE]"));
+                    if meta.include_usage {
+                        pending.push(data(meta.usage_chunk(prompt_tokens, completion_tokens)));
+                    }
+                    break data(meta.chunk(&text, Some(reason.as_openai()), first, &held));
+                }
+                RequestEvent::Failed(e) => {
+                    guard.finished = !matches!(e, RequestError::Timeout(_));
+                    pending.push(Event::default().data("[DONE]"));
+                    break data(openai::error_body(&e));
+                }
+            }
+        };
+        Some((Ok(ev), (rx, guard, meta, StreamPhase::Done, false, pending)))
+    })
+}
+
+/// Messages of the HttpFrontend.
+pub enum HttpMsg {
+    /// The bound address.
+    LocalAddr(RpcReplyPort<SocketAddr>),
+}
+
+/// The HttpFrontend actor.
+#[derive(Debug)]
+pub struct HttpFrontend;
+
+/// Arguments: where to listen and what to serve.
+pub struct HttpArgs {
+    /// Address to bind (port 0 picks one).
+    pub bind: SocketAddr,
+    /// Shared handler state.
+    pub app: Arc<AppState>,
+}
+
+/// The frontend's state: the bound address and the server task.
+pub struct HttpState {
+    addr: SocketAddr,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Actor for HttpFrontend {
+    type Msg = HttpMsg;
+    type State = HttpState;
+    type Arguments = HttpArgs;
+
+    async fn pre_start(&self, _myself: ActorRef<Self::Msg>, args: HttpArgs) -> Result<Self::State, ActorProcessingErr> {
+        let listener = tokio::net::TcpListener::bind(args.bind).await.map_err(|e| format!("cannot listen on {}: {e}", args.bind))?;
+        let addr = listener.local_addr()?;
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let app = router(args.app);
+        let task = tokio::spawn(async move {
+            let server = axum::serve(listener, app).with_graceful_shutdown(async move {
+                let _ = rx.await;
+            });
+            if let Err(e) = server.await {
+                tracing::error!(error = %e, "HTTP server failed");
+            }
+        });
+        tracing::info!(%addr, "HTTP frontend listening");
+        Ok(HttpState { addr, shutdown: Some(tx), task })
+    }
+
+    async fn handle(&self, _myself: ActorRef<Self::Msg>, msg: Self::Msg, st: &mut Self::State) -> Result<(), ActorProcessingErr> {
+        match msg {
+            HttpMsg::LocalAddr(reply) => {
+                if !reply.is_closed() {
+                    let _ = reply.send(st.addr);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn post_stop(&self, _myself: ActorRef<Self::Msg>, st: &mut Self::State) -> Result<(), ActorProcessingErr> {
+        if let Some(tx) = st.shutdown.take() {
+            let _ = tx.send(());
+        }
+        if tokio::time::timeout(Duration::from_secs(5), &mut st.task).await.is_err() {
+            st.task.abort();
+        }
+        Ok(())
+    }
+}

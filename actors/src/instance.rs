@@ -1,0 +1,273 @@
+//! Starting and stopping one serving instance (role `colocated`): the supervision tree of
+//! DESIGN.md behind an OpenAI-compatible HTTP API. `pdserve serve` and the tests use this.
+
+use crate::http::AppState;
+use crate::scheduler::{SchedulerConfig, SchedulerMsg, SchedulerStats};
+use crate::supervisor::{InstanceArgs, InstanceSupervisor, SupervisorMsg};
+use crate::worker::WorkerArgs;
+use pdserve_gpu::loader::LoadedModel;
+use pdserve_gpu::tp::TpOptions;
+use pdserve_gpu::weights::WeightFormat;
+use pdserve_runtime::config::ServeConfig;
+use pdserve_runtime::memory::{AnonAllocator, HostMemoryAllocator};
+use pdserve_runtime::supervision::{ActorSnapshot, RestartPolicy};
+use ractor::{Actor, ActorRef};
+use std::net::SocketAddr;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How to start an instance.
+pub struct InstanceOptions {
+    /// Instance name (prefix of actor names; unique per process).
+    pub name: String,
+    /// The model.
+    pub model: LoadedModel,
+    /// Name the API serves the model under (default: the model's own).
+    pub served_name: Option<String>,
+    /// TP ranks.
+    pub tp: usize,
+    /// Weight format.
+    pub weights: WeightFormat,
+    /// Sequences running at once.
+    pub max_num_seqs: usize,
+    /// Tokens per step.
+    pub max_num_batched_tokens: usize,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Blocks in the pool (None: from `kv_cache_bytes`).
+    pub num_blocks: Option<usize>,
+    /// KV memory budget over all ranks when `num_blocks` is not given.
+    pub kv_cache_bytes: usize,
+    /// Fraction of blocks kept free at admission.
+    pub watermark: f64,
+    /// Longest sequence (None: the model's context).
+    pub max_model_len: Option<usize>,
+    /// Where the API listens (None: no HTTP frontend).
+    pub bind: Option<SocketAddr>,
+    /// Admission bound.
+    pub max_concurrent_requests: usize,
+    /// Per-request deadline.
+    pub request_timeout: Duration,
+    /// Bearer token required by the API.
+    pub api_key: Option<String>,
+    /// Worker restart budget.
+    pub restart_policy: RestartPolicy,
+    /// Where KV regions come from.
+    pub alloc: Arc<dyn HostMemoryAllocator>,
+}
+
+impl InstanceOptions {
+    /// Options from a loaded [`ServeConfig`].
+    ///
+    /// # Errors
+    /// When the host/port or weight format in the config do not parse.
+    pub fn from_config(cfg: &ServeConfig, model: LoadedModel) -> Result<Self, String> {
+        let bind: SocketAddr = format!("{}:{}", cfg.server.host, cfg.server.port)
+            .parse()
+            .map_err(|e| format!("server.host/server.port: {e}"))?;
+        Ok(Self {
+            name: cfg.instance.name.clone(),
+            model,
+            served_name: cfg.model.name.clone(),
+            tp: cfg.model.tp,
+            weights: cfg.model.weights.parse().map_err(|e| format!("model.weights: {e}"))?,
+            max_num_seqs: cfg.scheduler.max_num_seqs,
+            max_num_batched_tokens: cfg.scheduler.max_num_batched_tokens,
+            block_size: cfg.scheduler.block_size,
+            num_blocks: cfg.scheduler.num_blocks,
+            kv_cache_bytes: cfg.scheduler.kv_cache_bytes as usize,
+            watermark: cfg.scheduler.watermark,
+            max_model_len: cfg.scheduler.max_model_len,
+            bind: Some(bind),
+            max_concurrent_requests: cfg.server.max_concurrent_requests,
+            request_timeout: Duration::from_secs(cfg.server.request_timeout_s),
+            api_key: cfg.server.api_key.clone(),
+            restart_policy: RestartPolicy::default(),
+            alloc: Arc::new(AnonAllocator),
+        })
+    }
+
+    /// Defaults for tests and embedding: 127.0.0.1 on a free port, small pool.
+    pub fn local(name: &str, model: LoadedModel) -> Self {
+        Self {
+            name: name.to_string(),
+            model,
+            served_name: None,
+            tp: 1,
+            weights: WeightFormat::Auto,
+            max_num_seqs: 64,
+            max_num_batched_tokens: 512,
+            block_size: 16,
+            num_blocks: Some(256),
+            kv_cache_bytes: 0,
+            watermark: 0.01,
+            max_model_len: None,
+            bind: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
+            max_concurrent_requests: 256,
+            request_timeout: Duration::from_secs(120),
+            api_key: None,
+            restart_policy: RestartPolicy::default(),
+            alloc: Arc::new(AnonAllocator),
+        }
+    }
+}
+
+/// A running instance.
+pub struct Instance {
+    supervisor: ActorRef<SupervisorMsg>,
+    join: tokio::task::JoinHandle<()>,
+    scheduler: ActorRef<SchedulerMsg>,
+    addr: Option<SocketAddr>,
+    model_name: String,
+}
+
+impl Instance {
+    /// Starts the supervision tree; returns once every rank is loaded and the API listens.
+    ///
+    /// # Errors
+    /// Model sharding, memory, or bind failures, with the failing actor's message.
+    pub async fn start(opts: InstanceOptions) -> Result<Self, String> {
+        let model = opts.model;
+        let cfg = model.config.clone();
+        cfg.check_tp(opts.tp).map_err(|e| e.to_string())?;
+        let bytes_per_block_all_ranks = 2 * cfg.num_layers * cfg.num_kv_heads * opts.block_size * cfg.head_dim * 4;
+        let num_blocks = opts.num_blocks.unwrap_or(opts.kv_cache_bytes / bytes_per_block_all_ranks).max(1);
+        let max_model_len = opts.max_model_len.unwrap_or(cfg.context_length).min(cfg.context_length);
+        let served = opts.served_name.unwrap_or_else(|| model.name.clone());
+        let comm_placeholder = pdserve_gpu::collective::ThreadCollective::group(1, Duration::from_secs(1)).remove(0);
+        // The scheduler reference is filled in by the supervisor once it exists.
+        let (dummy, _) = Actor::spawn(None, Placeholder, ()).await.map_err(|e| e.to_string())?;
+        let worker = WorkerArgs {
+            rank: 0,
+            epoch: 1,
+            config: cfg.clone(),
+            store: Arc::new(model.store),
+            comm: comm_placeholder,
+            opts: TpOptions { tp: opts.tp, num_blocks, block_size: opts.block_size, format: opts.weights },
+            alloc: opts.alloc,
+            scheduler: dummy.clone(),
+            panic_next: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+        };
+        dummy.stop(None);
+        let tokenizer = model.tokenizer.clone();
+        let http = opts.bind.map(|bind| {
+            let (tokenizer, chat_template, model_name) = (model.tokenizer.clone(), model.chat_template.clone(), served.clone());
+            let (max_concurrent, timeout, api_key) = (opts.max_concurrent_requests, opts.request_timeout, opts.api_key.clone());
+            let vocab_size = cfg.vocab_size;
+            let make = move |scheduler: ActorRef<SchedulerMsg>| AppState {
+                scheduler,
+                tokenizer,
+                chat_template,
+                model_name,
+                max_model_len,
+                vocab_size,
+                admission: Arc::new(tokio::sync::Semaphore::new(max_concurrent)),
+                request_timeout: timeout,
+                api_key,
+                next_id: AtomicU64::new(1),
+                metrics: pdserve_runtime::telemetry::install_metrics(),
+            };
+            (bind, Box::new(make) as Box<dyn FnOnce(ActorRef<SchedulerMsg>) -> AppState + Send>)
+        });
+        let args = InstanceArgs {
+            name: opts.name.clone(),
+            worker,
+            scheduler: SchedulerConfig {
+                max_num_seqs: opts.max_num_seqs,
+                max_num_batched_tokens: opts.max_num_batched_tokens,
+                block_size: opts.block_size,
+                num_blocks,
+                watermark_blocks: (num_blocks as f64 * opts.watermark) as usize,
+                max_model_len,
+            },
+            tokenizer,
+            http,
+            restart_policy: opts.restart_policy,
+        };
+        let (supervisor, join) = Actor::spawn(Some(format!("{}/supervisor", opts.name)), InstanceSupervisor, args)
+            .await
+            .map_err(|e| format!("instance {} failed to start: {e}", opts.name))?;
+        let scheduler = ractor::registry::where_is(format!("{}/scheduler", opts.name))
+            .map(ActorRef::<SchedulerMsg>::from)
+            .ok_or("scheduler did not register")?;
+        let addr = ractor::registry::where_is(format!("{}/http", opts.name)).map(|_| ());
+        let addr = match addr {
+            Some(()) => {
+                let http: ActorRef<crate::http::HttpMsg> = ractor::registry::where_is(format!("{}/http", opts.name)).expect("checked").into();
+                Some(ractor::call_t!(http, crate::http::HttpMsg::LocalAddr, 5_000).map_err(|e| e.to_string())?)
+            }
+            None => None,
+        };
+        Ok(Self { supervisor, join, scheduler, addr, model_name: served })
+    }
+
+    /// The API address.
+    pub fn addr(&self) -> Option<SocketAddr> {
+        self.addr
+    }
+
+    /// `http://host:port` of the API.
+    pub fn url(&self) -> String {
+        self.addr.map(|a| format!("http://{a}")).unwrap_or_default()
+    }
+
+    /// The served model name.
+    pub fn model_name(&self) -> &str {
+        &self.model_name
+    }
+
+    /// The scheduler, for in-process clients.
+    pub fn scheduler(&self) -> &ActorRef<SchedulerMsg> {
+        &self.scheduler
+    }
+
+    /// Queue and pool figures.
+    ///
+    /// # Errors
+    /// When the scheduler is gone or slow.
+    pub async fn stats(&self) -> Result<SchedulerStats, String> {
+        crate::supervisor::scheduler_stats(&self.scheduler).await.map_err(|e| e.to_string())
+    }
+
+    /// The live actor tree.
+    ///
+    /// # Errors
+    /// When the supervisor is gone or slow.
+    pub async fn snapshot(&self) -> Result<ActorSnapshot, String> {
+        ractor::call_t!(self.supervisor, SupervisorMsg::Snapshot, 5_000).map_err(|e| e.to_string())
+    }
+
+    /// Test-only fault hook: rank `rank`'s worker panics on its next step.
+    pub fn inject_worker_panic(&self, rank: usize) {
+        let _ = self.supervisor.cast(SupervisorMsg::InjectWorkerPanic(rank));
+    }
+
+    /// Whether the supervision tree is still running.
+    pub fn is_running(&self) -> bool {
+        !self.join.is_finished()
+    }
+
+    /// Stops the instance and waits for it (bounded).
+    pub async fn stop(self) {
+        self.supervisor.stop(Some("shutdown".into()));
+        let _ = tokio::time::timeout(Duration::from_secs(10), self.join).await;
+    }
+
+    /// Resolves when the supervision tree has stopped by itself (an escalated failure).
+    pub async fn stopped(&mut self) {
+        let _ = (&mut self.join).await;
+    }
+}
+
+/// Stands in for the scheduler while the worker template is built.
+struct Placeholder;
+
+impl Actor for Placeholder {
+    type Msg = SchedulerMsg;
+    type State = ();
+    type Arguments = ();
+    async fn pre_start(&self, _m: ActorRef<Self::Msg>, _a: ()) -> Result<(), ractor::ActorProcessingErr> {
+        Ok(())
+    }
+}

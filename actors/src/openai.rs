@@ -1,0 +1,307 @@
+//! OpenAI-compatible request parsing and response shapes, as pure functions: every field is
+//! checked here and a bad one becomes a [`RequestError::BadRequest`] naming it.
+
+use crate::error::RequestError;
+use pdserve_gpu::chat::ChatMessage;
+use pdserve_gpu::sampling::SamplingParams;
+use serde_json::{json, Value};
+
+/// Completions default `max_tokens` (as OpenAI's API).
+pub const DEFAULT_COMPLETION_MAX_TOKENS: usize = 16;
+
+/// What the client sent as its prompt.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PromptInput {
+    /// Text to tokenize.
+    Text(String),
+    /// Token ids.
+    Tokens(Vec<u32>),
+    /// Chat messages to render with the model's template.
+    Chat(Vec<ChatMessage>),
+}
+
+/// A validated request.
+#[derive(Debug, Clone)]
+pub struct ParsedRequest {
+    /// Model name asked for (None: the served model).
+    pub model: Option<String>,
+    /// The prompt.
+    pub prompt: PromptInput,
+    /// `max_tokens` if given (resolved against the prompt length later).
+    pub max_tokens: Option<usize>,
+    /// Sampling settings (max_tokens filled in later).
+    pub params: SamplingParams,
+    /// Stream with SSE.
+    pub stream: bool,
+    /// Send a final usage chunk when streaming.
+    pub include_usage: bool,
+    /// vLLM-style `kv_transfer_params`, passed through untouched for the P/D layer.
+    pub kv_transfer_params: Option<Value>,
+    /// vLLM's `return_token_ids`: add `token_ids` to each choice (and `prompt_token_ids`).
+    pub return_token_ids: bool,
+}
+
+fn bad(msg: impl Into<String>) -> RequestError {
+    RequestError::BadRequest(msg.into())
+}
+
+fn opt_f32(v: &Value, key: &str, lo: f32, hi: f32, lo_open: bool) -> Result<Option<f32>, RequestError> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(x) => {
+            let f = x.as_f64().ok_or_else(|| bad(format!("`{key}` must be a number")))? as f32;
+            let below = if lo_open { f <= lo } else { f < lo };
+            if !f.is_finite() || below || f > hi {
+                let lb = if lo_open { "(" } else { "[" };
+                return Err(bad(format!("`{key}` must be in {lb}{lo}, {hi}], got {f}")));
+            }
+            Ok(Some(f))
+        }
+    }
+}
+
+fn opt_uint(v: &Value, key: &str) -> Result<Option<u64>, RequestError> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(x) => match x.as_u64() {
+            Some(n) => Ok(Some(n)),
+            None if x.as_i64().is_some() => Err(bad(format!("`{key}` must be a non-negative integer, got {x}"))),
+            None => Err(bad(format!("`{key}` must be an integer, got {x}"))),
+        },
+    }
+}
+
+fn opt_bool(v: &Value, key: &str) -> Result<bool, RequestError> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(x) => Err(bad(format!("`{key}` must be a boolean, got {x}"))),
+    }
+}
+
+fn strings(v: &Value, key: &str) -> Result<Vec<String>, RequestError> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::String(s)) => Ok(vec![s.clone()]),
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|x| x.as_str().map(str::to_string).ok_or_else(|| bad(format!("`{key}` must be a string or a list of strings"))))
+            .collect(),
+        Some(_) => Err(bad(format!("`{key}` must be a string or a list of strings"))),
+    }
+}
+
+fn token_list(v: &Value) -> Option<Vec<u32>> {
+    v.as_array()?.iter().map(|t| t.as_u64().and_then(|n| u32::try_from(n).ok())).collect()
+}
+
+/// Parses a body for `/v1/completions` (`chat == false`) or `/v1/chat/completions`.
+///
+/// # Errors
+/// [`RequestError::BadRequest`] naming the offending field.
+pub fn parse_request(body: &[u8], chat: bool) -> Result<ParsedRequest, RequestError> {
+    let v: Value = serde_json::from_slice(body).map_err(|e| bad(format!("invalid JSON body: {e}")))?;
+    if !v.is_object() {
+        return Err(bad("the request body must be a JSON object"));
+    }
+    let model = match v.get("model") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(_) => return Err(bad("`model` must be a string")),
+    };
+    let prompt = if chat {
+        let msgs = v.get("messages").and_then(Value::as_array).ok_or_else(|| bad("`messages` must be a non-empty list"))?;
+        if msgs.is_empty() {
+            return Err(bad("`messages` must be a non-empty list"));
+        }
+        let mut out = Vec::with_capacity(msgs.len());
+        for (i, m) in msgs.iter().enumerate() {
+            let role = m.get("role").and_then(Value::as_str).ok_or_else(|| bad(format!("`messages[{i}].role` must be a string")))?;
+            if !matches!(role, "system" | "user" | "assistant" | "tool" | "developer") {
+                return Err(bad(format!("`messages[{i}].role` `{role}` is not one of system, user, assistant, tool, developer")));
+            }
+            let content = match m.get("content") {
+                Some(Value::String(s)) => s.clone(),
+                Some(Value::Array(parts)) => {
+                    let mut text = String::new();
+                    for p in parts {
+                        match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
+                            (Some("text"), Some(t)) => text.push_str(t),
+                            _ => return Err(bad(format!("`messages[{i}].content` parts must be {{\"type\": \"text\", \"text\": ...}}"))),
+                        }
+                    }
+                    text
+                }
+                None | Some(Value::Null) if role == "assistant" => String::new(),
+                _ => return Err(bad(format!("`messages[{i}].content` must be a string or a list of text parts"))),
+            };
+            out.push(ChatMessage::new(role, content));
+        }
+        PromptInput::Chat(out)
+    } else {
+        match v.get("prompt") {
+            Some(Value::String(s)) => PromptInput::Text(s.clone()),
+            Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => PromptInput::Text(a[0].as_str().unwrap_or_default().to_string()),
+            Some(Value::Array(a)) if a.len() == 1 && a[0].is_array() => {
+                PromptInput::Tokens(token_list(&a[0]).ok_or_else(|| bad("`prompt` token ids must be non-negative integers"))?)
+            }
+            Some(a @ Value::Array(items)) if !items.is_empty() && items.iter().all(Value::is_number) => {
+                PromptInput::Tokens(token_list(a).ok_or_else(|| bad("`prompt` token ids must be non-negative integers"))?)
+            }
+            Some(Value::Array(a)) if a.len() > 1 => return Err(bad("batched prompts are not supported: send one prompt per request")),
+            None | Some(Value::Null) => return Err(bad("`prompt` is required")),
+            _ => return Err(bad("`prompt` must be a string, a list of token ids, or a list with one of those")),
+        }
+    };
+    let key_max = if chat && v.get("max_completion_tokens").is_some() { "max_completion_tokens" } else { "max_tokens" };
+    let max_tokens = opt_uint(&v, key_max)?.map(|n| n as usize);
+    if max_tokens == Some(0) {
+        return Err(bad(format!("`{key_max}` must be at least 1")));
+    }
+    if let Some(n) = opt_uint(&v, "n")? {
+        if n != 1 {
+            return Err(bad("only `n` = 1 is supported"));
+        }
+    }
+    if opt_bool(&v, "echo")? {
+        return Err(bad("`echo` is not supported"));
+    }
+    if let Some(lp) = v.get("logprobs") {
+        let wants = match lp {
+            Value::Null => false,
+            Value::Bool(b) => *b,
+            Value::Number(n) => n.as_u64().is_none_or(|n| n > 0),
+            _ => true,
+        };
+        if wants {
+            return Err(bad("`logprobs` is not supported by this server"));
+        }
+    }
+    let mut params = SamplingParams::default();
+    if let Some(t) = opt_f32(&v, "temperature", 0.0, 2.0, false)? {
+        params.temperature = t;
+    }
+    if let Some(p) = opt_f32(&v, "top_p", 0.0, 1.0, true)? {
+        params.top_p = p;
+    }
+    if let Some(p) = opt_f32(&v, "min_p", 0.0, 1.0, false)? {
+        params.min_p = p;
+    }
+    if let Some(p) = opt_f32(&v, "presence_penalty", -2.0, 2.0, false)? {
+        params.presence_penalty = p;
+    }
+    if let Some(p) = opt_f32(&v, "frequency_penalty", -2.0, 2.0, false)? {
+        params.frequency_penalty = p;
+    }
+    if let Some(p) = opt_f32(&v, "repetition_penalty", 0.0, 10.0, true)? {
+        params.repetition_penalty = p;
+    }
+    match v.get("top_k") {
+        None | Some(Value::Null) => {}
+        Some(x) => match x.as_i64() {
+            Some(-1) | Some(0) => params.top_k = None,
+            Some(k) if k > 0 => params.top_k = Some(k as u32),
+            _ => return Err(bad(format!("`top_k` must be -1, 0 or a positive integer, got {x}"))),
+        },
+    }
+    params.seed = opt_uint(&v, "seed")?;
+    params.stop = strings(&v, "stop")?;
+    if params.stop.len() > 16 {
+        return Err(bad("`stop` takes at most 16 strings"));
+    }
+    params.stop_token_ids = match v.get("stop_token_ids") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(x) => token_list(x).ok_or_else(|| bad("`stop_token_ids` must be a list of token ids"))?,
+    };
+    params.ignore_eos = opt_bool(&v, "ignore_eos")?;
+    let stream = opt_bool(&v, "stream")?;
+    let include_usage = match v.get("stream_options") {
+        None | Some(Value::Null) => false,
+        Some(o) if o.is_object() => opt_bool(o, "include_usage")?,
+        Some(_) => return Err(bad("`stream_options` must be an object")),
+    };
+    let kv_transfer_params = v.get("kv_transfer_params").filter(|x| !x.is_null()).cloned();
+    let return_token_ids = opt_bool(&v, "return_token_ids")?;
+    Ok(ParsedRequest { model, prompt, max_tokens, params, stream, include_usage, kv_transfer_params, return_token_ids })
+}
+
+/// Resolves `max_tokens` against the prompt: the default for a missing one (16 for
+/// completions, the rest of the context for chat), and refusals for absurd values.
+///
+/// # Errors
+/// [`RequestError::ContextOverflow`] when the prompt alone, or the prompt plus `max_tokens`,
+/// exceed `max_model_len`.
+pub fn resolve_max_tokens(requested: Option<usize>, chat: bool, prompt_len: usize, max_model_len: usize) -> Result<usize, RequestError> {
+    let overflow = |completion: usize| RequestError::ContextOverflow {
+        max: max_model_len,
+        requested: prompt_len + completion,
+        prompt: prompt_len,
+        completion,
+    };
+    if prompt_len >= max_model_len {
+        return Err(overflow(requested.unwrap_or(1)));
+    }
+    let n = match requested {
+        Some(n) => n,
+        None if chat => max_model_len - prompt_len,
+        None => DEFAULT_COMPLETION_MAX_TOKENS.min(max_model_len - prompt_len),
+    };
+    if prompt_len + n > max_model_len {
+        return Err(overflow(n));
+    }
+    Ok(n)
+}
+
+/// The OpenAI error body.
+pub fn error_body(e: &RequestError) -> Value {
+    json!({"error": {"message": e.to_string(), "type": e.kind(), "param": null, "code": e.status()}})
+}
+
+/// `usage` object.
+pub fn usage(prompt: usize, completion: usize) -> Value {
+    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(body: &str, chat: bool) -> String {
+        parse_request(body.as_bytes(), chat).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn parses_prompts_and_sampling() {
+        let r = parse_request(br#"{"model":"m","prompt":"hi","max_tokens":5,"temperature":0.5,"top_k":-1,"stop":"x","stream":true,"stream_options":{"include_usage":true}}"#, false).unwrap();
+        assert_eq!(r.prompt, PromptInput::Text("hi".into()));
+        assert_eq!((r.max_tokens, r.params.temperature, r.params.top_k, r.stream, r.include_usage), (Some(5), 0.5, None, true, true));
+        assert_eq!(r.params.stop, vec!["x".to_string()]);
+        let r = parse_request(br#"{"prompt":[1,2,3]}"#, false).unwrap();
+        assert_eq!(r.prompt, PromptInput::Tokens(vec![1, 2, 3]));
+        let r = parse_request(br#"{"messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}]}"#, true).unwrap();
+        assert_eq!(r.prompt, PromptInput::Chat(vec![ChatMessage::new("user", "ab")]));
+    }
+
+    #[test]
+    fn bad_fields_are_named() {
+        assert!(err("{not json", false).contains("invalid JSON"));
+        assert!(err(r#"{"prompt":"x","max_tokens":-3}"#, false).contains("non-negative"));
+        assert!(err(r#"{"prompt":"x","max_tokens":2.5}"#, false).contains("`max_tokens` must be an integer"));
+        assert!(err(r#"{"prompt":"x","temperature":7}"#, false).contains("temperature"));
+        assert!(err(r#"{"prompt":"x","top_p":0}"#, false).contains("top_p"));
+        assert!(err(r#"{"prompt":"x","n":2}"#, false).contains("`n`"));
+        assert!(err(r#"{"messages":[]}"#, true).contains("messages"));
+        assert!(err(r#"{"messages":[{"role":"wizard","content":"x"}]}"#, true).contains("role"));
+        assert!(err(r#"{"messages":[{"role":"user"}]}"#, true).contains("content"));
+        assert!(err(r#"{"max_tokens":3}"#, false).contains("`prompt` is required"));
+    }
+
+    #[test]
+    fn max_tokens_defaults_and_limits() {
+        assert_eq!(resolve_max_tokens(None, false, 10, 100).unwrap(), 16);
+        assert_eq!(resolve_max_tokens(None, true, 10, 100).unwrap(), 90);
+        assert!(matches!(resolve_max_tokens(Some(91), false, 10, 100), Err(RequestError::ContextOverflow { requested: 101, .. })));
+        assert!(matches!(resolve_max_tokens(Some(1), false, 100, 100), Err(RequestError::ContextOverflow { .. })));
+        assert!(matches!(resolve_max_tokens(Some(usize::MAX / 2), false, 1, 100), Err(RequestError::ContextOverflow { .. })));
+    }
+}

@@ -1,0 +1,320 @@
+//! The Scheduler actor: owns the request queues and the KV block pool of one instance
+//! ([`SchedulerCore`]), plans one forward step at a time, sends it to every TpWorker, joins
+//! their reports (by rank index, per step id and epoch) and streams tokens to each request's
+//! owner.
+//!
+//! Messages: [`SchedulerMsg`]. Supervised by the `InstanceSupervisor`, which reports worker
+//! failures (`WorkerDown`) and restarts (`WorkerUp`). When a worker fails, every request in the
+//! step it was running ends with a 5xx [`RequestError::WorkerFailed`] and its blocks return to
+//! the pool; scheduling resumes once every rank is back. If the Scheduler itself fails, the
+//! supervisor escalates: the requests it held cannot be recovered.
+
+mod core;
+
+pub use self::core::{NewRequest, Output, SchedulerConfig, SchedulerCore, SchedulerStats, StepPlan};
+
+use crate::error::RequestError;
+use crate::worker::WorkerMsg;
+use pdserve_gpu::model::Batch;
+use pdserve_gpu::sampling::FinishReason;
+use pdserve_runtime::ids::RequestId;
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::mpsc::UnboundedSender;
+
+/// What a request's owner (an HTTP handler) receives.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RequestEvent {
+    /// A token and the text that became final with it.
+    Token {
+        /// Token id.
+        token: u32,
+        /// Text (possibly empty).
+        text: String,
+    },
+    /// The end.
+    Finished {
+        /// Why.
+        reason: FinishReason,
+        /// Last text.
+        text: String,
+        /// Prompt tokens.
+        prompt_tokens: usize,
+        /// Generated tokens.
+        completion_tokens: usize,
+    },
+    /// Failure.
+    Failed(RequestError),
+}
+
+/// Messages of the Scheduler.
+pub enum SchedulerMsg {
+    /// A new request; its events go to `sink` (a dropped receiver aborts it).
+    Submit {
+        /// The request.
+        request: NewRequest,
+        /// Where its events go.
+        sink: UnboundedSender<RequestEvent>,
+    },
+    /// The owner gave up on a request (client disconnect).
+    Abort(RequestId),
+    /// A rank finished (or failed) a step.
+    StepDone {
+        /// The reporting worker's epoch.
+        epoch: u64,
+        /// Which step.
+        step_id: u64,
+        /// Which rank.
+        rank: usize,
+        /// Logits (rank 0) or the failure.
+        result: Result<Vec<Vec<f32>>, String>,
+    },
+    /// A worker died; its supervisor is restarting it.
+    WorkerDown {
+        /// Rank.
+        rank: usize,
+        /// What happened.
+        reason: String,
+    },
+    /// A worker (re)started and is ready for steps.
+    WorkerUp {
+        /// Rank.
+        rank: usize,
+        /// Its epoch (stale reports from older epochs are dropped).
+        epoch: u64,
+        /// Where to send steps.
+        worker: ActorRef<WorkerMsg>,
+    },
+    /// Queue and pool figures.
+    Stats(RpcReplyPort<SchedulerStats>),
+}
+
+/// The Scheduler actor (configuration only; state lives in [`SchedulerState`]).
+#[derive(Debug)]
+pub struct Scheduler;
+
+/// Arguments to start a Scheduler.
+pub struct SchedulerArgs {
+    /// Limits.
+    pub config: SchedulerConfig,
+    /// Tokenizer (for streaming text).
+    pub tokenizer: pdserve_gpu::tokenizer::Tokenizer,
+    /// Number of TP ranks.
+    pub tp: usize,
+    /// One end of the ranks' collective, to clear it after a failed step once no rank is
+    /// inside it any more.
+    pub collective: pdserve_gpu::collective::ThreadCollective,
+}
+
+struct InFlight {
+    plan: StepPlan,
+    replies: Vec<Option<Result<Vec<Vec<f32>>, String>>>,
+}
+
+struct Owner {
+    sink: UnboundedSender<RequestEvent>,
+    arrived: Instant,
+    first_token: Option<Instant>,
+    last_token: Option<Instant>,
+}
+
+/// The Scheduler's mutable state.
+pub struct SchedulerState {
+    core: SchedulerCore,
+    owners: HashMap<RequestId, Owner>,
+    workers: Vec<Option<(u64, ActorRef<WorkerMsg>)>>,
+    in_flight: Option<InFlight>,
+    /// Ranks that still owe a reply to a step that failed: the collective is reset only when
+    /// none is left inside it.
+    draining: Vec<bool>,
+    collective: pdserve_gpu::collective::ThreadCollective,
+    needs_reset: bool,
+}
+
+impl Actor for Scheduler {
+    type Msg = SchedulerMsg;
+    type State = SchedulerState;
+    type Arguments = SchedulerArgs;
+
+    async fn pre_start(&self, _myself: ActorRef<Self::Msg>, args: SchedulerArgs) -> Result<Self::State, ActorProcessingErr> {
+        Ok(SchedulerState {
+            core: SchedulerCore::new(args.config, args.tokenizer),
+            owners: HashMap::new(),
+            workers: vec![None; args.tp],
+            in_flight: None,
+            draining: vec![false; args.tp],
+            collective: args.collective,
+            needs_reset: false,
+        })
+    }
+
+    async fn handle(&self, _myself: ActorRef<Self::Msg>, msg: Self::Msg, st: &mut Self::State) -> Result<(), ActorProcessingErr> {
+        match msg {
+            SchedulerMsg::Submit { request, sink } => {
+                let id = request.id;
+                let prompt_tokens = request.prompt.len();
+                match st.core.add(request) {
+                    Ok(()) => {
+                        metrics::counter!(pdserve_runtime::telemetry::PROMPT_TOKENS_TOTAL).increment(prompt_tokens as u64);
+                        st.owners.insert(id, Owner { sink, arrived: Instant::now(), first_token: None, last_token: None });
+                    }
+                    Err(e) => {
+                        let _ = sink.send(RequestEvent::Failed(e));
+                    }
+                }
+            }
+            SchedulerMsg::Abort(id) => {
+                if st.core.abort(id) {
+                    tracing::debug!(request = %id, "aborted by its owner");
+                    metrics::counter!(pdserve_runtime::telemetry::REQUESTS_TOTAL, "outcome" => "aborted").increment(1);
+                }
+                st.owners.remove(&id);
+            }
+            SchedulerMsg::StepDone { epoch, step_id, rank, result } => {
+                st.on_step_done(epoch, step_id, rank, result);
+            }
+            SchedulerMsg::WorkerDown { rank, reason } => {
+                tracing::warn!(rank, %reason, "worker down; failing the step it held");
+                st.workers[rank] = None;
+                st.needs_reset = true;
+                if let Some(inf) = st.in_flight.take() {
+                    for (r, reply) in inf.replies.iter().enumerate() {
+                        st.draining[r] = r != rank && reply.is_none() && st.workers[r].is_some();
+                    }
+                    for (_, w) in st.workers.iter().flatten() {
+                        let _ = w.cast(WorkerMsg::Poison(reason.clone()));
+                    }
+                    let out = st.core.fail_step(inf.plan, RequestError::WorkerFailed(format!("TP rank {rank} failed: {reason}")));
+                    st.dispatch(out);
+                }
+            }
+            SchedulerMsg::WorkerUp { rank, epoch, worker } => {
+                st.workers[rank] = Some((epoch, worker));
+            }
+            SchedulerMsg::Stats(reply) => {
+                if !reply.is_closed() {
+                    let _ = reply.send(st.core.stats());
+                }
+            }
+        }
+        st.maybe_step();
+        st.publish_gauges();
+        Ok(())
+    }
+}
+
+impl SchedulerState {
+    fn on_step_done(&mut self, epoch: u64, step_id: u64, rank: usize, result: Result<Vec<Vec<f32>>, String>) {
+        let current_epoch = self.workers.get(rank).and_then(|w| w.as_ref().map(|(e, _)| *e));
+        if current_epoch != Some(epoch) {
+            tracing::debug!(rank, epoch, step_id, "dropping a report from an old epoch");
+            return;
+        }
+        let Some(inf) = self.in_flight.as_mut().filter(|i| i.plan.step_id == step_id) else {
+            // A reply to a step that already failed: that rank has left the collective.
+            self.draining[rank] = false;
+            return;
+        };
+        if inf.replies[rank].is_some() {
+            return; // duplicate report: counted once by rank index
+        }
+        inf.replies[rank] = Some(result);
+        if inf.replies.iter().any(Option::is_none) {
+            return;
+        }
+        let inf = self.in_flight.take().expect("checked above");
+        let mut logits = None;
+        let mut failure = None;
+        for (r, reply) in inf.replies.into_iter().enumerate() {
+            match reply.expect("all present") {
+                Ok(l) if r == 0 => logits = Some(l),
+                Ok(_) => {}
+                Err(e) => failure = failure.or(Some(format!("TP rank {r}: {e}"))),
+            }
+        }
+        let out = match (failure, logits) {
+            (None, Some(l)) => self.core.complete(inf.plan, l),
+            (Some(e), _) => {
+                self.needs_reset = true;
+                self.core.fail_step(inf.plan, RequestError::WorkerFailed(e))
+            }
+            (None, None) => self.core.fail_step(inf.plan, RequestError::Internal("no logits from rank 0".into())),
+        };
+        self.dispatch(out);
+    }
+
+    fn maybe_step(&mut self) {
+        if self.in_flight.is_some() || self.workers.iter().any(Option::is_none) || !self.core.has_work() {
+            return;
+        }
+        if self.draining.iter().any(|&d| d) {
+            return;
+        }
+        if std::mem::take(&mut self.needs_reset) {
+            self.collective.reset();
+        }
+        let Some(plan) = self.core.schedule() else { return };
+        let batch: Arc<Batch> = Arc::new(plan.batch.clone());
+        for (_, w) in self.workers.iter().flatten() {
+            let _ = w.cast(WorkerMsg::Step { step_id: plan.step_id, batch: batch.clone() });
+        }
+        self.in_flight = Some(InFlight { replies: vec![None; self.workers.len()], plan });
+    }
+
+    fn dispatch(&mut self, outputs: Vec<Output>) {
+        use pdserve_runtime::telemetry as m;
+        for o in outputs {
+            let (id, event, end) = match o {
+                Output::Token { id, token, text } => (id, RequestEvent::Token { token, text }, false),
+                Output::Finished { id, reason, text, prompt_tokens, completion_tokens } => {
+                    metrics::counter!(m::REQUESTS_TOTAL, "outcome" => "finished").increment(1);
+                    (id, RequestEvent::Finished { reason, text, prompt_tokens, completion_tokens }, true)
+                }
+                Output::Failed { id, error } => {
+                    metrics::counter!(m::REQUESTS_TOTAL, "outcome" => error.kind()).increment(1);
+                    (id, RequestEvent::Failed(error), true)
+                }
+            };
+            let Some(owner) = self.owners.get_mut(&id) else { continue };
+            if let RequestEvent::Token { .. } = event {
+                let now = Instant::now();
+                metrics::counter!(m::GENERATED_TOKENS_TOTAL).increment(1);
+                match owner.last_token {
+                    None => metrics::histogram!(m::TIME_TO_FIRST_TOKEN_SECONDS).record(now.duration_since(owner.arrived).as_secs_f64()),
+                    Some(prev) => metrics::histogram!(m::INTER_TOKEN_LATENCY_SECONDS).record(now.duration_since(prev).as_secs_f64()),
+                }
+                owner.first_token.get_or_insert(now);
+                owner.last_token = Some(now);
+            }
+            if let RequestEvent::Finished { completion_tokens, .. } = &event {
+                if let (Some(first), Some(last)) = (owner.first_token, owner.last_token) {
+                    if *completion_tokens > 1 {
+                        let tpot = last.duration_since(first).as_secs_f64() / (*completion_tokens - 1) as f64;
+                        metrics::histogram!(m::TIME_PER_OUTPUT_TOKEN_SECONDS).record(tpot);
+                    }
+                }
+            }
+            let gone = owner.sink.send(event).is_err();
+            if end {
+                self.owners.remove(&id);
+            } else if gone {
+                // The owner went away (client disconnect): stop spending compute on it.
+                self.core.abort(id);
+                self.owners.remove(&id);
+                metrics::counter!(m::REQUESTS_TOTAL, "outcome" => "aborted").increment(1);
+            }
+        }
+    }
+
+    fn publish_gauges(&self) {
+        use pdserve_runtime::telemetry as m;
+        let s = self.core.stats();
+        metrics::gauge!(m::REQUESTS_WAITING).set(s.waiting as f64);
+        metrics::gauge!(m::REQUESTS_RUNNING).set(s.running as f64);
+        metrics::gauge!(m::KV_BLOCKS_FREE).set(s.blocks_free as f64);
+        metrics::gauge!(m::KV_BLOCKS_USED).set((s.blocks_total - s.blocks_free) as f64);
+        metrics::counter!(m::PREEMPTIONS_TOTAL).absolute(s.preemptions);
+    }
+}

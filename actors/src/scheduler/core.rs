@@ -1,0 +1,481 @@
+//! The scheduler's logic, free of actors and I/O: queues, block accounting, continuous
+//! batching with chunked prefill under a token budget, preemption by recompute, sampling and
+//! stop conditions. The [`Scheduler`](super::Scheduler) actor feeds it messages.
+
+use crate::block_manager::{BlockAllocation, BlockManager};
+use crate::error::RequestError;
+use pdserve_gpu::model::{Batch, SeqChunk};
+use pdserve_gpu::sampling::{FinishReason, Sampler, SamplingParams, StopChecker, StopDecision, StopReason};
+use pdserve_gpu::tokenizer::{DecodeStream, Tokenizer};
+use pdserve_runtime::ids::RequestId;
+use std::collections::{HashMap, VecDeque};
+
+/// Limits of the scheduler.
+#[derive(Clone, Debug)]
+pub struct SchedulerConfig {
+    /// Sequences running at once.
+    pub max_num_seqs: usize,
+    /// Tokens in one forward step.
+    pub max_num_batched_tokens: usize,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Blocks in the pool.
+    pub num_blocks: usize,
+    /// Blocks kept free when admitting new sequences.
+    pub watermark_blocks: usize,
+    /// Longest sequence (prompt + output).
+    pub max_model_len: usize,
+}
+
+/// A request entering the scheduler.
+#[derive(Clone, Debug)]
+pub struct NewRequest {
+    /// Its id.
+    pub id: RequestId,
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Sampling and stop settings (`max_tokens` already resolved).
+    pub params: SamplingParams,
+}
+
+/// What the scheduler tells a request's owner.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Output {
+    /// A new token and the text it completed (possibly empty).
+    Token {
+        /// Request.
+        id: RequestId,
+        /// Token id.
+        token: u32,
+        /// Text that became final with it.
+        text: String,
+    },
+    /// The request finished normally.
+    Finished {
+        /// Request.
+        id: RequestId,
+        /// Why.
+        reason: FinishReason,
+        /// Text released at the end (held back for a stop string that did not complete).
+        text: String,
+        /// Prompt tokens.
+        prompt_tokens: usize,
+        /// Generated tokens.
+        completion_tokens: usize,
+    },
+    /// The request failed.
+    Failed {
+        /// Request.
+        id: RequestId,
+        /// Why.
+        error: RequestError,
+    },
+}
+
+/// Queue and pool figures.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct SchedulerStats {
+    /// Requests waiting (new or preempted).
+    pub waiting: usize,
+    /// Requests running.
+    pub running: usize,
+    /// Free KV blocks.
+    pub blocks_free: usize,
+    /// All KV blocks.
+    pub blocks_total: usize,
+    /// Preemptions so far.
+    pub preemptions: u64,
+}
+
+/// One planned forward step.
+#[derive(Debug)]
+pub struct StepPlan {
+    /// Monotonic id.
+    pub step_id: u64,
+    /// The batch for the workers.
+    pub batch: Batch,
+    /// `(request, tokens in this step, samples a token)` in batch order.
+    pub members: Vec<(RequestId, usize, bool)>,
+}
+
+struct Seq {
+    prompt: Vec<u32>,
+    output: Vec<u32>,
+    sampler: Sampler,
+    stop: StopChecker,
+    decode: DecodeStream,
+    blocks: BlockAllocation,
+    computed: usize,
+}
+
+impl Seq {
+    fn len(&self) -> usize {
+        self.prompt.len() + self.output.len()
+    }
+}
+
+/// The scheduler state machine.
+pub struct SchedulerCore {
+    cfg: SchedulerConfig,
+    blocks: BlockManager,
+    tokenizer: Tokenizer,
+    seqs: HashMap<RequestId, Seq>,
+    waiting: VecDeque<RequestId>,
+    running: Vec<RequestId>,
+    next_step: u64,
+    preemptions: u64,
+}
+
+impl SchedulerCore {
+    /// An idle scheduler over a fresh block pool.
+    pub fn new(cfg: SchedulerConfig, tokenizer: Tokenizer) -> Self {
+        let blocks = BlockManager::new(cfg.num_blocks, cfg.watermark_blocks);
+        Self {
+            cfg,
+            blocks,
+            tokenizer,
+            seqs: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            next_step: 0,
+            preemptions: 0,
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+
+    /// Queue and pool figures.
+    pub fn stats(&self) -> SchedulerStats {
+        SchedulerStats {
+            waiting: self.waiting.len(),
+            running: self.running.len(),
+            blocks_free: self.blocks.num_free(),
+            blocks_total: self.blocks.total(),
+            preemptions: self.preemptions,
+        }
+    }
+
+    /// Whether any request is queued or running.
+    pub fn has_work(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    /// Accepts a request.
+    ///
+    /// # Errors
+    /// [`RequestError::ContextOverflow`] when prompt plus `max_tokens` exceed the model's
+    /// length; [`RequestError::BadRequest`] for an empty prompt, a duplicate id, or a request
+    /// the whole pool could never hold.
+    pub fn add(&mut self, req: NewRequest) -> Result<(), RequestError> {
+        if req.prompt.is_empty() {
+            return Err(RequestError::BadRequest("the prompt is empty".into()));
+        }
+        let total = req.prompt.len() + req.params.max_tokens;
+        if total > self.cfg.max_model_len {
+            return Err(RequestError::ContextOverflow {
+                max: self.cfg.max_model_len,
+                requested: total,
+                prompt: req.prompt.len(),
+                completion: req.params.max_tokens,
+            });
+        }
+        if total.div_ceil(self.cfg.block_size) > self.blocks.total() {
+            return Err(RequestError::BadRequest(format!(
+                "{total} tokens need more KV blocks than this instance has ({})",
+                self.blocks.total()
+            )));
+        }
+        if self.seqs.contains_key(&req.id) {
+            return Err(RequestError::BadRequest(format!("duplicate request id {}", req.id)));
+        }
+        let seq = Seq {
+            sampler: Sampler::new(&req.params),
+            stop: StopChecker::new(&req.params, self.tokenizer.eos_ids()),
+            decode: self.tokenizer.decode_stream(true),
+            prompt: req.prompt,
+            output: Vec::new(),
+            blocks: self.blocks.empty(),
+            computed: 0,
+        };
+        self.seqs.insert(req.id, seq);
+        self.waiting.push_back(req.id);
+        Ok(())
+    }
+
+    /// Drops a request wherever it is; its blocks return to the pool. Returns whether it
+    /// existed.
+    pub fn abort(&mut self, id: RequestId) -> bool {
+        self.waiting.retain(|&w| w != id);
+        self.running.retain(|&r| r != id);
+        self.seqs.remove(&id).is_some()
+    }
+
+    fn preempt(&mut self, id: RequestId) {
+        self.running.retain(|&r| r != id);
+        if let Some(s) = self.seqs.get_mut(&id) {
+            s.blocks.release();
+            s.computed = 0;
+        }
+        self.waiting.push_front(id);
+        self.preemptions += 1;
+    }
+
+    /// Plans the next step: running sequences first (a decode token or the next prefill
+    /// chunk), then admissions from the waiting queue, within the token budget. When a running
+    /// sequence needs a block and none is free, the newest running sequence is preempted (its
+    /// blocks freed; it is recomputed from its tokens later).
+    pub fn schedule(&mut self) -> Option<StepPlan> {
+        let bs = self.cfg.block_size;
+        let mut budget = self.cfg.max_num_batched_tokens.max(1);
+        let mut plan: Vec<(RequestId, usize)> = Vec::new();
+
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let id = self.running[i];
+            let s = &self.seqs[&id];
+            let n = (s.len() - s.computed).min(budget);
+            let need = (s.computed + n).div_ceil(bs).saturating_sub(s.blocks.len());
+            let mut ok = need == 0 || self.grow(id, need);
+            while !ok {
+                // Preempt the newest other running sequence not yet in this step's plan.
+                let victim = self.running.iter().rev().copied().find(|&r| r != id && !plan.iter().any(|(p, _)| *p == r));
+                match victim {
+                    Some(v) => {
+                        self.preempt(v);
+                        ok = self.grow(id, need);
+                    }
+                    None => break,
+                }
+            }
+            if !ok {
+                // Nothing left to take from: this one waits for blocks itself.
+                self.preempt(id);
+                continue;
+            }
+            plan.push((id, n));
+            budget -= n;
+            i += 1;
+        }
+
+        while budget > 0 && self.running.len() < self.cfg.max_num_seqs {
+            let Some(&id) = self.waiting.front() else { break };
+            let s = &self.seqs[&id];
+            let n = (s.len() - s.computed).min(budget);
+            let need = (s.computed + n).div_ceil(bs).saturating_sub(s.blocks.len());
+            if !self.blocks.can_admit(need) || !self.grow(id, need) {
+                break;
+            }
+            self.waiting.pop_front();
+            self.running.push(id);
+            plan.push((id, n));
+            budget -= n;
+        }
+
+        if plan.is_empty() {
+            return None;
+        }
+        let mut batch = Batch::default();
+        let mut members = Vec::with_capacity(plan.len());
+        for (id, n) in plan {
+            let s = &self.seqs[&id];
+            let tokens: Vec<u32> = s.prompt.iter().chain(&s.output).skip(s.computed).take(n).copied().collect();
+            let samples = s.computed + n == s.len();
+            batch.seqs.push(SeqChunk {
+                tokens,
+                start_pos: s.computed,
+                block_table: s.blocks.blocks().to_vec(),
+                want_logits: samples,
+            });
+            members.push((id, n, samples));
+        }
+        self.next_step += 1;
+        Some(StepPlan { step_id: self.next_step, batch, members })
+    }
+
+    fn grow(&mut self, id: RequestId, n: usize) -> bool {
+        let s = self.seqs.get_mut(&id).expect("scheduled sequence exists");
+        self.blocks.grow(&mut s.blocks, n)
+    }
+
+    /// Applies a finished step: advances positions, samples, checks stops. Requests aborted
+    /// while the step ran are skipped.
+    pub fn complete(&mut self, plan: StepPlan, logits: Vec<Vec<f32>>) -> Vec<Output> {
+        let mut out = Vec::new();
+        let mut logits = logits.into_iter();
+        for (id, n, samples) in plan.members {
+            let row = if samples { logits.next() } else { None };
+            let Some(s) = self.seqs.get_mut(&id) else { continue };
+            if s.computed + n > s.len() {
+                continue; // preempted and rescheduled meanwhile: stale
+            }
+            s.computed += n;
+            if !samples {
+                continue;
+            }
+            let Some(mut row) = row else {
+                out.push(Output::Failed { id, error: RequestError::Internal("missing logits".into()) });
+                self.abort(id);
+                continue;
+            };
+            let token = s.sampler.sample(&mut row, &s.prompt, &s.output);
+            s.output.push(token);
+            let piece = match s.decode.step(token) {
+                Ok(p) => p.unwrap_or_default(),
+                Err(e) => {
+                    out.push(Output::Failed { id, error: RequestError::Internal(e.to_string()) });
+                    self.abort(id);
+                    continue;
+                }
+            };
+            match s.stop.push(token, &piece) {
+                StopDecision::Continue { text_to_emit } => {
+                    out.push(Output::Token { id, token, text: text_to_emit });
+                }
+                StopDecision::Stop { reason, mut text_to_emit } => {
+                    if matches!(reason, StopReason::Length) {
+                        text_to_emit.push_str(&s.decode.flush().unwrap_or_default());
+                    }
+                    let (prompt_tokens, completion_tokens) = (s.prompt.len(), s.output.len());
+                    out.push(Output::Token { id, token, text: String::new() });
+                    out.push(Output::Finished {
+                        id,
+                        reason: reason.finish_reason(),
+                        text: text_to_emit,
+                        prompt_tokens,
+                        completion_tokens,
+                    });
+                    self.abort(id);
+                }
+            }
+        }
+        out
+    }
+
+    /// A step failed on a worker: every request in it fails with `error` and frees its
+    /// blocks.
+    pub fn fail_step(&mut self, plan: StepPlan, error: RequestError) -> Vec<Output> {
+        let mut out = Vec::new();
+        for (id, _, _) in plan.members {
+            if self.abort(id) {
+                out.push(Output::Failed { id, error: error.clone() });
+            }
+        }
+        out
+    }
+
+    /// Fails everything (shutdown).
+    pub fn fail_all(&mut self, error: RequestError) -> Vec<Output> {
+        let ids: Vec<RequestId> = self.seqs.keys().copied().collect();
+        ids.into_iter()
+            .filter(|&id| self.abort(id))
+            .map(|id| Output::Failed { id, error: error.clone() })
+            .collect()
+    }
+
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn core(num_blocks: usize, budget: usize) -> SchedulerCore {
+        SchedulerCore::new(
+            SchedulerConfig {
+                max_num_seqs: 8,
+                max_num_batched_tokens: budget,
+                block_size: 4,
+                num_blocks,
+                watermark_blocks: 0,
+                max_model_len: 64,
+            },
+            Tokenizer::byte_level_synthetic(),
+        )
+    }
+
+    fn req(id: u64, prompt_len: usize, max_tokens: usize) -> NewRequest {
+        let mut params = SamplingParams::greedy(max_tokens);
+        params.ignore_eos = true;
+        NewRequest { id: RequestId(id), prompt: (0..prompt_len as u32).map(|t| 97 + t % 20).collect(), params }
+    }
+
+    /// Logits that always pick token `b'a'`.
+    fn logits(plan: &StepPlan) -> Vec<Vec<f32>> {
+        let n = plan.members.iter().filter(|m| m.2).count();
+        (0..n).map(|_| { let mut l = vec![0.0; 259]; l[97] = 1.0; l }).collect()
+    }
+
+    fn drive(c: &mut SchedulerCore) -> Vec<Output> {
+        let mut all = Vec::new();
+        for _ in 0..1000 {
+            let Some(plan) = c.schedule() else { break };
+            let l = logits(&plan);
+            all.extend(c.complete(plan, l));
+        }
+        all
+    }
+
+    #[test]
+    fn prefill_is_chunked_under_the_token_budget() {
+        let mut c = core(64, 5);
+        c.add(req(1, 12, 2)).unwrap();
+        let p = c.schedule().unwrap();
+        assert_eq!(p.members, vec![(RequestId(1), 5, false)]);
+        assert_eq!(p.batch.seqs[0].block_table.len(), 2);
+        let l = logits(&p);
+        assert!(c.complete(p, l).is_empty());
+        let p = c.schedule().unwrap();
+        assert_eq!(p.batch.seqs[0].start_pos, 5);
+        let out = drive_from(&mut c, p);
+        assert!(matches!(out.last(), Some(Output::Finished { completion_tokens: 2, .. })));
+        assert_eq!(c.stats().blocks_free, 64);
+    }
+
+    fn drive_from(c: &mut SchedulerCore, first: StepPlan) -> Vec<Output> {
+        let l = logits(&first);
+        let mut out = c.complete(first, l);
+        out.extend(drive(c));
+        out
+    }
+
+    #[test]
+    fn tiny_pool_preempts_and_still_finishes_everything() {
+        // 6 blocks of 4 tokens; three requests needing 4 blocks each at the end.
+        let mut c = core(6, 64);
+        for id in 1..=3 {
+            c.add(req(id, 6, 10)).unwrap();
+        }
+        let out = drive(&mut c);
+        let finished: Vec<_> = out.iter().filter_map(|o| match o {
+            Output::Finished { id, completion_tokens, .. } => Some((*id, *completion_tokens)),
+            _ => None,
+        }).collect();
+        assert_eq!(finished.len(), 3);
+        assert!(finished.iter().all(|&(_, n)| n == 10));
+        assert!(c.stats().preemptions > 0, "the pool was too small to run all at once");
+        assert_eq!(c.stats().blocks_free, 6);
+    }
+
+    #[test]
+    fn abort_and_failed_steps_free_blocks() {
+        let mut c = core(16, 64);
+        c.add(req(1, 8, 5)).unwrap();
+        c.add(req(2, 8, 5)).unwrap();
+        let p = c.schedule().unwrap();
+        assert!(c.stats().blocks_free < 16);
+        assert!(c.abort(RequestId(1)));
+        let out = c.fail_step(p, RequestError::WorkerFailed("rank 0 panicked".into()));
+        assert_eq!(out, vec![Output::Failed { id: RequestId(2), error: RequestError::WorkerFailed("rank 0 panicked".into()) }]);
+        assert_eq!(c.stats(), SchedulerStats { waiting: 0, running: 0, blocks_free: 16, blocks_total: 16, preemptions: 0 });
+    }
+
+    #[test]
+    fn oversized_requests_are_refused_up_front() {
+        let mut c = core(4, 64);
+        assert!(matches!(c.add(req(1, 60, 10)), Err(RequestError::ContextOverflow { requested: 70, .. })));
+        assert!(matches!(c.add(req(2, 10, 10)), Err(RequestError::BadRequest(_))), "20 tokens > 4 blocks of 4");
+        assert!(matches!(c.add(req(3, 0, 1)), Err(RequestError::BadRequest(_))));
+    }
+}

@@ -1,0 +1,108 @@
+//! The TpWorker actor: one tensor-parallel rank. It owns a [`RankExecutor`] — the rank's model
+//! shard and KV region on a dedicated OS thread — forwards each step to it and lets the
+//! executor report straight back to the Scheduler (`StepDone`, tagged with this worker's
+//! epoch). The mailbox never waits on compute.
+//!
+//! Messages: [`WorkerMsg`]. Supervised by the `InstanceSupervisor`, which restarts a failed
+//! worker with a new epoch (a fresh executor, shard and KV region) under a restart budget and
+//! escalates when the budget is spent. The executor thread of a dead worker exits when its
+//! queue closes; reports it still sends carry the old epoch and are dropped.
+
+use crate::scheduler::SchedulerMsg;
+use pdserve_gpu::collective::ThreadCollective;
+use pdserve_gpu::config::ModelConfig;
+use pdserve_gpu::model::Batch;
+use pdserve_gpu::tp::{RankExecutor, StepCallback, TpOptions};
+use pdserve_gpu::weights::TensorStore;
+use pdserve_runtime::memory::HostMemoryAllocator;
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+/// Messages of a TpWorker.
+pub enum WorkerMsg {
+    /// Run one forward step.
+    Step {
+        /// Step id (echoed in the report).
+        step_id: u64,
+        /// The batch.
+        batch: Arc<Batch>,
+    },
+    /// A peer rank died: fail any collective this group waits in.
+    Poison(String),
+    /// Test-only fault hook: the next `Step` panics inside this actor's handler.
+    InjectPanic,
+}
+
+/// Everything a worker needs to (re)build its rank.
+#[derive(Clone)]
+pub struct WorkerArgs {
+    /// Rank index.
+    pub rank: usize,
+    /// Epoch of this incarnation.
+    pub epoch: u64,
+    /// Model shape.
+    pub config: ModelConfig,
+    /// All weights (shared by ranks and restarts; each cuts its own shard).
+    pub store: Arc<TensorStore>,
+    /// This rank's end of the group's collective.
+    pub comm: ThreadCollective,
+    /// TP degree, pool size, block size, weight format.
+    pub opts: TpOptions,
+    /// Where KV regions come from.
+    pub alloc: Arc<dyn HostMemoryAllocator>,
+    /// Where step reports go.
+    pub scheduler: ActorRef<SchedulerMsg>,
+    /// Shared "panic on next step" switches, set through the fault hook.
+    pub panic_next: Arc<AtomicBool>,
+}
+
+/// The TpWorker actor.
+#[derive(Debug)]
+pub struct TpWorker;
+
+/// A worker's state.
+pub struct WorkerState {
+    args: WorkerArgs,
+    executor: RankExecutor,
+}
+
+impl Actor for TpWorker {
+    type Msg = WorkerMsg;
+    type State = WorkerState;
+    type Arguments = WorkerArgs;
+
+    async fn pre_start(&self, myself: ActorRef<Self::Msg>, args: WorkerArgs) -> Result<Self::State, ActorProcessingErr> {
+        // Cutting the shard and mapping the KV region are blocking work: off the async threads.
+        let a = args.clone();
+        let executor = tokio::task::spawn_blocking(move || {
+            RankExecutor::spawn(&a.config, &a.store, a.comm.clone(), &a.opts, a.alloc.as_ref())
+        })
+        .await??;
+        args.scheduler.cast(SchedulerMsg::WorkerUp { rank: args.rank, epoch: args.epoch, worker: myself })?;
+        tracing::info!(rank = args.rank, epoch = args.epoch, "TP worker ready");
+        Ok(WorkerState { args, executor })
+    }
+
+    async fn handle(&self, _myself: ActorRef<Self::Msg>, msg: Self::Msg, st: &mut Self::State) -> Result<(), ActorProcessingErr> {
+        match msg {
+            WorkerMsg::Step { step_id, batch } => {
+                if st.args.panic_next.swap(false, Ordering::SeqCst) {
+                    panic!("injected fault: TP worker {} panics on step {step_id}", st.args.rank);
+                }
+                let scheduler = st.args.scheduler.clone();
+                let (rank, epoch) = (st.args.rank, st.args.epoch);
+                let done: StepCallback = Box::new(move |result| {
+                    let result = result.map_err(|e| e.to_string());
+                    let _ = scheduler.cast(SchedulerMsg::StepDone { epoch, step_id, rank, result });
+                });
+                if let Err(e) = st.executor.submit(batch, None, done) {
+                    st.args.scheduler.cast(SchedulerMsg::StepDone { epoch, step_id, rank, result: Err(e.to_string()) })?;
+                }
+            }
+            WorkerMsg::Poison(reason) => st.executor.poison(&reason),
+            WorkerMsg::InjectPanic => st.args.panic_next.store(true, Ordering::SeqCst),
+        }
+        Ok(())
+    }
+}

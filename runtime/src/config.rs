@@ -1,0 +1,1190 @@
+//! The serving configuration: one [`ServeConfig`] tree loaded in layers by figment.
+//!
+//! Layers, lowest precedence first (a later layer overrides an earlier one key by key):
+//!
+//! 1. built-in defaults ([`ServeConfig::default`]);
+//! 2. a TOML file (`--config FILE`), whose tables are the sections below;
+//! 3. the environment: `PDSERVE_<SECTION>__<KEY>` (see [`ENV_PREFIX`], [`ENV_SEPARATOR`]),
+//!    e.g. `PDSERVE_SERVER__PORT=9000` or `PDSERVE_SCHEDULER__MAX_NUM_SEQS=8`;
+//! 4. command-line flags ([`ServeFlags`], or any partial structure of the same shape).
+//!
+//! Every struct denies unknown fields, so a misspelt key in any layer is an error that names
+//! the key and the layer it came from ([`ConfigError::UnknownKey`]). Only environment variables
+//! whose name (after the prefix) contains [`ENV_SEPARATOR`] take part: other `PDSERVE_*`
+//! variables used elsewhere (`PDSERVE_HOME`, `PDSERVE_LOG`, `PDSERVE_PYTHON`, ...) are ignored.
+//!
+//! ```toml
+//! [model]
+//! source = "synthetic:tiny"
+//! tp = 2
+//!
+//! [server]
+//! port = 9000
+//!
+//! [instance]
+//! role = "prefill"
+//! ```
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use figment::providers::{Env, Format, Serialized, Toml};
+use figment::value::{Dict, Map};
+use figment::{Figment, Metadata, Profile, Provider};
+use serde::{Deserialize, Serialize};
+
+use crate::error::ConfigError;
+
+/// Prefix of every environment variable that maps into the config.
+pub const ENV_PREFIX: &str = "PDSERVE_";
+
+/// Separator between nesting levels in a config environment variable's name:
+/// `PDSERVE_<SECTION>__<KEY>`. Variables without it are not config (e.g. `PDSERVE_HOME`).
+pub const ENV_SEPARATOR: &str = "__";
+
+/// The name of the environment variable that sets a dotted config key.
+///
+/// `env_var_name("server.port") == "PDSERVE_SERVER__PORT"`.
+pub fn env_var_name(key: &str) -> String {
+    let upper: Vec<String> = key.split('.').map(str::to_ascii_uppercase).collect();
+    format!("{ENV_PREFIX}{}", upper.join(ENV_SEPARATOR))
+}
+
+/// Weight formats accepted by `model.weights`.
+pub const WEIGHT_FORMATS: &[&str] = &["auto", "native", "q8_0", "f32"];
+
+/// The default model source: the built-in default model (SmolLM2-135M-Instruct).
+pub const DEFAULT_MODEL_SOURCE: &str = "default";
+
+/// Prefix of a synthetic model source: `synthetic:NAME`.
+pub const SYNTHETIC_MODEL_PREFIX: &str = "synthetic:";
+
+/// The whole serving configuration of one instance.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ServeConfig {
+    /// Which model to serve and how.
+    pub model: ModelConfig,
+    /// The HTTP frontend.
+    pub server: ServerConfig,
+    /// Batching and the paged KV cache.
+    pub scheduler: SchedulerConfig,
+    /// This instance's identity in the cluster.
+    pub instance: InstanceConfig,
+    /// Log output.
+    pub logging: LoggingConfig,
+}
+
+/// `[model]`: the model to serve.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ModelConfig {
+    /// `"default"` (the default model), a path (GGUF file or HF directory), or
+    /// `"synthetic:NAME"` (a seeded synthetic model for tests).
+    #[serde(deserialize_with = "lenient::string")]
+    pub source: String,
+    /// The served model name in the API; `None` uses the model's own name.
+    #[serde(deserialize_with = "lenient::opt_string")]
+    pub name: Option<String>,
+    /// Weight format: one of [`WEIGHT_FORMATS`] (`"auto"` keeps what the file has, within
+    /// what the backend supports; `"native"` forces the file's own format).
+    pub weights: String,
+    /// Tensor-parallel degree (number of `TpWorker`s).
+    pub tp: usize,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        Self {
+            source: DEFAULT_MODEL_SOURCE.into(),
+            name: None,
+            weights: "auto".into(),
+            tp: 1,
+        }
+    }
+}
+
+/// `[server]`: the OpenAI-compatible HTTP frontend.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ServerConfig {
+    /// Address to bind.
+    #[serde(deserialize_with = "lenient::string")]
+    pub host: String,
+    /// Port to bind.
+    pub port: u16,
+    /// When set, requests must carry `Authorization: Bearer <api_key>`.
+    #[serde(deserialize_with = "lenient::opt_string")]
+    pub api_key: Option<String>,
+    /// Admission bound: requests beyond this many in flight are answered 503.
+    pub max_concurrent_requests: usize,
+    /// A request still unfinished after this many seconds is aborted.
+    pub request_timeout_s: u64,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            host: "127.0.0.1".into(),
+            port: 8000,
+            api_key: None,
+            max_concurrent_requests: 256,
+            request_timeout_s: 600,
+        }
+    }
+}
+
+/// `[scheduler]`: batching limits and the paged KV cache.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SchedulerConfig {
+    /// Most sequences in one running batch.
+    pub max_num_seqs: usize,
+    /// Most tokens (prompt chunks + decode tokens) in one step.
+    pub max_num_batched_tokens: usize,
+    /// Tokens per KV block: a power of two in `1..=256`.
+    pub block_size: usize,
+    /// KV blocks per TP rank; `None` derives it from `kv_cache_bytes`.
+    pub num_blocks: Option<usize>,
+    /// KV cache budget in bytes per TP rank, used when `num_blocks` is `None`.
+    pub kv_cache_bytes: u64,
+    /// Fraction of blocks kept free for running sequences when admitting new ones,
+    /// in `[0, 0.5)`.
+    pub watermark: f64,
+    /// Longest prompt + output; `None` uses the model's context length.
+    pub max_model_len: Option<usize>,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        Self {
+            max_num_seqs: 64,
+            max_num_batched_tokens: 512,
+            block_size: 16,
+            num_blocks: None,
+            kv_cache_bytes: 512 << 20,
+            watermark: 0.01,
+            max_model_len: None,
+        }
+    }
+}
+
+/// The part an instance plays in a disaggregated deployment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum InstanceRole {
+    /// Prefill and decode in one instance.
+    #[default]
+    Colocated,
+    /// Runs prompts and hands their KV cache to a decode instance.
+    Prefill,
+    /// Generates tokens from KV cache transferred from a prefill instance.
+    Decode,
+}
+
+impl InstanceRole {
+    /// The lowercase name used in config, logs and `inspect`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Colocated => "colocated",
+            Self::Prefill => "prefill",
+            Self::Decode => "decode",
+        }
+    }
+}
+
+impl fmt::Display for InstanceRole {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// `[instance]`: this instance's identity.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct InstanceConfig {
+    /// Prefill, decode or both.
+    pub role: InstanceRole,
+    /// Unique name in the cluster (e.g. `instance-0`); no whitespace.
+    #[serde(deserialize_with = "lenient::string")]
+    pub name: String,
+}
+
+impl Default for InstanceConfig {
+    fn default() -> Self {
+        Self {
+            role: InstanceRole::Colocated,
+            name: "instance-0".into(),
+        }
+    }
+}
+
+/// Log line format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[default]
+    Human,
+    /// One JSON object per line.
+    Json,
+}
+
+/// `[logging]`: log output.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LoggingConfig {
+    /// A `tracing` filter directive (`info`, `pdserve=debug,ractor=warn`, ...);
+    /// `RUST_LOG` overrides it when set.
+    #[serde(deserialize_with = "lenient::string")]
+    pub filter: String,
+    /// Line format.
+    pub format: LogFormat,
+}
+
+impl Default for LoggingConfig {
+    fn default() -> Self {
+        Self {
+            filter: "info".into(),
+            format: LogFormat::Human,
+        }
+    }
+}
+
+/// The command-line flags that override config keys: every field is optional and only the
+/// ones set are applied (the top layer of [`ServeConfig::load`]).
+///
+/// It serializes into the config's nested shape (`tp` becomes `model.tp`, `port` becomes
+/// `server.port`, ...), so it can be passed to [`ServeConfig::load`] as is.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ServeFlags {
+    /// `model.source`.
+    pub model: Option<String>,
+    /// `model.name`.
+    pub served_model_name: Option<String>,
+    /// `model.tp`.
+    pub tp: Option<usize>,
+    /// `model.weights`.
+    pub weights: Option<String>,
+    /// `server.host`.
+    pub host: Option<String>,
+    /// `server.port`.
+    pub port: Option<u16>,
+    /// `server.api_key`.
+    pub api_key: Option<String>,
+    /// `instance.role`.
+    pub role: Option<InstanceRole>,
+    /// `instance.name`.
+    pub name: Option<String>,
+    /// `scheduler.max_num_seqs`.
+    pub max_num_seqs: Option<usize>,
+    /// `scheduler.max_num_batched_tokens`.
+    pub max_num_batched_tokens: Option<usize>,
+    /// `scheduler.block_size`.
+    pub block_size: Option<usize>,
+    /// `scheduler.num_blocks`.
+    pub num_blocks: Option<usize>,
+    /// `logging.filter`.
+    pub log_filter: Option<String>,
+    /// `logging.format`.
+    pub log_format: Option<LogFormat>,
+}
+
+/// The nested shape [`ServeFlags`] serializes into.
+#[derive(Serialize)]
+struct FlagsTree<'a> {
+    model: FlagsModel<'a>,
+    server: FlagsServer<'a>,
+    scheduler: FlagsScheduler,
+    instance: FlagsInstance<'a>,
+    logging: FlagsLogging<'a>,
+}
+
+#[derive(Serialize)]
+struct FlagsModel<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    source: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    name: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    weights: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tp: Option<usize>,
+}
+
+#[derive(Serialize)]
+struct FlagsServer<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    host: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    port: Option<u16>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    api_key: Option<&'a str>,
+}
+
+#[derive(Serialize)]
+struct FlagsScheduler {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_num_seqs: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_num_batched_tokens: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    block_size: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    num_blocks: Option<usize>,
+}
+
+#[derive(Serialize)]
+struct FlagsInstance<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    role: Option<InstanceRole>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    name: Option<&'a str>,
+}
+
+#[derive(Serialize)]
+struct FlagsLogging<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    filter: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    format: Option<LogFormat>,
+}
+
+impl Serialize for ServeFlags {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        FlagsTree {
+            model: FlagsModel {
+                source: self.model.as_deref(),
+                name: self.served_model_name.as_deref(),
+                weights: self.weights.as_deref(),
+                tp: self.tp,
+            },
+            server: FlagsServer {
+                host: self.host.as_deref(),
+                port: self.port,
+                api_key: self.api_key.as_deref(),
+            },
+            scheduler: FlagsScheduler {
+                max_num_seqs: self.max_num_seqs,
+                max_num_batched_tokens: self.max_num_batched_tokens,
+                block_size: self.block_size,
+                num_blocks: self.num_blocks,
+            },
+            instance: FlagsInstance {
+                role: self.role,
+                name: self.name.as_deref(),
+            },
+            logging: FlagsLogging {
+                filter: self.log_filter.as_deref(),
+                format: self.log_format,
+            },
+        }
+        .serialize(serializer)
+    }
+}
+
+/// Deserializers for free-text fields: figment parses environment values, so
+/// `PDSERVE_SERVER__API_KEY=12345` arrives as a number; these accept integers and booleans
+/// as their decimal/`true`/`false` text. Floats are refused (their text would not round-trip:
+/// quote them, `PDSERVE_INSTANCE__NAME='"1.50"'`).
+mod lenient {
+    use std::fmt;
+
+    use serde::de::{self, Deserializer, Visitor};
+
+    struct Text;
+
+    impl Visitor<'_> for Text {
+        type Value = String;
+
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a string")
+        }
+        fn visit_str<E: de::Error>(self, v: &str) -> Result<String, E> {
+            Ok(v.to_owned())
+        }
+        fn visit_string<E: de::Error>(self, v: String) -> Result<String, E> {
+            Ok(v)
+        }
+        fn visit_bool<E: de::Error>(self, v: bool) -> Result<String, E> {
+            Ok(v.to_string())
+        }
+        fn visit_i64<E: de::Error>(self, v: i64) -> Result<String, E> {
+            Ok(v.to_string())
+        }
+        fn visit_u64<E: de::Error>(self, v: u64) -> Result<String, E> {
+            Ok(v.to_string())
+        }
+        fn visit_i128<E: de::Error>(self, v: i128) -> Result<String, E> {
+            Ok(v.to_string())
+        }
+        fn visit_u128<E: de::Error>(self, v: u128) -> Result<String, E> {
+            Ok(v.to_string())
+        }
+    }
+
+    struct OptText;
+
+    impl<'de> Visitor<'de> for OptText {
+        type Value = Option<String>;
+
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a string")
+        }
+        fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+            d.deserialize_any(Text).map(Some)
+        }
+    }
+
+    pub(super) fn string<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+        d.deserialize_any(Text)
+    }
+
+    pub(super) fn opt_string<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+        d.deserialize_option(OptText)
+    }
+}
+
+/// Where a config value came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ConfigLayer {
+    /// [`ServeConfig::default`].
+    Defaults,
+    /// A TOML file.
+    File(PathBuf),
+    /// A `PDSERVE_<SECTION>__<KEY>` environment variable (its full name).
+    Env(String),
+    /// Command-line flags.
+    Flags,
+}
+
+impl fmt::Display for ConfigLayer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Defaults => f.write_str("built-in defaults"),
+            Self::File(path) => write!(f, "config file `{}`", path.display()),
+            Self::Env(name) => write!(f, "environment variable `{name}`"),
+            Self::Flags => f.write_str("command-line flags"),
+        }
+    }
+}
+
+const LAYER_DEFAULTS: &str = "built-in defaults";
+const LAYER_ENV: &str = "environment";
+const LAYER_FLAGS: &str = "command-line flags";
+
+/// A provider under a name of ours, so errors can say which layer a key came from.
+struct NamedLayer<P> {
+    name: &'static str,
+    inner: P,
+}
+
+impl<P: Provider> Provider for NamedLayer<P> {
+    fn metadata(&self) -> Metadata {
+        Metadata::named(self.name)
+    }
+
+    fn data(&self) -> Result<Map<Profile, Dict>, figment::Error> {
+        self.inner.data()
+    }
+}
+
+impl ServeConfig {
+    /// Builds the layered figment (defaults < `file` < environment < `flags`) without
+    /// extracting it; use [`ServeConfig::from_figment`] to extract, or merge more providers
+    /// first.
+    ///
+    /// `flags` is any serializable partial structure of the config's shape (usually
+    /// [`ServeFlags`]); `None` fields must be skipped, not serialized as null.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::File`] when `file` is given but is not a readable file.
+    pub fn figment(file: Option<&Path>, flags: impl Serialize) -> Result<Figment, ConfigError> {
+        let mut figment = Figment::from(NamedLayer {
+            name: LAYER_DEFAULTS,
+            inner: Serialized::defaults(ServeConfig::default()),
+        });
+        if let Some(path) = file {
+            // `Toml::file` silently treats a missing file as empty; an explicit `--config`
+            // that does not exist is a mistake the user must hear about.
+            if let Err(err) = std::fs::metadata(path).and_then(|m| {
+                if m.is_file() {
+                    Ok(())
+                } else {
+                    Err(std::io::Error::other("not a regular file"))
+                }
+            }) {
+                return Err(ConfigError::File {
+                    path: path.to_path_buf(),
+                    message: err.to_string(),
+                });
+            }
+            figment = figment.merge(Toml::file_exact(path));
+        }
+        let env = Env::prefixed(ENV_PREFIX)
+            .filter(|key| key.as_str().contains(ENV_SEPARATOR))
+            .split(ENV_SEPARATOR);
+        figment = figment
+            .merge(NamedLayer {
+                name: LAYER_ENV,
+                inner: env,
+            })
+            .merge(NamedLayer {
+                name: LAYER_FLAGS,
+                inner: Serialized::defaults(flags),
+            });
+        Ok(figment)
+    }
+
+    /// Extracts and validates a config from `figment` (usually from [`ServeConfig::figment`]).
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::UnknownKey`] or [`ConfigError::InvalidValue`] when a layer holds a key
+    /// the config does not have or a value of the wrong type (the error names the key and the
+    /// layer); [`ConfigError::Invalid`] when [`ServeConfig::validate`] rejects the result.
+    pub fn from_figment(figment: &Figment) -> Result<ServeConfig, ConfigError> {
+        let config: ServeConfig = figment
+            .extract()
+            .map_err(|err| convert_error(figment, err))?;
+        config.validate().map_err(|err| match err {
+            ConfigError::Invalid {
+                key,
+                message,
+                layer: None,
+            } => {
+                let layer = layer_of(figment, &key);
+                ConfigError::Invalid {
+                    key,
+                    message,
+                    layer,
+                }
+            }
+            other => other,
+        })?;
+        Ok(config)
+    }
+
+    /// Loads the config: built-in defaults < TOML `file` < `PDSERVE_<SECTION>__<KEY>`
+    /// environment variables < `flags`, then validates it.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::File`] when `file` cannot be read; [`ConfigError::UnknownKey`],
+    /// [`ConfigError::InvalidValue`] or [`ConfigError::Parse`] when a layer is wrong;
+    /// [`ConfigError::Invalid`] when the merged config fails [`ServeConfig::validate`].
+    pub fn load(file: Option<&Path>, flags: impl Serialize) -> Result<ServeConfig, ConfigError> {
+        Self::from_figment(&Self::figment(file, flags)?)
+    }
+
+    /// Checks the values' ranges and their consistency.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::Invalid`] naming the first offending key.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        fn invalid(key: &str, message: impl Into<String>) -> Result<(), ConfigError> {
+            Err(ConfigError::Invalid {
+                key: key.into(),
+                message: message.into(),
+                layer: None,
+            })
+        }
+        let m = &self.model;
+        if m.source.trim().is_empty() {
+            return invalid(
+                "model.source",
+                "model.source must not be empty (use \"default\", a path, or \"synthetic:NAME\")",
+            );
+        }
+        if let Some(name) = m.source.strip_prefix(SYNTHETIC_MODEL_PREFIX) {
+            if name.trim().is_empty() {
+                return invalid(
+                    "model.source",
+                    "model.source \"synthetic:NAME\" needs a NAME",
+                );
+            }
+        }
+        if m.name.as_deref().is_some_and(|n| n.trim().is_empty()) {
+            return invalid("model.name", "model.name must not be empty when set");
+        }
+        if !WEIGHT_FORMATS.contains(&m.weights.as_str()) {
+            return invalid(
+                "model.weights",
+                format!(
+                    "model.weights must be one of {}, got {:?}",
+                    WEIGHT_FORMATS.join(", "),
+                    m.weights
+                ),
+            );
+        }
+        if m.tp < 1 {
+            return invalid("model.tp", "model.tp must be ≥ 1");
+        }
+
+        let s = &self.server;
+        if s.host.trim().is_empty() {
+            return invalid("server.host", "server.host must not be empty");
+        }
+        if s.port == 0 {
+            return invalid("server.port", "server.port must be > 0");
+        }
+        if s.api_key.as_deref().is_some_and(str::is_empty) {
+            return invalid(
+                "server.api_key",
+                "server.api_key must not be empty when set",
+            );
+        }
+        if s.max_concurrent_requests == 0 {
+            return invalid(
+                "server.max_concurrent_requests",
+                "server.max_concurrent_requests must be ≥ 1",
+            );
+        }
+        if s.request_timeout_s == 0 {
+            return invalid(
+                "server.request_timeout_s",
+                "server.request_timeout_s must be > 0",
+            );
+        }
+
+        let c = &self.scheduler;
+        if c.max_num_seqs == 0 {
+            return invalid(
+                "scheduler.max_num_seqs",
+                "scheduler.max_num_seqs must be ≥ 1",
+            );
+        }
+        if c.max_num_batched_tokens == 0 {
+            return invalid(
+                "scheduler.max_num_batched_tokens",
+                "scheduler.max_num_batched_tokens must be ≥ 1",
+            );
+        }
+        if c.max_num_batched_tokens < c.max_num_seqs {
+            return invalid(
+                "scheduler.max_num_batched_tokens",
+                format!(
+                    "scheduler.max_num_batched_tokens ({}) must be ≥ scheduler.max_num_seqs ({}): \
+                     every running sequence needs one token per decode step",
+                    c.max_num_batched_tokens, c.max_num_seqs
+                ),
+            );
+        }
+        if !(1..=256).contains(&c.block_size) || !c.block_size.is_power_of_two() {
+            return invalid(
+                "scheduler.block_size",
+                format!(
+                    "scheduler.block_size must be a power of two between 1 and 256, got {}",
+                    c.block_size
+                ),
+            );
+        }
+        match c.num_blocks {
+            Some(0) => {
+                return invalid(
+                    "scheduler.num_blocks",
+                    "scheduler.num_blocks must be ≥ 1 when set",
+                )
+            }
+            Some(_) => {}
+            None if c.kv_cache_bytes == 0 => {
+                return invalid(
+                    "scheduler.kv_cache_bytes",
+                    "scheduler.kv_cache_bytes must be > 0 when scheduler.num_blocks is not set",
+                )
+            }
+            None => {}
+        }
+        if !(c.watermark.is_finite() && (0.0..0.5).contains(&c.watermark)) {
+            return invalid(
+                "scheduler.watermark",
+                format!(
+                    "scheduler.watermark must be in [0, 0.5), got {}",
+                    c.watermark
+                ),
+            );
+        }
+        if c.max_model_len == Some(0) {
+            return invalid(
+                "scheduler.max_model_len",
+                "scheduler.max_model_len must be ≥ 1 when set",
+            );
+        }
+
+        let i = &self.instance;
+        if i.name.is_empty()
+            || i.name
+                .chars()
+                .any(|ch| ch.is_whitespace() || ch.is_control())
+        {
+            return invalid(
+                "instance.name",
+                format!(
+                    "instance.name must be non-empty without whitespace, got {:?}",
+                    i.name
+                ),
+            );
+        }
+
+        if let Err(err) = tracing_subscriber::EnvFilter::builder().parse(&self.logging.filter) {
+            return invalid(
+                "logging.filter",
+                format!(
+                    "logging.filter {:?} is not a valid tracing filter: {err}",
+                    self.logging.filter
+                ),
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Which layer set `key` (dotted), as figment recorded it.
+fn layer_of(figment: &Figment, key: &str) -> Option<ConfigLayer> {
+    let metadata = figment.find_metadata(key)?;
+    Some(layer_from_metadata(metadata, key))
+}
+
+fn layer_from_metadata(metadata: &Metadata, key: &str) -> ConfigLayer {
+    if let Some(figment::Source::File(path)) = &metadata.source {
+        return ConfigLayer::File(path.clone());
+    }
+    match metadata.name.as_ref() {
+        LAYER_ENV => ConfigLayer::Env(env_var_name(key)),
+        LAYER_FLAGS => ConfigLayer::Flags,
+        _ => ConfigLayer::Defaults,
+    }
+}
+
+/// Turns figment's error (first of its chain) into a [`ConfigError`] naming the key and layer.
+fn convert_error(figment: &Figment, err: figment::Error) -> ConfigError {
+    use figment::error::Kind;
+    let more = err.count().saturating_sub(1);
+    // For an unknown field, figment's path already ends with the field's name.
+    let key = err.path.join(".");
+    // Prefer the provider that actually holds `key`; the error's own tag can point at the
+    // enclosing table, which the defaults created.
+    let layer = if key.is_empty() {
+        None
+    } else {
+        layer_of(figment, &key)
+            .or_else(|| err.metadata.as_ref().map(|m| layer_from_metadata(m, &key)))
+    };
+    if let Kind::UnknownField(_, expected) = &err.kind {
+        let expected = expected.iter().map(|s| (*s).to_owned()).collect();
+        return ConfigError::UnknownKey {
+            key,
+            expected,
+            layer,
+        };
+    }
+    let mut message = err.kind.to_string();
+    if more > 0 {
+        message.push_str(&format!(" (and {more} more error(s))"));
+    }
+    if key.is_empty() {
+        // Syntax errors in a file and the like carry no key path.
+        let origin = err
+            .metadata
+            .as_ref()
+            .map(|m| layer_from_metadata(m, "").to_string());
+        return ConfigError::Parse {
+            message: err.to_string(),
+            origin,
+        };
+    }
+    ConfigError::InvalidValue {
+        key,
+        message,
+        layer,
+    }
+}
+
+#[cfg(test)]
+// `Jail::expect_with` closures must return `figment::Error`, which is large; not our API.
+#[allow(clippy::result_large_err)]
+mod tests {
+    use super::*;
+    use figment::Jail;
+
+    fn no_flags() -> ServeFlags {
+        ServeFlags::default()
+    }
+
+    #[test]
+    fn defaults_validate_and_match_documented_values() {
+        let c = ServeConfig::default();
+        c.validate().unwrap();
+        assert_eq!(c.model.source, "default");
+        assert_eq!(c.model.weights, "auto");
+        assert_eq!(c.model.tp, 1);
+        assert_eq!(c.server.host, "127.0.0.1");
+        assert_eq!(c.server.port, 8000);
+        assert_eq!(c.server.max_concurrent_requests, 256);
+        assert_eq!(c.server.request_timeout_s, 600);
+        assert_eq!(c.scheduler.max_num_seqs, 64);
+        assert_eq!(c.scheduler.max_num_batched_tokens, 512);
+        assert_eq!(c.scheduler.block_size, 16);
+        assert_eq!(c.scheduler.kv_cache_bytes, 512 << 20);
+        assert_eq!(c.instance.role, InstanceRole::Colocated);
+        assert_eq!(c.logging.format, LogFormat::Human);
+    }
+
+    #[test]
+    fn load_without_any_layer_gives_defaults() {
+        Jail::expect_with(|_| {
+            assert_eq!(
+                ServeConfig::load(None, no_flags()).unwrap(),
+                ServeConfig::default()
+            );
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn file_then_env_then_flags_each_override_the_previous() {
+        Jail::expect_with(|jail| {
+            jail.create_file(
+                "pd.toml",
+                r#"
+                [server]
+                port = 9001
+                host = "0.0.0.0"
+                [scheduler]
+                max_num_seqs = 10
+                block_size = 32
+                [instance]
+                role = "prefill"
+                "#,
+            )?;
+            let path = Path::new("pd.toml");
+
+            // The file alone beats the defaults.
+            let c = ServeConfig::load(Some(path), no_flags()).unwrap();
+            assert_eq!((c.server.port, c.server.host.as_str()), (9001, "0.0.0.0"));
+            assert_eq!(c.scheduler.max_num_seqs, 10);
+            assert_eq!(c.instance.role, InstanceRole::Prefill);
+
+            // The environment beats the file for the same key; other file keys survive.
+            jail.set_env("PDSERVE_SERVER__PORT", "9002");
+            jail.set_env("PDSERVE_SCHEDULER__MAX_NUM_SEQS", "8");
+            jail.set_env("PDSERVE_INSTANCE__ROLE", "decode");
+            let c = ServeConfig::load(Some(path), no_flags()).unwrap();
+            assert_eq!(c.server.port, 9002);
+            assert_eq!(c.server.host, "0.0.0.0");
+            assert_eq!(c.scheduler.max_num_seqs, 8);
+            assert_eq!(c.scheduler.block_size, 32);
+            assert_eq!(c.instance.role, InstanceRole::Decode);
+
+            // Flags beat the environment; unset flags leave the lower layers alone.
+            let flags = ServeFlags {
+                port: Some(9003),
+                role: Some(InstanceRole::Colocated),
+                ..Default::default()
+            };
+            let c = ServeConfig::load(Some(path), &flags).unwrap();
+            assert_eq!(c.server.port, 9003);
+            assert_eq!(c.instance.role, InstanceRole::Colocated);
+            assert_eq!(c.scheduler.max_num_seqs, 8);
+            assert_eq!(c.scheduler.block_size, 32);
+            assert_eq!(c.server.host, "0.0.0.0");
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn every_flag_lands_on_its_key() {
+        Jail::expect_with(|_| {
+            let flags = ServeFlags {
+                model: Some("synthetic:tiny".into()),
+                served_model_name: Some("served".into()),
+                tp: Some(2),
+                weights: Some("f32".into()),
+                host: Some("0.0.0.0".into()),
+                port: Some(1234),
+                api_key: Some("sk-1".into()),
+                role: Some(InstanceRole::Decode),
+                name: Some("d-1".into()),
+                max_num_seqs: Some(4),
+                max_num_batched_tokens: Some(64),
+                block_size: Some(8),
+                num_blocks: Some(100),
+                log_filter: Some("debug".into()),
+                log_format: Some(LogFormat::Json),
+            };
+            let c = ServeConfig::load(None, &flags).unwrap();
+            assert_eq!(c.model.source, "synthetic:tiny");
+            assert_eq!(c.model.name.as_deref(), Some("served"));
+            assert_eq!(c.model.tp, 2);
+            assert_eq!(c.model.weights, "f32");
+            assert_eq!(c.server.host, "0.0.0.0");
+            assert_eq!(c.server.port, 1234);
+            assert_eq!(c.server.api_key.as_deref(), Some("sk-1"));
+            assert_eq!(c.instance.role, InstanceRole::Decode);
+            assert_eq!(c.instance.name, "d-1");
+            assert_eq!(c.scheduler.max_num_seqs, 4);
+            assert_eq!(c.scheduler.max_num_batched_tokens, 64);
+            assert_eq!(c.scheduler.block_size, 8);
+            assert_eq!(c.scheduler.num_blocks, Some(100));
+            assert_eq!(c.logging.filter, "debug");
+            assert_eq!(c.logging.format, LogFormat::Json);
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn unknown_key_in_toml_names_key_and_file() {
+        Jail::expect_with(|jail| {
+            jail.create_file("pd.toml", "[scheduler]\nmax_num_seq = 4\n")?;
+            let err = ServeConfig::load(Some(Path::new("pd.toml")), no_flags()).unwrap_err();
+            assert_eq!(err.kind(), "config_unknown_key");
+            let msg = err.to_string();
+            assert!(msg.contains("scheduler.max_num_seq"), "{msg}");
+            assert!(msg.contains("pd.toml"), "{msg}");
+            match err {
+                ConfigError::UnknownKey { key, layer, .. } => {
+                    assert_eq!(key, "scheduler.max_num_seq");
+                    assert!(matches!(layer, Some(ConfigLayer::File(_))), "{layer:?}");
+                }
+                other => panic!("{other:?}"),
+            }
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn unknown_section_in_toml_rejected() {
+        Jail::expect_with(|jail| {
+            jail.create_file("pd.toml", "[sheduler]\nmax_num_seqs = 4\n")?;
+            let err = ServeConfig::load(Some(Path::new("pd.toml")), no_flags()).unwrap_err();
+            let msg = err.to_string();
+            assert!(msg.contains("sheduler"), "{msg}");
+            assert_eq!(err.kind(), "config_unknown_key");
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn unknown_env_key_rejected_with_variable_name() {
+        Jail::expect_with(|jail| {
+            jail.set_env("PDSERVE_SERVER__PROTT", "9000");
+            let err = ServeConfig::load(None, no_flags()).unwrap_err();
+            let msg = err.to_string();
+            assert!(msg.contains("server.prott"), "{msg}");
+            assert!(msg.contains("PDSERVE_SERVER__PROTT"), "{msg}");
+            assert_eq!(err.key(), Some("server.prott"));
+            assert!(
+                matches!(
+                    err,
+                    ConfigError::UnknownKey {
+                        layer: Some(ConfigLayer::Env(_)),
+                        ..
+                    }
+                ),
+                "{err:?}"
+            );
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn unrelated_pdserve_variables_are_ignored() {
+        Jail::expect_with(|jail| {
+            jail.set_env("PDSERVE_HOME", "/tmp/pdserve-home");
+            jail.set_env("PDSERVE_LOG", "debug");
+            jail.set_env("PDSERVE_PYTHON", "/usr/bin/python3");
+            jail.set_env("PDSERVE_TRANSFER_PEER_SEED", "7");
+            assert_eq!(
+                ServeConfig::load(None, no_flags()).unwrap(),
+                ServeConfig::default()
+            );
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn bad_value_types_rejected_from_every_layer() {
+        Jail::expect_with(|jail| {
+            // Flags layer.
+            let err =
+                ServeConfig::load(None, serde_json::json!({"model": {"tp": "two"}})).unwrap_err();
+            assert_eq!(err.kind(), "config_invalid_value");
+            let msg = err.to_string();
+            assert!(
+                msg.contains("model.tp") && msg.contains("command-line flags"),
+                "{msg}"
+            );
+
+            // File layer.
+            jail.create_file("pd.toml", "[server]\nport = \"eighty\"\n")?;
+            let err = ServeConfig::load(Some(Path::new("pd.toml")), no_flags()).unwrap_err();
+            let msg = err.to_string();
+            assert!(
+                msg.contains("server.port") && msg.contains("pd.toml"),
+                "{msg}"
+            );
+
+            // Environment layer: a bad enum variant and an out-of-range integer.
+            jail.set_env("PDSERVE_INSTANCE__ROLE", "router");
+            let err = ServeConfig::load(None, no_flags()).unwrap_err();
+            let msg = err.to_string();
+            assert!(
+                msg.contains("instance.role") && msg.contains("PDSERVE_INSTANCE__ROLE"),
+                "{msg}"
+            );
+            jail.set_env("PDSERVE_INSTANCE__ROLE", "decode");
+            jail.set_env("PDSERVE_SERVER__PORT", "70000");
+            let err = ServeConfig::load(None, no_flags()).unwrap_err();
+            assert!(err.to_string().contains("server.port"), "{err}");
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn missing_config_file_is_an_error() {
+        Jail::expect_with(|_| {
+            let err = ServeConfig::load(Some(Path::new("nope.toml")), no_flags()).unwrap_err();
+            assert_eq!(err.kind(), "config_file");
+            assert!(err.to_string().contains("nope.toml"), "{err}");
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn toml_syntax_error_is_reported() {
+        Jail::expect_with(|jail| {
+            jail.create_file("pd.toml", "[server\nport = 1\n")?;
+            let err = ServeConfig::load(Some(Path::new("pd.toml")), no_flags()).unwrap_err();
+            assert!(err.to_string().contains("pd.toml"), "{err}");
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn validation_errors_name_the_key_and_layer() {
+        Jail::expect_with(|jail| {
+            jail.set_env("PDSERVE_SCHEDULER__BLOCK_SIZE", "24");
+            let err = ServeConfig::load(None, no_flags()).unwrap_err();
+            assert_eq!(err.kind(), "config_invalid");
+            let msg = err.to_string();
+            assert!(
+                msg.contains("scheduler.block_size must be a power of two between 1 and 256"),
+                "{msg}"
+            );
+            assert!(msg.contains("PDSERVE_SCHEDULER__BLOCK_SIZE"), "{msg}");
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn validate_rejects_out_of_range_values() {
+        type Mutation = fn(&mut ServeConfig);
+        let cases: Vec<(&str, Mutation)> = vec![
+            ("server.port must be > 0", |c| c.server.port = 0),
+            ("model.tp must be ≥ 1", |c| c.model.tp = 0),
+            ("model.weights", |c| c.model.weights = "q4".into()),
+            ("model.source", |c| c.model.source = "synthetic:".into()),
+            ("scheduler.block_size", |c| c.scheduler.block_size = 512),
+            ("scheduler.block_size", |c| c.scheduler.block_size = 0),
+            ("scheduler.watermark", |c| c.scheduler.watermark = 0.5),
+            ("scheduler.watermark", |c| c.scheduler.watermark = -0.1),
+            ("scheduler.watermark", |c| c.scheduler.watermark = f64::NAN),
+            ("scheduler.max_num_seqs", |c| c.scheduler.max_num_seqs = 0),
+            ("scheduler.max_num_batched_tokens", |c| {
+                c.scheduler.max_num_batched_tokens = 32
+            }),
+            ("scheduler.num_blocks", |c| c.scheduler.num_blocks = Some(0)),
+            ("scheduler.kv_cache_bytes", |c| {
+                c.scheduler.kv_cache_bytes = 0
+            }),
+            ("server.max_concurrent_requests", |c| {
+                c.server.max_concurrent_requests = 0
+            }),
+            ("instance.name", |c| c.instance.name = "a b".into()),
+            ("logging.filter", |c| c.logging.filter = "info,[[[".into()),
+        ];
+        for (needle, mutate) in cases {
+            let mut c = ServeConfig::default();
+            mutate(&mut c);
+            let err = c.validate().expect_err(needle);
+            assert!(err.to_string().contains(needle), "{needle}: {err}");
+        }
+        // Edges that are valid.
+        let mut c = ServeConfig::default();
+        c.scheduler.block_size = 256;
+        c.scheduler.watermark = 0.0;
+        c.scheduler.kv_cache_bytes = 0;
+        c.scheduler.num_blocks = Some(1);
+        c.validate().unwrap();
+        c.scheduler.block_size = 1;
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn env_var_name_follows_the_rule() {
+        assert_eq!(env_var_name("server.port"), "PDSERVE_SERVER__PORT");
+        assert_eq!(
+            env_var_name("scheduler.max_num_seqs"),
+            "PDSERVE_SCHEDULER__MAX_NUM_SEQS"
+        );
+    }
+
+    #[test]
+    fn every_config_key_is_settable_from_env() {
+        // Walk the serialized default tree and set each key through its variable: catches a
+        // field whose name would not survive the env mapping.
+        let tree = serde_json::to_value(ServeConfig::default()).unwrap();
+        let mut keys = Vec::new();
+        for (section, fields) in tree.as_object().unwrap() {
+            for field in fields.as_object().unwrap().keys() {
+                keys.push(format!("{section}.{field}"));
+            }
+        }
+        assert!(keys.len() >= 20, "{keys:?}");
+        Jail::expect_with(|jail| {
+            for key in &keys {
+                jail.clear_env();
+                let value = match key.as_str() {
+                    "model.source" => "synthetic:x",
+                    "model.name" | "server.api_key" | "server.host" | "instance.name" => "abc",
+                    "model.weights" => "q8_0",
+                    "instance.role" => "prefill",
+                    "logging.filter" => "warn",
+                    "logging.format" => "json",
+                    "scheduler.watermark" => "0.2",
+                    "scheduler.block_size" | "scheduler.max_num_seqs" => "32",
+                    "server.port" | "scheduler.num_blocks" | "scheduler.max_model_len" => "4096",
+                    _ => "2048",
+                };
+                jail.set_env(env_var_name(key), value);
+                let c =
+                    ServeConfig::load(None, no_flags()).unwrap_or_else(|e| panic!("{key}: {e}"));
+                let got = serde_json::to_value(&c).unwrap();
+                let (section, field) = key.split_once('.').unwrap();
+                let before = &tree[section][field];
+                assert_ne!(&got[section][field], before, "{key} not applied from env");
+            }
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn numeric_looking_strings_from_env_stay_strings() {
+        Jail::expect_with(|jail| {
+            jail.set_env("PDSERVE_SERVER__API_KEY", "12345");
+            jail.set_env("PDSERVE_INSTANCE__NAME", "7");
+            let c = ServeConfig::load(None, no_flags()).unwrap();
+            assert_eq!(c.server.api_key.as_deref(), Some("12345"));
+            assert_eq!(c.instance.name, "7");
+            Ok(())
+        });
+    }
+}

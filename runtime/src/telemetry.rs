@@ -1,0 +1,375 @@
+//! Process-wide telemetry: the `tracing` subscriber ([`init_tracing`]), the Prometheus metrics
+//! recorder ([`install_metrics`], [`MetricsHandle::render`]), the metric names every actor
+//! records under, and a panic hook that logs panics through `tracing`
+//! ([`install_panic_hook`]).
+//!
+//! Everything here is idempotent: each installer may be called many times (tests do); the
+//! first call installs, later calls are no-ops or return the same handle.
+//!
+//! Metric recording goes through the `metrics` facade (`metrics::counter!(REQUESTS_TOTAL,
+//! LABEL_OUTCOME => "ok").increment(1)`); the names below are the only ones pdserve uses.
+
+use std::io::IsTerminal;
+use std::sync::{Once, OnceLock};
+use std::time::Duration;
+
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use tracing_subscriber::EnvFilter;
+
+pub use crate::config::LogFormat;
+
+/// Histogram: seconds from a request's arrival to its first output token.
+pub const TIME_TO_FIRST_TOKEN_SECONDS: &str = "pdserve_time_to_first_token_seconds";
+/// Histogram: per request, (end − first token) / (output tokens − 1), in seconds.
+pub const TIME_PER_OUTPUT_TOKEN_SECONDS: &str = "pdserve_time_per_output_token_seconds";
+/// Histogram: seconds between two consecutive output tokens of one request.
+pub const INTER_TOKEN_LATENCY_SECONDS: &str = "pdserve_inter_token_latency_seconds";
+/// Gauge: requests waiting to be scheduled.
+pub const REQUESTS_WAITING: &str = "pdserve_requests_waiting";
+/// Gauge: requests in the running batch.
+pub const REQUESTS_RUNNING: &str = "pdserve_requests_running";
+/// Gauge: KV blocks allocated.
+pub const KV_BLOCKS_USED: &str = "pdserve_kv_blocks_used";
+/// Gauge: KV blocks free.
+pub const KV_BLOCKS_FREE: &str = "pdserve_kv_blocks_free";
+/// Counter: running sequences preempted to free KV blocks.
+pub const PREEMPTIONS_TOTAL: &str = "pdserve_preemptions_total";
+/// Counter: finished requests, labelled [`LABEL_OUTCOME`].
+pub const REQUESTS_TOTAL: &str = "pdserve_requests_total";
+/// Counter: output tokens generated.
+pub const GENERATED_TOKENS_TOTAL: &str = "pdserve_generated_tokens_total";
+/// Counter: prompt tokens processed.
+pub const PROMPT_TOKENS_TOTAL: &str = "pdserve_prompt_tokens_total";
+/// Counter: actor restarts by supervisors, labelled [`LABEL_ACTOR`].
+pub const ACTOR_RESTARTS_TOTAL: &str = "pdserve_actor_restarts_total";
+
+/// Label of [`REQUESTS_TOTAL`]: how a request ended (`ok`, `aborted`, `timeout`, an error's
+/// `kind()`, ...).
+pub const LABEL_OUTCOME: &str = "outcome";
+/// Label of [`ACTOR_RESTARTS_TOTAL`]: the restarted actor's kind (`Scheduler`, `TpWorker`, ...).
+pub const LABEL_ACTOR: &str = "actor";
+
+/// Upper bounds (seconds) of the latency histograms' buckets: 1 ms to 60 s.
+pub const LATENCY_BUCKETS_SECONDS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+    10.0, 20.0, 30.0, 60.0,
+];
+
+/// The environment variable whose filter, when set and valid, replaces the configured
+/// `logging.filter` in [`init_tracing`].
+pub const RUST_LOG_ENV: &str = "RUST_LOG";
+
+/// How often the background thread drains recorded histogram samples into their buckets, so
+/// memory stays bounded between scrapes.
+pub const METRICS_UPKEEP_INTERVAL: Duration = Duration::from_secs(5);
+
+/// Installs the global `tracing` subscriber: `fmt` lines to stderr, human-readable or JSON,
+/// filtered by `RUST_LOG` when it is set (and valid), else by `filter`.
+///
+/// Returns `true` when this call installed it, `false` when a global subscriber already
+/// existed (then nothing changes). An invalid `filter` falls back to `info` with a warning.
+pub fn init_tracing(filter: &str, format: LogFormat) -> bool {
+    let mut warning = None;
+    let env_filter = match std::env::var(RUST_LOG_ENV) {
+        Ok(value) if !value.trim().is_empty() => match EnvFilter::builder().parse(&value) {
+            Ok(f) => Some(f),
+            Err(err) => {
+                warning = Some(format!("ignoring invalid RUST_LOG {value:?}: {err}"));
+                None
+            }
+        },
+        _ => None,
+    };
+    let env_filter = match env_filter {
+        Some(f) => f,
+        None => EnvFilter::builder().parse(filter).unwrap_or_else(|err| {
+            warning = Some(format!(
+                "invalid log filter {filter:?} ({err}); using \"info\""
+            ));
+            EnvFilter::new("info")
+        }),
+    };
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(env_filter)
+        .with_writer(std::io::stderr)
+        .with_thread_names(true);
+    let installed = match format {
+        LogFormat::Human => builder
+            .with_ansi(std::io::stderr().is_terminal())
+            .try_init()
+            .is_ok(),
+        LogFormat::Json => builder.json().with_current_span(true).try_init().is_ok(),
+    };
+    if installed {
+        if let Some(warning) = warning {
+            tracing::warn!("{warning}");
+        }
+    }
+    installed
+}
+
+/// A handle to the process's Prometheus recorder. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct MetricsHandle {
+    inner: PrometheusHandle,
+    installed: bool,
+}
+
+impl MetricsHandle {
+    /// The current metrics in the Prometheus text exposition format (for `GET /metrics`).
+    pub fn render(&self) -> String {
+        self.inner.render()
+    }
+
+    /// Whether this handle's recorder is the global one. `false` only when some other
+    /// recorder was installed first; then [`render`](Self::render) shows no pdserve metrics.
+    pub fn is_global(&self) -> bool {
+        self.installed
+    }
+}
+
+static METRICS: OnceLock<MetricsHandle> = OnceLock::new();
+
+/// Installs the Prometheus recorder as the process's global `metrics` recorder (once; later
+/// calls return the same handle), describes every pdserve metric, registers the unlabelled
+/// ones at zero so they appear before the first event, and starts a background upkeep thread
+/// (`pdserve-metrics-upkeep`).
+///
+/// If another recorder was installed first, this logs a warning and returns a handle to a
+/// detached recorder ([`MetricsHandle::is_global`] is `false`).
+pub fn install_metrics() -> MetricsHandle {
+    METRICS
+        .get_or_init(|| {
+            let builder = PrometheusBuilder::new()
+                .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS_SECONDS)
+                .expect("bucket list is not empty");
+            let recorder = builder.build_recorder();
+            let handle = recorder.handle();
+            let installed = match metrics::set_global_recorder(recorder) {
+                Ok(()) => true,
+                Err(err) => {
+                    tracing::warn!("a metrics recorder was already installed; pdserve metrics stay empty: {err}");
+                    false
+                }
+            };
+            if installed {
+                describe_and_register();
+                let upkeep = handle.clone();
+                let spawned = std::thread::Builder::new().name("pdserve-metrics-upkeep".into()).spawn(move || loop {
+                    std::thread::sleep(METRICS_UPKEEP_INTERVAL);
+                    upkeep.run_upkeep();
+                });
+                if let Err(err) = spawned {
+                    tracing::warn!("cannot start the metrics upkeep thread: {err}");
+                }
+            }
+            MetricsHandle { inner: handle, installed }
+        })
+        .clone()
+}
+
+fn describe_and_register() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+    describe_histogram!(
+        TIME_TO_FIRST_TOKEN_SECONDS,
+        Unit::Seconds,
+        "Time from request arrival to the first output token."
+    );
+    describe_histogram!(
+        TIME_PER_OUTPUT_TOKEN_SECONDS,
+        Unit::Seconds,
+        "Mean time per output token after the first, per request."
+    );
+    describe_histogram!(
+        INTER_TOKEN_LATENCY_SECONDS,
+        Unit::Seconds,
+        "Time between consecutive output tokens."
+    );
+    describe_gauge!(REQUESTS_WAITING, "Requests waiting to be scheduled.");
+    describe_gauge!(REQUESTS_RUNNING, "Requests in the running batch.");
+    describe_gauge!(KV_BLOCKS_USED, "KV cache blocks allocated.");
+    describe_gauge!(KV_BLOCKS_FREE, "KV cache blocks free.");
+    describe_counter!(
+        PREEMPTIONS_TOTAL,
+        "Running sequences preempted to free KV blocks."
+    );
+    describe_counter!(REQUESTS_TOTAL, "Finished requests by outcome.");
+    describe_counter!(GENERATED_TOKENS_TOTAL, "Output tokens generated.");
+    describe_counter!(PROMPT_TOKENS_TOTAL, "Prompt tokens processed.");
+    describe_counter!(
+        ACTOR_RESTARTS_TOTAL,
+        "Actor restarts by supervisors, by actor kind."
+    );
+
+    for name in [
+        TIME_TO_FIRST_TOKEN_SECONDS,
+        TIME_PER_OUTPUT_TOKEN_SECONDS,
+        INTER_TOKEN_LATENCY_SECONDS,
+    ] {
+        // Registering without a sample makes the (empty) histogram visible.
+        let _ = metrics::histogram!(name);
+    }
+    for name in [
+        REQUESTS_WAITING,
+        REQUESTS_RUNNING,
+        KV_BLOCKS_USED,
+        KV_BLOCKS_FREE,
+    ] {
+        metrics::gauge!(name).set(0.0);
+    }
+    for name in [
+        PREEMPTIONS_TOTAL,
+        GENERATED_TOKENS_TOTAL,
+        PROMPT_TOKENS_TOTAL,
+    ] {
+        metrics::counter!(name).increment(0);
+    }
+}
+
+static PANIC_HOOK: Once = Once::new();
+
+/// Installs (once) a panic hook that logs each panic as a `tracing` error event (target
+/// `pdserve::panic`, with the thread's name, the location and the message), then calls the
+/// hook that was installed before it (by default, the one printing to stderr).
+///
+/// Keep `panic = "unwind"` so supervisors still see the panicking actor stop.
+pub fn install_panic_hook() {
+    PANIC_HOOK.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let thread = std::thread::current();
+            let thread_name = thread.name().unwrap_or("<unnamed>");
+            let payload = info.payload();
+            let message = payload
+                .downcast_ref::<&str>()
+                .copied()
+                .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+                .unwrap_or("<non-string panic payload>");
+            let location = info.location().map(|l| l.to_string()).unwrap_or_else(|| "<unknown>".into());
+            tracing::error!(target: "pdserve::panic", thread = thread_name, location = %location, "panic: {message}");
+            previous(info);
+        }));
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::{Arc, Mutex};
+
+    #[test]
+    fn metrics_install_is_idempotent_and_renders_every_name() {
+        let handle = install_metrics();
+        assert!(handle.is_global());
+        let again = install_metrics();
+        assert!(again.is_global());
+
+        metrics::counter!(REQUESTS_TOTAL, LABEL_OUTCOME => "ok").increment(2);
+        metrics::counter!(ACTOR_RESTARTS_TOTAL, LABEL_ACTOR => "Scheduler").increment(1);
+        metrics::histogram!(TIME_TO_FIRST_TOKEN_SECONDS).record(0.02);
+        metrics::counter!(PREEMPTIONS_TOTAL).increment(1);
+
+        // Rendered through the second handle: both point at the same recorder.
+        let text = again.render();
+        for name in [
+            TIME_TO_FIRST_TOKEN_SECONDS,
+            TIME_PER_OUTPUT_TOKEN_SECONDS,
+            INTER_TOKEN_LATENCY_SECONDS,
+            REQUESTS_WAITING,
+            REQUESTS_RUNNING,
+            KV_BLOCKS_USED,
+            KV_BLOCKS_FREE,
+            PREEMPTIONS_TOTAL,
+            REQUESTS_TOTAL,
+            GENERATED_TOKENS_TOTAL,
+            PROMPT_TOKENS_TOTAL,
+            ACTOR_RESTARTS_TOTAL,
+        ] {
+            assert!(text.contains(name), "{name} missing from:\n{text}");
+        }
+        assert!(
+            text.contains("pdserve_requests_total{outcome=\"ok\"} 2"),
+            "{text}"
+        );
+        assert!(
+            text.contains("pdserve_actor_restarts_total{actor=\"Scheduler\"} 1"),
+            "{text}"
+        );
+        // Latency histograms are real histograms with our buckets, not summaries.
+        assert!(
+            text.contains("pdserve_time_to_first_token_seconds_bucket{le=\"0.025\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("pdserve_time_to_first_token_seconds_bucket{le=\"0.01\"} 0"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# TYPE pdserve_kv_blocks_free gauge"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn latency_buckets_are_increasing_from_1ms_to_60s() {
+        assert_eq!(LATENCY_BUCKETS_SECONDS.first(), Some(&0.001));
+        assert_eq!(LATENCY_BUCKETS_SECONDS.last(), Some(&60.0));
+        assert!(LATENCY_BUCKETS_SECONDS.windows(2).all(|w| w[0] < w[1]));
+    }
+
+    #[derive(Clone, Default)]
+    struct Capture(Arc<Mutex<Vec<u8>>>);
+
+    impl Write for Capture {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn panic_hook_logs_through_tracing_and_chains() {
+        static PREVIOUS_CALLS: AtomicUsize = AtomicUsize::new(0);
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            PREVIOUS_CALLS.fetch_add(1, Ordering::SeqCst);
+            previous(info);
+        }));
+        install_panic_hook();
+        install_panic_hook(); // idempotent: still one log line per panic
+
+        let capture = Capture::default();
+        let writer = capture.clone();
+        let result = std::thread::Builder::new()
+            .name("doomed-worker".into())
+            .spawn(move || {
+                let subscriber = tracing_subscriber::fmt()
+                    .with_writer(move || writer.clone())
+                    .with_ansi(false)
+                    .finish();
+                tracing::subscriber::with_default(subscriber, || panic!("boom {}", 42));
+            })
+            .unwrap()
+            .join();
+        assert!(result.is_err());
+        let logged = String::from_utf8(capture.0.lock().unwrap().clone()).unwrap();
+        assert!(logged.contains("panic: boom 42"), "{logged}");
+        assert!(logged.contains("doomed-worker"), "{logged}");
+        assert!(logged.contains("telemetry.rs"), "{logged}");
+        assert_eq!(logged.matches("panic: boom 42").count(), 1, "{logged}");
+        assert!(PREVIOUS_CALLS.load(Ordering::SeqCst) >= 1);
+    }
+
+    #[test]
+    fn init_tracing_is_idempotent() {
+        // The first call may or may not win (another test binary thread could have
+        // installed one); the second never does.
+        let _ = init_tracing("info", LogFormat::Json);
+        assert!(!init_tracing("debug", LogFormat::Human));
+    }
+}

@@ -3,7 +3,7 @@
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use pdserve_gpu::chat::ChatMessage;
-use pdserve_gpu::engine::{Engine, EngineOptions, GenRequest};
+use pdserve_gpu::engine::{Engine, EngineOptions};
 use pdserve_gpu::loader::{load_model, ModelSource};
 use pdserve_gpu::sampling::SamplingParams;
 use pdserve_gpu::weights::WeightFormat;
@@ -36,6 +36,31 @@ enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Cluster credentials for the control plane.
+    #[command(subcommand)]
+    Cluster(ClusterCommand),
+}
+
+#[derive(Subcommand, Debug)]
+enum ClusterCommand {
+    /// Create a cluster CA (mutual TLS for the control plane) in DIR.
+    Init {
+        /// Directory for the CA and member credentials.
+        dir: std::path::PathBuf,
+        /// Cluster name (a member of another cluster is refused).
+        #[arg(long, default_value = "pdserve")]
+        name: String,
+        /// Also issue member credentials for these nodes (repeatable).
+        #[arg(long = "node")]
+        nodes: Vec<String>,
+    },
+    /// Issue member credentials for a node from an existing cluster CA in DIR.
+    Issue {
+        /// Directory holding the cluster CA.
+        dir: std::path::PathBuf,
+        /// Node name.
+        node: String,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -50,6 +75,18 @@ enum BenchCommand {
     Model(BenchModelArgs),
     /// Serving load generator against any OpenAI-compatible URL (TTFT, TPOT, ITL, goodput).
     Serve(bench_serve::BenchServeArgs),
+    /// Transfer engine throughput and latency per backend, beside the medium's raw limit.
+    Transfer(BenchTransferArgs),
+}
+
+#[derive(Args, Debug)]
+struct BenchTransferArgs {
+    /// Backends to measure (repeatable; default: every one this machine can run).
+    #[arg(long = "backend")]
+    backends: Vec<pdserve_transport::BackendKind>,
+    /// Print a JSON list of rows instead of a table.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -168,6 +205,8 @@ struct BenchModelArgs {
 }
 
 fn main() {
+    // The transfer benchmark re-runs this executable as its peer process.
+    pdserve_transport::peer::run_if_requested();
     let cli = Cli::parse();
     if !matches!(cli.command, Command::Serve(_)) {
         init_logging(cli.log.as_deref());
@@ -210,6 +249,21 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Bench(BenchCommand::Model(args)) => bench_model(args),
         Command::Bench(BenchCommand::Serve(args)) => bench_serve::run(args),
+        Command::Bench(BenchCommand::Transfer(args)) => bench_transfer(args),
+        Command::Cluster(ClusterCommand::Init { dir, name, nodes }) => {
+            pdserve_transport::control::tls::init_cluster(&dir, &name)?;
+            println!("cluster `{name}`: CA written to {}", dir.display());
+            for node in nodes {
+                pdserve_transport::control::tls::issue_member(&dir, &node)?;
+                println!("member `{node}`: credentials in {}", dir.join("members").display());
+            }
+            Ok(())
+        }
+        Command::Cluster(ClusterCommand::Issue { dir, node }) => {
+            pdserve_transport::control::tls::issue_member(&dir, &node)?;
+            println!("member `{node}`: credentials in {}", dir.join("members").display());
+            Ok(())
+        }
     }
 }
 
@@ -220,21 +274,26 @@ fn build_engine(args: &ModelArgs, max_seqs: usize) -> Result<Engine> {
     Ok(Engine::new(model, opts)?)
 }
 
+/// Runs one request through an in-process instance (the same Scheduler and TpWorkers as
+/// `pdserve serve`, without HTTP) and streams its text to stdout.
 fn generate(args: GenerateArgs) -> Result<()> {
+    use pdserve_actors::scheduler::RequestEvent;
     set_threads(args.model.threads);
-    let mut engine = build_engine(&args.model, 1)?;
+    let source: ModelSource = args.model.model.parse().expect("infallible");
+    let model = load_model(&source).with_context(|| format!("loading model `{source}`"))?;
     let prompt = if args.chat {
         let mut messages = Vec::new();
         if let Some(s) = &args.system {
             messages.push(ChatMessage::new("system", s.clone()));
         }
         messages.push(ChatMessage::new("user", args.prompt.clone()));
-        engine.encode_chat(&messages)?
+        let text = model.chat_template.render(&messages, true)?;
+        model.tokenizer.encode(&text, false)?
     } else {
         if args.system.is_some() {
             bail!("--system needs --chat");
         }
-        engine.encode_prompt(&args.prompt)?
+        model.tokenizer.encode(&args.prompt, true)?
     };
     let params = SamplingParams {
         max_tokens: args.max_tokens,
@@ -245,14 +304,38 @@ fn generate(args: GenerateArgs) -> Result<()> {
         stop: args.stop.clone(),
         ..SamplingParams::default()
     };
-    let mut stdout = std::io::stdout();
-    let out = engine.generate(&[GenRequest { prompt, params }], &mut |_, piece| {
-        let _ = stdout.write_all(piece.as_bytes());
-        let _ = stdout.flush();
-    })?;
-    println!();
-    tracing::info!(tokens = out[0].tokens.len(), finish = out[0].finish.as_openai(), "done");
-    Ok(())
+    params.validate(model.config.vocab_size)?;
+    let blocks = (prompt.len() + args.max_tokens).div_ceil(16) + 1;
+    let mut opts = pdserve_actors::InstanceOptions::local("generate", model);
+    opts.bind = None;
+    opts.tp = args.model.tp;
+    opts.weights = args.model.weights;
+    opts.num_blocks = Some(blocks);
+    opts.watermark = 0.0;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
+    rt.block_on(async move {
+        let instance = pdserve_actors::Instance::start(opts).await.map_err(anyhow::Error::msg)?;
+        let mut events = instance.submit(prompt, params).map_err(anyhow::Error::msg)?;
+        let mut stdout = std::io::stdout();
+        let result = loop {
+            match events.recv().await {
+                Some(RequestEvent::Token { text, .. }) => {
+                    stdout.write_all(text.as_bytes())?;
+                    stdout.flush()?;
+                }
+                Some(RequestEvent::Finished { text, reason, completion_tokens, .. }) => {
+                    stdout.write_all(text.as_bytes())?;
+                    println!();
+                    tracing::info!(tokens = completion_tokens, finish = reason.as_openai(), "done");
+                    break Ok(());
+                }
+                Some(RequestEvent::Failed(e)) => break Err(anyhow::anyhow!("generation failed: {e}")),
+                None => break Err(anyhow::anyhow!("the instance stopped")),
+            }
+        };
+        instance.stop().await;
+        result
+    })
 }
 
 fn bench_model(args: BenchModelArgs) -> Result<()> {
@@ -319,4 +402,22 @@ fn serve(args: ServeArgs, log: Option<String>) -> Result<()> {
         instance.stop().await;
         Ok(())
     })
+}
+
+fn bench_transfer(args: BenchTransferArgs) -> Result<()> {
+    use pdserve_transport::bench::{print_table, run_transfer_bench_with_placement, TransferBenchOptions};
+    let mut opts = TransferBenchOptions::default();
+    if !args.backends.is_empty() {
+        opts.backends = args.backends;
+    }
+    let (rows, placement) = run_transfer_bench_with_placement(&opts)?;
+    if args.json {
+        println!("{}", serde_json::to_string(&rows)?);
+    } else {
+        print_table(&rows);
+        for line in placement {
+            println!("  {line}");
+        }
+    }
+    Ok(())
 }

@@ -238,6 +238,24 @@ impl Instance {
         ractor::call_t!(self.supervisor, SupervisorMsg::Snapshot, 5_000).map_err(|e| e.to_string())
     }
 
+    /// Submits a request from inside the process (no HTTP): its events arrive on the returned
+    /// channel; dropping the receiver aborts it.
+    ///
+    /// # Errors
+    /// When the scheduler is gone.
+    pub fn submit(
+        &self,
+        prompt: Vec<u32>,
+        params: pdserve_gpu::sampling::SamplingParams,
+    ) -> Result<tokio::sync::mpsc::UnboundedReceiver<crate::scheduler::RequestEvent>, String> {
+        static NEXT: AtomicU64 = AtomicU64::new(1 << 48);
+        let id = pdserve_runtime::ids::RequestId(NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let request = crate::scheduler::NewRequest { id, prompt, params };
+        self.scheduler.cast(SchedulerMsg::Submit { request, sink: tx }).map_err(|e| e.to_string())?;
+        Ok(rx)
+    }
+
     /// Test-only fault hook: rank `rank`'s worker panics on its next step.
     pub fn inject_worker_panic(&self, rank: usize) {
         let _ = self.supervisor.cast(SupervisorMsg::InjectWorkerPanic(rank));

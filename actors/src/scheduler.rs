@@ -11,7 +11,7 @@
 
 mod core;
 
-pub use self::core::{NewRequest, Output, SchedulerConfig, SchedulerCore, SchedulerStats, StepPlan};
+pub use self::core::{NewRequest, Output, RequestState, SchedulerConfig, SchedulerCore, SchedulerStats, StepPlan};
 
 use crate::error::RequestError;
 use crate::worker::WorkerMsg;

@@ -289,3 +289,26 @@ async fn a_worker_that_keeps_crashing_escalates() {
     tokio::time::timeout(Duration::from_secs(10), inst.stopped()).await.expect("the instance should stop instead of looping");
     assert!(!inst.is_running());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tp2_instance_gives_the_tp1_tokens() {
+    let mut results = Vec::new();
+    for tp in [1usize, 2] {
+        let inst = start(&format!("tp{tp}"), "small", |o| o.tp = tp).await;
+        let url = inst.url();
+        let handles: Vec<_> = (0..4).map(|i| {
+            let url = url.clone();
+            tokio::spawn(async move { post(&url, "/v1/completions", greedy_body(i)).await })
+        }).collect();
+        let mut toks = Vec::new();
+        for h in handles {
+            let (status, v) = h.await.unwrap();
+            assert_eq!(status, 200, "{v}");
+            toks.push(token_ids(&v));
+        }
+        assert_pool_full(&inst).await;
+        inst.stop().await;
+        results.push(toks);
+    }
+    assert_eq!(results[0], results[1]);
+}

@@ -98,7 +98,23 @@ pub struct StepPlan {
     pub members: Vec<(RequestId, usize, bool)>,
 }
 
+/// Where a request is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RequestState {
+    /// Queued (new, or preempted and to be recomputed).
+    Waiting,
+    /// Scheduled: prefilling in chunks or decoding.
+    Running,
+    /// Decode side of P/D: destination blocks are allocated, the prompt's KV is expected from
+    /// a prefill instance; not scheduled until it arrives.
+    WaitingForRemoteKv,
+    /// Decode side of P/D: KV bytes are landing in the blocks.
+    Transferring,
+}
+
 struct Seq {
+    state: RequestState,
     prompt: Vec<u32>,
     output: Vec<u32>,
     sampler: Sampler,
@@ -192,6 +208,7 @@ impl SchedulerCore {
             return Err(RequestError::BadRequest(format!("duplicate request id {}", req.id)));
         }
         let seq = Seq {
+            state: RequestState::Waiting,
             sampler: Sampler::new(&req.params),
             stop: StopChecker::new(&req.params, self.tokenizer.eos_ids()),
             decode: self.tokenizer.decode_stream(true),
@@ -203,6 +220,61 @@ impl SchedulerCore {
         self.seqs.insert(req.id, seq);
         self.waiting.push_back(req.id);
         Ok(())
+    }
+
+    /// Accepts a request whose prompt KV will come from a prefill instance: its blocks for the
+    /// whole prompt are allocated now (the transfer's destination) and it waits in
+    /// [`RequestState::WaitingForRemoteKv`]. Returns the destination block ids.
+    ///
+    /// # Errors
+    /// As [`SchedulerCore::add`], plus [`RequestError::Overloaded`] when the pool cannot hold
+    /// the prompt now (nothing is kept).
+    pub fn add_remote(&mut self, req: NewRequest) -> Result<Vec<u32>, RequestError> {
+        let id = req.id;
+        let blocks = req.prompt.len().div_ceil(self.cfg.block_size);
+        self.add(req)?;
+        self.waiting.retain(|&w| w != id);
+        let s = self.seqs.get_mut(&id).expect("just added");
+        if !self.blocks.can_admit(blocks) || !self.blocks.grow(&mut s.blocks, blocks) {
+            self.seqs.remove(&id);
+            return Err(RequestError::Overloaded("no KV blocks free for a remote prefill".into()));
+        }
+        s.state = RequestState::WaitingForRemoteKv;
+        Ok(s.blocks.blocks().to_vec())
+    }
+
+    /// The transfer into a remote request's blocks has started.
+    ///
+    /// # Errors
+    /// [`RequestError::BadRequest`] when the request is not waiting for remote KV.
+    pub fn remote_kv_transferring(&mut self, id: RequestId) -> Result<(), RequestError> {
+        let s = self.seqs.get_mut(&id).ok_or_else(|| RequestError::BadRequest(format!("unknown request {id}")))?;
+        if s.state != RequestState::WaitingForRemoteKv {
+            return Err(RequestError::BadRequest(format!("{id} is {:?}, not waiting for remote KV", s.state)));
+        }
+        s.state = RequestState::Transferring;
+        Ok(())
+    }
+
+    /// The prompt's KV is in place and the prefill side sampled `first_token`: the request
+    /// joins the running set and decodes from there, without recomputing the prompt.
+    ///
+    /// # Errors
+    /// [`RequestError::BadRequest`] when the request is not waiting for or receiving remote KV.
+    pub fn remote_kv_ready(&mut self, id: RequestId, first_token: u32) -> Result<Vec<Output>, RequestError> {
+        let s = self.seqs.get_mut(&id).ok_or_else(|| RequestError::BadRequest(format!("unknown request {id}")))?;
+        if !matches!(s.state, RequestState::WaitingForRemoteKv | RequestState::Transferring) {
+            return Err(RequestError::BadRequest(format!("{id} is {:?}, not expecting remote KV", s.state)));
+        }
+        s.computed = s.prompt.len();
+        s.state = RequestState::Running;
+        self.running.push(id);
+        Ok(self.accept_token(id, first_token))
+    }
+
+    /// The state of a request.
+    pub fn state(&self, id: RequestId) -> Option<RequestState> {
+        self.seqs.get(&id).map(|s| s.state)
     }
 
     /// Drops a request wherever it is; its blocks return to the pool. Returns whether it
@@ -218,6 +290,7 @@ impl SchedulerCore {
         if let Some(s) = self.seqs.get_mut(&id) {
             s.blocks.release();
             s.computed = 0;
+            s.state = RequestState::Waiting;
         }
         self.waiting.push_front(id);
         self.preemptions += 1;
@@ -270,6 +343,9 @@ impl SchedulerCore {
             }
             self.waiting.pop_front();
             self.running.push(id);
+            if let Some(s) = self.seqs.get_mut(&id) {
+                s.state = RequestState::Running;
+            }
             plan.push((id, n));
             budget -= n;
         }
@@ -321,37 +397,36 @@ impl SchedulerCore {
                 continue;
             };
             let token = s.sampler.sample(&mut row, &s.prompt, &s.output);
-            s.output.push(token);
-            let piece = match s.decode.step(token) {
-                Ok(p) => p.unwrap_or_default(),
-                Err(e) => {
-                    out.push(Output::Failed { id, error: RequestError::Internal(e.to_string()) });
-                    self.abort(id);
-                    continue;
-                }
-            };
-            match s.stop.push(token, &piece) {
-                StopDecision::Continue { text_to_emit } => {
-                    out.push(Output::Token { id, token, text: text_to_emit });
-                }
-                StopDecision::Stop { reason, mut text_to_emit } => {
-                    if matches!(reason, StopReason::Length) {
-                        text_to_emit.push_str(&s.decode.flush().unwrap_or_default());
-                    }
-                    let (prompt_tokens, completion_tokens) = (s.prompt.len(), s.output.len());
-                    out.push(Output::Token { id, token, text: String::new() });
-                    out.push(Output::Finished {
-                        id,
-                        reason: reason.finish_reason(),
-                        text: text_to_emit,
-                        prompt_tokens,
-                        completion_tokens,
-                    });
-                    self.abort(id);
-                }
-            }
+            out.extend(self.accept_token(id, token));
         }
         out
+    }
+
+    /// Appends a sampled token to a running request and applies its stop conditions.
+    fn accept_token(&mut self, id: RequestId, token: u32) -> Vec<Output> {
+        let Some(s) = self.seqs.get_mut(&id) else { return Vec::new() };
+        s.output.push(token);
+        let piece = match s.decode.step(token) {
+            Ok(p) => p.unwrap_or_default(),
+            Err(e) => {
+                self.abort(id);
+                return vec![Output::Failed { id, error: RequestError::Internal(e.to_string()) }];
+            }
+        };
+        match s.stop.push(token, &piece) {
+            StopDecision::Continue { text_to_emit } => vec![Output::Token { id, token, text: text_to_emit }],
+            StopDecision::Stop { reason, mut text_to_emit } => {
+                if matches!(reason, StopReason::Length) {
+                    text_to_emit.push_str(&s.decode.flush().unwrap_or_default());
+                }
+                let (prompt_tokens, completion_tokens) = (s.prompt.len(), s.output.len());
+                self.abort(id);
+                vec![
+                    Output::Token { id, token, text: String::new() },
+                    Output::Finished { id, reason: reason.finish_reason(), text: text_to_emit, prompt_tokens, completion_tokens },
+                ]
+            }
+        }
     }
 
     /// A step failed on a worker: every request in it fails with `error` and frees its
@@ -469,6 +544,31 @@ mod tests {
         let out = c.fail_step(p, RequestError::WorkerFailed("rank 0 panicked".into()));
         assert_eq!(out, vec![Output::Failed { id: RequestId(2), error: RequestError::WorkerFailed("rank 0 panicked".into()) }]);
         assert_eq!(c.stats(), SchedulerStats { waiting: 0, running: 0, blocks_free: 16, blocks_total: 16, preemptions: 0 });
+    }
+
+    #[test]
+    fn remote_kv_requests_wait_for_their_kv_then_decode_from_the_first_token() {
+        let mut c = core(16, 64);
+        let dest = c.add_remote(req(1, 9, 3)).unwrap();
+        assert_eq!(dest.len(), 3, "9 prompt tokens in blocks of 4");
+        assert_eq!(c.state(RequestId(1)), Some(RequestState::WaitingForRemoteKv));
+        assert!(c.schedule().is_none(), "not scheduled before its KV arrives");
+        c.remote_kv_transferring(RequestId(1)).unwrap();
+        assert_eq!(c.state(RequestId(1)), Some(RequestState::Transferring));
+        let out = c.remote_kv_ready(RequestId(1), 97).unwrap();
+        assert_eq!(out, vec![Output::Token { id: RequestId(1), token: 97, text: "a".into() }]);
+        // The next step decodes from position 9 (prompt) with the first token as input.
+        let p = c.schedule().unwrap();
+        assert_eq!((p.batch.seqs[0].start_pos, p.batch.seqs[0].tokens.clone()), (9, vec![97]));
+        assert_eq!(p.batch.seqs[0].block_table[..3], dest[..]);
+        let out = drive_from(&mut c, p);
+        assert!(matches!(out.last(), Some(Output::Finished { completion_tokens: 3, .. })));
+        assert_eq!(c.stats().blocks_free, 16);
+        // Aborting one that waits for KV frees its destination blocks.
+        c.add_remote(req(2, 9, 3)).unwrap();
+        assert!(c.remote_kv_ready(RequestId(3), 1).is_err());
+        assert!(c.abort(RequestId(2)));
+        assert_eq!(c.stats().blocks_free, 16);
     }
 
     #[test]

@@ -12,9 +12,12 @@ fn batch(seqs: usize, len: usize, start: usize, blocks_per_seq: usize) -> Batch 
     Batch {
         seqs: (0..seqs)
             .map(|s| SeqChunk {
-                tokens: (0..len).map(|i| ((i * 7919 + s * 131 + 13) % 49_152) as u32).collect(),
+                tokens: (0..len)
+                    .map(|i| ((i * 7919 + s * 131 + 13) % 49_152) as u32)
+                    .collect(),
                 start_pos: start,
-                block_table: ((s * blocks_per_seq) as u32..((s + 1) * blocks_per_seq) as u32).collect(),
+                block_table: ((s * blocks_per_seq) as u32..((s + 1) * blocks_per_seq) as u32)
+                    .collect(),
                 want_logits: true,
             })
             .collect(),
@@ -23,21 +26,32 @@ fn batch(seqs: usize, len: usize, start: usize, blocks_per_seq: usize) -> Batch 
 
 fn model(c: &mut Criterion) {
     let model = load_model(&ModelSource::Default).expect("default model (pdserve model pull)");
-    let engine = Engine::new(model, EngineOptions { num_blocks: Some(8 * 40), ..Default::default() }).unwrap();
+    let engine = Engine::new(
+        model,
+        EngineOptions {
+            num_blocks: Some(8 * 40),
+            ..Default::default()
+        },
+    )
+    .unwrap();
     let group = engine.group();
     let mut g = c.benchmark_group("model");
     g.sample_size(10);
     for len in [128usize, 512] {
         g.throughput(Throughput::Elements(len as u64));
         let b = batch(1, len, 0, 40);
-        g.bench_function(format!("prefill_{len}"), |bench| bench.iter(|| group.step(b.clone()).unwrap()));
+        g.bench_function(format!("prefill_{len}"), |bench| {
+            bench.iter(|| group.step(b.clone()).unwrap())
+        });
     }
     for seqs in [1usize, 8] {
         // Fill 128 positions of context first, then time single-token steps at position 128.
         group.step(batch(seqs, 128, 0, 40)).unwrap();
         g.throughput(Throughput::Elements(seqs as u64));
         let b = batch(seqs, 1, 128, 40);
-        g.bench_function(format!("decode_b{seqs}"), |bench| bench.iter(|| group.step(b.clone()).unwrap()));
+        g.bench_function(format!("decode_b{seqs}"), |bench| {
+            bench.iter(|| group.step(b.clone()).unwrap())
+        });
     }
     g.finish();
 }

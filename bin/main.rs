@@ -15,7 +15,11 @@ mod bench_serve;
 const THREAD_ENV: [&str; 2] = ["RAYON_NUM_THREADS", "CANDLE_NUM_THREADS"];
 
 #[derive(Parser, Debug)]
-#[command(name = "pdserve", version, about = "Prefill/decode disaggregated LLM serving")]
+#[command(
+    name = "pdserve",
+    version,
+    about = "Prefill/decode disaggregated LLM serving"
+)]
 struct Cli {
     /// Log filter, RUST_LOG syntax (default: warn, or $RUST_LOG).
     #[arg(long, global = true, env = "PDSERVE_LOG")]
@@ -74,7 +78,7 @@ enum BenchCommand {
     /// Model speed: prefill tokens/s (128, 512 tokens) and decode tokens/s (batch 1, 8).
     Model(BenchModelArgs),
     /// Serving load generator against any OpenAI-compatible URL (TTFT, TPOT, ITL, goodput).
-    Serve(bench_serve::BenchServeArgs),
+    Serve(Box<bench_serve::BenchServeArgs>),
     /// Transfer engine throughput and latency per backend, beside the medium's raw limit.
     Transfer(BenchTransferArgs),
 }
@@ -248,20 +252,26 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Bench(BenchCommand::Model(args)) => bench_model(args),
-        Command::Bench(BenchCommand::Serve(args)) => bench_serve::run(args),
+        Command::Bench(BenchCommand::Serve(args)) => bench_serve::run(*args),
         Command::Bench(BenchCommand::Transfer(args)) => bench_transfer(args),
         Command::Cluster(ClusterCommand::Init { dir, name, nodes }) => {
             pdserve_transport::control::tls::init_cluster(&dir, &name)?;
             println!("cluster `{name}`: CA written to {}", dir.display());
             for node in nodes {
                 pdserve_transport::control::tls::issue_member(&dir, &node)?;
-                println!("member `{node}`: credentials in {}", dir.join("members").display());
+                println!(
+                    "member `{node}`: credentials in {}",
+                    dir.join("members").display()
+                );
             }
             Ok(())
         }
         Command::Cluster(ClusterCommand::Issue { dir, node }) => {
             pdserve_transport::control::tls::issue_member(&dir, &node)?;
-            println!("member `{node}`: credentials in {}", dir.join("members").display());
+            println!(
+                "member `{node}`: credentials in {}",
+                dir.join("members").display()
+            );
             Ok(())
         }
     }
@@ -270,7 +280,12 @@ fn run(cli: Cli) -> Result<()> {
 fn build_engine(args: &ModelArgs, max_seqs: usize) -> Result<Engine> {
     let source: ModelSource = args.model.parse().expect("infallible");
     let model = load_model(&source).with_context(|| format!("loading model `{source}`"))?;
-    let opts = EngineOptions { tp: args.tp, format: args.weights, max_seqs, ..Default::default() };
+    let opts = EngineOptions {
+        tp: args.tp,
+        format: args.weights,
+        max_seqs,
+        ..Default::default()
+    };
     Ok(Engine::new(model, opts)?)
 }
 
@@ -312,10 +327,17 @@ fn generate(args: GenerateArgs) -> Result<()> {
     opts.weights = args.model.weights;
     opts.num_blocks = Some(blocks);
     opts.watermark = 0.0;
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
     rt.block_on(async move {
-        let instance = pdserve_actors::Instance::start(opts).await.map_err(anyhow::Error::msg)?;
-        let mut events = instance.submit(prompt, params).map_err(anyhow::Error::msg)?;
+        let instance = pdserve_actors::Instance::start(opts)
+            .await
+            .map_err(anyhow::Error::msg)?;
+        let mut events = instance
+            .submit(prompt, params)
+            .map_err(anyhow::Error::msg)?;
         let mut stdout = std::io::stdout();
         let result = loop {
             match events.recv().await {
@@ -323,13 +345,24 @@ fn generate(args: GenerateArgs) -> Result<()> {
                     stdout.write_all(text.as_bytes())?;
                     stdout.flush()?;
                 }
-                Some(RequestEvent::Finished { text, reason, completion_tokens, .. }) => {
+                Some(RequestEvent::Finished {
+                    text,
+                    reason,
+                    completion_tokens,
+                    ..
+                }) => {
                     stdout.write_all(text.as_bytes())?;
                     println!();
-                    tracing::info!(tokens = completion_tokens, finish = reason.as_openai(), "done");
+                    tracing::info!(
+                        tokens = completion_tokens,
+                        finish = reason.as_openai(),
+                        "done"
+                    );
                     break Ok(());
                 }
-                Some(RequestEvent::Failed(e)) => break Err(anyhow::anyhow!("generation failed: {e}")),
+                Some(RequestEvent::Failed(e)) => {
+                    break Err(anyhow::anyhow!("generation failed: {e}"))
+                }
                 None => break Err(anyhow::anyhow!("the instance stopped")),
             }
         };
@@ -341,12 +374,18 @@ fn generate(args: GenerateArgs) -> Result<()> {
 fn bench_model(args: BenchModelArgs) -> Result<()> {
     let threads = set_threads(args.model.threads);
     let engine = build_engine(&args.model, 9)?;
-    let opts = pdserve_gpu::bench::ModelBenchOptions { decode_steps: args.decode_steps, ..Default::default() };
+    let opts = pdserve_gpu::bench::ModelBenchOptions {
+        decode_steps: args.decode_steps,
+        ..Default::default()
+    };
     let r = pdserve_gpu::bench::run_model_bench(engine.group(), engine.name(), threads, &opts)?;
     if args.json {
         println!("{}", serde_json::to_string(&r)?);
     } else {
-        println!("model {} · {} thread(s) · tp {}", r.model, r.threads, args.model.tp);
+        println!(
+            "model {} · {} thread(s) · tp {}",
+            r.model, r.threads, args.model.tp
+        );
         println!("  prefill  128 tokens : {:8.1} tokens/s", r.prefill_tps_128);
         println!("  prefill  512 tokens : {:8.1} tokens/s", r.prefill_tps_512);
         println!("  decode   batch 1    : {:8.1} tokens/s", r.decode_tps_b1);
@@ -356,8 +395,11 @@ fn bench_model(args: BenchModelArgs) -> Result<()> {
 }
 
 fn parse_flag<T: serde::de::DeserializeOwned>(key: &str, v: Option<String>) -> Result<Option<T>> {
-    v.map(|v| serde_json::from_value(serde_json::Value::String(v.clone())).with_context(|| format!("--{key}: invalid value `{v}`")))
-        .transpose()
+    v.map(|v| {
+        serde_json::from_value(serde_json::Value::String(v.clone()))
+            .with_context(|| format!("--{key}: invalid value `{v}`"))
+    })
+    .transpose()
 }
 
 fn serve(args: ServeArgs, log: Option<String>) -> Result<()> {
@@ -382,13 +424,19 @@ fn serve(args: ServeArgs, log: Option<String>) -> Result<()> {
     let cfg = ServeConfig::load(args.config.as_deref(), flags)?;
     pdserve_runtime::telemetry::init_tracing(&cfg.logging.filter, cfg.logging.format);
     if cfg.instance.role != InstanceRole::Colocated {
-        bail!("instance.role `{}` is not available in this build yet: only `colocated` serves", cfg.instance.role.as_str());
+        bail!(
+            "instance.role `{}` is not available in this build yet: only `colocated` serves",
+            cfg.instance.role.as_str()
+        );
     }
     set_threads(args.threads);
     let source: ModelSource = cfg.model.source.parse().expect("infallible");
     let model = load_model(&source).with_context(|| format!("loading model `{source}`"))?;
-    let opts = pdserve_actors::InstanceOptions::from_config(&cfg, model).map_err(anyhow::Error::msg)?;
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let opts =
+        pdserve_actors::InstanceOptions::from_config(&cfg, model).map_err(anyhow::Error::msg)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
     rt.block_on(async move {
         let mut instance = pdserve_actors::Instance::start(opts).await.map_err(anyhow::Error::msg)?;
         println!("pdserve: serving `{}` at {}", instance.model_name(), instance.url());
@@ -405,7 +453,9 @@ fn serve(args: ServeArgs, log: Option<String>) -> Result<()> {
 }
 
 fn bench_transfer(args: BenchTransferArgs) -> Result<()> {
-    use pdserve_transport::bench::{print_table, run_transfer_bench_with_placement, TransferBenchOptions};
+    use pdserve_transport::bench::{
+        print_table, run_transfer_bench_with_placement, TransferBenchOptions,
+    };
     let mut opts = TransferBenchOptions::default();
     if !args.backends.is_empty() {
         opts.backends = args.backends;

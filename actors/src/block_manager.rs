@@ -32,8 +32,15 @@ pub struct BlockAllocation {
 impl BlockManager {
     /// A pool of `total` blocks of which `watermark` are kept back from new admissions.
     pub fn new(total: usize, watermark: usize) -> Self {
-        let pool = Pool { free: (0..total as u32).rev().collect(), refs: vec![0; total] };
-        Self { pool: Arc::new(Mutex::new(pool)), total, watermark: watermark.min(total) }
+        let pool = Pool {
+            free: (0..total as u32).rev().collect(),
+            refs: vec![0; total],
+        };
+        Self {
+            pool: Arc::new(Mutex::new(pool)),
+            total,
+            watermark: watermark.min(total),
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Pool> {
@@ -57,7 +64,10 @@ impl BlockManager {
 
     /// An empty allocation to grow with [`BlockManager::grow`].
     pub fn empty(&self) -> BlockAllocation {
-        BlockAllocation { blocks: Vec::new(), pool: self.pool.clone() }
+        BlockAllocation {
+            blocks: Vec::new(),
+            pool: self.pool.clone(),
+        }
     }
 
     /// Appends `n` blocks to `alloc`; takes nothing and returns `false` when fewer are free.
@@ -97,7 +107,10 @@ impl BlockAllocation {
         for &b in &self.blocks {
             pool.refs[b as usize] += 1;
         }
-        BlockAllocation { blocks: self.blocks.clone(), pool: self.pool.clone() }
+        BlockAllocation {
+            blocks: self.blocks.clone(),
+            pool: self.pool.clone(),
+        }
     }
 
     /// Returns every block now (the allocation stays usable, empty).

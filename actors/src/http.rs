@@ -70,7 +70,8 @@ impl From<RequestError> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let status = StatusCode::from_u16(self.0.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let status =
+            StatusCode::from_u16(self.0.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         (status, Json(openai::error_body(&self.0))).into_response()
     }
 }
@@ -87,7 +88,9 @@ pub fn router(state: Arc<AppState>) -> Router {
 }
 
 fn unix_now() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 async fn models(State(app): State<Arc<AppState>>) -> Json<Value> {
@@ -98,15 +101,30 @@ async fn models(State(app): State<Arc<AppState>>) -> Json<Value> {
 }
 
 async fn metrics(State(app): State<Arc<AppState>>) -> impl IntoResponse {
-    ([("content-type", "text/plain; version=0.0.4")], app.metrics.render())
+    (
+        [("content-type", "text/plain; version=0.0.4")],
+        app.metrics.render(),
+    )
 }
 
-async fn completions(State(app): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
-    serve(app, headers, body, false).await.unwrap_or_else(IntoResponse::into_response)
+async fn completions(
+    State(app): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    serve(app, headers, body, false)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
 }
 
-async fn chat_completions(State(app): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
-    serve(app, headers, body, true).await.unwrap_or_else(IntoResponse::into_response)
+async fn chat_completions(
+    State(app): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    serve(app, headers, body, true)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
 }
 
 /// Aborts its request in the scheduler when dropped before the request ended (client gone,
@@ -126,19 +144,28 @@ impl Drop for RequestGuard {
     }
 }
 
-fn check_auth(app: &AppState, headers: &HeaderMap) -> Result<(), Response> {
-    let Some(key) = &app.api_key else { return Ok(()) };
-    let given = headers.get("authorization").and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
-    if given == Some(key.as_str()) {
-        return Ok(());
-    }
-    let body = json!({"error": {"message": "missing or invalid API key", "type": "authentication_error", "param": null, "code": 401}});
-    Err((StatusCode::UNAUTHORIZED, Json(body)).into_response())
+fn authorized(app: &AppState, headers: &HeaderMap) -> bool {
+    let Some(key) = &app.api_key else { return true };
+    let given = headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    given == Some(key.as_str())
 }
 
-async fn serve(app: Arc<AppState>, headers: HeaderMap, body: Bytes, chat: bool) -> Result<Response, ApiError> {
-    if let Err(resp) = check_auth(&app, &headers) {
-        return Ok(resp);
+fn unauthorized() -> Response {
+    let body = json!({"error": {"message": "missing or invalid API key", "type": "authentication_error", "param": null, "code": 401}});
+    (StatusCode::UNAUTHORIZED, Json(body)).into_response()
+}
+
+async fn serve(
+    app: Arc<AppState>,
+    headers: HeaderMap,
+    body: Bytes,
+    chat: bool,
+) -> Result<Response, ApiError> {
+    if !authorized(&app, &headers) {
+        return Ok(unauthorized());
     }
     let req = openai::parse_request(&body, chat)?;
     if let Some(m) = &req.model {
@@ -147,21 +174,35 @@ async fn serve(app: Arc<AppState>, headers: HeaderMap, body: Bytes, chat: bool) 
         }
     }
     let permit = app.admission.clone().try_acquire_owned().map_err(|_| {
-        RequestError::Overloaded(format!("{} requests in flight", app.admission.available_permits()))
+        RequestError::Overloaded(format!(
+            "{} requests in flight",
+            app.admission.available_permits()
+        ))
     })?;
     let prompt = tokenize(&app, &req.prompt)?;
-    let max_tokens = openai::resolve_max_tokens(req.max_tokens, chat, prompt.len(), app.max_model_len)?;
+    let max_tokens =
+        openai::resolve_max_tokens(req.max_tokens, chat, prompt.len(), app.max_model_len)?;
     let mut params = req.params.clone();
     params.max_tokens = max_tokens;
-    params.validate(app.vocab_size).map_err(|e| RequestError::BadRequest(e.to_string()))?;
+    params
+        .validate(app.vocab_size)
+        .map_err(|e| RequestError::BadRequest(e.to_string()))?;
 
     let id = RequestId(app.next_id.fetch_add(1, Ordering::Relaxed));
     let token_ids = req.return_token_ids.then(|| prompt.clone());
     let (tx, rx) = unbounded_channel();
     app.scheduler
-        .cast(SchedulerMsg::Submit { request: NewRequest { id, prompt, params }, sink: tx })
+        .cast(SchedulerMsg::Submit {
+            request: NewRequest { id, prompt, params },
+            sink: tx,
+        })
         .map_err(|_| RequestError::ShuttingDown)?;
-    let guard = RequestGuard { id, scheduler: app.scheduler.clone(), finished: false, _permit: permit };
+    let guard = RequestGuard {
+        id,
+        scheduler: app.scheduler.clone(),
+        finished: false,
+        _permit: permit,
+    };
     let meta = ResponseMeta {
         id: format!("{}-{}", if chat { "chatcmpl" } else { "cmpl" }, id.0),
         created: unix_now(),
@@ -173,9 +214,11 @@ async fn serve(app: Arc<AppState>, headers: HeaderMap, body: Bytes, chat: bool) 
     };
     let deadline = tokio::time::Instant::now() + app.request_timeout;
     if req.stream {
-        Ok(Sse::new(sse_stream(rx, guard, meta, deadline, app.request_timeout))
-            .keep_alive(KeepAlive::default())
-            .into_response())
+        Ok(
+            Sse::new(sse_stream(rx, guard, meta, deadline, app.request_timeout))
+                .keep_alive(KeepAlive::default())
+                .into_response(),
+        )
     } else {
         collect(rx, guard, meta, deadline, app.request_timeout, &req).await
     }
@@ -195,7 +238,10 @@ fn tokenize(app: &AppState, prompt: &PromptInput) -> Result<Vec<u32>, RequestErr
         return Err(RequestError::BadRequest("the prompt is empty".into()));
     }
     if let Some(bad) = ids.iter().find(|&&t| t as usize >= app.vocab_size) {
-        return Err(RequestError::BadRequest(format!("token id {bad} is outside the vocabulary of {}", app.vocab_size)));
+        return Err(RequestError::BadRequest(format!(
+            "token id {bad} is outside the vocabulary of {}",
+            app.vocab_size
+        )));
     }
     Ok(ids)
 }
@@ -222,7 +268,13 @@ impl ResponseMeta {
 
     fn chunk_body(&self, text: &str, finish: Option<&str>, first: bool) -> Value {
         if self.chat {
-            let delta = if first { json!({"role": "assistant", "content": text}) } else if finish.is_some() && text.is_empty() { json!({}) } else { json!({"content": text}) };
+            let delta = if first {
+                json!({"role": "assistant", "content": text})
+            } else if finish.is_some() && text.is_empty() {
+                json!({})
+            } else {
+                json!({"content": text})
+            };
             json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
                    "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}]})
         } else {
@@ -232,12 +284,23 @@ impl ResponseMeta {
     }
 
     fn usage_chunk(&self, prompt: usize, completion: usize) -> Value {
-        let object = if self.chat { "chat.completion.chunk" } else { "text_completion" };
+        let object = if self.chat {
+            "chat.completion.chunk"
+        } else {
+            "text_completion"
+        };
         json!({"id": self.id, "object": object, "created": self.created, "model": self.model,
                "choices": [], "usage": openai::usage(prompt, completion)})
     }
 
-    fn full(&self, text: &str, finish: &str, prompt: usize, completion: usize, tokens: &[u32]) -> Value {
+    fn full(
+        &self,
+        text: &str,
+        finish: &str,
+        prompt: usize,
+        completion: usize,
+        tokens: &[u32],
+    ) -> Value {
         let mut v = if self.chat {
             json!({"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish}],
@@ -258,10 +321,16 @@ impl ResponseMeta {
     }
 }
 
-async fn next_event(rx: &mut UnboundedReceiver<RequestEvent>, deadline: tokio::time::Instant, timeout: Duration) -> RequestEvent {
+async fn next_event(
+    rx: &mut UnboundedReceiver<RequestEvent>,
+    deadline: tokio::time::Instant,
+    timeout: Duration,
+) -> RequestEvent {
     match tokio::time::timeout_at(deadline, rx.recv()).await {
         Ok(Some(e)) => e,
-        Ok(None) => RequestEvent::Failed(RequestError::Internal("the scheduler dropped the request".into())),
+        Ok(None) => RequestEvent::Failed(RequestError::Internal(
+            "the scheduler dropped the request".into(),
+        )),
         Err(_) => RequestEvent::Failed(RequestError::Timeout(timeout.as_secs())),
     }
 }
@@ -282,10 +351,22 @@ async fn collect(
                 text.push_str(&t);
                 tokens.push(token);
             }
-            RequestEvent::Finished { reason, text: t, prompt_tokens, completion_tokens } => {
+            RequestEvent::Finished {
+                reason,
+                text: t,
+                prompt_tokens,
+                completion_tokens,
+            } => {
                 guard.finished = true;
                 text.push_str(&t);
-                return Ok(Json(meta.full(&text, reason.as_openai(), prompt_tokens, completion_tokens, &tokens)).into_response());
+                return Ok(Json(meta.full(
+                    &text,
+                    reason.as_openai(),
+                    prompt_tokens,
+                    completion_tokens,
+                    &tokens,
+                ))
+                .into_response());
             }
             RequestEvent::Failed(e) => {
                 guard.finished = !matches!(e, RequestError::Timeout(_));
@@ -307,47 +388,65 @@ fn sse_stream(
     deadline: tokio::time::Instant,
     timeout: Duration,
 ) -> impl Stream<Item = Result<Event, std::convert::Infallible>> {
-    let state = (rx, guard, meta, StreamPhase::Running, true, Vec::<Event>::new());
-    stream::unfold(state, move |(mut rx, mut guard, meta, phase, mut first, mut pending)| async move {
-        if let Some(ev) = pending.pop() {
-            return Some((Ok(ev), (rx, guard, meta, phase, first, pending)));
-        }
-        if let StreamPhase::Done = phase {
-            return None;
-        }
-        let data = |v: Value| Event::default().data(v.to_string());
-        // Tokens whose text is not final yet (half a UTF-8 character, a possible stop string)
-        // are carried into the next chunk rather than sent as empty chunks.
-        let mut held: Vec<u32> = Vec::new();
-        let ev = loop {
-            match next_event(&mut rx, deadline, timeout).await {
-                RequestEvent::Token { text, token } => {
-                    held.push(token);
-                    if text.is_empty() && !(first && meta.chat) {
-                        continue;
-                    }
-                    let e = data(meta.chunk(&text, None, first, &held));
-                    first = false;
-                    return Some((Ok(e), (rx, guard, meta, StreamPhase::Running, first, pending)));
-                }
-                RequestEvent::Finished { reason, text, prompt_tokens, completion_tokens } => {
-                    guard.finished = true;
-                    // `pending` is emitted from its end.
-                    pending.push(Event::default().data("[DONE]"));
-                    if meta.include_usage {
-                        pending.push(data(meta.usage_chunk(prompt_tokens, completion_tokens)));
-                    }
-                    break data(meta.chunk(&text, Some(reason.as_openai()), first, &held));
-                }
-                RequestEvent::Failed(e) => {
-                    guard.finished = !matches!(e, RequestError::Timeout(_));
-                    pending.push(Event::default().data("[DONE]"));
-                    break data(openai::error_body(&e));
-                }
+    let state = (
+        rx,
+        guard,
+        meta,
+        StreamPhase::Running,
+        true,
+        Vec::<Event>::new(),
+    );
+    stream::unfold(
+        state,
+        move |(mut rx, mut guard, meta, phase, mut first, mut pending)| async move {
+            if let Some(ev) = pending.pop() {
+                return Some((Ok(ev), (rx, guard, meta, phase, first, pending)));
             }
-        };
-        Some((Ok(ev), (rx, guard, meta, StreamPhase::Done, false, pending)))
-    })
+            if let StreamPhase::Done = phase {
+                return None;
+            }
+            let data = |v: Value| Event::default().data(v.to_string());
+            // Tokens whose text is not final yet (half a UTF-8 character, a possible stop string)
+            // are carried into the next chunk rather than sent as empty chunks.
+            let mut held: Vec<u32> = Vec::new();
+            let ev = loop {
+                match next_event(&mut rx, deadline, timeout).await {
+                    RequestEvent::Token { text, token } => {
+                        held.push(token);
+                        if text.is_empty() && !(first && meta.chat) {
+                            continue;
+                        }
+                        let e = data(meta.chunk(&text, None, first, &held));
+                        first = false;
+                        return Some((
+                            Ok(e),
+                            (rx, guard, meta, StreamPhase::Running, first, pending),
+                        ));
+                    }
+                    RequestEvent::Finished {
+                        reason,
+                        text,
+                        prompt_tokens,
+                        completion_tokens,
+                    } => {
+                        guard.finished = true;
+                        // `pending` is emitted from its end.
+                        pending.push(Event::default().data("[DONE]"));
+                        if meta.include_usage {
+                            pending.push(data(meta.usage_chunk(prompt_tokens, completion_tokens)));
+                        }
+                        break data(meta.chunk(&text, Some(reason.as_openai()), first, &held));
+                    }
+                    RequestEvent::Failed(e) => {
+                        guard.finished = !matches!(e, RequestError::Timeout(_));
+                        pending.push(Event::default().data("[DONE]"));
+                        break data(openai::error_body(&e));
+                    }
+                }
+            };
+            Some((Ok(ev), (rx, guard, meta, StreamPhase::Done, false, pending)))
+        },
+    )
 }
 
 /// Messages of the HttpFrontend.
@@ -380,8 +479,14 @@ impl Actor for HttpFrontend {
     type State = HttpState;
     type Arguments = HttpArgs;
 
-    async fn pre_start(&self, _myself: ActorRef<Self::Msg>, args: HttpArgs) -> Result<Self::State, ActorProcessingErr> {
-        let listener = tokio::net::TcpListener::bind(args.bind).await.map_err(|e| format!("cannot listen on {}: {e}", args.bind))?;
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        args: HttpArgs,
+    ) -> Result<Self::State, ActorProcessingErr> {
+        let listener = tokio::net::TcpListener::bind(args.bind)
+            .await
+            .map_err(|e| format!("cannot listen on {}: {e}", args.bind))?;
         let addr = listener.local_addr()?;
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let app = router(args.app);
@@ -394,10 +499,19 @@ impl Actor for HttpFrontend {
             }
         });
         tracing::info!(%addr, "HTTP frontend listening");
-        Ok(HttpState { addr, shutdown: Some(tx), task })
+        Ok(HttpState {
+            addr,
+            shutdown: Some(tx),
+            task,
+        })
     }
 
-    async fn handle(&self, _myself: ActorRef<Self::Msg>, msg: Self::Msg, st: &mut Self::State) -> Result<(), ActorProcessingErr> {
+    async fn handle(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        msg: Self::Msg,
+        st: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
         match msg {
             HttpMsg::LocalAddr(reply) => {
                 if !reply.is_closed() {
@@ -408,11 +522,18 @@ impl Actor for HttpFrontend {
         Ok(())
     }
 
-    async fn post_stop(&self, _myself: ActorRef<Self::Msg>, st: &mut Self::State) -> Result<(), ActorProcessingErr> {
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        st: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
         if let Some(tx) = st.shutdown.take() {
             let _ = tx.send(());
         }
-        if tokio::time::timeout(Duration::from_secs(5), &mut st.task).await.is_err() {
+        if tokio::time::timeout(Duration::from_secs(5), &mut st.task)
+            .await
+            .is_err()
+        {
             st.task.abort();
         }
         Ok(())

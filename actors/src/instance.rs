@@ -71,7 +71,11 @@ impl InstanceOptions {
             model,
             served_name: cfg.model.name.clone(),
             tp: cfg.model.tp,
-            weights: cfg.model.weights.parse().map_err(|e| format!("model.weights: {e}"))?,
+            weights: cfg
+                .model
+                .weights
+                .parse()
+                .map_err(|e| format!("model.weights: {e}"))?,
             max_num_seqs: cfg.scheduler.max_num_seqs,
             max_num_batched_tokens: cfg.scheduler.max_num_batched_tokens,
             block_size: cfg.scheduler.block_size,
@@ -131,20 +135,35 @@ impl Instance {
         let model = opts.model;
         let cfg = model.config.clone();
         cfg.check_tp(opts.tp).map_err(|e| e.to_string())?;
-        let bytes_per_block_all_ranks = 2 * cfg.num_layers * cfg.num_kv_heads * opts.block_size * cfg.head_dim * 4;
-        let num_blocks = opts.num_blocks.unwrap_or(opts.kv_cache_bytes / bytes_per_block_all_ranks).max(1);
-        let max_model_len = opts.max_model_len.unwrap_or(cfg.context_length).min(cfg.context_length);
+        let bytes_per_block_all_ranks =
+            2 * cfg.num_layers * cfg.num_kv_heads * opts.block_size * cfg.head_dim * 4;
+        let num_blocks = opts
+            .num_blocks
+            .unwrap_or(opts.kv_cache_bytes / bytes_per_block_all_ranks)
+            .max(1);
+        let max_model_len = opts
+            .max_model_len
+            .unwrap_or(cfg.context_length)
+            .min(cfg.context_length);
         let served = opts.served_name.unwrap_or_else(|| model.name.clone());
-        let comm_placeholder = pdserve_gpu::collective::ThreadCollective::group(1, Duration::from_secs(1)).remove(0);
+        let comm_placeholder =
+            pdserve_gpu::collective::ThreadCollective::group(1, Duration::from_secs(1)).remove(0);
         // The scheduler reference is filled in by the supervisor once it exists.
-        let (dummy, _) = Actor::spawn(None, Placeholder, ()).await.map_err(|e| e.to_string())?;
+        let (dummy, _) = Actor::spawn(None, Placeholder, ())
+            .await
+            .map_err(|e| e.to_string())?;
         let worker = WorkerArgs {
             rank: 0,
             epoch: 1,
             config: cfg.clone(),
             store: Arc::new(model.store),
             comm: comm_placeholder,
-            opts: TpOptions { tp: opts.tp, num_blocks, block_size: opts.block_size, format: opts.weights },
+            opts: TpOptions {
+                tp: opts.tp,
+                num_blocks,
+                block_size: opts.block_size,
+                format: opts.weights,
+            },
             alloc: opts.alloc,
             scheduler: dummy.clone(),
             panic_next: Arc::new(std::sync::atomic::AtomicBool::new(false)),
@@ -152,8 +171,16 @@ impl Instance {
         dummy.stop(None);
         let tokenizer = model.tokenizer.clone();
         let http = opts.bind.map(|bind| {
-            let (tokenizer, chat_template, model_name) = (model.tokenizer.clone(), model.chat_template.clone(), served.clone());
-            let (max_concurrent, timeout, api_key) = (opts.max_concurrent_requests, opts.request_timeout, opts.api_key.clone());
+            let (tokenizer, chat_template, model_name) = (
+                model.tokenizer.clone(),
+                model.chat_template.clone(),
+                served.clone(),
+            );
+            let (max_concurrent, timeout, api_key) = (
+                opts.max_concurrent_requests,
+                opts.request_timeout,
+                opts.api_key.clone(),
+            );
             let vocab_size = cfg.vocab_size;
             let make = move |scheduler: ActorRef<SchedulerMsg>| AppState {
                 scheduler,
@@ -168,7 +195,7 @@ impl Instance {
                 next_id: AtomicU64::new(1),
                 metrics: pdserve_runtime::telemetry::install_metrics(),
             };
-            (bind, Box::new(make) as Box<dyn FnOnce(ActorRef<SchedulerMsg>) -> AppState + Send>)
+            (bind, Box::new(make) as crate::supervisor::AppStateFactory)
         });
         let args = InstanceArgs {
             name: opts.name.clone(),
@@ -185,21 +212,37 @@ impl Instance {
             http,
             restart_policy: opts.restart_policy,
         };
-        let (supervisor, join) = Actor::spawn(Some(format!("{}/supervisor", opts.name)), InstanceSupervisor, args)
-            .await
-            .map_err(|e| format!("instance {} failed to start: {e}", opts.name))?;
+        let (supervisor, join) = Actor::spawn(
+            Some(format!("{}/supervisor", opts.name)),
+            InstanceSupervisor,
+            args,
+        )
+        .await
+        .map_err(|e| format!("instance {} failed to start: {e}", opts.name))?;
         let scheduler = ractor::registry::where_is(format!("{}/scheduler", opts.name))
             .map(ActorRef::<SchedulerMsg>::from)
             .ok_or("scheduler did not register")?;
         let addr = ractor::registry::where_is(format!("{}/http", opts.name)).map(|_| ());
         let addr = match addr {
             Some(()) => {
-                let http: ActorRef<crate::http::HttpMsg> = ractor::registry::where_is(format!("{}/http", opts.name)).expect("checked").into();
-                Some(ractor::call_t!(http, crate::http::HttpMsg::LocalAddr, 5_000).map_err(|e| e.to_string())?)
+                let http: ActorRef<crate::http::HttpMsg> =
+                    ractor::registry::where_is(format!("{}/http", opts.name))
+                        .expect("checked")
+                        .into();
+                Some(
+                    ractor::call_t!(http, crate::http::HttpMsg::LocalAddr, 5_000)
+                        .map_err(|e| e.to_string())?,
+                )
             }
             None => None,
         };
-        Ok(Self { supervisor, join, scheduler, addr, model_name: served })
+        Ok(Self {
+            supervisor,
+            join,
+            scheduler,
+            addr,
+            model_name: served,
+        })
     }
 
     /// The API address.
@@ -227,7 +270,9 @@ impl Instance {
     /// # Errors
     /// When the scheduler is gone or slow.
     pub async fn stats(&self) -> Result<SchedulerStats, String> {
-        crate::supervisor::scheduler_stats(&self.scheduler).await.map_err(|e| e.to_string())
+        crate::supervisor::scheduler_stats(&self.scheduler)
+            .await
+            .map_err(|e| e.to_string())
     }
 
     /// The live actor tree.
@@ -249,10 +294,14 @@ impl Instance {
         params: pdserve_gpu::sampling::SamplingParams,
     ) -> Result<tokio::sync::mpsc::UnboundedReceiver<crate::scheduler::RequestEvent>, String> {
         static NEXT: AtomicU64 = AtomicU64::new(1 << 48);
-        let id = pdserve_runtime::ids::RequestId(NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+        let id = pdserve_runtime::ids::RequestId(
+            NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        );
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         let request = crate::scheduler::NewRequest { id, prompt, params };
-        self.scheduler.cast(SchedulerMsg::Submit { request, sink: tx }).map_err(|e| e.to_string())?;
+        self.scheduler
+            .cast(SchedulerMsg::Submit { request, sink: tx })
+            .map_err(|e| e.to_string())?;
         Ok(rx)
     }
 
@@ -285,7 +334,11 @@ impl Actor for Placeholder {
     type Msg = SchedulerMsg;
     type State = ();
     type Arguments = ();
-    async fn pre_start(&self, _m: ActorRef<Self::Msg>, _a: ()) -> Result<(), ractor::ActorProcessingErr> {
+    async fn pre_start(
+        &self,
+        _m: ActorRef<Self::Msg>,
+        _a: (),
+    ) -> Result<(), ractor::ActorProcessingErr> {
         Ok(())
     }
 }

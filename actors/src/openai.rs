@@ -45,11 +45,20 @@ fn bad(msg: impl Into<String>) -> RequestError {
     RequestError::BadRequest(msg.into())
 }
 
-fn opt_f32(v: &Value, key: &str, lo: f32, hi: f32, lo_open: bool) -> Result<Option<f32>, RequestError> {
+fn opt_f32(
+    v: &Value,
+    key: &str,
+    lo: f32,
+    hi: f32,
+    lo_open: bool,
+) -> Result<Option<f32>, RequestError> {
     match v.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(x) => {
-            let f = x.as_f64().ok_or_else(|| bad(format!("`{key}` must be a number")))? as f32;
+            let f = x
+                .as_f64()
+                .ok_or_else(|| bad(format!("`{key}` must be a number")))?
+                as f32;
             let below = if lo_open { f <= lo } else { f < lo };
             if !f.is_finite() || below || f > hi {
                 let lb = if lo_open { "(" } else { "[" };
@@ -65,7 +74,9 @@ fn opt_uint(v: &Value, key: &str) -> Result<Option<u64>, RequestError> {
         None | Some(Value::Null) => Ok(None),
         Some(x) => match x.as_u64() {
             Some(n) => Ok(Some(n)),
-            None if x.as_i64().is_some() => Err(bad(format!("`{key}` must be a non-negative integer, got {x}"))),
+            None if x.as_i64().is_some() => Err(bad(format!(
+                "`{key}` must be a non-negative integer, got {x}"
+            ))),
             None => Err(bad(format!("`{key}` must be an integer, got {x}"))),
         },
     }
@@ -85,14 +96,23 @@ fn strings(v: &Value, key: &str) -> Result<Vec<String>, RequestError> {
         Some(Value::String(s)) => Ok(vec![s.clone()]),
         Some(Value::Array(a)) => a
             .iter()
-            .map(|x| x.as_str().map(str::to_string).ok_or_else(|| bad(format!("`{key}` must be a string or a list of strings"))))
+            .map(|x| {
+                x.as_str()
+                    .map(str::to_string)
+                    .ok_or_else(|| bad(format!("`{key}` must be a string or a list of strings")))
+            })
             .collect(),
-        Some(_) => Err(bad(format!("`{key}` must be a string or a list of strings"))),
+        Some(_) => Err(bad(format!(
+            "`{key}` must be a string or a list of strings"
+        ))),
     }
 }
 
 fn token_list(v: &Value) -> Option<Vec<u32>> {
-    v.as_array()?.iter().map(|t| t.as_u64().and_then(|n| u32::try_from(n).ok())).collect()
+    v.as_array()?
+        .iter()
+        .map(|t| t.as_u64().and_then(|n| u32::try_from(n).ok()))
+        .collect()
 }
 
 /// Parses a body for `/v1/completions` (`chat == false`) or `/v1/chat/completions`.
@@ -100,7 +120,8 @@ fn token_list(v: &Value) -> Option<Vec<u32>> {
 /// # Errors
 /// [`RequestError::BadRequest`] naming the offending field.
 pub fn parse_request(body: &[u8], chat: bool) -> Result<ParsedRequest, RequestError> {
-    let v: Value = serde_json::from_slice(body).map_err(|e| bad(format!("invalid JSON body: {e}")))?;
+    let v: Value =
+        serde_json::from_slice(body).map_err(|e| bad(format!("invalid JSON body: {e}")))?;
     if !v.is_object() {
         return Err(bad("the request body must be a JSON object"));
     }
@@ -110,13 +131,19 @@ pub fn parse_request(body: &[u8], chat: bool) -> Result<ParsedRequest, RequestEr
         Some(_) => return Err(bad("`model` must be a string")),
     };
     let prompt = if chat {
-        let msgs = v.get("messages").and_then(Value::as_array).ok_or_else(|| bad("`messages` must be a non-empty list"))?;
+        let msgs = v
+            .get("messages")
+            .and_then(Value::as_array)
+            .ok_or_else(|| bad("`messages` must be a non-empty list"))?;
         if msgs.is_empty() {
             return Err(bad("`messages` must be a non-empty list"));
         }
         let mut out = Vec::with_capacity(msgs.len());
         for (i, m) in msgs.iter().enumerate() {
-            let role = m.get("role").and_then(Value::as_str).ok_or_else(|| bad(format!("`messages[{i}].role` must be a string")))?;
+            let role = m
+                .get("role")
+                .and_then(Value::as_str)
+                .ok_or_else(|| bad(format!("`messages[{i}].role` must be a string")))?;
             if !matches!(role, "system" | "user" | "assistant" | "tool" | "developer") {
                 return Err(bad(format!("`messages[{i}].role` `{role}` is not one of system, user, assistant, tool, developer")));
             }
@@ -133,7 +160,11 @@ pub fn parse_request(body: &[u8], chat: bool) -> Result<ParsedRequest, RequestEr
                     text
                 }
                 None | Some(Value::Null) if role == "assistant" => String::new(),
-                _ => return Err(bad(format!("`messages[{i}].content` must be a string or a list of text parts"))),
+                _ => {
+                    return Err(bad(format!(
+                        "`messages[{i}].content` must be a string or a list of text parts"
+                    )))
+                }
             };
             out.push(ChatMessage::new(role, content));
         }
@@ -141,19 +172,39 @@ pub fn parse_request(body: &[u8], chat: bool) -> Result<ParsedRequest, RequestEr
     } else {
         match v.get("prompt") {
             Some(Value::String(s)) => PromptInput::Text(s.clone()),
-            Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => PromptInput::Text(a[0].as_str().unwrap_or_default().to_string()),
-            Some(Value::Array(a)) if a.len() == 1 && a[0].is_array() => {
-                PromptInput::Tokens(token_list(&a[0]).ok_or_else(|| bad("`prompt` token ids must be non-negative integers"))?)
+            Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
+                PromptInput::Text(a[0].as_str().unwrap_or_default().to_string())
             }
-            Some(a @ Value::Array(items)) if !items.is_empty() && items.iter().all(Value::is_number) => {
-                PromptInput::Tokens(token_list(a).ok_or_else(|| bad("`prompt` token ids must be non-negative integers"))?)
+            Some(Value::Array(a)) if a.len() == 1 && a[0].is_array() => PromptInput::Tokens(
+                token_list(&a[0])
+                    .ok_or_else(|| bad("`prompt` token ids must be non-negative integers"))?,
+            ),
+            Some(a @ Value::Array(items))
+                if !items.is_empty() && items.iter().all(Value::is_number) =>
+            {
+                PromptInput::Tokens(
+                    token_list(a)
+                        .ok_or_else(|| bad("`prompt` token ids must be non-negative integers"))?,
+                )
             }
-            Some(Value::Array(a)) if a.len() > 1 => return Err(bad("batched prompts are not supported: send one prompt per request")),
+            Some(Value::Array(a)) if a.len() > 1 => {
+                return Err(bad(
+                    "batched prompts are not supported: send one prompt per request",
+                ))
+            }
             None | Some(Value::Null) => return Err(bad("`prompt` is required")),
-            _ => return Err(bad("`prompt` must be a string, a list of token ids, or a list with one of those")),
+            _ => {
+                return Err(bad(
+                    "`prompt` must be a string, a list of token ids, or a list with one of those",
+                ))
+            }
         }
     };
-    let key_max = if chat && v.get("max_completion_tokens").is_some() { "max_completion_tokens" } else { "max_tokens" };
+    let key_max = if chat && v.get("max_completion_tokens").is_some() {
+        "max_completion_tokens"
+    } else {
+        "max_tokens"
+    };
     let max_tokens = opt_uint(&v, key_max)?.map(|n| n as usize);
     if max_tokens == Some(0) {
         return Err(bad(format!("`{key_max}` must be at least 1")));
@@ -201,7 +252,11 @@ pub fn parse_request(body: &[u8], chat: bool) -> Result<ParsedRequest, RequestEr
         Some(x) => match x.as_i64() {
             Some(-1) | Some(0) => params.top_k = None,
             Some(k) if k > 0 => params.top_k = Some(k as u32),
-            _ => return Err(bad(format!("`top_k` must be -1, 0 or a positive integer, got {x}"))),
+            _ => {
+                return Err(bad(format!(
+                    "`top_k` must be -1, 0 or a positive integer, got {x}"
+                )))
+            }
         },
     }
     params.seed = opt_uint(&v, "seed")?;
@@ -211,7 +266,9 @@ pub fn parse_request(body: &[u8], chat: bool) -> Result<ParsedRequest, RequestEr
     }
     params.stop_token_ids = match v.get("stop_token_ids") {
         None | Some(Value::Null) => Vec::new(),
-        Some(x) => token_list(x).ok_or_else(|| bad("`stop_token_ids` must be a list of token ids"))?,
+        Some(x) => {
+            token_list(x).ok_or_else(|| bad("`stop_token_ids` must be a list of token ids"))?
+        }
     };
     params.ignore_eos = opt_bool(&v, "ignore_eos")?;
     let stream = opt_bool(&v, "stream")?;
@@ -220,9 +277,21 @@ pub fn parse_request(body: &[u8], chat: bool) -> Result<ParsedRequest, RequestEr
         Some(o) if o.is_object() => opt_bool(o, "include_usage")?,
         Some(_) => return Err(bad("`stream_options` must be an object")),
     };
-    let kv_transfer_params = v.get("kv_transfer_params").filter(|x| !x.is_null()).cloned();
+    let kv_transfer_params = v
+        .get("kv_transfer_params")
+        .filter(|x| !x.is_null())
+        .cloned();
     let return_token_ids = opt_bool(&v, "return_token_ids")?;
-    Ok(ParsedRequest { model, prompt, max_tokens, params, stream, include_usage, kv_transfer_params, return_token_ids })
+    Ok(ParsedRequest {
+        model,
+        prompt,
+        max_tokens,
+        params,
+        stream,
+        include_usage,
+        kv_transfer_params,
+        return_token_ids,
+    })
 }
 
 /// Resolves `max_tokens` against the prompt: the default for a missing one (16 for
@@ -231,7 +300,12 @@ pub fn parse_request(body: &[u8], chat: bool) -> Result<ParsedRequest, RequestEr
 /// # Errors
 /// [`RequestError::ContextOverflow`] when the prompt alone, or the prompt plus `max_tokens`,
 /// exceed `max_model_len`.
-pub fn resolve_max_tokens(requested: Option<usize>, chat: bool, prompt_len: usize, max_model_len: usize) -> Result<usize, RequestError> {
+pub fn resolve_max_tokens(
+    requested: Option<usize>,
+    chat: bool,
+    prompt_len: usize,
+    max_model_len: usize,
+) -> Result<usize, RequestError> {
     let overflow = |completion: usize| RequestError::ContextOverflow {
         max: max_model_len,
         requested: prompt_len + completion,
@@ -267,26 +341,41 @@ mod tests {
     use super::*;
 
     fn err(body: &str, chat: bool) -> String {
-        parse_request(body.as_bytes(), chat).unwrap_err().to_string()
+        parse_request(body.as_bytes(), chat)
+            .unwrap_err()
+            .to_string()
     }
 
     #[test]
     fn parses_prompts_and_sampling() {
         let r = parse_request(br#"{"model":"m","prompt":"hi","max_tokens":5,"temperature":0.5,"top_k":-1,"stop":"x","stream":true,"stream_options":{"include_usage":true}}"#, false).unwrap();
         assert_eq!(r.prompt, PromptInput::Text("hi".into()));
-        assert_eq!((r.max_tokens, r.params.temperature, r.params.top_k, r.stream, r.include_usage), (Some(5), 0.5, None, true, true));
+        assert_eq!(
+            (
+                r.max_tokens,
+                r.params.temperature,
+                r.params.top_k,
+                r.stream,
+                r.include_usage
+            ),
+            (Some(5), 0.5, None, true, true)
+        );
         assert_eq!(r.params.stop, vec!["x".to_string()]);
         let r = parse_request(br#"{"prompt":[1,2,3]}"#, false).unwrap();
         assert_eq!(r.prompt, PromptInput::Tokens(vec![1, 2, 3]));
         let r = parse_request(br#"{"messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}]}"#, true).unwrap();
-        assert_eq!(r.prompt, PromptInput::Chat(vec![ChatMessage::new("user", "ab")]));
+        assert_eq!(
+            r.prompt,
+            PromptInput::Chat(vec![ChatMessage::new("user", "ab")])
+        );
     }
 
     #[test]
     fn bad_fields_are_named() {
         assert!(err("{not json", false).contains("invalid JSON"));
         assert!(err(r#"{"prompt":"x","max_tokens":-3}"#, false).contains("non-negative"));
-        assert!(err(r#"{"prompt":"x","max_tokens":2.5}"#, false).contains("`max_tokens` must be an integer"));
+        assert!(err(r#"{"prompt":"x","max_tokens":2.5}"#, false)
+            .contains("`max_tokens` must be an integer"));
         assert!(err(r#"{"prompt":"x","temperature":7}"#, false).contains("temperature"));
         assert!(err(r#"{"prompt":"x","top_p":0}"#, false).contains("top_p"));
         assert!(err(r#"{"prompt":"x","n":2}"#, false).contains("`n`"));
@@ -300,8 +389,17 @@ mod tests {
     fn max_tokens_defaults_and_limits() {
         assert_eq!(resolve_max_tokens(None, false, 10, 100).unwrap(), 16);
         assert_eq!(resolve_max_tokens(None, true, 10, 100).unwrap(), 90);
-        assert!(matches!(resolve_max_tokens(Some(91), false, 10, 100), Err(RequestError::ContextOverflow { requested: 101, .. })));
-        assert!(matches!(resolve_max_tokens(Some(1), false, 100, 100), Err(RequestError::ContextOverflow { .. })));
-        assert!(matches!(resolve_max_tokens(Some(usize::MAX / 2), false, 1, 100), Err(RequestError::ContextOverflow { .. })));
+        assert!(matches!(
+            resolve_max_tokens(Some(91), false, 10, 100),
+            Err(RequestError::ContextOverflow { requested: 101, .. })
+        ));
+        assert!(matches!(
+            resolve_max_tokens(Some(1), false, 100, 100),
+            Err(RequestError::ContextOverflow { .. })
+        ));
+        assert!(matches!(
+            resolve_max_tokens(Some(usize::MAX / 2), false, 1, 100),
+            Err(RequestError::ContextOverflow { .. })
+        ));
     }
 }

@@ -11,7 +11,9 @@
 
 mod core;
 
-pub use self::core::{NewRequest, Output, RequestState, SchedulerConfig, SchedulerCore, SchedulerStats, StepPlan};
+pub use self::core::{
+    NewRequest, Output, RequestState, SchedulerConfig, SchedulerCore, SchedulerStats, StepPlan,
+};
 
 use crate::error::RequestError;
 use crate::worker::WorkerMsg;
@@ -138,7 +140,11 @@ impl Actor for Scheduler {
     type State = SchedulerState;
     type Arguments = SchedulerArgs;
 
-    async fn pre_start(&self, _myself: ActorRef<Self::Msg>, args: SchedulerArgs) -> Result<Self::State, ActorProcessingErr> {
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        args: SchedulerArgs,
+    ) -> Result<Self::State, ActorProcessingErr> {
         Ok(SchedulerState {
             core: SchedulerCore::new(args.config, args.tokenizer),
             owners: HashMap::new(),
@@ -150,15 +156,29 @@ impl Actor for Scheduler {
         })
     }
 
-    async fn handle(&self, _myself: ActorRef<Self::Msg>, msg: Self::Msg, st: &mut Self::State) -> Result<(), ActorProcessingErr> {
+    async fn handle(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        msg: Self::Msg,
+        st: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
         match msg {
             SchedulerMsg::Submit { request, sink } => {
                 let id = request.id;
                 let prompt_tokens = request.prompt.len();
                 match st.core.add(request) {
                     Ok(()) => {
-                        metrics::counter!(pdserve_runtime::telemetry::PROMPT_TOKENS_TOTAL).increment(prompt_tokens as u64);
-                        st.owners.insert(id, Owner { sink, arrived: Instant::now(), first_token: None, last_token: None });
+                        metrics::counter!(pdserve_runtime::telemetry::PROMPT_TOKENS_TOTAL)
+                            .increment(prompt_tokens as u64);
+                        st.owners.insert(
+                            id,
+                            Owner {
+                                sink,
+                                arrived: Instant::now(),
+                                first_token: None,
+                                last_token: None,
+                            },
+                        );
                     }
                     Err(e) => {
                         let _ = sink.send(RequestEvent::Failed(e));
@@ -172,7 +192,12 @@ impl Actor for Scheduler {
                 }
                 st.owners.remove(&id);
             }
-            SchedulerMsg::StepDone { epoch, step_id, rank, result } => {
+            SchedulerMsg::StepDone {
+                epoch,
+                step_id,
+                rank,
+                result,
+            } => {
                 st.on_step_done(epoch, step_id, rank, result);
             }
             SchedulerMsg::WorkerDown { rank, reason } => {
@@ -186,11 +211,18 @@ impl Actor for Scheduler {
                     for (_, w) in st.workers.iter().flatten() {
                         let _ = w.cast(WorkerMsg::Poison(reason.clone()));
                     }
-                    let out = st.core.fail_step(inf.plan, RequestError::WorkerFailed(format!("TP rank {rank} failed: {reason}")));
+                    let out = st.core.fail_step(
+                        inf.plan,
+                        RequestError::WorkerFailed(format!("TP rank {rank} failed: {reason}")),
+                    );
                     st.dispatch(out);
                 }
             }
-            SchedulerMsg::WorkerUp { rank, epoch, worker } => {
+            SchedulerMsg::WorkerUp {
+                rank,
+                epoch,
+                worker,
+            } => {
                 st.workers[rank] = Some((epoch, worker));
             }
             SchedulerMsg::Stats(reply) => {
@@ -206,13 +238,26 @@ impl Actor for Scheduler {
 }
 
 impl SchedulerState {
-    fn on_step_done(&mut self, epoch: u64, step_id: u64, rank: usize, result: Result<Vec<Vec<f32>>, String>) {
-        let current_epoch = self.workers.get(rank).and_then(|w| w.as_ref().map(|(e, _)| *e));
+    fn on_step_done(
+        &mut self,
+        epoch: u64,
+        step_id: u64,
+        rank: usize,
+        result: Result<Vec<Vec<f32>>, String>,
+    ) {
+        let current_epoch = self
+            .workers
+            .get(rank)
+            .and_then(|w| w.as_ref().map(|(e, _)| *e));
         if current_epoch != Some(epoch) {
             tracing::debug!(rank, epoch, step_id, "dropping a report from an old epoch");
             return;
         }
-        let Some(inf) = self.in_flight.as_mut().filter(|i| i.plan.step_id == step_id) else {
+        let Some(inf) = self
+            .in_flight
+            .as_mut()
+            .filter(|i| i.plan.step_id == step_id)
+        else {
             // A reply to a step that already failed: that rank has left the collective.
             self.draining[rank] = false;
             return;
@@ -240,13 +285,19 @@ impl SchedulerState {
                 self.needs_reset = true;
                 self.core.fail_step(inf.plan, RequestError::WorkerFailed(e))
             }
-            (None, None) => self.core.fail_step(inf.plan, RequestError::Internal("no logits from rank 0".into())),
+            (None, None) => self.core.fail_step(
+                inf.plan,
+                RequestError::Internal("no logits from rank 0".into()),
+            ),
         };
         self.dispatch(out);
     }
 
     fn maybe_step(&mut self) {
-        if self.in_flight.is_some() || self.workers.iter().any(Option::is_none) || !self.core.has_work() {
+        if self.in_flight.is_some()
+            || self.workers.iter().any(Option::is_none)
+            || !self.core.has_work()
+        {
             return;
         }
         if self.draining.iter().any(|&d| d) {
@@ -255,43 +306,76 @@ impl SchedulerState {
         if std::mem::take(&mut self.needs_reset) {
             self.collective.reset();
         }
-        let Some(plan) = self.core.schedule() else { return };
+        let Some(plan) = self.core.schedule() else {
+            return;
+        };
         let batch: Arc<Batch> = Arc::new(plan.batch.clone());
         for (_, w) in self.workers.iter().flatten() {
-            let _ = w.cast(WorkerMsg::Step { step_id: plan.step_id, batch: batch.clone() });
+            let _ = w.cast(WorkerMsg::Step {
+                step_id: plan.step_id,
+                batch: batch.clone(),
+            });
         }
-        self.in_flight = Some(InFlight { replies: vec![None; self.workers.len()], plan });
+        self.in_flight = Some(InFlight {
+            replies: vec![None; self.workers.len()],
+            plan,
+        });
     }
 
     fn dispatch(&mut self, outputs: Vec<Output>) {
         use pdserve_runtime::telemetry as m;
         for o in outputs {
             let (id, event, end) = match o {
-                Output::Token { id, token, text } => (id, RequestEvent::Token { token, text }, false),
-                Output::Finished { id, reason, text, prompt_tokens, completion_tokens } => {
+                Output::Token { id, token, text } => {
+                    (id, RequestEvent::Token { token, text }, false)
+                }
+                Output::Finished {
+                    id,
+                    reason,
+                    text,
+                    prompt_tokens,
+                    completion_tokens,
+                } => {
                     metrics::counter!(m::REQUESTS_TOTAL, "outcome" => "finished").increment(1);
-                    (id, RequestEvent::Finished { reason, text, prompt_tokens, completion_tokens }, true)
+                    (
+                        id,
+                        RequestEvent::Finished {
+                            reason,
+                            text,
+                            prompt_tokens,
+                            completion_tokens,
+                        },
+                        true,
+                    )
                 }
                 Output::Failed { id, error } => {
                     metrics::counter!(m::REQUESTS_TOTAL, "outcome" => error.kind()).increment(1);
                     (id, RequestEvent::Failed(error), true)
                 }
             };
-            let Some(owner) = self.owners.get_mut(&id) else { continue };
+            let Some(owner) = self.owners.get_mut(&id) else {
+                continue;
+            };
             if let RequestEvent::Token { .. } = event {
                 let now = Instant::now();
                 metrics::counter!(m::GENERATED_TOKENS_TOTAL).increment(1);
                 match owner.last_token {
-                    None => metrics::histogram!(m::TIME_TO_FIRST_TOKEN_SECONDS).record(now.duration_since(owner.arrived).as_secs_f64()),
-                    Some(prev) => metrics::histogram!(m::INTER_TOKEN_LATENCY_SECONDS).record(now.duration_since(prev).as_secs_f64()),
+                    None => metrics::histogram!(m::TIME_TO_FIRST_TOKEN_SECONDS)
+                        .record(now.duration_since(owner.arrived).as_secs_f64()),
+                    Some(prev) => metrics::histogram!(m::INTER_TOKEN_LATENCY_SECONDS)
+                        .record(now.duration_since(prev).as_secs_f64()),
                 }
                 owner.first_token.get_or_insert(now);
                 owner.last_token = Some(now);
             }
-            if let RequestEvent::Finished { completion_tokens, .. } = &event {
+            if let RequestEvent::Finished {
+                completion_tokens, ..
+            } = &event
+            {
                 if let (Some(first), Some(last)) = (owner.first_token, owner.last_token) {
                     if *completion_tokens > 1 {
-                        let tpot = last.duration_since(first).as_secs_f64() / (*completion_tokens - 1) as f64;
+                        let tpot = last.duration_since(first).as_secs_f64()
+                            / (*completion_tokens - 1) as f64;
                         metrics::histogram!(m::TIME_PER_OUTPUT_TOKEN_SECONDS).record(tpot);
                     }
                 }

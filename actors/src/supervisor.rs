@@ -12,7 +12,9 @@ use crate::http::{AppState, HttpArgs, HttpFrontend, HttpMsg};
 use crate::scheduler::{Scheduler, SchedulerArgs, SchedulerConfig, SchedulerMsg, SchedulerStats};
 use crate::worker::{TpWorker, WorkerArgs};
 use pdserve_gpu::collective::ThreadCollective;
-use pdserve_runtime::supervision::{ActorSnapshot, ActorState, RestartDecision, RestartPolicy, RestartTracker};
+use pdserve_runtime::supervision::{
+    ActorSnapshot, ActorState, RestartDecision, RestartPolicy, RestartTracker,
+};
 use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicBool;
@@ -27,6 +29,9 @@ pub enum SupervisorMsg {
     Snapshot(RpcReplyPort<ActorSnapshot>),
 }
 
+/// Builds the HTTP handlers' shared state once the Scheduler exists.
+pub type AppStateFactory = Box<dyn FnOnce(ActorRef<SchedulerMsg>) -> AppState + Send>;
+
 /// Everything an instance is started from.
 pub struct InstanceArgs {
     /// Instance name (prefix of its actors' registered names).
@@ -39,7 +44,7 @@ pub struct InstanceArgs {
     pub tokenizer: pdserve_gpu::tokenizer::Tokenizer,
     /// HTTP frontend: where to listen and the handler state (its `scheduler` field is
     /// replaced by the real one).
-    pub http: Option<(SocketAddr, Box<dyn FnOnce(ActorRef<SchedulerMsg>) -> AppState + Send>)>,
+    pub http: Option<(SocketAddr, AppStateFactory)>,
     /// Worker restart budget.
     pub restart_policy: RestartPolicy,
 }
@@ -77,7 +82,11 @@ fn worker_name(instance: &str, rank: usize) -> String {
     format!("{instance}/tp-worker-{rank}")
 }
 
-async fn spawn_worker(st: &SupervisorState, rank: usize, myself: &ActorRef<SupervisorMsg>) -> Result<Child, ActorProcessingErr> {
+async fn spawn_worker(
+    st: &SupervisorState,
+    rank: usize,
+    myself: &ActorRef<SupervisorMsg>,
+) -> Result<Child, ActorProcessingErr> {
     let mut args = st.worker_template.clone();
     args.rank = rank;
     args.epoch = st.epochs[rank];
@@ -85,7 +94,14 @@ async fn spawn_worker(st: &SupervisorState, rank: usize, myself: &ActorRef<Super
     args.panic_next = st.panic_flags[rank].clone();
     let name = worker_name(&st.name, rank);
     let (w, _) = Actor::spawn_linked(Some(name.clone()), TpWorker, args, myself.get_cell()).await?;
-    Ok(Child { name, kind: "TpWorker", cell: w.get_cell(), started: Instant::now(), restarts: 0, last_error: None })
+    Ok(Child {
+        name,
+        kind: "TpWorker",
+        cell: w.get_cell(),
+        started: Instant::now(),
+        restarts: 0,
+        last_error: None,
+    })
 }
 
 impl Actor for InstanceSupervisor {
@@ -93,14 +109,23 @@ impl Actor for InstanceSupervisor {
     type State = SupervisorState;
     type Arguments = InstanceArgs;
 
-    async fn pre_start(&self, myself: ActorRef<Self::Msg>, args: InstanceArgs) -> Result<Self::State, ActorProcessingErr> {
+    async fn pre_start(
+        &self,
+        myself: ActorRef<Self::Msg>,
+        args: InstanceArgs,
+    ) -> Result<Self::State, ActorProcessingErr> {
         let tp = args.worker.opts.tp;
         let comms = ThreadCollective::group(tp, pdserve_gpu::tp::COLLECTIVE_TIMEOUT);
         let sched_name = format!("{}/scheduler", args.name);
         let (scheduler, _) = Actor::spawn_linked(
             Some(sched_name.clone()),
             Scheduler,
-            SchedulerArgs { config: args.scheduler, tokenizer: args.tokenizer, tp, collective: comms[0].clone() },
+            SchedulerArgs {
+                config: args.scheduler,
+                tokenizer: args.tokenizer,
+                tp,
+                collective: comms[0].clone(),
+            },
             myself.get_cell(),
         )
         .await?;
@@ -112,10 +137,19 @@ impl Actor for InstanceSupervisor {
             worker_template: template,
             workers: Vec::new(),
             epochs: vec![1; tp],
-            trackers: (0..tp).map(|_| RestartTracker::new(args.restart_policy)).collect(),
+            trackers: (0..tp)
+                .map(|_| RestartTracker::new(args.restart_policy))
+                .collect(),
             comms,
             panic_flags: (0..tp).map(|_| Arc::new(AtomicBool::new(false))).collect(),
-            others: vec![Child { name: sched_name, kind: "Scheduler", cell: scheduler.get_cell(), started: Instant::now(), restarts: 0, last_error: None }],
+            others: vec![Child {
+                name: sched_name,
+                kind: "Scheduler",
+                cell: scheduler.get_cell(),
+                started: Instant::now(),
+                restarts: 0,
+                last_error: None,
+            }],
             started: Instant::now(),
             addr: None,
         };
@@ -126,14 +160,32 @@ impl Actor for InstanceSupervisor {
         if let Some((bind, make_app)) = args.http {
             let app = Arc::new(make_app(scheduler.clone()));
             let name = format!("{}/http", args.name);
-            let (http, _) = Actor::spawn_linked(Some(name.clone()), HttpFrontend, HttpArgs { bind, app }, myself.get_cell()).await?;
+            let (http, _) = Actor::spawn_linked(
+                Some(name.clone()),
+                HttpFrontend,
+                HttpArgs { bind, app },
+                myself.get_cell(),
+            )
+            .await?;
             st.addr = Some(ractor::call_t!(http, HttpMsg::LocalAddr, 5_000)?);
-            st.others.push(Child { name, kind: "HttpFrontend", cell: http.get_cell(), started: Instant::now(), restarts: 0, last_error: None });
+            st.others.push(Child {
+                name,
+                kind: "HttpFrontend",
+                cell: http.get_cell(),
+                started: Instant::now(),
+                restarts: 0,
+                last_error: None,
+            });
         }
         Ok(st)
     }
 
-    async fn handle(&self, _myself: ActorRef<Self::Msg>, msg: Self::Msg, st: &mut Self::State) -> Result<(), ActorProcessingErr> {
+    async fn handle(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        msg: Self::Msg,
+        st: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
         match msg {
             SupervisorMsg::InjectWorkerPanic(rank) => {
                 if let Some(flag) = st.panic_flags.get(rank) {
@@ -141,7 +193,12 @@ impl Actor for InstanceSupervisor {
                 }
             }
             SupervisorMsg::Snapshot(reply) => {
-                let children = st.others.iter().chain(&st.workers).map(snapshot_of).collect();
+                let children = st
+                    .others
+                    .iter()
+                    .chain(&st.workers)
+                    .map(snapshot_of)
+                    .collect();
                 let snap = ActorSnapshot {
                     name: st.name.clone(),
                     kind: "InstanceSupervisor".into(),
@@ -160,16 +217,30 @@ impl Actor for InstanceSupervisor {
         Ok(())
     }
 
-    async fn handle_supervisor_evt(&self, myself: ActorRef<Self::Msg>, evt: SupervisionEvent, st: &mut Self::State) -> Result<(), ActorProcessingErr> {
+    async fn handle_supervisor_evt(
+        &self,
+        myself: ActorRef<Self::Msg>,
+        evt: SupervisionEvent,
+        st: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
         let (cell, reason) = match evt {
             SupervisionEvent::ActorFailed(cell, err) => (cell, err.to_string()),
-            SupervisionEvent::ActorTerminated(cell, _, reason) => (cell, reason.unwrap_or_else(|| "stopped".into())),
+            SupervisionEvent::ActorTerminated(cell, _, reason) => {
+                (cell, reason.unwrap_or_else(|| "stopped".into()))
+            }
             _ => return Ok(()),
         };
-        if let Some(rank) = st.workers.iter().position(|w| w.cell.get_id() == cell.get_id()) {
+        if let Some(rank) = st
+            .workers
+            .iter()
+            .position(|w| w.cell.get_id() == cell.get_id())
+        {
             metrics::counter!(pdserve_runtime::telemetry::ACTOR_RESTARTS_TOTAL, "actor" => "TpWorker").increment(1);
             tracing::error!(rank, %reason, "TP worker failed");
-            let _ = st.scheduler.cast(SchedulerMsg::WorkerDown { rank, reason: reason.clone() });
+            let _ = st.scheduler.cast(SchedulerMsg::WorkerDown {
+                rank,
+                reason: reason.clone(),
+            });
             match st.trackers[rank].on_failure(Instant::now()) {
                 RestartDecision::Restart { attempt } => {
                     st.epochs[rank] += 1;
@@ -185,7 +256,12 @@ impl Actor for InstanceSupervisor {
                     child.restarts = st.workers[rank].restarts + 1;
                     child.last_error = Some(reason);
                     st.workers[rank] = child;
-                    tracing::warn!(rank, attempt, epoch = st.epochs[rank], "TP worker restarted");
+                    tracing::warn!(
+                        rank,
+                        attempt,
+                        epoch = st.epochs[rank],
+                        "TP worker restarted"
+                    );
                 }
                 RestartDecision::Escalate { restarts_in_window } => {
                     return Err(format!("TP worker {rank} failed {restarts_in_window} times within the restart window: escalating ({reason})").into());
@@ -204,7 +280,9 @@ fn snapshot_of(c: &Child) -> ActorSnapshot {
     use ractor::ActorStatus;
     let state = match c.cell.get_status() {
         ActorStatus::Unstarted | ActorStatus::Starting => ActorState::Starting,
-        ActorStatus::Running | ActorStatus::Upgrading | ActorStatus::Draining => ActorState::Running,
+        ActorStatus::Running | ActorStatus::Upgrading | ActorStatus::Draining => {
+            ActorState::Running
+        }
         ActorStatus::Stopping | ActorStatus::Stopped => ActorState::Stopped,
     };
     ActorSnapshot {
@@ -223,6 +301,8 @@ fn snapshot_of(c: &Child) -> ActorSnapshot {
 ///
 /// # Errors
 /// When the scheduler is gone or does not answer in time.
-pub async fn scheduler_stats(scheduler: &ActorRef<SchedulerMsg>) -> Result<SchedulerStats, ActorProcessingErr> {
+pub async fn scheduler_stats(
+    scheduler: &ActorRef<SchedulerMsg>,
+) -> Result<SchedulerStats, ActorProcessingErr> {
     Ok(ractor::call_t!(scheduler, SchedulerMsg::Stats, 5_000)?)
 }

@@ -72,32 +72,64 @@ impl Actor for TpWorker {
     type State = WorkerState;
     type Arguments = WorkerArgs;
 
-    async fn pre_start(&self, myself: ActorRef<Self::Msg>, args: WorkerArgs) -> Result<Self::State, ActorProcessingErr> {
+    async fn pre_start(
+        &self,
+        myself: ActorRef<Self::Msg>,
+        args: WorkerArgs,
+    ) -> Result<Self::State, ActorProcessingErr> {
         // Cutting the shard and mapping the KV region are blocking work: off the async threads.
         let a = args.clone();
         let executor = tokio::task::spawn_blocking(move || {
-            RankExecutor::spawn(&a.config, &a.store, a.comm.clone(), &a.opts, a.alloc.as_ref())
+            RankExecutor::spawn(
+                &a.config,
+                &a.store,
+                a.comm.clone(),
+                &a.opts,
+                a.alloc.as_ref(),
+            )
         })
         .await??;
-        args.scheduler.cast(SchedulerMsg::WorkerUp { rank: args.rank, epoch: args.epoch, worker: myself })?;
+        args.scheduler.cast(SchedulerMsg::WorkerUp {
+            rank: args.rank,
+            epoch: args.epoch,
+            worker: myself,
+        })?;
         tracing::info!(rank = args.rank, epoch = args.epoch, "TP worker ready");
         Ok(WorkerState { args, executor })
     }
 
-    async fn handle(&self, _myself: ActorRef<Self::Msg>, msg: Self::Msg, st: &mut Self::State) -> Result<(), ActorProcessingErr> {
+    async fn handle(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        msg: Self::Msg,
+        st: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
         match msg {
             WorkerMsg::Step { step_id, batch } => {
                 if st.args.panic_next.swap(false, Ordering::SeqCst) {
-                    panic!("injected fault: TP worker {} panics on step {step_id}", st.args.rank);
+                    panic!(
+                        "injected fault: TP worker {} panics on step {step_id}",
+                        st.args.rank
+                    );
                 }
                 let scheduler = st.args.scheduler.clone();
                 let (rank, epoch) = (st.args.rank, st.args.epoch);
                 let done: StepCallback = Box::new(move |result| {
                     let result = result.map_err(|e| e.to_string());
-                    let _ = scheduler.cast(SchedulerMsg::StepDone { epoch, step_id, rank, result });
+                    let _ = scheduler.cast(SchedulerMsg::StepDone {
+                        epoch,
+                        step_id,
+                        rank,
+                        result,
+                    });
                 });
                 if let Err(e) = st.executor.submit(batch, None, done) {
-                    st.args.scheduler.cast(SchedulerMsg::StepDone { epoch, step_id, rank, result: Err(e.to_string()) })?;
+                    st.args.scheduler.cast(SchedulerMsg::StepDone {
+                        epoch,
+                        step_id,
+                        rank,
+                        result: Err(e.to_string()),
+                    })?;
                 }
             }
             WorkerMsg::Poison(reason) => st.executor.poison(&reason),

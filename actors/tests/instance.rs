@@ -32,14 +32,24 @@ async fn assert_pool_full(inst: &Instance) {
 }
 
 async fn post(url: &str, path: &str, body: Value) -> (u16, Value) {
-    let r = reqwest::Client::new().post(format!("{url}{path}")).json(&body).send().await.unwrap();
+    let r = reqwest::Client::new()
+        .post(format!("{url}{path}"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
     let status = r.status().as_u16();
     let text = r.text().await.unwrap();
-    (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or(Value::String(text)),
+    )
 }
 
 fn prompt(i: usize) -> Vec<u32> {
-    (0..(5 + 7 * i)).map(|t| ((t * 31 + i * 17 + 3) % 250) as u32).collect()
+    (0..(5 + 7 * i))
+        .map(|t| ((t * 31 + i * 17 + 3) % 250) as u32)
+        .collect()
 }
 
 fn greedy_body(i: usize) -> Value {
@@ -47,7 +57,12 @@ fn greedy_body(i: usize) -> Value {
 }
 
 fn token_ids(v: &Value) -> Vec<u64> {
-    v["choices"][0]["token_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect()
+    v["choices"][0]["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -60,10 +75,12 @@ async fn sixteen_concurrent_greedy_requests_match_solo_runs() {
         assert_eq!(status, 200, "{v}");
         solo.push(token_ids(&v));
     }
-    let handles: Vec<_> = (0..16).map(|i| {
-        let url = url.clone();
-        tokio::spawn(async move { post(&url, "/v1/completions", greedy_body(i)).await })
-    }).collect();
+    let handles: Vec<_> = (0..16)
+        .map(|i| {
+            let url = url.clone();
+            tokio::spawn(async move { post(&url, "/v1/completions", greedy_body(i)).await })
+        })
+        .collect();
     for (i, h) in handles.into_iter().enumerate() {
         let (status, v) = h.await.unwrap();
         assert_eq!(status, 200, "{v}");
@@ -76,12 +93,22 @@ async fn sixteen_concurrent_greedy_requests_match_solo_runs() {
 
 /// Parses an SSE body: every event is `data: ...`; the last is `[DONE]`.
 fn sse_events(body: &str) -> Vec<Value> {
-    let events: Vec<&str> = body.split("\n\n").filter(|e| !e.trim().is_empty()).collect();
-    assert_eq!(events.last().map(|e| e.trim()), Some("data: [DONE]"), "stream must end with [DONE]: {body}");
+    let events: Vec<&str> = body
+        .split("\n\n")
+        .filter(|e| !e.trim().is_empty())
+        .collect();
+    assert_eq!(
+        events.last().map(|e| e.trim()),
+        Some("data: [DONE]"),
+        "stream must end with [DONE]: {body}"
+    );
     events[..events.len() - 1]
         .iter()
         .map(|e| {
-            let line = e.trim().strip_prefix("data: ").unwrap_or_else(|| panic!("not a data line: {e:?}"));
+            let line = e
+                .trim()
+                .strip_prefix("data: ")
+                .unwrap_or_else(|| panic!("not a data line: {e:?}"));
             serde_json::from_str(line).unwrap()
         })
         .collect()
@@ -92,26 +119,51 @@ async fn streaming_and_non_streaming_give_the_same_text() {
     let inst = start("stream", "tiny", |_| {}).await;
     let url = inst.url();
     for (path, body) in [
-        ("/v1/completions", json!({"prompt": "The weather today", "max_tokens": 20, "ignore_eos": true})),
-        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 20, "ignore_eos": true})),
+        (
+            "/v1/completions",
+            json!({"prompt": "The weather today", "max_tokens": 20, "ignore_eos": true}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 20, "ignore_eos": true}),
+        ),
     ] {
         let (status, full) = post(&url, path, body.clone()).await;
         assert_eq!(status, 200, "{full}");
         let chat = path.contains("chat");
-        let full_text = if chat { full["choices"][0]["message"]["content"].as_str().unwrap().to_string() } else { full["choices"][0]["text"].as_str().unwrap().to_string() };
+        let full_text = if chat {
+            full["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        } else {
+            full["choices"][0]["text"].as_str().unwrap().to_string()
+        };
 
         let mut sbody = body.clone();
         sbody["stream"] = json!(true);
         sbody["stream_options"] = json!({"include_usage": true});
-        let r = reqwest::Client::new().post(format!("{url}{path}")).json(&sbody).send().await.unwrap();
+        let r = reqwest::Client::new()
+            .post(format!("{url}{path}"))
+            .json(&sbody)
+            .send()
+            .await
+            .unwrap();
         assert_eq!(r.status(), 200);
-        assert!(r.headers()["content-type"].to_str().unwrap().starts_with("text/event-stream"));
+        assert!(r.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/event-stream"));
         let events = sse_events(&r.text().await.unwrap());
         let mut text = String::new();
         let mut finish = None;
         for e in &events[..events.len() - 1] {
             let c = &e["choices"][0];
-            text.push_str(if chat { c["delta"]["content"].as_str().unwrap_or("") } else { c["text"].as_str().unwrap() });
+            text.push_str(if chat {
+                c["delta"]["content"].as_str().unwrap_or("")
+            } else {
+                c["text"].as_str().unwrap()
+            });
             if !c["finish_reason"].is_null() {
                 finish = c["finish_reason"].as_str().map(str::to_string);
             }
@@ -135,38 +187,160 @@ async fn bad_input_gets_a_clear_error_and_the_instance_keeps_serving() {
     let url = inst.url();
     let long: Vec<u32> = vec![7; 80];
     let cases: Vec<(&str, &str, Value, u16, &str)> = vec![
-        ("invalid JSON", "/v1/completions", Value::Null, 400, "invalid JSON"),
-        ("negative max_tokens", "/v1/completions", json!({"prompt": "a", "max_tokens": -5}), 400, "max_tokens"),
-        ("fractional max_tokens", "/v1/completions", json!({"prompt": "a", "max_tokens": 1.5}), 400, "max_tokens"),
-        ("string max_tokens", "/v1/completions", json!({"prompt": "a", "max_tokens": "ten"}), 400, "max_tokens"),
-        ("absurd max_tokens", "/v1/completions", json!({"prompt": "a", "max_tokens": 1_000_000_000u64}), 400, "maximum context length"),
-        ("zero max_tokens", "/v1/completions", json!({"prompt": "a", "max_tokens": 0}), 400, "at least 1"),
-        ("unknown model", "/v1/completions", json!({"model": "gpt-9", "prompt": "a"}), 400, "gpt-9"),
-        ("prompt longer than context", "/v1/completions", json!({"prompt": long, "max_tokens": 1}), 400, "maximum context length"),
-        ("temperature out of range", "/v1/completions", json!({"prompt": "a", "temperature": 9}), 400, "temperature"),
-        ("top_p zero", "/v1/completions", json!({"prompt": "a", "top_p": 0}), 400, "top_p"),
-        ("negative top_k", "/v1/completions", json!({"prompt": "a", "top_k": -4}), 400, "top_k"),
-        ("n above one", "/v1/completions", json!({"prompt": "a", "n": 3}), 400, "`n`"),
-        ("token id outside vocabulary", "/v1/completions", json!({"prompt": [1, 2, 999999]}), 400, "vocabulary"),
-        ("missing prompt", "/v1/completions", json!({"max_tokens": 3}), 400, "prompt"),
-        ("messages not a list", "/v1/chat/completions", json!({"messages": "hi"}), 400, "messages"),
-        ("empty messages", "/v1/chat/completions", json!({"messages": []}), 400, "messages"),
-        ("message without content", "/v1/chat/completions", json!({"messages": [{"role": "user"}]}), 400, "content"),
-        ("unknown role", "/v1/chat/completions", json!({"messages": [{"role": "robot", "content": "x"}]}), 400, "role"),
+        (
+            "invalid JSON",
+            "/v1/completions",
+            Value::Null,
+            400,
+            "invalid JSON",
+        ),
+        (
+            "negative max_tokens",
+            "/v1/completions",
+            json!({"prompt": "a", "max_tokens": -5}),
+            400,
+            "max_tokens",
+        ),
+        (
+            "fractional max_tokens",
+            "/v1/completions",
+            json!({"prompt": "a", "max_tokens": 1.5}),
+            400,
+            "max_tokens",
+        ),
+        (
+            "string max_tokens",
+            "/v1/completions",
+            json!({"prompt": "a", "max_tokens": "ten"}),
+            400,
+            "max_tokens",
+        ),
+        (
+            "absurd max_tokens",
+            "/v1/completions",
+            json!({"prompt": "a", "max_tokens": 1_000_000_000u64}),
+            400,
+            "maximum context length",
+        ),
+        (
+            "zero max_tokens",
+            "/v1/completions",
+            json!({"prompt": "a", "max_tokens": 0}),
+            400,
+            "at least 1",
+        ),
+        (
+            "unknown model",
+            "/v1/completions",
+            json!({"model": "gpt-9", "prompt": "a"}),
+            400,
+            "gpt-9",
+        ),
+        (
+            "prompt longer than context",
+            "/v1/completions",
+            json!({"prompt": long, "max_tokens": 1}),
+            400,
+            "maximum context length",
+        ),
+        (
+            "temperature out of range",
+            "/v1/completions",
+            json!({"prompt": "a", "temperature": 9}),
+            400,
+            "temperature",
+        ),
+        (
+            "top_p zero",
+            "/v1/completions",
+            json!({"prompt": "a", "top_p": 0}),
+            400,
+            "top_p",
+        ),
+        (
+            "negative top_k",
+            "/v1/completions",
+            json!({"prompt": "a", "top_k": -4}),
+            400,
+            "top_k",
+        ),
+        (
+            "n above one",
+            "/v1/completions",
+            json!({"prompt": "a", "n": 3}),
+            400,
+            "`n`",
+        ),
+        (
+            "token id outside vocabulary",
+            "/v1/completions",
+            json!({"prompt": [1, 2, 999999]}),
+            400,
+            "vocabulary",
+        ),
+        (
+            "missing prompt",
+            "/v1/completions",
+            json!({"max_tokens": 3}),
+            400,
+            "prompt",
+        ),
+        (
+            "messages not a list",
+            "/v1/chat/completions",
+            json!({"messages": "hi"}),
+            400,
+            "messages",
+        ),
+        (
+            "empty messages",
+            "/v1/chat/completions",
+            json!({"messages": []}),
+            400,
+            "messages",
+        ),
+        (
+            "message without content",
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user"}]}),
+            400,
+            "content",
+        ),
+        (
+            "unknown role",
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "robot", "content": "x"}]}),
+            400,
+            "role",
+        ),
     ];
     let client = reqwest::Client::new();
     for (name, path, body, status, needle) in cases {
-        let req = client.post(format!("{url}{path}")).header("content-type", "application/json");
-        let req = if body.is_null() { req.body("{\"prompt\": \"a\",") } else { req.json(&body) };
+        let req = client
+            .post(format!("{url}{path}"))
+            .header("content-type", "application/json");
+        let req = if body.is_null() {
+            req.body("{\"prompt\": \"a\",")
+        } else {
+            req.json(&body)
+        };
         let r = req.send().await.unwrap();
         let got = r.status().as_u16();
         let v: Value = serde_json::from_str(&r.text().await.unwrap()).unwrap();
         assert_eq!(got, status, "{name}: {v}");
         let msg = v["error"]["message"].as_str().unwrap_or_default();
-        assert!(msg.contains(needle), "{name}: message {msg:?} should mention {needle:?}");
+        assert!(
+            msg.contains(needle),
+            "{name}: message {msg:?} should mention {needle:?}"
+        );
         assert_eq!(v["error"]["code"], status, "{name}");
     }
-    let (status, v) = post(&url, "/v1/completions", json!({"prompt": "still here", "max_tokens": 3})).await;
+    let (status, v) = post(
+        &url,
+        "/v1/completions",
+        json!({"prompt": "still here", "max_tokens": 3}),
+    )
+    .await;
     assert_eq!(status, 200, "{v}");
     assert_pool_full(&inst).await;
     inst.stop().await;
@@ -190,17 +364,22 @@ async fn preempted_requests_resume_with_the_same_greedy_tokens() {
     })
     .await;
     let url = tight.url();
-    let handles: Vec<_> = (0..6).map(|i| {
-        let (url, b) = (url.clone(), body(i));
-        tokio::spawn(async move { post(&url, "/v1/completions", b).await })
-    }).collect();
+    let handles: Vec<_> = (0..6)
+        .map(|i| {
+            let (url, b) = (url.clone(), body(i));
+            tokio::spawn(async move { post(&url, "/v1/completions", b).await })
+        })
+        .collect();
     for (i, h) in handles.into_iter().enumerate() {
         let (status, v) = h.await.unwrap();
         assert_eq!(status, 200, "{v}");
         assert_eq!(token_ids(&v), solo[i], "request {i}");
     }
     let stats = tight.stats().await.unwrap();
-    assert!(stats.preemptions > 0, "the pool was meant to be too small: {stats:?}");
+    assert!(
+        stats.preemptions > 0,
+        "the pool was meant to be too small: {stats:?}"
+    );
     assert_pool_full(&tight).await;
     tight.stop().await;
 }
@@ -221,15 +400,28 @@ async fn overload_is_refused_with_503_and_disconnects_free_blocks() {
     let first = long.chunk().await.unwrap().unwrap();
     assert!(String::from_utf8_lossy(&first).starts_with("data: "));
     // ...so the next one is refused...
-    let (status, v) = post(&url, "/v1/completions", json!({"prompt": "y", "max_tokens": 2})).await;
+    let (status, v) = post(
+        &url,
+        "/v1/completions",
+        json!({"prompt": "y", "max_tokens": 2}),
+    )
+    .await;
     assert_eq!(status, 503, "{v}");
-    assert!(v["error"]["message"].as_str().unwrap().contains("overloaded"));
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("overloaded"));
     let s = inst.stats().await.unwrap();
     assert_eq!(s.running, 1);
     // ...until the client goes away: its request is aborted and its blocks come back.
     drop(long);
     assert_pool_full(&inst).await;
-    let (status, _) = post(&url, "/v1/completions", json!({"prompt": "y", "max_tokens": 2})).await;
+    let (status, _) = post(
+        &url,
+        "/v1/completions",
+        json!({"prompt": "y", "max_tokens": 2}),
+    )
+    .await;
     assert_eq!(status, 200);
     inst.stop().await;
 }
@@ -239,15 +431,28 @@ async fn a_crashed_worker_fails_its_requests_is_restarted_and_serves_again() {
     let inst = start("crash", "tiny", |_| {}).await;
     let url = inst.url();
     inst.inject_worker_panic(0);
-    let (status, v) = post(&url, "/v1/completions", json!({"prompt": "boom", "max_tokens": 5})).await;
+    let (status, v) = post(
+        &url,
+        "/v1/completions",
+        json!({"prompt": "boom", "max_tokens": 5}),
+    )
+    .await;
     assert_eq!(status, 500, "{v}");
     let msg = v["error"]["message"].as_str().unwrap();
-    assert!(msg.contains("worker") && msg.contains("injected fault"), "{msg}");
+    assert!(
+        msg.contains("worker") && msg.contains("injected fault"),
+        "{msg}"
+    );
     assert_pool_full(&inst).await;
     // The restarted worker serves the next request.
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let (status, v) = post(&url, "/v1/completions", json!({"prompt": "again", "max_tokens": 5, "ignore_eos": true})).await;
+        let (status, v) = post(
+            &url,
+            "/v1/completions",
+            json!({"prompt": "again", "max_tokens": 5, "ignore_eos": true}),
+        )
+        .await;
         if status == 200 {
             assert_eq!(v["usage"]["completion_tokens"], 5);
             break;
@@ -258,7 +463,11 @@ async fn a_crashed_worker_fails_its_requests_is_restarted_and_serves_again() {
     let snap = inst.snapshot().await.unwrap();
     let worker = snap.children.iter().find(|c| c.kind == "TpWorker").unwrap();
     assert_eq!(worker.restarts, 1);
-    assert!(worker.last_error.as_deref().unwrap_or("").contains("injected fault"));
+    assert!(worker
+        .last_error
+        .as_deref()
+        .unwrap_or("")
+        .contains("injected fault"));
     assert_pool_full(&inst).await;
     inst.stop().await;
 }
@@ -266,7 +475,10 @@ async fn a_crashed_worker_fails_its_requests_is_restarted_and_serves_again() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_that_keeps_crashing_escalates() {
     let mut inst = start("crashloop", "tiny", |o| {
-        o.restart_policy = RestartPolicy { max_restarts: 2, within: Duration::from_secs(60) };
+        o.restart_policy = RestartPolicy {
+            max_restarts: 2,
+            within: Duration::from_secs(60),
+        };
     })
     .await;
     let url = inst.url();
@@ -274,19 +486,34 @@ async fn a_worker_that_keeps_crashing_escalates() {
         // Wait for the worker to be back before crashing it again.
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            let (status, _) = post(&url, "/v1/completions", json!({"prompt": "ok", "max_tokens": 1})).await;
+            let (status, _) = post(
+                &url,
+                "/v1/completions",
+                json!({"prompt": "ok", "max_tokens": 1}),
+            )
+            .await;
             if status == 200 {
                 break;
             }
-            assert!(Instant::now() < deadline, "round {round}: worker never came back");
+            assert!(
+                Instant::now() < deadline,
+                "round {round}: worker never came back"
+            );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         inst.inject_worker_panic(0);
-        let (status, _) = post(&url, "/v1/completions", json!({"prompt": "boom", "max_tokens": 1})).await;
+        let (status, _) = post(
+            &url,
+            "/v1/completions",
+            json!({"prompt": "boom", "max_tokens": 1}),
+        )
+        .await;
         assert_eq!(status, 500, "round {round}");
     }
     // The third crash inside the window spends the budget: the supervisor gives up.
-    tokio::time::timeout(Duration::from_secs(10), inst.stopped()).await.expect("the instance should stop instead of looping");
+    tokio::time::timeout(Duration::from_secs(10), inst.stopped())
+        .await
+        .expect("the instance should stop instead of looping");
     assert!(!inst.is_running());
 }
 
@@ -296,10 +523,12 @@ async fn tp2_instance_gives_the_tp1_tokens() {
     for tp in [1usize, 2] {
         let inst = start(&format!("tp{tp}"), "small", |o| o.tp = tp).await;
         let url = inst.url();
-        let handles: Vec<_> = (0..4).map(|i| {
-            let url = url.clone();
-            tokio::spawn(async move { post(&url, "/v1/completions", greedy_body(i)).await })
-        }).collect();
+        let handles: Vec<_> = (0..4)
+            .map(|i| {
+                let url = url.clone();
+                tokio::spawn(async move { post(&url, "/v1/completions", greedy_body(i)).await })
+            })
+            .collect();
         let mut toks = Vec::new();
         for h in handles {
             let (status, v) = h.await.unwrap();

@@ -36,12 +36,17 @@ pub struct ModelBenchOptions {
 
 impl Default for ModelBenchOptions {
     fn default() -> Self {
-        Self { prefill_reps: 3, decode_steps: 64 }
+        Self {
+            prefill_reps: 3,
+            decode_steps: 64,
+        }
     }
 }
 
 fn prompt(len: usize, vocab: usize, salt: usize) -> Vec<u32> {
-    (0..len).map(|i| ((i * 7919 + salt * 104_729 + 13) % vocab) as u32).collect()
+    (0..len)
+        .map(|i| ((i * 7919 + salt * 104_729 + 13) % vocab) as u32)
+        .collect()
 }
 
 fn median(mut v: Vec<Duration>) -> Duration {
@@ -54,14 +59,24 @@ fn median(mut v: Vec<Duration>) -> Duration {
 ///
 /// # Errors
 /// Forward-pass failures.
-pub fn run_model_bench(group: &TpGroup, model: &str, threads: usize, opts: &ModelBenchOptions) -> Result<ModelBenchResult> {
+pub fn run_model_bench(
+    group: &TpGroup,
+    model: &str,
+    threads: usize,
+    opts: &ModelBenchOptions,
+) -> Result<ModelBenchResult> {
     let cfg = group.config().clone();
     let bs = group.layouts()[0].block_size;
     let vocab = cfg.vocab_size;
     let prefill = |len: usize| -> Result<f64> {
         let blocks: Vec<u32> = (0..len.div_ceil(bs) as u32).collect();
         let batch = Batch {
-            seqs: vec![SeqChunk { tokens: prompt(len, vocab, 0), start_pos: 0, block_table: blocks, want_logits: true }],
+            seqs: vec![SeqChunk {
+                tokens: prompt(len, vocab, 0),
+                start_pos: 0,
+                block_table: blocks,
+                want_logits: true,
+            }],
         };
         group.step(batch.clone())?; // warm-up (also packs weights on first use)
         let mut times = Vec::new();
@@ -78,13 +93,19 @@ pub fn run_model_bench(group: &TpGroup, model: &str, threads: usize, opts: &Mode
     let decode = |n: usize| -> Result<f64> {
         let steps = opts.decode_steps.max(1);
         let per_seq = (1 + steps + 1).div_ceil(bs);
-        let tables: Vec<Vec<u32>> =
-            (0..n).map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect()).collect();
+        let tables: Vec<Vec<u32>> = (0..n)
+            .map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect())
+            .collect();
         let mut last: Vec<u32> = (0..n).map(|s| prompt(1, vocab, s + 1)[0]).collect();
         let run_step = |pos: usize, last: &mut Vec<u32>| -> Result<()> {
             let batch = Batch {
                 seqs: (0..n)
-                    .map(|s| SeqChunk { tokens: vec![last[s]], start_pos: pos, block_table: tables[s].clone(), want_logits: true })
+                    .map(|s| SeqChunk {
+                        tokens: vec![last[s]],
+                        start_pos: pos,
+                        block_table: tables[s].clone(),
+                        want_logits: true,
+                    })
                     .collect(),
             };
             let logits = group.step(batch)?;
@@ -102,5 +123,12 @@ pub fn run_model_bench(group: &TpGroup, model: &str, threads: usize, opts: &Mode
     };
     let decode_tps_b1 = decode(1)?;
     let decode_tps_b8 = decode(8)?;
-    Ok(ModelBenchResult { model: model.to_string(), threads, prefill_tps_128, prefill_tps_512, decode_tps_b1, decode_tps_b8 })
+    Ok(ModelBenchResult {
+        model: model.to_string(),
+        threads,
+        prefill_tps_128,
+        prefill_tps_512,
+        decode_tps_b1,
+        decode_tps_b8,
+    })
 }

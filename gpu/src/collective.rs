@@ -88,7 +88,12 @@ impl ThreadCollective {
             cv: Condvar::new(),
             timeout,
         });
-        (0..size).map(|rank| ThreadCollective { rank, shared: shared.clone() }).collect()
+        (0..size)
+            .map(|rank| ThreadCollective {
+                rank,
+                shared: shared.clone(),
+            })
+            .collect()
     }
 
     /// Clears a poisoned group so it can run again once every rank has left the failed step.
@@ -101,7 +106,10 @@ impl ThreadCollective {
     }
 
     fn exchange(&self, local: Vec<f32>) -> Result<Arc<Vec<Vec<f32>>>> {
-        let fail = |reason: String| ModelError::RankFailed { rank: self.rank, reason };
+        let fail = |reason: String| ModelError::RankFailed {
+            rank: self.rank,
+            reason,
+        };
         let mut st = self.shared.state.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(p) = &st.poisoned {
             return Err(fail(format!("group failed: {p}")));
@@ -110,8 +118,11 @@ impl ThreadCollective {
         st.contributions[self.rank] = Some(local);
         st.arrived += 1;
         if st.arrived == self.shared.size {
-            let all: Vec<Vec<f32>> =
-                st.contributions.iter_mut().map(|c| c.take().unwrap_or_default()).collect();
+            let all: Vec<Vec<f32>> = st
+                .contributions
+                .iter_mut()
+                .map(|c| c.take().unwrap_or_default())
+                .collect();
             st.last_result = Arc::new(all);
             st.arrived = 0;
             st.generation += 1;
@@ -129,7 +140,10 @@ impl ThreadCollective {
             return Err(fail(format!("group failed: {p}")));
         }
         if wait.timed_out() {
-            return Err(fail(format!("collective timed out after {:?}", self.shared.timeout)));
+            return Err(fail(format!(
+                "collective timed out after {:?}",
+                self.shared.timeout
+            )));
         }
         Ok(st.last_result.clone())
     }

@@ -107,7 +107,11 @@ impl ModelConfig {
     /// [`ModelError::BadTpSize`] naming the dimension `tp` does not divide.
     pub fn check_tp(&self, tp: usize) -> Result<()> {
         if tp == 0 {
-            return Err(ModelError::BadTpSize { tp, what: "anything (tp must be ≥ 1)", count: 0 });
+            return Err(ModelError::BadTpSize {
+                tp,
+                what: "anything (tp must be ≥ 1)",
+                count: 0,
+            });
         }
         let dims: [(&'static str, usize); 4] = [
             ("the KV head count", self.num_kv_heads),
@@ -206,7 +210,17 @@ mod tests {
         c.check_tp(1).unwrap();
         c.check_tp(3).unwrap();
         let err = c.check_tp(2).unwrap_err();
-        assert!(matches!(err, ModelError::BadTpSize { tp: 2, count: 3, .. }), "{err}");
+        assert!(
+            matches!(
+                err,
+                ModelError::BadTpSize {
+                    tp: 2,
+                    count: 3,
+                    ..
+                }
+            ),
+            "{err}"
+        );
         assert!(err.to_string().contains("KV head"), "{err}");
     }
 

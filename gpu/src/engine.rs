@@ -107,7 +107,12 @@ impl Engine {
         let num_blocks = opts.num_blocks.unwrap_or_else(|| {
             opts.max_seqs * cfg.context_length.min(8192).div_ceil(opts.block_size)
         });
-        let tp_opts = TpOptions { tp: opts.tp, num_blocks, block_size: opts.block_size, format: opts.format };
+        let tp_opts = TpOptions {
+            tp: opts.tp,
+            num_blocks,
+            block_size: opts.block_size,
+            format: opts.format,
+        };
         let group = TpGroup::new(cfg, &model.store, &tp_opts, &AnonAllocator)?;
         Ok(Self {
             name: model.name,
@@ -185,7 +190,10 @@ impl Engine {
             }
             let total = r.prompt.len() + r.params.max_tokens;
             if total > ctx {
-                return Err(ModelError::ContextOverflow { tokens: total, context: ctx });
+                return Err(ModelError::ContextOverflow {
+                    tokens: total,
+                    context: ctx,
+                });
             }
             seqs.push(Seq {
                 prompt: r.prompt.clone(),
@@ -196,7 +204,11 @@ impl Engine {
                 stop: StopChecker::new(&r.params, self.tokenizer.eos_ids()),
                 decode: self.tokenizer.decode_stream(true),
                 text: String::new(),
-                finish: if r.params.max_tokens == 0 { Some(FinishReason::Length) } else { None },
+                finish: if r.params.max_tokens == 0 {
+                    Some(FinishReason::Length)
+                } else {
+                    None
+                },
             });
         }
         let result = self.run(&mut seqs, on_text);
@@ -221,7 +233,9 @@ impl Engine {
             let mut budget = self.opts.max_batch_tokens.max(1);
             let mut batch = Batch::default();
             let mut members = Vec::new();
-            let mut order: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].finish.is_none()).collect();
+            let mut order: Vec<usize> = (0..seqs.len())
+                .filter(|&i| seqs[i].finish.is_none())
+                .collect();
             if order.is_empty() {
                 return Ok(());
             }
@@ -265,7 +279,10 @@ impl Engine {
                 let piece = s.decode.step(tok)?.unwrap_or_default();
                 let emitted = match s.stop.push(tok, &piece) {
                     StopDecision::Continue { text_to_emit } => text_to_emit,
-                    StopDecision::Stop { reason, mut text_to_emit } => {
+                    StopDecision::Stop {
+                        reason,
+                        mut text_to_emit,
+                    } => {
                         if matches!(reason, crate::sampling::StopReason::Length) {
                             text_to_emit.push_str(&s.decode.flush()?);
                         }

@@ -147,7 +147,9 @@ pub struct KvCache {
 
 impl std::fmt::Debug for KvCache {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("KvCache").field("layout", &self.layout).finish()
+        f.debug_struct("KvCache")
+            .field("layout", &self.layout)
+            .finish()
     }
 }
 
@@ -159,7 +161,9 @@ impl KvCache {
     /// layout with no blocks.
     pub fn new(layout: KvLayout, alloc: &dyn HostMemoryAllocator) -> Result<Self> {
         if layout.num_blocks == 0 || layout.block_size == 0 {
-            return Err(ModelError::InvalidBatch("a KV cache needs at least one block".into()));
+            return Err(ModelError::InvalidBatch(
+                "a KV cache needs at least one block".into(),
+            ));
         }
         let regions = (0..layout.num_layers)
             .map(|_| alloc.allocate(layout.region_bytes()))
@@ -225,7 +229,13 @@ impl KvCache {
     }
 
     /// One head's slots of one block, as f32 (`block_size * head_dim` values).
-    pub(crate) fn head_block(&self, layer: usize, kind: KvKind, block: usize, head: usize) -> &[f32] {
+    pub(crate) fn head_block(
+        &self,
+        layer: usize,
+        kind: KvKind,
+        block: usize,
+        head: usize,
+    ) -> &[f32] {
         let off = self.layout.slot_offset(kind, block, head, 0);
         let n = self.layout.block_size * self.layout.head_dim;
         let region = &self.regions[layer];
@@ -246,7 +256,10 @@ pub struct BlockAllocator {
 impl BlockAllocator {
     /// All `total` blocks free.
     pub fn new(total: usize) -> Self {
-        Self { free: (0..total as u32).rev().collect(), total }
+        Self {
+            free: (0..total as u32).rev().collect(),
+            total,
+        }
     }
 
     /// Takes `n` blocks.
@@ -255,9 +268,17 @@ impl BlockAllocator {
     /// [`ModelError::OutOfBlocks`] when fewer than `n` are free (nothing is taken).
     pub fn allocate(&mut self, n: usize) -> Result<Vec<u32>> {
         if n > self.free.len() {
-            return Err(ModelError::OutOfBlocks { needed: n, free: self.free.len() });
+            return Err(ModelError::OutOfBlocks {
+                needed: n,
+                free: self.free.len(),
+            });
         }
-        Ok(self.free.split_off(self.free.len() - n).into_iter().rev().collect())
+        Ok(self
+            .free
+            .split_off(self.free.len() - n)
+            .into_iter()
+            .rev()
+            .collect())
     }
 
     /// Returns blocks to the pool.
@@ -325,11 +346,17 @@ mod tests {
         let span = l.span(1, KvKind::Value, 3, 2..3);
         let bytes = kv.read_span(span);
         let slot_bytes = &bytes[8 * 4..16 * 4];
-        let back: Vec<f32> =
-            slot_bytes.chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+        let back: Vec<f32> = slot_bytes
+            .chunks(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
         assert_eq!(back, data);
         // Nothing else in the region was touched.
-        let all = kv.read_span(KvSpan { region: 1, offset: 0, len: l.region_bytes() });
+        let all = kv.read_span(KvSpan {
+            region: 1,
+            offset: 0,
+            len: l.region_bytes(),
+        });
         let nonzero = all.iter().filter(|&&b| b != 0).count();
         assert_eq!(nonzero, bytes.iter().filter(|&&b| b != 0).count());
     }
@@ -339,7 +366,10 @@ mod tests {
         let mut a = BlockAllocator::new(4);
         let got = a.allocate(3).unwrap();
         assert_eq!(got, vec![0, 1, 2]);
-        assert!(matches!(a.allocate(2), Err(ModelError::OutOfBlocks { needed: 2, free: 1 })));
+        assert!(matches!(
+            a.allocate(2),
+            Err(ModelError::OutOfBlocks { needed: 2, free: 1 })
+        ));
         assert_eq!(a.num_free(), 1);
         a.free(&got);
         assert_eq!(a.num_free(), 4);

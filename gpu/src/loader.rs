@@ -26,7 +26,9 @@ impl std::str::FromStr for ModelSource {
     fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
         Ok(match s {
             "" | "default" => Self::Default,
-            s if s.starts_with("synthetic:") => Self::Synthetic(s["synthetic:".len()..].to_string()),
+            s if s.starts_with("synthetic:") => {
+                Self::Synthetic(s["synthetic:".len()..].to_string())
+            }
             s => Self::Path(PathBuf::from(s)),
         })
     }
@@ -73,7 +75,13 @@ pub fn load_model(source: &ModelSource) -> Result<LoadedModel> {
             let store = spec.build()?;
             let tokenizer = Tokenizer::byte_level_synthetic();
             let chat_template = ChatTemplate::chatml_default();
-            Ok(LoadedModel { name: spec.name, config: spec.config, store, tokenizer, chat_template })
+            Ok(LoadedModel {
+                name: spec.name,
+                config: spec.config,
+                store,
+                tokenizer,
+                chat_template,
+            })
         }
         ModelSource::Path(p) if p.is_dir() => load_hf_dir(p),
         ModelSource::Path(p) if p.exists() => load_gguf(p),
@@ -89,7 +97,10 @@ fn template_for(tokenizer: &Tokenizer) -> Result<ChatTemplate> {
 }
 
 fn name_of(path: &Path) -> String {
-    path.file_stem().or(path.file_name()).map(|s| s.to_string_lossy().into_owned()).unwrap_or_default()
+    path.file_stem()
+        .or(path.file_name())
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default()
 }
 
 /// Loads a GGUF file.
@@ -97,19 +108,31 @@ fn name_of(path: &Path) -> String {
 /// # Errors
 /// As [`load_model`].
 pub fn load_gguf(path: &Path) -> Result<LoadedModel> {
-    let corrupt = |reason: String| ModelError::Corrupt { path: path.to_path_buf(), reason };
+    let corrupt = |reason: String| ModelError::Corrupt {
+        path: path.to_path_buf(),
+        reason,
+    };
     let file = std::fs::File::open(path).map_err(|e| match e.kind() {
-        std::io::ErrorKind::NotFound => ModelError::NotFound { path: path.to_path_buf() },
+        std::io::ErrorKind::NotFound => ModelError::NotFound {
+            path: path.to_path_buf(),
+        },
         _ => corrupt(e.to_string()),
     })?;
     let mut reader = std::io::BufReader::new(file);
-    let content = gguf_file::Content::read(&mut reader).map_err(|e| corrupt(format!("not a valid GGUF file: {e}")))?;
+    let content = gguf_file::Content::read(&mut reader)
+        .map_err(|e| corrupt(format!("not a valid GGUF file: {e}")))?;
     let config = gguf_config(&content)?;
     let store = TensorStore::from_gguf(&content, &mut reader, path)?;
     let config = with_rope_factors(config, &store)?;
     let tokenizer = Tokenizer::from_gguf(&content)?;
     let chat_template = template_for(&tokenizer)?;
-    Ok(LoadedModel { name: name_of(path), config, store, tokenizer, chat_template })
+    Ok(LoadedModel {
+        name: name_of(path),
+        config,
+        store,
+        tokenizer,
+        chat_template,
+    })
 }
 
 fn with_rope_factors(mut config: ModelConfig, store: &TensorStore) -> Result<ModelConfig> {
@@ -152,12 +175,15 @@ pub fn gguf_config(content: &gguf_file::Content) -> Result<ModelConfig> {
     };
     let key = |k: &str| format!("{arch}.{k}");
     let need = |k: &str| -> Result<usize> {
-        meta_num(content, &key(k)).map(|v| v as usize).ok_or_else(|| ModelError::BadMetadata(key(k)))
+        meta_num(content, &key(k))
+            .map(|v| v as usize)
+            .ok_or_else(|| ModelError::BadMetadata(key(k)))
     };
     let hidden = need("embedding_length")?;
     let heads = need("attention.head_count")?;
     let kv_heads = meta_num(content, &key("attention.head_count_kv")).map_or(heads, |v| v as usize);
-    let head_dim = meta_num(content, &key("attention.key_length")).map_or(hidden / heads.max(1), |v| v as usize);
+    let head_dim = meta_num(content, &key("attention.key_length"))
+        .map_or(hidden / heads.max(1), |v| v as usize);
     let vocab = match content.tensor_infos.get("token_embd.weight") {
         Some(info) => info.shape.dims()[0],
         None => return Err(ModelError::MissingTensor("token_embd.weight".into())),
@@ -167,7 +193,10 @@ pub fn gguf_config(content: &gguf_file::Content) -> Result<ModelConfig> {
             factor: meta_num(content, &key("rope.scaling.factor")).unwrap_or(1.0) as f32,
         },
         Some(gguf_file::Value::String(t)) if t != "none" => {
-            return Err(ModelError::BadMetadata(format!("{}: unsupported rope scaling `{t}`", key("rope.scaling.type"))))
+            return Err(ModelError::BadMetadata(format!(
+                "{}: unsupported rope scaling `{t}`",
+                key("rope.scaling.type")
+            )))
         }
         _ => RopeScaling::None,
     };
@@ -180,7 +209,8 @@ pub fn gguf_config(content: &gguf_file::Content) -> Result<ModelConfig> {
         num_kv_heads: kv_heads,
         head_dim,
         intermediate_size: need("feed_forward_length")?,
-        rms_norm_eps: meta_num(content, &key("attention.layer_norm_rms_epsilon")).unwrap_or(1e-5) as f32,
+        rms_norm_eps: meta_num(content, &key("attention.layer_norm_rms_epsilon")).unwrap_or(1e-5)
+            as f32,
         rope_theta: meta_num(content, &key("rope.freq_base")).unwrap_or(10_000.0) as f32,
         rope_scaling,
         rope_style,
@@ -199,17 +229,31 @@ pub fn gguf_config(content: &gguf_file::Content) -> Result<ModelConfig> {
 pub fn load_hf_dir(dir: &Path) -> Result<LoadedModel> {
     let cfg_path = dir.join("config.json");
     let text = std::fs::read_to_string(&cfg_path).map_err(|e| match e.kind() {
-        std::io::ErrorKind::NotFound => ModelError::NotFound { path: cfg_path.clone() },
-        _ => ModelError::Corrupt { path: cfg_path.clone(), reason: e.to_string() },
+        std::io::ErrorKind::NotFound => ModelError::NotFound {
+            path: cfg_path.clone(),
+        },
+        _ => ModelError::Corrupt {
+            path: cfg_path.clone(),
+            reason: e.to_string(),
+        },
     })?;
     let config = hf_config(&text).map_err(|e| match e {
-        ModelError::BadMetadata(m) => ModelError::Corrupt { path: cfg_path.clone(), reason: m },
+        ModelError::BadMetadata(m) => ModelError::Corrupt {
+            path: cfg_path.clone(),
+            reason: m,
+        },
         other => other,
     })?;
     let store = TensorStore::from_safetensors_dir(dir, config.num_layers)?;
     let tokenizer = Tokenizer::from_hf_file(&dir.join("tokenizer.json"))?;
     let chat_template = template_for(&tokenizer)?;
-    Ok(LoadedModel { name: name_of(dir), config, store, tokenizer, chat_template })
+    Ok(LoadedModel {
+        name: name_of(dir),
+        config,
+        store,
+        tokenizer,
+        chat_template,
+    })
 }
 
 /// Parses an HF `config.json`.
@@ -217,16 +261,22 @@ pub fn load_hf_dir(dir: &Path) -> Result<LoadedModel> {
 /// # Errors
 /// [`ModelError::UnsupportedArchitecture`] or [`ModelError::BadMetadata`] naming the field.
 pub fn hf_config(text: &str) -> Result<ModelConfig> {
-    let v: serde_json::Value =
-        serde_json::from_str(text).map_err(|e| ModelError::BadMetadata(format!("config.json: {e}")))?;
-    let arch = v["architectures"][0].as_str().unwrap_or(v["model_type"].as_str().unwrap_or(""));
+    let v: serde_json::Value = serde_json::from_str(text)
+        .map_err(|e| ModelError::BadMetadata(format!("config.json: {e}")))?;
+    let arch = v["architectures"][0]
+        .as_str()
+        .unwrap_or(v["model_type"].as_str().unwrap_or(""));
     let (name, qkv_bias) = match arch {
         "LlamaForCausalLM" | "llama" | "MistralForCausalLM" | "mistral" => ("llama", false),
         "Qwen2ForCausalLM" | "qwen2" => ("qwen2", true),
         other => return Err(ModelError::UnsupportedArchitecture(other.to_string())),
     };
     let num = |k: &str| v[k].as_f64();
-    let need = |k: &str| num(k).map(|x| x as usize).ok_or_else(|| ModelError::BadMetadata(format!("config.json: `{k}`")));
+    let need = |k: &str| {
+        num(k)
+            .map(|x| x as usize)
+            .ok_or_else(|| ModelError::BadMetadata(format!("config.json: `{k}`")))
+    };
     let hidden = need("hidden_size")?;
     let heads = need("num_attention_heads")?;
     let rope_scaling = match v.get("rope_scaling") {
@@ -234,15 +284,23 @@ pub fn hf_config(text: &str) -> Result<ModelConfig> {
             let kind = s["rope_type"].as_str().or(s["type"].as_str()).unwrap_or("");
             let f = |k: &str| s[k].as_f64().unwrap_or(1.0) as f32;
             match kind {
-                "linear" => RopeScaling::Linear { factor: f("factor") },
+                "linear" => RopeScaling::Linear {
+                    factor: f("factor"),
+                },
                 "llama3" => RopeScaling::Llama3 {
                     factor: f("factor"),
                     low_freq_factor: f("low_freq_factor"),
                     high_freq_factor: f("high_freq_factor"),
-                    original_max_position: s["original_max_position_embeddings"].as_u64().unwrap_or(8192) as usize,
+                    original_max_position: s["original_max_position_embeddings"]
+                        .as_u64()
+                        .unwrap_or(8192) as usize,
                 },
                 "default" => RopeScaling::None,
-                other => return Err(ModelError::BadMetadata(format!("config.json: unsupported rope_scaling `{other}`"))),
+                other => {
+                    return Err(ModelError::BadMetadata(format!(
+                        "config.json: unsupported rope_scaling `{other}`"
+                    )))
+                }
             }
         }
         _ => RopeScaling::None,

@@ -104,7 +104,12 @@ impl Linear {
         } else {
             (w, None)
         };
-        Ok(Self { weight: QMatMul::from_qtensor(w)?, bias, out_features, padded_in })
+        Ok(Self {
+            weight: QMatMul::from_qtensor(w)?,
+            bias,
+            out_features,
+            padded_in,
+        })
     }
 
     /// `x` is `[rows, in]` row-major; returns `[rows, out]`.
@@ -138,7 +143,11 @@ struct Stacked {
 }
 
 impl Stacked {
-    fn new(parts: Vec<QTensor>, biases: Vec<Option<Vec<f32>>>, format: WeightFormat) -> Result<Self> {
+    fn new(
+        parts: Vec<QTensor>,
+        biases: Vec<Option<Vec<f32>>>,
+        format: WeightFormat,
+    ) -> Result<Self> {
         if format == WeightFormat::Native {
             let parts = parts
                 .into_iter()
@@ -157,14 +166,20 @@ impl Stacked {
             }
             Some(all)
         };
-        Ok(Self { parts: vec![Linear::new(convert(concat_rows(&parts)?, format)?, bias)?] })
+        Ok(Self {
+            parts: vec![Linear::new(convert(concat_rows(&parts)?, format)?, bias)?],
+        })
     }
 
     fn forward(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
         if self.parts.len() == 1 {
             return self.parts[0].forward(x, rows);
         }
-        let outs = self.parts.iter().map(|p| p.forward(x, rows)).collect::<Result<Vec<_>>>()?;
+        let outs = self
+            .parts
+            .iter()
+            .map(|p| p.forward(x, rows))
+            .collect::<Result<Vec<_>>>()?;
         let width: usize = self.parts.iter().map(|p| p.out_features).sum();
         let mut y = Vec::with_capacity(rows * width);
         for r in 0..rows {
@@ -207,7 +222,12 @@ impl RopeTable {
                 sin.push(a.sin());
             }
         }
-        Self { cos, sin, half, style: cfg.rope_style }
+        Self {
+            cos,
+            sin,
+            half,
+            style: cfg.rope_style,
+        }
     }
 
     fn apply(&self, x: &mut [f32], pos: usize) {
@@ -334,7 +354,10 @@ impl ModelShard {
         } else {
             embed_full
         };
-        let lm_head = Linear::new(convert(slice_rows(head_full, vocab.clone())?, format)?, None)?;
+        let lm_head = Linear::new(
+            convert(slice_rows(head_full, vocab.clone())?, format)?,
+            None,
+        )?;
         Ok(Self {
             config: cfg.clone(),
             rank,
@@ -373,7 +396,9 @@ impl ModelShard {
         let layout = kv.layout();
         for (i, s) in batch.seqs.iter().enumerate() {
             if s.tokens.is_empty() {
-                return Err(ModelError::InvalidBatch(format!("sequence {i} has no tokens")));
+                return Err(ModelError::InvalidBatch(format!(
+                    "sequence {i} has no tokens"
+                )));
             }
             let end = s.start_pos + s.tokens.len();
             if end > self.config.context_length {
@@ -388,11 +413,23 @@ impl ModelShard {
                     s.block_table.len()
                 )));
             }
-            if let Some(b) = s.block_table.iter().find(|&&b| b as usize >= layout.num_blocks) {
-                return Err(ModelError::InvalidBatch(format!("sequence {i}: block id {b} out of range")));
+            if let Some(b) = s
+                .block_table
+                .iter()
+                .find(|&&b| b as usize >= layout.num_blocks)
+            {
+                return Err(ModelError::InvalidBatch(format!(
+                    "sequence {i}: block id {b} out of range"
+                )));
             }
-            if let Some(t) = s.tokens.iter().find(|&&t| t as usize >= self.config.vocab_size) {
-                return Err(ModelError::InvalidBatch(format!("sequence {i}: token id {t} out of vocabulary")));
+            if let Some(t) = s
+                .tokens
+                .iter()
+                .find(|&&t| t as usize >= self.config.vocab_size)
+            {
+                return Err(ModelError::InvalidBatch(format!(
+                    "sequence {i}: token id {t} out of vocabulary"
+                )));
             }
         }
         Ok(())
@@ -421,7 +458,11 @@ impl ModelShard {
 
         // Embedding: each rank fills the rows of tokens in its vocabulary slice.
         let mut x = vec![0f32; t * d];
-        let tokens: Vec<u32> = batch.seqs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
+        let tokens: Vec<u32> = batch
+            .seqs
+            .iter()
+            .flat_map(|s| s.tokens.iter().copied())
+            .collect();
         let local: Vec<(usize, u32)> = tokens
             .iter()
             .enumerate()
@@ -431,7 +472,11 @@ impl ModelShard {
         if !local.is_empty() {
             let ids: Vec<u32> = local.iter().map(|&(_, id)| id).collect();
             let ids = Tensor::new(ids.as_slice(), &Device::Cpu)?;
-            let rows = self.embed.embedding(&ids)?.flatten_all()?.to_vec1::<f32>()?;
+            let rows = self
+                .embed
+                .embedding(&ids)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
             for (j, &(i, _)) in local.iter().enumerate() {
                 x[i * d..(i + 1) * d].copy_from_slice(&rows[j * d..(j + 1) * d]);
             }
@@ -568,44 +613,65 @@ fn attention(
     let scale = 1.0 / (hd as f32).sqrt();
     // One pool for all compute: candle's matmul workers also run attention, so no second pool
     // spins against them on a small machine.
-    let slots: Vec<std::sync::OnceLock<Vec<f32>>> = items.iter().map(|_| std::sync::OnceLock::new()).collect();
+    let slots: Vec<std::sync::OnceLock<Vec<f32>>> =
+        items.iter().map(|_| std::sync::OnceLock::new()).collect();
     let work = |&(si, g, i0, i1): &(usize, usize, usize, usize)| -> Vec<f32> {
-            let s = &batch.seqs[si];
-            let off = offsets[si];
-            // Query rows ordered (token, head-in-group).
-            let nq = (i1 - i0) * group;
-            let mut q = Vec::with_capacity(nq * hd);
-            for i in i0..i1 {
-                let row = &qkv[(off + i) * qkv_w..(off + i + 1) * qkv_w];
-                for j in 0..group {
-                    let head = g * group + j;
-                    q.extend_from_slice(&row[head * hd..(head + 1) * hd]);
-                }
+        let s = &batch.seqs[si];
+        let off = offsets[si];
+        // Query rows ordered (token, head-in-group).
+        let nq = (i1 - i0) * group;
+        let mut q = Vec::with_capacity(nq * hd);
+        for i in i0..i1 {
+            let row = &qkv[(off + i) * qkv_w..(off + i + 1) * qkv_w];
+            for j in 0..group {
+                let head = g * group + j;
+                q.extend_from_slice(&row[head * hd..(head + 1) * hd]);
             }
-            let ctx = s.start_pos + i1;
-            let limit = |r: usize| s.start_pos + i0 + r / group + 1;
-            if nq <= 8 {
-                attend_direct(&q, nq, ctx, hd, scale, limit, |b| {
+        }
+        let ctx = s.start_pos + i1;
+        let limit = |r: usize| s.start_pos + i0 + r / group + 1;
+        if nq <= 8 {
+            attend_direct(
+                &q,
+                nq,
+                ctx,
+                hd,
+                scale,
+                limit,
+                |b| {
                     (
                         kv.head_block(layer, KvKind::Key, s.block_table[b] as usize, g),
                         kv.head_block(layer, KvKind::Value, s.block_table[b] as usize, g),
                     )
-                }, kv.layout().block_size)
-            } else {
-                attend_gemm(&q, nq, ctx, hd, scale, limit, |b| {
+                },
+                kv.layout().block_size,
+            )
+        } else {
+            attend_gemm(
+                &q,
+                nq,
+                ctx,
+                hd,
+                scale,
+                limit,
+                |b| {
                     (
                         kv.head_block(layer, KvKind::Key, s.block_table[b] as usize, g),
                         kv.head_block(layer, KvKind::Value, s.block_table[b] as usize, g),
                     )
-                }, kv.layout().block_size)
-            }
+                },
+                kv.layout().block_size,
+            )
+        }
     };
     candle_core::utils::barrier_pool().execute_chunked(items.len(), |range| {
         for i in range {
             let _ = slots[i].set(work(&items[i]));
         }
     });
-    let results = slots.into_iter().map(|s| s.into_inner().unwrap_or_default());
+    let results = slots
+        .into_iter()
+        .map(|s| s.into_inner().unwrap_or_default());
     let mut out = vec![0f32; t * nh * hd];
     for (&(si, g, i0, i1), res) in items.iter().zip(results) {
         let off = offsets[si];
@@ -691,11 +757,24 @@ fn attend_gemm<'a>(
     // SAFETY: all pointers cover the strided extents passed (row-major, sizes above).
     unsafe {
         gemm::gemm(
-            nq, ctx, hd,
-            s.as_mut_ptr(), 1, ctx as isize, false,
-            q.as_ptr(), 1, hd as isize,
-            k.as_ptr(), hd as isize, 1,
-            0.0, scale, false, false, false,
+            nq,
+            ctx,
+            hd,
+            s.as_mut_ptr(),
+            1,
+            ctx as isize,
+            false,
+            q.as_ptr(),
+            1,
+            hd as isize,
+            k.as_ptr(),
+            hd as isize,
+            1,
+            0.0,
+            scale,
+            false,
+            false,
+            false,
             gemm::Parallelism::None,
         );
     }
@@ -717,11 +796,24 @@ fn attend_gemm<'a>(
     // SAFETY: as above.
     unsafe {
         gemm::gemm(
-            nq, hd, ctx,
-            out.as_mut_ptr(), 1, hd as isize, false,
-            s.as_ptr(), 1, ctx as isize,
-            v.as_ptr(), 1, hd as isize,
-            0.0, 1.0, false, false, false,
+            nq,
+            hd,
+            ctx,
+            out.as_mut_ptr(),
+            1,
+            hd as isize,
+            false,
+            s.as_ptr(),
+            1,
+            ctx as isize,
+            v.as_ptr(),
+            1,
+            hd as isize,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
             gemm::Parallelism::None,
         );
     }

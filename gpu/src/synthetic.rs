@@ -81,7 +81,9 @@ impl SyntheticSpec {
                 "seed" => seed = n as u64,
                 "bias" => c.qkv_bias = n != 0,
                 other => {
-                    return Err(ModelError::BadMetadata(format!("unknown synthetic option `{other}`")))
+                    return Err(ModelError::BadMetadata(format!(
+                        "unknown synthetic option `{other}`"
+                    )))
                 }
             }
         }
@@ -91,7 +93,11 @@ impl SyntheticSpec {
             ));
         }
         c.validate()?;
-        Ok(Self { name: format!("synthetic:{spec}"), config: c, seed })
+        Ok(Self {
+            name: format!("synthetic:{spec}"),
+            config: c,
+            seed,
+        })
     }
 
     /// Builds the seeded f32 weights, by GGUF tensor name.
@@ -118,57 +124,72 @@ impl SyntheticSpec {
             t.insert(name, Arc::new(QTensor::quantize(&tensor, GgmlDType::F32)?));
             Ok(())
         };
-        put("token_embd.weight".into(), normal(c.vocab_size * d, 1.0), &[c.vocab_size, d])?;
-        let ones = |n: usize, noise: Vec<f32>| -> Vec<f32> { (0..n).map(|i| 1.0 + noise[i]).collect() };
+        put(
+            "token_embd.weight".into(),
+            normal(c.vocab_size * d, 1.0),
+            &[c.vocab_size, d],
+        )?;
+        let ones =
+            |n: usize, noise: Vec<f32>| -> Vec<f32> { (0..n).map(|i| 1.0 + noise[i]).collect() };
         for i in 0..c.num_layers {
             let n = |s: &str| format!("blk.{i}.{s}");
             let sd = 1.0 / (d as f32).sqrt();
             put(n("attn_norm.weight"), ones(d, normal(d, 0.1)), &[d])?;
             put(n("ffn_norm.weight"), ones(d, normal(d, 0.1)), &[d])?;
-            put(n("attn_q.weight"), normal(c.num_heads * hd * d, sd), &[c.num_heads * hd, d])?;
-            put(n("attn_k.weight"), normal(c.num_kv_heads * hd * d, sd), &[c.num_kv_heads * hd, d])?;
-            put(n("attn_v.weight"), normal(c.num_kv_heads * hd * d, sd), &[c.num_kv_heads * hd, d])?;
+            put(
+                n("attn_q.weight"),
+                normal(c.num_heads * hd * d, sd),
+                &[c.num_heads * hd, d],
+            )?;
+            put(
+                n("attn_k.weight"),
+                normal(c.num_kv_heads * hd * d, sd),
+                &[c.num_kv_heads * hd, d],
+            )?;
+            put(
+                n("attn_v.weight"),
+                normal(c.num_kv_heads * hd * d, sd),
+                &[c.num_kv_heads * hd, d],
+            )?;
             let so = 1.0 / ((c.num_heads * hd) as f32).sqrt();
-            put(n("attn_output.weight"), normal(d * c.num_heads * hd, so), &[d, c.num_heads * hd])?;
+            put(
+                n("attn_output.weight"),
+                normal(d * c.num_heads * hd, so),
+                &[d, c.num_heads * hd],
+            )?;
             put(n("ffn_gate.weight"), normal(f * d, sd), &[f, d])?;
             put(n("ffn_up.weight"), normal(f * d, sd), &[f, d])?;
-            put(n("ffn_down.weight"), normal(d * f, 1.0 / (f as f32).sqrt()), &[d, f])?;
+            put(
+                n("ffn_down.weight"),
+                normal(d * f, 1.0 / (f as f32).sqrt()),
+                &[d, f],
+            )?;
             if c.qkv_bias {
-                put(n("attn_q.bias"), normal(c.num_heads * hd, 0.1), &[c.num_heads * hd])?;
-                put(n("attn_k.bias"), normal(c.num_kv_heads * hd, 0.1), &[c.num_kv_heads * hd])?;
-                put(n("attn_v.bias"), normal(c.num_kv_heads * hd, 0.1), &[c.num_kv_heads * hd])?;
+                put(
+                    n("attn_q.bias"),
+                    normal(c.num_heads * hd, 0.1),
+                    &[c.num_heads * hd],
+                )?;
+                put(
+                    n("attn_k.bias"),
+                    normal(c.num_kv_heads * hd, 0.1),
+                    &[c.num_kv_heads * hd],
+                )?;
+                put(
+                    n("attn_v.bias"),
+                    normal(c.num_kv_heads * hd, 0.1),
+                    &[c.num_kv_heads * hd],
+                )?;
             }
         }
         put("output_norm.weight".into(), ones(d, normal(d, 0.1)), &[d])?;
         // A sharper output layer than the embedding keeps greedy choices well separated.
-        put("output.weight".into(), normal(c.vocab_size * d, 3.0 / (d as f32).sqrt()), &[c.vocab_size, d])?;
+        put(
+            "output.weight".into(),
+            normal(c.vocab_size * d, 3.0 / (d as f32).sqrt()),
+            &[c.vocab_size, d],
+        )?;
         Ok(TensorStore::from_map(t, self.name.clone()))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn presets_and_overrides_parse() {
-        let s = SyntheticSpec::parse("tiny").unwrap();
-        assert_eq!((s.config.num_layers, s.config.num_heads, s.config.num_kv_heads), (4, 4, 2));
-        let s = SyntheticSpec::parse("small,layers=2,seed=7").unwrap();
-        assert_eq!((s.config.num_layers, s.config.num_kv_heads, s.seed), (2, 4, 7));
-        assert!(SyntheticSpec::parse("huge").is_err());
-        assert!(SyntheticSpec::parse("tiny,wat=3").is_err());
-        assert!(SyntheticSpec::parse("tiny,heads=3").is_err()); // 3 heads over 2 KV heads
-    }
-
-    #[test]
-    fn weights_are_seeded() {
-        let a = SyntheticSpec::parse("tiny,layers=1").unwrap().build().unwrap();
-        let b = SyntheticSpec::parse("tiny,layers=1").unwrap().build().unwrap();
-        let c = SyntheticSpec::parse("tiny,layers=1,seed=1").unwrap().build().unwrap();
-        let v = |s: &TensorStore| s.vector("blk.0.attn_norm.weight", 128).unwrap();
-        assert_eq!(v(&a), v(&b));
-        assert_ne!(v(&a), v(&c));
     }
 }
 
@@ -183,7 +204,9 @@ pub fn write_gguf(spec: &SyntheticSpec, path: &std::path::Path, dtype: GgmlDType
     use candle_core::quantized::gguf_file::Value;
     let c = &spec.config;
     if c.qkv_bias {
-        return Err(ModelError::BadMetadata("QKV bias cannot be written as a llama GGUF".into()));
+        return Err(ModelError::BadMetadata(
+            "QKV bias cannot be written as a llama GGUF".into(),
+        ));
     }
     let store = spec.build()?;
     let tok = crate::tokenizer::Tokenizer::byte_level_synthetic();
@@ -213,11 +236,20 @@ pub fn write_gguf(spec: &SyntheticSpec, path: &std::path::Path, dtype: GgmlDType
         (format!("{a}.attention.key_length"), u(c.head_dim)),
         (format!("{a}.rope.dimension_count"), u(c.head_dim)),
         (format!("{a}.rope.freq_base"), Value::F32(c.rope_theta)),
-        (format!("{a}.attention.layer_norm_rms_epsilon"), Value::F32(c.rms_norm_eps)),
+        (
+            format!("{a}.attention.layer_norm_rms_epsilon"),
+            Value::F32(c.rms_norm_eps),
+        ),
         ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
         ("tokenizer.ggml.pre".into(), Value::String("default".into())),
-        ("tokenizer.ggml.tokens".into(), Value::Array(tokens.into_iter().map(Value::String).collect())),
-        ("tokenizer.ggml.token_type".into(), Value::Array(types.into_iter().map(Value::I32).collect())),
+        (
+            "tokenizer.ggml.tokens".into(),
+            Value::Array(tokens.into_iter().map(Value::String).collect()),
+        ),
+        (
+            "tokenizer.ggml.token_type".into(),
+            Value::Array(types.into_iter().map(Value::I32).collect()),
+        ),
         ("tokenizer.ggml.merges".into(), Value::Array(Vec::new())),
         ("tokenizer.ggml.bos_token_id".into(), Value::U32(256)),
         ("tokenizer.ggml.eos_token_id".into(), Value::U32(257)),
@@ -237,7 +269,11 @@ pub fn write_gguf(spec: &SyntheticSpec, path: &std::path::Path, dtype: GgmlDType
             f
         };
         let is_matrix = f.rank() == 2;
-        let target = if is_matrix && f.dim(1)?.is_multiple_of(dtype.block_size()) { dtype } else { GgmlDType::F32 };
+        let target = if is_matrix && f.dim(1)?.is_multiple_of(dtype.block_size()) {
+            dtype
+        } else {
+            GgmlDType::F32
+        };
         tensors.push((name.clone(), QTensor::quantize(&f, target)?));
     }
     let mut file = std::io::BufWriter::new(std::fs::File::create(path)?);
@@ -255,7 +291,10 @@ fn store_names(store: &TensorStore) -> Vec<&String> {
 /// `h·d + 2j + s`.
 fn permute_for_interleaved(w: &Tensor, heads: usize, head_dim: usize) -> Result<Tensor> {
     let cols = w.dim(1)?;
-    Ok(w.reshape((heads, 2, head_dim / 2, cols))?.transpose(1, 2)?.contiguous()?.reshape((heads * head_dim, cols))?)
+    Ok(w.reshape((heads, 2, head_dim / 2, cols))?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape((heads * head_dim, cols))?)
 }
 
 /// Writes a synthetic model as an HF checkpoint directory: `config.json`,
@@ -269,7 +308,10 @@ pub fn write_safetensors_dir(spec: &SyntheticSpec, dir: &std::path::Path, f16: b
     let store = spec.build()?;
     let mut out = HashMap::new();
     let mut renames: Vec<(String, String)> = vec![
-        ("token_embd.weight".into(), "model.embed_tokens.weight".into()),
+        (
+            "token_embd.weight".into(),
+            "model.embed_tokens.weight".into(),
+        ),
         ("output_norm.weight".into(), "model.norm.weight".into()),
         ("output.weight".into(), "lm_head.weight".into()),
     ];
@@ -294,12 +336,20 @@ pub fn write_safetensors_dir(spec: &SyntheticSpec, dir: &std::path::Path, f16: b
     for (g, h) in renames {
         if store.contains(&g) {
             let t = store.get(&g)?.dequantize(&Device::Cpu)?;
-            let t = if f16 { t.to_dtype(candle_core::DType::F16)? } else { t };
+            let t = if f16 {
+                t.to_dtype(candle_core::DType::F16)?
+            } else {
+                t
+            };
             out.insert(h, t);
         }
     }
     candle_core::safetensors::save(&out, dir.join("model.safetensors"))?;
-    let arch = if c.qkv_bias { "Qwen2ForCausalLM" } else { "LlamaForCausalLM" };
+    let arch = if c.qkv_bias {
+        "Qwen2ForCausalLM"
+    } else {
+        "LlamaForCausalLM"
+    };
     let config = serde_json::json!({
         "architectures": [arch],
         "vocab_size": c.vocab_size,
@@ -315,7 +365,55 @@ pub fn write_safetensors_dir(spec: &SyntheticSpec, dir: &std::path::Path, f16: b
         "tie_word_embeddings": false,
         "torch_dtype": if f16 { "float16" } else { "float32" },
     });
-    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config).unwrap_or_default())?;
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_string_pretty(&config).unwrap_or_default(),
+    )?;
     crate::tokenizer::Tokenizer::byte_level_synthetic().save_with_config(dir)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn presets_and_overrides_parse() {
+        let s = SyntheticSpec::parse("tiny").unwrap();
+        assert_eq!(
+            (
+                s.config.num_layers,
+                s.config.num_heads,
+                s.config.num_kv_heads
+            ),
+            (4, 4, 2)
+        );
+        let s = SyntheticSpec::parse("small,layers=2,seed=7").unwrap();
+        assert_eq!(
+            (s.config.num_layers, s.config.num_kv_heads, s.seed),
+            (2, 4, 7)
+        );
+        assert!(SyntheticSpec::parse("huge").is_err());
+        assert!(SyntheticSpec::parse("tiny,wat=3").is_err());
+        assert!(SyntheticSpec::parse("tiny,heads=3").is_err()); // 3 heads over 2 KV heads
+    }
+
+    #[test]
+    fn weights_are_seeded() {
+        let a = SyntheticSpec::parse("tiny,layers=1")
+            .unwrap()
+            .build()
+            .unwrap();
+        let b = SyntheticSpec::parse("tiny,layers=1")
+            .unwrap()
+            .build()
+            .unwrap();
+        let c = SyntheticSpec::parse("tiny,layers=1,seed=1")
+            .unwrap()
+            .build()
+            .unwrap();
+        let v = |s: &TensorStore| s.vector("blk.0.attn_norm.weight", 128).unwrap();
+        assert_eq!(v(&a), v(&b));
+        assert_ne!(v(&a), v(&c));
+    }
 }

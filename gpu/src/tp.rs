@@ -30,8 +30,14 @@ type KvJob = Box<dyn FnOnce(&mut KvCache) + Send>;
 pub type StepCallback = Box<dyn FnOnce(Result<Vec<Vec<f32>>>) + Send>;
 
 enum Job {
-    Forward { batch: Arc<Batch>, hook: Option<LayerHook>, done: StepCallback },
-    WithKv { job: KvJob },
+    Forward {
+        batch: Arc<Batch>,
+        hook: Option<LayerHook>,
+        done: StepCallback,
+    },
+    WithKv {
+        job: KvJob,
+    },
 }
 
 /// What to build a group from.
@@ -63,7 +69,10 @@ pub struct RankExecutor {
 
 impl std::fmt::Debug for RankExecutor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RankExecutor").field("rank", &self.rank).field("layout", &self.layout).finish()
+        f.debug_struct("RankExecutor")
+            .field("rank", &self.rank)
+            .field("layout", &self.layout)
+            .finish()
     }
 }
 
@@ -96,7 +105,13 @@ impl RankExecutor {
         let thread = std::thread::Builder::new()
             .name(format!("pdserve-tp{rank}"))
             .spawn(move || rank_loop(shard, kv, rank_comm, rx))?;
-        Ok(Self { rank, jobs: Some(tx), thread: Some(thread), layout, comm })
+        Ok(Self {
+            rank,
+            jobs: Some(tx),
+            thread: Some(thread),
+            layout,
+            comm,
+        })
     }
 
     /// This rank's index.
@@ -114,7 +129,12 @@ impl RankExecutor {
     /// # Errors
     /// [`ModelError::RankFailed`] when the queue is full or the thread is gone (then `done`
     /// is not called).
-    pub fn submit(&self, batch: Arc<Batch>, hook: Option<LayerHook>, done: StepCallback) -> Result<()> {
+    pub fn submit(
+        &self,
+        batch: Arc<Batch>,
+        hook: Option<LayerHook>,
+        done: StepCallback,
+    ) -> Result<()> {
         self.send(Job::Forward { batch, hook, done })
     }
 
@@ -122,7 +142,10 @@ impl RankExecutor {
     ///
     /// # Errors
     /// [`ModelError::RankFailed`] when the thread is gone.
-    pub fn with_kv<T: Send + 'static>(&self, f: impl FnOnce(&mut KvCache) -> T + Send + 'static) -> Result<T> {
+    pub fn with_kv<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut KvCache) -> T + Send + 'static,
+    ) -> Result<T> {
         let (tx, rx) = sync_channel(1);
         let job: KvJob = Box::new(move |kv| {
             let _ = tx.send(f(kv));
@@ -142,11 +165,17 @@ impl RankExecutor {
     }
 
     fn gone(&self, reason: &str) -> ModelError {
-        ModelError::RankFailed { rank: self.rank, reason: reason.into() }
+        ModelError::RankFailed {
+            rank: self.rank,
+            reason: reason.into(),
+        }
     }
 
     fn send(&self, job: Job) -> Result<()> {
-        let tx = self.jobs.as_ref().ok_or_else(|| self.gone("rank is shutting down"))?;
+        let tx = self
+            .jobs
+            .as_ref()
+            .ok_or_else(|| self.gone("rank is shutting down"))?;
         tx.try_send(job).map_err(|e| match e {
             std::sync::mpsc::TrySendError::Full(_) => self.gone("rank queue is full"),
             std::sync::mpsc::TrySendError::Disconnected(_) => self.gone("rank thread is gone"),
@@ -171,7 +200,9 @@ pub struct TpGroup {
 
 impl std::fmt::Debug for TpGroup {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TpGroup").field("tp", &self.ranks.len()).finish()
+        f.debug_struct("TpGroup")
+            .field("tp", &self.ranks.len())
+            .finish()
     }
 }
 
@@ -192,7 +223,10 @@ impl TpGroup {
             .into_iter()
             .map(|comm| RankExecutor::spawn(config, store, comm, opts, alloc))
             .collect::<Result<Vec<_>>>()?;
-        Ok(Self { ranks, config: config.clone() })
+        Ok(Self {
+            ranks,
+            config: config.clone(),
+        })
     }
 
     /// Number of ranks.
@@ -252,7 +286,10 @@ impl TpGroup {
                     first_err.get_or_insert(e);
                 }
                 Err(_) => {
-                    first_err.get_or_insert(ModelError::RankFailed { rank: r, reason: "rank thread exited".into() });
+                    first_err.get_or_insert(ModelError::RankFailed {
+                        rank: r,
+                        reason: "rank thread exited".into(),
+                    });
                 }
             }
         }
@@ -295,7 +332,10 @@ fn rank_loop(shard: ModelShard, mut kv: KvCache, comm: ThreadCollective, jobs: R
                     Err(panic) => {
                         let msg = panic_message(&panic);
                         tracing::error!(rank, %msg, "forward pass panicked");
-                        Err(ModelError::RankFailed { rank, reason: format!("panicked: {msg}") })
+                        Err(ModelError::RankFailed {
+                            rank,
+                            reason: format!("panicked: {msg}"),
+                        })
                     }
                 };
                 if let Err(e) = &result {

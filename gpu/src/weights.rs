@@ -38,7 +38,9 @@ impl std::str::FromStr for WeightFormat {
             "native" => Ok(Self::Native),
             "q8_0" | "q8" => Ok(Self::Q8_0),
             "f32" => Ok(Self::F32),
-            other => Err(format!("unknown weight format `{other}` (auto, native, q8_0, f32)")),
+            other => Err(format!(
+                "unknown weight format `{other}` (auto, native, q8_0, f32)"
+            )),
         }
     }
 }
@@ -72,7 +74,10 @@ pub struct TensorStore {
 impl TensorStore {
     /// Builds a store from already-loaded tensors (synthetic models, tests).
     pub fn from_map(tensors: HashMap<String, Arc<QTensor>>, origin: impl Into<PathBuf>) -> Self {
-        Self { tensors, origin: origin.into() }
+        Self {
+            tensors,
+            origin: origin.into(),
+        }
     }
 
     /// Reads every tensor of a GGUF file.
@@ -93,12 +98,19 @@ impl TensorStore {
                     dtype: format!("{:?}", info.ggml_dtype),
                 });
             }
-            let t = content.tensor(reader, name, &Device::Cpu).map_err(|e| {
-                ModelError::Corrupt { path: path.to_path_buf(), reason: format!("tensor {name}: {e}") }
-            })?;
+            let t =
+                content
+                    .tensor(reader, name, &Device::Cpu)
+                    .map_err(|e| ModelError::Corrupt {
+                        path: path.to_path_buf(),
+                        reason: format!("tensor {name}: {e}"),
+                    })?;
             tensors.insert(name.clone(), Arc::new(t));
         }
-        Ok(Self { tensors, origin: path.to_path_buf() })
+        Ok(Self {
+            tensors,
+            origin: path.to_path_buf(),
+        })
     }
 
     /// Reads every `*.safetensors` file of an HF checkpoint directory, renaming tensors to
@@ -123,7 +135,10 @@ impl TensorStore {
         let mut tensors = HashMap::new();
         for file in &files {
             let loaded = candle_core::safetensors::load(file, &Device::Cpu).map_err(|e| {
-                ModelError::Corrupt { path: file.clone(), reason: e.to_string() }
+                ModelError::Corrupt {
+                    path: file.clone(),
+                    reason: e.to_string(),
+                }
             })?;
             for (hf_name, t) in loaded {
                 let Some(name) = renames.get(hf_name.as_str()) else {
@@ -140,10 +155,16 @@ impl TensorStore {
                         })
                     }
                 };
-                tensors.insert(name.clone(), Arc::new(QTensor::quantize(&t, GgmlDType::F32)?));
+                tensors.insert(
+                    name.clone(),
+                    Arc::new(QTensor::quantize(&t, GgmlDType::F32)?),
+                );
             }
         }
-        Ok(Self { tensors, origin: dir.to_path_buf() })
+        Ok(Self {
+            tensors,
+            origin: dir.to_path_buf(),
+        })
     }
 
     /// Whether a tensor exists.
@@ -156,7 +177,9 @@ impl TensorStore {
     /// # Errors
     /// [`ModelError::MissingTensor`].
     pub fn get(&self, name: &str) -> Result<&Arc<QTensor>> {
-        self.tensors.get(name).ok_or_else(|| ModelError::MissingTensor(name.to_string()))
+        self.tensors
+            .get(name)
+            .ok_or_else(|| ModelError::MissingTensor(name.to_string()))
     }
 
     /// A tensor, checked against the shape the architecture expects.
@@ -197,7 +220,10 @@ impl TensorStore {
 
 fn hf_to_gguf_names(num_layers: usize) -> HashMap<String, String> {
     let mut m = HashMap::new();
-    m.insert("model.embed_tokens.weight".into(), "token_embd.weight".into());
+    m.insert(
+        "model.embed_tokens.weight".into(),
+        "token_embd.weight".into(),
+    );
     m.insert("model.norm.weight".into(), "output_norm.weight".into());
     m.insert("lm_head.weight".into(), "output.weight".into());
     for i in 0..num_layers {
@@ -249,7 +275,9 @@ fn from_bytes(bytes: Vec<u8>, dtype: GgmlDType, shape: (usize, usize)) -> Result
 pub fn slice_rows(t: &QTensor, range: Range<usize>) -> Result<QTensor> {
     let (rows, cols, _, row_bytes) = row_geometry(t)?;
     if range.end > rows || range.start > range.end {
-        return Err(ModelError::InvalidBatch(format!("row slice {range:?} of {rows} rows")));
+        return Err(ModelError::InvalidBatch(format!(
+            "row slice {range:?} of {rows} rows"
+        )));
     }
     let data = t.data()?;
     let bytes = data[range.start * row_bytes..range.end * row_bytes].to_vec();
@@ -264,10 +292,15 @@ pub fn slice_rows(t: &QTensor, range: Range<usize>) -> Result<QTensor> {
 pub fn slice_cols(t: &QTensor, range: Range<usize>) -> Result<QTensor> {
     let (rows, cols, bs, row_bytes) = row_geometry(t)?;
     if range.end > cols || range.start > range.end {
-        return Err(ModelError::InvalidBatch(format!("column slice {range:?} of {cols} columns")));
+        return Err(ModelError::InvalidBatch(format!(
+            "column slice {range:?} of {cols} columns"
+        )));
     }
     if !range.start.is_multiple_of(bs) || !range.end.is_multiple_of(bs) {
-        let f = t.dequantize(&Device::Cpu)?.narrow(1, range.start, range.len())?.contiguous()?;
+        let f = t
+            .dequantize(&Device::Cpu)?
+            .narrow(1, range.start, range.len())?
+            .contiguous()?;
         return Ok(QTensor::quantize(&f, GgmlDType::F32)?);
     }
     let ts = t.dtype().type_size();
@@ -301,7 +334,9 @@ pub fn concat_rows(parts: &[QTensor]) -> Result<QTensor> {
     for p in parts {
         let (r, c) = p.shape().dims2()?;
         if c != cols {
-            return Err(ModelError::InvalidBatch(format!("concat of rows {c} != {cols}")));
+            return Err(ModelError::InvalidBatch(format!(
+                "concat of rows {c} != {cols}"
+            )));
         }
         rows += r;
         bytes.extend_from_slice(&p.data()?);
@@ -342,7 +377,9 @@ mod tests {
     use super::*;
 
     fn sample(rows: usize, cols: usize, dtype: GgmlDType) -> QTensor {
-        let v: Vec<f32> = (0..rows * cols).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
+        let v: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0)
+            .collect();
         let t = Tensor::from_vec(v, (rows, cols), &Device::Cpu).unwrap();
         QTensor::quantize(&t, dtype).unwrap()
     }
@@ -362,7 +399,11 @@ mod tests {
             for (r, row) in cols.iter().enumerate() {
                 assert_eq!(row.as_slice(), &full[r][32..96]);
             }
-            let cat = deq(&concat_rows(&[slice_rows(&t, 0..2).unwrap(), slice_rows(&t, 2..6).unwrap()]).unwrap());
+            let cat =
+                deq(
+                    &concat_rows(&[slice_rows(&t, 0..2).unwrap(), slice_rows(&t, 2..6).unwrap()])
+                        .unwrap(),
+                );
             assert_eq!(cat, full);
         }
     }

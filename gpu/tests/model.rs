@@ -16,7 +16,15 @@ fn synthetic(spec: &str) -> LoadedModel {
 }
 
 fn engine(model: LoadedModel, tp: usize) -> Engine {
-    Engine::new(model, EngineOptions { tp, num_blocks: Some(256), ..Default::default() }).unwrap()
+    Engine::new(
+        model,
+        EngineOptions {
+            tp,
+            num_blocks: Some(256),
+            ..Default::default()
+        },
+    )
+    .unwrap()
 }
 
 fn greedy(n: usize) -> SamplingParams {
@@ -26,8 +34,13 @@ fn greedy(n: usize) -> SamplingParams {
 }
 
 fn run(engine: &mut Engine, prompts: &[Vec<u32>], n: usize) -> Vec<GenOutput> {
-    let reqs: Vec<GenRequest> =
-        prompts.iter().map(|p| GenRequest { prompt: p.clone(), params: greedy(n) }).collect();
+    let reqs: Vec<GenRequest> = prompts
+        .iter()
+        .map(|p| GenRequest {
+            prompt: p.clone(),
+            params: greedy(n),
+        })
+        .collect();
     let out = engine.generate(&reqs, &mut |_, _| {}).unwrap();
     let (free, total) = engine.block_usage();
     assert_eq!(free, total, "block pool back to full");
@@ -39,7 +52,11 @@ fn prompts(vocab: u32) -> Vec<Vec<u32>> {
     [3usize, 17, 40, 70]
         .iter()
         .enumerate()
-        .map(|(k, &len)| (0..len).map(|i| ((i * 31 + k * 7 + 5) as u32) % vocab).collect())
+        .map(|(k, &len)| {
+            (0..len)
+                .map(|i| ((i * 31 + k * 7 + 5) as u32) % vocab)
+                .collect()
+        })
         .collect()
 }
 
@@ -63,8 +80,16 @@ fn synthetic_tp_1_2_4_give_identical_greedy_tokens() {
 fn default_model_tp_1_and_3_give_identical_greedy_tokens() {
     let model = || load_model(&ModelSource::Default).unwrap();
     let engine = |m, tp| {
-        Engine::new(m, EngineOptions { tp, num_blocks: Some(64), format: WeightFormat::F32, ..Default::default() })
-            .unwrap()
+        Engine::new(
+            m,
+            EngineOptions {
+                tp,
+                num_blocks: Some(64),
+                format: WeightFormat::F32,
+                ..Default::default()
+            },
+        )
+        .unwrap()
     };
     let mut one = engine(model(), 1);
     let ps: Vec<Vec<u32>> = ["The capital of France is", "Once upon a time, there was"]
@@ -82,8 +107,25 @@ fn default_model_tp_1_and_3_give_identical_greedy_tokens() {
 
 #[test]
 fn tp_must_divide_kv_heads() {
-    let err = Engine::new(synthetic("tiny"), EngineOptions { tp: 4, ..Default::default() }).unwrap_err();
-    assert!(matches!(err, ModelError::BadTpSize { tp: 4, count: 2, .. }), "{err}");
+    let err = Engine::new(
+        synthetic("tiny"),
+        EngineOptions {
+            tp: 4,
+            ..Default::default()
+        },
+    )
+    .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ModelError::BadTpSize {
+                tp: 4,
+                count: 2,
+                ..
+            }
+        ),
+        "{err}"
+    );
     assert!(err.to_string().contains("KV head"), "{err}");
 }
 
@@ -91,11 +133,18 @@ fn tp_must_divide_kv_heads() {
 fn chunked_prefill_and_batching_match_single_runs() {
     let ps = prompts(259);
     let mut whole = engine(synthetic("tiny"), 1);
-    let alone: Vec<GenOutput> = ps.iter().map(|p| run(&mut whole, std::slice::from_ref(p), 20).remove(0)).collect();
+    let alone: Vec<GenOutput> = ps
+        .iter()
+        .map(|p| run(&mut whole, std::slice::from_ref(p), 20).remove(0))
+        .collect();
     // All four together, prefill in chunks of 7 tokens shared across sequences.
     let mut chunked = Engine::new(
         synthetic("tiny"),
-        EngineOptions { num_blocks: Some(256), max_batch_tokens: 7, ..Default::default() },
+        EngineOptions {
+            num_blocks: Some(256),
+            max_batch_tokens: 7,
+            ..Default::default()
+        },
     )
     .unwrap();
     let together = run(&mut chunked, &ps, 20);
@@ -111,26 +160,57 @@ fn kv_lands_at_the_layout_spans_on_every_rank() {
     let store = spec.build().unwrap();
     let tokens: Vec<u32> = (0..20).map(|i| (i * 13 + 1) % 259).collect();
     let blocks = vec![5u32, 2]; // 20 tokens over two non-adjacent blocks
-    let batch = Batch { seqs: vec![SeqChunk { tokens: tokens.clone(), start_pos: 0, block_table: blocks.clone(), want_logits: false }] };
+    let batch = Batch {
+        seqs: vec![SeqChunk {
+            tokens: tokens.clone(),
+            start_pos: 0,
+            block_table: blocks.clone(),
+            want_logits: false,
+        }],
+    };
     let d = cfg.hidden_size;
     let hd = cfg.head_dim;
 
     // Independent computation of layer 0's K and V for position 0 (RoPE is the identity there):
     // k = W_k · (rmsnorm(embed[token]) ⊙ g).
-    let embed = store.get("token_embd.weight").unwrap().dequantize(&candle_core::Device::Cpu).unwrap().to_vec2::<f32>().unwrap();
+    let embed = store
+        .get("token_embd.weight")
+        .unwrap()
+        .dequantize(&candle_core::Device::Cpu)
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
     let g = store.vector("blk.0.attn_norm.weight", d).unwrap();
-    let wk = store.get("blk.0.attn_k.weight").unwrap().dequantize(&candle_core::Device::Cpu).unwrap().to_vec2::<f32>().unwrap();
-    let wv = store.get("blk.0.attn_v.weight").unwrap().dequantize(&candle_core::Device::Cpu).unwrap().to_vec2::<f32>().unwrap();
+    let wk = store
+        .get("blk.0.attn_k.weight")
+        .unwrap()
+        .dequantize(&candle_core::Device::Cpu)
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
+    let wv = store
+        .get("blk.0.attn_v.weight")
+        .unwrap()
+        .dequantize(&candle_core::Device::Cpu)
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
     let x = &embed[tokens[0] as usize];
     let rms = (x.iter().map(|v| v * v).sum::<f32>() / d as f32 + cfg.rms_norm_eps).sqrt();
     let h: Vec<f32> = x.iter().zip(&g).map(|(v, g)| v / rms * g).collect();
-    let proj = |w: &Vec<Vec<f32>>, row: usize| -> f32 { w[row].iter().zip(&h).map(|(a, b)| a * b).sum() };
+    let proj =
+        |w: &Vec<Vec<f32>>, row: usize| -> f32 { w[row].iter().zip(&h).map(|(a, b)| a * b).sum() };
 
     for tp in [1usize, 2, 4] {
         let group = pdserve_gpu::tp::TpGroup::new(
             &cfg,
             &store,
-            &pdserve_gpu::tp::TpOptions { tp, num_blocks: 8, block_size: 16, format: WeightFormat::F32 },
+            &pdserve_gpu::tp::TpOptions {
+                tp,
+                num_blocks: 8,
+                block_size: 16,
+                format: WeightFormat::F32,
+            },
             &pdserve_runtime::memory::AnonAllocator,
         )
         .unwrap();
@@ -150,17 +230,27 @@ fn kv_lands_at_the_layout_spans_on_every_rank() {
                     spans
                 })
                 .unwrap();
-            let f32s = |b: &[u8]| -> Vec<f32> { b.chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect() };
+            let f32s = |b: &[u8]| -> Vec<f32> {
+                b.chunks(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                    .collect()
+            };
             for (kind, w) in [(0usize, &wk), (1, &wv)] {
                 let block5 = f32s(&bytes[kind * 2]);
-                assert!(bytes[kind * 2 + 1].iter().all(|&b| b == 0), "untouched block written");
+                assert!(
+                    bytes[kind * 2 + 1].iter().all(|&b| b == 0),
+                    "untouched block written"
+                );
                 for local in 0..per_rank {
                     let head = rank * per_rank + local;
                     // Slot 0 of block 5 = position 0: [head][slot][dim].
                     let got = &block5[local * 16 * hd..local * 16 * hd + hd];
                     for (dim, &v) in got.iter().enumerate() {
                         let want = proj(w, head * hd + dim);
-                        assert!((v - want).abs() < 1e-4, "tp={tp} rank={rank} head={head} dim={dim}: {v} vs {want}");
+                        assert!(
+                            (v - want).abs() < 1e-4,
+                            "tp={tp} rank={rank} head={head} dim={dim}: {v} vs {want}"
+                        );
                     }
                 }
             }
@@ -173,7 +263,11 @@ fn every_file_format_loads_and_computes_the_same_model() {
     let spec = SyntheticSpec::parse("tiny,layers=2,hidden=128,ffn=256").unwrap();
     let dir = tempfile::tempdir().unwrap();
     let ps = prompts(259);
-    let reference = run(&mut engine(synthetic("tiny,layers=2,hidden=128,ffn=256"), 1), &ps, 12);
+    let reference = run(
+        &mut engine(synthetic("tiny,layers=2,hidden=128,ffn=256"), 1),
+        &ps,
+        12,
+    );
 
     // f32 in both containers computes exactly the in-memory model.
     let st = dir.path().join("hf");
@@ -181,23 +275,55 @@ fn every_file_format_loads_and_computes_the_same_model() {
     let gguf32 = dir.path().join("m-f32.gguf");
     write_gguf(&spec, &gguf32, GgmlDType::F32).unwrap();
     for path in [st.clone(), gguf32] {
-        let out = run(&mut engine(load_model(&ModelSource::Path(path.clone())).unwrap(), 1), &ps, 12);
+        let out = run(
+            &mut engine(load_model(&ModelSource::Path(path.clone())).unwrap(), 1),
+            &ps,
+            12,
+        );
         for (a, b) in reference.iter().zip(&out) {
             assert_eq!(a.tokens, b.tokens, "{}", path.display());
         }
     }
     // Lower precisions load and stay close: the first greedy token of most prompts agrees.
-    for dtype in [GgmlDType::F16, GgmlDType::Q8_0, GgmlDType::Q4_0, GgmlDType::Q4_1] {
+    for dtype in [
+        GgmlDType::F16,
+        GgmlDType::Q8_0,
+        GgmlDType::Q4_0,
+        GgmlDType::Q4_1,
+    ] {
         let path = dir.path().join(format!("m-{dtype:?}.gguf"));
         write_gguf(&spec, &path, dtype).unwrap();
         let loaded = load_model(&ModelSource::Path(path)).unwrap();
         for format in [WeightFormat::Native, WeightFormat::Auto] {
-            let model = load_model(&ModelSource::Path(dir.path().join(format!("m-{dtype:?}.gguf")))).unwrap();
-            let mut e = Engine::new(model, EngineOptions { num_blocks: Some(256), format, ..Default::default() }).unwrap();
+            let model = load_model(&ModelSource::Path(
+                dir.path().join(format!("m-{dtype:?}.gguf")),
+            ))
+            .unwrap();
+            let mut e = Engine::new(
+                model,
+                EngineOptions {
+                    num_blocks: Some(256),
+                    format,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
             let out = run(&mut e, &ps, 4);
-            let agree = reference.iter().zip(&out).filter(|(a, b)| a.tokens[0] == b.tokens[0]).count();
-            let need = if matches!(dtype, GgmlDType::F16 | GgmlDType::Q8_0) { ps.len() } else { ps.len() / 2 };
-            assert!(agree >= need, "{dtype:?}/{format:?}: {agree}/{} first tokens agree", ps.len());
+            let agree = reference
+                .iter()
+                .zip(&out)
+                .filter(|(a, b)| a.tokens[0] == b.tokens[0])
+                .count();
+            let need = if matches!(dtype, GgmlDType::F16 | GgmlDType::Q8_0) {
+                ps.len()
+            } else {
+                ps.len() / 2
+            };
+            assert!(
+                agree >= need,
+                "{dtype:?}/{format:?}: {agree}/{} first tokens agree",
+                ps.len()
+            );
         }
         drop(loaded);
     }
@@ -218,27 +344,56 @@ fn typed_errors_for_bad_models_and_requests() {
     use candle_core::quantized::gguf_file::{self, Value};
     let odd = dir.path().join("mamba.gguf");
     let t = candle_core::quantized::QTensor::quantize(
-        &candle_core::Tensor::zeros((4, 32), candle_core::DType::F32, &candle_core::Device::Cpu).unwrap(),
+        &candle_core::Tensor::zeros((4, 32), candle_core::DType::F32, &candle_core::Device::Cpu)
+            .unwrap(),
         GgmlDType::F32,
     )
     .unwrap();
     let arch = Value::String("mamba".into());
-    gguf_file::write(&mut std::fs::File::create(&odd).unwrap(), &[("general.architecture", &arch)], &[("token_embd.weight", &t)]).unwrap();
+    gguf_file::write(
+        &mut std::fs::File::create(&odd).unwrap(),
+        &[("general.architecture", &arch)],
+        &[("token_embd.weight", &t)],
+    )
+    .unwrap();
     let err = load_model(&ModelSource::Path(odd)).unwrap_err();
-    assert!(matches!(err, ModelError::UnsupportedArchitecture(ref a) if a == "mamba"), "{err}");
+    assert!(
+        matches!(err, ModelError::UnsupportedArchitecture(ref a) if a == "mamba"),
+        "{err}"
+    );
 
     // A tensor type the CPU backend does not run (Q2_K), in an otherwise valid model.
     let spec = SyntheticSpec::parse("tiny,layers=1,hidden=256,ffn=256").unwrap();
     let q2 = dir.path().join("q2k.gguf");
     write_gguf(&spec, &q2, GgmlDType::Q2K).unwrap();
     let err = load_model(&ModelSource::Path(q2)).unwrap_err();
-    assert!(matches!(err, ModelError::UnsupportedTensorType { .. }), "{err}");
+    assert!(
+        matches!(err, ModelError::UnsupportedTensorType { .. }),
+        "{err}"
+    );
 
     // A prompt longer than the context.
     let mut e = engine(synthetic("tiny,context=64"), 1);
     let long = vec![7u32; 65];
-    let err = e.generate(&[GenRequest { prompt: long, params: greedy(1) }], &mut |_, _| {}).unwrap_err();
-    assert!(matches!(err, ModelError::ContextOverflow { tokens: 66, context: 64 }), "{err}");
+    let err = e
+        .generate(
+            &[GenRequest {
+                prompt: long,
+                params: greedy(1),
+            }],
+            &mut |_, _| {},
+        )
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ModelError::ContextOverflow {
+                tokens: 66,
+                context: 64
+            }
+        ),
+        "{err}"
+    );
     assert_eq!(e.block_usage().0, e.block_usage().1);
     // The engine still serves afterwards.
     assert_eq!(run(&mut e, &[vec![1, 2, 3]], 3)[0].tokens.len(), 3);

@@ -40,12 +40,24 @@ fn reference(path: &std::path::Path, prompt: &[u32]) -> (Vec<u32>, Vec<f32>) {
     let mut file = std::fs::File::open(path).unwrap();
     let content = candle_core::quantized::gguf_file::Content::read(&mut file).unwrap();
     let mut model = ModelWeights::from_gguf(content, &mut file, &Device::Cpu).unwrap();
-    let input = Tensor::new(prompt, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
-    let logits = model.forward(&input, 0).unwrap().squeeze(0).unwrap().to_vec1::<f32>().unwrap();
+    let input = Tensor::new(prompt, &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    let logits = model
+        .forward(&input, 0)
+        .unwrap()
+        .squeeze(0)
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
     let first = logits.clone();
     let mut tokens = vec![argmax(&logits)];
     for i in 1..STEPS {
-        let input = Tensor::new(&[tokens[i - 1]], &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+        let input = Tensor::new(&[tokens[i - 1]], &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
         let logits = model
             .forward(&input, prompt.len() + i - 1)
             .unwrap()
@@ -64,13 +76,19 @@ fn greedy_tokens_and_logits_match_candle_quantized_llama() {
     // thread); then f32 weights on both sides, in a thread that sees the variable set.
     compare(WeightFormat::Native, QUANTIZED_LOGIT_TOLERANCE);
     std::env::set_var("CANDLE_DEQUANTIZE_ALL", "1");
-    std::thread::spawn(|| compare(WeightFormat::F32, F32_LOGIT_TOLERANCE)).join().unwrap();
+    std::thread::spawn(|| compare(WeightFormat::F32, F32_LOGIT_TOLERANCE))
+        .join()
+        .unwrap();
 }
 
 fn compare(format: WeightFormat, tolerance: f32) {
     let path = pull_default_model(Progress::Hide).expect("default model");
     let model = load_gguf(&path).unwrap();
-    let opts = EngineOptions { format, num_blocks: Some(64), ..Default::default() };
+    let opts = EngineOptions {
+        format,
+        num_blocks: Some(64),
+        ..Default::default()
+    };
     let mut engine = Engine::new(model, opts).unwrap();
     for prompt in PROMPTS {
         let ids = engine.tokenizer().encode(prompt, false).unwrap();
@@ -79,23 +97,51 @@ fn compare(format: WeightFormat, tolerance: f32) {
         // Last-position logits of the prompt, straight from a forward step.
         let blocks: Vec<u32> = (0..ids.len().div_ceil(16) as u32).collect();
         let batch = Batch {
-            seqs: vec![SeqChunk { tokens: ids.clone(), start_pos: 0, block_table: blocks, want_logits: true }],
+            seqs: vec![SeqChunk {
+                tokens: ids.clone(),
+                start_pos: 0,
+                block_table: blocks,
+                want_logits: true,
+            }],
         };
         let ours = engine.group().step(batch).unwrap().remove(0);
-        let max_diff = ours.iter().zip(&ref_logits).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-        assert!(max_diff < tolerance, "{format:?} prompt {prompt:?}: max logit diff {max_diff}");
+        let max_diff = ours
+            .iter()
+            .zip(&ref_logits)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            max_diff < tolerance,
+            "{format:?} prompt {prompt:?}: max logit diff {max_diff}"
+        );
 
         let mut params = SamplingParams::greedy(STEPS);
         params.ignore_eos = true;
-        let out = engine.generate(&[GenRequest { prompt: ids, params }], &mut |_, _| {}).unwrap();
-        let same = out[0].tokens.iter().zip(&ref_tokens).take_while(|(a, b)| a == b).count();
+        let out = engine
+            .generate(
+                &[GenRequest {
+                    prompt: ids,
+                    params,
+                }],
+                &mut |_, _| {},
+            )
+            .unwrap();
+        let same = out[0]
+            .tokens
+            .iter()
+            .zip(&ref_tokens)
+            .take_while(|(a, b)| a == b)
+            .count();
         eprintln!("{format:?} {prompt:?}: {same}/{STEPS} greedy tokens equal, max logit diff {max_diff:.2e}");
         if format == WeightFormat::F32 {
             assert_eq!(out[0].tokens, ref_tokens, "{format:?} prompt {prompt:?}");
         } else {
             // Quantized kernels are shape-dependent inside candle, so a near-tie can flip
             // later; the first tokens must still agree.
-            assert!(same >= 8, "{format:?} prompt {prompt:?}: only {same} tokens agree");
+            assert!(
+                same >= 8,
+                "{format:?} prompt {prompt:?}: only {same} tokens agree"
+            );
         }
     }
     assert_eq!(engine.block_usage().0, 64, "every block back in the pool");

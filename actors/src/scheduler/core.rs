@@ -5,7 +5,9 @@
 use crate::block_manager::{BlockAllocation, BlockManager};
 use crate::error::RequestError;
 use pdserve_gpu::model::{Batch, SeqChunk};
-use pdserve_gpu::sampling::{FinishReason, Sampler, SamplingParams, StopChecker, StopDecision, StopReason};
+use pdserve_gpu::sampling::{
+    FinishReason, Sampler, SamplingParams, StopChecker, StopDecision, StopReason,
+};
 use pdserve_gpu::tokenizer::{DecodeStream, Tokenizer};
 use pdserve_runtime::ids::RequestId;
 use std::collections::{HashMap, VecDeque};
@@ -205,7 +207,10 @@ impl SchedulerCore {
             )));
         }
         if self.seqs.contains_key(&req.id) {
-            return Err(RequestError::BadRequest(format!("duplicate request id {}", req.id)));
+            return Err(RequestError::BadRequest(format!(
+                "duplicate request id {}",
+                req.id
+            )));
         }
         let seq = Seq {
             state: RequestState::Waiting,
@@ -237,7 +242,9 @@ impl SchedulerCore {
         let s = self.seqs.get_mut(&id).expect("just added");
         if !self.blocks.can_admit(blocks) || !self.blocks.grow(&mut s.blocks, blocks) {
             self.seqs.remove(&id);
-            return Err(RequestError::Overloaded("no KV blocks free for a remote prefill".into()));
+            return Err(RequestError::Overloaded(
+                "no KV blocks free for a remote prefill".into(),
+            ));
         }
         s.state = RequestState::WaitingForRemoteKv;
         Ok(s.blocks.blocks().to_vec())
@@ -248,9 +255,15 @@ impl SchedulerCore {
     /// # Errors
     /// [`RequestError::BadRequest`] when the request is not waiting for remote KV.
     pub fn remote_kv_transferring(&mut self, id: RequestId) -> Result<(), RequestError> {
-        let s = self.seqs.get_mut(&id).ok_or_else(|| RequestError::BadRequest(format!("unknown request {id}")))?;
+        let s = self
+            .seqs
+            .get_mut(&id)
+            .ok_or_else(|| RequestError::BadRequest(format!("unknown request {id}")))?;
         if s.state != RequestState::WaitingForRemoteKv {
-            return Err(RequestError::BadRequest(format!("{id} is {:?}, not waiting for remote KV", s.state)));
+            return Err(RequestError::BadRequest(format!(
+                "{id} is {:?}, not waiting for remote KV",
+                s.state
+            )));
         }
         s.state = RequestState::Transferring;
         Ok(())
@@ -261,10 +274,23 @@ impl SchedulerCore {
     ///
     /// # Errors
     /// [`RequestError::BadRequest`] when the request is not waiting for or receiving remote KV.
-    pub fn remote_kv_ready(&mut self, id: RequestId, first_token: u32) -> Result<Vec<Output>, RequestError> {
-        let s = self.seqs.get_mut(&id).ok_or_else(|| RequestError::BadRequest(format!("unknown request {id}")))?;
-        if !matches!(s.state, RequestState::WaitingForRemoteKv | RequestState::Transferring) {
-            return Err(RequestError::BadRequest(format!("{id} is {:?}, not expecting remote KV", s.state)));
+    pub fn remote_kv_ready(
+        &mut self,
+        id: RequestId,
+        first_token: u32,
+    ) -> Result<Vec<Output>, RequestError> {
+        let s = self
+            .seqs
+            .get_mut(&id)
+            .ok_or_else(|| RequestError::BadRequest(format!("unknown request {id}")))?;
+        if !matches!(
+            s.state,
+            RequestState::WaitingForRemoteKv | RequestState::Transferring
+        ) {
+            return Err(RequestError::BadRequest(format!(
+                "{id} is {:?}, not expecting remote KV",
+                s.state
+            )));
         }
         s.computed = s.prompt.len();
         s.state = RequestState::Running;
@@ -314,7 +340,12 @@ impl SchedulerCore {
             let mut ok = need == 0 || self.grow(id, need);
             while !ok {
                 // Preempt the newest other running sequence not yet in this step's plan.
-                let victim = self.running.iter().rev().copied().find(|&r| r != id && !plan.iter().any(|(p, _)| *p == r));
+                let victim = self
+                    .running
+                    .iter()
+                    .rev()
+                    .copied()
+                    .find(|&r| r != id && !plan.iter().any(|(p, _)| *p == r));
                 match victim {
                     Some(v) => {
                         self.preempt(v);
@@ -334,7 +365,9 @@ impl SchedulerCore {
         }
 
         while budget > 0 && self.running.len() < self.cfg.max_num_seqs {
-            let Some(&id) = self.waiting.front() else { break };
+            let Some(&id) = self.waiting.front() else {
+                break;
+            };
             let s = &self.seqs[&id];
             let n = (s.len() - s.computed).min(budget);
             let need = (s.computed + n).div_ceil(bs).saturating_sub(s.blocks.len());
@@ -357,7 +390,14 @@ impl SchedulerCore {
         let mut members = Vec::with_capacity(plan.len());
         for (id, n) in plan {
             let s = &self.seqs[&id];
-            let tokens: Vec<u32> = s.prompt.iter().chain(&s.output).skip(s.computed).take(n).copied().collect();
+            let tokens: Vec<u32> = s
+                .prompt
+                .iter()
+                .chain(&s.output)
+                .skip(s.computed)
+                .take(n)
+                .copied()
+                .collect();
             let samples = s.computed + n == s.len();
             batch.seqs.push(SeqChunk {
                 tokens,
@@ -368,7 +408,11 @@ impl SchedulerCore {
             members.push((id, n, samples));
         }
         self.next_step += 1;
-        Some(StepPlan { step_id: self.next_step, batch, members })
+        Some(StepPlan {
+            step_id: self.next_step,
+            batch,
+            members,
+        })
     }
 
     fn grow(&mut self, id: RequestId, n: usize) -> bool {
@@ -383,7 +427,9 @@ impl SchedulerCore {
         let mut logits = logits.into_iter();
         for (id, n, samples) in plan.members {
             let row = if samples { logits.next() } else { None };
-            let Some(s) = self.seqs.get_mut(&id) else { continue };
+            let Some(s) = self.seqs.get_mut(&id) else {
+                continue;
+            };
             if s.computed + n > s.len() {
                 continue; // preempted and rescheduled meanwhile: stale
             }
@@ -392,7 +438,10 @@ impl SchedulerCore {
                 continue;
             }
             let Some(mut row) = row else {
-                out.push(Output::Failed { id, error: RequestError::Internal("missing logits".into()) });
+                out.push(Output::Failed {
+                    id,
+                    error: RequestError::Internal("missing logits".into()),
+                });
                 self.abort(id);
                 continue;
             };
@@ -404,26 +453,48 @@ impl SchedulerCore {
 
     /// Appends a sampled token to a running request and applies its stop conditions.
     fn accept_token(&mut self, id: RequestId, token: u32) -> Vec<Output> {
-        let Some(s) = self.seqs.get_mut(&id) else { return Vec::new() };
+        let Some(s) = self.seqs.get_mut(&id) else {
+            return Vec::new();
+        };
         s.output.push(token);
         let piece = match s.decode.step(token) {
             Ok(p) => p.unwrap_or_default(),
             Err(e) => {
                 self.abort(id);
-                return vec![Output::Failed { id, error: RequestError::Internal(e.to_string()) }];
+                return vec![Output::Failed {
+                    id,
+                    error: RequestError::Internal(e.to_string()),
+                }];
             }
         };
         match s.stop.push(token, &piece) {
-            StopDecision::Continue { text_to_emit } => vec![Output::Token { id, token, text: text_to_emit }],
-            StopDecision::Stop { reason, mut text_to_emit } => {
+            StopDecision::Continue { text_to_emit } => vec![Output::Token {
+                id,
+                token,
+                text: text_to_emit,
+            }],
+            StopDecision::Stop {
+                reason,
+                mut text_to_emit,
+            } => {
                 if matches!(reason, StopReason::Length) {
                     text_to_emit.push_str(&s.decode.flush().unwrap_or_default());
                 }
                 let (prompt_tokens, completion_tokens) = (s.prompt.len(), s.output.len());
                 self.abort(id);
                 vec![
-                    Output::Token { id, token, text: String::new() },
-                    Output::Finished { id, reason: reason.finish_reason(), text: text_to_emit, prompt_tokens, completion_tokens },
+                    Output::Token {
+                        id,
+                        token,
+                        text: String::new(),
+                    },
+                    Output::Finished {
+                        id,
+                        reason: reason.finish_reason(),
+                        text: text_to_emit,
+                        prompt_tokens,
+                        completion_tokens,
+                    },
                 ]
             }
         }
@@ -435,7 +506,10 @@ impl SchedulerCore {
         let mut out = Vec::new();
         for (id, _, _) in plan.members {
             if self.abort(id) {
-                out.push(Output::Failed { id, error: error.clone() });
+                out.push(Output::Failed {
+                    id,
+                    error: error.clone(),
+                });
             }
         }
         out
@@ -446,10 +520,12 @@ impl SchedulerCore {
         let ids: Vec<RequestId> = self.seqs.keys().copied().collect();
         ids.into_iter()
             .filter(|&id| self.abort(id))
-            .map(|id| Output::Failed { id, error: error.clone() })
+            .map(|id| Output::Failed {
+                id,
+                error: error.clone(),
+            })
             .collect()
     }
-
 }
 
 #[cfg(test)]
@@ -473,13 +549,23 @@ mod tests {
     fn req(id: u64, prompt_len: usize, max_tokens: usize) -> NewRequest {
         let mut params = SamplingParams::greedy(max_tokens);
         params.ignore_eos = true;
-        NewRequest { id: RequestId(id), prompt: (0..prompt_len as u32).map(|t| 97 + t % 20).collect(), params }
+        NewRequest {
+            id: RequestId(id),
+            prompt: (0..prompt_len as u32).map(|t| 97 + t % 20).collect(),
+            params,
+        }
     }
 
     /// Logits that always pick token `b'a'`.
     fn logits(plan: &StepPlan) -> Vec<Vec<f32>> {
         let n = plan.members.iter().filter(|m| m.2).count();
-        (0..n).map(|_| { let mut l = vec![0.0; 259]; l[97] = 1.0; l }).collect()
+        (0..n)
+            .map(|_| {
+                let mut l = vec![0.0; 259];
+                l[97] = 1.0;
+                l
+            })
+            .collect()
     }
 
     fn drive(c: &mut SchedulerCore) -> Vec<Output> {
@@ -504,7 +590,13 @@ mod tests {
         let p = c.schedule().unwrap();
         assert_eq!(p.batch.seqs[0].start_pos, 5);
         let out = drive_from(&mut c, p);
-        assert!(matches!(out.last(), Some(Output::Finished { completion_tokens: 2, .. })));
+        assert!(matches!(
+            out.last(),
+            Some(Output::Finished {
+                completion_tokens: 2,
+                ..
+            })
+        ));
         assert_eq!(c.stats().blocks_free, 64);
     }
 
@@ -523,13 +615,23 @@ mod tests {
             c.add(req(id, 6, 10)).unwrap();
         }
         let out = drive(&mut c);
-        let finished: Vec<_> = out.iter().filter_map(|o| match o {
-            Output::Finished { id, completion_tokens, .. } => Some((*id, *completion_tokens)),
-            _ => None,
-        }).collect();
+        let finished: Vec<_> = out
+            .iter()
+            .filter_map(|o| match o {
+                Output::Finished {
+                    id,
+                    completion_tokens,
+                    ..
+                } => Some((*id, *completion_tokens)),
+                _ => None,
+            })
+            .collect();
         assert_eq!(finished.len(), 3);
         assert!(finished.iter().all(|&(_, n)| n == 10));
-        assert!(c.stats().preemptions > 0, "the pool was too small to run all at once");
+        assert!(
+            c.stats().preemptions > 0,
+            "the pool was too small to run all at once"
+        );
         assert_eq!(c.stats().blocks_free, 6);
     }
 
@@ -542,8 +644,23 @@ mod tests {
         assert!(c.stats().blocks_free < 16);
         assert!(c.abort(RequestId(1)));
         let out = c.fail_step(p, RequestError::WorkerFailed("rank 0 panicked".into()));
-        assert_eq!(out, vec![Output::Failed { id: RequestId(2), error: RequestError::WorkerFailed("rank 0 panicked".into()) }]);
-        assert_eq!(c.stats(), SchedulerStats { waiting: 0, running: 0, blocks_free: 16, blocks_total: 16, preemptions: 0 });
+        assert_eq!(
+            out,
+            vec![Output::Failed {
+                id: RequestId(2),
+                error: RequestError::WorkerFailed("rank 0 panicked".into())
+            }]
+        );
+        assert_eq!(
+            c.stats(),
+            SchedulerStats {
+                waiting: 0,
+                running: 0,
+                blocks_free: 16,
+                blocks_total: 16,
+                preemptions: 0
+            }
+        );
     }
 
     #[test]
@@ -551,18 +668,40 @@ mod tests {
         let mut c = core(16, 64);
         let dest = c.add_remote(req(1, 9, 3)).unwrap();
         assert_eq!(dest.len(), 3, "9 prompt tokens in blocks of 4");
-        assert_eq!(c.state(RequestId(1)), Some(RequestState::WaitingForRemoteKv));
-        assert!(c.schedule().is_none(), "not scheduled before its KV arrives");
+        assert_eq!(
+            c.state(RequestId(1)),
+            Some(RequestState::WaitingForRemoteKv)
+        );
+        assert!(
+            c.schedule().is_none(),
+            "not scheduled before its KV arrives"
+        );
         c.remote_kv_transferring(RequestId(1)).unwrap();
         assert_eq!(c.state(RequestId(1)), Some(RequestState::Transferring));
         let out = c.remote_kv_ready(RequestId(1), 97).unwrap();
-        assert_eq!(out, vec![Output::Token { id: RequestId(1), token: 97, text: "a".into() }]);
+        assert_eq!(
+            out,
+            vec![Output::Token {
+                id: RequestId(1),
+                token: 97,
+                text: "a".into()
+            }]
+        );
         // The next step decodes from position 9 (prompt) with the first token as input.
         let p = c.schedule().unwrap();
-        assert_eq!((p.batch.seqs[0].start_pos, p.batch.seqs[0].tokens.clone()), (9, vec![97]));
+        assert_eq!(
+            (p.batch.seqs[0].start_pos, p.batch.seqs[0].tokens.clone()),
+            (9, vec![97])
+        );
         assert_eq!(p.batch.seqs[0].block_table[..3], dest[..]);
         let out = drive_from(&mut c, p);
-        assert!(matches!(out.last(), Some(Output::Finished { completion_tokens: 3, .. })));
+        assert!(matches!(
+            out.last(),
+            Some(Output::Finished {
+                completion_tokens: 3,
+                ..
+            })
+        ));
         assert_eq!(c.stats().blocks_free, 16);
         // Aborting one that waits for KV frees its destination blocks.
         c.add_remote(req(2, 9, 3)).unwrap();
@@ -574,8 +713,17 @@ mod tests {
     #[test]
     fn oversized_requests_are_refused_up_front() {
         let mut c = core(4, 64);
-        assert!(matches!(c.add(req(1, 60, 10)), Err(RequestError::ContextOverflow { requested: 70, .. })));
-        assert!(matches!(c.add(req(2, 10, 10)), Err(RequestError::BadRequest(_))), "20 tokens > 4 blocks of 4");
-        assert!(matches!(c.add(req(3, 0, 1)), Err(RequestError::BadRequest(_))));
+        assert!(matches!(
+            c.add(req(1, 60, 10)),
+            Err(RequestError::ContextOverflow { requested: 70, .. })
+        ));
+        assert!(
+            matches!(c.add(req(2, 10, 10)), Err(RequestError::BadRequest(_))),
+            "20 tokens > 4 blocks of 4"
+        );
+        assert!(matches!(
+            c.add(req(3, 0, 1)),
+            Err(RequestError::BadRequest(_))
+        ));
     }
 }

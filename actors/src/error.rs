@@ -27,6 +27,9 @@ pub enum RequestError {
     /// The compute worker holding the request failed (500).
     #[error("worker failure: {0}")]
     WorkerFailed(String),
+    /// Moving the prompt's KV from the prefill instance failed (502).
+    #[error("KV transfer from the prefill instance failed: {0}")]
+    KvTransfer(String),
     /// The instance is stopping (503).
     #[error("instance is shutting down")]
     ShuttingDown,
@@ -48,6 +51,7 @@ impl RequestError {
             Self::BadRequest(_) | Self::ContextOverflow { .. } | Self::UnknownModel(_) => 400,
             Self::Overloaded(_) | Self::ShuttingDown => 503,
             Self::Timeout(_) => 504,
+            Self::KvTransfer(_) => 502,
             Self::Aborted => 499,
             Self::WorkerFailed(_) | Self::Internal(_) => 500,
         }
@@ -63,6 +67,7 @@ impl RequestError {
             Self::Timeout(_) => "timeout",
             Self::Aborted => "aborted",
             Self::WorkerFailed(_) => "worker_failed",
+            Self::KvTransfer(_) => "kv_transfer_failed",
             Self::Internal(_) => "internal_error",
         }
     }

@@ -57,6 +57,10 @@ pub struct AppState {
     pub next_id: AtomicU64,
     /// Prometheus registry.
     pub metrics: pdserve_runtime::telemetry::MetricsHandle,
+    /// The KV hand-off context (instances with a transfer engine).
+    pub kv: Option<Arc<crate::kv_receiver::KvContext>>,
+    /// Where this frontend listens (set once bound).
+    pub addr: std::sync::OnceLock<SocketAddr>,
 }
 
 /// An error as an HTTP response (OpenAI's shape).
@@ -84,6 +88,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models", get(models))
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/metrics", get(metrics))
+        .route("/v1/kv/info", get(kv_info))
+        .route("/v1/kv/release", post(kv_release))
         .with_state(state)
 }
 
@@ -105,6 +111,38 @@ async fn metrics(State(app): State<Arc<AppState>>) -> impl IntoResponse {
         [("content-type", "text/plain; version=0.0.4")],
         app.metrics.render(),
     )
+}
+
+async fn kv_info(State(app): State<Arc<AppState>>) -> Response {
+    match &app.kv {
+        Some(kv) => Json(kv.info()).into_response(),
+        None => ApiError(RequestError::BadRequest(
+            "this instance has no KV transfer engine".into(),
+        ))
+        .into_response(),
+    }
+}
+
+async fn kv_release(State(app): State<Arc<AppState>>, body: Bytes) -> Response {
+    let transfer = serde_json::from_slice::<Value>(&body)
+        .ok()
+        .and_then(|v| {
+            v.get("transfer_id")
+                .and_then(Value::as_str)
+                .map(str::to_string)
+        })
+        .and_then(|t| t.parse::<pdserve_runtime::ids::TransferId>().ok());
+    let Some(transfer) = transfer else {
+        return ApiError(RequestError::BadRequest(
+            "body must be {\"transfer_id\": \"<32 hex digits>\"}".into(),
+        ))
+        .into_response();
+    };
+    match ractor::call_t!(app.scheduler, SchedulerMsg::ReleaseHeld, 5_000, transfer) {
+        Ok(true) => Json(json!({"released": true})).into_response(),
+        Ok(false) => (StatusCode::GONE, Json(json!({"error": {"message": format!("transfer {transfer} is not held (released, expired, or unknown)"), "type": "lease_expired", "param": null, "code": 410}}))).into_response(),
+        Err(e) => ApiError(RequestError::Internal(e.to_string())).into_response(),
+    }
 }
 
 async fn completions(
@@ -188,14 +226,52 @@ async fn serve(
         .validate(app.vocab_size)
         .map_err(|e| RequestError::BadRequest(e.to_string()))?;
 
+    let directive = openai::kv_directive(req.kv_transfer_params.as_ref())?;
+    if !matches!(directive, openai::KvDirective::None) && app.kv.is_none() {
+        return Err(RequestError::BadRequest("kv_transfer_params need an instance with a KV transfer engine (role prefill or decode)".into()).into());
+    }
     let id = RequestId(app.next_id.fetch_add(1, Ordering::Relaxed));
     let token_ids = req.return_token_ids.then(|| prompt.clone());
     let (tx, rx) = unbounded_channel();
-    app.scheduler
-        .cast(SchedulerMsg::Submit {
-            request: NewRequest { id, prompt, params },
+    let mut hand_off = None;
+    let msg = match directive {
+        openai::KvDirective::None => SchedulerMsg::Submit {
+            request: NewRequest {
+                id,
+                prompt,
+                params,
+                hold_for: None,
+            },
             sink: tx,
-        })
+        },
+        openai::KvDirective::HoldForDecode(transfer) => {
+            if req.stream {
+                return Err(RequestError::BadRequest("do_remote_decode needs `stream: false` (the answer carries kv_transfer_params)".into()).into());
+            }
+            hand_off = Some(transfer);
+            SchedulerMsg::Submit {
+                request: NewRequest {
+                    id,
+                    prompt,
+                    params,
+                    hold_for: Some(transfer),
+                },
+                sink: tx,
+            }
+        }
+        openai::KvDirective::FromPrefill(remote) => SchedulerMsg::SubmitRemote {
+            request: NewRequest {
+                id,
+                prompt,
+                params,
+                hold_for: None,
+            },
+            sink: tx,
+            remote,
+        },
+    };
+    app.scheduler
+        .cast(msg)
         .map_err(|_| RequestError::ShuttingDown)?;
     let guard = RequestGuard {
         id,
@@ -211,6 +287,16 @@ async fn serve(
         include_usage: req.include_usage,
         kv_transfer_params: req.kv_transfer_params.clone(),
         token_ids,
+        hand_off: hand_off.map(|t| {
+            (
+                t,
+                app.kv
+                    .as_ref()
+                    .map(|k| k.engine_id.clone())
+                    .unwrap_or_default(),
+                app.addr.get().copied(),
+            )
+        }),
     };
     let deadline = tokio::time::Instant::now() + app.request_timeout;
     if req.stream {
@@ -255,6 +341,9 @@ struct ResponseMeta {
     kv_transfer_params: Option<Value>,
     /// `Some(prompt ids)` when the client asked for token ids.
     token_ids: Option<Vec<u32>>,
+    /// Prefill side of P/D: (transfer, engine id, our address) for the answer's
+    /// `kv_transfer_params`.
+    hand_off: Option<(pdserve_runtime::ids::TransferId, String, Option<SocketAddr>)>,
 }
 
 impl ResponseMeta {
@@ -300,6 +389,7 @@ impl ResponseMeta {
         prompt: usize,
         completion: usize,
         tokens: &[u32],
+        held: Option<&[u32]>,
     ) -> Value {
         let mut v = if self.chat {
             json!({"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
@@ -312,6 +402,18 @@ impl ResponseMeta {
         };
         if let Some(p) = &self.kv_transfer_params {
             v["kv_transfer_params"] = p.clone();
+        }
+        if let (Some((transfer, engine, addr)), Some(blocks)) = (&self.hand_off, held) {
+            v["kv_transfer_params"] = json!({
+                "do_remote_decode": false,
+                "do_remote_prefill": true,
+                "remote_engine_id": engine,
+                "remote_block_ids": blocks,
+                "remote_host": addr.map(|a| a.ip().to_string()),
+                "remote_port": addr.map(|a| a.port()),
+                "transfer_id": transfer.to_string(),
+                "first_token_id": tokens.first(),
+            });
         }
         if let Some(prompt_ids) = &self.token_ids {
             v["choices"][0]["token_ids"] = json!(tokens);
@@ -356,6 +458,7 @@ async fn collect(
                 text: t,
                 prompt_tokens,
                 completion_tokens,
+                held_blocks,
             } => {
                 guard.finished = true;
                 text.push_str(&t);
@@ -365,6 +468,7 @@ async fn collect(
                     prompt_tokens,
                     completion_tokens,
                     &tokens,
+                    held_blocks.as_deref(),
                 ))
                 .into_response());
             }
@@ -428,6 +532,7 @@ fn sse_stream(
                         text,
                         prompt_tokens,
                         completion_tokens,
+                        ..
                     } => {
                         guard.finished = true;
                         // `pending` is emitted from its end.
@@ -488,6 +593,7 @@ impl Actor for HttpFrontend {
             .await
             .map_err(|e| format!("cannot listen on {}: {e}", args.bind))?;
         let addr = listener.local_addr()?;
+        let _ = args.app.addr.set(addr);
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let app = router(args.app);
         let task = tokio::spawn(async move {

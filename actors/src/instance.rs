@@ -53,8 +53,13 @@ pub struct InstanceOptions {
     pub api_key: Option<String>,
     /// Worker restart budget.
     pub restart_policy: RestartPolicy,
-    /// Where KV regions come from.
+    /// Where KV regions come from (ignored when `transfer` is set: the engine's allocator is
+    /// used, so a peer can reach them).
     pub alloc: Arc<dyn HostMemoryAllocator>,
+    /// The transfer engine for KV hand-off (prefill and decode roles).
+    pub transfer: Option<pdserve_transport::TransferConfig>,
+    /// How long held KV waits for a decode instance to read and release it.
+    pub kv_lease: Duration,
 }
 
 impl InstanceOptions {
@@ -89,6 +94,8 @@ impl InstanceOptions {
             api_key: cfg.server.api_key.clone(),
             restart_policy: RestartPolicy::default(),
             alloc: Arc::new(AnonAllocator),
+            transfer: None,
+            kv_lease: Duration::from_secs(30),
         })
     }
 
@@ -113,6 +120,8 @@ impl InstanceOptions {
             api_key: None,
             restart_policy: RestartPolicy::default(),
             alloc: Arc::new(AnonAllocator),
+            transfer: None,
+            kv_lease: Duration::from_secs(30),
         }
     }
 }
@@ -170,6 +179,24 @@ impl Instance {
         };
         dummy.stop(None);
         let tokenizer = model.tokenizer.clone();
+        let kv = match opts.transfer {
+            Some(tcfg) => {
+                let engine = pdserve_transport::TransferEngine::new(tcfg)
+                    .map_err(|e| format!("transfer engine: {e}"))?;
+                let registry = crate::kv_receiver::KvRegistry::new(Arc::new(engine), opts.tp);
+                Some(Arc::new(crate::kv_receiver::KvContext::new(
+                    opts.name.clone(),
+                    registry,
+                    cfg.clone(),
+                    opts.tp,
+                    num_blocks,
+                    opts.block_size,
+                    Duration::from_secs(30),
+                )))
+            }
+            None => None,
+        };
+        let kv_for_http = kv.clone();
         let http = opts.bind.map(|bind| {
             let (tokenizer, chat_template, model_name) = (
                 model.tokenizer.clone(),
@@ -194,6 +221,8 @@ impl Instance {
                 api_key,
                 next_id: AtomicU64::new(1),
                 metrics: pdserve_runtime::telemetry::install_metrics(),
+                kv: kv_for_http,
+                addr: std::sync::OnceLock::new(),
             };
             (bind, Box::new(make) as crate::supervisor::AppStateFactory)
         });
@@ -207,10 +236,12 @@ impl Instance {
                 num_blocks,
                 watermark_blocks: (num_blocks as f64 * opts.watermark) as usize,
                 max_model_len,
+                kv_lease: opts.kv_lease,
             },
             tokenizer,
             http,
             restart_policy: opts.restart_policy,
+            kv,
         };
         let (supervisor, join) = Actor::spawn(
             Some(format!("{}/supervisor", opts.name)),
@@ -298,7 +329,12 @@ impl Instance {
             NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         );
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        let request = crate::scheduler::NewRequest { id, prompt, params };
+        let request = crate::scheduler::NewRequest {
+            id,
+            prompt,
+            params,
+            hold_for: None,
+        };
         self.scheduler
             .cast(SchedulerMsg::Submit { request, sink: tx })
             .map_err(|e| e.to_string())?;

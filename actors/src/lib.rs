@@ -6,6 +6,8 @@ pub mod block_manager;
 pub mod error;
 pub mod http;
 pub mod instance;
+pub mod kv_receiver;
+pub mod kv_transfer;
 pub mod openai;
 pub mod scheduler;
 pub mod supervisor;

@@ -403,3 +403,85 @@ mod tests {
         ));
     }
 }
+
+/// What a request's `kv_transfer_params` ask for (vLLM's field names).
+#[derive(Debug, Clone, PartialEq)]
+pub enum KvDirective {
+    /// A plain request.
+    None,
+    /// `do_remote_decode`: prefill here, keep the prompt's KV for a decode instance.
+    HoldForDecode(pdserve_runtime::ids::TransferId),
+    /// `do_remote_prefill`: the prompt's KV is on a prefill instance; read it, then decode.
+    FromPrefill(crate::kv_receiver::RemotePrefill),
+}
+
+/// Reads `kv_transfer_params`.
+///
+/// # Errors
+/// [`RequestError::BadRequest`] naming the malformed field.
+pub fn kv_directive(params: Option<&Value>) -> Result<KvDirective, RequestError> {
+    use pdserve_runtime::ids::TransferId;
+    let Some(p) = params else {
+        return Ok(KvDirective::None);
+    };
+    if !p.is_object() {
+        return Err(bad("`kv_transfer_params` must be an object"));
+    }
+    let transfer_id = match p.get("transfer_id") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(
+            s.parse::<TransferId>()
+                .map_err(|e| bad(format!("`kv_transfer_params.transfer_id`: {e}")))?,
+        ),
+        Some(_) => return Err(bad("`kv_transfer_params.transfer_id` must be a string")),
+    };
+    if opt_bool(p, "do_remote_decode")? {
+        return Ok(KvDirective::HoldForDecode(
+            transfer_id.unwrap_or_else(TransferId::new_random),
+        ));
+    }
+    if !opt_bool(p, "do_remote_prefill")? {
+        return Ok(KvDirective::None);
+    }
+    let field = |k: &str| format!("`kv_transfer_params.{k}`");
+    let host = p
+        .get("remote_host")
+        .and_then(Value::as_str)
+        .ok_or_else(|| bad(format!("{} must be a string", field("remote_host"))))?;
+    let port = p
+        .get("remote_port")
+        .and_then(Value::as_u64)
+        .filter(|&n| n > 0 && n <= 65535)
+        .ok_or_else(|| bad(format!("{} must be a port number", field("remote_port"))))?;
+    let block_ids = p
+        .get("remote_block_ids")
+        .and_then(token_list)
+        .ok_or_else(|| {
+            bad(format!(
+                "{} must be a list of block ids",
+                field("remote_block_ids")
+            ))
+        })?;
+    let first_token = p
+        .get("first_token_id")
+        .and_then(Value::as_u64)
+        .and_then(|n| u32::try_from(n).ok())
+        .ok_or_else(|| bad(format!("{} must be a token id", field("first_token_id"))))?;
+    let transfer_id = transfer_id.ok_or_else(|| {
+        bad(format!(
+            "{} is required with do_remote_prefill",
+            field("transfer_id")
+        ))
+    })?;
+    if host.is_empty() || host.contains('/') {
+        return Err(bad(format!("{} is not a host", field("remote_host"))));
+    }
+    Ok(KvDirective::FromPrefill(
+        crate::kv_receiver::RemotePrefill {
+            transfer_id,
+            url: format!("http://{host}:{port}"),
+            block_ids,
+            first_token,
+        },
+    ))
+}

@@ -16,10 +16,11 @@ pub use self::core::{
 };
 
 use crate::error::RequestError;
+use crate::kv_receiver::{KvReceiverMsg, RemotePrefill};
 use crate::worker::WorkerMsg;
 use pdserve_gpu::model::Batch;
 use pdserve_gpu::sampling::FinishReason;
-use pdserve_runtime::ids::RequestId;
+use pdserve_runtime::ids::{RequestId, TransferId};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -46,6 +47,8 @@ pub enum RequestEvent {
         prompt_tokens: usize,
         /// Generated tokens.
         completion_tokens: usize,
+        /// Blocks held for a decode instance (prefill side of P/D).
+        held_blocks: Option<Vec<u32>>,
     },
     /// Failure.
     Failed(RequestError),
@@ -60,6 +63,29 @@ pub enum SchedulerMsg {
         /// Where its events go.
         sink: UnboundedSender<RequestEvent>,
     },
+    /// A request whose prompt KV comes from a prefill instance (decode side of P/D).
+    SubmitRemote {
+        /// The request (its prompt is what the prefill side computed).
+        request: NewRequest,
+        /// Where its events go.
+        sink: UnboundedSender<RequestEvent>,
+        /// Where the KV is.
+        remote: RemotePrefill,
+    },
+    /// The KvReceiver finished (or failed) reading a request's KV.
+    RemoteKvDone {
+        /// Request.
+        id: RequestId,
+        /// T0 from the prefill side.
+        first_token: u32,
+        /// Outcome.
+        result: Result<(), String>,
+    },
+    /// A decode instance read the blocks held for a transfer; answers whether the lease was
+    /// still alive.
+    ReleaseHeld(TransferId, RpcReplyPort<bool>),
+    /// Periodic upkeep (lease expiry).
+    Tick,
     /// The owner gave up on a request (client disconnect).
     Abort(RequestId),
     /// A rank finished (or failed) a step.
@@ -108,6 +134,10 @@ pub struct SchedulerArgs {
     /// One end of the ranks' collective, to clear it after a failed step once no rank is
     /// inside it any more.
     pub collective: pdserve_gpu::collective::ThreadCollective,
+    /// The KV receiver (instances with a transfer engine).
+    pub kv_receiver: Option<ActorRef<KvReceiverMsg>>,
+    /// Vocabulary size (validates peer-supplied first tokens).
+    pub vocab_size: usize,
 }
 
 struct InFlight {
@@ -133,6 +163,8 @@ pub struct SchedulerState {
     draining: Vec<bool>,
     collective: pdserve_gpu::collective::ThreadCollective,
     needs_reset: bool,
+    kv_receiver: Option<ActorRef<KvReceiverMsg>>,
+    vocab_size: usize,
 }
 
 impl Actor for Scheduler {
@@ -142,9 +174,10 @@ impl Actor for Scheduler {
 
     async fn pre_start(
         &self,
-        _myself: ActorRef<Self::Msg>,
+        myself: ActorRef<Self::Msg>,
         args: SchedulerArgs,
     ) -> Result<Self::State, ActorProcessingErr> {
+        myself.send_interval(std::time::Duration::from_secs(1), || SchedulerMsg::Tick);
         Ok(SchedulerState {
             core: SchedulerCore::new(args.config, args.tokenizer),
             owners: HashMap::new(),
@@ -153,16 +186,52 @@ impl Actor for Scheduler {
             draining: vec![false; args.tp],
             collective: args.collective,
             needs_reset: false,
+            kv_receiver: args.kv_receiver,
+            vocab_size: args.vocab_size,
         })
     }
 
     async fn handle(
         &self,
-        _myself: ActorRef<Self::Msg>,
+        myself: ActorRef<Self::Msg>,
         msg: Self::Msg,
         st: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
+            SchedulerMsg::SubmitRemote {
+                request,
+                sink,
+                remote,
+            } => {
+                st.submit_remote(request, sink, remote, myself);
+            }
+            SchedulerMsg::RemoteKvDone {
+                id,
+                first_token,
+                result,
+            } => {
+                let out = match result {
+                    // An abort while the KV was landing leaves nothing to resume.
+                    Ok(()) => st.core.remote_kv_ready(id, first_token).unwrap_or_default(),
+                    Err(e) => {
+                        st.core.abort(id);
+                        vec![Output::Failed {
+                            id,
+                            error: RequestError::KvTransfer(e),
+                        }]
+                    }
+                };
+                st.dispatch(out);
+            }
+            SchedulerMsg::ReleaseHeld(transfer, reply) => {
+                let was_held = st.core.release_held(transfer);
+                if !reply.is_closed() {
+                    let _ = reply.send(was_held);
+                }
+            }
+            SchedulerMsg::Tick => {
+                st.core.expire_held(Instant::now());
+            }
             SchedulerMsg::Submit { request, sink } => {
                 let id = request.id;
                 let prompt_tokens = request.prompt.len();
@@ -238,6 +307,68 @@ impl Actor for Scheduler {
 }
 
 impl SchedulerState {
+    fn submit_remote(
+        &mut self,
+        request: NewRequest,
+        sink: UnboundedSender<RequestEvent>,
+        remote: RemotePrefill,
+        myself: ActorRef<SchedulerMsg>,
+    ) {
+        let id = request.id;
+        let prompt_len = request.prompt.len();
+        let Some(receiver) = self.kv_receiver.clone() else {
+            let _ = sink.send(RequestEvent::Failed(RequestError::BadRequest(
+                "this instance has no KV transfer engine: do_remote_prefill needs role decode"
+                    .into(),
+            )));
+            return;
+        };
+        if remote.first_token as usize >= self.core_vocab() {
+            let _ = sink.send(RequestEvent::Failed(RequestError::BadRequest(
+                "kv_transfer_params.first_token_id is outside the vocabulary".into(),
+            )));
+            return;
+        }
+        match self.core.add_remote(request) {
+            Ok(_) => {
+                let blocks = self.core.share_blocks(id).expect("just added");
+                let _ = self.core.remote_kv_transferring(id);
+                self.owners.insert(
+                    id,
+                    Owner {
+                        sink,
+                        arrived: Instant::now(),
+                        first_token: None,
+                        last_token: None,
+                    },
+                );
+                if receiver
+                    .cast(KvReceiverMsg::Pull {
+                        id,
+                        remote,
+                        blocks,
+                        prompt_len,
+                        scheduler: myself,
+                    })
+                    .is_err()
+                {
+                    self.core.abort(id);
+                    self.dispatch(vec![Output::Failed {
+                        id,
+                        error: RequestError::Internal("the KV receiver is gone".into()),
+                    }]);
+                }
+            }
+            Err(e) => {
+                let _ = sink.send(RequestEvent::Failed(e));
+            }
+        }
+    }
+
+    fn core_vocab(&self) -> usize {
+        self.vocab_size
+    }
+
     fn on_step_done(
         &mut self,
         epoch: u64,
@@ -335,6 +466,7 @@ impl SchedulerState {
                     text,
                     prompt_tokens,
                     completion_tokens,
+                    held_blocks,
                 } => {
                     metrics::counter!(m::REQUESTS_TOTAL, "outcome" => "finished").increment(1);
                     (
@@ -344,6 +476,7 @@ impl SchedulerState {
                             text,
                             prompt_tokens,
                             completion_tokens,
+                            held_blocks,
                         },
                         true,
                     )

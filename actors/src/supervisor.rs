@@ -47,6 +47,8 @@ pub struct InstanceArgs {
     pub http: Option<(SocketAddr, AppStateFactory)>,
     /// Worker restart budget.
     pub restart_policy: RestartPolicy,
+    /// The KV hand-off context (instances with a transfer engine).
+    pub kv: Option<Arc<crate::kv_receiver::KvContext>>,
 }
 
 struct Child {
@@ -69,6 +71,7 @@ pub struct SupervisorState {
     comms: Vec<ThreadCollective>,
     panic_flags: Vec<Arc<AtomicBool>>,
     others: Vec<Child>,
+    kv: Option<Arc<crate::kv_receiver::KvContext>>,
     started: Instant,
     /// Where the HTTP frontend listens (when it has one).
     pub addr: Option<SocketAddr>,
@@ -92,6 +95,9 @@ async fn spawn_worker(
     args.epoch = st.epochs[rank];
     args.comm = st.comms[rank].clone();
     args.panic_next = st.panic_flags[rank].clone();
+    if let Some(kv) = &st.kv {
+        args.alloc = kv.registry.allocator_for(rank);
+    }
     let name = worker_name(&st.name, rank);
     let (w, _) = Actor::spawn_linked(Some(name.clone()), TpWorker, args, myself.get_cell()).await?;
     Ok(Child {
@@ -116,6 +122,29 @@ impl Actor for InstanceSupervisor {
     ) -> Result<Self::State, ActorProcessingErr> {
         let tp = args.worker.opts.tp;
         let comms = ThreadCollective::group(tp, pdserve_gpu::tp::COLLECTIVE_TIMEOUT);
+        let mut others = Vec::new();
+        let kv_receiver = match &args.kv {
+            Some(kv) => {
+                let name = format!("{}/kv-receiver", args.name);
+                let (r, _) = Actor::spawn_linked(
+                    Some(name.clone()),
+                    crate::kv_receiver::KvReceiver,
+                    kv.clone(),
+                    myself.get_cell(),
+                )
+                .await?;
+                others.push(Child {
+                    name,
+                    kind: "KvReceiver",
+                    cell: r.get_cell(),
+                    started: Instant::now(),
+                    restarts: 0,
+                    last_error: None,
+                });
+                Some(r)
+            }
+            None => None,
+        };
         let sched_name = format!("{}/scheduler", args.name);
         let (scheduler, _) = Actor::spawn_linked(
             Some(sched_name.clone()),
@@ -125,10 +154,23 @@ impl Actor for InstanceSupervisor {
                 tokenizer: args.tokenizer,
                 tp,
                 collective: comms[0].clone(),
+                kv_receiver,
+                vocab_size: args.worker.config.vocab_size,
             },
             myself.get_cell(),
         )
         .await?;
+        others.insert(
+            0,
+            Child {
+                name: sched_name,
+                kind: "Scheduler",
+                cell: scheduler.get_cell(),
+                started: Instant::now(),
+                restarts: 0,
+                last_error: None,
+            },
+        );
         let mut template = args.worker;
         template.scheduler = scheduler.clone();
         let mut st = SupervisorState {
@@ -142,14 +184,8 @@ impl Actor for InstanceSupervisor {
                 .collect(),
             comms,
             panic_flags: (0..tp).map(|_| Arc::new(AtomicBool::new(false))).collect(),
-            others: vec![Child {
-                name: sched_name,
-                kind: "Scheduler",
-                cell: scheduler.get_cell(),
-                started: Instant::now(),
-                restarts: 0,
-                last_error: None,
-            }],
+            others,
+            kv: args.kv,
             started: Instant::now(),
             addr: None,
         };

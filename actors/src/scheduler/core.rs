@@ -9,8 +9,9 @@ use pdserve_gpu::sampling::{
     FinishReason, Sampler, SamplingParams, StopChecker, StopDecision, StopReason,
 };
 use pdserve_gpu::tokenizer::{DecodeStream, Tokenizer};
-use pdserve_runtime::ids::RequestId;
+use pdserve_runtime::ids::{RequestId, TransferId};
 use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
 
 /// Limits of the scheduler.
 #[derive(Clone, Debug)]
@@ -27,6 +28,9 @@ pub struct SchedulerConfig {
     pub watermark_blocks: usize,
     /// Longest sequence (prompt + output).
     pub max_model_len: usize,
+    /// How long a prefill instance keeps a finished request's blocks for a decode instance to
+    /// read, unless released or renewed first.
+    pub kv_lease: Duration,
 }
 
 /// A request entering the scheduler.
@@ -38,6 +42,9 @@ pub struct NewRequest {
     pub prompt: Vec<u32>,
     /// Sampling and stop settings (`max_tokens` already resolved).
     pub params: SamplingParams,
+    /// Prefill side of P/D: keep the prompt's blocks after finishing, under a lease, for a
+    /// decode instance to read (`kv_transfer_params.do_remote_decode`).
+    pub hold_for: Option<TransferId>,
 }
 
 /// What the scheduler tells a request's owner.
@@ -64,6 +71,8 @@ pub enum Output {
         prompt_tokens: usize,
         /// Generated tokens.
         completion_tokens: usize,
+        /// Blocks kept for a decode instance (see [`NewRequest::hold_for`]).
+        held_blocks: Option<Vec<u32>>,
     },
     /// The request failed.
     Failed {
@@ -116,6 +125,7 @@ pub enum RequestState {
 }
 
 struct Seq {
+    hold_for: Option<TransferId>,
     state: RequestState,
     prompt: Vec<u32>,
     output: Vec<u32>,
@@ -142,6 +152,7 @@ pub struct SchedulerCore {
     running: Vec<RequestId>,
     next_step: u64,
     preemptions: u64,
+    held: HashMap<TransferId, (BlockAllocation, Instant)>,
 }
 
 impl SchedulerCore {
@@ -157,6 +168,7 @@ impl SchedulerCore {
             running: Vec::new(),
             next_step: 0,
             preemptions: 0,
+            held: HashMap::new(),
         }
     }
 
@@ -213,6 +225,7 @@ impl SchedulerCore {
             )));
         }
         let seq = Seq {
+            hold_for: req.hold_for,
             state: RequestState::Waiting,
             sampler: Sampler::new(&req.params),
             stop: StopChecker::new(&req.params, self.tokenizer.eos_ids()),
@@ -296,6 +309,48 @@ impl SchedulerCore {
         s.state = RequestState::Running;
         self.running.push(id);
         Ok(self.accept_token(id, first_token))
+    }
+
+    /// A decode instance read the blocks held for `transfer`: free them. Returns whether
+    /// they were still held — `false` means the lease had expired (or never existed) and the
+    /// blocks may have been reused, so the reader must not trust what it read.
+    pub fn release_held(&mut self, transfer: TransferId) -> bool {
+        self.held.remove(&transfer).is_some()
+    }
+
+    /// Extends the lease on held blocks; `false` when they are no longer held.
+    pub fn renew_held(&mut self, transfer: TransferId, now: Instant) -> bool {
+        match self.held.get_mut(&transfer) {
+            Some((_, deadline)) => {
+                *deadline = now + self.cfg.kv_lease;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Frees held blocks whose lease ran out; returns how many hand-offs expired.
+    pub fn expire_held(&mut self, now: Instant) -> usize {
+        let before = self.held.len();
+        self.held.retain(|transfer, (_, deadline)| {
+            let keep = *deadline > now;
+            if !keep {
+                tracing::warn!(%transfer, "KV lease expired before the decode side released it: blocks freed");
+            }
+            keep
+        });
+        before - self.held.len()
+    }
+
+    /// Hand-offs currently held.
+    pub fn num_held(&self) -> usize {
+        self.held.len()
+    }
+
+    /// A second holder of a request's blocks (the KV receiver keeps the destination blocks
+    /// until its reads finished, even if the request is aborted meanwhile).
+    pub fn share_blocks(&self, id: RequestId) -> Option<BlockAllocation> {
+        self.seqs.get(&id).map(|s| s.blocks.share())
     }
 
     /// The state of a request.
@@ -481,6 +536,13 @@ impl SchedulerCore {
                     text_to_emit.push_str(&s.decode.flush().unwrap_or_default());
                 }
                 let (prompt_tokens, completion_tokens) = (s.prompt.len(), s.output.len());
+                let held_blocks = s.hold_for.map(|transfer| {
+                    let blocks = std::mem::replace(&mut s.blocks, self.blocks.empty());
+                    let ids = blocks.blocks().to_vec();
+                    self.held
+                        .insert(transfer, (blocks, Instant::now() + self.cfg.kv_lease));
+                    ids
+                });
                 self.abort(id);
                 vec![
                     Output::Token {
@@ -494,6 +556,7 @@ impl SchedulerCore {
                         text: text_to_emit,
                         prompt_tokens,
                         completion_tokens,
+                        held_blocks,
                     },
                 ]
             }
@@ -541,6 +604,7 @@ mod tests {
                 num_blocks,
                 watermark_blocks: 0,
                 max_model_len: 64,
+                kv_lease: Duration::from_secs(30),
             },
             Tokenizer::byte_level_synthetic(),
         )
@@ -553,6 +617,7 @@ mod tests {
             id: RequestId(id),
             prompt: (0..prompt_len as u32).map(|t| 97 + t % 20).collect(),
             params,
+            hold_for: None,
         }
     }
 
@@ -708,6 +773,37 @@ mod tests {
         assert!(c.remote_kv_ready(RequestId(3), 1).is_err());
         assert!(c.abort(RequestId(2)));
         assert_eq!(c.stats().blocks_free, 16);
+    }
+
+    #[test]
+    fn prefill_holds_blocks_under_a_lease_until_released_or_expired() {
+        let mut c = core(16, 64);
+        let mut r = req(1, 9, 1);
+        let t = TransferId(7);
+        r.hold_for = Some(t);
+        c.add(r).unwrap();
+        let out = drive(&mut c);
+        let held = out
+            .iter()
+            .find_map(|o| match o {
+                Output::Finished { held_blocks, .. } => held_blocks.clone(),
+                _ => None,
+            })
+            .unwrap();
+        assert_eq!(held.len(), 3);
+        assert_eq!(c.stats().blocks_free, 13, "held blocks stay taken");
+        assert!(c.renew_held(t, Instant::now()));
+        assert!(c.release_held(t));
+        assert!(!c.release_held(t), "a second release finds nothing");
+        assert_eq!(c.stats().blocks_free, 16);
+        // A lease that runs out frees the blocks; a late release is refused.
+        let mut r = req(2, 9, 1);
+        r.hold_for = Some(TransferId(8));
+        c.add(r).unwrap();
+        drive(&mut c);
+        assert_eq!(c.expire_held(Instant::now() + Duration::from_secs(31)), 1);
+        assert_eq!(c.stats().blocks_free, 16);
+        assert!(!c.release_held(TransferId(8)));
     }
 
     #[test]

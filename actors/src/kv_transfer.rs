@@ -1,0 +1,366 @@
+//! What two instances must agree on before KV cache moves between them, and how a
+//! (prefill blocks → decode blocks) hand-off becomes transfer-engine operations.
+//!
+//! Each instance publishes a [`KvPeerInfo`]: its compatibility key (pdserve version, model
+//! shape, dtype, block size), its transfer-engine address, and per TP rank the model-wide KV
+//! heads it owns, its [`KvLayout`] and the registered region of each layer. The receiving
+//! side validates the peer's info against its own ([`validate_peer`]) and refuses a mismatch
+//! with a clear error instead of reading into the wrong place; [`plan_pull`] then maps every
+//! (layer, K/V, block, head range) to byte spans on both sides. Different TP sizes on the two
+//! sides (heterogeneous TP) are handled by intersecting head ranges: a rank with half the heads
+//! reads half of each block from the rank that holds them.
+
+use pdserve_gpu::config::ModelConfig;
+use pdserve_gpu::kv::{KvKind, KvLayout};
+use pdserve_transport::TransferOp;
+use serde::{Deserialize, Serialize};
+use std::ops::Range;
+
+/// One TP rank's KV memory as a peer sees it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankKv {
+    /// Model-wide KV heads held by this rank (`start..end`).
+    pub heads: (usize, usize),
+    /// The rank's cache layout (its `num_kv_heads` is `heads.1 - heads.0`).
+    pub layout: KvLayout,
+    /// The transfer-engine region of each layer, in layer order.
+    pub regions: Vec<u64>,
+}
+
+/// What an instance publishes about its KV memory.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvPeerInfo {
+    /// The instance's engine id (`remote_engine_id` in `kv_transfer_params`).
+    pub engine_id: String,
+    /// Human-readable compatibility key; two instances exchange KV only when equal.
+    pub compat_key: String,
+    /// FNV-1a of `compat_key`, the compatibility hash of DESIGN.md.
+    pub compat_hash: String,
+    /// Where its transfer engine listens.
+    pub transfer_addr: String,
+    /// Transfer backend (`local`, `shm`, `tcp`, `quic`, `rdma`).
+    pub backend: String,
+    /// KV heads of the whole model.
+    pub num_kv_heads: usize,
+    /// Per TP rank, in rank order.
+    pub ranks: Vec<RankKv>,
+}
+
+/// Why two instances cannot exchange KV, or a hand-off is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KvHandoffError {
+    /// Different pdserve version, model, dtype or block size.
+    #[error("incompatible peer {peer}: it serves `{theirs}`, this instance `{ours}`")]
+    Incompatible {
+        /// The peer's engine id.
+        peer: String,
+        /// Its compatibility key.
+        theirs: String,
+        /// Ours.
+        ours: String,
+    },
+    /// The peer's published layout is inconsistent or does not match ours.
+    #[error("KV layout mismatch with {peer}: {reason}")]
+    LayoutMismatch {
+        /// The peer's engine id.
+        peer: String,
+        /// What differs.
+        reason: String,
+    },
+    /// Block ids that the request does not own, or a wrong number of them.
+    #[error("invalid block ids: {0}")]
+    InvalidBlocks(String),
+}
+
+/// The compatibility key of a model served with a KV layout.
+pub fn compat_key(model: &ModelConfig, block_size: usize, layout: &KvLayout) -> String {
+    format!(
+        "pdserve/{} arch={} layers={} hidden={} heads={} kv_heads={} head_dim={} vocab={} dtype={:?} block={}",
+        pdserve_runtime::PDSERVE_VERSION,
+        model.architecture,
+        model.num_layers,
+        model.hidden_size,
+        model.num_heads,
+        model.num_kv_heads,
+        model.head_dim,
+        model.vocab_size,
+        layout.dtype,
+        block_size,
+    )
+}
+
+/// FNV-1a 64 of `key`, as 16 hex digits (stable across builds, unlike `DefaultHasher`).
+pub fn compat_hash(key: &str) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in key.bytes() {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{h:016x}")
+}
+
+fn intersect(a: (usize, usize), b: (usize, usize)) -> Range<usize> {
+    a.0.max(b.0)..a.1.min(b.1).max(a.0.max(b.0))
+}
+
+/// Checks a peer's published KV memory against ours.
+///
+/// # Errors
+/// [`KvHandoffError::Incompatible`] for a different compatibility key;
+/// [`KvHandoffError::LayoutMismatch`] naming what differs (layer count, block size, head
+/// size, dtype, head coverage, region count).
+pub fn validate_peer(ours: &KvPeerInfo, theirs: &KvPeerInfo) -> Result<(), KvHandoffError> {
+    let mismatch = |reason: String| KvHandoffError::LayoutMismatch {
+        peer: theirs.engine_id.clone(),
+        reason,
+    };
+    if ours.compat_key != theirs.compat_key || ours.compat_hash != theirs.compat_hash {
+        return Err(KvHandoffError::Incompatible {
+            peer: theirs.engine_id.clone(),
+            theirs: theirs.compat_key.clone(),
+            ours: ours.compat_key.clone(),
+        });
+    }
+    if theirs.ranks.is_empty() {
+        return Err(mismatch("no TP ranks published".into()));
+    }
+    let reference = &ours.ranks[0].layout;
+    let mut covered = 0;
+    for (r, rank) in theirs.ranks.iter().enumerate() {
+        let l = &rank.layout;
+        if l.num_layers != reference.num_layers {
+            return Err(mismatch(format!(
+                "rank {r} has {} layers, we have {}",
+                l.num_layers, reference.num_layers
+            )));
+        }
+        if l.block_size != reference.block_size {
+            return Err(mismatch(format!(
+                "rank {r} uses blocks of {} tokens, we use {}",
+                l.block_size, reference.block_size
+            )));
+        }
+        if l.head_dim != reference.head_dim || l.dtype != reference.dtype {
+            return Err(mismatch(format!(
+                "rank {r} stores {:?} heads of {}, we store {:?} heads of {}",
+                l.dtype, l.head_dim, reference.dtype, reference.head_dim
+            )));
+        }
+        if rank.heads.0 != covered
+            || rank.heads.1 <= rank.heads.0
+            || rank.heads.1 - rank.heads.0 != l.num_kv_heads
+        {
+            return Err(mismatch(format!(
+                "rank {r} claims heads {:?} with {} heads in its layout",
+                rank.heads, l.num_kv_heads
+            )));
+        }
+        if rank.regions.len() != l.num_layers {
+            return Err(mismatch(format!(
+                "rank {r} publishes {} regions for {} layers",
+                rank.regions.len(),
+                l.num_layers
+            )));
+        }
+        covered = rank.heads.1;
+    }
+    if covered != theirs.num_kv_heads || theirs.num_kv_heads != ours.num_kv_heads {
+        return Err(mismatch(format!(
+            "heads cover 0..{covered} of {} (we have {})",
+            theirs.num_kv_heads, ours.num_kv_heads
+        )));
+    }
+    Ok(())
+}
+
+/// The read operations that copy the KV of `tokens` prompt tokens from the peer's
+/// `remote_blocks` into our `local_blocks`, for every local rank, layer, K and V.
+///
+/// # Errors
+/// [`KvHandoffError::InvalidBlocks`] when either list does not have exactly the blocks the
+/// tokens need, or names a block outside its pool.
+pub fn plan_pull(
+    ours: &KvPeerInfo,
+    theirs: &KvPeerInfo,
+    local_blocks: &[u32],
+    remote_blocks: &[u32],
+    tokens: usize,
+) -> Result<Vec<TransferOp>, KvHandoffError> {
+    let bs = ours.ranks[0].layout.block_size;
+    let n = tokens.div_ceil(bs);
+    if local_blocks.len() < n || remote_blocks.len() != n {
+        return Err(KvHandoffError::InvalidBlocks(format!(
+            "{tokens} tokens need {n} blocks; got {} remote and {} local",
+            remote_blocks.len(),
+            local_blocks.len()
+        )));
+    }
+    let remote_pool = theirs.ranks[0].layout.num_blocks;
+    if let Some(b) = remote_blocks.iter().find(|&&b| b as usize >= remote_pool) {
+        return Err(KvHandoffError::InvalidBlocks(format!(
+            "remote block {b} is outside the peer's pool of {remote_pool}"
+        )));
+    }
+    let local_pool = ours.ranks[0].layout.num_blocks;
+    if let Some(b) = local_blocks.iter().find(|&&b| b as usize >= local_pool) {
+        return Err(KvHandoffError::InvalidBlocks(format!(
+            "local block {b} is outside our pool of {local_pool}"
+        )));
+    }
+    let mut ops = Vec::new();
+    for mine in &ours.ranks {
+        for peer in &theirs.ranks {
+            let heads = intersect(mine.heads, peer.heads);
+            if heads.is_empty() {
+                continue;
+            }
+            let local_heads = heads.start - mine.heads.0..heads.end - mine.heads.0;
+            let remote_heads = heads.start - peer.heads.0..heads.end - peer.heads.0;
+            for layer in 0..mine.layout.num_layers {
+                for kind in [KvKind::Key, KvKind::Value] {
+                    for i in 0..n {
+                        let l = mine.layout.span(
+                            layer,
+                            kind,
+                            local_blocks[i] as usize,
+                            local_heads.clone(),
+                        );
+                        let r = peer.layout.span(
+                            layer,
+                            kind,
+                            remote_blocks[i] as usize,
+                            remote_heads.clone(),
+                        );
+                        ops.push(TransferOp::read(
+                            mine.regions[layer],
+                            l.offset as u64,
+                            peer.regions[layer],
+                            r.offset as u64,
+                            l.len as u64,
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    Ok(ops)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pdserve_gpu::kv::KvDtype;
+
+    fn info(tp: usize, kv_heads: usize, blocks: usize, first_region: u64) -> KvPeerInfo {
+        let ranks = (0..tp)
+            .map(|r| RankKv {
+                heads: (r * kv_heads / tp, (r + 1) * kv_heads / tp),
+                layout: KvLayout {
+                    num_layers: 2,
+                    num_blocks: blocks,
+                    block_size: 4,
+                    num_kv_heads: kv_heads / tp,
+                    head_dim: 8,
+                    dtype: KvDtype::F32,
+                },
+                regions: vec![
+                    first_region + 10 * r as u64,
+                    first_region + 10 * r as u64 + 1,
+                ],
+            })
+            .collect();
+        KvPeerInfo {
+            engine_id: format!("tp{tp}"),
+            compat_key: "k".into(),
+            compat_hash: compat_hash("k"),
+            transfer_addr: "a".into(),
+            backend: "local".into(),
+            num_kv_heads: kv_heads,
+            ranks,
+        }
+    }
+
+    /// Every byte of every local block is written exactly once, from the same model-wide head.
+    fn check_cover(ours: &KvPeerInfo, theirs: &KvPeerInfo, ops: &[TransferOp], blocks: usize) {
+        let l = &ours.ranks[0].layout;
+        let per_rank = l.region_bytes();
+        let mut hit = vec![0u8; ours.ranks.len() * 2 * per_rank];
+        for op in ops {
+            let (rank, layer) = ours
+                .ranks
+                .iter()
+                .enumerate()
+                .find_map(|(r, k)| {
+                    k.regions
+                        .iter()
+                        .position(|&g| g == op.local_region)
+                        .map(|p| (r, p))
+                })
+                .unwrap();
+            let base = (rank * 2 + layer) * per_rank;
+            for b in op.local_offset..op.local_offset + op.len {
+                hit[base + b as usize] += 1;
+            }
+            // The remote head offset maps to the same model-wide head as the local one.
+            let peer = theirs
+                .ranks
+                .iter()
+                .find(|k| k.regions.contains(&op.remote_region))
+                .unwrap();
+            let lh = (op.local_offset as usize % l.block_bytes()) / l.head_bytes()
+                + ours.ranks[rank].heads.0;
+            let rh = (op.remote_offset as usize % peer.layout.block_bytes())
+                / peer.layout.head_bytes()
+                + peer.heads.0;
+            assert_eq!(lh, rh);
+        }
+        let written = hit.iter().filter(|&&h| h == 1).count();
+        assert!(hit.iter().all(|&h| h <= 1), "a byte was written twice");
+        assert_eq!(written, ours.ranks.len() * 2 * 2 * blocks * l.block_bytes());
+    }
+
+    #[test]
+    fn pulls_cover_every_head_once_for_equal_and_different_tp() {
+        for (p, d) in [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2)] {
+            let prefill = info(p, 4, 8, 100);
+            let decode = info(d, 4, 8, 500);
+            validate_peer(&decode, &prefill).unwrap();
+            let ops = plan_pull(&decode, &prefill, &[3, 1, 6], &[0, 7, 2], 10).unwrap();
+            check_cover(&decode, &prefill, &ops, 3);
+        }
+    }
+
+    #[test]
+    fn mismatches_and_forged_blocks_are_refused() {
+        let ours = info(1, 4, 8, 0);
+        let mut other = info(1, 4, 8, 0);
+        other.compat_key = "other model".into();
+        assert!(matches!(
+            validate_peer(&ours, &other),
+            Err(KvHandoffError::Incompatible { .. })
+        ));
+        let mut bs = info(1, 4, 8, 0);
+        bs.ranks[0].layout.block_size = 8;
+        let e = validate_peer(&ours, &bs).unwrap_err();
+        assert!(e.to_string().contains("blocks of 8 tokens"), "{e}");
+        let mut gap = info(2, 4, 8, 0);
+        gap.ranks[1].heads = (3, 4);
+        assert!(matches!(
+            validate_peer(&ours, &gap),
+            Err(KvHandoffError::LayoutMismatch { .. })
+        ));
+        let theirs = info(1, 4, 8, 0);
+        assert!(matches!(
+            plan_pull(&ours, &theirs, &[0, 1], &[0, 99], 5),
+            Err(KvHandoffError::InvalidBlocks(_))
+        ));
+        assert!(matches!(
+            plan_pull(&ours, &theirs, &[0, 1], &[0], 5),
+            Err(KvHandoffError::InvalidBlocks(_))
+        ));
+        assert!(matches!(
+            plan_pull(&ours, &theirs, &[0, 1], &[0, 1, 2], 5),
+            Err(KvHandoffError::InvalidBlocks(_))
+        ));
+    }
+}

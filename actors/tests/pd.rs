@@ -1,0 +1,265 @@
+//! Prefill/decode disaggregation between two in-process instances, driven the way a vLLM P/D
+//! proxy drives them: the prefill instance gets the request with `max_tokens: 1`,
+//! `stream: false` and `kv_transfer_params.do_remote_decode`; the decode instance gets the
+//! original request with the `kv_transfer_params` the prefill answer returned, reads the KV
+//! through the transfer engine and decodes from the prefill side's first token. Under greedy
+//! sampling the tokens must equal a colocated instance's.
+
+use pdserve_actors::{Instance, InstanceOptions};
+use pdserve_gpu::loader::{load_model, ModelSource};
+use pdserve_transport::{BackendKind, TransferConfig};
+use serde_json::{json, Value};
+use std::time::{Duration, Instant};
+
+fn model(spec: &str) -> pdserve_gpu::loader::LoadedModel {
+    load_model(&ModelSource::Synthetic(spec.into())).unwrap()
+}
+
+async fn instance(
+    name: &str,
+    spec: &str,
+    tp: usize,
+    transfer: Option<BackendKind>,
+    lease: Duration,
+) -> Instance {
+    let mut o = InstanceOptions::local(name, model(spec));
+    o.tp = tp;
+    o.kv_lease = lease;
+    o.transfer = transfer.map(|b| {
+        let mut c = TransferConfig::new(b, name);
+        if b == BackendKind::Quic {
+            // Both members of a pair must come from one cluster CA (a stranger is refused).
+            static CLUSTER: std::sync::OnceLock<
+                pdserve_transport::control::tls::ClusterCredentials,
+            > = std::sync::OnceLock::new();
+            let cluster = CLUSTER.get_or_init(|| {
+                pdserve_transport::control::tls::ClusterCredentials::ephemeral("pd-test").unwrap()
+            });
+            c.credentials = Some(cluster.issue(name).unwrap());
+        }
+        c
+    });
+    Instance::start(o).await.unwrap()
+}
+
+async fn post(url: &str, body: &Value) -> (u16, Value) {
+    let r = reqwest::Client::new()
+        .post(format!("{url}/v1/completions"))
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    (
+        status,
+        serde_json::from_str(&r.text().await.unwrap()).unwrap(),
+    )
+}
+
+async fn assert_pool_full(inst: &Instance) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let s = inst.stats().await.unwrap();
+        if s.blocks_free == s.blocks_total && s.running == 0 && s.waiting == 0 {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} pool not back to full: {s:?}",
+            inst.model_name()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn body(i: usize) -> Value {
+    let prompt: Vec<u32> = (0..(6 + 9 * i))
+        .map(|t| ((t * 37 + i * 11 + 5) % 250) as u32)
+        .collect();
+    json!({"prompt": prompt, "max_tokens": 12 + i, "temperature": 0, "ignore_eos": true, "return_token_ids": true})
+}
+
+fn ids(v: &Value) -> Vec<u64> {
+    v["choices"][0]["token_ids"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no token_ids in {v}"))
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect()
+}
+
+/// The proxy's two hops; returns the decode side's answer.
+async fn via_pd(prefill: &str, decode: &str, original: &Value) -> (u16, Value) {
+    let mut p = original.clone();
+    p["max_tokens"] = json!(1);
+    p["stream"] = json!(false);
+    p["kv_transfer_params"] = json!({"do_remote_decode": true});
+    let (status, answer) = post(prefill, &p).await;
+    assert_eq!(status, 200, "prefill: {answer}");
+    let params = answer["kv_transfer_params"].clone();
+    assert_eq!(params["do_remote_prefill"], true, "{answer}");
+    let mut d = original.clone();
+    d["kv_transfer_params"] = params;
+    post(decode, &d).await
+}
+
+async fn colocated_reference(spec: &str, n: usize) -> Vec<Vec<u64>> {
+    let c = instance(
+        &format!("ref-{spec}"),
+        spec,
+        1,
+        None,
+        Duration::from_secs(30),
+    )
+    .await;
+    let mut out = Vec::new();
+    for i in 0..n {
+        let (status, v) = post(&c.url(), &body(i)).await;
+        assert_eq!(status, 200, "{v}");
+        out.push(ids(&v));
+    }
+    c.stop().await;
+    out
+}
+
+async fn check_pair(
+    spec: &str,
+    backend: BackendKind,
+    tp_p: usize,
+    tp_d: usize,
+    reference: &[Vec<u64>],
+) {
+    let tag = format!("{backend:?}-{tp_p}-{tp_d}-{spec}")
+        .to_lowercase()
+        .replace([',', '='], "_");
+    let p = instance(
+        &format!("p-{tag}"),
+        spec,
+        tp_p,
+        Some(backend),
+        Duration::from_secs(30),
+    )
+    .await;
+    let d = instance(
+        &format!("d-{tag}"),
+        spec,
+        tp_d,
+        Some(backend),
+        Duration::from_secs(30),
+    )
+    .await;
+    let handles: Vec<_> = (0..reference.len())
+        .map(|i| {
+            let (pu, du) = (p.url(), d.url());
+            tokio::spawn(async move { via_pd(&pu, &du, &body(i)).await })
+        })
+        .collect();
+    for (i, h) in handles.into_iter().enumerate() {
+        let (status, v) = h.await.unwrap();
+        assert_eq!(status, 200, "{tag} request {i}: {v}");
+        assert_eq!(ids(&v), reference[i], "{tag} request {i}");
+    }
+    assert_pool_full(&p).await;
+    assert_pool_full(&d).await;
+    p.stop().await;
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pull_mode_matches_colocated_on_every_backend() {
+    let reference = colocated_reference("small", 8).await;
+    for backend in [
+        BackendKind::Local,
+        BackendKind::Shm,
+        BackendKind::Tcp,
+        BackendKind::Quic,
+    ] {
+        check_pair("small", backend, 1, 1, &reference).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heterogeneous_tp_maps_head_ranges() {
+    let reference = colocated_reference("small", 4).await;
+    check_pair("small", BackendKind::Tcp, 1, 2, &reference).await;
+    check_pair("small", BackendKind::Tcp, 2, 1, &reference).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_hand_offs_fail_clearly_and_free_their_blocks() {
+    let p = instance(
+        "p-bad",
+        "small",
+        1,
+        Some(BackendKind::Tcp),
+        Duration::from_millis(300),
+    )
+    .await;
+    let d = instance(
+        "d-bad",
+        "small",
+        1,
+        Some(BackendKind::Tcp),
+        Duration::from_secs(30),
+    )
+    .await;
+    let other = instance(
+        "d-other",
+        "small,layers=3",
+        1,
+        Some(BackendKind::Tcp),
+        Duration::from_secs(30),
+    )
+    .await;
+    let mut first = body(2);
+    first["max_tokens"] = json!(1);
+    first["kv_transfer_params"] = json!({"do_remote_decode": true});
+    let (status, answer) = post(&p.url(), &first).await;
+    assert_eq!(status, 200, "{answer}");
+    let params = answer["kv_transfer_params"].clone();
+
+    // Forged block ids: one more than the prompt needs, and one outside the pool.
+    for forged in [json!([0, 1, 2, 3, 4, 5]), json!([0, 99999, 1])] {
+        let mut d_body = body(2);
+        let mut p2 = params.clone();
+        p2["remote_block_ids"] = forged;
+        d_body["kv_transfer_params"] = p2;
+        let (status, v) = post(&d.url(), &d_body).await;
+        assert_eq!(status, 502, "{v}");
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains("block"),
+            "{v}"
+        );
+    }
+    // A decode instance of another model shape refuses the peer at the handshake.
+    let mut d_body = body(2);
+    d_body["kv_transfer_params"] = params.clone();
+    let (status, v) = post(&other.url(), &d_body).await;
+    assert_eq!(status, 502, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("incompatible"),
+        "{v}"
+    );
+
+    // The lease runs out before decode reads: the late read fails loudly.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let (status, v) = post(&d.url(), &d_body).await;
+    assert_eq!(status, 502, "{v}");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("expired"),
+        "{v}"
+    );
+
+    for inst in [&p, &d, &other] {
+        assert_pool_full(inst).await;
+    }
+    // Everyone still serves.
+    let (status, v) = via_pd(&p.url(), &d.url(), &body(1)).await;
+    assert_eq!(status, 200, "{v}");
+    for inst in [p, d, other] {
+        inst.stop().await;
+    }
+}

@@ -10,6 +10,7 @@ use pdserve_gpu::weights::WeightFormat;
 use std::io::Write;
 
 mod bench_serve;
+mod launch;
 
 /// Environment variables that size the compute thread pools (candle and rayon read them once).
 const THREAD_ENV: [&str; 2] = ["RAYON_NUM_THREADS", "CANDLE_NUM_THREADS"];
@@ -30,8 +31,13 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Serve a model over an OpenAI-compatible HTTP API (one instance).
+    /// Start a single-node P/D cluster: a proxy plus prefill and decode instances.
+    Launch(launch::LaunchArgs),
+    /// Serve a model over an OpenAI-compatible HTTP API (one instance; role colocated,
+    /// prefill or decode).
     Serve(ServeArgs),
+    /// The P/D front door: routes each request through a prefill and a decode instance.
+    Proxy(ProxyArgs),
     /// Generate text from a prompt, streaming it to stdout.
     Generate(GenerateArgs),
     /// Manage models.
@@ -170,9 +176,12 @@ struct ServeArgs {
     /// `server.api_key`: require `Authorization: Bearer KEY`.
     #[arg(long)]
     api_key: Option<String>,
-    /// `instance.role`: colocated (prefill and decode arrive with the P/D work).
+    /// `instance.role`: colocated, prefill or decode.
     #[arg(long)]
     role: Option<String>,
+    /// `transfer.backend` for prefill/decode: local, shm, tcp, quic, rdma.
+    #[arg(long)]
+    transfer: Option<String>,
     /// `instance.name`.
     #[arg(long)]
     name: Option<String>,
@@ -194,6 +203,25 @@ struct ServeArgs {
     /// Compute threads (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
+}
+
+#[derive(Args, Debug)]
+struct ProxyArgs {
+    /// A prefill instance URL (repeatable).
+    #[arg(long = "prefill")]
+    prefill: Vec<String>,
+    /// A decode instance URL (repeatable).
+    #[arg(long = "decode")]
+    decode: Vec<String>,
+    /// Listen address.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Listen port.
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Bound on each upstream call, in seconds.
+    #[arg(long, default_value_t = 600)]
+    timeout_s: u64,
 }
 
 #[derive(Args, Debug)]
@@ -233,8 +261,38 @@ fn init_logging(filter: Option<&str>) {
         .try_init();
 }
 
+fn proxy(args: ProxyArgs) -> Result<()> {
+    let bind: std::net::SocketAddr = format!("{}:{}", args.host, args.port)
+        .parse()
+        .context("--host/--port")?;
+    let pargs = pdserve_actors::proxy::ProxyArgs {
+        bind,
+        prefill: args.prefill,
+        decode: args.decode,
+        timeout: std::time::Duration::from_secs(args.timeout_s),
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let (proxy, addr, join) = pdserve_actors::proxy::start_proxy("proxy", pargs)
+            .await
+            .map_err(anyhow::Error::msg)?;
+        println!("pdserve proxy: http://{addr}");
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        proxy.stop(None);
+        let _ = join.await;
+        Ok(())
+    })
+}
+
 /// Sizes the compute pools. Must run before the first model call: the pools read it once.
-fn set_threads(threads: Option<usize>) -> usize {
+pub(crate) fn set_threads(threads: Option<usize>) -> usize {
     let n = threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     for var in THREAD_ENV {
         std::env::set_var(var, n.to_string());
@@ -245,6 +303,8 @@ fn set_threads(threads: Option<usize>) -> usize {
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Serve(args) => serve(args, cli.log),
+        Command::Launch(args) => launch::run(args),
+        Command::Proxy(args) => proxy(args),
         Command::Generate(args) => generate(args),
         Command::Model(ModelCommand::Pull) => {
             let path = pdserve_gpu::fetch::pull_default_model(pdserve_gpu::fetch::Progress::Show)?;
@@ -403,7 +463,7 @@ fn parse_flag<T: serde::de::DeserializeOwned>(key: &str, v: Option<String>) -> R
 }
 
 fn serve(args: ServeArgs, log: Option<String>) -> Result<()> {
-    use pdserve_runtime::config::{InstanceRole, ServeConfig, ServeFlags};
+    use pdserve_runtime::config::{ServeConfig, ServeFlags};
     let flags = ServeFlags {
         model: args.model,
         served_model_name: args.served_model_name,
@@ -420,15 +480,10 @@ fn serve(args: ServeArgs, log: Option<String>) -> Result<()> {
         num_blocks: args.num_blocks,
         log_filter: log,
         log_format: parse_flag("log-format", args.log_format)?,
+        transfer: args.transfer,
     };
     let cfg = ServeConfig::load(args.config.as_deref(), flags)?;
     pdserve_runtime::telemetry::init_tracing(&cfg.logging.filter, cfg.logging.format);
-    if cfg.instance.role != InstanceRole::Colocated {
-        bail!(
-            "instance.role `{}` is not available in this build yet: only `colocated` serves",
-            cfg.instance.role.as_str()
-        );
-    }
     set_threads(args.threads);
     let source: ModelSource = cfg.model.source.parse().expect("infallible");
     let model = load_model(&source).with_context(|| format!("loading model `{source}`"))?;

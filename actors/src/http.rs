@@ -89,6 +89,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/metrics", get(metrics))
         .route("/v1/kv/info", get(kv_info))
+        .route("/v1/load", get(load))
         .route("/v1/kv/release", post(kv_release))
         .with_state(state)
 }
@@ -111,6 +112,14 @@ async fn metrics(State(app): State<Arc<AppState>>) -> impl IntoResponse {
         [("content-type", "text/plain; version=0.0.4")],
         app.metrics.render(),
     )
+}
+
+/// Queue and pool figures, for a proxy's routing.
+async fn load(State(app): State<Arc<AppState>>) -> Response {
+    match crate::supervisor::scheduler_stats(&app.scheduler).await {
+        Ok(s) => Json(s).into_response(),
+        Err(e) => ApiError(RequestError::Internal(e.to_string())).into_response(),
+    }
 }
 
 async fn kv_info(State(app): State<Arc<AppState>>) -> Response {
@@ -285,7 +294,6 @@ async fn serve(
         model: app.model_name.clone(),
         chat,
         include_usage: req.include_usage,
-        kv_transfer_params: req.kv_transfer_params.clone(),
         token_ids,
         hand_off: hand_off.map(|t| {
             (
@@ -338,7 +346,6 @@ struct ResponseMeta {
     model: String,
     chat: bool,
     include_usage: bool,
-    kv_transfer_params: Option<Value>,
     /// `Some(prompt ids)` when the client asked for token ids.
     token_ids: Option<Vec<u32>>,
     /// Prefill side of P/D: (transfer, engine id, our address) for the answer's
@@ -400,9 +407,6 @@ impl ResponseMeta {
                    "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}],
                    "usage": openai::usage(prompt, completion)})
         };
-        if let Some(p) = &self.kv_transfer_params {
-            v["kv_transfer_params"] = p.clone();
-        }
         if let (Some((transfer, engine, addr)), Some(blocks)) = (&self.hand_off, held) {
             v["kv_transfer_params"] = json!({
                 "do_remote_decode": false,

@@ -94,8 +94,8 @@ impl InstanceOptions {
             api_key: cfg.server.api_key.clone(),
             restart_policy: RestartPolicy::default(),
             alloc: Arc::new(AnonAllocator),
-            transfer: None,
-            kv_lease: Duration::from_secs(30),
+            transfer: transfer_config(cfg)?,
+            kv_lease: Duration::from_secs(cfg.transfer.kv_lease_s),
         })
     }
 
@@ -124,6 +124,35 @@ impl InstanceOptions {
             kv_lease: Duration::from_secs(30),
         }
     }
+}
+
+/// The transfer engine of a `prefill` or `decode` instance (none for `colocated`).
+fn transfer_config(cfg: &ServeConfig) -> Result<Option<pdserve_transport::TransferConfig>, String> {
+    use pdserve_runtime::config::InstanceRole;
+    if cfg.instance.role == InstanceRole::Colocated {
+        return Ok(None);
+    }
+    let backend: pdserve_transport::BackendKind = cfg
+        .transfer
+        .backend
+        .parse()
+        .map_err(|e| format!("transfer.backend: {e}"))?;
+    let mut t = pdserve_transport::TransferConfig::new(backend, cfg.instance.name.clone());
+    t.listen = cfg
+        .transfer
+        .listen
+        .parse()
+        .map_err(|e| format!("transfer.listen: {e}"))?;
+    if let Some(dir) = &cfg.transfer.credentials_dir {
+        let creds = pdserve_transport::control::tls::MemberCredentials::load(
+            std::path::Path::new(dir),
+            &cfg.instance.name,
+        )
+        .map_err(|e| format!("transfer.credentials_dir: {e}"))?;
+        t.credentials = Some(creds);
+    }
+    t.validate().map_err(|e| format!("[transfer]: {e}"))?;
+    Ok(Some(t))
 }
 
 /// A running instance.

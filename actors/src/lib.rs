@@ -9,6 +9,7 @@ pub mod instance;
 pub mod kv_receiver;
 pub mod kv_transfer;
 pub mod openai;
+pub mod proxy;
 pub mod scheduler;
 pub mod supervisor;
 pub mod worker;

@@ -263,3 +263,140 @@ async fn bad_hand_offs_fail_clearly_and_free_their_blocks() {
         inst.stop().await;
     }
 }
+
+async fn wait_healthy(url: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Ok(r) = reqwest::get(format!("{url}/health")).await {
+            if r.status() == 200 {
+                return;
+            }
+        }
+        assert!(Instant::now() < deadline, "proxy never became healthy");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn sse_token_ids(body: &str) -> Vec<u64> {
+    let mut out = Vec::new();
+    let mut done = false;
+    for event in body.split("\n\n").filter(|e| !e.trim().is_empty()) {
+        let data = event
+            .trim()
+            .strip_prefix("data: ")
+            .unwrap_or_else(|| panic!("bad event {event:?}"));
+        if data == "[DONE]" {
+            done = true;
+            continue;
+        }
+        let v: Value = serde_json::from_str(data).unwrap();
+        assert!(v.get("error").is_none(), "{v}");
+        if let Some(ids) = v["choices"][0]["token_ids"].as_array() {
+            out.extend(ids.iter().map(|t| t.as_u64().unwrap()));
+        }
+    }
+    assert!(done, "stream must end with [DONE]");
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxy_streams_disaggregated_answers_equal_to_colocated() {
+    use pdserve_actors::proxy::{start_proxy, ProxyArgs};
+    let reference = colocated_reference("small", 6).await;
+    let p = instance(
+        "p-proxy",
+        "small",
+        1,
+        Some(BackendKind::Shm),
+        Duration::from_secs(30),
+    )
+    .await;
+    let d = instance(
+        "d-proxy",
+        "small",
+        1,
+        Some(BackendKind::Shm),
+        Duration::from_secs(30),
+    )
+    .await;
+    let args = ProxyArgs {
+        bind: "127.0.0.1:0".parse().unwrap(),
+        prefill: vec![p.url()],
+        decode: vec![d.url()],
+        timeout: Duration::from_secs(30),
+    };
+    let (proxy, addr, _join) = start_proxy("proxy-test", args).await.unwrap();
+    let url = format!("http://{addr}");
+    wait_healthy(&url).await;
+    let handles: Vec<_> = (0..6)
+        .map(|i| {
+            let url = url.clone();
+            tokio::spawn(async move {
+                let mut b = body(i);
+                let stream = i % 2 == 1;
+                b["stream"] = json!(stream);
+                let r = reqwest::Client::new()
+                    .post(format!("{url}/v1/completions"))
+                    .json(&b)
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(r.status(), 200);
+                let ctype = r.headers()["content-type"].to_str().unwrap().to_string();
+                let text = r.text().await.unwrap();
+                if stream {
+                    assert!(ctype.starts_with("text/event-stream"), "{ctype}");
+                    sse_token_ids(&text)
+                } else {
+                    ids(&serde_json::from_str(&text).unwrap())
+                }
+            })
+        })
+        .collect();
+    for (i, h) in handles.into_iter().enumerate() {
+        assert_eq!(h.await.unwrap(), reference[i], "request {i}");
+    }
+    // Bad input is refused at the door.
+    let (status, v) = post(&url, &json!({"prompt": "x", "max_tokens": -1})).await;
+    assert_eq!(status, 400, "{v}");
+    assert_pool_full(&p).await;
+    assert_pool_full(&d).await;
+    proxy.stop(None);
+    p.stop().await;
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxy_without_a_prefill_instance_answers_503() {
+    use pdserve_actors::proxy::{start_proxy, ProxyArgs};
+    let d = instance(
+        "d-lonely",
+        "tiny",
+        1,
+        Some(BackendKind::Tcp),
+        Duration::from_secs(30),
+    )
+    .await;
+    let args = ProxyArgs {
+        bind: "127.0.0.1:0".parse().unwrap(),
+        prefill: vec![],
+        decode: vec![d.url()],
+        timeout: Duration::from_secs(5),
+    };
+    let (proxy, addr, _join) = start_proxy("proxy-503", args).await.unwrap();
+    let (status, v) = post(
+        &format!("http://{addr}"),
+        &json!({"prompt": "x", "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(status, 503, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("no prefill instance"),
+        "{v}"
+    );
+    proxy.stop(None);
+    d.stop().await;
+}

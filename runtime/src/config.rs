@@ -73,6 +73,34 @@ pub struct ServeConfig {
     pub instance: InstanceConfig,
     /// Log output.
     pub logging: LoggingConfig,
+    /// KV hand-off between prefill and decode instances.
+    pub transfer: TransferSection,
+}
+
+/// `[transfer]`: how this instance moves KV cache to or from its P/D peers (used by the
+/// `prefill` and `decode` roles).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TransferSection {
+    /// Transfer backend: `local`, `shm`, `tcp`, `quic` or `rdma`.
+    pub backend: String,
+    /// Where the transfer engine listens (`shm` control, `tcp`, `quic`); port 0 picks one.
+    pub listen: String,
+    /// Seconds a prefill instance keeps a finished request's KV for its decode instance.
+    pub kv_lease_s: u64,
+    /// Cluster credentials directory (`pdserve cluster init`), required by `quic`.
+    pub credentials_dir: Option<String>,
+}
+
+impl Default for TransferSection {
+    fn default() -> Self {
+        Self {
+            backend: "shm".into(),
+            listen: "127.0.0.1:0".into(),
+            kv_lease_s: 30,
+            credentials_dir: None,
+        }
+    }
 }
 
 /// `[model]`: the model to serve.
@@ -288,6 +316,8 @@ pub struct ServeFlags {
     pub log_filter: Option<String>,
     /// `logging.format`.
     pub log_format: Option<LogFormat>,
+    /// `transfer.backend`.
+    pub transfer: Option<String>,
 }
 
 /// The nested shape [`ServeFlags`] serializes into.
@@ -298,6 +328,13 @@ struct FlagsTree<'a> {
     scheduler: FlagsScheduler,
     instance: FlagsInstance<'a>,
     logging: FlagsLogging<'a>,
+    transfer: FlagsTransfer<'a>,
+}
+
+#[derive(Serialize)]
+struct FlagsTransfer<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    backend: Option<&'a str>,
 }
 
 #[derive(Serialize)]
@@ -377,6 +414,9 @@ impl Serialize for ServeFlags {
             logging: FlagsLogging {
                 filter: self.log_filter.as_deref(),
                 format: self.log_format,
+            },
+            transfer: FlagsTransfer {
+                backend: self.transfer.as_deref(),
             },
         }
         .serialize(serializer)
@@ -596,6 +636,32 @@ impl ServeConfig {
                 message: message.into(),
                 layer: None,
             })
+        }
+        if !["local", "shm", "tcp", "quic", "rdma"].contains(&self.transfer.backend.as_str()) {
+            return invalid(
+                "transfer.backend",
+                format!(
+                    "transfer.backend must be one of local, shm, tcp, quic, rdma, got `{}`",
+                    self.transfer.backend
+                ),
+            );
+        }
+        if self
+            .transfer
+            .listen
+            .parse::<std::net::SocketAddr>()
+            .is_err()
+        {
+            return invalid(
+                "transfer.listen",
+                format!(
+                    "transfer.listen must be an IP:port, got `{}`",
+                    self.transfer.listen
+                ),
+            );
+        }
+        if self.transfer.kv_lease_s == 0 {
+            return invalid("transfer.kv_lease_s", "transfer.kv_lease_s must be > 0");
         }
         let m = &self.model;
         if m.source.trim().is_empty() {
@@ -919,8 +985,10 @@ mod tests {
                 num_blocks: Some(100),
                 log_filter: Some("debug".into()),
                 log_format: Some(LogFormat::Json),
+                transfer: Some("tcp".into()),
             };
             let c = ServeConfig::load(None, &flags).unwrap();
+            assert_eq!(c.transfer.backend, "tcp");
             assert_eq!(c.model.source, "synthetic:tiny");
             assert_eq!(c.model.name.as_deref(), Some("served"));
             assert_eq!(c.model.tp, 2);
@@ -1154,7 +1222,13 @@ mod tests {
                 jail.clear_env();
                 let value = match key.as_str() {
                     "model.source" => "synthetic:x",
-                    "model.name" | "server.api_key" | "server.host" | "instance.name" => "abc",
+                    "model.name"
+                    | "server.api_key"
+                    | "server.host"
+                    | "instance.name"
+                    | "transfer.credentials_dir" => "abc",
+                    "transfer.backend" => "tcp",
+                    "transfer.listen" => "127.0.0.1:9999",
                     "model.weights" => "q8_0",
                     "instance.role" => "prefill",
                     "logging.filter" => "warn",

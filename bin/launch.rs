@@ -1,0 +1,289 @@
+//! `pdserve launch`: a single-node P/D cluster — a proxy, N prefill and M decode instances,
+//! each a child process this launcher supervises (restart on crash under a budget, then stop
+//! everything), with the proxy URL printed on a line of its own. Ctrl-C or SIGTERM stops every
+//! child (SIGTERM, then SIGKILL after a grace period); children also get SIGTERM if the
+//! launcher itself dies (`PR_SET_PDEATHSIG`), so none is left behind.
+//! `--in-process` runs every actor in this process over the `local` transport instead.
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use pdserve_runtime::supervision::{RestartDecision, RestartPolicy, RestartTracker};
+use std::net::{SocketAddr, TcpListener};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+use tokio::process::{Child, Command};
+
+/// How long an instance may take to load and answer `/health`.
+const READY_TIMEOUT: Duration = Duration::from_secs(300);
+/// Grace period between SIGTERM and SIGKILL at shutdown.
+const STOP_GRACE: Duration = Duration::from_secs(10);
+
+/// `pdserve launch` flags.
+#[derive(Args, Debug, Clone)]
+pub struct LaunchArgs {
+    /// `default`, a GGUF file, an HF directory, or `synthetic:NAME`.
+    #[arg(long, default_value = "default")]
+    model: String,
+    /// Prefill instances.
+    #[arg(long, default_value_t = 1)]
+    prefill: usize,
+    /// Decode instances.
+    #[arg(long, default_value_t = 1)]
+    decode: usize,
+    /// Tensor-parallel ranks per instance.
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
+    /// KV transport between instances: shm, tcp (quic needs `pdserve cluster init`).
+    #[arg(long, default_value = "shm")]
+    transport: String,
+    /// KV transfer mode. Only `pull` (vLLM NIXL style) exists so far.
+    #[arg(long, default_value = "pull")]
+    mode: String,
+    /// Proxy address.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Proxy port (0 picks a free one).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Compute threads per instance (default: the cores divided among the instances).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Run every actor in this process over the `local` transport.
+    #[arg(long)]
+    in_process: bool,
+}
+
+fn free_port() -> Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+struct Member {
+    name: String,
+    args: Vec<String>,
+    child: Option<Child>,
+    tracker: RestartTracker,
+}
+
+fn spawn(args: &[String]) -> Result<Child> {
+    let exe = std::env::current_exe()?;
+    let mut cmd = Command::new(exe);
+    cmd.args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true);
+    // SAFETY: prctl is async-signal-safe; this runs in the child between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    Ok(cmd.spawn()?)
+}
+
+async fn wait_ready(url: &str, members: &mut [Member]) -> Result<()> {
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_secs(2))
+        .build()?;
+    let deadline = Instant::now() + READY_TIMEOUT;
+    loop {
+        if let Ok(r) = client.get(format!("{url}/health")).send().await {
+            if r.status().is_success() {
+                return Ok(());
+            }
+        }
+        for m in members.iter_mut() {
+            if let Some(status) = m.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
+                bail!("{} exited during start-up ({status})", m.name);
+            }
+        }
+        if Instant::now() > deadline {
+            bail!("{url} did not become healthy within {READY_TIMEOUT:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn stop_all(members: &mut [Member]) {
+    for m in members.iter() {
+        if let Some(pid) = m.child.as_ref().and_then(Child::id) {
+            // SAFETY: sending a signal to our own child process.
+            unsafe {
+                libc::kill(pid as i32, libc::SIGTERM);
+            }
+        }
+    }
+    let deadline = tokio::time::Instant::now() + STOP_GRACE;
+    for m in members.iter_mut() {
+        if let Some(child) = m.child.as_mut() {
+            if tokio::time::timeout_at(deadline, child.wait())
+                .await
+                .is_err()
+            {
+                let _ = child.kill().await;
+            }
+        }
+        m.child = None;
+    }
+}
+
+/// Runs the launcher until Ctrl-C / SIGTERM or an unrecoverable child failure.
+///
+/// # Errors
+/// Start-up failures, or a child that keeps crashing.
+pub fn run(args: LaunchArgs) -> Result<()> {
+    if args.mode != "pull" {
+        bail!(
+            "--mode {}: only `pull` is implemented so far (push arrives with layerwise transfer)",
+            args.mode
+        );
+    }
+    if args.prefill == 0 || args.decode == 0 {
+        bail!("a cluster needs at least one prefill and one decode instance");
+    }
+    // Fetch the model once, here, with its progress bar, before children race for it.
+    if args.model == "default" {
+        pdserve_gpu::fetch::pull_default_model(pdserve_gpu::fetch::Progress::Show)?;
+    }
+    let instances = args.prefill + args.decode;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = args.threads.unwrap_or((cores / instances).max(1));
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    if args.in_process {
+        return rt.block_on(run_in_process(args, threads));
+    }
+    rt.block_on(async move {
+        let proxy_port = if args.port == 0 { free_port()? } else { args.port };
+        let mut members = Vec::new();
+        let mut urls = (Vec::new(), Vec::new());
+        for (role, count) in [("prefill", args.prefill), ("decode", args.decode)] {
+            for i in 0..count {
+                let port = free_port()?;
+                let name = format!("{role}-{i}");
+                let url = format!("http://127.0.0.1:{port}");
+                if role == "prefill" { urls.0.push(url) } else { urls.1.push(url) }
+                let a: Vec<String> = [
+                    "serve", "--role", role, "--name", &name, "--model", &args.model, "--port", &port.to_string(),
+                    "--tp", &args.tp.to_string(), "--transfer", &args.transport, "--threads", &threads.to_string(),
+                ]
+                .iter()
+                .map(|s| s.to_string())
+                .collect();
+                members.push(Member { name, args: a, child: None, tracker: RestartTracker::new(RestartPolicy::default()) });
+            }
+        }
+        let mut proxy_args = vec!["proxy".to_string(), "--host".into(), args.host.clone(), "--port".into(), proxy_port.to_string()];
+        for u in &urls.0 {
+            proxy_args.extend(["--prefill".to_string(), u.clone()]);
+        }
+        for u in &urls.1 {
+            proxy_args.extend(["--decode".to_string(), u.clone()]);
+        }
+        members.push(Member { name: "proxy".into(), args: proxy_args, child: None, tracker: RestartTracker::new(RestartPolicy::default()) });
+        for m in &mut members {
+            m.child = Some(spawn(&m.args).with_context(|| format!("starting {}", m.name))?);
+        }
+        let proxy_url = format!("http://{}:{proxy_port}", args.host);
+        if let Err(e) = wait_ready(&proxy_url, &mut members).await {
+            stop_all(&mut members).await;
+            return Err(e);
+        }
+        println!("{proxy_url}");
+        eprintln!(
+            "pdserve launch: {} prefill + {} decode instance(s) of `{}` over {}, proxy at {proxy_url} (Ctrl-C stops)",
+            args.prefill, args.decode, args.model, args.transport
+        );
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        let mut check = tokio::time::interval(Duration::from_millis(500));
+        let outcome = loop {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => break Ok(()),
+                _ = term.recv() => break Ok(()),
+                _ = check.tick() => {
+                    let mut failed = None;
+                    for m in members.iter_mut() {
+                        let exited = m.child.as_mut().and_then(|c| c.try_wait().ok().flatten());
+                        let Some(status) = exited else { continue };
+                        match m.tracker.on_failure(Instant::now()) {
+                            RestartDecision::Restart { attempt } => {
+                                eprintln!("pdserve launch: {} exited ({status}); restart {attempt}", m.name);
+                                match spawn(&m.args) {
+                                    Ok(c) => m.child = Some(c),
+                                    Err(e) => { failed = Some(format!("cannot restart {}: {e}", m.name)); break; }
+                                }
+                            }
+                            RestartDecision::Escalate { restarts_in_window } => {
+                                failed = Some(format!("{} keeps crashing ({restarts_in_window} restarts within the window, last: {status})", m.name));
+                                break;
+                            }
+                        }
+                    }
+                    if let Some(f) = failed { break Err(anyhow::anyhow!(f)); }
+                }
+            }
+        };
+        stop_all(&mut members).await;
+        outcome
+    })
+}
+
+async fn run_in_process(args: LaunchArgs, threads: usize) -> Result<()> {
+    use pdserve_actors::{Instance, InstanceOptions};
+    use pdserve_gpu::loader::{load_model, ModelSource};
+    crate::set_threads(Some(threads));
+    let source: ModelSource = args.model.parse().expect("infallible");
+    let mut instances = Vec::new();
+    let (mut prefill, mut decode) = (Vec::new(), Vec::new());
+    for (role, count) in [("prefill", args.prefill), ("decode", args.decode)] {
+        for i in 0..count {
+            let model = tokio::task::block_in_place(|| load_model(&source))?;
+            let name = format!("{role}-{i}");
+            let mut o = InstanceOptions::local(&name, model);
+            o.tp = args.tp;
+            o.num_blocks = None;
+            o.kv_cache_bytes = 256 << 20;
+            o.transfer = Some(pdserve_transport::TransferConfig::new(
+                pdserve_transport::BackendKind::Local,
+                name.clone(),
+            ));
+            let inst = Instance::start(o).await.map_err(anyhow::Error::msg)?;
+            if role == "prefill" {
+                prefill.push(inst.url())
+            } else {
+                decode.push(inst.url())
+            }
+            instances.push(inst);
+        }
+    }
+    let bind: SocketAddr = format!("{}:{}", args.host, args.port).parse()?;
+    let pargs = pdserve_actors::proxy::ProxyArgs {
+        bind,
+        prefill,
+        decode,
+        timeout: Duration::from_secs(600),
+    };
+    let (proxy, addr, _join) = pdserve_actors::proxy::start_proxy("proxy", pargs)
+        .await
+        .map_err(anyhow::Error::msg)?;
+    println!("http://{addr}");
+    eprintln!(
+        "pdserve launch --in-process: {} instance(s), proxy at http://{addr} (Ctrl-C stops)",
+        instances.len()
+    );
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    proxy.stop(None);
+    for i in instances {
+        i.stop().await;
+    }
+    Ok(())
+}

@@ -558,6 +558,64 @@ fn sse_stream(
     )
 }
 
+/// An axum server on its own task, bound before it is returned (so a bad address reaches
+/// whoever starts it) and stopped gracefully by [`HttpServer::stop`].
+pub struct HttpServer {
+    addr: SocketAddr,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl HttpServer {
+    /// Binds `bind` and starts serving `app`; `what` names it in logs.
+    ///
+    /// # Errors
+    /// When the address cannot be bound.
+    pub async fn start(
+        bind: SocketAddr,
+        app: Router,
+        what: &'static str,
+    ) -> Result<Self, ActorProcessingErr> {
+        let listener = tokio::net::TcpListener::bind(bind)
+            .await
+            .map_err(|e| format!("{what}: cannot listen on {bind}: {e}"))?;
+        let addr = listener.local_addr()?;
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            let server = axum::serve(listener, app).with_graceful_shutdown(async move {
+                let _ = rx.await;
+            });
+            if let Err(e) = server.await {
+                tracing::error!(error = %e, "{what} failed");
+            }
+        });
+        tracing::info!(%addr, "{what} listening");
+        Ok(Self {
+            addr,
+            shutdown: Some(tx),
+            task,
+        })
+    }
+
+    /// Where it listens.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Stops accepting, lets requests in flight finish for up to 5 s, then aborts.
+    pub async fn stop(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        if tokio::time::timeout(Duration::from_secs(5), &mut self.task)
+            .await
+            .is_err()
+        {
+            self.task.abort();
+        }
+    }
+}
+
 /// Messages of the HttpFrontend.
 pub enum HttpMsg {
     /// The bound address.
@@ -576,11 +634,9 @@ pub struct HttpArgs {
     pub app: Arc<AppState>,
 }
 
-/// The frontend's state: the bound address and the server task.
+/// The frontend's state: its server.
 pub struct HttpState {
-    addr: SocketAddr,
-    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<()>,
+    server: HttpServer,
 }
 
 impl Actor for HttpFrontend {
@@ -593,27 +649,10 @@ impl Actor for HttpFrontend {
         _myself: ActorRef<Self::Msg>,
         args: HttpArgs,
     ) -> Result<Self::State, ActorProcessingErr> {
-        let listener = tokio::net::TcpListener::bind(args.bind)
-            .await
-            .map_err(|e| format!("cannot listen on {}: {e}", args.bind))?;
-        let addr = listener.local_addr()?;
-        let _ = args.app.addr.set(addr);
-        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        let app = router(args.app);
-        let task = tokio::spawn(async move {
-            let server = axum::serve(listener, app).with_graceful_shutdown(async move {
-                let _ = rx.await;
-            });
-            if let Err(e) = server.await {
-                tracing::error!(error = %e, "HTTP server failed");
-            }
-        });
-        tracing::info!(%addr, "HTTP frontend listening");
-        Ok(HttpState {
-            addr,
-            shutdown: Some(tx),
-            task,
-        })
+        let app = args.app.clone();
+        let server = HttpServer::start(args.bind, router(args.app), "HTTP frontend").await?;
+        let _ = app.addr.set(server.addr());
+        Ok(HttpState { server })
     }
 
     async fn handle(
@@ -625,7 +664,7 @@ impl Actor for HttpFrontend {
         match msg {
             HttpMsg::LocalAddr(reply) => {
                 if !reply.is_closed() {
-                    let _ = reply.send(st.addr);
+                    let _ = reply.send(st.server.addr());
                 }
             }
         }
@@ -637,15 +676,7 @@ impl Actor for HttpFrontend {
         _myself: ActorRef<Self::Msg>,
         st: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
-        if let Some(tx) = st.shutdown.take() {
-            let _ = tx.send(());
-        }
-        if tokio::time::timeout(Duration::from_secs(5), &mut st.task)
-            .await
-            .is_err()
-        {
-            st.task.abort();
-        }
+        st.server.stop().await;
         Ok(())
     }
 }

@@ -335,11 +335,10 @@ pub struct ProxyArgs {
 #[derive(Debug)]
 pub struct Proxy;
 
-/// Its state: address, server and poller tasks.
+/// Its state: the server and the registry poller.
 pub struct ProxyActorState {
-    addr: SocketAddr,
-    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
+    server: crate::http::HttpServer,
+    poller: tokio::task::JoinHandle<()>,
 }
 
 impl Actor for Proxy {
@@ -365,27 +364,10 @@ impl Actor for Proxy {
             timeout: args.timeout,
             metrics: pdserve_runtime::telemetry::install_metrics(),
         });
-        let listener = tokio::net::TcpListener::bind(args.bind)
-            .await
-            .map_err(|e| format!("cannot listen on {}: {e}", args.bind))?;
-        let addr = listener.local_addr()?;
-        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        let app = router(state.clone());
-        let server = tokio::spawn(async move {
-            let serve = axum::serve(listener, app).with_graceful_shutdown(async move {
-                let _ = rx.await;
-            });
-            if let Err(e) = serve.await {
-                tracing::error!(error = %e, "proxy server failed");
-            }
-        });
+        let server =
+            crate::http::HttpServer::start(args.bind, router(state.clone()), "proxy").await?;
         let poller = tokio::spawn(poll_forever(state));
-        tracing::info!(%addr, "proxy listening");
-        Ok(ProxyActorState {
-            addr,
-            shutdown: Some(tx),
-            tasks: vec![server, poller],
-        })
+        Ok(ProxyActorState { server, poller })
     }
 
     async fn handle(
@@ -397,7 +379,7 @@ impl Actor for Proxy {
         match msg {
             ProxyMsg::LocalAddr(reply) => {
                 if !reply.is_closed() {
-                    let _ = reply.send(st.addr);
+                    let _ = reply.send(st.server.addr());
                 }
             }
         }
@@ -409,12 +391,8 @@ impl Actor for Proxy {
         _myself: ActorRef<Self::Msg>,
         st: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
-        if let Some(tx) = st.shutdown.take() {
-            let _ = tx.send(());
-        }
-        for t in &st.tasks {
-            t.abort();
-        }
+        st.poller.abort();
+        st.server.stop().await;
         Ok(())
     }
 }

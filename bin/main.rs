@@ -152,9 +152,12 @@ struct GenerateArgs {
 /// < PDSERVE_<SECTION>__<KEY> environment < flags).
 #[derive(Args, Debug)]
 struct ServeArgs {
-    /// TOML config file.
+    /// TOML config file: an instance config, or a deployment file (with `--node`).
     #[arg(long)]
     config: Option<std::path::PathBuf>,
+    /// Run this node of the deployment file given with `--config` (multi-host).
+    #[arg(long)]
+    node: Option<String>,
     /// `model.source`: default, a GGUF file, an HF directory, or synthetic:NAME.
     #[arg(long)]
     model: Option<String>,
@@ -462,8 +465,49 @@ fn parse_flag<T: serde::de::DeserializeOwned>(key: &str, v: Option<String>) -> R
     .transpose()
 }
 
+/// `serve --config DEPLOYMENT --node NAME`: this host's part of a multi-host deployment.
+fn serve_node(args: ServeArgs, node_name: &str, log: Option<String>) -> Result<()> {
+    use pdserve_runtime::deployment::{Deployment, NodeRole};
+    let path = args
+        .config
+        .as_deref()
+        .context("--node needs --config DEPLOYMENT_FILE")?;
+    let deployment = Deployment::load(path)?;
+    let node = deployment.node(node_name)?.clone();
+    if node.role == NodeRole::Proxy {
+        init_logging(log.as_deref());
+        return proxy(ProxyArgs {
+            prefill: deployment.urls(NodeRole::Prefill),
+            decode: deployment.urls(NodeRole::Decode),
+            host: node.host.clone(),
+            port: node.port,
+            timeout_s: 600,
+        });
+    }
+    let mut flags = deployment.instance_flags(&node);
+    flags.log_filter = log;
+    let threads = args.threads.or(node.threads);
+    run_instance(
+        pdserve_runtime::config::ServeConfig::load(None, flags)?,
+        threads,
+    )
+}
+
 fn serve(args: ServeArgs, log: Option<String>) -> Result<()> {
     use pdserve_runtime::config::{ServeConfig, ServeFlags};
+    if let Some(node) = args.node.clone() {
+        return serve_node(args, &node, log);
+    }
+    if let Some(path) = &args.config {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        if text.lines().any(|l| l.trim() == "[[node]]") {
+            bail!(
+                "{} is a deployment file: pass --node NAME to start one of its nodes",
+                path.display()
+            );
+        }
+    }
     let flags = ServeFlags {
         model: args.model,
         served_model_name: args.served_model_name,
@@ -481,10 +525,15 @@ fn serve(args: ServeArgs, log: Option<String>) -> Result<()> {
         log_filter: log,
         log_format: parse_flag("log-format", args.log_format)?,
         transfer: args.transfer,
+        ..ServeFlags::default()
     };
     let cfg = ServeConfig::load(args.config.as_deref(), flags)?;
+    run_instance(cfg, args.threads)
+}
+
+fn run_instance(cfg: pdserve_runtime::config::ServeConfig, threads: Option<usize>) -> Result<()> {
     pdserve_runtime::telemetry::init_tracing(&cfg.logging.filter, cfg.logging.format);
-    set_threads(args.threads);
+    set_threads(threads);
     let source: ModelSource = cfg.model.source.parse().expect("infallible");
     let model = load_model(&source).with_context(|| format!("loading model `{source}`"))?;
     let opts =

@@ -318,6 +318,10 @@ pub struct ServeFlags {
     pub log_format: Option<LogFormat>,
     /// `transfer.backend`.
     pub transfer: Option<String>,
+    /// `transfer.listen`.
+    pub transfer_listen: Option<String>,
+    /// `transfer.credentials_dir`.
+    pub credentials_dir: Option<String>,
 }
 
 /// The nested shape [`ServeFlags`] serializes into.
@@ -335,6 +339,10 @@ struct FlagsTree<'a> {
 struct FlagsTransfer<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     backend: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    listen: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    credentials_dir: Option<&'a str>,
 }
 
 #[derive(Serialize)]
@@ -417,6 +425,8 @@ impl Serialize for ServeFlags {
             },
             transfer: FlagsTransfer {
                 backend: self.transfer.as_deref(),
+                listen: self.transfer_listen.as_deref(),
+                credentials_dir: self.credentials_dir.as_deref(),
             },
         }
         .serialize(serializer)
@@ -986,9 +996,13 @@ mod tests {
                 log_filter: Some("debug".into()),
                 log_format: Some(LogFormat::Json),
                 transfer: Some("tcp".into()),
+                transfer_listen: Some("127.0.0.1:7000".into()),
+                credentials_dir: Some("/tmp/creds".into()),
             };
             let c = ServeConfig::load(None, &flags).unwrap();
             assert_eq!(c.transfer.backend, "tcp");
+            assert_eq!(c.transfer.listen, "127.0.0.1:7000");
+            assert_eq!(c.transfer.credentials_dir.as_deref(), Some("/tmp/creds"));
             assert_eq!(c.model.source, "synthetic:tiny");
             assert_eq!(c.model.name.as_deref(), Some("served"));
             assert_eq!(c.model.tp, 2);

@@ -1,0 +1,357 @@
+//! A multi-host deployment in one TOML file: every host runs `pdserve serve --config FILE
+//! --node NAME` with the same file and its own node name, and starts its part — the proxy or
+//! one instance.
+//!
+//! ```toml
+//! [cluster]
+//! name = "demo"
+//! model = "default"        # every instance serves this model
+//! transport = "tcp"        # KV transfer backend between instances
+//! # credentials_dir = "/etc/pdserve/cluster"   # from `pdserve cluster init` (quic)
+//!
+//! [[node]]
+//! name = "proxy"
+//! role = "proxy"
+//! host = "10.0.0.1"        # the address it binds and peers use
+//! port = 8000
+//!
+//! [[node]]
+//! name = "prefill-0"
+//! role = "prefill"
+//! host = "10.0.0.2"
+//! port = 8100
+//! tp = 1
+//!
+//! [[node]]
+//! name = "decode-0"
+//! role = "decode"
+//! host = "10.0.0.3"
+//! port = 8100
+//! ```
+
+use crate::config::{InstanceRole, ServeFlags};
+use crate::error::ConfigError;
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+/// `[cluster]`: what every node shares.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterSection {
+    /// Cluster name.
+    pub name: String,
+    /// Model source for every instance (`default`, a path valid on every host, `synthetic:…`).
+    #[serde(default = "default_model")]
+    pub model: String,
+    /// KV transfer backend between instances.
+    #[serde(default = "default_transport")]
+    pub transport: String,
+    /// Cluster credentials directory (required by `quic`).
+    #[serde(default)]
+    pub credentials_dir: Option<String>,
+}
+
+fn default_model() -> String {
+    "default".into()
+}
+
+fn default_transport() -> String {
+    "tcp".into()
+}
+
+/// What a node runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NodeRole {
+    /// The HTTP front door.
+    Proxy,
+    /// A prefill instance.
+    Prefill,
+    /// A decode instance.
+    Decode,
+}
+
+/// `[[node]]`: one host's part.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeSection {
+    /// Unique node name (also the instance name and its cluster member name).
+    pub name: String,
+    /// What it runs.
+    pub role: NodeRole,
+    /// The address it binds and that peers use to reach it.
+    pub host: String,
+    /// Its HTTP port.
+    pub port: u16,
+    /// Tensor-parallel ranks (instances).
+    #[serde(default = "one")]
+    pub tp: usize,
+    /// Compute threads (instances; default: all cores).
+    #[serde(default)]
+    pub threads: Option<usize>,
+}
+
+fn one() -> usize {
+    1
+}
+
+/// A whole deployment.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Deployment {
+    /// Shared settings.
+    pub cluster: ClusterSection,
+    /// The nodes.
+    #[serde(rename = "node")]
+    pub nodes: Vec<NodeSection>,
+}
+
+impl Deployment {
+    /// Reads and validates a deployment file.
+    ///
+    /// # Errors
+    /// [`ConfigError::File`] for an unreadable file, [`ConfigError::Parse`] for bad TOML or an
+    /// unknown key, [`ConfigError::Invalid`] for an inconsistent deployment.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::File {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
+        Self::parse(&text, &path.display().to_string())
+    }
+
+    /// Parses and validates deployment TOML (`origin` names it in errors).
+    ///
+    /// # Errors
+    /// As [`Deployment::load`].
+    pub fn parse(text: &str, origin: &str) -> Result<Self, ConfigError> {
+        let d: Deployment = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            message: e.to_string(),
+            origin: Some(origin.to_string()),
+        })?;
+        d.validate()?;
+        Ok(d)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |key: &str, message: String| {
+            Err(ConfigError::Invalid {
+                key: key.into(),
+                message,
+                layer: None,
+            })
+        };
+        if self.cluster.name.trim().is_empty() {
+            return invalid("cluster.name", "cluster.name must not be empty".into());
+        }
+        if !["local", "shm", "tcp", "quic", "rdma"].contains(&self.cluster.transport.as_str()) {
+            return invalid(
+                "cluster.transport",
+                format!(
+                    "cluster.transport must be one of local, shm, tcp, quic, rdma, got `{}`",
+                    self.cluster.transport
+                ),
+            );
+        }
+        if self.cluster.transport == "quic" && self.cluster.credentials_dir.is_none() {
+            return invalid(
+                "cluster.credentials_dir",
+                "the quic transport needs cluster.credentials_dir (pdserve cluster init)".into(),
+            );
+        }
+        let mut names = std::collections::HashSet::new();
+        for n in &self.nodes {
+            if n.name.trim().is_empty() || !names.insert(n.name.as_str()) {
+                return invalid(
+                    "node.name",
+                    format!("node names must be unique and non-empty (`{}`)", n.name),
+                );
+            }
+            if n.port == 0 {
+                return invalid("node.port", format!("node `{}` needs a port", n.name));
+            }
+            if n.tp == 0 {
+                return invalid("node.tp", format!("node `{}`: tp must be ≥ 1", n.name));
+            }
+            if n.host.parse::<std::net::IpAddr>().is_err() {
+                return invalid(
+                    "node.host",
+                    format!("node `{}`: host `{}` must be an IP address", n.name, n.host),
+                );
+            }
+        }
+        let count = |r: NodeRole| self.nodes.iter().filter(|n| n.role == r).count();
+        if count(NodeRole::Proxy) != 1 {
+            return invalid(
+                "node.role",
+                format!(
+                    "a deployment needs exactly one proxy node, found {}",
+                    count(NodeRole::Proxy)
+                ),
+            );
+        }
+        if count(NodeRole::Prefill) == 0 || count(NodeRole::Decode) == 0 {
+            return invalid(
+                "node.role",
+                "a deployment needs at least one prefill and one decode node".into(),
+            );
+        }
+        Ok(())
+    }
+
+    /// A node by name.
+    ///
+    /// # Errors
+    /// [`ConfigError::Invalid`] listing the nodes when there is none of that name.
+    pub fn node(&self, name: &str) -> Result<&NodeSection, ConfigError> {
+        self.nodes
+            .iter()
+            .find(|n| n.name == name)
+            .ok_or_else(|| ConfigError::Invalid {
+                key: "--node".into(),
+                message: format!(
+                    "no node `{name}` in the deployment (nodes: {})",
+                    self.nodes
+                        .iter()
+                        .map(|n| n.name.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+                layer: None,
+            })
+    }
+
+    /// `http://host:port` of every node of `role`.
+    pub fn urls(&self, role: NodeRole) -> Vec<String> {
+        self.nodes
+            .iter()
+            .filter(|n| n.role == role)
+            .map(|n| format!("http://{}:{}", n.host, n.port))
+            .collect()
+    }
+
+    /// The serve flags an instance node runs with (the deployment file is their top layer).
+    pub fn instance_flags(&self, node: &NodeSection) -> ServeFlags {
+        ServeFlags {
+            model: Some(self.cluster.model.clone()),
+            tp: Some(node.tp),
+            host: Some(node.host.clone()),
+            port: Some(node.port),
+            role: Some(match node.role {
+                NodeRole::Prefill => InstanceRole::Prefill,
+                _ => InstanceRole::Decode,
+            }),
+            name: Some(node.name.clone()),
+            transfer: Some(self.cluster.transport.clone()),
+            transfer_listen: Some(format!("{}:0", node.host)),
+            credentials_dir: self.cluster.credentials_dir.clone(),
+            ..ServeFlags::default()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+[cluster]
+name = "demo"
+model = "synthetic:tiny"
+transport = "tcp"
+
+[[node]]
+name = "proxy"
+role = "proxy"
+host = "127.0.0.1"
+port = 8000
+
+[[node]]
+name = "prefill-0"
+role = "prefill"
+host = "127.0.0.1"
+port = 8100
+tp = 2
+
+[[node]]
+name = "decode-0"
+role = "decode"
+host = "127.0.0.1"
+port = 8200
+"#;
+
+    #[test]
+    fn parses_nodes_and_derives_instance_flags() {
+        let d = Deployment::parse(GOOD, "test").unwrap();
+        assert_eq!(
+            d.urls(NodeRole::Prefill),
+            vec!["http://127.0.0.1:8100".to_string()]
+        );
+        let flags = d.instance_flags(d.node("prefill-0").unwrap());
+        assert_eq!(
+            (flags.tp, flags.port, flags.role),
+            (Some(2), Some(8100), Some(InstanceRole::Prefill))
+        );
+        assert_eq!(flags.transfer.as_deref(), Some("tcp"));
+        let e = d.node("nope").unwrap_err().to_string();
+        assert!(e.contains("prefill-0"), "{e}");
+    }
+
+    #[test]
+    fn bad_deployments_are_refused_with_the_reason() {
+        let cases = [
+            (
+                GOOD.replace("role = \"proxy\"", "role = \"decode\""),
+                "exactly one proxy",
+            ),
+            (
+                GOOD.replace("name = \"decode-0\"", "name = \"prefill-0\""),
+                "unique",
+            ),
+            (
+                GOOD.replace("transport = \"tcp\"", "transport = \"carrier-pigeon\""),
+                "cluster.transport",
+            ),
+            (
+                GOOD.replace("transport = \"tcp\"", "transport = \"quic\""),
+                "credentials_dir",
+            ),
+            (GOOD.replace("port = 8200", "port = 8200\nwat = 1"), "wat"),
+            (
+                GOOD.replace(
+                    "host = \"127.0.0.1\"\nport = 8200",
+                    "host = \"decode.example\"\nport = 8200",
+                ),
+                "IP address",
+            ),
+        ];
+        for (text, needle) in cases {
+            let e = Deployment::parse(&text, "test").unwrap_err().to_string();
+            assert!(e.contains(needle), "expected `{needle}` in: {e}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod shipped_configs {
+    use super::*;
+
+    #[test]
+    fn every_file_in_configs_is_a_valid_deployment() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs");
+        let mut seen = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "toml") {
+                let d =
+                    Deployment::load(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                assert!(!d.urls(NodeRole::Decode).is_empty());
+                seen += 1;
+            }
+        }
+        assert!(
+            seen >= 3,
+            "configs/ should ship single-node 1P1D, 1P2D and a multi-host example"
+        );
+    }
+}

@@ -400,3 +400,97 @@ async fn proxy_without_a_prefill_instance_answers_503() {
     proxy.stop(None);
     d.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn default_model_disaggregated_tokens_equal_colocated() {
+    let load = || load_model(&ModelSource::Default).unwrap();
+    let start = |name: &str, transfer: Option<BackendKind>| {
+        let mut o = InstanceOptions::local(name, load());
+        o.num_blocks = Some(128);
+        o.transfer = transfer.map(|b| TransferConfig::new(b, name));
+        Instance::start(o)
+    };
+    let prompts = [
+        "The capital of France is",
+        "Write a haiku about the sea.",
+        "def add(a, b):",
+        "List three colors:",
+        "Once upon a time, in a small village by the mountains, there lived",
+        "1, 2, 3, 4,",
+        "Q: What is the boiling point of water? A:",
+        "The quick brown fox",
+    ];
+    let req = |p: &str, n: usize| json!({"prompt": p, "max_tokens": 8 + n, "temperature": 0, "ignore_eos": true, "return_token_ids": true});
+    let c = start("ref-default", None).await.unwrap();
+    let mut reference = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        let (status, v) = post(&c.url(), &req(p, i)).await;
+        assert_eq!(status, 200, "{v}");
+        reference.push(ids(&v));
+    }
+    c.stop().await;
+    let p = start("p-default", Some(BackendKind::Shm)).await.unwrap();
+    let d = start("d-default", Some(BackendKind::Shm)).await.unwrap();
+    let handles: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, prompt)| {
+            let (pu, du, b) = (p.url(), d.url(), req(prompt, i));
+            tokio::spawn(async move { via_pd(&pu, &du, &b).await })
+        })
+        .collect();
+    for (i, h) in handles.into_iter().enumerate() {
+        let (status, v) = h.await.unwrap();
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(ids(&v), reference[i], "prompt {:?}", prompts[i]);
+    }
+    assert_pool_full(&p).await;
+    assert_pool_full(&d).await;
+    p.stop().await;
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_prefill_instance_fails_the_read_clearly_and_decode_keeps_serving() {
+    let p = instance(
+        "p-dies",
+        "small",
+        1,
+        Some(BackendKind::Tcp),
+        Duration::from_secs(30),
+    )
+    .await;
+    let d = instance(
+        "d-survives",
+        "small",
+        1,
+        Some(BackendKind::Tcp),
+        Duration::from_secs(30),
+    )
+    .await;
+    let mut first = body(1);
+    first["max_tokens"] = json!(1);
+    first["kv_transfer_params"] = json!({"do_remote_decode": true});
+    let (status, answer) = post(&p.url(), &first).await;
+    assert_eq!(status, 200, "{answer}");
+    // The prefill instance dies after answering, before decode reads its KV.
+    p.stop().await;
+    let mut second = body(1);
+    second["kv_transfer_params"] = answer["kv_transfer_params"].clone();
+    let started = Instant::now();
+    let (status, v) = post(&d.url(), &second).await;
+    assert_eq!(status, 502, "{v}");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("KV"),
+        "{v}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "the failure must be timely"
+    );
+    assert_pool_full(&d).await;
+    // The survivor still serves plain requests.
+    let (status, v) = post(&d.url(), &body(0)).await;
+    assert_eq!(status, 200, "{v}");
+    d.stop().await;
+}

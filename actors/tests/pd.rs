@@ -104,8 +104,11 @@ async fn via_pd(prefill: &str, decode: &str, original: &Value) -> (u16, Value) {
 }
 
 async fn colocated_reference(spec: &str, n: usize) -> Vec<Vec<u64>> {
+    // Actor names are process-wide and tests run in parallel: one name per call.
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let c = instance(
-        &format!("ref-{spec}"),
+        &format!("ref-{spec}-{call}"),
         spec,
         1,
         None,

@@ -90,7 +90,11 @@ pub(crate) fn run_pieces(
             return;
         }
         let res = remote.peer_alive().and_then(|()| {
-            let (rptr, _keep) = remote.remote_ptr(op.remote_region, op.remote_offset, op.len)?;
+            // A region that vanished because the peer died between the two checks is the
+            // peer's death, not an unknown region: report it as such.
+            let (rptr, _keep) = remote
+                .remote_ptr(op.remote_region, op.remote_offset, op.len)
+                .map_err(|e| remote.peer_alive().err().unwrap_or(e))?;
             let lptr = op.local.ptr_at(op.local_offset);
             // SAFETY: both ranges were checked (local at submit, remote just now) and their
             // memory is kept mapped by `op.local` and the peer mapping; batches never overlap

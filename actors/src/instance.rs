@@ -4,7 +4,7 @@
 use crate::http::AppState;
 use crate::scheduler::{SchedulerConfig, SchedulerMsg, SchedulerStats};
 use crate::supervisor::{InstanceArgs, InstanceSupervisor, SupervisorMsg};
-use crate::worker::WorkerArgs;
+use crate::worker::WorkerSpec;
 use pdserve_gpu::loader::LoadedModel;
 use pdserve_gpu::tp::TpOptions;
 use pdserve_gpu::weights::WeightFormat;
@@ -184,18 +184,9 @@ impl Instance {
             .unwrap_or(cfg.context_length)
             .min(cfg.context_length);
         let served = opts.served_name.unwrap_or_else(|| model.name.clone());
-        let comm_placeholder =
-            pdserve_gpu::collective::ThreadCollective::group(1, Duration::from_secs(1)).remove(0);
-        // The scheduler reference is filled in by the supervisor once it exists.
-        let (dummy, _) = Actor::spawn(None, Placeholder, ())
-            .await
-            .map_err(|e| e.to_string())?;
-        let worker = WorkerArgs {
-            rank: 0,
-            epoch: 1,
+        let worker = WorkerSpec {
             config: cfg.clone(),
             store: Arc::new(model.store),
-            comm: comm_placeholder,
             opts: TpOptions {
                 tp: opts.tp,
                 num_blocks,
@@ -203,10 +194,7 @@ impl Instance {
                 format: opts.weights,
             },
             alloc: opts.alloc,
-            scheduler: dummy.clone(),
-            panic_next: Arc::new(std::sync::atomic::AtomicBool::new(false)),
         };
-        dummy.stop(None);
         let tokenizer = model.tokenizer.clone();
         let kv = match opts.transfer {
             Some(tcfg) => {
@@ -279,23 +267,8 @@ impl Instance {
         )
         .await
         .map_err(|e| format!("instance {} failed to start: {e}", opts.name))?;
-        let scheduler = ractor::registry::where_is(format!("{}/scheduler", opts.name))
-            .map(ActorRef::<SchedulerMsg>::from)
-            .ok_or("scheduler did not register")?;
-        let addr = ractor::registry::where_is(format!("{}/http", opts.name)).map(|_| ());
-        let addr = match addr {
-            Some(()) => {
-                let http: ActorRef<crate::http::HttpMsg> =
-                    ractor::registry::where_is(format!("{}/http", opts.name))
-                        .expect("checked")
-                        .into();
-                Some(
-                    ractor::call_t!(http, crate::http::HttpMsg::LocalAddr, 5_000)
-                        .map_err(|e| e.to_string())?,
-                )
-            }
-            None => None,
-        };
+        let (scheduler, addr) = ractor::call_t!(supervisor, SupervisorMsg::Handles, 5_000)
+            .map_err(|e| e.to_string())?;
         Ok(Self {
             supervisor,
             join,
@@ -389,21 +362,5 @@ impl Instance {
     /// Resolves when the supervision tree has stopped by itself (an escalated failure).
     pub async fn stopped(&mut self) {
         let _ = (&mut self.join).await;
-    }
-}
-
-/// Stands in for the scheduler while the worker template is built.
-struct Placeholder;
-
-impl Actor for Placeholder {
-    type Msg = SchedulerMsg;
-    type State = ();
-    type Arguments = ();
-    async fn pre_start(
-        &self,
-        _m: ActorRef<Self::Msg>,
-        _a: (),
-    ) -> Result<(), ractor::ActorProcessingErr> {
-        Ok(())
     }
 }

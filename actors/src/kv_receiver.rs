@@ -230,13 +230,15 @@ impl KvContext {
         )
         .map_err(|e| e.to_string())?;
         let session = self.session(&theirs.transfer_addr).await?;
-        if session.remote_regions().is_empty()
-            || ops.iter().any(|op| {
-                !session
-                    .remote_regions()
-                    .iter()
-                    .any(|r| r.id == op.remote_region)
-            })
+        // The session's view of the peer's regions is refreshed only when the peer published
+        // regions it does not know yet (a restarted peer worker re-registers its cache).
+        let known: std::collections::HashSet<u64> =
+            session.remote_regions().iter().map(|r| r.id).collect();
+        if theirs
+            .ranks
+            .iter()
+            .flat_map(|r| &r.regions)
+            .any(|id| !known.contains(id))
         {
             session.refresh_regions().await.map_err(|e| e.to_string())?;
         }

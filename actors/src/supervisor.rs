@@ -10,7 +10,7 @@
 
 use crate::http::{AppState, HttpArgs, HttpFrontend, HttpMsg};
 use crate::scheduler::{Scheduler, SchedulerArgs, SchedulerConfig, SchedulerMsg, SchedulerStats};
-use crate::worker::{TpWorker, WorkerArgs};
+use crate::worker::{TpWorker, WorkerArgs, WorkerSpec};
 use pdserve_gpu::collective::ThreadCollective;
 use pdserve_runtime::supervision::{
     ActorSnapshot, ActorState, RestartDecision, RestartPolicy, RestartTracker,
@@ -27,6 +27,8 @@ pub enum SupervisorMsg {
     InjectWorkerPanic(usize),
     /// The live tree of this instance.
     Snapshot(RpcReplyPort<ActorSnapshot>),
+    /// The Scheduler (for in-process clients) and where the HTTP frontend listens.
+    Handles(RpcReplyPort<(ActorRef<SchedulerMsg>, Option<SocketAddr>)>),
 }
 
 /// Builds the HTTP handlers' shared state once the Scheduler exists.
@@ -36,8 +38,8 @@ pub type AppStateFactory = Box<dyn FnOnce(ActorRef<SchedulerMsg>) -> AppState + 
 pub struct InstanceArgs {
     /// Instance name (prefix of its actors' registered names).
     pub name: String,
-    /// Worker template (rank, epoch and comm are filled in per rank).
-    pub worker: WorkerArgs,
+    /// What every rank is built from.
+    pub worker: WorkerSpec,
     /// Scheduler limits.
     pub scheduler: SchedulerConfig,
     /// Tokenizer for the scheduler's streaming text.
@@ -64,7 +66,7 @@ struct Child {
 pub struct SupervisorState {
     name: String,
     scheduler: ActorRef<SchedulerMsg>,
-    worker_template: WorkerArgs,
+    worker_spec: WorkerSpec,
     workers: Vec<Child>,
     epochs: Vec<u64>,
     trackers: Vec<RestartTracker>,
@@ -73,8 +75,7 @@ pub struct SupervisorState {
     others: Vec<Child>,
     kv: Option<Arc<crate::kv_receiver::KvContext>>,
     started: Instant,
-    /// Where the HTTP frontend listens (when it has one).
-    pub addr: Option<SocketAddr>,
+    addr: Option<SocketAddr>,
 }
 
 /// The InstanceSupervisor actor.
@@ -90,14 +91,18 @@ async fn spawn_worker(
     rank: usize,
     myself: &ActorRef<SupervisorMsg>,
 ) -> Result<Child, ActorProcessingErr> {
-    let mut args = st.worker_template.clone();
-    args.rank = rank;
-    args.epoch = st.epochs[rank];
-    args.comm = st.comms[rank].clone();
-    args.panic_next = st.panic_flags[rank].clone();
+    let mut spec = st.worker_spec.clone();
     if let Some(kv) = &st.kv {
-        args.alloc = kv.registry.allocator_for(rank);
+        spec.alloc = kv.registry.allocator_for(rank);
     }
+    let args = WorkerArgs {
+        rank,
+        epoch: st.epochs[rank],
+        spec,
+        comm: st.comms[rank].clone(),
+        scheduler: st.scheduler.clone(),
+        panic_next: st.panic_flags[rank].clone(),
+    };
     let name = worker_name(&st.name, rank);
     let (w, _) = Actor::spawn_linked(Some(name.clone()), TpWorker, args, myself.get_cell()).await?;
     Ok(Child {
@@ -171,12 +176,10 @@ impl Actor for InstanceSupervisor {
                 last_error: None,
             },
         );
-        let mut template = args.worker;
-        template.scheduler = scheduler.clone();
         let mut st = SupervisorState {
             name: args.name.clone(),
             scheduler: scheduler.clone(),
-            worker_template: template,
+            worker_spec: args.worker,
             workers: Vec::new(),
             epochs: vec![1; tp],
             trackers: (0..tp)
@@ -226,6 +229,11 @@ impl Actor for InstanceSupervisor {
             SupervisorMsg::InjectWorkerPanic(rank) => {
                 if let Some(flag) = st.panic_flags.get(rank) {
                     flag.store(true, std::sync::atomic::Ordering::SeqCst);
+                }
+            }
+            SupervisorMsg::Handles(reply) => {
+                if !reply.is_closed() {
+                    let _ = reply.send((st.scheduler.clone(), st.addr));
                 }
             }
             SupervisorMsg::Snapshot(reply) => {

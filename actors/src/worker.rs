@@ -34,23 +34,30 @@ pub enum WorkerMsg {
     InjectPanic,
 }
 
-/// Everything a worker needs to (re)build its rank.
+/// What every rank of an instance is built from (shared by ranks and restarts).
+#[derive(Clone)]
+pub struct WorkerSpec {
+    /// Model shape.
+    pub config: ModelConfig,
+    /// All weights (each rank cuts its own shard).
+    pub store: Arc<TensorStore>,
+    /// TP degree, pool size, block size, weight format.
+    pub opts: TpOptions,
+    /// Where KV regions come from.
+    pub alloc: Arc<dyn HostMemoryAllocator>,
+}
+
+/// Everything one incarnation of one rank's worker needs.
 #[derive(Clone)]
 pub struct WorkerArgs {
     /// Rank index.
     pub rank: usize,
     /// Epoch of this incarnation.
     pub epoch: u64,
-    /// Model shape.
-    pub config: ModelConfig,
-    /// All weights (shared by ranks and restarts; each cuts its own shard).
-    pub store: Arc<TensorStore>,
+    /// The instance-wide part.
+    pub spec: WorkerSpec,
     /// This rank's end of the group's collective.
     pub comm: ThreadCollective,
-    /// TP degree, pool size, block size, weight format.
-    pub opts: TpOptions,
-    /// Where KV regions come from.
-    pub alloc: Arc<dyn HostMemoryAllocator>,
     /// Where step reports go.
     pub scheduler: ActorRef<SchedulerMsg>,
     /// Shared "panic on next step" switches, set through the fault hook.
@@ -81,11 +88,11 @@ impl Actor for TpWorker {
         let a = args.clone();
         let executor = tokio::task::spawn_blocking(move || {
             RankExecutor::spawn(
-                &a.config,
-                &a.store,
+                &a.spec.config,
+                &a.spec.store,
                 a.comm.clone(),
-                &a.opts,
-                a.alloc.as_ref(),
+                &a.spec.opts,
+                a.spec.alloc.as_ref(),
             )
         })
         .await??;

@@ -6,11 +6,12 @@
 
 use crate::chat::{ChatMessage, ChatTemplate};
 use crate::config::ModelConfig;
+use crate::generation::{Generation, TokenOutcome};
 use crate::kv::{BlockAllocator, DEFAULT_BLOCK_SIZE};
 use crate::loader::LoadedModel;
 use crate::model::{Batch, SeqChunk};
-use crate::sampling::{FinishReason, Sampler, SamplingParams, StopChecker, StopDecision};
-use crate::tokenizer::{DecodeStream, Tokenizer};
+use crate::sampling::{FinishReason, SamplingParams};
+use crate::tokenizer::Tokenizer;
 use crate::tp::{TpGroup, TpOptions};
 use crate::weights::WeightFormat;
 use crate::{ModelError, Result};
@@ -69,20 +70,17 @@ pub struct GenOutput {
 
 struct Seq {
     prompt: Vec<u32>,
-    output: Vec<u32>,
+    gen: Generation,
     blocks: Vec<u32>,
     /// Tokens already in the cache.
     computed: usize,
-    sampler: Sampler,
-    stop: StopChecker,
-    decode: DecodeStream,
     text: String,
     finish: Option<FinishReason>,
 }
 
 impl Seq {
     fn all_tokens(&self) -> usize {
-        self.prompt.len() + self.output.len()
+        self.prompt.len() + self.gen.output().len()
     }
 }
 
@@ -197,12 +195,9 @@ impl Engine {
             }
             seqs.push(Seq {
                 prompt: r.prompt.clone(),
-                output: Vec::new(),
+                gen: Generation::new(&r.params, &self.tokenizer),
                 blocks: Vec::new(),
                 computed: 0,
-                sampler: Sampler::new(&r.params),
-                stop: StopChecker::new(&r.params, self.tokenizer.eos_ids()),
-                decode: self.tokenizer.decode_stream(true),
                 text: String::new(),
                 finish: if r.params.max_tokens == 0 {
                     Some(FinishReason::Length)
@@ -219,7 +214,7 @@ impl Engine {
         Ok(seqs
             .into_iter()
             .map(|s| GenOutput {
-                tokens: s.output,
+                tokens: s.gen.into_output(),
                 text: s.text,
                 finish: s.finish.unwrap_or(FinishReason::Length),
             })
@@ -245,7 +240,7 @@ impl Engine {
                     break;
                 }
                 let s = &mut seqs[i];
-                let all: Vec<u32> = s.prompt.iter().chain(&s.output).copied().collect();
+                let all: Vec<u32> = s.prompt.iter().chain(s.gen.output()).copied().collect();
                 let remaining = s.all_tokens() - s.computed;
                 let n = remaining.min(budget);
                 let end = s.computed + n;
@@ -274,21 +269,13 @@ impl Engine {
                 let mut l = next_logits.next().ok_or_else(|| {
                     ModelError::InvalidBatch("forward returned fewer logits than asked".into())
                 })?;
-                let tok = s.sampler.sample(&mut l, &s.prompt, &s.output);
-                s.output.push(tok);
-                let piece = s.decode.step(tok)?.unwrap_or_default();
-                let emitted = match s.stop.push(tok, &piece) {
-                    StopDecision::Continue { text_to_emit } => text_to_emit,
-                    StopDecision::Stop {
-                        reason,
-                        mut text_to_emit,
-                    } => {
-                        if matches!(reason, crate::sampling::StopReason::Length) {
-                            text_to_emit.push_str(&s.decode.flush()?);
-                        }
-                        s.finish = Some(reason.finish_reason());
+                let tok = s.gen.sample(&mut l, &s.prompt);
+                let emitted = match s.gen.accept(tok)? {
+                    TokenOutcome::Continue { text } => text,
+                    TokenOutcome::Finished { reason, text } => {
+                        s.finish = Some(reason);
                         self.blocks.free(&std::mem::take(&mut s.blocks));
-                        text_to_emit
+                        text
                     }
                 };
                 if !emitted.is_empty() {

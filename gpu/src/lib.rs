@@ -19,6 +19,7 @@ pub mod bench;
 pub mod collective;
 pub mod config;
 pub mod engine;
+pub mod generation;
 pub mod kv;
 pub mod loader;
 pub mod model;

@@ -4,11 +4,10 @@
 
 use crate::block_manager::{BlockAllocation, BlockManager};
 use crate::error::RequestError;
+use pdserve_gpu::generation::{Generation, TokenOutcome};
 use pdserve_gpu::model::{Batch, SeqChunk};
-use pdserve_gpu::sampling::{
-    FinishReason, Sampler, SamplingParams, StopChecker, StopDecision, StopReason,
-};
-use pdserve_gpu::tokenizer::{DecodeStream, Tokenizer};
+use pdserve_gpu::sampling::{FinishReason, SamplingParams};
+use pdserve_gpu::tokenizer::Tokenizer;
 use pdserve_runtime::ids::{RequestId, TransferId};
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -128,17 +127,14 @@ struct Seq {
     hold_for: Option<TransferId>,
     state: RequestState,
     prompt: Vec<u32>,
-    output: Vec<u32>,
-    sampler: Sampler,
-    stop: StopChecker,
-    decode: DecodeStream,
+    gen: Generation,
     blocks: BlockAllocation,
     computed: usize,
 }
 
 impl Seq {
     fn len(&self) -> usize {
-        self.prompt.len() + self.output.len()
+        self.prompt.len() + self.gen.output().len()
     }
 }
 
@@ -227,11 +223,8 @@ impl SchedulerCore {
         let seq = Seq {
             hold_for: req.hold_for,
             state: RequestState::Waiting,
-            sampler: Sampler::new(&req.params),
-            stop: StopChecker::new(&req.params, self.tokenizer.eos_ids()),
-            decode: self.tokenizer.decode_stream(true),
+            gen: Generation::new(&req.params, &self.tokenizer),
             prompt: req.prompt,
-            output: Vec::new(),
             blocks: self.blocks.empty(),
             computed: 0,
         };
@@ -448,7 +441,7 @@ impl SchedulerCore {
             let tokens: Vec<u32> = s
                 .prompt
                 .iter()
-                .chain(&s.output)
+                .chain(s.gen.output())
                 .skip(s.computed)
                 .take(n)
                 .copied()
@@ -500,7 +493,7 @@ impl SchedulerCore {
                 self.abort(id);
                 continue;
             };
-            let token = s.sampler.sample(&mut row, &s.prompt, &s.output);
+            let token = s.gen.sample(&mut row, &s.prompt);
             out.extend(self.accept_token(id, token));
         }
         out
@@ -511,31 +504,17 @@ impl SchedulerCore {
         let Some(s) = self.seqs.get_mut(&id) else {
             return Vec::new();
         };
-        s.output.push(token);
-        let piece = match s.decode.step(token) {
-            Ok(p) => p.unwrap_or_default(),
+        match s.gen.accept(token) {
             Err(e) => {
                 self.abort(id);
-                return vec![Output::Failed {
+                vec![Output::Failed {
                     id,
                     error: RequestError::Internal(e.to_string()),
-                }];
+                }]
             }
-        };
-        match s.stop.push(token, &piece) {
-            StopDecision::Continue { text_to_emit } => vec![Output::Token {
-                id,
-                token,
-                text: text_to_emit,
-            }],
-            StopDecision::Stop {
-                reason,
-                mut text_to_emit,
-            } => {
-                if matches!(reason, StopReason::Length) {
-                    text_to_emit.push_str(&s.decode.flush().unwrap_or_default());
-                }
-                let (prompt_tokens, completion_tokens) = (s.prompt.len(), s.output.len());
+            Ok(TokenOutcome::Continue { text }) => vec![Output::Token { id, token, text }],
+            Ok(TokenOutcome::Finished { reason, text }) => {
+                let (prompt_tokens, completion_tokens) = (s.prompt.len(), s.gen.output().len());
                 let held_blocks = s.hold_for.map(|transfer| {
                     let blocks = std::mem::replace(&mut s.blocks, self.blocks.empty());
                     let ids = blocks.blocks().to_vec();
@@ -552,8 +531,8 @@ impl SchedulerCore {
                     },
                     Output::Finished {
                         id,
-                        reason: reason.finish_reason(),
-                        text: text_to_emit,
+                        reason,
+                        text,
                         prompt_tokens,
                         completion_tokens,
                         held_blocks,

@@ -4,11 +4,18 @@
 //! child (SIGTERM, then SIGKILL after a grace period); children also get SIGTERM if the
 //! launcher itself dies (`PR_SET_PDEATHSIG`), so none is left behind.
 //! `--in-process` runs every actor in this process over the `local` transport instead.
+//!
+//! The launcher makes ephemeral cluster credentials in a private temporary directory (removed
+//! when it exits): the proxy gets a control-plane address, every instance registers there and
+//! heartbeats (registration is what keeps routing alive; no static URL list is given), and
+//! the launcher prints `inspect: pdserve inspect ADDR --credentials-dir DIR` on the line after
+//! the proxy URL (it also writes ADDR to `DIR/proxy-control-addr`).
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use pdserve_runtime::supervision::{RestartDecision, RestartPolicy, RestartTracker};
-use std::net::{SocketAddr, TcpListener};
+use std::net::{SocketAddr, TcpListener, UdpSocket};
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 use tokio::process::{Child, Command};
@@ -33,10 +40,13 @@ pub struct LaunchArgs {
     /// Tensor-parallel ranks per instance.
     #[arg(long, default_value_t = 1)]
     tp: usize,
-    /// KV transport between instances: shm, tcp (quic needs `pdserve cluster init`).
+    /// KV transport between instances: shm, tcp or quic (mutual TLS with the launcher's
+    /// ephemeral cluster credentials).
     #[arg(long, default_value = "shm")]
     transport: String,
-    /// KV transfer mode. Only `pull` (vLLM NIXL style) exists so far.
+    /// KV transfer mode: `pull` (prefill holds the blocks, decode reads them; vLLM NIXL
+    /// style) or `push` (decode sends its blocks, prefill writes each layer as it is
+    /// computed; Mooncake/SGLang style).
     #[arg(long, default_value = "pull")]
     mode: String,
     /// Proxy address.
@@ -55,6 +65,67 @@ pub struct LaunchArgs {
 
 fn free_port() -> Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// A free UDP port on 127.0.0.1 (the control plane is QUIC).
+fn free_udp_port() -> Result<u16> {
+    Ok(UdpSocket::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// Name of the cluster `pdserve launch` creates.
+const LAUNCH_CLUSTER: &str = "pdserve-launch";
+
+/// Ephemeral cluster credentials for one launch: a CA and member certificates for every node
+/// (and for `inspect`) in a private temporary directory, removed when this is dropped.
+struct LaunchCredentials {
+    dir: PathBuf,
+}
+
+impl LaunchCredentials {
+    fn create(members: &[String]) -> Result<Self> {
+        use std::os::unix::fs::DirBuilderExt;
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        let dir =
+            std::env::temp_dir().join(format!("pdserve-launch-{}-{nanos:09}", std::process::id()));
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&dir)
+            .with_context(|| format!("creating {}", dir.display()))?;
+        let creds = Self { dir };
+        pdserve_transport::control::tls::init_cluster(&creds.dir, LAUNCH_CLUSTER)?;
+        for m in members.iter().map(String::as_str).chain(["inspect"]) {
+            pdserve_transport::control::tls::issue_member(&creds.dir, m)?;
+        }
+        Ok(creds)
+    }
+
+    fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Records the proxy's control address for `pdserve inspect` without ADDR, and prints
+    /// the inspect command.
+    fn announce(&self, control: SocketAddr) -> Result<()> {
+        std::fs::write(
+            self.dir.join(crate::inspect::PROXY_ADDR_FILE),
+            format!("{control}\n"),
+        )?;
+        println!(
+            "inspect: pdserve inspect {control} --credentials-dir {}",
+            self.dir.display()
+        );
+        Ok(())
+    }
+}
+
+impl Drop for LaunchCredentials {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::remove_dir_all(&self.dir) {
+            eprintln!("pdserve launch: cannot remove {}: {e}", self.dir.display());
+        }
+    }
 }
 
 struct Member {
@@ -136,12 +207,8 @@ async fn stop_all(members: &mut [Member]) {
 /// # Errors
 /// Start-up failures, or a child that keeps crashing.
 pub fn run(args: LaunchArgs) -> Result<()> {
-    if args.mode != "pull" {
-        bail!(
-            "--mode {}: only `pull` is implemented so far (push arrives with layerwise transfer)",
-            args.mode
-        );
-    }
+    let mode: pdserve_actors::kv_receiver::TransferMode =
+        args.mode.parse().map_err(anyhow::Error::msg)?;
     if args.prefill == 0 || args.decode == 0 {
         bail!("a cluster needs at least one prefill and one decode instance");
     }
@@ -155,22 +222,30 @@ pub fn run(args: LaunchArgs) -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
+    let names: Vec<String> = [("prefill", args.prefill), ("decode", args.decode)]
+        .iter()
+        .flat_map(|&(role, n)| (0..n).map(move |i| format!("{role}-{i}")))
+        .chain(["proxy".to_string()])
+        .collect();
+    let creds = LaunchCredentials::create(&names).context("creating cluster credentials")?;
     if args.in_process {
-        return rt.block_on(run_in_process(args, threads));
+        return rt.block_on(run_in_process(args, threads, &creds));
     }
     rt.block_on(async move {
         let proxy_port = if args.port == 0 { free_port()? } else { args.port };
+        // Instances register with the proxy here; registration is what routes to them.
+        let control = SocketAddr::from(([127, 0, 0, 1], free_udp_port()?));
+        let dir = creds.dir().display().to_string();
         let mut members = Vec::new();
-        let mut urls = (Vec::new(), Vec::new());
         for (role, count) in [("prefill", args.prefill), ("decode", args.decode)] {
             for i in 0..count {
                 let port = free_port()?;
                 let name = format!("{role}-{i}");
-                let url = format!("http://127.0.0.1:{port}");
-                if role == "prefill" { urls.0.push(url) } else { urls.1.push(url) }
                 let a: Vec<String> = [
                     "serve", "--role", role, "--name", &name, "--model", &args.model, "--port", &port.to_string(),
                     "--tp", &args.tp.to_string(), "--transfer", &args.transport, "--threads", &threads.to_string(),
+                    "--credentials-dir", &dir, "--control-proxy", &control.to_string(),
+                    "--transfer-mode", mode.as_str(),
                 ]
                 .iter()
                 .map(|s| s.to_string())
@@ -178,13 +253,13 @@ pub fn run(args: LaunchArgs) -> Result<()> {
                 members.push(Member { name, args: a, child: None, tracker: RestartTracker::new(RestartPolicy::default()) });
             }
         }
-        let mut proxy_args = vec!["proxy".to_string(), "--host".into(), args.host.clone(), "--port".into(), proxy_port.to_string()];
-        for u in &urls.0 {
-            proxy_args.extend(["--prefill".to_string(), u.clone()]);
-        }
-        for u in &urls.1 {
-            proxy_args.extend(["--decode".to_string(), u.clone()]);
-        }
+        let proxy_args: Vec<String> = [
+            "proxy", "--host", &args.host, "--port", &proxy_port.to_string(),
+            "--credentials-dir", &dir, "--node", "proxy", "--control-listen", &control.to_string(),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
         members.push(Member { name: "proxy".into(), args: proxy_args, child: None, tracker: RestartTracker::new(RestartPolicy::default()) });
         for m in &mut members {
             m.child = Some(spawn(&m.args).with_context(|| format!("starting {}", m.name))?);
@@ -195,6 +270,7 @@ pub fn run(args: LaunchArgs) -> Result<()> {
             return Err(e);
         }
         println!("{proxy_url}");
+        creds.announce(control)?;
         eprintln!(
             "pdserve launch: {} prefill + {} decode instance(s) of `{}` over {}, proxy at {proxy_url} (Ctrl-C stops)",
             args.prefill, args.decode, args.model, args.transport
@@ -233,14 +309,40 @@ pub fn run(args: LaunchArgs) -> Result<()> {
     })
 }
 
-async fn run_in_process(args: LaunchArgs, threads: usize) -> Result<()> {
+async fn run_in_process(args: LaunchArgs, threads: usize, creds: &LaunchCredentials) -> Result<()> {
+    use pdserve_actors::control_plane::InstanceControl;
     use pdserve_actors::{Instance, InstanceOptions};
     use pdserve_gpu::loader::{load_model, ModelSource};
+    use pdserve_runtime::config::InstanceRole;
+    use pdserve_transport::control::tls::MemberCredentials;
     crate::set_threads(Some(threads));
     let source: ModelSource = args.model.parse().expect("infallible");
+    // The proxy first: instances register with its control plane as they come up.
+    let bind: SocketAddr = format!("{}:{}", args.host, args.port).parse()?;
+    let pargs = pdserve_actors::proxy::ProxyArgs {
+        bind,
+        prefill: Vec::new(),
+        decode: Vec::new(),
+        timeout: Duration::from_secs(600),
+        max_prefill_queue: None,
+    };
+    let control = pdserve_actors::proxy::ProxyControlArgs::new(
+        MemberCredentials::load(creds.dir(), "proxy")?,
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+    );
+    let (proxy, addr, _join) =
+        pdserve_actors::proxy::start_proxy_with_control("proxy", pargs, Some(control))
+            .await
+            .map_err(anyhow::Error::msg)?;
+    let control_addr = pdserve_actors::proxy::proxy_control_addr(&proxy)
+        .await
+        .map_err(anyhow::Error::msg)?
+        .context("the proxy started without its control plane")?;
     let mut instances = Vec::new();
-    let (mut prefill, mut decode) = (Vec::new(), Vec::new());
-    for (role, count) in [("prefill", args.prefill), ("decode", args.decode)] {
+    for (role, count) in [
+        (InstanceRole::Prefill, args.prefill),
+        (InstanceRole::Decode, args.decode),
+    ] {
         for i in 0..count {
             let model = tokio::task::block_in_place(|| load_model(&source))?;
             let name = format!("{role}-{i}");
@@ -252,26 +354,23 @@ async fn run_in_process(args: LaunchArgs, threads: usize) -> Result<()> {
                 pdserve_transport::BackendKind::Local,
                 name.clone(),
             ));
+            let mut ctl = InstanceControl::new(MemberCredentials::load(creds.dir(), &name)?, role);
+            ctl.proxy = Some(control_addr);
+            o.control = Some(ctl);
             let inst = Instance::start(o).await.map_err(anyhow::Error::msg)?;
-            if role == "prefill" {
-                prefill.push(inst.url())
-            } else {
-                decode.push(inst.url())
-            }
             instances.push(inst);
         }
     }
-    let bind: SocketAddr = format!("{}:{}", args.host, args.port).parse()?;
-    let pargs = pdserve_actors::proxy::ProxyArgs {
-        bind,
-        prefill,
-        decode,
-        timeout: Duration::from_secs(600),
-    };
-    let (proxy, addr, _join) = pdserve_actors::proxy::start_proxy("proxy", pargs)
-        .await
-        .map_err(anyhow::Error::msg)?;
-    println!("http://{addr}");
+    let url = format!("http://{addr}");
+    if let Err(e) = wait_ready(&url, &mut []).await {
+        proxy.stop(None);
+        for i in instances {
+            i.stop().await;
+        }
+        return Err(e);
+    }
+    println!("{url}");
+    creds.announce(control_addr)?;
     eprintln!(
         "pdserve launch --in-process: {} instance(s), proxy at http://{addr} (Ctrl-C stops)",
         instances.len()

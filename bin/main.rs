@@ -10,6 +10,7 @@ use pdserve_gpu::weights::WeightFormat;
 use std::io::Write;
 
 mod bench_serve;
+mod inspect;
 mod launch;
 
 /// Environment variables that size the compute thread pools (candle and rayon read them once).
@@ -35,7 +36,7 @@ enum Command {
     Launch(launch::LaunchArgs),
     /// Serve a model over an OpenAI-compatible HTTP API (one instance; role colocated,
     /// prefill or decode).
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// The P/D front door: routes each request through a prefill and a decode instance.
     Proxy(ProxyArgs),
     /// Generate text from a prompt, streaming it to stdout.
@@ -49,6 +50,8 @@ enum Command {
     /// Cluster credentials for the control plane.
     #[command(subcommand)]
     Cluster(ClusterCommand),
+    /// The live supervision tree of a cluster (via its proxy) or of one instance.
+    Inspect(inspect::InspectArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -185,6 +188,12 @@ struct ServeArgs {
     /// `transfer.backend` for prefill/decode: local, shm, tcp, quic, rdma.
     #[arg(long)]
     transfer: Option<String>,
+    /// `transfer.mode` (decode): how a prompt's KV is fetched — pull or push.
+    #[arg(long)]
+    transfer_mode: Option<String>,
+    /// `transfer.min_remote_prompt_tokens` (decode): shorter prompts are prefilled locally.
+    #[arg(long)]
+    min_remote_prompt_tokens: Option<usize>,
     /// `instance.name`.
     #[arg(long)]
     name: Option<String>,
@@ -203,6 +212,16 @@ struct ServeArgs {
     /// `logging.format`: human or json.
     #[arg(long)]
     log_format: Option<String>,
+    /// `transfer.credentials_dir`: cluster credentials (quic transfers, the control plane).
+    #[arg(long)]
+    credentials_dir: Option<String>,
+    /// `control.listen`: the control endpoint's IP:port (needs --credentials-dir).
+    #[arg(long)]
+    control_listen: Option<String>,
+    /// `control.proxy`: register with the proxy at this control address (needs
+    /// --credentials-dir).
+    #[arg(long)]
+    control_proxy: Option<String>,
     /// Compute threads (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
@@ -225,6 +244,20 @@ struct ProxyArgs {
     /// Bound on each upstream call, in seconds.
     #[arg(long, default_value_t = 600)]
     timeout_s: u64,
+    /// Conditional disaggregation: when the least-loaded prefill instance has more requests
+    /// queued or running than this, the decode instance prefills the request itself.
+    #[arg(long)]
+    max_prefill_queue: Option<usize>,
+    /// Cluster credentials directory: enables the control plane, where instances register
+    /// and `pdserve inspect` connects.
+    #[arg(long)]
+    credentials_dir: Option<std::path::PathBuf>,
+    /// Member name of this proxy in the credentials directory.
+    #[arg(long, default_value = "proxy")]
+    node: String,
+    /// Control-plane listen address (UDP; port 0 picks one).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    control_listen: String,
 }
 
 #[derive(Args, Debug)]
@@ -273,16 +306,44 @@ fn proxy(args: ProxyArgs) -> Result<()> {
         prefill: args.prefill,
         decode: args.decode,
         timeout: std::time::Duration::from_secs(args.timeout_s),
+        max_prefill_queue: args.max_prefill_queue,
+    };
+    let control = match &args.credentials_dir {
+        Some(dir) => {
+            let creds = pdserve_transport::control::tls::MemberCredentials::load(dir, &args.node)
+                .with_context(|| {
+                format!(
+                    "--credentials-dir {}: member credentials `{}` (pdserve cluster issue {} {})",
+                    dir.display(),
+                    args.node,
+                    dir.display(),
+                    args.node
+                )
+            })?;
+            let listen: std::net::SocketAddr = args
+                .control_listen
+                .parse()
+                .with_context(|| format!("--control-listen {}", args.control_listen))?;
+            Some(pdserve_actors::proxy::ProxyControlArgs::new(creds, listen))
+        }
+        None => None,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
     rt.block_on(async move {
-        let (proxy, addr, join) = pdserve_actors::proxy::start_proxy("proxy", pargs)
-            .await
-            .map_err(anyhow::Error::msg)?;
+        let (proxy, addr, join) =
+            pdserve_actors::proxy::start_proxy_with_control("proxy", pargs, control)
+                .await
+                .map_err(anyhow::Error::msg)?;
         println!("pdserve proxy: http://{addr}");
+        if let Some(control) = pdserve_actors::proxy::proxy_control_addr(&proxy)
+            .await
+            .map_err(anyhow::Error::msg)?
+        {
+            println!("pdserve proxy: control plane at {control}");
+        }
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {}
@@ -305,7 +366,7 @@ pub(crate) fn set_threads(threads: Option<usize>) -> usize {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Serve(args) => serve(args, cli.log),
+        Command::Serve(args) => serve(*args, cli.log),
         Command::Launch(args) => launch::run(args),
         Command::Proxy(args) => proxy(args),
         Command::Generate(args) => generate(args),
@@ -317,6 +378,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(BenchCommand::Model(args)) => bench_model(args),
         Command::Bench(BenchCommand::Serve(args)) => bench_serve::run(*args),
         Command::Bench(BenchCommand::Transfer(args)) => bench_transfer(args),
+        Command::Inspect(args) => inspect::run(args),
         Command::Cluster(ClusterCommand::Init { dir, name, nodes }) => {
             pdserve_transport::control::tls::init_cluster(&dir, &name)?;
             println!("cluster `{name}`: CA written to {}", dir.display());
@@ -482,6 +544,10 @@ fn serve_node(args: ServeArgs, node_name: &str, log: Option<String>) -> Result<(
             host: node.host.clone(),
             port: node.port,
             timeout_s: 600,
+            max_prefill_queue: deployment.cluster.max_prefill_queue,
+            credentials_dir: deployment.cluster.credentials_dir.as_ref().map(Into::into),
+            node: node.name.clone(),
+            control_listen: format!("{}:{}", node.host, node.control_port.unwrap_or(0)),
         });
     }
     let mut flags = deployment.instance_flags(&node);
@@ -525,6 +591,11 @@ fn serve(args: ServeArgs, log: Option<String>) -> Result<()> {
         log_filter: log,
         log_format: parse_flag("log-format", args.log_format)?,
         transfer: args.transfer,
+        credentials_dir: args.credentials_dir,
+        control_listen: args.control_listen,
+        control_proxy: args.control_proxy,
+        transfer_mode: args.transfer_mode,
+        min_remote_prompt_tokens: args.min_remote_prompt_tokens,
         ..ServeFlags::default()
     };
     let cfg = ServeConfig::load(args.config.as_deref(), flags)?;
@@ -544,6 +615,9 @@ fn run_instance(cfg: pdserve_runtime::config::ServeConfig, threads: Option<usize
     rt.block_on(async move {
         let mut instance = pdserve_actors::Instance::start(opts).await.map_err(anyhow::Error::msg)?;
         println!("pdserve: serving `{}` at {}", instance.model_name(), instance.url());
+        if let Some(control) = instance.control_plane() {
+            println!("pdserve: control plane at {}", control.local_addr());
+        }
         tracing::info!(url = %instance.url(), "ready");
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         tokio::select! {

@@ -110,3 +110,138 @@ fn launch_serves_a_streamed_chat_and_stops_cleanly_on_sigterm() {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+/// Runs `pdserve inspect ARGS...` (bounded by its own `--timeout`); returns (success, stdout,
+/// stderr).
+fn inspect(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_pdserve"))
+        .arg("inspect")
+        .args(args)
+        .args(["--timeout", "5"])
+        .env("NO_COLOR", "1")
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn inspect_lists_the_proxy_and_every_launched_instance() {
+    let tag = format!("PDSERVE_TEST_LAUNCH_INSPECT_TAG={}", std::process::id());
+    let (key, value) = tag.split_once('=').unwrap();
+    let mut launcher = Command::new(env!("CARGO_BIN_EXE_pdserve"))
+        .args([
+            "launch",
+            "--model",
+            "synthetic:tiny",
+            "--port",
+            "0",
+            "--threads",
+            "1",
+        ])
+        .env(key, value)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    // Stops the launcher however this test ends.
+    struct Stop(u32);
+    impl Drop for Stop {
+        fn drop(&mut self) {
+            // SAFETY: signalling our own child.
+            unsafe {
+                libc::kill(self.0 as i32, libc::SIGTERM);
+            }
+        }
+    }
+    let _stop = Stop(launcher.id());
+    let mut lines = BufReader::new(launcher.stdout.take().unwrap()).lines();
+    let url = lines.next().expect("launcher printed nothing").unwrap();
+    assert!(url.starts_with("http://127.0.0.1:"), "{url}");
+    let line = lines.next().expect("no inspect line").unwrap();
+    // `inspect: pdserve inspect ADDR --credentials-dir DIR`
+    let words: Vec<&str> = line.split_whitespace().collect();
+    assert_eq!(&words[..3], ["inspect:", "pdserve", "inspect"], "{line}");
+    assert_eq!(words[4], "--credentials-dir", "{line}");
+    let (addr, dir) = (words[3].to_string(), words[5].to_string());
+    assert!(std::path::Path::new(&dir).join("ca.crt").exists(), "{dir}");
+
+    let (ok, out, err) = inspect(&[&addr, "--credentials-dir", &dir, "--json"]);
+    assert!(ok, "inspect failed: {err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["proxy"]["node"], "proxy", "{v}");
+    assert_eq!(v["proxy"]["url"], url.as_str(), "{v}");
+    assert_eq!(v["proxy"]["actors"]["kind"], "Proxy", "{v}");
+    let instances = v["instances"].as_array().unwrap();
+    let mut nodes: Vec<&str> = instances
+        .iter()
+        .map(|m| m["node"].as_str().unwrap())
+        .collect();
+    nodes.sort_unstable();
+    assert_eq!(nodes, ["decode-0", "prefill-0"], "{v}");
+    for m in instances {
+        assert_eq!(m["routable"], true, "{m}");
+        let snap = &m["snapshot"];
+        assert_eq!(snap["instance"], m["node"], "{m}");
+        assert_eq!(snap["actors"]["kind"], "InstanceSupervisor", "{m}");
+        let kinds: Vec<&str> = snap["actors"]["children"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["kind"].as_str().unwrap())
+            .collect();
+        for kind in ["Scheduler", "TpWorker", "HttpFrontend"] {
+            assert!(kinds.contains(&kind), "{kind} missing: {m}");
+        }
+    }
+
+    // The tree, with the address taken from the credentials directory.
+    let (ok, out, err) = inspect(&["--credentials-dir", &dir]);
+    assert!(ok, "inspect failed: {err}");
+    assert!(
+        out.starts_with("cluster pdserve-launch proxy=proxy"),
+        "{out}"
+    );
+    for needle in [
+        "prefill-0 (prefill) routable",
+        "decode-0 (decode) routable",
+        "[TpWorker] running",
+    ] {
+        assert!(out.contains(needle), "{needle} missing:\n{out}");
+    }
+    assert!(
+        !out.contains('\x1b'),
+        "no colour when stdout is not a terminal"
+    );
+
+    // Nothing listens there: a clear error and a non-zero exit.
+    let silent = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let nowhere = silent.local_addr().unwrap().to_string();
+    let (ok, _, err) = inspect(&[&nowhere, "--credentials-dir", &dir]);
+    assert!(!ok);
+    assert!(err.contains(&format!("cannot reach {nowhere}")), "{err}");
+
+    // SIGTERM: the launcher stops and removes its credentials.
+    // SAFETY: signalling our own child.
+    unsafe {
+        libc::kill(launcher.id() as i32, libc::SIGTERM);
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = launcher.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "launcher did not stop");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status}");
+    assert!(!std::path::Path::new(&dir).exists(), "{dir} left behind");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !tagged_processes(&tag).is_empty() {
+        assert!(Instant::now() < deadline, "processes left behind");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

@@ -11,6 +11,9 @@
 //! Supervised by the `InstanceSupervisor`; a failure escalates (the instance stops serving).
 
 use crate::error::RequestError;
+use crate::kv_receiver::KvSource;
+use crate::kv_sender::{KvSenderMsg, PushTarget};
+use crate::kv_transfer::KvPeerInfo;
 use crate::openai::{self, ParsedRequest, PromptInput};
 use crate::scheduler::{NewRequest, RequestEvent, SchedulerMsg};
 use axum::body::Bytes;
@@ -24,6 +27,7 @@ use futures_util::stream::{self, Stream};
 use pdserve_gpu::chat::ChatTemplate;
 use pdserve_gpu::tokenizer::Tokenizer;
 use pdserve_runtime::ids::RequestId;
+use pdserve_runtime::ids::TransferId;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use serde_json::{json, Value};
 use std::net::SocketAddr;
@@ -59,6 +63,8 @@ pub struct AppState {
     pub metrics: pdserve_runtime::telemetry::MetricsHandle,
     /// The KV hand-off context (instances with a transfer engine).
     pub kv: Option<Arc<crate::kv_receiver::KvContext>>,
+    /// The KvSender (instances with a transfer engine).
+    pub kv_sender: Option<ActorRef<crate::kv_sender::KvSenderMsg>>,
     /// Where this frontend listens (set once bound).
     pub addr: std::sync::OnceLock<SocketAddr>,
 }
@@ -91,6 +97,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/kv/info", get(kv_info))
         .route("/v1/load", get(load))
         .route("/v1/kv/release", post(kv_release))
+        .route("/v1/kv/renew", post(kv_renew))
+        .route("/v1/kv/abort", post(kv_abort))
+        .route("/v1/kv/prefill", post(kv_prefill))
         .with_state(state)
 }
 
@@ -152,6 +161,319 @@ async fn kv_release(State(app): State<Arc<AppState>>, body: Bytes) -> Response {
         Ok(false) => (StatusCode::GONE, Json(json!({"error": {"message": format!("transfer {transfer} is not held (released, expired, or unknown)"), "type": "lease_expired", "param": null, "code": 410}}))).into_response(),
         Err(e) => ApiError(RequestError::Internal(e.to_string())).into_response(),
     }
+}
+
+fn body_transfer_id(v: &Value) -> Option<TransferId> {
+    v.get("transfer_id")?.as_str()?.parse().ok()
+}
+
+fn no_engine() -> ApiError {
+    ApiError(RequestError::BadRequest(
+        "this instance has no KV transfer engine (role prefill or decode)".into(),
+    ))
+}
+
+/// `POST /v1/kv/renew {"transfer_ids": [...]}`: a decode instance renews the leases of the
+/// blocks held for it (batched). Answers the ids no longer held.
+async fn kv_renew(State(app): State<Arc<AppState>>, body: Bytes) -> Response {
+    let ids = serde_json::from_slice::<Value>(&body).ok().and_then(|v| {
+        v.get("transfer_ids")?
+            .as_array()?
+            .iter()
+            .map(|t| t.as_str()?.parse::<TransferId>().ok())
+            .collect::<Option<Vec<_>>>()
+    });
+    let Some(ids) = ids else {
+        return ApiError(RequestError::BadRequest(
+            "body must be {\"transfer_ids\": [\"<32 hex digits>\", ...]}".into(),
+        ))
+        .into_response();
+    };
+    match ractor::call_t!(app.scheduler, SchedulerMsg::RenewHeld, 5_000, ids.clone()) {
+        Ok(gone) => Json(json!({
+            "renewed": ids.len() - gone.len(),
+            "unknown": gone.iter().map(ToString::to_string).collect::<Vec<_>>(),
+        }))
+        .into_response(),
+        Err(e) => ApiError(RequestError::Internal(e.to_string())).into_response(),
+    }
+}
+
+/// `POST /v1/kv/abort {"transfer_id": ...}`: the decode side gave up on a hand-off. The
+/// prefill running for it is aborted, its pushes stop, blocks held for it are freed.
+async fn kv_abort(State(app): State<Arc<AppState>>, body: Bytes) -> Response {
+    let Some(transfer) = serde_json::from_slice::<Value>(&body)
+        .ok()
+        .as_ref()
+        .and_then(body_transfer_id)
+    else {
+        return ApiError(RequestError::BadRequest(
+            "body must be {\"transfer_id\": \"<32 hex digits>\"}".into(),
+        ))
+        .into_response();
+    };
+    let found = match ractor::call_t!(app.scheduler, SchedulerMsg::AbortTransfer, 5_000, transfer) {
+        Ok(found) => found,
+        Err(e) => return ApiError(RequestError::Internal(e.to_string())).into_response(),
+    };
+    // Answer only once no write of this hand-off can land any more: the decode side frees
+    // its destination blocks when it gets this answer.
+    let mut drained = true;
+    if let Some(sender) = &app.kv_sender {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let _ = sender.cast(KvSenderMsg::Cancel {
+            transfer,
+            reason: "aborted by the decode instance".into(),
+            drained: Some(tx),
+        });
+        let bound = app
+            .kv
+            .as_ref()
+            .map_or(Duration::from_secs(30), |k| k.timeout);
+        drained = matches!(tokio::time::timeout(bound, rx).await, Ok(Ok(())));
+    }
+    if !drained {
+        return ApiError(RequestError::Internal(format!(
+            "the writes of transfer {transfer} did not drain"
+        )))
+        .into_response();
+    }
+    Json(json!({"aborted": found, "drained": true})).into_response()
+}
+
+/// The body of `POST /v1/kv/prefill`.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct KvPrefillBody {
+    transfer_id: String,
+    prompt_token_ids: Vec<u32>,
+    sampling: pdserve_gpu::sampling::SamplingParams,
+    mode: String,
+    #[serde(default)]
+    target: Option<PushTargetBody>,
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PushTargetBody {
+    peer: KvPeerInfo,
+    block_ids: Vec<u32>,
+}
+
+/// Frees held blocks and stops pushes of a hand-off whose handler ends early (the decode
+/// side hung up, a timeout): nothing waits for a release that will not come.
+struct HandoffGuard {
+    transfer: TransferId,
+    scheduler: ActorRef<SchedulerMsg>,
+    sender: Option<ActorRef<KvSenderMsg>>,
+    settled: bool,
+}
+
+impl Drop for HandoffGuard {
+    fn drop(&mut self) {
+        if self.settled {
+            return;
+        }
+        if let Some(sender) = &self.sender {
+            let _ = sender.cast(KvSenderMsg::Cancel {
+                transfer: self.transfer,
+                reason: "the decode instance went away".into(),
+                drained: None,
+            });
+        }
+        let (tx, _rx) = ractor::concurrency::oneshot();
+        let _ = self
+            .scheduler
+            .cast(SchedulerMsg::AbortTransfer(self.transfer, tx.into()));
+    }
+}
+
+/// `POST /v1/kv/prefill`: a decode instance asks this (prefill) instance to run a prompt and
+/// hand its KV over. Pull: answers `{first_token_id, block_ids, kv_lease_ms}` with the blocks
+/// held under a lease. Push: `target` names the decode instance's layout and destination
+/// blocks (validated here: the handshake); each layer's blocks are written as they are
+/// computed and the answer `{first_token_id}` comes once the last write finished.
+async fn kv_prefill(State(app): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    if !authorized(&app, &headers) {
+        return unauthorized();
+    }
+    kv_prefill_inner(app, body)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn kv_prefill_inner(app: Arc<AppState>, body: Bytes) -> Result<Response, ApiError> {
+    let bad = |m: String| ApiError(RequestError::BadRequest(m));
+    let kv = app.kv.clone().ok_or_else(no_engine)?;
+    let b: KvPrefillBody =
+        serde_json::from_slice(&body).map_err(|e| bad(format!("bad /v1/kv/prefill body: {e}")))?;
+    let transfer: TransferId = b
+        .transfer_id
+        .parse()
+        .map_err(|e| bad(format!("transfer_id: {e}")))?;
+    let prompt = b.prompt_token_ids;
+    if prompt.is_empty() {
+        return Err(bad("the prompt is empty".into()));
+    }
+    if let Some(t) = prompt.iter().find(|&&t| t as usize >= app.vocab_size) {
+        return Err(bad(format!(
+            "token id {t} is outside the vocabulary of {}",
+            app.vocab_size
+        )));
+    }
+    if prompt.len() + 1 > app.max_model_len {
+        return Err(RequestError::ContextOverflow {
+            max: app.max_model_len,
+            requested: prompt.len() + 1,
+            prompt: prompt.len(),
+            completion: 1,
+        }
+        .into());
+    }
+    let mut params = b.sampling;
+    params.max_tokens = 1;
+    params
+        .validate(app.vocab_size)
+        .map_err(|e| bad(e.to_string()))?;
+    let target = match (b.mode.as_str(), b.target) {
+        ("pull", None) => None,
+        ("push", Some(t)) => Some(t),
+        ("pull", Some(_)) => return Err(bad("mode pull takes no target".into())),
+        ("push", None) => return Err(bad("mode push needs a target".into())),
+        (other, _) => {
+            return Err(bad(format!(
+                "unknown mode `{other}` (expected push or pull)"
+            )))
+        }
+    };
+    let permit = app.admission.clone().try_acquire_owned().map_err(|_| {
+        RequestError::Overloaded(format!(
+            "{} requests in flight",
+            app.admission.available_permits()
+        ))
+    })?;
+    let id = RequestId(app.next_id.fetch_add(1, Ordering::Relaxed));
+    let mut pushed = None;
+    if let Some(t) = target {
+        let sender = app.kv_sender.clone().ok_or_else(no_engine)?;
+        // The handshake: the writer validates the reader's layout before writing anything.
+        crate::kv_transfer::validate_peer(&kv.info(), &t.peer).map_err(|e| bad(e.to_string()))?;
+        let n = prompt.len().div_ceil(kv.block_size);
+        let pool = t.peer.ranks[0].layout.num_blocks;
+        if t.block_ids.len() != n {
+            return Err(bad(format!(
+                "invalid block ids: {} tokens need {n} destination blocks, got {}",
+                prompt.len(),
+                t.block_ids.len()
+            )));
+        }
+        if let Some(b) = t.block_ids.iter().find(|&&b| b as usize >= pool) {
+            return Err(bad(format!(
+                "invalid block ids: destination block {b} is outside the peer's pool of {pool}"
+            )));
+        }
+        let session = kv
+            .session_for(&t.peer)
+            .await
+            .map_err(|e| ApiError(RequestError::KvTransfer(e)))?;
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        sender
+            .cast(KvSenderMsg::Open {
+                target: Arc::new(PushTarget {
+                    transfer,
+                    peer: t.peer,
+                    blocks: t.block_ids,
+                    prompt_len: prompt.len(),
+                }),
+                session,
+                done: tx,
+            })
+            .map_err(|_| RequestError::ShuttingDown)?;
+        pushed = Some(rx);
+    }
+    tracing::info!(request = %id, %transfer, mode = %b.mode, prompt_tokens = prompt.len(), "prefill for a remote decode");
+    let mut handoff = HandoffGuard {
+        transfer,
+        scheduler: app.scheduler.clone(),
+        sender: app.kv_sender.clone(),
+        settled: false,
+    };
+    let (tx, mut rx) = unbounded_channel();
+    app.scheduler
+        .cast(SchedulerMsg::Submit {
+            request: NewRequest {
+                id,
+                prompt,
+                params,
+                hold_for: Some(transfer),
+                push: pushed.is_some(),
+            },
+            sink: tx,
+        })
+        .map_err(|_| RequestError::ShuttingDown)?;
+    let mut guard = RequestGuard {
+        id,
+        scheduler: app.scheduler.clone(),
+        finished: false,
+        _permit: permit,
+    };
+    let deadline = tokio::time::Instant::now() + app.request_timeout;
+    let mut first = None;
+    let outcome = loop {
+        match next_event(&mut rx, deadline, app.request_timeout).await {
+            RequestEvent::Token { token, .. } => {
+                first.get_or_insert(token);
+            }
+            RequestEvent::Finished { held_blocks, .. } => {
+                guard.finished = true;
+                break Ok(held_blocks.unwrap_or_default());
+            }
+            RequestEvent::Failed(e) => {
+                guard.finished = !matches!(e, RequestError::Timeout(_));
+                break Err(e);
+            }
+        }
+    };
+    let Some(pushed) = pushed else {
+        // Pull: the blocks stay held under the lease until the decode side releases them.
+        let blocks = outcome?;
+        handoff.settled = true;
+        return Ok(Json(json!({
+            "transfer_id": transfer.to_string(),
+            "first_token_id": first,
+            "block_ids": blocks,
+            "remote_engine_id": kv.engine_id,
+            "kv_lease_ms": kv.lease.as_millis() as u64,
+        }))
+        .into_response());
+    };
+    if let (Err(e), Some(sender)) = (&outcome, &app.kv_sender) {
+        let _ = sender.cast(KvSenderMsg::Cancel {
+            transfer,
+            reason: e.to_string(),
+            drained: None,
+        });
+    }
+    // Wait for the last write (or, after a failure, for the writes in flight to drain):
+    // the decode side frees its blocks when it gets this answer.
+    let written = match tokio::time::timeout(kv.timeout, pushed).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(_)) => Err("the KV sender dropped the hand-off".into()),
+        Err(_) => Err(format!(
+            "the KV writes did not finish within {} s",
+            kv.timeout.as_secs()
+        )),
+    };
+    // Push holds the blocks only until the writes are done.
+    let _ = ractor::call_t!(app.scheduler, SchedulerMsg::ReleaseHeld, 5_000, transfer);
+    handoff.settled = written.is_ok();
+    outcome?;
+    written.map_err(|e| ApiError(RequestError::KvTransfer(e)))?;
+    Ok(Json(json!({
+        "transfer_id": transfer.to_string(),
+        "first_token_id": first,
+    }))
+    .into_response())
 }
 
 async fn completions(
@@ -250,6 +572,7 @@ async fn serve(
                 prompt,
                 params,
                 hold_for: None,
+                push: false,
             },
             sink: tx,
         },
@@ -257,6 +580,7 @@ async fn serve(
             if req.stream {
                 return Err(RequestError::BadRequest("do_remote_decode needs `stream: false` (the answer carries kv_transfer_params)".into()).into());
             }
+            tracing::info!(request = %id, %transfer, "prefill for a remote decode");
             hand_off = Some(transfer);
             SchedulerMsg::Submit {
                 request: NewRequest {
@@ -264,20 +588,48 @@ async fn serve(
                     prompt,
                     params,
                     hold_for: Some(transfer),
+                    push: false,
                 },
                 sink: tx,
             }
         }
-        openai::KvDirective::FromPrefill(remote) => SchedulerMsg::SubmitRemote {
-            request: NewRequest {
+        openai::KvDirective::FromPrefill(remote) => {
+            tracing::info!(request = %id, transfer = %remote.transfer_id, prefill = %remote.url, "decoding from held KV");
+            SchedulerMsg::SubmitRemote {
+                request: NewRequest {
+                    id,
+                    prompt,
+                    params,
+                    hold_for: None,
+                    push: false,
+                },
+                sink: tx,
+                source: KvSource::Held(remote),
+            }
+        }
+        openai::KvDirective::DriveRemote { url, transfer_id } => {
+            let threshold = app.kv.as_ref().map_or(0, |k| k.min_remote_prompt_tokens);
+            let request = NewRequest {
                 id,
                 prompt,
                 params,
                 hold_for: None,
-            },
-            sink: tx,
-            remote,
-        },
+                push: false,
+            };
+            if request.prompt.len() < threshold {
+                // Conditional disaggregation: a short prompt costs less here than a hand-off.
+                tracing::info!(request = %id, transfer = %transfer_id, prompt_tokens = request.prompt.len(), threshold, "prefilling locally: short prompt");
+                metrics::counter!(pdserve_runtime::telemetry::LOCAL_PREFILLS_TOTAL, pdserve_runtime::telemetry::LABEL_REASON => "short_prompt").increment(1);
+                SchedulerMsg::Submit { request, sink: tx }
+            } else {
+                tracing::info!(request = %id, transfer = %transfer_id, prefill = %url, "remote prefill");
+                SchedulerMsg::SubmitRemote {
+                    request,
+                    sink: tx,
+                    source: KvSource::Drive { url, transfer_id },
+                }
+            }
+        }
     };
     app.scheduler
         .cast(msg)
@@ -295,6 +647,7 @@ async fn serve(
         chat,
         include_usage: req.include_usage,
         token_ids,
+        lease_ms: app.kv.as_ref().map_or(0, |k| k.lease.as_millis() as u64),
         hand_off: hand_off.map(|t| {
             (
                 t,
@@ -351,6 +704,8 @@ struct ResponseMeta {
     /// Prefill side of P/D: (transfer, engine id, our address) for the answer's
     /// `kv_transfer_params`.
     hand_off: Option<(pdserve_runtime::ids::TransferId, String, Option<SocketAddr>)>,
+    /// How long held blocks wait for the decode side, in ms (published with them).
+    lease_ms: u64,
 }
 
 impl ResponseMeta {
@@ -417,6 +772,7 @@ impl ResponseMeta {
                 "remote_port": addr.map(|a| a.port()),
                 "transfer_id": transfer.to_string(),
                 "first_token_id": tokens.first(),
+                "kv_lease_ms": self.lease_ms,
             });
         }
         if let Some(prompt_ids) = &self.token_ids {

@@ -60,6 +60,13 @@ pub struct InstanceOptions {
     pub transfer: Option<pdserve_transport::TransferConfig>,
     /// How long held KV waits for a decode instance to read and release it.
     pub kv_lease: Duration,
+    /// How this instance, as decode, gets a prompt's KV when it drives the hand-off.
+    pub transfer_mode: crate::kv_receiver::TransferMode,
+    /// As decode: prompts shorter than this are prefilled here (conditional disaggregation).
+    pub min_remote_prompt_tokens: usize,
+    /// The control plane (`pdserve inspect`, registration with a proxy); `None`: no control
+    /// endpoint.
+    pub control: Option<crate::control_plane::InstanceControl>,
 }
 
 impl InstanceOptions {
@@ -96,6 +103,9 @@ impl InstanceOptions {
             alloc: Arc::new(AnonAllocator),
             transfer: transfer_config(cfg)?,
             kv_lease: Duration::from_secs(cfg.transfer.kv_lease_s),
+            transfer_mode: cfg.transfer.mode.parse()?,
+            min_remote_prompt_tokens: cfg.transfer.min_remote_prompt_tokens,
+            control: crate::control_plane::InstanceControl::from_config(cfg)?,
         })
     }
 
@@ -122,6 +132,9 @@ impl InstanceOptions {
             alloc: Arc::new(AnonAllocator),
             transfer: None,
             kv_lease: Duration::from_secs(30),
+            transfer_mode: crate::kv_receiver::TransferMode::Pull,
+            min_remote_prompt_tokens: 0,
+            control: None,
         }
     }
 }
@@ -162,6 +175,8 @@ pub struct Instance {
     scheduler: ActorRef<SchedulerMsg>,
     addr: Option<SocketAddr>,
     model_name: String,
+    control: Option<crate::control_plane::ControlPlane>,
+    kv: Option<Arc<crate::kv_receiver::KvContext>>,
 }
 
 impl Instance {
@@ -201,7 +216,7 @@ impl Instance {
                 let engine = pdserve_transport::TransferEngine::new(tcfg)
                     .map_err(|e| format!("transfer engine: {e}"))?;
                 let registry = crate::kv_receiver::KvRegistry::new(Arc::new(engine), opts.tp);
-                Some(Arc::new(crate::kv_receiver::KvContext::new(
+                let mut ctx = crate::kv_receiver::KvContext::new(
                     opts.name.clone(),
                     registry,
                     cfg.clone(),
@@ -209,11 +224,18 @@ impl Instance {
                     num_blocks,
                     opts.block_size,
                     Duration::from_secs(30),
-                )))
+                );
+                ctx.mode = opts.transfer_mode;
+                ctx.min_remote_prompt_tokens = opts.min_remote_prompt_tokens;
+                ctx.lease = opts.kv_lease;
+                ctx.prefill_timeout = opts.request_timeout;
+                Some(Arc::new(ctx))
             }
             None => None,
         };
         let kv_for_http = kv.clone();
+        let kv_for_figures = kv.clone();
+        let kv_for_control = kv.clone();
         let http = opts.bind.map(|bind| {
             let (tokenizer, chat_template, model_name) = (
                 model.tokenizer.clone(),
@@ -226,8 +248,9 @@ impl Instance {
                 opts.api_key.clone(),
             );
             let vocab_size = cfg.vocab_size;
-            let make = move |scheduler: ActorRef<SchedulerMsg>| AppState {
+            let make = move |scheduler: ActorRef<SchedulerMsg>, kv_sender| AppState {
                 scheduler,
+                kv_sender,
                 tokenizer,
                 chat_template,
                 model_name,
@@ -269,13 +292,43 @@ impl Instance {
         .map_err(|e| format!("instance {} failed to start: {e}", opts.name))?;
         let (scheduler, addr) = ractor::call_t!(supervisor, SupervisorMsg::Handles, 5_000)
             .map_err(|e| e.to_string())?;
+        let control = match opts.control {
+            Some(ctl) => {
+                let source = crate::control_plane::InspectSource {
+                    name: opts.name.clone(),
+                    role: ctl.role,
+                    model: served.clone(),
+                    tp: opts.tp,
+                    supervisor: supervisor.clone(),
+                    scheduler: scheduler.clone(),
+                    kv: kv_for_control,
+                };
+                let url = addr.map(|a| format!("http://{a}"));
+                match crate::control_plane::ControlPlane::start(ctl, source, url) {
+                    Ok(c) => Some(c),
+                    Err(e) => {
+                        supervisor.stop(Some("control plane failed".into()));
+                        let _ = tokio::time::timeout(Duration::from_secs(10), join).await;
+                        return Err(e);
+                    }
+                }
+            }
+            None => None,
+        };
         Ok(Self {
             supervisor,
             join,
             scheduler,
             addr,
             model_name: served,
+            control,
+            kv: kv_for_figures,
         })
+    }
+
+    /// KV hand-off figures (instances with a transfer engine).
+    pub fn kv_figures(&self) -> Option<crate::kv_receiver::KvFigures> {
+        self.kv.as_ref().map(|k| k.figures())
     }
 
     /// The API address.
@@ -286,6 +339,11 @@ impl Instance {
     /// `http://host:port` of the API.
     pub fn url(&self) -> String {
         self.addr.map(|a| format!("http://{a}")).unwrap_or_default()
+    }
+
+    /// The control plane, when the instance has cluster credentials.
+    pub fn control_plane(&self) -> Option<&crate::control_plane::ControlPlane> {
+        self.control.as_ref()
     }
 
     /// The served model name.
@@ -336,6 +394,7 @@ impl Instance {
             prompt,
             params,
             hold_for: None,
+            push: false,
         };
         self.scheduler
             .cast(SchedulerMsg::Submit { request, sink: tx })
@@ -355,6 +414,10 @@ impl Instance {
 
     /// Stops the instance and waits for it (bounded).
     pub async fn stop(self) {
+        // Leave the cluster first: the proxy stops routing here at once.
+        if let Some(control) = &self.control {
+            control.shutdown();
+        }
         self.supervisor.stop(Some("shutdown".into()));
         let _ = tokio::time::timeout(Duration::from_secs(10), self.join).await;
     }

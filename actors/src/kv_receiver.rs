@@ -1,31 +1,45 @@
-//! The decode side's KV hand-off: the KvReceiver actor and the registry of this instance's KV
-//! regions in its transfer engine.
+//! The decode side's KV hand-off: the KvReceiver actor, the registry of this instance's KV
+//! regions in its transfer engine, and the [`KvContext`] both hand-off actors share.
 //!
 //! A request that arrives with `kv_transfer_params.do_remote_prefill` gets its destination
-//! blocks from the Scheduler (state `WaitingForRemoteKv`) and a `Pull` here. The receiver
-//! fetches and validates the prefill instance's published KV layout (cached per peer), opens a
-//! transfer session (cached per peer), reads every (layer, K/V, block, head range) the request
-//! owns into its blocks, then releases the prefill side's lease. The release answer says
-//! whether the lease was still alive: if it had expired, the blocks may have been reused while
-//! we read, and the request fails loudly instead of decoding from garbage. The receiver keeps a
-//! share of the destination blocks until its reads are finished, so an abort never lets them be
-//! reused while bytes may still land. The pull runs on a task; the mailbox never waits.
+//! blocks from the Scheduler (state `WaitingForRemoteKv`) and a `Fetch` here, in one of two
+//! shapes ([`KvSource`]):
+//! - **held** (vLLM's two-hop proxy): the prefill instance already ran the prompt and holds
+//!   its blocks; the parameters name them and T0;
+//! - **drive** (pdserve's proxy, one hop): we ask the prefill instance to run the prompt
+//!   (`POST /v1/kv/prefill`) in our configured [`TransferMode`]: *pull* gets the held block
+//!   ids back, *push* sends our destination blocks along and the prefill side writes them
+//!   layer by layer, answering with T0 once its last write finished.
+//!
+//! Pulling fetches and validates the prefill instance's published KV layout (the handshake,
+//! cached per peer), opens a transfer session (cached per peer), reads every (layer, K/V,
+//! block, head range) the request owns — one batch per local TP rank, joined by the
+//! Aggregator — while renewing the prefill side's lease (batched per peer), then releases
+//! it. The release answer says whether the lease was still alive: if it had expired, the
+//! blocks may have been reused while we read, and the request fails loudly instead of
+//! decoding from garbage. The receiver keeps a share of the destination blocks until no byte
+//! can land any more, so an abort never lets them be reused under a transfer: an aborted
+//! push waits for the prefill side's answer, which comes after its writes drained. Each
+//! hand-off runs on a task; the mailbox never waits.
 //!
 //! Supervised by the `InstanceSupervisor`; a failure escalates.
 
+use crate::aggregator::{AggregatorMsg, RankReport};
 use crate::block_manager::BlockAllocation;
 use crate::kv_transfer::{compat_hash, compat_key, plan_pull, validate_peer, KvPeerInfo, RankKv};
 use crate::scheduler::SchedulerMsg;
 use pdserve_gpu::config::ModelConfig;
 use pdserve_gpu::kv::{KvDtype, KvLayout};
+use pdserve_gpu::sampling::SamplingParams;
 use pdserve_runtime::ids::{RequestId, TransferId};
 use pdserve_runtime::memory::{HostMemory, HostMemoryAllocator};
 use pdserve_transport::{RegisteredRegion, Session, TransferEngine};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tokio_util::sync::CancellationToken;
 
 /// This instance's KV regions, registered with its transfer engine, per TP rank.
 pub struct KvRegistry {
@@ -93,6 +107,54 @@ impl HostMemoryAllocator for RankAllocator {
     }
 }
 
+/// How KV moves from prefill to decode when the decode instance drives the hand-off.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum TransferMode {
+    /// vLLM NIXL style: prefill finishes and holds the blocks under a lease; decode reads
+    /// them and releases the lease.
+    #[default]
+    Pull,
+    /// Mooncake/SGLang style: decode sends its destination blocks with the prompt; prefill
+    /// writes each layer's blocks as soon as that layer is computed.
+    Push,
+}
+
+impl std::str::FromStr for TransferMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "pull" => Ok(Self::Pull),
+            "push" => Ok(Self::Push),
+            other => Err(format!(
+                "unknown transfer mode `{other}` (expected push or pull)"
+            )),
+        }
+    }
+}
+
+impl TransferMode {
+    /// `push` or `pull`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pull => "pull",
+            Self::Push => "push",
+        }
+    }
+}
+
+/// Hand-off figures of one instance (for `inspect` and metrics).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct KvFigures {
+    /// Hand-offs in progress (pushes being written, pulls being read).
+    pub transfers_in_flight: u64,
+    /// KV bytes written to decode instances.
+    pub bytes_sent: u64,
+    /// KV bytes read from prefill instances.
+    pub bytes_received: u64,
+    /// Hand-offs that failed.
+    pub failures: u64,
+}
+
 /// What the KV hand-off needs to know about this instance.
 pub struct KvContext {
     /// Instance name (the engine id peers see).
@@ -109,9 +171,27 @@ pub struct KvContext {
     pub block_size: usize,
     /// Bound on every step of a hand-off (layout fetch, connect, reads, release).
     pub timeout: Duration,
+    /// Bound on a remote prefill this instance asked for (the prompt's whole forward pass).
+    pub prefill_timeout: Duration,
+    /// How this instance, as decode, asks for a prompt's KV when it drives the hand-off.
+    pub mode: TransferMode,
+    /// As decode: prompts shorter than this are prefilled here instead of remotely
+    /// (conditional disaggregation); 0 disaggregates every prompt.
+    pub min_remote_prompt_tokens: usize,
+    /// As prefill: how long held blocks wait for the reader (published with them).
+    pub lease: Duration,
+    /// Hand-offs in progress.
+    pub in_flight: AtomicU64,
+    /// Bytes written to peers.
+    pub bytes_sent: AtomicU64,
+    /// Bytes read from peers.
+    pub bytes_received: AtomicU64,
+    /// Failed hand-offs.
+    pub failures: AtomicU64,
     http: reqwest::Client,
     peers: tokio::sync::Mutex<HashMap<String, KvPeerInfo>>,
     sessions: tokio::sync::Mutex<HashMap<String, Arc<Session>>>,
+    renewals: Mutex<HashMap<String, HashMap<TransferId, usize>>>,
 }
 
 impl KvContext {
@@ -133,13 +213,31 @@ impl KvContext {
             num_blocks,
             block_size,
             timeout,
+            prefill_timeout: Duration::from_secs(120),
+            mode: TransferMode::Pull,
+            min_remote_prompt_tokens: 0,
+            lease: Duration::from_secs(30),
+            in_flight: AtomicU64::new(0),
+            bytes_sent: AtomicU64::new(0),
+            bytes_received: AtomicU64::new(0),
+            failures: AtomicU64::new(0),
             http: reqwest::Client::builder()
                 .no_proxy()
-                .timeout(timeout)
                 .build()
                 .unwrap_or_default(),
             peers: tokio::sync::Mutex::new(HashMap::new()),
             sessions: tokio::sync::Mutex::new(HashMap::new()),
+            renewals: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Hand-off figures so far.
+    pub fn figures(&self) -> KvFigures {
+        KvFigures {
+            transfers_in_flight: self.in_flight.load(Ordering::Relaxed),
+            bytes_sent: self.bytes_sent.load(Ordering::Relaxed),
+            bytes_received: self.bytes_received.load(Ordering::Relaxed),
+            failures: self.failures.load(Ordering::Relaxed),
         }
     }
 
@@ -173,6 +271,8 @@ impl KvContext {
         }
     }
 
+    /// The handshake with a peer: its published KV memory, fetched once and validated
+    /// against ours (cached per peer URL).
     async fn peer_info(&self, url: &str) -> Result<KvPeerInfo, String> {
         if let Some(p) = self.peers.lock().await.get(url) {
             return Ok(p.clone());
@@ -180,6 +280,7 @@ impl KvContext {
         let info: KvPeerInfo = self
             .http
             .get(format!("{url}/v1/kv/info"))
+            .timeout(self.timeout)
             .send()
             .await
             .and_then(|r| r.error_for_status())
@@ -188,6 +289,7 @@ impl KvContext {
             .await
             .map_err(|e| format!("bad KV layout from {url}: {e}"))?;
         validate_peer(&self.info(), &info).map_err(|e| e.to_string())?;
+        metrics::counter!(pdserve_runtime::telemetry::KV_HANDSHAKES_TOTAL).increment(1);
         self.peers
             .lock()
             .await
@@ -195,33 +297,57 @@ impl KvContext {
         Ok(info)
     }
 
-    async fn session(&self, addr: &str) -> Result<Arc<Session>, String> {
-        let mut sessions = self.sessions.lock().await;
-        if let Some(s) = sessions.get(addr).filter(|s| s.is_alive()) {
-            return Ok(s.clone());
+    /// A transfer session to `peer`'s engine (cached per address), whose view of the peer's
+    /// regions covers every region the peer published (a restarted peer worker registers
+    /// new ones).
+    pub(crate) async fn session_for(&self, peer: &KvPeerInfo) -> Result<Arc<Session>, String> {
+        let addr = &peer.transfer_addr;
+        let session = {
+            let mut sessions = self.sessions.lock().await;
+            match sessions.get(addr).filter(|s| s.is_alive()) {
+                Some(s) => s.clone(),
+                None => {
+                    let s = tokio::time::timeout(self.timeout, self.registry.engine.connect(addr))
+                        .await
+                        .map_err(|_| format!("connecting to {addr} timed out"))?
+                        .map_err(|e| format!("cannot connect to {addr}: {e}"))?;
+                    let s = Arc::new(s);
+                    sessions.insert(addr.to_string(), s.clone());
+                    s
+                }
+            }
+        };
+        let known: std::collections::HashSet<u64> =
+            session.remote_regions().iter().map(|r| r.id).collect();
+        if peer
+            .ranks
+            .iter()
+            .flat_map(|r| &r.regions)
+            .any(|id| !known.contains(id))
+        {
+            tokio::time::timeout(self.timeout, session.refresh_regions())
+                .await
+                .map_err(|_| format!("refreshing the regions of {addr} timed out"))?
+                .map_err(|e| e.to_string())?;
         }
-        let s = tokio::time::timeout(self.timeout, self.registry.engine.connect(addr))
-            .await
-            .map_err(|_| format!("connecting to {addr} timed out"))?
-            .map_err(|e| format!("cannot connect to {addr}: {e}"))?;
-        let s = Arc::new(s);
-        sessions.insert(addr.to_string(), s.clone());
-        Ok(s)
+        Ok(session)
     }
 
-    /// Reads a request's prompt KV from a prefill instance into `local_blocks`, then releases
-    /// the prefill side's lease.
+    /// Reads a request's prompt KV from a prefill instance into `local_blocks` — one batch per
+    /// local TP rank, joined by the Aggregator — then releases the prefill side's lease. The
+    /// lease is renewed (batched per peer) while the reads run.
     ///
     /// # Errors
     /// Layout mismatches, forged block ids, transfer failures and expired leases, as text.
     pub async fn pull(
-        &self,
+        self: &Arc<Self>,
         remote: &RemotePrefill,
         local_blocks: &[u32],
         prompt_len: usize,
+        aggregator: &ActorRef<AggregatorMsg>,
     ) -> Result<(), String> {
         let theirs = self.peer_info(&remote.url).await?;
-        let ops = plan_pull(
+        let per_rank = plan_pull(
             &self.info(),
             &theirs,
             local_blocks,
@@ -229,42 +355,293 @@ impl KvContext {
             prompt_len,
         )
         .map_err(|e| e.to_string())?;
-        let session = self.session(&theirs.transfer_addr).await?;
-        // The session's view of the peer's regions is refreshed only when the peer published
-        // regions it does not know yet (a restarted peer worker re-registers its cache).
-        let known: std::collections::HashSet<u64> =
-            session.remote_regions().iter().map(|r| r.id).collect();
-        if theirs
-            .ranks
-            .iter()
-            .flat_map(|r| &r.regions)
-            .any(|id| !known.contains(id))
-        {
-            session.refresh_regions().await.map_err(|e| e.to_string())?;
-        }
-        let batch = session
-            .submit(&ops)
-            .map_err(|e| format!("KV transfer refused: {e}"))?;
-        batch
-            .wait(self.timeout)
+        let _renewing = self.renew_while_alive(&remote.url, remote.transfer_id, remote.lease);
+        let session = self.session_for(&theirs).await?;
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        aggregator
+            .cast(AggregatorMsg::Expect {
+                transfer: remote.transfer_id,
+                epochs: vec![0; per_rank.len()],
+                done: tx,
+            })
+            .map_err(|_| "the aggregator is gone".to_string())?;
+        // Every batch is awaited to its end, even after one failed: our blocks may not be
+        // released while a read can still land in them.
+        let reads = per_rank.iter().enumerate().map(|(rank, ops)| {
+            let session = session.clone();
+            async move {
+                let report = match session.submit(ops) {
+                    Ok(batch) => match batch.wait(self.timeout).await {
+                        Ok(()) => {
+                            self.bytes_received
+                                .fetch_add(batch.bytes(), Ordering::Relaxed);
+                            metrics::counter!(pdserve_runtime::telemetry::KV_TRANSFER_BYTES_TOTAL, pdserve_runtime::telemetry::LABEL_DIRECTION => "received").increment(batch.bytes());
+                            RankReport::Done
+                        }
+                        Err(e) => RankReport::Failed(format!("KV transfer failed: {e}")),
+                    },
+                    Err(e) => RankReport::Failed(format!("KV transfer refused: {e}")),
+                };
+                let _ = aggregator.cast(AggregatorMsg::Report {
+                    transfer: remote.transfer_id,
+                    rank,
+                    epoch: 0,
+                    report,
+                });
+            }
+        });
+        futures_util::future::join_all(reads).await;
+        let outcome = tokio::time::timeout(self.timeout, rx)
             .await
-            .map_err(|e| format!("KV transfer failed: {e}"))?;
+            .map_err(|_| "the aggregator did not answer".to_string())?
+            .map_err(|_| "the aggregator is gone".to_string())?;
+        if let Err(e) = outcome {
+            let _ = aggregator.cast(AggregatorMsg::Forget(remote.transfer_id));
+            // Best effort: the prefill side frees the blocks now instead of at lease expiry.
+            let _ = self.release(&remote.url, remote.transfer_id).await;
+            return Err(e);
+        }
+        self.release(&remote.url, remote.transfer_id).await
+    }
+
+    async fn release(&self, url: &str, transfer: TransferId) -> Result<(), String> {
         let released = self
             .http
-            .post(format!("{}/v1/kv/release", remote.url))
-            .json(&serde_json::json!({"transfer_id": remote.transfer_id.to_string()}))
+            .post(format!("{url}/v1/kv/release"))
+            .timeout(self.timeout)
+            .json(&serde_json::json!({"transfer_id": transfer.to_string()}))
             .send()
             .await
-            .map_err(|e| format!("cannot release the KV lease at {}: {e}", remote.url))?;
+            .map_err(|e| format!("cannot release the KV lease at {url}: {e}"))?;
         match released.status().as_u16() {
             200 => Ok(()),
-            410 => Err(format!("the KV lease of transfer {} expired before the read finished: its blocks may have been reused", remote.transfer_id)),
-            s => Err(format!("releasing transfer {} failed with HTTP {s}", remote.transfer_id)),
+            410 => Err(format!("the KV lease of transfer {transfer} expired before the read finished: its blocks may have been reused")),
+            s => Err(format!("releasing transfer {transfer} failed with HTTP {s}")),
+        }
+    }
+
+    /// Asks the prefill instance at `url` to drop a hand-off (abort its prefill, stop its
+    /// writes, free held blocks); it answers once none of its writes is in flight. Bounded.
+    /// An unreachable peer is taken for dead (its writes died with it).
+    async fn abort_remote(&self, url: &str, transfer: TransferId) {
+        let r = self
+            .http
+            .post(format!("{url}/v1/kv/abort"))
+            .timeout(self.timeout)
+            .json(&serde_json::json!({"transfer_id": transfer.to_string()}))
+            .send()
+            .await;
+        if let Err(e) = r {
+            tracing::info!(%transfer, %url, error = %e, "the prefill instance is unreachable: taken for dead");
+        }
+    }
+
+    /// Runs the prompt on the prefill instance at `url` and brings its KV into
+    /// `local_blocks` (decode drives the hand-off). Returns the first token (T0).
+    ///
+    /// Pull: the prefill instance holds the blocks and answers their ids; we read them.
+    /// Push: we send our destination blocks with the prompt; the prefill instance writes
+    /// them layer by layer and answers once its last write finished. An abort (`cancel`)
+    /// tells the prefill side to stop and still waits for its answer, so no write lands in
+    /// our blocks after they are released.
+    ///
+    /// # Errors
+    /// The prefill instance's refusal, transfer failures, timeouts and aborts, as text.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn drive(
+        self: &Arc<Self>,
+        url: &str,
+        transfer: TransferId,
+        prompt: &[u32],
+        params: &SamplingParams,
+        local_blocks: &[u32],
+        cancel: &CancellationToken,
+        aggregator: &ActorRef<AggregatorMsg>,
+    ) -> Result<u32, String> {
+        let mut sampling = params.clone();
+        sampling.max_tokens = 1;
+        let mut body = serde_json::json!({
+            "transfer_id": transfer.to_string(),
+            "prompt_token_ids": prompt,
+            "sampling": sampling,
+            "mode": self.mode.as_str(),
+        });
+        if self.mode == TransferMode::Push {
+            // The handshake: the peer's layout is validated against ours before it may write.
+            self.peer_info(url).await?;
+            let n = prompt.len().div_ceil(self.block_size);
+            if local_blocks.len() < n {
+                return Err(format!(
+                    "{} tokens need {n} destination blocks, the request owns {}",
+                    prompt.len(),
+                    local_blocks.len()
+                ));
+            }
+            body["target"] = serde_json::json!({
+                "peer": self.info(),
+                "block_ids": &local_blocks[..n],
+            });
+        }
+        let call = self
+            .http
+            .post(format!("{url}/v1/kv/prefill"))
+            .timeout(self.prefill_timeout)
+            .json(&body)
+            .send();
+        tokio::pin!(call);
+        let resp = tokio::select! {
+            r = &mut call => r,
+            () = cancel.cancelled() => {
+                self.abort_remote(url, transfer).await;
+                if self.mode == TransferMode::Push {
+                    // The answer comes once the prefill side's writes have drained.
+                    let _ = tokio::time::timeout(self.timeout, &mut call).await;
+                }
+                return Err("aborted".into());
+            }
+        };
+        let resp = match resp {
+            Ok(r) => r,
+            Err(e) => {
+                // No answer: the prefill side may still be writing. It stops and drains on
+                // the abort (or is dead) before our blocks may go back to the pool.
+                if self.mode == TransferMode::Push {
+                    self.abort_remote(url, transfer).await;
+                }
+                return Err(format!("remote prefill at {url}: {e}"));
+            }
+        };
+        let status = resp.status();
+        let answer: serde_json::Value = resp
+            .json()
+            .await
+            .map_err(|e| format!("remote prefill at {url}: bad answer: {e}"))?;
+        if !status.is_success() {
+            let msg = answer["error"]["message"].as_str().unwrap_or("no message");
+            return Err(format!("remote prefill at {url} failed ({status}): {msg}"));
+        }
+        let first_token = answer["first_token_id"]
+            .as_u64()
+            .and_then(|t| u32::try_from(t).ok())
+            .filter(|&t| (t as usize) < self.model.vocab_size)
+            .ok_or_else(|| {
+                format!("remote prefill at {url}: no valid first_token_id in {answer}")
+            })?;
+        if self.mode == TransferMode::Push {
+            return Ok(first_token);
+        }
+        let block_ids = answer["block_ids"]
+            .as_array()
+            .and_then(|a| {
+                a.iter()
+                    .map(|b| b.as_u64().and_then(|b| u32::try_from(b).ok()))
+                    .collect::<Option<Vec<u32>>>()
+            })
+            .ok_or_else(|| format!("remote prefill at {url}: no block_ids in {answer}"))?;
+        let remote = RemotePrefill {
+            transfer_id: transfer,
+            url: url.to_string(),
+            block_ids,
+            first_token,
+            lease: answer["kv_lease_ms"].as_u64().map(Duration::from_millis),
+        };
+        // Reads are not cut short by an abort: our blocks may not be released while a read
+        // can still land in them. The pull is bounded by the transfer timeout.
+        self.pull(&remote, local_blocks, prompt.len(), aggregator)
+            .await?;
+        if cancel.is_cancelled() {
+            return Err("aborted".into());
+        }
+        Ok(first_token)
+    }
+
+    /// Keeps renewing `transfer`'s lease at the prefill instance `url` until the returned
+    /// guard drops. Renewals are batched per peer: one task per peer sends one request with
+    /// every transfer being read from it, every third of the lease; it ends when none is left.
+    fn renew_while_alive(
+        self: &Arc<Self>,
+        url: &str,
+        transfer: TransferId,
+        lease: Option<Duration>,
+    ) -> RenewGuard {
+        let mut all = self.renewals.lock().unwrap_or_else(|e| e.into_inner());
+        if !all.contains_key(url) {
+            let (ctx, url) = (self.clone(), url.to_string());
+            let interval = (lease.unwrap_or(self.lease) / 3).max(Duration::from_millis(50));
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(interval).await;
+                    {
+                        let mut all = ctx.renewals.lock().unwrap_or_else(|e| e.into_inner());
+                        if all.get(&url).is_none_or(HashMap::is_empty) {
+                            all.remove(&url);
+                            return;
+                        }
+                    }
+                    ctx.renew(&url).await;
+                }
+            });
+        }
+        *all.entry(url.to_string())
+            .or_default()
+            .entry(transfer)
+            .or_default() += 1;
+        RenewGuard {
+            ctx: self.clone(),
+            url: url.to_string(),
+            transfer,
+        }
+    }
+
+    fn renewing(&self, url: &str) -> Vec<TransferId> {
+        let all = self.renewals.lock().unwrap_or_else(|e| e.into_inner());
+        all.get(url)
+            .map(|p| p.keys().copied().collect())
+            .unwrap_or_default()
+    }
+
+    /// One batched renewal of every lease held for us at `url`.
+    async fn renew(&self, url: &str) {
+        let ids: Vec<String> = self.renewing(url).iter().map(|t| t.to_string()).collect();
+        if ids.is_empty() {
+            return;
+        }
+        let r = self
+            .http
+            .post(format!("{url}/v1/kv/renew"))
+            .timeout(self.timeout)
+            .json(&serde_json::json!({"transfer_ids": ids}))
+            .send()
+            .await;
+        if let Err(e) = r {
+            tracing::debug!(%url, error = %e, "lease renewal failed");
         }
     }
 }
 
-/// Where a request's prompt KV is, from `kv_transfer_params`.
+/// One transfer's registration with its peer's renewal task; dropping it stops renewing
+/// that transfer.
+struct RenewGuard {
+    ctx: Arc<KvContext>,
+    url: String,
+    transfer: TransferId,
+}
+
+impl Drop for RenewGuard {
+    fn drop(&mut self) {
+        let mut all = self.ctx.renewals.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(peer) = all.get_mut(&self.url) {
+            if let Some(n) = peer.get_mut(&self.transfer) {
+                *n -= 1;
+                if *n == 0 {
+                    peer.remove(&self.transfer);
+                }
+            }
+        }
+    }
+}
+
+/// Where a request's prompt KV is, from `kv_transfer_params` with `remote_block_ids`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RemotePrefill {
     /// The hand-off id.
@@ -275,69 +652,162 @@ pub struct RemotePrefill {
     pub block_ids: Vec<u32>,
     /// The first token it sampled (T0).
     pub first_token: u32,
+    /// How long it holds the blocks unless renewed (`kv_lease_ms`), when it said.
+    pub lease: Option<Duration>,
+}
+
+/// Where a remote request's prompt KV comes from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KvSource {
+    /// Already computed and held by a prefill instance (vLLM's two-hop flow).
+    Held(RemotePrefill),
+    /// To be computed by the prefill instance at `url`, asked by us.
+    Drive {
+        /// The prefill instance's API.
+        url: String,
+        /// The hand-off id.
+        transfer_id: TransferId,
+    },
+}
+
+impl KvSource {
+    /// The hand-off id.
+    pub fn transfer_id(&self) -> TransferId {
+        match self {
+            Self::Held(r) => r.transfer_id,
+            Self::Drive { transfer_id, .. } => *transfer_id,
+        }
+    }
+}
+
+/// One request's hand-off for the KvReceiver.
+pub struct Fetch {
+    /// Request.
+    pub id: RequestId,
+    /// Where it comes from.
+    pub source: KvSource,
+    /// Our destination blocks (a share, kept until no byte can land any more).
+    pub blocks: BlockAllocation,
+    /// Prompt tokens.
+    pub prompt: Vec<u32>,
+    /// The request's sampling (the prefill side samples T0 with it).
+    pub params: SamplingParams,
+    /// Where to report.
+    pub scheduler: ActorRef<SchedulerMsg>,
 }
 
 /// Messages of the KvReceiver.
 pub enum KvReceiverMsg {
-    /// Read a request's KV into its destination blocks.
-    Pull {
-        /// Request.
-        id: RequestId,
-        /// Where it is.
-        remote: RemotePrefill,
-        /// Our destination blocks (a share, kept until the reads are done).
-        blocks: BlockAllocation,
-        /// Prompt tokens.
-        prompt_len: usize,
-        /// Where to report.
-        scheduler: ActorRef<SchedulerMsg>,
-    },
+    /// Bring a request's prompt KV into its destination blocks.
+    Fetch(Box<Fetch>),
+    /// The request was aborted: stop its hand-off (the prefill side is told).
+    Abort(RequestId),
+    /// A hand-off task ended.
+    Ended(RequestId),
 }
 
 /// The KvReceiver actor.
 #[derive(Debug)]
 pub struct KvReceiver;
 
+/// Its state.
+pub struct ReceiverState {
+    kv: Arc<KvContext>,
+    aggregator: ActorRef<AggregatorMsg>,
+    tasks: HashMap<RequestId, CancellationToken>,
+}
+
 impl Actor for KvReceiver {
     type Msg = KvReceiverMsg;
-    type State = Arc<KvContext>;
-    type Arguments = Arc<KvContext>;
+    type State = ReceiverState;
+    type Arguments = (Arc<KvContext>, ActorRef<AggregatorMsg>);
 
     async fn pre_start(
         &self,
         _myself: ActorRef<Self::Msg>,
-        ctx: Arc<KvContext>,
+        (kv, aggregator): Self::Arguments,
     ) -> Result<Self::State, ActorProcessingErr> {
-        Ok(ctx)
+        Ok(ReceiverState {
+            kv,
+            aggregator,
+            tasks: HashMap::new(),
+        })
     }
 
     async fn handle(
         &self,
-        _myself: ActorRef<Self::Msg>,
+        myself: ActorRef<Self::Msg>,
         msg: Self::Msg,
-        ctx: &mut Self::State,
+        st: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
-        let KvReceiverMsg::Pull {
-            id,
-            remote,
-            blocks,
-            prompt_len,
-            scheduler,
-        } = msg;
-        let ctx = ctx.clone();
-        tokio::spawn(async move {
-            let result = ctx.pull(&remote, blocks.blocks(), prompt_len).await;
-            if let Err(e) = &result {
-                tracing::warn!(request = %id, transfer = %remote.transfer_id, error = %e, "KV pull failed");
+        match msg {
+            KvReceiverMsg::Fetch(fetch) => {
+                let Fetch {
+                    id,
+                    source,
+                    blocks,
+                    prompt,
+                    params,
+                    scheduler,
+                } = *fetch;
+                let cancel = CancellationToken::new();
+                st.tasks.insert(id, cancel.clone());
+                let (kv, aggregator) = (st.kv.clone(), st.aggregator.clone());
+                kv.in_flight.fetch_add(1, Ordering::Relaxed);
+                let started = std::time::Instant::now();
+                tokio::spawn(async move {
+                    let transfer = source.transfer_id();
+                    let result = match &source {
+                        KvSource::Held(remote) => kv
+                            .pull(remote, blocks.blocks(), prompt.len(), &aggregator)
+                            .await
+                            .map(|()| remote.first_token),
+                        KvSource::Drive { url, transfer_id } => {
+                            kv.drive(
+                                url,
+                                *transfer_id,
+                                &prompt,
+                                &params,
+                                blocks.blocks(),
+                                &cancel,
+                                &aggregator,
+                            )
+                            .await
+                        }
+                    };
+                    kv.in_flight.fetch_sub(1, Ordering::Relaxed);
+                    use pdserve_runtime::telemetry as m;
+                    match &result {
+                        Err(e) => {
+                            kv.failures.fetch_add(1, Ordering::Relaxed);
+                            metrics::counter!(m::KV_TRANSFER_FAILURES_TOTAL, m::LABEL_KIND => m::kv_failure_kind(e)).increment(1);
+                            tracing::warn!(request = %id, %transfer, error = %e, "KV hand-off failed");
+                        }
+                        Ok(_) => {
+                            let mode = match &source {
+                                KvSource::Held(_) => TransferMode::Pull,
+                                KvSource::Drive { .. } => kv.mode,
+                            };
+                            metrics::histogram!(m::KV_TRANSFER_SECONDS, m::LABEL_MODE => mode.as_str())
+                                .record(started.elapsed().as_secs_f64());
+                            tracing::info!(request = %id, %transfer, mode = mode.as_str(), ms = started.elapsed().as_millis() as u64, "KV hand-off done");
+                        }
+                    }
+                    // The destination blocks stay shared until here: no reuse while bytes may land.
+                    drop(blocks);
+                    let _ = myself.cast(KvReceiverMsg::Ended(id));
+                    let _ = scheduler.cast(SchedulerMsg::RemoteKvDone { id, result });
+                });
             }
-            // The destination blocks stay shared until here: no reuse while bytes may land.
-            drop(blocks);
-            let _ = scheduler.cast(SchedulerMsg::RemoteKvDone {
-                id,
-                first_token: remote.first_token,
-                result,
-            });
-        });
+            KvReceiverMsg::Abort(id) => {
+                if let Some(cancel) = st.tasks.get(&id) {
+                    cancel.cancel();
+                }
+            }
+            KvReceiverMsg::Ended(id) => {
+                st.tasks.remove(&id);
+            }
+        }
         Ok(())
     }
 }

@@ -173,19 +173,18 @@ pub fn validate_peer(ours: &KvPeerInfo, theirs: &KvPeerInfo) -> Result<(), KvHan
     Ok(())
 }
 
-/// The read operations that copy the KV of `tokens` prompt tokens from the peer's
-/// `remote_blocks` into our `local_blocks`, for every local rank, layer, K and V.
+/// Checks a hand-off's block lists: exactly the blocks `tokens` need on the remote side, at
+/// least that many locally, every id inside its pool. Returns the number of blocks.
 ///
 /// # Errors
-/// [`KvHandoffError::InvalidBlocks`] when either list does not have exactly the blocks the
-/// tokens need, or names a block outside its pool.
-pub fn plan_pull(
+/// [`KvHandoffError::InvalidBlocks`] naming what is wrong.
+pub fn check_blocks(
     ours: &KvPeerInfo,
     theirs: &KvPeerInfo,
     local_blocks: &[u32],
     remote_blocks: &[u32],
     tokens: usize,
-) -> Result<Vec<TransferOp>, KvHandoffError> {
+) -> Result<usize, KvHandoffError> {
     let bs = ours.ranks[0].layout.block_size;
     let n = tokens.div_ceil(bs);
     if local_blocks.len() < n || remote_blocks.len() != n {
@@ -207,43 +206,135 @@ pub fn plan_pull(
             "local block {b} is outside our pool of {local_pool}"
         )));
     }
+    Ok(n)
+}
+
+/// Which direction a planned hand-off moves bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Direction {
+    /// Peer → us (decode pulls).
+    Read,
+    /// Us → peer (prefill pushes).
+    Write,
+}
+
+/// What one slice of a hand-off covers: our rank, the layers, and which of the request's
+/// blocks (indices into the block lists).
+#[derive(Clone, Debug)]
+pub struct Slice {
+    /// Our TP rank.
+    pub rank: usize,
+    /// Layers.
+    pub layers: Range<usize>,
+    /// Block indices (into `local_blocks` / `remote_blocks`).
+    pub blocks: Range<usize>,
+}
+
+/// The transfer operations moving one [`Slice`] of a request's KV between our
+/// `local_blocks` and the peer's `remote_blocks`, for K and V, mapping our rank's heads onto
+/// every peer rank that holds some of them (heterogeneous TP). Block lists must have been
+/// checked with [`check_blocks`].
+pub fn plan_slice(
+    ours: &KvPeerInfo,
+    theirs: &KvPeerInfo,
+    local_blocks: &[u32],
+    remote_blocks: &[u32],
+    slice: &Slice,
+    direction: Direction,
+) -> Vec<TransferOp> {
+    let mine = &ours.ranks[slice.rank];
     let mut ops = Vec::new();
-    for mine in &ours.ranks {
-        for peer in &theirs.ranks {
-            let heads = intersect(mine.heads, peer.heads);
-            if heads.is_empty() {
-                continue;
-            }
-            let local_heads = heads.start - mine.heads.0..heads.end - mine.heads.0;
-            let remote_heads = heads.start - peer.heads.0..heads.end - peer.heads.0;
-            for layer in 0..mine.layout.num_layers {
-                for kind in [KvKind::Key, KvKind::Value] {
-                    for i in 0..n {
-                        let l = mine.layout.span(
-                            layer,
-                            kind,
-                            local_blocks[i] as usize,
-                            local_heads.clone(),
-                        );
-                        let r = peer.layout.span(
-                            layer,
-                            kind,
-                            remote_blocks[i] as usize,
-                            remote_heads.clone(),
-                        );
-                        ops.push(TransferOp::read(
-                            mine.regions[layer],
-                            l.offset as u64,
-                            peer.regions[layer],
-                            r.offset as u64,
-                            l.len as u64,
-                        ));
-                    }
+    for peer in &theirs.ranks {
+        let heads = intersect(mine.heads, peer.heads);
+        if heads.is_empty() {
+            continue;
+        }
+        let local_heads = heads.start - mine.heads.0..heads.end - mine.heads.0;
+        let remote_heads = heads.start - peer.heads.0..heads.end - peer.heads.0;
+        for layer in slice.layers.clone() {
+            for kind in [KvKind::Key, KvKind::Value] {
+                for i in slice.blocks.clone() {
+                    let l = mine.layout.span(
+                        layer,
+                        kind,
+                        local_blocks[i] as usize,
+                        local_heads.clone(),
+                    );
+                    let r = peer.layout.span(
+                        layer,
+                        kind,
+                        remote_blocks[i] as usize,
+                        remote_heads.clone(),
+                    );
+                    let (lr, lo, rr, ro, len) = (
+                        mine.regions[layer],
+                        l.offset as u64,
+                        peer.regions[layer],
+                        r.offset as u64,
+                        l.len as u64,
+                    );
+                    ops.push(match direction {
+                        Direction::Read => TransferOp::read(lr, lo, rr, ro, len),
+                        Direction::Write => TransferOp::write(lr, lo, rr, ro, len),
+                    });
                 }
             }
         }
     }
-    Ok(ops)
+    ops
+}
+
+/// The read operations that copy the KV of `tokens` prompt tokens from the peer's
+/// `remote_blocks` into our `local_blocks`, one list per local rank (every layer, K and V).
+///
+/// # Errors
+/// [`KvHandoffError::InvalidBlocks`] when either list does not have exactly the blocks the
+/// tokens need, or names a block outside its pool.
+pub fn plan_pull(
+    ours: &KvPeerInfo,
+    theirs: &KvPeerInfo,
+    local_blocks: &[u32],
+    remote_blocks: &[u32],
+    tokens: usize,
+) -> Result<Vec<Vec<TransferOp>>, KvHandoffError> {
+    let n = check_blocks(ours, theirs, local_blocks, remote_blocks, tokens)?;
+    let layers = ours.ranks[0].layout.num_layers;
+    Ok((0..ours.ranks.len())
+        .map(|rank| {
+            let slice = Slice {
+                rank,
+                layers: 0..layers,
+                blocks: 0..n,
+            };
+            plan_slice(
+                ours,
+                theirs,
+                local_blocks,
+                remote_blocks,
+                &slice,
+                Direction::Read,
+            )
+        })
+        .collect())
+}
+
+/// Which of a request's blocks hold only final KV once a prefill chunk covering tokens
+/// `start..end` of a `prompt_len`-token prompt is computed: those a layerwise push may write
+/// now. Every block is covered by exactly one chunk of a prompt's chunking (the block the
+/// chunk ends inside waits for the next chunk, except at the prompt's end).
+pub fn final_blocks(
+    start: usize,
+    end: usize,
+    prompt_len: usize,
+    block_size: usize,
+) -> Range<usize> {
+    let first = start / block_size;
+    let last = if end >= prompt_len {
+        prompt_len.div_ceil(block_size)
+    } else {
+        end / block_size
+    };
+    first..last.max(first)
 }
 
 #[cfg(test)]
@@ -326,8 +417,70 @@ mod tests {
             let decode = info(d, 4, 8, 500);
             validate_peer(&decode, &prefill).unwrap();
             let ops = plan_pull(&decode, &prefill, &[3, 1, 6], &[0, 7, 2], 10).unwrap();
-            check_cover(&decode, &prefill, &ops, 3);
+            assert_eq!(ops.len(), d, "one list per local rank");
+            check_cover(&decode, &prefill, &ops.concat(), 3);
         }
+    }
+
+    /// A push is the pull seen from the other side: the writes every prefill rank plans, layer
+    /// by layer and chunk by chunk, land on every byte of the decode blocks exactly once.
+    #[test]
+    fn layerwise_pushes_cover_every_destination_byte_once() {
+        for (p, d) in [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2)] {
+            let prefill = info(p, 4, 8, 100);
+            let decode = info(d, 4, 8, 500);
+            validate_peer(&prefill, &decode).unwrap();
+            let (local, remote) = ([5u32, 0, 2], [3u32, 1, 6]);
+            assert_eq!(check_blocks(&prefill, &decode, &local, &remote, 10), Ok(3));
+            let mut ops = Vec::new();
+            // Chunks of 3, 4 and 3 tokens over blocks of 4: each block written once, by the
+            // chunk that completes it.
+            for (start, end) in [(0, 3), (3, 7), (7, 10)] {
+                for rank in 0..p {
+                    for layer in 0..2 {
+                        let slice = Slice {
+                            rank,
+                            layers: layer..layer + 1,
+                            blocks: final_blocks(start, end, 10, 4),
+                        };
+                        ops.extend(plan_slice(
+                            &prefill,
+                            &decode,
+                            &local,
+                            &remote,
+                            &slice,
+                            Direction::Write,
+                        ));
+                    }
+                }
+            }
+            assert!(ops
+                .iter()
+                .all(|o| o.kind == pdserve_transport::OpKind::Write));
+            // Seen from decode, the writes are reads with the roles swapped.
+            let mirrored: Vec<TransferOp> = ops
+                .iter()
+                .map(|o| {
+                    TransferOp::read(
+                        o.remote_region,
+                        o.remote_offset,
+                        o.local_region,
+                        o.local_offset,
+                        o.len,
+                    )
+                })
+                .collect();
+            check_cover(&decode, &prefill, &mirrored, 3);
+        }
+    }
+
+    #[test]
+    fn final_blocks_partition_a_chunked_prompt() {
+        assert_eq!(final_blocks(0, 10, 10, 4), 0..3);
+        assert_eq!(final_blocks(0, 3, 10, 4), 0..0);
+        assert_eq!(final_blocks(0, 8, 20, 4), 0..2);
+        assert_eq!(final_blocks(8, 13, 20, 4), 2..3);
+        assert_eq!(final_blocks(13, 20, 20, 4), 3..5);
     }
 
     #[test]

@@ -411,8 +411,18 @@ pub enum KvDirective {
     None,
     /// `do_remote_decode`: prefill here, keep the prompt's KV for a decode instance.
     HoldForDecode(pdserve_runtime::ids::TransferId),
-    /// `do_remote_prefill`: the prompt's KV is on a prefill instance; read it, then decode.
+    /// `do_remote_prefill` with `remote_block_ids`: the prompt's KV is held by a prefill
+    /// instance (vLLM's two-hop flow); read it, then decode.
     FromPrefill(crate::kv_receiver::RemotePrefill),
+    /// `do_remote_prefill` without `remote_block_ids`: ask the prefill instance at `url` to
+    /// run the prompt and hand its KV over (pdserve's one-hop flow; push or pull by the
+    /// decode instance's `transfer.mode`).
+    DriveRemote {
+        /// The prefill instance's API.
+        url: String,
+        /// The hand-off id.
+        transfer_id: pdserve_runtime::ids::TransferId,
+    },
 }
 
 /// Reads `kv_transfer_params`.
@@ -453,6 +463,16 @@ pub fn kv_directive(params: Option<&Value>) -> Result<KvDirective, RequestError>
         .and_then(Value::as_u64)
         .filter(|&n| n > 0 && n <= 65535)
         .ok_or_else(|| bad(format!("{} must be a port number", field("remote_port"))))?;
+    if host.is_empty() || host.contains('/') {
+        return Err(bad(format!("{} is not a host", field("remote_host"))));
+    }
+    let url = format!("http://{host}:{port}");
+    if p.get("remote_block_ids").is_none_or(Value::is_null) {
+        return Ok(KvDirective::DriveRemote {
+            url,
+            transfer_id: transfer_id.unwrap_or_else(TransferId::new_random),
+        });
+    }
     let block_ids = p
         .get("remote_block_ids")
         .and_then(token_list)
@@ -473,15 +493,24 @@ pub fn kv_directive(params: Option<&Value>) -> Result<KvDirective, RequestError>
             field("transfer_id")
         ))
     })?;
-    if host.is_empty() || host.contains('/') {
-        return Err(bad(format!("{} is not a host", field("remote_host"))));
-    }
+    let lease = match p.get("kv_lease_ms") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(std::time::Duration::from_millis(v.as_u64().ok_or_else(
+            || {
+                bad(format!(
+                    "{} must be a number of milliseconds",
+                    field("kv_lease_ms")
+                ))
+            },
+        )?)),
+    };
     Ok(KvDirective::FromPrefill(
         crate::kv_receiver::RemotePrefill {
             transfer_id,
-            url: format!("http://{host}:{port}"),
+            url,
             block_ids,
             first_token,
+            lease,
         },
     ))
 }

@@ -16,7 +16,8 @@ pub use self::core::{
 };
 
 use crate::error::RequestError;
-use crate::kv_receiver::{KvReceiverMsg, RemotePrefill};
+use crate::kv_receiver::{KvReceiverMsg, KvSource};
+use crate::kv_sender::{KvSenderMsg, PushChunk};
 use crate::worker::WorkerMsg;
 use pdserve_gpu::model::Batch;
 use pdserve_gpu::sampling::FinishReason;
@@ -69,18 +70,23 @@ pub enum SchedulerMsg {
         request: NewRequest,
         /// Where its events go.
         sink: UnboundedSender<RequestEvent>,
-        /// Where the KV is.
-        remote: RemotePrefill,
+        /// Where the KV comes from.
+        source: KvSource,
     },
-    /// The KvReceiver finished (or failed) reading a request's KV.
+    /// The KvReceiver finished (or failed) bringing a request's KV in.
     RemoteKvDone {
         /// Request.
         id: RequestId,
-        /// T0 from the prefill side.
-        first_token: u32,
-        /// Outcome.
-        result: Result<(), String>,
+        /// T0 from the prefill side, or the failure.
+        result: Result<u32, String>,
     },
+    /// A decode instance renews the leases of blocks held for it; answers the transfers no
+    /// longer held.
+    RenewHeld(Vec<TransferId>, RpcReplyPort<Vec<TransferId>>),
+    /// A decode instance gave up on a hand-off: abort the request computing it (its owner
+    /// gets [`RequestError::Aborted`]) or free the blocks held for it. Answers whether
+    /// anything was found.
+    AbortTransfer(TransferId, RpcReplyPort<bool>),
     /// A decode instance read the blocks held for a transfer; answers whether the lease was
     /// still alive.
     ReleaseHeld(TransferId, RpcReplyPort<bool>),
@@ -136,12 +142,16 @@ pub struct SchedulerArgs {
     pub collective: pdserve_gpu::collective::ThreadCollective,
     /// The KV receiver (instances with a transfer engine).
     pub kv_receiver: Option<ActorRef<KvReceiverMsg>>,
+    /// The KV sender (instances with a transfer engine).
+    pub kv_sender: Option<ActorRef<KvSenderMsg>>,
     /// Vocabulary size (validates peer-supplied first tokens).
     pub vocab_size: usize,
 }
 
 struct InFlight {
     plan: StepPlan,
+    /// Whether the KvSender was told about pushed chunks of this step.
+    pushes: bool,
     replies: Vec<Option<Result<Vec<Vec<f32>>, String>>>,
 }
 
@@ -164,6 +174,7 @@ pub struct SchedulerState {
     collective: pdserve_gpu::collective::ThreadCollective,
     needs_reset: bool,
     kv_receiver: Option<ActorRef<KvReceiverMsg>>,
+    kv_sender: Option<ActorRef<KvSenderMsg>>,
     vocab_size: usize,
 }
 
@@ -187,6 +198,7 @@ impl Actor for Scheduler {
             collective: args.collective,
             needs_reset: false,
             kv_receiver: args.kv_receiver,
+            kv_sender: args.kv_sender,
             vocab_size: args.vocab_size,
         })
     }
@@ -201,27 +213,48 @@ impl Actor for Scheduler {
             SchedulerMsg::SubmitRemote {
                 request,
                 sink,
-                remote,
+                source,
             } => {
-                st.submit_remote(request, sink, remote, myself);
+                st.submit_remote(request, sink, source, myself);
             }
-            SchedulerMsg::RemoteKvDone {
-                id,
-                first_token,
-                result,
-            } => {
+            SchedulerMsg::RemoteKvDone { id, result } => {
                 let out = match result {
                     // An abort while the KV was landing leaves nothing to resume.
-                    Ok(()) => st.core.remote_kv_ready(id, first_token).unwrap_or_default(),
+                    Ok(first_token) => st.core.remote_kv_ready(id, first_token).unwrap_or_default(),
                     Err(e) => {
-                        st.core.abort(id);
-                        vec![Output::Failed {
-                            id,
-                            error: RequestError::KvTransfer(e),
-                        }]
+                        if st.core.abort(id) {
+                            vec![Output::Failed {
+                                id,
+                                error: RequestError::KvTransfer(e),
+                            }]
+                        } else {
+                            Vec::new()
+                        }
                     }
                 };
                 st.dispatch(out);
+            }
+            SchedulerMsg::RenewHeld(transfers, reply) => {
+                let gone = st.core.renew_many(&transfers, Instant::now());
+                if !reply.is_closed() {
+                    let _ = reply.send(gone);
+                }
+            }
+            SchedulerMsg::AbortTransfer(transfer, reply) => {
+                let found = match st.core.request_of(transfer) {
+                    Some(id) => {
+                        tracing::info!(request = %id, %transfer, "hand-off aborted by the decode side");
+                        st.abort_request(id);
+                        if let Some(owner) = st.owners.remove(&id) {
+                            let _ = owner.sink.send(RequestEvent::Failed(RequestError::Aborted));
+                        }
+                        true
+                    }
+                    None => st.core.release_held(transfer),
+                };
+                if !reply.is_closed() {
+                    let _ = reply.send(found);
+                }
             }
             SchedulerMsg::ReleaseHeld(transfer, reply) => {
                 let was_held = st.core.release_held(transfer);
@@ -255,7 +288,7 @@ impl Actor for Scheduler {
                 }
             }
             SchedulerMsg::Abort(id) => {
-                if st.core.abort(id) {
+                if st.abort_request(id) {
                     tracing::debug!(request = %id, "aborted by its owner");
                     metrics::counter!(pdserve_runtime::telemetry::REQUESTS_TOTAL, "outcome" => "aborted").increment(1);
                 }
@@ -280,6 +313,7 @@ impl Actor for Scheduler {
                     for (_, w) in st.workers.iter().flatten() {
                         let _ = w.cast(WorkerMsg::Poison(reason.clone()));
                     }
+                    st.step_failed(inf.plan.step_id, inf.pushes);
                     let out = st.core.fail_step(
                         inf.plan,
                         RequestError::WorkerFailed(format!("TP rank {rank} failed: {reason}")),
@@ -311,11 +345,10 @@ impl SchedulerState {
         &mut self,
         request: NewRequest,
         sink: UnboundedSender<RequestEvent>,
-        remote: RemotePrefill,
+        source: KvSource,
         myself: ActorRef<SchedulerMsg>,
     ) {
         let id = request.id;
-        let prompt_len = request.prompt.len();
         let Some(receiver) = self.kv_receiver.clone() else {
             let _ = sink.send(RequestEvent::Failed(RequestError::BadRequest(
                 "this instance has no KV transfer engine: do_remote_prefill needs role decode"
@@ -323,12 +356,15 @@ impl SchedulerState {
             )));
             return;
         };
-        if remote.first_token as usize >= self.core_vocab() {
-            let _ = sink.send(RequestEvent::Failed(RequestError::BadRequest(
-                "kv_transfer_params.first_token_id is outside the vocabulary".into(),
-            )));
-            return;
+        if let KvSource::Held(remote) = &source {
+            if remote.first_token as usize >= self.core_vocab() {
+                let _ = sink.send(RequestEvent::Failed(RequestError::BadRequest(
+                    "kv_transfer_params.first_token_id is outside the vocabulary".into(),
+                )));
+                return;
+            }
         }
+        let (prompt, params) = (request.prompt.clone(), request.params.clone());
         match self.core.add_remote(request) {
             Ok(_) => {
                 let blocks = self.core.share_blocks(id).expect("just added");
@@ -343,13 +379,14 @@ impl SchedulerState {
                     },
                 );
                 if receiver
-                    .cast(KvReceiverMsg::Pull {
+                    .cast(KvReceiverMsg::Fetch(Box::new(crate::kv_receiver::Fetch {
                         id,
-                        remote,
+                        source,
                         blocks,
-                        prompt_len,
+                        prompt,
+                        params,
                         scheduler: myself,
-                    })
+                    })))
                     .is_err()
                 {
                     self.core.abort(id);
@@ -361,6 +398,30 @@ impl SchedulerState {
             }
             Err(e) => {
                 let _ = sink.send(RequestEvent::Failed(e));
+            }
+        }
+    }
+
+    /// Drops a request; one whose KV is still arriving has its hand-off stopped too (the
+    /// receiver tells the prefill side). Returns whether it existed.
+    fn abort_request(&mut self, id: RequestId) -> bool {
+        let receiving = matches!(
+            self.core.state(id),
+            Some(RequestState::WaitingForRemoteKv | RequestState::Transferring)
+        );
+        if receiving {
+            if let Some(r) = &self.kv_receiver {
+                let _ = r.cast(KvReceiverMsg::Abort(id));
+            }
+        }
+        self.core.abort(id)
+    }
+
+    /// A step ended without completing: the KvSender stops waiting for its layers.
+    fn step_failed(&self, step_id: u64, pushes: bool) {
+        if pushes {
+            if let Some(sender) = &self.kv_sender {
+                let _ = sender.cast(KvSenderMsg::StepFailed(step_id));
             }
         }
     }
@@ -414,6 +475,7 @@ impl SchedulerState {
             (None, Some(l)) => self.core.complete(inf.plan, l),
             (Some(e), _) => {
                 self.needs_reset = true;
+                self.step_failed(inf.plan.step_id, inf.pushes);
                 self.core.fail_step(inf.plan, RequestError::WorkerFailed(e))
             }
             (None, None) => self.core.fail_step(
@@ -441,16 +503,61 @@ impl SchedulerState {
             return;
         };
         let batch: Arc<Batch> = Arc::new(plan.batch.clone());
+        let hook = self.push_hook(&plan);
         for (_, w) in self.workers.iter().flatten() {
             let _ = w.cast(WorkerMsg::Step {
                 step_id: plan.step_id,
                 batch: batch.clone(),
+                hook: hook.clone(),
             });
         }
         self.in_flight = Some(InFlight {
             replies: vec![None; self.workers.len()],
+            pushes: hook.is_some(),
             plan,
         });
+    }
+
+    /// When `plan` computes chunks of pushed requests: tells the KvSender (before any worker
+    /// gets the step) and returns the layer hook every rank calls as each layer's K/V land in
+    /// its cache.
+    fn push_hook(&self, plan: &StepPlan) -> Option<pdserve_gpu::tp::LayerHook> {
+        let sender = self.kv_sender.clone()?;
+        let chunks: Vec<PushChunk> = self
+            .core
+            .push_chunks(plan)
+            .into_iter()
+            .map(|(transfer, blocks, start, end)| PushChunk {
+                transfer,
+                blocks,
+                start,
+                end,
+            })
+            .collect();
+        if chunks.is_empty() {
+            return None;
+        }
+        let epochs: Vec<u64> = self
+            .workers
+            .iter()
+            .map(|w| w.as_ref().map_or(0, |(e, _)| *e))
+            .collect();
+        let step_id = plan.step_id;
+        sender
+            .cast(KvSenderMsg::Step {
+                step_id,
+                epochs: epochs.clone(),
+                chunks,
+            })
+            .ok()?;
+        Some(Arc::new(move |rank, layer| {
+            let _ = sender.cast(KvSenderMsg::LayerDone {
+                step_id,
+                rank,
+                epoch: epochs.get(rank).copied().unwrap_or(0),
+                layer,
+            });
+        }))
     }
 
     fn dispatch(&mut self, outputs: Vec<Output>) {
@@ -518,7 +625,7 @@ impl SchedulerState {
                 self.owners.remove(&id);
             } else if gone {
                 // The owner went away (client disconnect): stop spending compute on it.
-                self.core.abort(id);
+                self.abort_request(id);
                 self.owners.remove(&id);
                 metrics::counter!(m::REQUESTS_TOTAL, "outcome" => "aborted").increment(1);
             }

@@ -32,7 +32,10 @@ pub enum SupervisorMsg {
 }
 
 /// Builds the HTTP handlers' shared state once the Scheduler exists.
-pub type AppStateFactory = Box<dyn FnOnce(ActorRef<SchedulerMsg>) -> AppState + Send>;
+pub type AppStateFactory = Box<
+    dyn FnOnce(ActorRef<SchedulerMsg>, Option<ActorRef<crate::kv_sender::KvSenderMsg>>) -> AppState
+        + Send,
+>;
 
 /// Everything an instance is started from.
 pub struct InstanceArgs {
@@ -128,27 +131,46 @@ impl Actor for InstanceSupervisor {
         let tp = args.worker.opts.tp;
         let comms = ThreadCollective::group(tp, pdserve_gpu::tp::COLLECTIVE_TIMEOUT);
         let mut others = Vec::new();
-        let kv_receiver = match &args.kv {
+        let (kv_receiver, kv_sender) = match &args.kv {
             Some(kv) => {
-                let name = format!("{}/kv-receiver", args.name);
-                let (r, _) = Actor::spawn_linked(
-                    Some(name.clone()),
-                    crate::kv_receiver::KvReceiver,
-                    kv.clone(),
-                    myself.get_cell(),
-                )
-                .await?;
-                others.push(Child {
+                let child = |name: String, kind: &'static str, cell: ActorCell| Child {
                     name,
-                    kind: "KvReceiver",
-                    cell: r.get_cell(),
+                    kind,
+                    cell,
                     started: Instant::now(),
                     restarts: 0,
                     last_error: None,
-                });
-                Some(r)
+                };
+                let name = format!("{}/aggregator", args.name);
+                let (agg, _) = Actor::spawn_linked(
+                    Some(name.clone()),
+                    crate::aggregator::Aggregator,
+                    (),
+                    myself.get_cell(),
+                )
+                .await?;
+                others.push(child(name, "Aggregator", agg.get_cell()));
+                let name = format!("{}/kv-sender", args.name);
+                let (sender, _) = Actor::spawn_linked(
+                    Some(name.clone()),
+                    crate::kv_sender::KvSender,
+                    (kv.clone(), agg.clone()),
+                    myself.get_cell(),
+                )
+                .await?;
+                others.push(child(name, "KvSender", sender.get_cell()));
+                let name = format!("{}/kv-receiver", args.name);
+                let (receiver, _) = Actor::spawn_linked(
+                    Some(name.clone()),
+                    crate::kv_receiver::KvReceiver,
+                    (kv.clone(), agg),
+                    myself.get_cell(),
+                )
+                .await?;
+                others.push(child(name, "KvReceiver", receiver.get_cell()));
+                (Some(receiver), Some(sender))
             }
-            None => None,
+            None => (None, None),
         };
         let sched_name = format!("{}/scheduler", args.name);
         let (scheduler, _) = Actor::spawn_linked(
@@ -160,6 +182,7 @@ impl Actor for InstanceSupervisor {
                 tp,
                 collective: comms[0].clone(),
                 kv_receiver,
+                kv_sender: kv_sender.clone(),
                 vocab_size: args.worker.config.vocab_size,
             },
             myself.get_cell(),
@@ -197,7 +220,7 @@ impl Actor for InstanceSupervisor {
             st.workers.push(child);
         }
         if let Some((bind, make_app)) = args.http {
-            let app = Arc::new(make_app(scheduler.clone()));
+            let app = Arc::new(make_app(scheduler.clone(), kv_sender));
             let name = format!("{}/http", args.name);
             let (http, _) = Actor::spawn_linked(
                 Some(name.clone()),

@@ -12,7 +12,7 @@ use crate::scheduler::SchedulerMsg;
 use pdserve_gpu::collective::ThreadCollective;
 use pdserve_gpu::config::ModelConfig;
 use pdserve_gpu::model::Batch;
-use pdserve_gpu::tp::{RankExecutor, StepCallback, TpOptions};
+use pdserve_gpu::tp::{LayerHook, RankExecutor, StepCallback, TpOptions};
 use pdserve_gpu::weights::TensorStore;
 use pdserve_runtime::memory::HostMemoryAllocator;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
@@ -27,6 +27,8 @@ pub enum WorkerMsg {
         step_id: u64,
         /// The batch.
         batch: Arc<Batch>,
+        /// Called as each layer's K/V land in this rank's cache (pushed KV hand-offs).
+        hook: Option<LayerHook>,
     },
     /// A peer rank died: fail any collective this group waits in.
     Poison(String),
@@ -112,7 +114,11 @@ impl Actor for TpWorker {
         st: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
-            WorkerMsg::Step { step_id, batch } => {
+            WorkerMsg::Step {
+                step_id,
+                batch,
+                hook,
+            } => {
                 if st.args.panic_next.swap(false, Ordering::SeqCst) {
                     panic!(
                         "injected fault: TP worker {} panics on step {step_id}",
@@ -130,7 +136,7 @@ impl Actor for TpWorker {
                         result,
                     });
                 });
-                if let Err(e) = st.executor.submit(batch, None, done) {
+                if let Err(e) = st.executor.submit(batch, hook, done) {
                     st.args.scheduler.cast(SchedulerMsg::StepDone {
                         epoch,
                         step_id,

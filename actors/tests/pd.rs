@@ -1,10 +1,13 @@
-//! Prefill/decode disaggregation between two in-process instances, driven the way a vLLM P/D
-//! proxy drives them: the prefill instance gets the request with `max_tokens: 1`,
+//! Prefill/decode disaggregation between in-process instances. Two drivers: the way a vLLM
+//! P/D proxy drives them (the prefill instance gets the request with `max_tokens: 1`,
 //! `stream: false` and `kv_transfer_params.do_remote_decode`; the decode instance gets the
-//! original request with the `kv_transfer_params` the prefill answer returned, reads the KV
-//! through the transfer engine and decodes from the prefill side's first token. Under greedy
-//! sampling the tokens must equal a colocated instance's.
+//! original request with the `kv_transfer_params` the prefill answer returned), and
+//! pdserve's proxy (one hop to decode, which drives the prefill instance in push or pull
+//! mode). Under greedy sampling the tokens must equal a colocated instance's, and every
+//! block pool returns to full after every test, faults included.
 
+use pdserve_actors::kv_receiver::TransferMode;
+use pdserve_actors::proxy::{start_proxy, ProxyArgs};
 use pdserve_actors::{Instance, InstanceOptions};
 use pdserve_gpu::loader::{load_model, ModelSource};
 use pdserve_transport::{BackendKind, TransferConfig};
@@ -22,7 +25,19 @@ async fn instance(
     transfer: Option<BackendKind>,
     lease: Duration,
 ) -> Instance {
+    instance_with(name, spec, tp, transfer, lease, |_| {}).await
+}
+
+async fn instance_with(
+    name: &str,
+    spec: &str,
+    tp: usize,
+    transfer: Option<BackendKind>,
+    lease: Duration,
+    tweak: impl FnOnce(&mut InstanceOptions),
+) -> Instance {
     let mut o = InstanceOptions::local(name, model(spec));
+    tweak(&mut o);
     o.tp = tp;
     o.kv_lease = lease;
     o.transfer = transfer.map(|b| {
@@ -304,7 +319,6 @@ fn sse_token_ids(body: &str) -> Vec<u64> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn proxy_streams_disaggregated_answers_equal_to_colocated() {
-    use pdserve_actors::proxy::{start_proxy, ProxyArgs};
     let reference = colocated_reference("small", 6).await;
     let p = instance(
         "p-proxy",
@@ -327,6 +341,7 @@ async fn proxy_streams_disaggregated_answers_equal_to_colocated() {
         prefill: vec![p.url()],
         decode: vec![d.url()],
         timeout: Duration::from_secs(30),
+        max_prefill_queue: None,
     };
     let (proxy, addr, _join) = start_proxy("proxy-test", args).await.unwrap();
     let url = format!("http://{addr}");
@@ -371,7 +386,6 @@ async fn proxy_streams_disaggregated_answers_equal_to_colocated() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn proxy_without_a_prefill_instance_answers_503() {
-    use pdserve_actors::proxy::{start_proxy, ProxyArgs};
     let d = instance(
         "d-lonely",
         "tiny",
@@ -385,6 +399,7 @@ async fn proxy_without_a_prefill_instance_answers_503() {
         prefill: vec![],
         decode: vec![d.url()],
         timeout: Duration::from_secs(5),
+        max_prefill_queue: None,
     };
     let (proxy, addr, _join) = start_proxy("proxy-503", args).await.unwrap();
     let (status, v) = post(
@@ -411,6 +426,8 @@ async fn default_model_disaggregated_tokens_equal_colocated() {
         let mut o = InstanceOptions::local(name, load());
         o.num_blocks = Some(128);
         o.transfer = transfer.map(|b| TransferConfig::new(b, name));
+        // As decode behind pdserve's proxy: layerwise push (the vLLM flow below is pull).
+        o.transfer_mode = TransferMode::Push;
         Instance::start(o)
     };
     let prompts = [
@@ -449,6 +466,38 @@ async fn default_model_disaggregated_tokens_equal_colocated() {
     }
     assert_pool_full(&p).await;
     assert_pool_full(&d).await;
+    // The same pair behind pdserve's proxy: one hop, layerwise push.
+    let args = ProxyArgs {
+        bind: "127.0.0.1:0".parse().unwrap(),
+        prefill: vec![p.url()],
+        decode: vec![d.url()],
+        timeout: Duration::from_secs(60),
+        max_prefill_queue: None,
+    };
+    let (proxy, addr, _join) = start_proxy("proxy-default", args).await.unwrap();
+    let url = format!("http://{addr}");
+    wait_healthy(&url).await;
+    let sent_before = p.kv_figures().unwrap().bytes_sent;
+    let handles: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, prompt)| {
+            let (url, b) = (url.clone(), req(prompt, i));
+            tokio::spawn(async move { post(&url, &b).await })
+        })
+        .collect();
+    for (i, h) in handles.into_iter().enumerate() {
+        let (status, v) = h.await.unwrap();
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(ids(&v), reference[i], "pushed: prompt {:?}", prompts[i]);
+    }
+    assert!(
+        p.kv_figures().unwrap().bytes_sent > sent_before,
+        "the KV was pushed"
+    );
+    assert_pool_full(&p).await;
+    assert_pool_full(&d).await;
+    proxy.stop(None);
     p.stop().await;
     d.stop().await;
 }
@@ -496,4 +545,424 @@ async fn a_dead_prefill_instance_fails_the_read_clearly_and_decode_keeps_serving
     let (status, v) = post(&d.url(), &body(0)).await;
     assert_eq!(status, 200, "{v}");
     d.stop().await;
+}
+
+/// A prefill and a decode instance behind a proxy. Prefill runs prompts in chunks of 24
+/// tokens, so chunk ends fall inside blocks of 16 (layerwise pushes of partial blocks).
+struct Cluster {
+    p: Instance,
+    d: Instance,
+    proxy: ractor::ActorRef<pdserve_actors::proxy::ProxyMsg>,
+    url: String,
+}
+
+impl Cluster {
+    async fn start(
+        tag: &str,
+        spec: &str,
+        backend: BackendKind,
+        tp: (usize, usize),
+        mode: TransferMode,
+    ) -> Self {
+        Self::start_with(tag, spec, backend, tp, mode, |_| {}, None).await
+    }
+
+    async fn start_with(
+        tag: &str,
+        spec: &str,
+        backend: BackendKind,
+        tp: (usize, usize),
+        mode: TransferMode,
+        decode_tweak: impl FnOnce(&mut InstanceOptions),
+        max_prefill_queue: Option<usize>,
+    ) -> Self {
+        let lease = Duration::from_secs(30);
+        let p = instance_with(&format!("p-{tag}"), spec, tp.0, Some(backend), lease, |o| {
+            o.max_num_batched_tokens = 24;
+        })
+        .await;
+        let d = instance_with(&format!("d-{tag}"), spec, tp.1, Some(backend), lease, |o| {
+            o.transfer_mode = mode;
+            decode_tweak(o);
+        })
+        .await;
+        let args = ProxyArgs {
+            bind: "127.0.0.1:0".parse().unwrap(),
+            prefill: vec![p.url()],
+            decode: vec![d.url()],
+            timeout: Duration::from_secs(60),
+            max_prefill_queue,
+        };
+        let (proxy, addr, _join) = start_proxy(&format!("proxy-{tag}"), args).await.unwrap();
+        let url = format!("http://{addr}");
+        wait_healthy(&url).await;
+        Self { p, d, proxy, url }
+    }
+
+    async fn stop(self) {
+        assert_pool_full(&self.p).await;
+        assert_pool_full(&self.d).await;
+        self.proxy.stop(None);
+        self.p.stop().await;
+        self.d.stop().await;
+    }
+}
+
+/// Sends `body(i)` through the proxy, streaming when `stream`; returns the token ids.
+async fn through(url: &str, i: usize, stream: bool) -> Result<Vec<u64>, (u16, String)> {
+    let mut b = body(i);
+    b["stream"] = json!(stream);
+    let r = reqwest::Client::new()
+        .post(format!("{url}/v1/completions"))
+        .json(&b)
+        .send()
+        .await
+        .map_err(|e| (0, e.to_string()))?;
+    let status = r.status().as_u16();
+    let ctype = r.headers()["content-type"].to_str().unwrap().to_string();
+    let text = r.text().await.map_err(|e| (status, e.to_string()))?;
+    if status != 200 {
+        return Err((status, text));
+    }
+    Ok(if stream {
+        assert!(ctype.starts_with("text/event-stream"), "{ctype}");
+        sse_token_ids(&text)
+    } else {
+        ids(&serde_json::from_str(&text).unwrap())
+    })
+}
+
+async fn check_proxied(
+    spec: &str,
+    backend: BackendKind,
+    tp: (usize, usize),
+    mode: TransferMode,
+    reference: &[Vec<u64>],
+) {
+    let tag = format!("{}-{backend:?}-{}-{}-{spec}", mode.as_str(), tp.0, tp.1)
+        .to_lowercase()
+        .replace([',', '='], "_");
+    let c = Cluster::start(&tag, spec, backend, tp, mode).await;
+    let handles: Vec<_> = (0..reference.len())
+        .map(|i| {
+            let url = c.url.clone();
+            tokio::spawn(async move { through(&url, i, i % 2 == 1).await })
+        })
+        .collect();
+    for (i, h) in handles.into_iter().enumerate() {
+        let got = h
+            .await
+            .unwrap()
+            .unwrap_or_else(|e| panic!("{tag} request {i}: {e:?}"));
+        assert_eq!(got, reference[i], "{tag} request {i}");
+    }
+    // The KV went the way the mode says: written by prefill (push) or read by decode (pull).
+    let (pf, df) = (c.p.kv_figures().unwrap(), c.d.kv_figures().unwrap());
+    match mode {
+        TransferMode::Push => assert!(
+            pf.bytes_sent > 0 && df.bytes_received == 0,
+            "{tag}: {pf:?} {df:?}"
+        ),
+        TransferMode::Pull => assert!(
+            pf.bytes_sent == 0 && df.bytes_received > 0,
+            "{tag}: {pf:?} {df:?}"
+        ),
+    }
+    assert_eq!(pf.failures + df.failures, 0, "{tag}");
+    c.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxied_push_and_pull_match_colocated_on_every_backend() {
+    let reference = colocated_reference("small", 8).await;
+    for mode in [TransferMode::Push, TransferMode::Pull] {
+        for backend in [
+            BackendKind::Local,
+            BackendKind::Shm,
+            BackendKind::Tcp,
+            BackendKind::Quic,
+        ] {
+            check_proxied("small", backend, (1, 1), mode, &reference).await;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxied_heterogeneous_tp_in_both_modes() {
+    let reference = colocated_reference("small", 8).await;
+    for mode in [TransferMode::Push, TransferMode::Pull] {
+        check_proxied("small", BackendKind::Tcp, (1, 2), mode, &reference).await;
+        check_proxied("small", BackendKind::Shm, (2, 1), mode, &reference).await;
+    }
+}
+
+/// A prompt long enough that prefill runs many chunked steps (the hand-off is in flight for
+/// a while).
+fn long_body(tokens: usize, max_tokens: usize) -> Value {
+    let prompt: Vec<u32> = (0..tokens).map(|t| ((t * 13 + 7) % 250) as u32).collect();
+    json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true, "stream": true})
+}
+
+async fn assert_no_hand_off_in_flight(inst: &Instance) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while inst.kv_figures().unwrap().transfers_in_flight != 0 {
+        assert!(Instant::now() < deadline, "{:?}", inst.kv_figures());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_disconnects_during_prefill_and_decode_free_every_block() {
+    for mode in [TransferMode::Push, TransferMode::Pull] {
+        let tag = format!("gone-{}", mode.as_str());
+        let c = Cluster::start_with(
+            &tag,
+            "small,context=4096",
+            BackendKind::Tcp,
+            (1, 1),
+            mode,
+            |_| {},
+            None,
+        )
+        .await;
+        let client = reqwest::Client::new();
+        // During prefill: the client leaves while the prompt's chunks are still computed.
+        for _ in 0..3 {
+            let send = client
+                .post(format!("{}/v1/completions", c.url))
+                .json(&long_body(1500, 4))
+                .send();
+            let _ = tokio::time::timeout(Duration::from_millis(40), send).await;
+        }
+        // During decode: the client reads a few tokens, then leaves.
+        let mut r = client
+            .post(format!("{}/v1/completions", c.url))
+            .json(&long_body(40, 200))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let mut seen = 0;
+        while seen < 3 {
+            let chunk = tokio::time::timeout(Duration::from_secs(10), r.chunk())
+                .await
+                .expect("tokens keep coming")
+                .unwrap()
+                .expect("the stream is not over yet");
+            seen += String::from_utf8_lossy(&chunk).matches("data: ").count();
+        }
+        drop(r);
+        assert_no_hand_off_in_flight(&c.p).await;
+        assert_no_hand_off_in_flight(&c.d).await;
+        assert_pool_full(&c.p).await;
+        assert_pool_full(&c.d).await;
+        // Both still serve.
+        let reference = colocated_reference("small,context=4096", 1).await;
+        assert_eq!(
+            through(&c.url, 0, true).await.unwrap(),
+            reference[0],
+            "{tag}"
+        );
+        c.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abort_racing_prefill_completion_ends_in_one_clear_outcome() {
+    let reference = colocated_reference("small", 3).await;
+    for mode in [TransferMode::Push, TransferMode::Pull] {
+        let tag = format!("race-{}", mode.as_str());
+        let c = Cluster::start(&tag, "small", BackendKind::Shm, (1, 1), mode).await;
+        let port = c.p.addr().unwrap().port();
+        let (mut ok, mut aborted) = (0, 0);
+        // The abort lands before, during and after the prefill of a short prompt.
+        for (k, delay_ms) in [0u64, 1, 2, 3, 5, 8, 12, 20].into_iter().enumerate() {
+            let i = k % 3;
+            let transfer = pdserve_runtime::ids::TransferId::new_random();
+            let mut b = body(i);
+            b["kv_transfer_params"] = json!({"do_remote_prefill": true, "remote_host": "127.0.0.1",
+                "remote_port": port, "transfer_id": transfer.to_string()});
+            let d_url = c.d.url();
+            let request = tokio::spawn(async move { post(&d_url, &b).await });
+            tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+            let abort = reqwest::Client::new()
+                .post(format!("{}/v1/kv/abort", c.p.url()))
+                .json(&json!({"transfer_id": transfer.to_string()}))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(abort.status(), 200);
+            let (status, v) = request.await.unwrap();
+            match status {
+                200 => {
+                    assert_eq!(ids(&v), reference[i], "{tag} delay {delay_ms} ms");
+                    ok += 1;
+                }
+                502 => {
+                    let msg = v["error"]["message"].as_str().unwrap();
+                    assert!(
+                        msg.contains("abort") || msg.contains("not held"),
+                        "{tag}: {msg}"
+                    );
+                    aborted += 1;
+                }
+                s => panic!("{tag}: unexpected {s}: {v}"),
+            }
+            assert_pool_full(&c.p).await;
+            assert_pool_full(&c.d).await;
+        }
+        assert_eq!(ok + aborted, 8);
+        assert_no_hand_off_in_flight(&c.p).await;
+        c.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn push_handshake_refuses_mismatched_layouts_and_forged_destinations() {
+    let c = Cluster::start(
+        "push-bad",
+        "small",
+        BackendKind::Tcp,
+        (1, 1),
+        TransferMode::Push,
+    )
+    .await;
+    let other = instance_with(
+        "d-push-other",
+        "small,layers=3",
+        1,
+        Some(BackendKind::Tcp),
+        Duration::from_secs(30),
+        |o| o.transfer_mode = TransferMode::Push,
+    )
+    .await;
+    let port = c.p.addr().unwrap().port();
+    // A decode instance of another model shape: refused at the handshake.
+    let mut b = body(1);
+    b["kv_transfer_params"] =
+        json!({"do_remote_prefill": true, "remote_host": "127.0.0.1", "remote_port": port});
+    let (status, v) = post(&other.url(), &b).await;
+    assert_eq!(status, 502, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("incompatible"),
+        "{v}"
+    );
+
+    // Forged push targets sent straight to the prefill instance: refused, nothing held.
+    let info: Value = reqwest::get(format!("{}/v1/kv/info", c.d.url()))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let prompt: Vec<u32> = (0..40).collect();
+    let client = reqwest::Client::new();
+    let mut foreign = info.clone();
+    foreign["compat_key"] = json!("another model");
+    for (target, expect) in [
+        (
+            json!({"peer": info, "block_ids": [0, 1]}),
+            "need 3 destination blocks",
+        ),
+        (
+            json!({"peer": info, "block_ids": [0, 1, 99999]}),
+            "outside the peer's pool",
+        ),
+        (
+            json!({"peer": foreign, "block_ids": [0, 1, 2]}),
+            "incompatible",
+        ),
+    ] {
+        let r = client
+            .post(format!("{}/v1/kv/prefill", c.p.url()))
+            .json(&json!({"transfer_id": pdserve_runtime::ids::TransferId::new_random().to_string(),
+                "prompt_token_ids": prompt, "sampling": pdserve_gpu::sampling::SamplingParams::greedy(1),
+                "mode": "push", "target": target}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400);
+        let v: Value = r.json().await.unwrap();
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains(expect),
+            "{v}"
+        );
+    }
+    assert_pool_full(&other).await;
+    other.stop().await;
+    // Still serving.
+    let reference = colocated_reference("small", 1).await;
+    assert_eq!(through(&c.url, 0, false).await.unwrap(), reference[0]);
+    c.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn short_prompts_and_a_busy_prefill_queue_prefill_on_decode() {
+    let reference = colocated_reference("small", 4).await;
+    // body(0) has 6 prompt tokens, body(3) has 33: only the long one goes to prefill.
+    let c = Cluster::start_with(
+        "conditional",
+        "small",
+        BackendKind::Shm,
+        (1, 1),
+        TransferMode::Push,
+        |o| o.min_remote_prompt_tokens = 20,
+        None,
+    )
+    .await;
+    assert_eq!(through(&c.url, 0, false).await.unwrap(), reference[0]);
+    let f = c.p.kv_figures().unwrap();
+    assert_eq!(f.bytes_sent, 0, "a 6-token prompt stays on decode");
+    assert_eq!(through(&c.url, 3, true).await.unwrap(), reference[3]);
+    assert!(
+        c.p.kv_figures().unwrap().bytes_sent > 0,
+        "a 33-token prompt is pushed"
+    );
+    c.stop().await;
+
+    // At the proxy: a prefill queue over the threshold sends requests to decode as they are.
+    let c = Cluster::start_with(
+        "busy-prefill",
+        "small,context=4096",
+        BackendKind::Shm,
+        (1, 1),
+        TransferMode::Pull,
+        |_| {},
+        Some(0),
+    )
+    .await;
+    // Keep the prefill instance busy (a long generation) until the proxy's poll sees it.
+    let hog = reqwest::Client::new()
+        .post(format!("{}/v1/completions", c.p.url()))
+        .json(&long_body(20, 4000))
+        .send()
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let h: Value = reqwest::get(format!("{}/v1/load", c.p.url()))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        if h["running"].as_u64().unwrap_or(0) > 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the hog never ran");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    tokio::time::sleep(pdserve_actors::proxy::POLL_INTERVAL * 3).await;
+    let reference = colocated_reference("small,context=4096", 2).await;
+    assert_eq!(through(&c.url, 1, false).await.unwrap(), reference[1]);
+    assert_eq!(
+        c.d.kv_figures().unwrap().bytes_received,
+        0,
+        "decode prefilled the request itself"
+    );
+    drop(hog);
+    c.stop().await;
 }

@@ -75,7 +75,41 @@ pub struct ServeConfig {
     pub logging: LoggingConfig,
     /// KV hand-off between prefill and decode instances.
     pub transfer: TransferSection,
+    /// The control plane: registration with the proxy, heartbeats, `pdserve inspect`.
+    pub control: ControlSection,
 }
+
+/// `[control]`: this instance's control-plane endpoint (mutual-TLS QUIC). It is enabled when
+/// `transfer.credentials_dir` holds cluster credentials (the member is `instance.name`): the
+/// instance then answers `pdserve inspect` and, with `proxy` set, registers with that proxy
+/// and sends it heartbeats.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ControlSection {
+    /// Where the control endpoint listens (UDP); port 0 picks one. The instance also connects
+    /// out to the proxy from this address, so it must be one the proxy can reach.
+    #[serde(deserialize_with = "lenient::string")]
+    pub listen: String,
+    /// Control address (`IP:port`) of the proxy to register with; `None`: do not register.
+    #[serde(deserialize_with = "lenient::opt_string")]
+    pub proxy: Option<String>,
+    /// Milliseconds between heartbeats; the proxy stops routing to an instance that missed
+    /// three.
+    pub heartbeat_ms: u64,
+}
+
+impl Default for ControlSection {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:0".into(),
+            proxy: None,
+            heartbeat_ms: 500,
+        }
+    }
+}
+
+/// Bounds of `control.heartbeat_ms`.
+pub const HEARTBEAT_MS_RANGE: std::ops::RangeInclusive<u64> = 10..=60_000;
 
 /// `[transfer]`: how this instance moves KV cache to or from its P/D peers (used by the
 /// `prefill` and `decode` roles).
@@ -90,6 +124,14 @@ pub struct TransferSection {
     pub kv_lease_s: u64,
     /// Cluster credentials directory (`pdserve cluster init`), required by `quic`.
     pub credentials_dir: Option<String>,
+    /// How a decode instance asks for a prompt's KV when it drives the hand-off (requests
+    /// from pdserve's proxy): `pull` (prefill holds the blocks, decode reads them) or `push`
+    /// (decode sends its destination blocks, prefill writes each layer as it is computed).
+    #[serde(deserialize_with = "lenient::string")]
+    pub mode: String,
+    /// Decode: prompts with fewer tokens than this are prefilled on the decode instance
+    /// itself (conditional disaggregation); 0 sends every prompt to a prefill instance.
+    pub min_remote_prompt_tokens: usize,
 }
 
 impl Default for TransferSection {
@@ -99,6 +141,8 @@ impl Default for TransferSection {
             listen: "127.0.0.1:0".into(),
             kv_lease_s: 30,
             credentials_dir: None,
+            mode: "pull".into(),
+            min_remote_prompt_tokens: 0,
         }
     }
 }
@@ -322,6 +366,14 @@ pub struct ServeFlags {
     pub transfer_listen: Option<String>,
     /// `transfer.credentials_dir`.
     pub credentials_dir: Option<String>,
+    /// `transfer.mode`.
+    pub transfer_mode: Option<String>,
+    /// `transfer.min_remote_prompt_tokens`.
+    pub min_remote_prompt_tokens: Option<usize>,
+    /// `control.listen`.
+    pub control_listen: Option<String>,
+    /// `control.proxy`.
+    pub control_proxy: Option<String>,
 }
 
 /// The nested shape [`ServeFlags`] serializes into.
@@ -333,6 +385,15 @@ struct FlagsTree<'a> {
     instance: FlagsInstance<'a>,
     logging: FlagsLogging<'a>,
     transfer: FlagsTransfer<'a>,
+    control: FlagsControl<'a>,
+}
+
+#[derive(Serialize)]
+struct FlagsControl<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    listen: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    proxy: Option<&'a str>,
 }
 
 #[derive(Serialize)]
@@ -343,6 +404,10 @@ struct FlagsTransfer<'a> {
     listen: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     credentials_dir: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    mode: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    min_remote_prompt_tokens: Option<usize>,
 }
 
 #[derive(Serialize)]
@@ -427,6 +492,12 @@ impl Serialize for ServeFlags {
                 backend: self.transfer.as_deref(),
                 listen: self.transfer_listen.as_deref(),
                 credentials_dir: self.credentials_dir.as_deref(),
+                mode: self.transfer_mode.as_deref(),
+                min_remote_prompt_tokens: self.min_remote_prompt_tokens,
+            },
+            control: FlagsControl {
+                listen: self.control_listen.as_deref(),
+                proxy: self.control_proxy.as_deref(),
             },
         }
         .serialize(serializer)
@@ -672,6 +743,46 @@ impl ServeConfig {
         }
         if self.transfer.kv_lease_s == 0 {
             return invalid("transfer.kv_lease_s", "transfer.kv_lease_s must be > 0");
+        }
+        if !matches!(self.transfer.mode.as_str(), "push" | "pull") {
+            return invalid(
+                "transfer.mode",
+                format!(
+                    "transfer.mode must be push or pull, got `{}`",
+                    self.transfer.mode
+                ),
+            );
+        }
+        let ctl = &self.control;
+        if ctl.listen.parse::<std::net::SocketAddr>().is_err() {
+            return invalid(
+                "control.listen",
+                format!("control.listen must be an IP:port, got `{}`", ctl.listen),
+            );
+        }
+        if let Some(proxy) = &ctl.proxy {
+            match proxy.parse::<std::net::SocketAddr>() {
+                Ok(a) if a.port() != 0 => {}
+                _ => {
+                    return invalid(
+                        "control.proxy",
+                        format!(
+                        "control.proxy must be the proxy's control address IP:port, got `{proxy}`"
+                    ),
+                    )
+                }
+            }
+        }
+        if !HEARTBEAT_MS_RANGE.contains(&ctl.heartbeat_ms) {
+            return invalid(
+                "control.heartbeat_ms",
+                format!(
+                    "control.heartbeat_ms must be between {} and {}, got {}",
+                    HEARTBEAT_MS_RANGE.start(),
+                    HEARTBEAT_MS_RANGE.end(),
+                    ctl.heartbeat_ms
+                ),
+            );
         }
         let m = &self.model;
         if m.source.trim().is_empty() {
@@ -998,8 +1109,16 @@ mod tests {
                 transfer: Some("tcp".into()),
                 transfer_listen: Some("127.0.0.1:7000".into()),
                 credentials_dir: Some("/tmp/creds".into()),
+                transfer_mode: Some("push".into()),
+                min_remote_prompt_tokens: Some(64),
+                control_listen: Some("127.0.0.1:7100".into()),
+                control_proxy: Some("127.0.0.1:7000".into()),
             };
             let c = ServeConfig::load(None, &flags).unwrap();
+            assert_eq!(c.transfer.mode, "push");
+            assert_eq!(c.transfer.min_remote_prompt_tokens, 64);
+            assert_eq!(c.control.listen, "127.0.0.1:7100");
+            assert_eq!(c.control.proxy.as_deref(), Some("127.0.0.1:7000"));
             assert_eq!(c.transfer.backend, "tcp");
             assert_eq!(c.transfer.listen, "127.0.0.1:7000");
             assert_eq!(c.transfer.credentials_dir.as_deref(), Some("/tmp/creds"));
@@ -1192,6 +1311,15 @@ mod tests {
             }),
             ("instance.name", |c| c.instance.name = "a b".into()),
             ("logging.filter", |c| c.logging.filter = "info,[[[".into()),
+            ("control.listen", |c| c.control.listen = "anywhere".into()),
+            ("control.proxy", |c| {
+                c.control.proxy = Some("proxy:7000".into())
+            }),
+            ("control.proxy", |c| {
+                c.control.proxy = Some("127.0.0.1:0".into())
+            }),
+            ("control.heartbeat_ms", |c| c.control.heartbeat_ms = 0),
+            ("control.heartbeat_ms", |c| c.control.heartbeat_ms = 600_000),
         ];
         for (needle, mutate) in cases {
             let mut c = ServeConfig::default();
@@ -1242,7 +1370,9 @@ mod tests {
                     | "instance.name"
                     | "transfer.credentials_dir" => "abc",
                     "transfer.backend" => "tcp",
-                    "transfer.listen" => "127.0.0.1:9999",
+                    "transfer.mode" => "push",
+                    "transfer.min_remote_prompt_tokens" => "64",
+                    "transfer.listen" | "control.listen" | "control.proxy" => "127.0.0.1:9999",
                     "model.weights" => "q8_0",
                     "instance.role" => "prefill",
                     "logging.filter" => "warn",

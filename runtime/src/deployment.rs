@@ -7,13 +7,14 @@
 //! name = "demo"
 //! model = "default"        # every instance serves this model
 //! transport = "tcp"        # KV transfer backend between instances
-//! # credentials_dir = "/etc/pdserve/cluster"   # from `pdserve cluster init` (quic)
+//! # credentials_dir = "/etc/pdserve/cluster"   # from `pdserve cluster init` (quic, control plane)
 //!
 //! [[node]]
 //! name = "proxy"
 //! role = "proxy"
 //! host = "10.0.0.1"        # the address it binds and peers use
 //! port = 8000
+//! # control_port = 7000    # control plane (UDP); required with credentials_dir
 //!
 //! [[node]]
 //! name = "prefill-0"
@@ -28,6 +29,11 @@
 //! host = "10.0.0.3"
 //! port = 8100
 //! ```
+//!
+//! With `cluster.credentials_dir` set, every node gets a control-plane endpoint (mutual-TLS
+//! QUIC, member certificate = node name): the proxy listens on `host:control_port`, and every
+//! instance registers with it there and sends heartbeats, so `pdserve inspect
+//! host:control_port` shows the whole cluster.
 
 use crate::config::{InstanceRole, ServeFlags};
 use crate::error::ConfigError;
@@ -46,9 +52,23 @@ pub struct ClusterSection {
     /// KV transfer backend between instances.
     #[serde(default = "default_transport")]
     pub transport: String,
-    /// Cluster credentials directory (required by `quic`).
+    /// Cluster credentials directory (required by `quic`); also enables the control plane
+    /// (registration, heartbeats, `pdserve inspect`).
     #[serde(default)]
     pub credentials_dir: Option<String>,
+    /// KV transfer mode between prefill and decode: `pull` or `push` (layerwise).
+    #[serde(default = "default_mode")]
+    pub mode: String,
+    /// Conditional disaggregation on decode: prompts shorter than this prefill locally.
+    #[serde(default)]
+    pub min_remote_prompt_tokens: usize,
+    /// Conditional disaggregation at the proxy: above this prefill queue, decode prefills.
+    #[serde(default)]
+    pub max_prefill_queue: Option<usize>,
+}
+
+fn default_mode() -> String {
+    "pull".into()
 }
 
 fn default_model() -> String {
@@ -89,6 +109,11 @@ pub struct NodeSection {
     /// Compute threads (instances; default: all cores).
     #[serde(default)]
     pub threads: Option<usize>,
+    /// Control-plane UDP port (used with `cluster.credentials_dir`): required on the proxy,
+    /// where instances register and `pdserve inspect` connects; optional on an instance
+    /// (default: a free port).
+    #[serde(default)]
+    pub control_port: Option<u16>,
 }
 
 fn one() -> usize {
@@ -153,6 +178,15 @@ impl Deployment {
                 ),
             );
         }
+        if !matches!(self.cluster.mode.as_str(), "push" | "pull") {
+            return invalid(
+                "cluster.mode",
+                format!(
+                    "cluster.mode must be push or pull, got `{}`",
+                    self.cluster.mode
+                ),
+            );
+        }
         if self.cluster.transport == "quic" && self.cluster.credentials_dir.is_none() {
             return invalid(
                 "cluster.credentials_dir",
@@ -189,6 +223,19 @@ impl Deployment {
                     count(NodeRole::Proxy)
                 ),
             );
+        }
+        if self.cluster.credentials_dir.is_some() {
+            if let Some(proxy) = self.nodes.iter().find(|n| n.role == NodeRole::Proxy) {
+                if proxy.control_port.is_none_or(|p| p == 0) {
+                    return invalid(
+                        "node.control_port",
+                        format!(
+                            "proxy node `{}` needs a control_port (non-zero) when cluster.credentials_dir is set: instances register there",
+                            proxy.name
+                        ),
+                    );
+                }
+            }
         }
         if count(NodeRole::Prefill) == 0 || count(NodeRole::Decode) == 0 {
             return invalid(
@@ -230,8 +277,17 @@ impl Deployment {
             .collect()
     }
 
+    /// The proxy's control address (`host:control_port`), when the cluster has credentials
+    /// and the proxy a control port.
+    pub fn proxy_control_addr(&self) -> Option<String> {
+        self.cluster.credentials_dir.as_ref()?;
+        let proxy = self.nodes.iter().find(|n| n.role == NodeRole::Proxy)?;
+        Some(format!("{}:{}", proxy.host, proxy.control_port?))
+    }
+
     /// The serve flags an instance node runs with (the deployment file is their top layer).
     pub fn instance_flags(&self, node: &NodeSection) -> ServeFlags {
+        let control = self.cluster.credentials_dir.is_some();
         ServeFlags {
             model: Some(self.cluster.model.clone()),
             tp: Some(node.tp),
@@ -245,6 +301,11 @@ impl Deployment {
             transfer: Some(self.cluster.transport.clone()),
             transfer_listen: Some(format!("{}:0", node.host)),
             credentials_dir: self.cluster.credentials_dir.clone(),
+            transfer_mode: Some(self.cluster.mode.clone()),
+            min_remote_prompt_tokens: Some(self.cluster.min_remote_prompt_tokens),
+            control_listen: control
+                .then(|| format!("{}:{}", node.host, node.control_port.unwrap_or(0))),
+            control_proxy: self.proxy_control_addr(),
             ..ServeFlags::default()
         }
     }
@@ -293,8 +354,46 @@ port = 8200
             (Some(2), Some(8100), Some(InstanceRole::Prefill))
         );
         assert_eq!(flags.transfer.as_deref(), Some("tcp"));
+        assert_eq!(
+            flags.control_proxy, None,
+            "no credentials, no control plane"
+        );
+        assert_eq!(flags.control_listen, None);
         let e = d.node("nope").unwrap_err().to_string();
         assert!(e.contains("prefill-0"), "{e}");
+    }
+
+    #[test]
+    fn credentials_give_the_proxy_a_control_address_and_instances_register_there() {
+        let text = GOOD
+            .replace(
+                "transport = \"tcp\"",
+                "transport = \"tcp\"\ncredentials_dir = \"/etc/pdserve/demo\"",
+            )
+            .replace("port = 8000", "port = 8000\ncontrol_port = 7000")
+            .replace("port = 8200", "port = 8200\ncontrol_port = 7200");
+        let d = Deployment::parse(&text, "test").unwrap();
+        assert_eq!(d.proxy_control_addr().as_deref(), Some("127.0.0.1:7000"));
+        let p = d.instance_flags(d.node("prefill-0").unwrap());
+        assert_eq!(p.control_proxy.as_deref(), Some("127.0.0.1:7000"));
+        assert_eq!(p.control_listen.as_deref(), Some("127.0.0.1:0"));
+        assert_eq!(p.credentials_dir.as_deref(), Some("/etc/pdserve/demo"));
+        let dd = d.instance_flags(d.node("decode-0").unwrap());
+        assert_eq!(dd.control_listen.as_deref(), Some("127.0.0.1:7200"));
+        // The flags make a valid instance config (no environment layer: tests run in parallel).
+        use figment::providers::Serialized;
+        let figment =
+            figment::Figment::from(Serialized::defaults(crate::config::ServeConfig::default()))
+                .merge(Serialized::defaults(&p));
+        let c = crate::config::ServeConfig::from_figment(&figment).unwrap();
+        assert_eq!(c.control.proxy.as_deref(), Some("127.0.0.1:7000"));
+
+        let missing = GOOD.replace(
+            "transport = \"tcp\"",
+            "transport = \"tcp\"\ncredentials_dir = \"/etc/pdserve/demo\"",
+        );
+        let e = Deployment::parse(&missing, "test").unwrap_err().to_string();
+        assert!(e.contains("control_port"), "{e}");
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! Supervision's pure core: restart budgets ([`RestartTracker`]), the [`Epoch`] fence for
-//! stale reports, and the supervision-tree snapshot that `pdserve inspect` draws
-//! ([`InstanceSnapshot`], [`render_tree`]).
+//! stale reports, and the supervision-tree snapshots that `pdserve inspect` draws
+//! ([`InstanceSnapshot`] and [`render_tree`] for one instance, [`ClusterSnapshot`] and
+//! [`render_cluster`] for a proxy and every instance registered with it).
 //!
 //! Nothing here touches tokio or ractor: a supervisor actor feeds the tracker the time of each
 //! child failure and acts on the returned [`RestartDecision`]; the snapshot types are plain
@@ -239,13 +240,95 @@ pub struct InstanceSnapshot {
     pub kv_blocks_total: usize,
     /// KV blocks free.
     pub kv_blocks_free: usize,
+    /// KV blocks held by requests (`kv_blocks_total - kv_blocks_free`).
+    #[serde(default)]
+    pub kv_blocks_used: usize,
+    /// Running requests preempted (and queued for recompute) since the instance started.
+    #[serde(default)]
+    pub preemptions: u64,
+    /// KV hand-offs under way now (prefill: held for a decode instance; decode: being read).
+    #[serde(default)]
+    pub transfers_in_flight: u64,
+    /// KV bytes this instance sent to peers since it started.
+    #[serde(default)]
+    pub bytes_sent: u64,
+    /// KV bytes this instance received from peers since it started.
+    #[serde(default)]
+    pub bytes_received: u64,
+    /// KV hand-offs that failed since the instance started.
+    #[serde(default)]
+    pub transfer_failures: u64,
     /// The root of the supervision tree.
     pub actors: ActorSnapshot,
+}
+
+/// The proxy's own part of a [`ClusterSnapshot`].
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct ProxySnapshot {
+    /// The proxy's node name (its member certificate's name).
+    pub node: String,
+    /// The cluster name every member shares.
+    pub cluster: String,
+    /// The proxy's HTTP API (`http://host:port`).
+    pub url: String,
+    /// Where its control plane listens (`pdserve inspect` connects here).
+    pub control_addr: String,
+    /// Instances registered over the control plane (routable or not).
+    pub registered: usize,
+    /// Prefill instances requests can be routed to now.
+    pub routable_prefill: usize,
+    /// Decode instances requests can be routed to now.
+    pub routable_decode: usize,
+    /// Control connections refused since the proxy started (no or foreign credentials).
+    pub refused_connections: u64,
+    /// The proxy's actors.
+    pub actors: ActorSnapshot,
+}
+
+/// What the proxy could learn of one registered instance.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "lowercase")]
+pub enum MemberStatus {
+    /// Its live snapshot, fetched over its control connection.
+    Snapshot(Box<InstanceSnapshot>),
+    /// Why no snapshot could be fetched (connection closed, timeout, bad answer).
+    Unreachable(String),
+}
+
+/// One registered instance as the proxy sees it. In JSON the status is flattened: a member
+/// carries either `"snapshot": {..}` or `"unreachable": "<reason>"`.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct ClusterMember {
+    /// Node name it registered under.
+    pub node: String,
+    /// `prefill`, `decode` or `colocated`.
+    pub role: String,
+    /// Its HTTP API.
+    pub url: String,
+    /// Its control-plane address.
+    pub control_addr: String,
+    /// Whether the proxy routes requests to it now (connected, heartbeats on time).
+    pub routable: bool,
+    /// Seconds since its last heartbeat (or registration).
+    pub last_heartbeat_s: f64,
+    /// Its snapshot, or why there is none.
+    #[serde(flatten)]
+    pub status: MemberStatus,
+}
+
+/// A whole cluster as its proxy sees it: the proxy and every registered instance.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct ClusterSnapshot {
+    /// The proxy.
+    pub proxy: ProxySnapshot,
+    /// Registered instances, in registration order.
+    pub instances: Vec<ClusterMember>,
 }
 
 const ANSI_RESET: &str = "\x1b[0m";
 const ANSI_BOLD: &str = "\x1b[1m";
 const ANSI_RED: &str = "\x1b[31m";
+const ANSI_GREEN: &str = "\x1b[32m";
 
 /// Draws `snap` as a pstree-like tree: a header line with the instance's figures, then one
 /// line per actor (`name [kind] state restarts=N mailbox=N up T`, plus `error: ...` when it
@@ -259,7 +342,8 @@ pub fn render_tree(snap: &InstanceSnapshot, color: bool) -> String {
     };
     let _ = writeln!(
         out,
-        "{bold}{}{reset} role={} model={} tp={} waiting={} running={} kv_blocks={}/{} free",
+        "{bold}{}{reset} role={} model={} tp={} waiting={} running={} kv_blocks={}/{} free \
+         preemptions={} transfers_in_flight={} sent={} received={} transfer_failures={}",
         snap.instance,
         snap.role,
         snap.model,
@@ -268,8 +352,76 @@ pub fn render_tree(snap: &InstanceSnapshot, color: bool) -> String {
         snap.running,
         snap.kv_blocks_free,
         snap.kv_blocks_total,
+        snap.preemptions,
+        snap.transfers_in_flight,
+        format_bytes(snap.bytes_sent),
+        format_bytes(snap.bytes_received),
+        snap.transfer_failures,
     );
     render_actor(&mut out, &snap.actors, "", None, color);
+    out
+}
+
+/// Draws a whole cluster: a header line with the proxy's figures, the proxy's actor tree,
+/// then one branch per registered instance (its registration line, then [`render_tree`] of
+/// its snapshot, or `unreachable: <reason>`). With `color`, routing state, actor states and
+/// errors get ANSI colours.
+pub fn render_cluster(snap: &ClusterSnapshot, color: bool) -> String {
+    let (bold, reset, green, red) = if color {
+        (ANSI_BOLD, ANSI_RESET, ANSI_GREEN, ANSI_RED)
+    } else {
+        ("", "", "", "")
+    };
+    let p = &snap.proxy;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "cluster {bold}{}{reset} proxy={} http={} control={} registered={} \
+         routable_prefill={} routable_decode={} refused_connections={}",
+        p.cluster,
+        p.node,
+        p.url,
+        p.control_addr,
+        p.registered,
+        p.routable_prefill,
+        p.routable_decode,
+        p.refused_connections,
+    );
+    render_actor(&mut out, &p.actors, "", None, color);
+    let n = snap.instances.len();
+    for (i, m) in snap.instances.iter().enumerate() {
+        let last = i + 1 == n;
+        let (branch, indent) = if last {
+            ("└── ", "    ")
+        } else {
+            ("├── ", "│   ")
+        };
+        let routing = if m.routable {
+            format!("{green}routable{reset}")
+        } else {
+            format!("{red}not routable{reset}")
+        };
+        let _ = writeln!(
+            out,
+            "{branch}{bold}{}{reset} ({}) {routing} heartbeat {} ago http={} control={}",
+            m.node,
+            m.role,
+            format_uptime(m.last_heartbeat_s),
+            m.url,
+            m.control_addr,
+        );
+        match &m.status {
+            MemberStatus::Snapshot(s) => {
+                for line in render_tree(s, color).lines() {
+                    let _ = writeln!(out, "{indent}{line}");
+                }
+            }
+            MemberStatus::Unreachable(reason) => {
+                let one_line = reason.replace(['\n', '\r'], " ");
+                let _ = writeln!(out, "{indent}{red}unreachable: {one_line}{reset}");
+            }
+        }
+    }
     out
 }
 
@@ -318,6 +470,21 @@ fn render_actor(
     for (i, child) in actor.children.iter().enumerate() {
         render_actor(out, child, &child_prefix, Some(i + 1 == n), color);
     }
+}
+
+/// `512B`, `1.5KiB`, `20.0MiB`, `3.2GiB`.
+fn format_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
+    if bytes < 1024 {
+        return format!("{bytes}B");
+    }
+    let mut value = bytes as f64 / 1024.0;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    format!("{value:.1}{}", UNITS[unit])
 }
 
 /// `12.3s`, `4m05s`, `2h03m`; non-finite or negative shows as `-`.
@@ -511,14 +678,131 @@ mod tests {
             running: 7,
             kv_blocks_total: 512,
             kv_blocks_free: 300,
+            kv_blocks_used: 212,
+            preemptions: 1,
+            transfers_in_flight: 2,
+            bytes_sent: 3 << 20,
+            bytes_received: 0,
+            transfer_failures: 0,
             actors: root,
         }
+    }
+
+    fn cluster() -> ClusterSnapshot {
+        let mut decode = sample();
+        decode.instance = "decode-0".into();
+        decode.role = "decode".into();
+        decode.actors = actor(
+            "decode-0",
+            "InstanceSupervisor",
+            ActorState::Running,
+            vec![],
+        );
+        ClusterSnapshot {
+            proxy: ProxySnapshot {
+                node: "proxy".into(),
+                cluster: "demo".into(),
+                url: "http://127.0.0.1:8000".into(),
+                control_addr: "127.0.0.1:7000".into(),
+                registered: 2,
+                routable_prefill: 0,
+                routable_decode: 1,
+                refused_connections: 3,
+                actors: actor("proxy", "Proxy", ActorState::Running, vec![]),
+            },
+            instances: vec![
+                ClusterMember {
+                    node: "decode-0".into(),
+                    role: "decode".into(),
+                    url: "http://127.0.0.1:8200".into(),
+                    control_addr: "127.0.0.1:7002".into(),
+                    routable: true,
+                    last_heartbeat_s: 0.2,
+                    status: MemberStatus::Snapshot(Box::new(decode)),
+                },
+                ClusterMember {
+                    node: "prefill-0".into(),
+                    role: "prefill".into(),
+                    url: "http://127.0.0.1:8100".into(),
+                    control_addr: "127.0.0.1:7001".into(),
+                    routable: false,
+                    last_heartbeat_s: 75.0,
+                    status: MemberStatus::Unreachable("control connection closed\nby peer".into()),
+                },
+            ],
+        }
+    }
+
+    #[test]
+    fn render_cluster_golden_without_color() {
+        let expected = "\
+cluster demo proxy=proxy http=http://127.0.0.1:8000 control=127.0.0.1:7000 registered=2 routable_prefill=0 routable_decode=1 refused_connections=3
+proxy [Proxy] running restarts=0 mailbox=0 up 12.3s
+├── decode-0 (decode) routable heartbeat 0.2s ago http=http://127.0.0.1:8200 control=127.0.0.1:7002
+│   decode-0 role=decode model=smollm2-135m tp=2 waiting=4 running=7 kv_blocks=300/512 free preemptions=1 transfers_in_flight=2 sent=3.0MiB received=0B transfer_failures=0
+│   decode-0 [InstanceSupervisor] running restarts=0 mailbox=0 up 12.3s
+└── prefill-0 (prefill) not routable heartbeat 1m15s ago http=http://127.0.0.1:8100 control=127.0.0.1:7001
+    unreachable: control connection closed by peer
+";
+        let got = render_cluster(&cluster(), false);
+        assert_eq!(got, expected, "\n{got}");
+        let colored = render_cluster(&cluster(), true);
+        assert!(colored.contains("\x1b[32mroutable\x1b[0m"), "{colored}");
+        assert!(colored.contains("\x1b[31mnot routable\x1b[0m"), "{colored}");
+        assert!(
+            colored.contains("\x1b[31munreachable: control"),
+            "{colored}"
+        );
+    }
+
+    #[test]
+    fn cluster_json_flattens_member_status_and_round_trips() {
+        let snap = cluster();
+        let v = serde_json::to_value(&snap).unwrap();
+        assert_eq!(v["instances"][1]["node"], "prefill-0");
+        assert_eq!(
+            v["instances"][1]["unreachable"],
+            "control connection closed\nby peer"
+        );
+        assert!(v["instances"][1].get("snapshot").is_none(), "{v}");
+        assert_eq!(
+            v["instances"][0]["snapshot"]["actors"]["kind"],
+            "InstanceSupervisor"
+        );
+        assert!(v["instances"][0].get("unreachable").is_none(), "{v}");
+        let back: ClusterSnapshot = serde_json::from_value(v).unwrap();
+        assert_eq!(back, snap);
+    }
+
+    #[test]
+    fn instance_snapshot_without_the_newer_figures_still_parses() {
+        let mut v = serde_json::to_value(sample()).unwrap();
+        for key in [
+            "kv_blocks_used",
+            "preemptions",
+            "transfers_in_flight",
+            "bytes_sent",
+            "bytes_received",
+            "transfer_failures",
+        ] {
+            v.as_object_mut().unwrap().remove(key);
+        }
+        let back: InstanceSnapshot = serde_json::from_value(v).unwrap();
+        assert_eq!((back.preemptions, back.bytes_sent), (0, 0));
+    }
+
+    #[test]
+    fn bytes_format() {
+        assert_eq!(format_bytes(0), "0B");
+        assert_eq!(format_bytes(1023), "1023B");
+        assert_eq!(format_bytes(1536), "1.5KiB");
+        assert_eq!(format_bytes(5 << 30), "5.0GiB");
     }
 
     #[test]
     fn render_tree_golden_without_color() {
         let expected = "\
-instance-0 role=prefill model=smollm2-135m tp=2 waiting=4 running=7 kv_blocks=300/512 free
+instance-0 role=prefill model=smollm2-135m tp=2 waiting=4 running=7 kv_blocks=300/512 free preemptions=1 transfers_in_flight=2 sent=3.0MiB received=0B transfer_failures=0
 instance-0 [InstanceSupervisor] running restarts=0 mailbox=0 up 12.3s
 ├── scheduler [Scheduler] running restarts=0 mailbox=3 up 12.3s
 │   ├── tp-worker-0 [TpWorker] running restarts=0 mailbox=0 up 12.3s

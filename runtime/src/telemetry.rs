@@ -43,6 +43,55 @@ pub const PROMPT_TOKENS_TOTAL: &str = "pdserve_prompt_tokens_total";
 /// Counter: actor restarts by supervisors, labelled [`LABEL_ACTOR`].
 pub const ACTOR_RESTARTS_TOTAL: &str = "pdserve_actor_restarts_total";
 
+/// Counter: KV hand-off handshakes (a peer's layout fetched and validated).
+pub const KV_HANDSHAKES_TOTAL: &str = "pdserve_kv_handshakes_total";
+/// Counter: KV hand-offs that failed (either side), labelled [`LABEL_KIND`].
+pub const KV_TRANSFER_FAILURES_TOTAL: &str = "pdserve_kv_transfer_failures_total";
+/// Counter: KV bytes moved by this instance's hand-offs, labelled [`LABEL_DIRECTION`].
+pub const KV_TRANSFER_BYTES_TOTAL: &str = "pdserve_kv_transfer_bytes_total";
+/// Histogram: seconds one KV hand-off took, from its start to its last byte (decode: from the
+/// request's arrival; prefill push: from the hand-off's registration), labelled [`LABEL_MODE`].
+pub const KV_TRANSFER_SECONDS: &str = "pdserve_kv_transfer_seconds";
+/// Label of [`KV_TRANSFER_FAILURES_TOTAL`]: `timeout`, `peer_gone`, `handshake`,
+/// `lease_expired`, `invalid_blocks`, `aborted`, `refused`, `transfer`.
+pub const LABEL_KIND: &str = "kind";
+/// Label of [`KV_TRANSFER_BYTES_TOTAL`]: `sent` or `received`.
+pub const LABEL_DIRECTION: &str = "direction";
+/// Label of [`KV_TRANSFER_SECONDS`]: `push` or `pull`.
+pub const LABEL_MODE: &str = "mode";
+
+/// The [`LABEL_KIND`] of a KV hand-off failure, from its message.
+pub fn kv_failure_kind(message: &str) -> &'static str {
+    let m = message.to_ascii_lowercase();
+    if m.contains("aborted") {
+        "aborted"
+    } else if m.contains("timed out") || m.contains("did not finish") || m.contains("timeout") {
+        "timeout"
+    } else if m.contains("incompatible") || m.contains("layout") {
+        "handshake"
+    } else if m.contains("expired") {
+        "lease_expired"
+    } else if m.contains("block") && (m.contains("invalid") || m.contains("outside")) {
+        "invalid_blocks"
+    } else if m.contains("connect")
+        || m.contains("peer")
+        || m.contains("sending request")
+        || m.contains("gone")
+        || m.contains("closed")
+    {
+        "peer_gone"
+    } else if m.contains("refused") || m.contains("(4") {
+        "refused"
+    } else {
+        "transfer"
+    }
+}
+/// Counter: requests a decode instance prefilled itself instead of remotely (conditional
+/// disaggregation), labelled [`LABEL_REASON`].
+pub const LOCAL_PREFILLS_TOTAL: &str = "pdserve_local_prefills_total";
+/// Label of [`LOCAL_PREFILLS_TOTAL`]: why (`short_prompt`, `prefill_queue`).
+pub const LABEL_REASON: &str = "reason";
+
 /// Label of [`REQUESTS_TOTAL`]: how a request ended (`ok`, `aborted`, `timeout`, an error's
 /// `kind()`, ...).
 pub const LABEL_OUTCOME: &str = "outcome";
@@ -194,6 +243,27 @@ fn describe_and_register() {
         "Running sequences preempted to free KV blocks."
     );
     describe_counter!(REQUESTS_TOTAL, "Finished requests by outcome.");
+    describe_counter!(
+        KV_HANDSHAKES_TOTAL,
+        "KV hand-off handshakes: a peer's KV layout fetched and validated."
+    );
+    describe_counter!(
+        KV_TRANSFER_FAILURES_TOTAL,
+        "KV hand-offs that failed, by kind."
+    );
+    describe_counter!(
+        KV_TRANSFER_BYTES_TOTAL,
+        "KV bytes moved by hand-offs, by direction (sent, received)."
+    );
+    describe_histogram!(
+        KV_TRANSFER_SECONDS,
+        Unit::Seconds,
+        "Duration of one KV hand-off, by mode (push, pull)."
+    );
+    describe_counter!(
+        LOCAL_PREFILLS_TOTAL,
+        "Requests prefilled on the decode instance itself (conditional disaggregation), by reason."
+    );
     describe_counter!(GENERATED_TOKENS_TOTAL, "Output tokens generated.");
     describe_counter!(PROMPT_TOKENS_TOTAL, "Prompt tokens processed.");
     describe_counter!(
@@ -202,6 +272,7 @@ fn describe_and_register() {
     );
 
     for name in [
+        KV_TRANSFER_SECONDS,
         TIME_TO_FIRST_TOKEN_SECONDS,
         TIME_PER_OUTPUT_TOKEN_SECONDS,
         INTER_TOKEN_LATENCY_SECONDS,
@@ -256,6 +327,35 @@ pub fn install_panic_hook() {
 mod tests {
     use super::*;
     use std::io::Write;
+
+    #[test]
+    fn kv_failures_are_classified_by_kind() {
+        for (msg, kind) in [
+            ("aborted", "aborted"),
+            ("connecting to 127.0.0.1:1 timed out", "timeout"),
+            ("incompatible peer p: it serves `x`", "handshake"),
+            (
+                "KV layout mismatch with p: rank 0 has 3 layers",
+                "handshake",
+            ),
+            (
+                "the KV lease of transfer 00 expired before the read finished",
+                "lease_expired",
+            ),
+            (
+                "invalid block ids: remote block 9 is outside the peer's pool",
+                "invalid_blocks",
+            ),
+            (
+                "remote prefill at http://x: error sending request",
+                "peer_gone",
+            ),
+            ("KV transfer refused: no", "refused"),
+            ("checksum", "transfer"),
+        ] {
+            assert_eq!(kv_failure_kind(msg), kind, "{msg}");
+        }
+    }
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::{Arc, Mutex};
 

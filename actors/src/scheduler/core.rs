@@ -44,6 +44,9 @@ pub struct NewRequest {
     /// Prefill side of P/D: keep the prompt's blocks after finishing, under a lease, for a
     /// decode instance to read (`kv_transfer_params.do_remote_decode`).
     pub hold_for: Option<TransferId>,
+    /// Push mode of P/D: the KvSender writes each chunk's KV to a decode instance as the
+    /// forward pass computes it (see [`SchedulerCore::push_chunks`]). Needs `hold_for`.
+    pub push: bool,
 }
 
 /// What the scheduler tells a request's owner.
@@ -125,6 +128,7 @@ pub enum RequestState {
 
 struct Seq {
     hold_for: Option<TransferId>,
+    push: bool,
     state: RequestState,
     prompt: Vec<u32>,
     gen: Generation,
@@ -222,6 +226,7 @@ impl SchedulerCore {
         }
         let seq = Seq {
             hold_for: req.hold_for,
+            push: req.push && req.hold_for.is_some(),
             state: RequestState::Waiting,
             gen: Generation::new(&req.params, &self.tokenizer),
             prompt: req.prompt,
@@ -333,6 +338,37 @@ impl SchedulerCore {
             keep
         });
         before - self.held.len()
+    }
+
+    /// Renews the leases of several hand-offs at once; returns those no longer held.
+    pub fn renew_many(&mut self, transfers: &[TransferId], now: Instant) -> Vec<TransferId> {
+        transfers
+            .iter()
+            .copied()
+            .filter(|&t| !self.renew_held(t, now))
+            .collect()
+    }
+
+    /// The request working for hand-off `transfer` (prefill side), if it is still running.
+    pub fn request_of(&self, transfer: TransferId) -> Option<RequestId> {
+        self.seqs
+            .iter()
+            .find(|(_, s)| s.hold_for == Some(transfer))
+            .map(|(&id, _)| id)
+    }
+
+    /// The prompt chunks of pushed requests that `plan` computes: `(transfer, a share of the
+    /// request's blocks, first position, one past the last)`. Call before [`Self::complete`].
+    pub fn push_chunks(&self, plan: &StepPlan) -> Vec<(TransferId, BlockAllocation, usize, usize)> {
+        plan.members
+            .iter()
+            .filter_map(|&(id, n, _)| {
+                let s = self.seqs.get(&id)?;
+                let transfer = s.hold_for.filter(|_| s.push)?;
+                let end = (s.computed + n).min(s.prompt.len());
+                (s.computed < end).then(|| (transfer, s.blocks.share(), s.computed, end))
+            })
+            .collect()
     }
 
     /// Hand-offs currently held.
@@ -597,6 +633,7 @@ mod tests {
             prompt: (0..prompt_len as u32).map(|t| 97 + t % 20).collect(),
             params,
             hold_for: None,
+            push: false,
         }
     }
 

@@ -1,0 +1,623 @@
+//! An instance's side of the control plane: its mutual-TLS QUIC endpoint (see
+//! `pdserve_transport::control`), what it answers there, and its registration with a proxy.
+//!
+//! - **Answers** (on every control connection, accepted or opened by the instance):
+//!   `Opaque` topic [`TOPIC_INSPECT`] → the JSON of this instance's [`InstanceSnapshot`] (live
+//!   supervision tree, queue, KV block and transfer figures). Anything else is answered with
+//!   `ControlMessage::Error` kind `unsupported`.
+//! - **Registration** (when a proxy address is configured): the instance connects to the proxy,
+//!   sends `Opaque` topic [`TOPIC_REGISTER`] with a JSON [`Registration`] (node, role, HTTP API
+//!   URL, control address, heartbeat interval), then a `Heartbeat` with its scheduler's
+//!   [`LoadFigures`] every interval. When the connection breaks (the proxy restarted, the
+//!   network failed) it reconnects with exponential backoff and registers again. The proxy asks
+//!   for `inspect` over the same connection, so it needs no route back to the instance.
+//! - A heartbeat reflects the scheduler's health: when the scheduler does not answer its stats
+//!   in time, no heartbeat is sent, and the proxy stops routing to this instance after
+//!   [`MISSED_HEARTBEATS_TO_DROP`] intervals.
+//!
+//! This is not an actor: it is a few tasks owned by [`ControlPlane`] (the accept loop, the
+//! registration loop, one task per connection and one per request), started by
+//! `Instance::start` after the supervision tree is up and stopped when the [`ControlPlane`] is
+//! shut down or dropped. Every wait is bounded; a request handler never blocks the connection's
+//! receive loop (each answer is built on a task of its own).
+
+use crate::kv_receiver::KvContext;
+use crate::scheduler::SchedulerMsg;
+use crate::supervisor::SupervisorMsg;
+use pdserve_runtime::config::{InstanceRole, ServeConfig};
+use pdserve_runtime::supervision::InstanceSnapshot;
+use pdserve_runtime::wire::{ControlMessage, ErrorMessage, Heartbeat, LoadFigures, Role};
+use pdserve_transport::control::tls::MemberCredentials;
+use pdserve_transport::control::{ControlConfig, ControlConnection, ControlEndpoint};
+use ractor::ActorRef;
+use serde::{Deserialize, Serialize};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// `Opaque` topic asking a member for its live snapshot (instance: [`InstanceSnapshot`];
+/// proxy: `ClusterSnapshot`), answered with the same topic and the snapshot's JSON.
+pub const TOPIC_INSPECT: &str = "inspect";
+/// `Opaque` topic of an instance registering with a proxy (body: JSON [`Registration`]).
+pub const TOPIC_REGISTER: &str = "register";
+/// `Opaque` topic of the proxy's answer to a registration.
+pub const TOPIC_REGISTERED: &str = "registered";
+/// Heartbeat intervals an instance may miss before the proxy stops routing to it.
+pub const MISSED_HEARTBEATS_TO_DROP: u32 = 3;
+/// Bound on building one inspect answer (supervisor and scheduler queries).
+pub const INSPECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// Longest pause between reconnect attempts to the proxy.
+pub const MAX_RECONNECT_DELAY: Duration = Duration::from_secs(2);
+
+/// What an instance tells the proxy when it registers.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct Registration {
+    /// Node name; must equal the name the connection's greeting announced.
+    pub node: String,
+    /// `prefill`, `decode` or `colocated`.
+    pub role: InstanceRole,
+    /// The instance's OpenAI-compatible HTTP API (`http://host:port`).
+    pub url: String,
+    /// Its control-plane address (`IP:port`).
+    pub control_addr: String,
+    /// Milliseconds between its heartbeats.
+    pub heartbeat_ms: u64,
+}
+
+impl Registration {
+    /// Checks a registration received from the peer `peer_node` (peer-supplied metadata is
+    /// validated before it is used).
+    ///
+    /// # Errors
+    /// A message naming the first bad field.
+    pub fn validate(&self, peer_node: &str) -> Result<(), String> {
+        if self.node.is_empty()
+            || self
+                .node
+                .chars()
+                .any(|c| c.is_whitespace() || c.is_control())
+        {
+            return Err(format!("invalid node name {:?}", self.node));
+        }
+        if self.node != peer_node {
+            return Err(format!(
+                "registration for node `{}` on the control connection of `{peer_node}`",
+                self.node
+            ));
+        }
+        let url = reqwest::Url::parse(&self.url)
+            .map_err(|e| format!("url {:?} does not parse: {e}", self.url))?;
+        if url.scheme() != "http" || url.host().is_none() || url.port_or_known_default().is_none() {
+            return Err(format!("url {:?} must be http://host:port", self.url));
+        }
+        self.control_addr
+            .parse::<SocketAddr>()
+            .map_err(|e| format!("control_addr {:?}: {e}", self.control_addr))?;
+        let range = pdserve_runtime::config::HEARTBEAT_MS_RANGE;
+        if !range.contains(&self.heartbeat_ms) {
+            return Err(format!(
+                "heartbeat_ms {} is outside {}..={}",
+                self.heartbeat_ms,
+                range.start(),
+                range.end()
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The control-plane role an instance announces in its greeting.
+pub fn wire_role(role: InstanceRole) -> Role {
+    match role {
+        InstanceRole::Prefill => Role::Prefill,
+        InstanceRole::Decode => Role::Decode,
+        InstanceRole::Colocated => Role::Colocated,
+    }
+}
+
+/// An instance's control-plane settings ([`crate::InstanceOptions::control`]).
+#[derive(Clone, Debug)]
+pub struct InstanceControl {
+    /// This member's certificate (its node name is the instance name).
+    pub credentials: MemberCredentials,
+    /// Where the endpoint listens (UDP); also the source of connections to the proxy.
+    pub listen: SocketAddr,
+    /// The proxy's control address to register with; `None`: answer `inspect` only.
+    pub proxy: Option<SocketAddr>,
+    /// Time between heartbeats.
+    pub heartbeat: Duration,
+    /// The role the instance registers as.
+    pub role: InstanceRole,
+}
+
+impl InstanceControl {
+    /// Settings with the defaults of `[control]`: listen on `127.0.0.1:0`, no proxy, a
+    /// heartbeat every 500 ms.
+    pub fn new(credentials: MemberCredentials, role: InstanceRole) -> Self {
+        let defaults = pdserve_runtime::config::ControlSection::default();
+        Self {
+            credentials,
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            proxy: None,
+            heartbeat: Duration::from_millis(defaults.heartbeat_ms),
+            role,
+        }
+    }
+
+    /// The settings of a loaded config: `Some` when `transfer.credentials_dir` is set (the
+    /// member is `instance.name`).
+    ///
+    /// # Errors
+    /// When the credentials cannot be loaded or an address does not parse, naming the key.
+    pub fn from_config(cfg: &ServeConfig) -> Result<Option<Self>, String> {
+        let Some(dir) = &cfg.transfer.credentials_dir else {
+            if let Some(proxy) = &cfg.control.proxy {
+                return Err(format!(
+                    "control.proxy is {proxy} but transfer.credentials_dir is not set: registering with a proxy needs cluster credentials (pdserve cluster init)"
+                ));
+            }
+            return Ok(None);
+        };
+        let credentials = MemberCredentials::load(std::path::Path::new(dir), &cfg.instance.name)
+            .map_err(|e| {
+                format!(
+                    "transfer.credentials_dir: no usable member credentials for `{}` in {dir}: {e}",
+                    cfg.instance.name
+                )
+            })?;
+        let listen = cfg
+            .control
+            .listen
+            .parse()
+            .map_err(|e| format!("control.listen: {e}"))?;
+        let proxy = cfg
+            .control
+            .proxy
+            .as_deref()
+            .map(|p| p.parse().map_err(|e| format!("control.proxy: {e}")))
+            .transpose()?;
+        Ok(Some(Self {
+            credentials,
+            listen,
+            proxy,
+            heartbeat: Duration::from_millis(cfg.control.heartbeat_ms),
+            role: cfg.instance.role,
+        }))
+    }
+}
+
+/// What an inspect answer is built from (handles into the running instance).
+#[derive(Clone)]
+pub(crate) struct InspectSource {
+    pub(crate) name: String,
+    pub(crate) role: InstanceRole,
+    pub(crate) model: String,
+    pub(crate) tp: usize,
+    pub(crate) supervisor: ActorRef<SupervisorMsg>,
+    pub(crate) scheduler: ActorRef<SchedulerMsg>,
+    pub(crate) kv: Option<Arc<KvContext>>,
+}
+
+/// KV hand-off figures of an instance (zeros without a transfer engine).
+fn kv_figures(kv: Option<&KvContext>) -> crate::kv_receiver::KvFigures {
+    kv.map(KvContext::figures).unwrap_or_default()
+}
+
+impl InspectSource {
+    /// The live snapshot: the supervisor's tree and the scheduler's figures (each query
+    /// bounded).
+    pub(crate) async fn snapshot(&self) -> Result<InstanceSnapshot, String> {
+        let actors = ractor::call_t!(self.supervisor, SupervisorMsg::Snapshot, 2_000)
+            .map_err(|e| format!("the instance supervisor did not answer: {e}"))?;
+        let stats = crate::supervisor::scheduler_stats(&self.scheduler)
+            .await
+            .map_err(|e| format!("the scheduler did not answer: {e}"))?;
+        let kv = kv_figures(self.kv.as_deref());
+        Ok(InstanceSnapshot {
+            instance: self.name.clone(),
+            role: self.role.as_str().to_string(),
+            model: self.model.clone(),
+            tp: self.tp,
+            waiting: stats.waiting,
+            running: stats.running,
+            kv_blocks_total: stats.blocks_total,
+            kv_blocks_free: stats.blocks_free,
+            kv_blocks_used: stats.blocks_total.saturating_sub(stats.blocks_free),
+            preemptions: stats.preemptions,
+            transfers_in_flight: kv.transfers_in_flight,
+            bytes_sent: kv.bytes_sent,
+            bytes_received: kv.bytes_received,
+            transfer_failures: kv.failures,
+            actors,
+        })
+    }
+
+    /// Heartbeat load figures from the scheduler (bounded by `within`).
+    async fn load(&self, within: Duration) -> Result<LoadFigures, String> {
+        let stats =
+            tokio::time::timeout(within, crate::supervisor::scheduler_stats(&self.scheduler))
+                .await
+                .map_err(|_| format!("the scheduler did not answer within {within:?}"))?
+                .map_err(|e| format!("the scheduler did not answer: {e}"))?;
+        let sat = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+        Ok(LoadFigures {
+            running: sat(stats.running),
+            waiting: sat(stats.waiting),
+            free_blocks: stats.blocks_free as u64,
+            total_blocks: stats.blocks_total as u64,
+        })
+    }
+}
+
+fn error_answer(kind: &str, message: impl Into<String>) -> ControlMessage {
+    ControlMessage::Error(ErrorMessage {
+        kind: kind.to_string(),
+        message: message.into(),
+    })
+}
+
+/// Answers the requests that arrive on `conn` until it closes. Each answer is built on its
+/// own task, so a slow snapshot never holds up the next request.
+async fn serve_requests(conn: Arc<ControlConnection>, source: InspectSource) {
+    while let Some(incoming) = conn.recv().await {
+        // One-way messages (a peer's heartbeats) carry nothing an instance acts on.
+        let Some(responder) = incoming.responder else {
+            continue;
+        };
+        let source = source.clone();
+        tokio::spawn(async move {
+            let answer = match incoming.message {
+                ControlMessage::Opaque { topic, .. } if topic == TOPIC_INSPECT => {
+                    match tokio::time::timeout(INSPECT_TIMEOUT, source.snapshot()).await {
+                        Ok(Ok(snap)) => match serde_json::to_vec(&snap) {
+                            Ok(body) => ControlMessage::Opaque {
+                                topic: TOPIC_INSPECT.into(),
+                                body,
+                            },
+                            Err(e) => error_answer("internal", e.to_string()),
+                        },
+                        Ok(Err(e)) => error_answer("inspect_failed", e),
+                        Err(_) => error_answer(
+                            "timeout",
+                            format!("the snapshot took longer than {INSPECT_TIMEOUT:?}"),
+                        ),
+                    }
+                }
+                ControlMessage::Opaque { topic, .. } => {
+                    error_answer("unsupported", format!("unknown topic {topic:?}"))
+                }
+                other => error_answer(
+                    "unsupported",
+                    format!("an instance does not answer {}", message_name(&other)),
+                ),
+            };
+            if let Err(e) = responder.respond(answer).await {
+                tracing::debug!(error = %e, "control answer not delivered");
+            }
+        });
+    }
+}
+
+/// The variant name of a message, for error texts.
+pub(crate) fn message_name(m: &ControlMessage) -> &'static str {
+    match m {
+        ControlMessage::Hello(_) => "Hello",
+        ControlMessage::Heartbeat(_) => "Heartbeat",
+        ControlMessage::GetRegisteredMemory => "GetRegisteredMemory",
+        ControlMessage::RegisteredMemory { .. } => "RegisteredMemory",
+        ControlMessage::Notify { .. } => "Notify",
+        ControlMessage::Ping { .. } => "Ping",
+        ControlMessage::Pong { .. } => "Pong",
+        ControlMessage::Error(_) => "Error",
+        ControlMessage::Opaque { .. } => "Opaque",
+    }
+}
+
+/// Counters and switches shared by the control plane's tasks.
+#[derive(Default)]
+struct Shared {
+    registrations: AtomicU64,
+    heartbeats: AtomicU64,
+    paused: AtomicBool,
+}
+
+/// A running instance control plane. Dropping it (or [`ControlPlane::shutdown`]) closes the
+/// endpoint and every connection, so a proxy sees this instance leave at once.
+pub struct ControlPlane {
+    endpoint: Arc<ControlEndpoint>,
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for ControlPlane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ControlPlane")
+            .field("addr", &self.addr)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ControlPlane {
+    /// Binds the endpoint, starts answering, and (with a proxy configured) starts registering
+    /// and heartbeating. Must run inside a tokio runtime.
+    pub(crate) fn start(
+        ctl: InstanceControl,
+        source: InspectSource,
+        api_url: Option<String>,
+    ) -> Result<Self, String> {
+        if ctl.credentials.node() != source.name {
+            return Err(format!(
+                "control plane: the member credentials are for `{}`, the instance is `{}`",
+                ctl.credentials.node(),
+                source.name
+            ));
+        }
+        let config = ControlConfig {
+            listen: ctl.listen,
+            role: wire_role(ctl.role),
+            ..ControlConfig::default()
+        };
+        let endpoint = Arc::new(
+            ControlEndpoint::bind(&ctl.credentials, config)
+                .map_err(|e| format!("control plane: cannot listen on {}: {e}", ctl.listen))?,
+        );
+        let addr = endpoint
+            .local_addr()
+            .map_err(|e| format!("control plane: {e}"))?;
+        let shared = Arc::new(Shared::default());
+        let mut tasks = Vec::new();
+        let (ep, src) = (endpoint.clone(), source.clone());
+        tasks.push(tokio::spawn(async move {
+            while let Some(conn) = ep.accept().await {
+                tokio::spawn(serve_requests(Arc::new(conn), src.clone()));
+            }
+        }));
+        if let Some(proxy) = ctl.proxy {
+            let url = api_url.ok_or_else(|| {
+                "control plane: registering with a proxy needs the HTTP API (no bind address)"
+                    .to_string()
+            })?;
+            let registration = Registration {
+                node: source.name.clone(),
+                role: ctl.role,
+                url,
+                control_addr: addr.to_string(),
+                heartbeat_ms: ctl.heartbeat.as_millis() as u64,
+            };
+            tasks.push(tokio::spawn(register_and_heartbeat(
+                endpoint.clone(),
+                proxy,
+                registration,
+                ctl.heartbeat,
+                source,
+                shared.clone(),
+            )));
+        }
+        tracing::info!(%addr, proxy = ?ctl.proxy, "control plane listening");
+        Ok(Self {
+            endpoint,
+            addr,
+            shared,
+            tasks,
+        })
+    }
+
+    /// Where the endpoint listens.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Successful registrations with the proxy so far (1 + re-registrations).
+    pub fn registrations(&self) -> u64 {
+        self.shared.registrations.load(Ordering::Relaxed)
+    }
+
+    /// Heartbeats sent so far.
+    pub fn heartbeats(&self) -> u64 {
+        self.shared.heartbeats.load(Ordering::Relaxed)
+    }
+
+    /// Fault hook for tests and drills: while paused, no heartbeat is sent (the connection
+    /// stays open), as when the instance hangs.
+    pub fn set_heartbeats_paused(&self, paused: bool) {
+        self.shared.paused.store(paused, Ordering::SeqCst);
+    }
+
+    /// Stops every task and closes the endpoint and its connections.
+    pub fn shutdown(&self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+        self.endpoint.close();
+    }
+}
+
+impl Drop for ControlPlane {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// Sends the registration and checks the proxy's answer.
+async fn register(conn: &ControlConnection, registration: &Registration) -> Result<(), String> {
+    let body = serde_json::to_vec(registration).map_err(|e| e.to_string())?;
+    match conn
+        .request(ControlMessage::Opaque {
+            topic: TOPIC_REGISTER.into(),
+            body,
+        })
+        .await
+    {
+        Ok(ControlMessage::Opaque { topic, .. }) if topic == TOPIC_REGISTERED => Ok(()),
+        Ok(other) => Err(format!(
+            "the proxy answered the registration with {}",
+            message_name(&other)
+        )),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Connect, register, heartbeat until the connection breaks; then again, with backoff.
+async fn register_and_heartbeat(
+    endpoint: Arc<ControlEndpoint>,
+    proxy: SocketAddr,
+    registration: Registration,
+    interval: Duration,
+    source: InspectSource,
+    shared: Arc<Shared>,
+) {
+    let initial_delay = interval.min(Duration::from_millis(100));
+    let mut delay = initial_delay;
+    let mut last_error: Option<String> = None;
+    let mut seq = 0u64;
+    loop {
+        let attempt = async {
+            let conn = Arc::new(endpoint.connect(proxy).await.map_err(|e| e.to_string())?);
+            // Answer the proxy's requests (inspect) on this connection, from before we register.
+            let server = tokio::spawn(serve_requests(conn.clone(), source.clone()));
+            match register(&conn, &registration).await {
+                Ok(()) => Ok((conn, server)),
+                Err(e) => {
+                    server.abort();
+                    conn.close();
+                    Err(format!("registration refused: {e}"))
+                }
+            }
+        };
+        let (conn, server) = match attempt.await {
+            Ok(ok) => ok,
+            Err(e) => {
+                // Log a new failure loudly, a repeated one quietly.
+                if last_error.as_deref() != Some(e.as_str()) {
+                    tracing::warn!(%proxy, error = %e, "cannot register with the proxy; retrying");
+                } else {
+                    tracing::debug!(%proxy, error = %e, "cannot register with the proxy; retrying");
+                }
+                last_error = Some(e);
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(MAX_RECONNECT_DELAY);
+                continue;
+            }
+        };
+        shared.registrations.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(%proxy, node = %registration.node, "registered with the proxy");
+        delay = initial_delay;
+        last_error = None;
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        while conn.is_alive() {
+            tick.tick().await;
+            if shared.paused.load(Ordering::SeqCst) {
+                continue;
+            }
+            let load = match source.load(interval.max(Duration::from_millis(200))).await {
+                Ok(l) => l,
+                Err(e) => {
+                    tracing::warn!(error = %e, "heartbeat skipped");
+                    continue;
+                }
+            };
+            seq += 1;
+            let hb = Heartbeat {
+                node: registration.node.clone(),
+                seq,
+                load,
+            };
+            let send = conn.send(ControlMessage::Heartbeat(hb));
+            match tokio::time::timeout(interval.max(Duration::from_millis(200)), send).await {
+                Ok(Ok(())) => {
+                    shared.heartbeats.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(Err(e)) => tracing::debug!(%proxy, error = %e, "heartbeat not sent"),
+                Err(_) => tracing::debug!(%proxy, "heartbeat not sent in time"),
+            }
+        }
+        server.abort();
+        tracing::warn!(%proxy, "control connection to the proxy lost; reconnecting");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn registration() -> Registration {
+        Registration {
+            node: "decode-0".into(),
+            role: InstanceRole::Decode,
+            url: "http://127.0.0.1:8200".into(),
+            control_addr: "127.0.0.1:7200".into(),
+            heartbeat_ms: 500,
+        }
+    }
+
+    #[test]
+    fn config_enables_the_control_plane_only_with_credentials() {
+        let mut cfg = ServeConfig::default();
+        assert!(InstanceControl::from_config(&cfg).unwrap().is_none());
+        cfg.control.proxy = Some("127.0.0.1:7000".into());
+        let e = InstanceControl::from_config(&cfg).unwrap_err();
+        assert!(e.contains("transfer.credentials_dir"), "{e}");
+
+        let dir = tempfile::tempdir().unwrap();
+        pdserve_transport::control::tls::init_cluster(dir.path(), "cfg-test").unwrap();
+        pdserve_transport::control::tls::issue_member(dir.path(), "decode-7").unwrap();
+        cfg.transfer.credentials_dir = Some(dir.path().display().to_string());
+        cfg.instance.name = "decode-7".into();
+        cfg.instance.role = InstanceRole::Decode;
+        cfg.control.listen = "127.0.0.1:7107".into();
+        cfg.control.heartbeat_ms = 250;
+        let ctl = InstanceControl::from_config(&cfg).unwrap().unwrap();
+        assert_eq!(ctl.credentials.node(), "decode-7");
+        assert_eq!(ctl.credentials.cluster(), "cfg-test");
+        assert_eq!(ctl.listen, "127.0.0.1:7107".parse::<SocketAddr>().unwrap());
+        assert_eq!(
+            ctl.proxy,
+            Some("127.0.0.1:7000".parse::<SocketAddr>().unwrap())
+        );
+        assert_eq!(ctl.heartbeat, Duration::from_millis(250));
+        assert_eq!(ctl.role, InstanceRole::Decode);
+
+        cfg.instance.name = "decode-8".into();
+        let e = InstanceControl::from_config(&cfg).unwrap_err();
+        assert!(
+            e.contains("no usable member credentials for `decode-8`"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn registration_json_uses_lowercase_roles_and_round_trips() {
+        let json = serde_json::to_string(&registration()).unwrap();
+        assert!(json.contains("\"role\":\"decode\""), "{json}");
+        let back: Registration = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, registration());
+    }
+
+    #[test]
+    fn registration_validation_refuses_bad_fields() {
+        registration().validate("decode-0").unwrap();
+        type Mutation = fn(&mut Registration);
+        let cases: Vec<(&str, Mutation)> = vec![
+            ("on the control connection", |r| r.node = "decode-1".into()),
+            ("invalid node name", |r| r.node = "".into()),
+            ("does not parse", |r| r.url = "not a url".into()),
+            ("http://host:port", |r| r.url = "https://127.0.0.1:1".into()),
+            ("control_addr", |r| r.control_addr = "nowhere".into()),
+            ("heartbeat_ms", |r| r.heartbeat_ms = 0),
+        ];
+        for (needle, mutate) in cases {
+            let mut r = registration();
+            mutate(&mut r);
+            let peer = if needle == "invalid node name" {
+                ""
+            } else {
+                "decode-0"
+            };
+            let e = r.validate(peer).expect_err(needle);
+            assert!(e.contains(needle), "{needle}: {e}");
+        }
+    }
+}

@@ -1,0 +1,559 @@
+//! The control plane between instances and the proxy, over loopback QUIC with mutual TLS:
+//! instances register themselves and are routed to without any static URL; one that stops
+//! heartbeating is dropped from routing and comes back; after a proxy restart every instance
+//! registers again; a stranger (credentials of another cluster CA) is refused and never
+//! registers; `inspect` through the proxy shows the proxy and every instance's actor tree,
+//! worker restarts, and an instance that left as unreachable.
+//!
+//! Every instance and proxy gets a unique name (actor names are process-global and tests run
+//! in parallel); every wait polls a condition under a deadline.
+
+use pdserve_actors::control_plane::{InstanceControl, TOPIC_INSPECT};
+use pdserve_actors::proxy::{
+    proxy_control_addr, start_proxy_with_control, ProxyArgs, ProxyControlArgs, ProxyMsg,
+};
+use pdserve_actors::{Instance, InstanceOptions};
+use pdserve_gpu::loader::{load_model, ModelSource};
+use pdserve_runtime::config::InstanceRole;
+use pdserve_runtime::supervision::{
+    ActorSnapshot, ActorState, ClusterSnapshot, InstanceSnapshot, MemberStatus,
+};
+use pdserve_runtime::wire::{ControlMessage, Role};
+use pdserve_transport::control::tls::{ClusterCredentials, MemberCredentials};
+use pdserve_transport::control::{ControlConfig, ControlEndpoint};
+use pdserve_transport::{BackendKind, TransferConfig};
+use ractor::ActorRef;
+use serde_json::{json, Value};
+use std::future::Future;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+/// Heartbeat interval of the test instances (the proxy drops one after 3 missed).
+const HEARTBEAT: Duration = Duration::from_millis(100);
+
+/// The one cluster CA of these tests.
+fn cluster() -> &'static ClusterCredentials {
+    static CLUSTER: std::sync::OnceLock<ClusterCredentials> = std::sync::OnceLock::new();
+    CLUSTER.get_or_init(|| ClusterCredentials::ephemeral("cp-test").unwrap())
+}
+
+fn member(node: &str) -> MemberCredentials {
+    cluster().issue(node).unwrap()
+}
+
+/// Polls `cond` every 50 ms until it holds; fails the test after `within`.
+async fn wait_for<F, Fut>(what: &str, within: Duration, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + within;
+    loop {
+        if cond().await {
+            return;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+struct Proxy {
+    actor: ActorRef<ProxyMsg>,
+    join: tokio::task::JoinHandle<()>,
+    url: String,
+    control: SocketAddr,
+}
+
+impl Proxy {
+    async fn stop(self) {
+        self.actor.stop(None);
+        let _ = tokio::time::timeout(Duration::from_secs(10), self.join).await;
+    }
+}
+
+/// A proxy with a control plane on `listen` and no static instance.
+async fn proxy_at(name: &str, listen: SocketAddr) -> Result<Proxy, String> {
+    let args = ProxyArgs {
+        bind: "127.0.0.1:0".parse().unwrap(),
+        prefill: Vec::new(),
+        decode: Vec::new(),
+        timeout: Duration::from_secs(30),
+        max_prefill_queue: None,
+    };
+    let control = ProxyControlArgs::new(member(name), listen);
+    let (actor, addr, join) = start_proxy_with_control(name, args, Some(control)).await?;
+    let control = proxy_control_addr(&actor)
+        .await?
+        .expect("a proxy started with control args has a control address");
+    Ok(Proxy {
+        actor,
+        join,
+        url: format!("http://{addr}"),
+        control,
+    })
+}
+
+async fn proxy(name: &str) -> Proxy {
+    proxy_at(name, "127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap()
+}
+
+/// An instance of the tiny synthetic model that registers with `proxy` as `role`.
+async fn instance(
+    name: &str,
+    role: InstanceRole,
+    proxy: SocketAddr,
+    credentials: MemberCredentials,
+    tp: usize,
+) -> Instance {
+    let model = load_model(&ModelSource::Synthetic("tiny".into())).unwrap();
+    let mut o = InstanceOptions::local(name, model);
+    o.tp = tp;
+    o.transfer = Some(TransferConfig::new(BackendKind::Local, name));
+    let mut control = InstanceControl::new(credentials, role);
+    control.proxy = Some(proxy);
+    control.heartbeat = HEARTBEAT;
+    o.control = Some(control);
+    Instance::start(o).await.unwrap()
+}
+
+async fn complete(url: &str) -> (u16, Value) {
+    let r = reqwest::Client::new()
+        .post(format!("{url}/v1/completions"))
+        .json(&json!({"prompt": [1, 2, 3, 4, 5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": true}))
+        .timeout(Duration::from_secs(30))
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    let text = r.text().await.unwrap();
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or(Value::String(text)),
+    )
+}
+
+async fn healthy(url: &str) -> bool {
+    match reqwest::get(format!("{url}/health")).await {
+        Ok(r) => r.status() == 200,
+        Err(_) => false,
+    }
+}
+
+/// Asks the member at `addr` for its snapshot, as `pdserve inspect` does: the raw JSON and
+/// the greeting's role.
+async fn inspect_raw(addr: SocketAddr, as_node: &str) -> (Role, Vec<u8>) {
+    let endpoint = ControlEndpoint::bind(
+        &member(as_node),
+        ControlConfig {
+            role: Role::Other,
+            ..ControlConfig::default()
+        },
+    )
+    .unwrap();
+    let conn = endpoint.connect(addr).await.unwrap();
+    let answer = conn
+        .request(ControlMessage::Opaque {
+            topic: TOPIC_INSPECT.into(),
+            body: Vec::new(),
+        })
+        .await
+        .unwrap();
+    match answer {
+        ControlMessage::Opaque { topic, body } if topic == TOPIC_INSPECT => {
+            (conn.peer().role, body)
+        }
+        other => panic!("inspect answered with {other:?}"),
+    }
+}
+
+async fn inspect_cluster(proxy: &Proxy) -> ClusterSnapshot {
+    let (role, body) = inspect_raw(proxy.control, "inspector").await;
+    assert_eq!(role, Role::Proxy);
+    serde_json::from_slice(&body).unwrap()
+}
+
+fn kinds(actor: &ActorSnapshot, out: &mut Vec<String>) {
+    out.push(actor.kind.clone());
+    for c in &actor.children {
+        kinds(c, out);
+    }
+}
+
+fn find<'a>(actor: &'a ActorSnapshot, name: &str) -> Option<&'a ActorSnapshot> {
+    if actor.name == name {
+        return Some(actor);
+    }
+    actor.children.iter().find_map(|c| find(c, name))
+}
+
+fn snapshot_of<'a>(snap: &'a ClusterSnapshot, node: &str) -> &'a InstanceSnapshot {
+    let m = snap
+        .instances
+        .iter()
+        .find(|m| m.node == node)
+        .unwrap_or_else(|| panic!("{node} not registered: {snap:?}"));
+    match &m.status {
+        MemberStatus::Snapshot(s) => s,
+        MemberStatus::Unreachable(why) => panic!("{node} unreachable: {why}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registered_instances_are_routed_to_without_static_urls() {
+    let px = proxy("cp-route-proxy").await;
+    assert!(!healthy(&px.url).await, "nothing registered yet");
+    let (status, v) = complete(&px.url).await;
+    assert_eq!(status, 503, "{v}");
+    let p = instance(
+        "cp-route-p",
+        InstanceRole::Prefill,
+        px.control,
+        member("cp-route-p"),
+        1,
+    )
+    .await;
+    let d = instance(
+        "cp-route-d",
+        InstanceRole::Decode,
+        px.control,
+        member("cp-route-d"),
+        1,
+    )
+    .await;
+    wait_for("both instances routable", Duration::from_secs(10), || {
+        healthy(&px.url)
+    })
+    .await;
+    for _ in 0..3 {
+        let (status, v) = complete(&px.url).await;
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["usage"]["completion_tokens"], 4, "{v}");
+    }
+    for inst in [&p, &d] {
+        let cp = inst.control_plane().unwrap();
+        assert_eq!(cp.registrations(), 1);
+        assert!(cp.heartbeats() >= 1);
+    }
+    let snap = inspect_cluster(&px).await;
+    assert_eq!(snap.proxy.registered, 2);
+    assert_eq!(
+        (snap.proxy.routable_prefill, snap.proxy.routable_decode),
+        (1, 1)
+    );
+    let m = snap
+        .instances
+        .iter()
+        .find(|m| m.node == "cp-route-d")
+        .unwrap();
+    assert_eq!(
+        (m.role.as_str(), m.url.as_str()),
+        ("decode", d.url().as_str())
+    );
+    assert_eq!(
+        m.control_addr,
+        d.control_plane().unwrap().local_addr().to_string()
+    );
+    assert!(m.routable);
+    // The requests went prefill → decode: the KV bytes moved show in the figures.
+    let (ps, ds) = (
+        snapshot_of(&snap, "cp-route-p"),
+        snapshot_of(&snap, "cp-route-d"),
+    );
+    assert!(
+        ps.bytes_sent + ds.bytes_received > 0,
+        "no KV bytes counted: {ps:?} {ds:?}"
+    );
+    assert_eq!(ps.transfer_failures + ds.transfer_failures, 0);
+    px.stop().await;
+    p.stop().await;
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_instances_are_dropped_and_a_restarted_proxy_gets_everyone_back() {
+    let px = proxy("cp-hb-proxy").await;
+    let p = instance(
+        "cp-hb-p",
+        InstanceRole::Prefill,
+        px.control,
+        member("cp-hb-p"),
+        1,
+    )
+    .await;
+    let d = instance(
+        "cp-hb-d",
+        InstanceRole::Decode,
+        px.control,
+        member("cp-hb-d"),
+        1,
+    )
+    .await;
+    wait_for("both instances routable", Duration::from_secs(10), || {
+        healthy(&px.url)
+    })
+    .await;
+
+    // The decode instance goes silent (its connection stays open): it is dropped.
+    d.control_plane().unwrap().set_heartbeats_paused(true);
+    let url = px.url.clone();
+    wait_for(
+        "the silent decode instance to be dropped",
+        Duration::from_secs(5),
+        || {
+            let url = url.clone();
+            async move {
+                let (status, v) = complete(&url).await;
+                status == 503
+                    && v["error"]["message"]
+                        .as_str()
+                        .is_some_and(|m| m.contains("no decode instance is available"))
+            }
+        },
+    )
+    .await;
+    let snap = inspect_cluster(&px).await;
+    let m = snap.instances.iter().find(|m| m.node == "cp-hb-d").unwrap();
+    assert!(!m.routable, "{m:?}");
+    assert!(m.last_heartbeat_s >= (HEARTBEAT * 3).as_secs_f64(), "{m:?}");
+    assert!(
+        matches!(m.status, MemberStatus::Snapshot(_)),
+        "still connected, so still inspectable: {m:?}"
+    );
+
+    // Heartbeats again: routed to again.
+    d.control_plane().unwrap().set_heartbeats_paused(false);
+    wait_for(
+        "the decode instance to come back",
+        Duration::from_secs(5),
+        || {
+            let url = url.clone();
+            async move { complete(&url).await.0 == 200 }
+        },
+    )
+    .await;
+
+    // The proxy restarts on the same control address: both instances register again.
+    let control = px.control;
+    px.stop().await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let px2 = loop {
+        // The old endpoint's socket is released once its connections have drained.
+        match proxy_at("cp-hb-proxy-2", control).await {
+            Ok(p) => break p,
+            Err(e) => {
+                assert!(Instant::now() < deadline, "cannot rebind {control}: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    wait_for(
+        "re-registration with the new proxy",
+        Duration::from_secs(15),
+        || healthy(&px2.url),
+    )
+    .await;
+    assert_eq!(p.control_plane().unwrap().registrations(), 2);
+    assert_eq!(d.control_plane().unwrap().registrations(), 2);
+    let (status, v) = complete(&px2.url).await;
+    assert_eq!(status, 200, "{v}");
+    px2.stop().await;
+    p.stop().await;
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_without_this_clusters_credentials_is_refused_and_never_registers() {
+    let px = proxy("cp-stranger-proxy").await;
+    // Same cluster name, another CA: a stranger.
+    let other = ClusterCredentials::ephemeral("cp-test").unwrap();
+    let s = instance(
+        "cp-stranger-d",
+        InstanceRole::Decode,
+        px.control,
+        other.issue("cp-stranger-d").unwrap(),
+        1,
+    )
+    .await;
+    wait_for(
+        "the proxy to refuse the stranger's connections",
+        Duration::from_secs(10),
+        || async { inspect_cluster(&px).await.proxy.refused_connections >= 2 },
+    )
+    .await;
+    assert_eq!(s.control_plane().unwrap().registrations(), 0);
+    assert_eq!(s.control_plane().unwrap().heartbeats(), 0);
+    let snap = inspect_cluster(&px).await;
+    assert!(snap.instances.is_empty(), "{snap:?}");
+    let (status, v) = complete(&px.url).await;
+    assert_eq!(status, 503, "{v}");
+    // A stranger tool cannot inspect either.
+    let endpoint = ControlEndpoint::bind(
+        &other.issue("cp-stranger-tool").unwrap(),
+        ControlConfig::default(),
+    )
+    .unwrap();
+    assert!(endpoint.connect(px.control).await.is_err());
+    px.stop().await;
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inspect_through_the_proxy_shows_every_tree_restarts_and_unreachable_instances() {
+    let px = proxy("cp-insp-proxy").await;
+    let p = instance(
+        "cp-insp-p",
+        InstanceRole::Prefill,
+        px.control,
+        member("cp-insp-p"),
+        2,
+    )
+    .await;
+    let d = instance(
+        "cp-insp-d",
+        InstanceRole::Decode,
+        px.control,
+        member("cp-insp-d"),
+        1,
+    )
+    .await;
+    wait_for("both instances routable", Duration::from_secs(10), || {
+        healthy(&px.url)
+    })
+    .await;
+
+    let snap = inspect_cluster(&px).await;
+    assert_eq!(snap.proxy.cluster, "cp-test");
+    assert_eq!(snap.proxy.node, "cp-insp-proxy");
+    assert_eq!(snap.proxy.url, px.url);
+    assert_eq!(snap.proxy.actors.kind, "Proxy");
+    assert_eq!(snap.proxy.actors.state, ActorState::Running);
+    assert_eq!(snap.instances.len(), 2);
+    for (node, role, tp) in [("cp-insp-p", "prefill", 2), ("cp-insp-d", "decode", 1)] {
+        let s = snapshot_of(&snap, node);
+        assert_eq!(
+            (s.instance.as_str(), s.role.as_str(), s.tp),
+            (node, role, tp)
+        );
+        assert_eq!(s.kv_blocks_total, 256);
+        assert_eq!(s.kv_blocks_used + s.kv_blocks_free, s.kv_blocks_total);
+        assert_eq!(s.actors.kind, "InstanceSupervisor");
+        let mut all = Vec::new();
+        kinds(&s.actors, &mut all);
+        for kind in ["Scheduler", "HttpFrontend"] {
+            assert!(
+                all.iter().any(|k| k == kind),
+                "{node}: no {kind} in {all:?}"
+            );
+        }
+        assert_eq!(
+            all.iter().filter(|k| *k == "TpWorker").count(),
+            tp,
+            "{node}: {all:?}"
+        );
+        assert!(
+            all.iter().any(|k| k.starts_with("Kv")),
+            "{node} has a transfer engine, so KV actors: {all:?}"
+        );
+        for c in &s.actors.children {
+            assert_eq!(c.state, ActorState::Running, "{node}: {c:?}");
+            assert_eq!(c.restarts, 0, "{node}: {c:?}");
+        }
+    }
+    // The JSON a user sees: a member carries `snapshot`, not `unreachable`.
+    let (_, raw) = inspect_raw(px.control, "inspector-json").await;
+    let v: Value = serde_json::from_slice(&raw).unwrap();
+    assert!(
+        v["instances"][0]["snapshot"]["actors"]["children"].is_array(),
+        "{v}"
+    );
+    assert!(v["instances"][0].get("unreachable").is_none(), "{v}");
+
+    // A crashed worker is restarted; the next inspect counts it.
+    p.inject_worker_panic(1);
+    let (status, v) = complete(&p.url()).await;
+    assert_eq!(status, 500, "the injected fault fails the step: {v}");
+    let worker = "cp-insp-p/tp-worker-1";
+    let restarted = std::sync::Arc::new(std::sync::Mutex::new(None));
+    wait_for(
+        "the worker's restart to show",
+        Duration::from_secs(10),
+        || {
+            let (px, restarted) = (&px, restarted.clone());
+            async move {
+                let snap = inspect_cluster(px).await;
+                let s = snapshot_of(&snap, "cp-insp-p");
+                let w = find(&s.actors, worker).cloned();
+                let done = w
+                    .as_ref()
+                    .is_some_and(|w| w.restarts == 1 && w.state == ActorState::Running);
+                *restarted.lock().unwrap() = w;
+                done
+            }
+        },
+    )
+    .await;
+    let w = restarted.lock().unwrap().clone().unwrap();
+    assert!(
+        w.last_error
+            .as_deref()
+            .is_some_and(|e| e.contains("injected")),
+        "{w:?}"
+    );
+    let snap = inspect_cluster(&px).await;
+    let other = find(
+        &snapshot_of(&snap, "cp-insp-p").actors,
+        "cp-insp-p/tp-worker-0",
+    )
+    .unwrap()
+    .clone();
+    assert_eq!(other.restarts, 0, "only rank 1 crashed: {other:?}");
+
+    // One instance straight over its own control address.
+    let (role, raw) =
+        inspect_raw(p.control_plane().unwrap().local_addr(), "inspector-direct").await;
+    assert_eq!(role, Role::Prefill);
+    let direct: InstanceSnapshot = serde_json::from_slice(&raw).unwrap();
+    assert_eq!((direct.instance.as_str(), direct.tp), ("cp-insp-p", 2));
+
+    // The decode instance goes away: inspect still answers, listing it as unreachable.
+    d.stop().await;
+    wait_for(
+        "the stopped instance to show as unreachable",
+        Duration::from_secs(10),
+        || {
+            let px = &px;
+            async move {
+                let snap = inspect_cluster(px).await;
+                let m = snap
+                    .instances
+                    .iter()
+                    .find(|m| m.node == "cp-insp-d")
+                    .expect("a stopped instance stays listed");
+                !m.routable
+                    && matches!(&m.status, MemberStatus::Unreachable(why) if why.contains("closed"))
+                    && matches!(
+                        snap.instances
+                            .iter()
+                            .find(|m| m.node == "cp-insp-p")
+                            .map(|m| &m.status),
+                        Some(MemberStatus::Snapshot(_))
+                    )
+            }
+        },
+    )
+    .await;
+    let (_, raw) = inspect_raw(px.control, "inspector-json-2").await;
+    let v: Value = serde_json::from_slice(&raw).unwrap();
+    let gone = v["instances"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["node"] == "cp-insp-d")
+        .unwrap();
+    assert!(gone["unreachable"].is_string(), "{gone}");
+    assert!(gone.get("snapshot").is_none(), "{gone}");
+    px.stop().await;
+    p.stop().await;
+}

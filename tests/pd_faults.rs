@@ -1,0 +1,233 @@
+//! Peers killed mid-transfer. Prefill and decode instances run as separate `pdserve serve`
+//! processes on 127.0.0.1; requests go to the decode instance the way pdserve's proxy sends
+//! them (`kv_transfer_params` naming the prefill instance). Prompts are long and prefill runs
+//! them in small chunks, so a hand-off is in flight for a while; one side is SIGKILLed then.
+//! The affected requests must end with a clear error, the survivor's block pool must return
+//! to full, and the survivor must keep serving.
+
+use serde_json::{json, Value};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const MODEL: &str = "synthetic:small,context=4096";
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A `pdserve serve` child, killed when dropped.
+struct Node {
+    child: Child,
+    url: String,
+    port: u16,
+}
+
+impl Node {
+    fn start(role: &str, name: &str, mode: &str) -> Self {
+        let port = free_port();
+        let child = Command::new(env!("CARGO_BIN_EXE_pdserve"))
+            .args([
+                "serve",
+                "--role",
+                role,
+                "--name",
+                name,
+                "--model",
+                MODEL,
+                "--port",
+                &port.to_string(),
+                "--transfer",
+                "tcp",
+                "--transfer-mode",
+                mode,
+                "--max-num-batched-tokens",
+                "32",
+                "--max-num-seqs",
+                "32",
+                "--threads",
+                "1",
+            ])
+            .env("PDSERVE_LOGGING__FILTER", "error")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        Self {
+            child,
+            url: format!("http://127.0.0.1:{port}"),
+            port,
+        }
+    }
+
+    async fn ready(&self) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !matches!(reqwest::get(format!("{}/health", self.url)).await, Ok(r) if r.status() == 200)
+        {
+            assert!(
+                Instant::now() < deadline,
+                "{} never became healthy",
+                self.url
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    async fn load(&self) -> Value {
+        reqwest::get(format!("{}/v1/load", self.url))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    }
+
+    /// Waits until nothing is queued or running and every block is free.
+    async fn assert_pool_full(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let l = self.load().await;
+            if l["blocks_free"] == l["blocks_total"] && l["running"] == 0 && l["waiting"] == 0 {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{} pool not back to full: {l}",
+                self.url
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Waits until the instance runs something.
+    async fn busy(&self) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while self.load().await["running"].as_u64().unwrap_or(0) == 0 {
+            assert!(
+                Instant::now() < deadline,
+                "{} never started the prefill",
+                self.url
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn request(prompt_tokens: usize, prefill_port: Option<u16>) -> Value {
+    let prompt: Vec<u32> = (0..prompt_tokens)
+        .map(|t| ((t * 31 + 3) % 250) as u32)
+        .collect();
+    let mut b = json!({"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": true});
+    if let Some(port) = prefill_port {
+        b["kv_transfer_params"] =
+            json!({"do_remote_prefill": true, "remote_host": "127.0.0.1", "remote_port": port});
+    }
+    b
+}
+
+async fn post(url: &str, body: Value) -> Result<(u16, Value), String> {
+    let r = reqwest::Client::new()
+        .post(format!("{url}/v1/completions"))
+        .timeout(Duration::from_secs(60))
+        .json(&body)
+        .send()
+        .await
+        .map_err(|e| e.to_string())?;
+    let status = r.status().as_u16();
+    let v = r.json().await.map_err(|e| e.to_string())?;
+    Ok((status, v))
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+#[test]
+fn a_decode_instance_killed_mid_push_leaves_prefill_clean_and_serving() {
+    runtime().block_on(async {
+        let p = Node::start("prefill", "kill-d-p", "push");
+        let mut d = Node::start("decode", "kill-d-d", "push");
+        p.ready().await;
+        d.ready().await;
+        let pending: Vec<_> = (0..3)
+            .map(|i| {
+                let (url, port) = (d.url.clone(), p.port);
+                tokio::spawn(async move { post(&url, request(2500 + 100 * i, Some(port))).await })
+            })
+            .collect();
+        p.busy().await;
+        d.kill();
+        for h in pending {
+            let r = h.await.unwrap();
+            assert!(
+                !matches!(r, Ok((200, _))),
+                "a request whose decode instance died cannot succeed: {r:?}"
+            );
+        }
+        p.assert_pool_full().await;
+        // The prefill instance still serves, with a new decode instance.
+        let d2 = Node::start("decode", "kill-d-d2", "push");
+        d2.ready().await;
+        let (status, v) = post(&d2.url, request(300, Some(p.port))).await.unwrap();
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["usage"]["completion_tokens"], 8);
+        p.assert_pool_full().await;
+        d2.assert_pool_full().await;
+    });
+}
+
+#[test]
+fn a_prefill_instance_killed_mid_transfer_fails_its_requests_clearly() {
+    runtime().block_on(async {
+        for mode in ["push", "pull"] {
+            let mut p = Node::start("prefill", &format!("kill-p-p-{mode}"), mode);
+            let d = Node::start("decode", &format!("kill-p-d-{mode}"), mode);
+            p.ready().await;
+            d.ready().await;
+            let started = Instant::now();
+            let pending: Vec<_> = (0..3)
+                .map(|i| {
+                    let (url, port) = (d.url.clone(), p.port);
+                    tokio::spawn(
+                        async move { post(&url, request(2500 + 100 * i, Some(port))).await },
+                    )
+                })
+                .collect();
+            p.busy().await;
+            p.kill();
+            for h in pending {
+                let (status, v) = h.await.unwrap().expect("decode answers");
+                assert_eq!(status, 502, "{mode}: {v}");
+                let msg = v["error"]["message"].as_str().unwrap();
+                assert!(msg.contains("prefill"), "{mode}: {msg}");
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(45),
+                "{mode}: failures must be timely"
+            );
+            d.assert_pool_full().await;
+            // The decode instance still serves (prefilling itself).
+            let (status, v) = post(&d.url, request(100, None)).await.unwrap();
+            assert_eq!(status, 200, "{mode}: {v}");
+            d.assert_pool_full().await;
+        }
+    });
+}

@@ -325,6 +325,7 @@ async fn run_in_process(args: LaunchArgs, threads: usize, creds: &LaunchCredenti
         decode: Vec::new(),
         timeout: Duration::from_secs(600),
         max_prefill_queue: None,
+        api_key: None,
     };
     let control = pdserve_actors::proxy::ProxyControlArgs::new(
         MemberCredentials::load(creds.dir(), "proxy")?,

@@ -248,6 +248,10 @@ struct ProxyArgs {
     /// queued or running than this, the decode instance prefills the request itself.
     #[arg(long)]
     max_prefill_queue: Option<usize>,
+    /// Bearer token clients must send (`Authorization: Bearer KEY`) on `/v1/*`; also read
+    /// from `PDSERVE_PROXY_API_KEY`.
+    #[arg(long)]
+    api_key: Option<String>,
     /// Cluster credentials directory: enables the control plane, where instances register
     /// and `pdserve inspect` connects.
     #[arg(long)]
@@ -307,6 +311,10 @@ fn proxy(args: ProxyArgs) -> Result<()> {
         decode: args.decode,
         timeout: std::time::Duration::from_secs(args.timeout_s),
         max_prefill_queue: args.max_prefill_queue,
+        api_key: args
+            .api_key
+            .clone()
+            .or_else(|| std::env::var("PDSERVE_PROXY_API_KEY").ok()),
     };
     let control = match &args.credentials_dir {
         Some(dir) => {
@@ -545,6 +553,7 @@ fn serve_node(args: ServeArgs, node_name: &str, log: Option<String>) -> Result<(
             port: node.port,
             timeout_s: 600,
             max_prefill_queue: deployment.cluster.max_prefill_queue,
+            api_key: None,
             credentials_dir: deployment.cluster.credentials_dir.as_ref().map(Into::into),
             node: node.name.clone(),
             control_listen: format!("{}:{}", node.host, node.control_port.unwrap_or(0)),

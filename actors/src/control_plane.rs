@@ -25,6 +25,7 @@ use crate::kv_receiver::KvContext;
 use crate::scheduler::SchedulerMsg;
 use crate::supervisor::SupervisorMsg;
 use pdserve_runtime::config::{InstanceRole, ServeConfig};
+use pdserve_runtime::faults::ControlFault;
 use pdserve_runtime::supervision::InstanceSnapshot;
 use pdserve_runtime::wire::{ControlMessage, ErrorMessage, Heartbeat, LoadFigures, Role};
 use pdserve_transport::control::tls::MemberCredentials;
@@ -519,6 +520,22 @@ async fn register_and_heartbeat(
                     continue;
                 }
             };
+            let faults = source.kv.as_ref().and_then(|k| k.faults.clone());
+            match faults.map_or(ControlFault::Send, |f| f.control()) {
+                ControlFault::Send => {}
+                ControlFault::Drop => continue,
+                ControlFault::Delay(d) => tokio::time::sleep(d).await,
+                ControlFault::Corrupt => {
+                    // A registration whose body does not parse: the proxy must refuse it and
+                    // keep the registration it has.
+                    let bad = ControlMessage::Opaque {
+                        topic: "register".into(),
+                        body: b"{injected fault".to_vec(),
+                    };
+                    let _ = tokio::time::timeout(interval, conn.request(bad)).await;
+                    continue;
+                }
+            }
             seq += 1;
             let hb = Heartbeat {
                 node: registration.node.clone(),

@@ -64,6 +64,10 @@ pub struct InstanceOptions {
     pub transfer_mode: crate::kv_receiver::TransferMode,
     /// As decode: prompts shorter than this are prefilled here (conditional disaggregation).
     pub min_remote_prompt_tokens: usize,
+    /// Bound on each step of a KV hand-off (handshake, connect, a batch, a lease call).
+    pub kv_timeout: Duration,
+    /// Test-only fault injection (`[faults]`).
+    pub faults: Option<Arc<pdserve_runtime::faults::FaultInjector>>,
     /// The control plane (`pdserve inspect`, registration with a proxy); `None`: no control
     /// endpoint.
     pub control: Option<crate::control_plane::InstanceControl>,
@@ -105,6 +109,8 @@ impl InstanceOptions {
             kv_lease: Duration::from_secs(cfg.transfer.kv_lease_s),
             transfer_mode: cfg.transfer.mode.parse()?,
             min_remote_prompt_tokens: cfg.transfer.min_remote_prompt_tokens,
+            kv_timeout: Duration::from_secs(cfg.transfer.timeout_s),
+            faults: pdserve_runtime::faults::FaultInjector::new(&cfg.faults),
             control: crate::control_plane::InstanceControl::from_config(cfg)?,
         })
     }
@@ -134,6 +140,8 @@ impl InstanceOptions {
             kv_lease: Duration::from_secs(30),
             transfer_mode: crate::kv_receiver::TransferMode::Pull,
             min_remote_prompt_tokens: 0,
+            kv_timeout: Duration::from_secs(30),
+            faults: None,
             control: None,
         }
     }
@@ -209,13 +217,18 @@ impl Instance {
                 format: opts.weights,
             },
             alloc: opts.alloc,
+            faults: opts.faults.clone(),
         };
         let tokenizer = model.tokenizer.clone();
         let kv = match opts.transfer {
             Some(tcfg) => {
                 let engine = pdserve_transport::TransferEngine::new(tcfg)
                     .map_err(|e| format!("transfer engine: {e}"))?;
-                let registry = crate::kv_receiver::KvRegistry::new(Arc::new(engine), opts.tp);
+                let registry = crate::kv_receiver::KvRegistry::new(
+                    Arc::new(engine),
+                    opts.tp,
+                    opts.faults.clone(),
+                );
                 let mut ctx = crate::kv_receiver::KvContext::new(
                     opts.name.clone(),
                     registry,
@@ -223,8 +236,9 @@ impl Instance {
                     opts.tp,
                     num_blocks,
                     opts.block_size,
-                    Duration::from_secs(30),
+                    opts.kv_timeout,
                 );
+                ctx.faults = opts.faults.clone();
                 ctx.mode = opts.transfer_mode;
                 ctx.min_remote_prompt_tokens = opts.min_remote_prompt_tokens;
                 ctx.lease = opts.kv_lease;

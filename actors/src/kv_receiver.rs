@@ -31,9 +31,10 @@ use crate::scheduler::SchedulerMsg;
 use pdserve_gpu::config::ModelConfig;
 use pdserve_gpu::kv::{KvDtype, KvLayout};
 use pdserve_gpu::sampling::SamplingParams;
+use pdserve_runtime::faults::{ControlFault, Fault, FaultInjector, TransferFault};
 use pdserve_runtime::ids::{RequestId, TransferId};
 use pdserve_runtime::memory::{HostMemory, HostMemoryAllocator};
-use pdserve_transport::{RegisteredRegion, Session, TransferEngine};
+use pdserve_transport::{RegisteredRegion, Session, TransferEngine, TransferOp};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -45,14 +46,20 @@ use tokio_util::sync::CancellationToken;
 pub struct KvRegistry {
     engine: Arc<TransferEngine>,
     ranks: Mutex<Vec<Vec<RegisteredRegion>>>,
+    faults: Option<Arc<FaultInjector>>,
 }
 
 impl KvRegistry {
-    /// An empty registry for `tp` ranks.
-    pub fn new(engine: Arc<TransferEngine>, tp: usize) -> Arc<Self> {
+    /// An empty registry for `tp` ranks (registrations fail as `faults` draws).
+    pub fn new(
+        engine: Arc<TransferEngine>,
+        tp: usize,
+        faults: Option<Arc<FaultInjector>>,
+    ) -> Arc<Self> {
         Arc::new(Self {
             engine,
             ranks: Mutex::new((0..tp).map(|_| Vec::new()).collect()),
+            faults,
         })
     }
 
@@ -88,6 +95,13 @@ struct RankAllocator {
 
 impl HostMemoryAllocator for RankAllocator {
     fn allocate(&self, len: usize) -> std::io::Result<Arc<dyn HostMemory>> {
+        if let Some(f) = &self.registry.faults {
+            if f.roll(Fault::RegisterFail) {
+                return Err(std::io::Error::other(
+                    "injected fault: KV memory registration failed",
+                ));
+            }
+        }
         let mem = self.registry.engine.allocator().allocate(len)?;
         let region = self
             .registry
@@ -188,6 +202,8 @@ pub struct KvContext {
     pub bytes_received: AtomicU64,
     /// Failed hand-offs.
     pub failures: AtomicU64,
+    /// Test-only fault injection at the transfer and control-message points.
+    pub faults: Option<Arc<FaultInjector>>,
     http: reqwest::Client,
     peers: tokio::sync::Mutex<HashMap<String, KvPeerInfo>>,
     sessions: tokio::sync::Mutex<HashMap<String, Arc<Session>>>,
@@ -221,6 +237,7 @@ impl KvContext {
             bytes_sent: AtomicU64::new(0),
             bytes_received: AtomicU64::new(0),
             failures: AtomicU64::new(0),
+            faults: None,
             http: reqwest::Client::builder()
                 .no_proxy()
                 .build()
@@ -370,7 +387,13 @@ impl KvContext {
         let reads = per_rank.iter().enumerate().map(|(rank, ops)| {
             let session = session.clone();
             async move {
-                let report = match session.submit(ops) {
+                let mut ops = ops.clone();
+                let faulted = self.transfer_fault(&mut ops).await;
+                let report = match faulted.and_then(|()| {
+                    session
+                        .submit(&ops)
+                        .map_err(|e| format!("KV transfer refused: {e}"))
+                }) {
                     Ok(batch) => match batch.wait(self.timeout).await {
                         Ok(()) => {
                             self.bytes_received
@@ -380,7 +403,7 @@ impl KvContext {
                         }
                         Err(e) => RankReport::Failed(format!("KV transfer failed: {e}")),
                     },
-                    Err(e) => RankReport::Failed(format!("KV transfer refused: {e}")),
+                    Err(e) => RankReport::Failed(e),
                 };
                 let _ = aggregator.cast(AggregatorMsg::Report {
                     transfer: remote.transfer_id,
@@ -406,11 +429,11 @@ impl KvContext {
 
     async fn release(&self, url: &str, transfer: TransferId) -> Result<(), String> {
         let released = self
-            .http
-            .post(format!("{url}/v1/kv/release"))
-            .timeout(self.timeout)
-            .json(&serde_json::json!({"transfer_id": transfer.to_string()}))
-            .send()
+            .control(
+                format!("{url}/v1/kv/release"),
+                serde_json::json!({"transfer_id": transfer.to_string()}),
+                self.timeout,
+            )
             .await
             .map_err(|e| format!("cannot release the KV lease at {url}: {e}"))?;
         match released.status().as_u16() {
@@ -420,16 +443,78 @@ impl KvContext {
         }
     }
 
+    /// Sends one instance-to-instance control call (bounded by `timeout`), through the
+    /// fault injector when one is configured: a dropped call is not sent and fails after
+    /// `timeout`, as a lost one would; a corrupted one carries a body that does not parse.
+    async fn control(
+        &self,
+        url: String,
+        body: serde_json::Value,
+        timeout: Duration,
+    ) -> Result<reqwest::Response, String> {
+        let mut bytes = serde_json::to_vec(&body).map_err(|e| e.to_string())?;
+        match self
+            .faults
+            .as_ref()
+            .map_or(ControlFault::Send, |f| f.control())
+        {
+            ControlFault::Send => {}
+            ControlFault::Drop => {
+                tokio::time::sleep(timeout).await;
+                return Err(format!(
+                    "{url}: timed out after {} s (injected fault: the message was dropped)",
+                    timeout.as_secs()
+                ));
+            }
+            ControlFault::Delay(d) => tokio::time::sleep(d).await,
+            ControlFault::Corrupt => bytes = b"{\"injected fault\": corrupted".to_vec(),
+        }
+        self.http
+            .post(url)
+            .timeout(timeout)
+            .header("content-type", "application/json")
+            .body(bytes)
+            .send()
+            .await
+            .map_err(|e| e.to_string())
+    }
+
+    /// Applies an injected transfer fault to a batch about to be submitted: fails it, delays
+    /// it, or points one span outside its region (the engine must refuse it).
+    ///
+    /// # Errors
+    /// The injected failure.
+    pub(crate) async fn transfer_fault(&self, ops: &mut [TransferOp]) -> Result<(), String> {
+        match self
+            .faults
+            .as_ref()
+            .map_or(TransferFault::Submit, |f| f.transfer())
+        {
+            TransferFault::Submit => Ok(()),
+            TransferFault::Fail => Err("injected fault: the KV transfer failed".into()),
+            TransferFault::Delay(d) => {
+                tokio::time::sleep(d).await;
+                Ok(())
+            }
+            TransferFault::Corrupt => {
+                if let Some(op) = ops.first_mut() {
+                    op.remote_offset = u64::MAX / 4;
+                }
+                Ok(())
+            }
+        }
+    }
+
     /// Asks the prefill instance at `url` to drop a hand-off (abort its prefill, stop its
     /// writes, free held blocks); it answers once none of its writes is in flight. Bounded.
     /// An unreachable peer is taken for dead (its writes died with it).
     async fn abort_remote(&self, url: &str, transfer: TransferId) {
         let r = self
-            .http
-            .post(format!("{url}/v1/kv/abort"))
-            .timeout(self.timeout)
-            .json(&serde_json::json!({"transfer_id": transfer.to_string()}))
-            .send()
+            .control(
+                format!("{url}/v1/kv/abort"),
+                serde_json::json!({"transfer_id": transfer.to_string()}),
+                self.timeout,
+            )
             .await;
         if let Err(e) = r {
             tracing::info!(%transfer, %url, error = %e, "the prefill instance is unreachable: taken for dead");
@@ -482,12 +567,7 @@ impl KvContext {
                 "block_ids": &local_blocks[..n],
             });
         }
-        let call = self
-            .http
-            .post(format!("{url}/v1/kv/prefill"))
-            .timeout(self.prefill_timeout)
-            .json(&body)
-            .send();
+        let call = self.control(format!("{url}/v1/kv/prefill"), body, self.prefill_timeout);
         tokio::pin!(call);
         let resp = tokio::select! {
             r = &mut call => r,
@@ -607,11 +687,11 @@ impl KvContext {
             return;
         }
         let r = self
-            .http
-            .post(format!("{url}/v1/kv/renew"))
-            .timeout(self.timeout)
-            .json(&serde_json::json!({"transfer_ids": ids}))
-            .send()
+            .control(
+                format!("{url}/v1/kv/renew"),
+                serde_json::json!({"transfer_ids": ids}),
+                self.timeout,
+            )
             .await;
         if let Err(e) = r {
             tracing::debug!(%url, error = %e, "lease renewal failed");

@@ -330,24 +330,32 @@ impl SenderState {
                     &slice,
                     Direction::Write,
                 );
-                match push.session.submit(&ops) {
-                    Ok(batch) => {
-                        push.outstanding[rank] += 1;
-                        let (me, transfer, timeout) = (myself.clone(), *transfer, self.kv.timeout);
-                        tokio::spawn(async move {
-                            let result = batch.wait(timeout).await.map_err(|e| e.to_string());
-                            let _ = me.cast(KvSenderMsg::WriteDone {
-                                transfer,
-                                rank,
-                                bytes: batch.bytes(),
-                                result,
-                            });
-                        });
-                    }
-                    Err(e) => {
-                        push.failed.get_or_insert(format!("KV write refused: {e}"));
-                    }
-                }
+                push.outstanding[rank] += 1;
+                let (me, transfer, kv, session) = (
+                    myself.clone(),
+                    *transfer,
+                    self.kv.clone(),
+                    push.session.clone(),
+                );
+                tokio::spawn(async move {
+                    let mut ops = ops;
+                    let (bytes, result) = match kv.transfer_fault(&mut ops).await {
+                        Err(e) => (0, Err(e)),
+                        Ok(()) => match session.submit(&ops) {
+                            Ok(batch) => (
+                                batch.bytes(),
+                                batch.wait(kv.timeout).await.map_err(|e| e.to_string()),
+                            ),
+                            Err(e) => (0, Err(format!("KV write refused: {e}"))),
+                        },
+                    };
+                    let _ = me.cast(KvSenderMsg::WriteDone {
+                        transfer,
+                        rank,
+                        bytes,
+                        result,
+                    });
+                });
             }
             if layer == last_layer && *end >= prompt_len {
                 push.complete[rank] = true;

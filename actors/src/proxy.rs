@@ -43,7 +43,7 @@ use crate::error::RequestError;
 use crate::openai;
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -52,6 +52,7 @@ use pdserve_runtime::supervision::{
     ActorSnapshot, ActorState, ClusterMember, ClusterSnapshot, InstanceSnapshot, MemberStatus,
     ProxySnapshot,
 };
+use pdserve_runtime::telemetry as m;
 use pdserve_runtime::wire::{ControlMessage, ErrorMessage};
 use pdserve_transport::control::tls::MemberCredentials;
 use pdserve_transport::control::{ControlConfig, ControlConnection, ControlEndpoint};
@@ -351,6 +352,7 @@ pub struct ProxyState {
     http: reqwest::Client,
     timeout: Duration,
     max_prefill_queue: Option<usize>,
+    api_key: Option<String>,
     metrics: pdserve_runtime::telemetry::MetricsHandle,
 }
 
@@ -361,8 +363,11 @@ fn error(e: RequestError) -> Response {
 
 fn router(state: Arc<ProxyState>) -> Router {
     Router::new()
-        .route("/v1/completions", post(|s, b| forward(s, b, false)))
-        .route("/v1/chat/completions", post(|s, b| forward(s, b, true)))
+        .route("/v1/completions", post(|s, h, b| forward(s, h, b, false)))
+        .route(
+            "/v1/chat/completions",
+            post(|s, h, b| forward(s, h, b, true)),
+        )
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route(
@@ -385,7 +390,10 @@ async fn health(State(s): State<Arc<ProxyState>>) -> Response {
     (status, Json(json!({"status": if status == StatusCode::OK { "ok" } else { "degraded" }, "prefill": p, "decode": d}))).into_response()
 }
 
-async fn models(State(s): State<Arc<ProxyState>>) -> Response {
+async fn models(State(s): State<Arc<ProxyState>>, headers: HeaderMap) -> Response {
+    if !authorized(&s, &headers) {
+        return unauthorized();
+    }
     let url = s
         .registry
         .lock()
@@ -412,6 +420,12 @@ async fn models(State(s): State<Arc<ProxyState>>) -> Response {
 
 /// Copies an upstream answer (status, content type, body as it arrives) to the client.
 async fn relay(resp: reqwest::Response) -> Response {
+    relay_timed(resp, None).await
+}
+
+/// [`relay`], recording the time to the first body chunk and to the end of the body from
+/// `arrived` (the proxy's view of TTFT and end-to-end latency).
+async fn relay_timed(resp: reqwest::Response, arrived: Option<Instant>) -> Response {
     let status = StatusCode::from_u16(resp.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
     let ctype = resp
         .headers()
@@ -419,20 +433,77 @@ async fn relay(resp: reqwest::Response) -> Response {
         .and_then(|v| v.to_str().ok())
         .unwrap_or("application/json")
         .to_string();
-    let stream = futures_util::stream::unfold(Some(resp), |resp| async move {
-        let mut resp = resp?;
-        match resp.chunk().await {
-            Ok(Some(bytes)) => Some((Ok::<Bytes, std::io::Error>(bytes), Some(resp))),
-            Ok(None) => None,
-            Err(e) => Some((Err(std::io::Error::other(e)), None)),
+    let mut first = arrived;
+    let stream = futures_util::stream::unfold(Some(resp), move |resp| {
+        let first_chunk = first.take();
+        async move {
+            let mut resp = resp?;
+            match resp.chunk().await {
+                Ok(Some(bytes)) => {
+                    if let Some(t) = first_chunk {
+                        metrics::histogram!(m::PROXY_TIME_TO_FIRST_BYTE_SECONDS)
+                            .record(t.elapsed().as_secs_f64());
+                    }
+                    Some((Ok::<Bytes, std::io::Error>(bytes), Some(resp)))
+                }
+                Ok(None) => None,
+                Err(e) => Some((Err(std::io::Error::other(e)), None)),
+            }
         }
     });
+    if let Some(t) = arrived {
+        let done = EndTimer(t);
+        let stream = futures_util::StreamExt::map(stream, move |chunk| {
+            let _ = &done;
+            chunk
+        });
+        return (status, [("content-type", ctype)], Body::from_stream(stream)).into_response();
+    }
     (status, [("content-type", ctype)], Body::from_stream(stream)).into_response()
 }
 
-async fn forward(State(s): State<Arc<ProxyState>>, body: Bytes, chat: bool) -> Response {
+/// Records a proxied request's end-to-end latency when its body stream is dropped (finished
+/// or abandoned by the client).
+struct EndTimer(Instant);
+
+impl Drop for EndTimer {
+    fn drop(&mut self) {
+        metrics::histogram!(m::PROXY_REQUEST_SECONDS).record(self.0.elapsed().as_secs_f64());
+    }
+}
+
+fn outcome(kind: &'static str) {
+    metrics::counter!(m::PROXY_REQUESTS_TOTAL, m::LABEL_OUTCOME => kind).increment(1);
+}
+
+fn authorized(s: &ProxyState, headers: &HeaderMap) -> bool {
+    let Some(key) = &s.api_key else { return true };
+    let given = headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    given == Some(key.as_str())
+}
+
+fn unauthorized() -> Response {
+    outcome("unauthorized");
+    let body = json!({"error": {"message": "missing or invalid API key", "type": "authentication_error", "param": null, "code": 401}});
+    (StatusCode::UNAUTHORIZED, Json(body)).into_response()
+}
+
+async fn forward(
+    State(s): State<Arc<ProxyState>>,
+    headers: HeaderMap,
+    body: Bytes,
+    chat: bool,
+) -> Response {
+    let arrived = Instant::now();
+    if !authorized(&s, &headers) {
+        return unauthorized();
+    }
     // Validate like an instance would, so bad input never reaches an upstream.
     if let Err(e) = openai::parse_request(&body, chat) {
+        outcome("invalid");
         return error(e);
     }
     let mut request: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
@@ -448,11 +519,13 @@ async fn forward(State(s): State<Arc<ProxyState>>, body: Bytes, chat: bool) -> R
         (prefill, r.pick(Role::Decode), load)
     };
     let Some(prefill) = prefill else {
+        outcome("unavailable");
         return error(RequestError::Overloaded(
             "no prefill instance is available".into(),
         ));
     };
     let Some(decode) = decode else {
+        outcome("unavailable");
         return error(RequestError::Overloaded(
             "no decode instance is available".into(),
         ));
@@ -467,6 +540,7 @@ async fn forward(State(s): State<Arc<ProxyState>>, body: Bytes, chat: bool) -> R
         request
             .as_object_mut()
             .map(|o| o.remove("kv_transfer_params"));
+        outcome("local_prefill");
     } else {
         let Some((host, port)) = host_port(&prefill) else {
             return error(RequestError::Internal(format!(
@@ -474,6 +548,7 @@ async fn forward(State(s): State<Arc<ProxyState>>, body: Bytes, chat: bool) -> R
             )));
         };
         tracing::info!(%transfer, %prefill, %decode, "routing");
+        outcome("disaggregated");
         // One hop: the decode instance allocates its blocks, asks the prefill instance for the
         // prompt's KV (push or pull, its `transfer.mode`) and streams the answer.
         request["kv_transfer_params"] = json!({
@@ -491,8 +566,9 @@ async fn forward(State(s): State<Arc<ProxyState>>, body: Bytes, chat: bool) -> R
         .send()
         .await
     {
-        Ok(r) => relay(r).await,
+        Ok(r) => relay_timed(r, Some(arrived)).await,
         Err(e) => {
+            outcome("upstream_error");
             tracing::warn!(%transfer, %decode, error = %e, "decode instance unreachable");
             error(RequestError::KvTransfer(format!(
                 "decode instance {decode}: {e}"
@@ -542,6 +618,12 @@ async fn poll_forever(state: Arc<ProxyState>) {
                 .unwrap_or_else(|e| e.into_inner())
                 .record(&url, load);
         }
+        let (p, d) = {
+            let r = state.registry.lock().unwrap_or_else(|e| e.into_inner());
+            (r.alive(Role::Prefill).len(), r.alive(Role::Decode).len())
+        };
+        metrics::gauge!(m::PROXY_INSTANCES, "role" => "prefill").set(p as f64);
+        metrics::gauge!(m::PROXY_INSTANCES, "role" => "decode").set(d as f64);
     }
 }
 
@@ -567,6 +649,8 @@ pub struct ProxyArgs {
     /// Conditional disaggregation: when the least-loaded prefill instance has more requests
     /// queued or running than this, the decode instance prefills the request itself.
     pub max_prefill_queue: Option<usize>,
+    /// Bearer token the front door requires (`/v1/*`; `/health` and `/metrics` stay open).
+    pub api_key: Option<String>,
 }
 
 /// The proxy's control plane: where instances register and `pdserve inspect` connects.
@@ -643,6 +727,7 @@ impl Actor for Proxy {
             http: reqwest::Client::builder().no_proxy().build()?,
             timeout: args.timeout,
             max_prefill_queue: args.max_prefill_queue,
+            api_key: args.api_key.clone(),
             metrics: pdserve_runtime::telemetry::install_metrics(),
         });
         // Bind the control endpoint first: if it fails, nothing else is running yet.

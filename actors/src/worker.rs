@@ -47,6 +47,8 @@ pub struct WorkerSpec {
     pub opts: TpOptions,
     /// Where KV regions come from.
     pub alloc: Arc<dyn HostMemoryAllocator>,
+    /// Test-only fault injection (worker panics).
+    pub faults: Option<Arc<pdserve_runtime::faults::FaultInjector>>,
 }
 
 /// Everything one incarnation of one rank's worker needs.
@@ -119,7 +121,13 @@ impl Actor for TpWorker {
                 batch,
                 hook,
             } => {
-                if st.args.panic_next.swap(false, Ordering::SeqCst) {
+                let injected = st
+                    .args
+                    .spec
+                    .faults
+                    .as_ref()
+                    .is_some_and(|f| f.roll(pdserve_runtime::faults::Fault::WorkerPanic));
+                if st.args.panic_next.swap(false, Ordering::SeqCst) || injected {
                     panic!(
                         "injected fault: TP worker {} panics on step {step_id}",
                         st.args.rank

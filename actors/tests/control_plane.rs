@@ -79,6 +79,7 @@ async fn proxy_at(name: &str, listen: SocketAddr) -> Result<Proxy, String> {
         decode: Vec::new(),
         timeout: Duration::from_secs(30),
         max_prefill_queue: None,
+        api_key: None,
     };
     let control = ProxyControlArgs::new(member(name), listen);
     let (actor, addr, join) = start_proxy_with_control(name, args, Some(control)).await?;

@@ -342,6 +342,7 @@ async fn proxy_streams_disaggregated_answers_equal_to_colocated() {
         decode: vec![d.url()],
         timeout: Duration::from_secs(30),
         max_prefill_queue: None,
+        api_key: None,
     };
     let (proxy, addr, _join) = start_proxy("proxy-test", args).await.unwrap();
     let url = format!("http://{addr}");
@@ -400,6 +401,7 @@ async fn proxy_without_a_prefill_instance_answers_503() {
         decode: vec![d.url()],
         timeout: Duration::from_secs(5),
         max_prefill_queue: None,
+        api_key: None,
     };
     let (proxy, addr, _join) = start_proxy("proxy-503", args).await.unwrap();
     let (status, v) = post(
@@ -473,6 +475,7 @@ async fn default_model_disaggregated_tokens_equal_colocated() {
         decode: vec![d.url()],
         timeout: Duration::from_secs(60),
         max_prefill_queue: None,
+        api_key: None,
     };
     let (proxy, addr, _join) = start_proxy("proxy-default", args).await.unwrap();
     let url = format!("http://{addr}");
@@ -592,6 +595,7 @@ impl Cluster {
             decode: vec![d.url()],
             timeout: Duration::from_secs(60),
             max_prefill_queue,
+            api_key: None,
         };
         let (proxy, addr, _join) = start_proxy(&format!("proxy-{tag}"), args).await.unwrap();
         let url = format!("http://{addr}");

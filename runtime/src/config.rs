@@ -77,6 +77,8 @@ pub struct ServeConfig {
     pub transfer: TransferSection,
     /// The control plane: registration with the proxy, heartbeats, `pdserve inspect`.
     pub control: ControlSection,
+    /// Test-only fault injection (reliability suite, drills); all off by default.
+    pub faults: crate::faults::FaultSection,
 }
 
 /// `[control]`: this instance's control-plane endpoint (mutual-TLS QUIC). It is enabled when
@@ -132,6 +134,9 @@ pub struct TransferSection {
     /// Decode: prompts with fewer tokens than this are prefilled on the decode instance
     /// itself (conditional disaggregation); 0 sends every prompt to a prefill instance.
     pub min_remote_prompt_tokens: usize,
+    /// Seconds every step of a KV hand-off may take (handshake, connect, a read or write
+    /// batch, a lease call) before it fails.
+    pub timeout_s: u64,
 }
 
 impl Default for TransferSection {
@@ -143,6 +148,7 @@ impl Default for TransferSection {
             credentials_dir: None,
             mode: "pull".into(),
             min_remote_prompt_tokens: 0,
+            timeout_s: 30,
         }
     }
 }
@@ -717,6 +723,12 @@ impl ServeConfig {
                 message: message.into(),
                 layer: None,
             })
+        }
+        if let Some((key, message)) = self.faults.invalid() {
+            return invalid(key, message);
+        }
+        if self.transfer.timeout_s == 0 {
+            return invalid("transfer.timeout_s", "transfer.timeout_s must be > 0");
         }
         if !["local", "shm", "tcp", "quic", "rdma"].contains(&self.transfer.backend.as_str()) {
             return invalid(
@@ -1378,6 +1390,13 @@ mod tests {
                     "logging.filter" => "warn",
                     "logging.format" => "json",
                     "scheduler.watermark" => "0.2",
+                    k if k.starts_with("faults.")
+                        && !k.ends_with("_ms")
+                        && !k.ends_with("_max")
+                        && k != "faults.seed" =>
+                    {
+                        "0.5"
+                    }
                     "scheduler.block_size" | "scheduler.max_num_seqs" => "32",
                     "server.port" | "scheduler.num_blocks" | "scheduler.max_model_len" => "4096",
                     _ => "2048",

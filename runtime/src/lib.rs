@@ -9,6 +9,7 @@ pub const PDSERVE_VERSION: &str = env!("CARGO_PKG_VERSION");
 pub mod config;
 pub mod deployment;
 pub mod error;
+pub mod faults;
 pub mod ids;
 pub mod memory;
 pub mod supervision;

@@ -89,6 +89,17 @@ pub fn kv_failure_kind(message: &str) -> &'static str {
 /// Counter: requests a decode instance prefilled itself instead of remotely (conditional
 /// disaggregation), labelled [`LABEL_REASON`].
 pub const LOCAL_PREFILLS_TOTAL: &str = "pdserve_local_prefills_total";
+/// Counter (proxy): requests by outcome (`disaggregated`, `local_prefill`, `invalid`,
+/// `unauthorized`, `unavailable`, `upstream_error`), labelled [`LABEL_OUTCOME`].
+pub const PROXY_REQUESTS_TOTAL: &str = "pdserve_proxy_requests_total";
+/// Histogram (proxy): seconds from a request's arrival to the first byte of the decode
+/// instance's answer (for streams: the first token, as the client sees it minus the network).
+pub const PROXY_TIME_TO_FIRST_BYTE_SECONDS: &str = "pdserve_proxy_time_to_first_byte_seconds";
+/// Histogram (proxy): seconds from a request's arrival to the end of its answer.
+pub const PROXY_REQUEST_SECONDS: &str = "pdserve_proxy_request_seconds";
+/// Gauge (proxy): instances routed to, labelled `role` (`prefill`, `decode`).
+pub const PROXY_INSTANCES: &str = "pdserve_proxy_instances";
+
 /// Label of [`LOCAL_PREFILLS_TOTAL`]: why (`short_prompt`, `prefill_queue`).
 pub const LABEL_REASON: &str = "reason";
 
@@ -271,6 +282,18 @@ fn describe_and_register() {
         "Actor restarts by supervisors, by actor kind."
     );
 
+    describe_counter!(PROXY_REQUESTS_TOTAL, "Proxy: requests by outcome.");
+    describe_histogram!(
+        PROXY_TIME_TO_FIRST_BYTE_SECONDS,
+        Unit::Seconds,
+        "Proxy: arrival to the first byte of the decode instance's answer."
+    );
+    describe_histogram!(
+        PROXY_REQUEST_SECONDS,
+        Unit::Seconds,
+        "Proxy: arrival to the end of the answer."
+    );
+    describe_gauge!(PROXY_INSTANCES, "Proxy: live instances by role.");
     for name in [
         KV_TRANSFER_SECONDS,
         TIME_TO_FIRST_TOKEN_SECONDS,

@@ -1,0 +1,288 @@
+//! Fault injection for tests and drills: the `[faults]` config section and the seeded
+//! [`FaultInjector`] the actors consult at their fault points.
+//!
+//! Every fault goes through the code path a real fault would take, so the reliability suite
+//! tests recovery, not the injector:
+//! - **transfers** (KV reads and writes): a failed batch reports the engine error a dead link
+//!   gives; a delayed batch starts late; a corrupted batch has one span pointed outside its
+//!   region, which the transfer engine must refuse;
+//! - **control messages** (the instance-to-instance KV calls — remote prefill, lease renewal,
+//!   release, abort — and control-plane heartbeats): a dropped message is never sent and its
+//!   sender waits out its bound, as it would for a lost one; a delayed message goes out late; a
+//!   corrupted message carries a body that does not parse, which the receiver must refuse;
+//! - **memory registration** of a KV region fails (a worker cannot start; its supervisor
+//!   retries under its restart budget);
+//! - **worker panics**: a TP worker panics inside a step (supervised restart), at most
+//!   `worker_panic_max` times.
+//!
+//! With every rate 0 (the default) nothing is injected and [`FaultInjector::new`] returns
+//! `None`: production paths pay one `Option` check.
+
+use serde::{Deserialize, Serialize};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// `[faults]`: test-only fault injection (see the module docs). Rates are probabilities per
+/// event, in `[0, 1]`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FaultSection {
+    /// KV transfer batches that fail.
+    pub transfer_fail: f64,
+    /// KV transfer batches that start `transfer_delay_ms` late.
+    pub transfer_delay: f64,
+    /// Delay of a delayed transfer batch.
+    pub transfer_delay_ms: u64,
+    /// KV transfer batches with a corrupted span (refused by the engine).
+    pub transfer_corrupt: f64,
+    /// Control messages never sent.
+    pub control_drop: f64,
+    /// Control messages sent `control_delay_ms` late.
+    pub control_delay: f64,
+    /// Delay of a delayed control message.
+    pub control_delay_ms: u64,
+    /// Control messages whose body is replaced by bytes that do not parse.
+    pub control_corrupt: f64,
+    /// KV memory registrations that fail.
+    pub register_fail: f64,
+    /// Forward steps at which a TP worker panics.
+    pub worker_panic: f64,
+    /// Most worker panics injected over the process's life.
+    pub worker_panic_max: u64,
+    /// Seed of the fault generator (the same seed draws the same faults in the same order).
+    pub seed: u64,
+}
+
+impl FaultSection {
+    /// Whether any fault can be injected.
+    pub fn is_active(&self) -> bool {
+        self.rates().iter().any(|(_, r)| *r > 0.0)
+    }
+
+    fn rates(&self) -> [(&'static str, f64); 8] {
+        [
+            ("faults.transfer_fail", self.transfer_fail),
+            ("faults.transfer_delay", self.transfer_delay),
+            ("faults.transfer_corrupt", self.transfer_corrupt),
+            ("faults.control_drop", self.control_drop),
+            ("faults.control_delay", self.control_delay),
+            ("faults.control_corrupt", self.control_corrupt),
+            ("faults.register_fail", self.register_fail),
+            ("faults.worker_panic", self.worker_panic),
+        ]
+    }
+
+    /// The first rate outside `[0, 1]`, as `(key, message)`.
+    pub fn invalid(&self) -> Option<(&'static str, String)> {
+        self.rates()
+            .into_iter()
+            .find(|(_, r)| !(0.0..=1.0).contains(r))
+            .map(|(k, r)| (k, format!("{k} must be a probability in [0, 1], got {r}")))
+    }
+}
+
+/// One kind of injectable fault.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// A transfer batch fails.
+    TransferFail,
+    /// A transfer batch starts late.
+    TransferDelay,
+    /// A transfer batch is corrupted.
+    TransferCorrupt,
+    /// A control message is dropped.
+    ControlDrop,
+    /// A control message is late.
+    ControlDelay,
+    /// A control message is corrupted.
+    ControlCorrupt,
+    /// A memory registration fails.
+    RegisterFail,
+    /// A worker panics.
+    WorkerPanic,
+}
+
+const KINDS: usize = 8;
+
+impl Fault {
+    fn index(self) -> usize {
+        self as usize
+    }
+
+    /// A stable name (`transfer_fail`, ...).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::TransferFail => "transfer_fail",
+            Self::TransferDelay => "transfer_delay",
+            Self::TransferCorrupt => "transfer_corrupt",
+            Self::ControlDrop => "control_drop",
+            Self::ControlDelay => "control_delay",
+            Self::ControlCorrupt => "control_corrupt",
+            Self::RegisterFail => "register_fail",
+            Self::WorkerPanic => "worker_panic",
+        }
+    }
+}
+
+/// What a control message's sender does with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ControlFault {
+    /// Send it as it is.
+    Send,
+    /// Do not send it.
+    Drop,
+    /// Send it after this long.
+    Delay(Duration),
+    /// Send a body that does not parse instead.
+    Corrupt,
+}
+
+/// What a transfer batch's submitter does with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransferFault {
+    /// Submit it as it is.
+    Submit,
+    /// Fail it without submitting.
+    Fail,
+    /// Submit it after this long.
+    Delay(Duration),
+    /// Corrupt one span, then submit.
+    Corrupt,
+}
+
+/// Draws faults from a [`FaultSection`] with a seeded generator, and counts what it injected.
+#[derive(Debug)]
+pub struct FaultInjector {
+    cfg: FaultSection,
+    state: Mutex<u64>,
+    injected: [AtomicU64; KINDS],
+}
+
+impl FaultInjector {
+    /// An injector, or `None` when nothing would ever be injected.
+    pub fn new(cfg: &FaultSection) -> Option<Arc<Self>> {
+        cfg.is_active().then(|| {
+            Arc::new(Self {
+                cfg: cfg.clone(),
+                state: Mutex::new(cfg.seed ^ 0x5851_f42d_4c95_7f2d),
+                injected: Default::default(),
+            })
+        })
+    }
+
+    /// A uniform draw in `[0, 1)` (splitmix64).
+    fn draw(&self) -> f64 {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        *s = s.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = *s;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        (z >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    fn rate(&self, f: Fault) -> f64 {
+        let c = &self.cfg;
+        match f {
+            Fault::TransferFail => c.transfer_fail,
+            Fault::TransferDelay => c.transfer_delay,
+            Fault::TransferCorrupt => c.transfer_corrupt,
+            Fault::ControlDrop => c.control_drop,
+            Fault::ControlDelay => c.control_delay,
+            Fault::ControlCorrupt => c.control_corrupt,
+            Fault::RegisterFail => c.register_fail,
+            Fault::WorkerPanic => c.worker_panic,
+        }
+    }
+
+    /// Whether to inject `fault` now (counted when it is).
+    pub fn roll(&self, fault: Fault) -> bool {
+        let rate = self.rate(fault);
+        if rate <= 0.0 || self.draw() >= rate {
+            return false;
+        }
+        if fault == Fault::WorkerPanic {
+            let n = &self.injected[fault.index()];
+            let cap = self.cfg.worker_panic_max;
+            if n.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| {
+                (v < cap).then_some(v + 1)
+            })
+            .is_err()
+            {
+                return false;
+            }
+        } else {
+            self.injected[fault.index()].fetch_add(1, Ordering::Relaxed);
+        }
+        tracing::info!(fault = fault.as_str(), "injecting a fault");
+        true
+    }
+
+    /// The fate of one control message.
+    pub fn control(&self) -> ControlFault {
+        if self.roll(Fault::ControlDrop) {
+            ControlFault::Drop
+        } else if self.roll(Fault::ControlCorrupt) {
+            ControlFault::Corrupt
+        } else if self.roll(Fault::ControlDelay) {
+            ControlFault::Delay(Duration::from_millis(self.cfg.control_delay_ms))
+        } else {
+            ControlFault::Send
+        }
+    }
+
+    /// The fate of one transfer batch.
+    pub fn transfer(&self) -> TransferFault {
+        if self.roll(Fault::TransferFail) {
+            TransferFault::Fail
+        } else if self.roll(Fault::TransferCorrupt) {
+            TransferFault::Corrupt
+        } else if self.roll(Fault::TransferDelay) {
+            TransferFault::Delay(Duration::from_millis(self.cfg.transfer_delay_ms))
+        } else {
+            TransferFault::Submit
+        }
+    }
+
+    /// How many faults of `kind` were injected.
+    pub fn injected(&self, kind: Fault) -> u64 {
+        self.injected[kind.index()].load(Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nothing_is_injected_by_default_and_rates_are_checked() {
+        assert!(FaultInjector::new(&FaultSection::default()).is_none());
+        let bad = FaultSection {
+            transfer_fail: 1.5,
+            ..Default::default()
+        };
+        assert_eq!(bad.invalid().unwrap().0, "faults.transfer_fail");
+    }
+
+    #[test]
+    fn rates_are_honoured_deterministically_and_panics_are_capped() {
+        let cfg = FaultSection {
+            transfer_fail: 0.25,
+            worker_panic: 1.0,
+            worker_panic_max: 2,
+            seed: 9,
+            ..Default::default()
+        };
+        let a = FaultInjector::new(&cfg).unwrap();
+        let b = FaultInjector::new(&cfg).unwrap();
+        let draws: Vec<bool> = (0..4000).map(|_| a.roll(Fault::TransferFail)).collect();
+        let again: Vec<bool> = (0..4000).map(|_| b.roll(Fault::TransferFail)).collect();
+        assert_eq!(draws, again, "same seed, same faults");
+        let n = a.injected(Fault::TransferFail);
+        assert!((800..1200).contains(&n), "{n} of 4000 at 25%");
+        assert_eq!((0..10).filter(|_| a.roll(Fault::WorkerPanic)).count(), 2);
+        assert_eq!(a.injected(Fault::WorkerPanic), 2);
+        assert!(!a.roll(Fault::ControlDrop), "rate 0 never fires");
+    }
+}

@@ -1,25 +1,12 @@
 //! `pdserve launch` end to end: start a single-node 1P1D cluster, serve one streamed chat
 //! request through its proxy, stop it with SIGTERM, and find no process left behind.
 
+mod common;
+
+use common::{inspect, tagged_processes};
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-
-/// Processes whose environment carries `tag` (children inherit the launcher's environment).
-fn tagged_processes(tag: &str) -> Vec<u32> {
-    let mut pids = Vec::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        if let Ok(env) = std::fs::read(entry.path().join("environ")) {
-            if env.split(|&b| b == 0).any(|kv| kv == tag.as_bytes()) {
-                pids.push(pid);
-            }
-        }
-    }
-    pids
-}
 
 #[test]
 fn launch_serves_a_streamed_chat_and_stops_cleanly_on_sigterm() {
@@ -109,23 +96,6 @@ fn launch_serves_a_streamed_chat_and_stops_cleanly_on_sigterm() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-}
-
-/// Runs `pdserve inspect ARGS...` (bounded by its own `--timeout`); returns (success, stdout,
-/// stderr).
-fn inspect(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_pdserve"))
-        .arg("inspect")
-        .args(args)
-        .args(["--timeout", "5"])
-        .env("NO_COLOR", "1")
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
 }
 
 #[test]

@@ -65,6 +65,9 @@ pub struct AppState {
     pub kv: Option<Arc<crate::kv_receiver::KvContext>>,
     /// The KvSender (instances with a transfer engine).
     pub kv_sender: Option<ActorRef<crate::kv_sender::KvSenderMsg>>,
+    /// Hand-offs a decode instance aborted, remembered for a while (with when) so a
+    /// remote-prefill request that arrives after its own abort is refused.
+    pub aborted: std::sync::Mutex<std::collections::HashMap<TransferId, std::time::Instant>>,
     /// Where this frontend listens (set once bound).
     pub addr: std::sync::OnceLock<SocketAddr>,
 }
@@ -212,6 +215,12 @@ async fn kv_abort(State(app): State<Arc<AppState>>, body: Bytes) -> Response {
         ))
         .into_response();
     };
+    {
+        let mut aborted = app.aborted.lock().unwrap_or_else(|e| e.into_inner());
+        let now = std::time::Instant::now();
+        aborted.retain(|_, at| now.duration_since(*at) < ABORT_MEMORY);
+        aborted.insert(transfer, now);
+    }
     let found = match ractor::call_t!(app.scheduler, SchedulerMsg::AbortTransfer, 5_000, transfer) {
         Ok(found) => found,
         Err(e) => return ApiError(RequestError::Internal(e.to_string())).into_response(),
@@ -240,6 +249,9 @@ async fn kv_abort(State(app): State<Arc<AppState>>, body: Bytes) -> Response {
     }
     Json(json!({"aborted": found, "drained": true})).into_response()
 }
+
+/// How long an aborted hand-off is remembered (a remote-prefill request for it is refused).
+const ABORT_MEMORY: Duration = Duration::from_secs(600);
 
 /// The body of `POST /v1/kv/prefill`.
 #[derive(serde::Deserialize)]
@@ -311,6 +323,17 @@ async fn kv_prefill_inner(app: Arc<AppState>, body: Bytes) -> Result<Response, A
         .transfer_id
         .parse()
         .map_err(|e| bad(format!("transfer_id: {e}")))?;
+    if app
+        .aborted
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&transfer)
+        .is_some_and(|at| at.elapsed() < ABORT_MEMORY)
+    {
+        return Err(bad(format!(
+            "transfer {transfer} was aborted by the decode instance"
+        )));
+    }
     let prompt = b.prompt_token_ids;
     if prompt.is_empty() {
         return Err(bad("the prompt is empty".into()));

@@ -276,6 +276,7 @@ impl Instance {
                 next_id: AtomicU64::new(1),
                 metrics: pdserve_runtime::telemetry::install_metrics(),
                 kv: kv_for_http,
+                aborted: Default::default(),
                 addr: std::sync::OnceLock::new(),
             };
             (bind, Box::new(make) as crate::supervisor::AppStateFactory)

@@ -47,6 +47,7 @@ pub struct KvRegistry {
     engine: Arc<TransferEngine>,
     ranks: Mutex<Vec<Vec<RegisteredRegion>>>,
     faults: Option<Arc<FaultInjector>>,
+    generation: AtomicU64,
 }
 
 impl KvRegistry {
@@ -60,7 +61,14 @@ impl KvRegistry {
             engine,
             ranks: Mutex::new((0..tp).map(|_| Vec::new()).collect()),
             faults,
+            generation: AtomicU64::new(0),
         })
+    }
+
+    /// Bumped whenever a rank's cache is replaced (a restarted worker): KV that landed in
+    /// regions of an older generation is gone.
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::SeqCst)
     }
 
     /// The transfer engine.
@@ -114,6 +122,9 @@ impl HostMemoryAllocator for RankAllocator {
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         if self.fresh.swap(false, Ordering::SeqCst) {
+            if !ranks[self.rank].is_empty() {
+                self.registry.generation.fetch_add(1, Ordering::SeqCst);
+            }
             ranks[self.rank].clear();
         }
         ranks[self.rank].push(region);
@@ -314,6 +325,12 @@ impl KvContext {
         Ok(info)
     }
 
+    /// Forgets what the handshake with `url` learned (after a failed hand-off: the peer may
+    /// have restarted a worker and registered new regions, or restarted altogether).
+    async fn forget_peer(&self, url: &str) {
+        self.peers.lock().await.remove(url);
+    }
+
     /// A transfer session to `peer`'s engine (cached per address), whose view of the peer's
     /// regions covers every region the peer published (a restarted peer worker registers
     /// new ones).
@@ -438,7 +455,7 @@ impl KvContext {
             .map_err(|e| format!("cannot release the KV lease at {url}: {e}"))?;
         match released.status().as_u16() {
             200 => Ok(()),
-            410 => Err(format!("the KV lease of transfer {transfer} expired before the read finished: its blocks may have been reused")),
+            410 => Err(format!("the KV lease of transfer {transfer} expired (or was aborted) before the read finished: its blocks may have been reused")),
             s => Err(format!("releasing transfer {transfer} failed with HTTP {s}")),
         }
     }
@@ -467,7 +484,7 @@ impl KvContext {
                 ));
             }
             ControlFault::Delay(d) => tokio::time::sleep(d).await,
-            ControlFault::Corrupt => bytes = b"{\"injected fault\": corrupted".to_vec(),
+            ControlFault::Corrupt => bytes = b"\x00{injected fault: corrupted".to_vec(),
         }
         self.http
             .post(url)
@@ -508,7 +525,8 @@ impl KvContext {
     /// Asks the prefill instance at `url` to drop a hand-off (abort its prefill, stop its
     /// writes, free held blocks); it answers once none of its writes is in flight. Bounded.
     /// An unreachable peer is taken for dead (its writes died with it).
-    async fn abort_remote(&self, url: &str, transfer: TransferId) {
+    /// Returns whether the prefill side confirmed that none of its writes is in flight.
+    async fn abort_remote(&self, url: &str, transfer: TransferId) -> bool {
         let r = self
             .control(
                 format!("{url}/v1/kv/abort"),
@@ -516,9 +534,28 @@ impl KvContext {
                 self.timeout,
             )
             .await;
-        if let Err(e) = r {
-            tracing::info!(%transfer, %url, error = %e, "the prefill instance is unreachable: taken for dead");
+        match r {
+            Ok(r) if r.status().is_success() => r
+                .json::<serde_json::Value>()
+                .await
+                .is_ok_and(|v| v["drained"] == true),
+            Ok(r) => {
+                tracing::info!(%transfer, %url, status = %r.status(), "the prefill instance refused the abort");
+                false
+            }
+            Err(e) => {
+                tracing::info!(%transfer, %url, error = %e, "the prefill instance did not answer the abort");
+                false
+            }
         }
+    }
+
+    /// After a push whose writer never confirmed it stopped: keep the destination blocks out
+    /// of the pool for one more transfer bound. A writer that saw its hand-off cancelled
+    /// submits nothing new, and each write it has in flight ends within that bound.
+    async fn quarantine(&self, url: &str, transfer: TransferId) {
+        tracing::warn!(%transfer, %url, secs = self.timeout.as_secs(), "no word from the prefill instance on its writes: holding the destination blocks before reuse");
+        tokio::time::sleep(self.timeout).await;
     }
 
     /// Runs the prompt on the prefill instance at `url` and brings its KV into
@@ -572,10 +609,16 @@ impl KvContext {
         let resp = tokio::select! {
             r = &mut call => r,
             () = cancel.cancelled() => {
-                self.abort_remote(url, transfer).await;
-                if self.mode == TransferMode::Push {
-                    // The answer comes once the prefill side's writes have drained.
-                    let _ = tokio::time::timeout(self.timeout, &mut call).await;
+                let confirmed = self.abort_remote(url, transfer).await;
+                if self.mode == TransferMode::Push && !confirmed {
+                    // The prefill side answers the call once its writes have drained.
+                    let answered = matches!(
+                        tokio::time::timeout(self.prefill_timeout, &mut call).await,
+                        Ok(Ok(_))
+                    );
+                    if !answered {
+                        self.quarantine(url, transfer).await;
+                    }
                 }
                 return Err("aborted".into());
             }
@@ -585,8 +628,8 @@ impl KvContext {
             Err(e) => {
                 // No answer: the prefill side may still be writing. It stops and drains on
                 // the abort (or is dead) before our blocks may go back to the pool.
-                if self.mode == TransferMode::Push {
-                    self.abort_remote(url, transfer).await;
+                if self.mode == TransferMode::Push && !self.abort_remote(url, transfer).await {
+                    self.quarantine(url, transfer).await;
                 }
                 return Err(format!("remote prefill at {url}: {e}"));
             }
@@ -837,6 +880,7 @@ impl Actor for KvReceiver {
                 let started = std::time::Instant::now();
                 tokio::spawn(async move {
                     let transfer = source.transfer_id();
+                    let generation = kv.registry.generation();
                     let result = match &source {
                         KvSource::Held(remote) => kv
                             .pull(remote, blocks.blocks(), prompt.len(), &aggregator)
@@ -856,6 +900,13 @@ impl Actor for KvReceiver {
                         }
                     };
                     kv.in_flight.fetch_sub(1, Ordering::Relaxed);
+                    if result.is_err() {
+                        let url = match &source {
+                            KvSource::Held(r) => &r.url,
+                            KvSource::Drive { url, .. } => url,
+                        };
+                        kv.forget_peer(url).await;
+                    }
                     use pdserve_runtime::telemetry as m;
                     match &result {
                         Err(e) => {
@@ -876,7 +927,11 @@ impl Actor for KvReceiver {
                     // The destination blocks stay shared until here: no reuse while bytes may land.
                     drop(blocks);
                     let _ = myself.cast(KvReceiverMsg::Ended(id));
-                    let _ = scheduler.cast(SchedulerMsg::RemoteKvDone { id, result });
+                    let _ = scheduler.cast(SchedulerMsg::RemoteKvDone {
+                        id,
+                        result,
+                        generation,
+                    });
                 });
             }
             KvReceiverMsg::Abort(id) => {

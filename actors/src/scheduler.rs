@@ -79,6 +79,8 @@ pub enum SchedulerMsg {
         id: RequestId,
         /// T0 from the prefill side, or the failure.
         result: Result<u32, String>,
+        /// The KV cache generation the bytes landed in (see `KvRegistry::generation`).
+        generation: u64,
     },
     /// A decode instance renews the leases of blocks held for it; answers the transfers no
     /// longer held.
@@ -144,6 +146,8 @@ pub struct SchedulerArgs {
     pub kv_receiver: Option<ActorRef<KvReceiverMsg>>,
     /// The KV sender (instances with a transfer engine).
     pub kv_sender: Option<ActorRef<KvSenderMsg>>,
+    /// The registry whose generation tells whether received KV is still in the cache.
+    pub kv_generation: Option<Arc<crate::kv_receiver::KvRegistry>>,
     /// Vocabulary size (validates peer-supplied first tokens).
     pub vocab_size: usize,
 }
@@ -175,6 +179,7 @@ pub struct SchedulerState {
     needs_reset: bool,
     kv_receiver: Option<ActorRef<KvReceiverMsg>>,
     kv_sender: Option<ActorRef<KvSenderMsg>>,
+    kv_generation: Option<Arc<crate::kv_receiver::KvRegistry>>,
     vocab_size: usize,
 }
 
@@ -199,6 +204,7 @@ impl Actor for Scheduler {
             needs_reset: false,
             kv_receiver: args.kv_receiver,
             kv_sender: args.kv_sender,
+            kv_generation: args.kv_generation,
             vocab_size: args.vocab_size,
         })
     }
@@ -217,7 +223,25 @@ impl Actor for Scheduler {
             } => {
                 st.submit_remote(request, sink, source, myself);
             }
-            SchedulerMsg::RemoteKvDone { id, result } => {
+            SchedulerMsg::RemoteKvDone {
+                id,
+                result,
+                generation,
+            } => {
+                // KV that landed in a cache a restarted worker has replaced is gone; so is KV
+                // landing while a worker is down (its replacement allocates a fresh cache).
+                let cache_intact = st.workers.iter().all(Option::is_some)
+                    && st
+                        .kv_generation
+                        .as_ref()
+                        .is_none_or(|g| g.generation() == generation);
+                let result = match result {
+                    Ok(_) if !cache_intact => {
+                        Err("a TP worker restarted while this request's KV was arriving"
+                            .to_string())
+                    }
+                    r => r,
+                };
                 let out = match result {
                     // An abort while the KV was landing leaves nothing to resume.
                     Ok(first_token) => st.core.remote_kv_ready(id, first_token).unwrap_or_default(),
@@ -320,6 +344,21 @@ impl Actor for Scheduler {
                     );
                     st.dispatch(out);
                 }
+                // The restarted rank starts from an empty cache: what was computed is
+                // recomputed, and KV arriving from a prefill instance lands in memory that is
+                // gone, so those requests fail.
+                let mut out = Vec::new();
+                for id in st.core.receiving() {
+                    st.abort_request(id);
+                    out.push(Output::Failed {
+                        id,
+                        error: RequestError::WorkerFailed(format!(
+                            "TP rank {rank} restarted while this request's KV was arriving"
+                        )),
+                    });
+                }
+                st.core.cache_lost();
+                st.dispatch(out);
             }
             SchedulerMsg::WorkerUp {
                 rank,

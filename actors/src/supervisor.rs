@@ -183,6 +183,7 @@ impl Actor for InstanceSupervisor {
                 collective: comms[0].clone(),
                 kv_receiver,
                 kv_sender: kv_sender.clone(),
+                kv_generation: args.kv.as_ref().map(|k| k.registry.clone()),
                 vocab_size: args.worker.config.vocab_size,
             },
             myself.get_cell(),

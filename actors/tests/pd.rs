@@ -970,3 +970,23 @@ async fn short_prompts_and_a_busy_prefill_queue_prefill_on_decode() {
     drop(hog);
     c.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_memory_registration_is_a_clear_start_error() {
+    use pdserve_runtime::faults::{FaultInjector, FaultSection};
+    let faults = FaultInjector::new(&FaultSection {
+        register_fail: 1.0,
+        ..Default::default()
+    });
+    let mut o = InstanceOptions::local("p-regfail", model("tiny"));
+    o.transfer = Some(TransferConfig::new(BackendKind::Tcp, "p-regfail"));
+    o.faults = faults;
+    let err = Instance::start(o)
+        .await
+        .err()
+        .expect("cannot start without its KV memory");
+    assert!(
+        err.contains("injected fault: KV memory registration failed"),
+        "{err}"
+    );
+}

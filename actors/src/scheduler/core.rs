@@ -371,6 +371,38 @@ impl SchedulerCore {
             .collect()
     }
 
+    /// Requests whose prompt KV is arriving from a prefill instance.
+    pub fn receiving(&self) -> Vec<RequestId> {
+        self.seqs
+            .iter()
+            .filter(|(_, s)| {
+                matches!(
+                    s.state,
+                    RequestState::WaitingForRemoteKv | RequestState::Transferring
+                )
+            })
+            .map(|(&id, _)| id)
+            .collect()
+    }
+
+    /// A TP worker restarted with a fresh KV cache: every computed KV is gone. Running
+    /// requests go back to the waiting queue to be recomputed from their tokens (as after a
+    /// preemption, keeping their order); blocks held for decode instances are dropped (a late
+    /// release then fails loudly). Requests receiving KV are the caller's to fail.
+    pub fn cache_lost(&mut self) {
+        for id in self.running.clone().into_iter().rev() {
+            self.preempt(id);
+        }
+        let dropped = self.held.len();
+        self.held.clear();
+        if dropped > 0 {
+            tracing::warn!(
+                dropped,
+                "KV held for decode instances was lost with a worker restart"
+            );
+        }
+    }
+
     /// Hand-offs currently held.
     pub fn num_held(&self) -> usize {
         self.held.len()

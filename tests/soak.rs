@@ -120,7 +120,7 @@ enum Outcome {
     Ok(usize, Vec<u64>),
     /// A clear error: status and message.
     Failed(u16, String),
-    Rejected(u16),
+    Rejected,
     Aborted,
 }
 
@@ -156,7 +156,7 @@ async fn one(url: String, i: usize) -> Outcome {
                         .is_some_and(|m| !m.is_empty()),
                     "{v}"
                 );
-                Outcome::Rejected(status)
+                Outcome::Rejected
             } else {
                 // The model-name check happens on the decode instance: also a clear 4xx.
                 Outcome::Failed(status, v.to_string())
@@ -308,7 +308,7 @@ fn round(rt: &tokio::runtime::Runtime, round: u64, mode: &str, reference: &[Vec<
                 );
                 failed += 1;
             }
-            Outcome::Rejected(_) => rejected += 1,
+            Outcome::Rejected => rejected += 1,
             Outcome::Aborted => aborted += 1,
         }
     }

@@ -26,6 +26,10 @@ struct Cli {
     /// Log filter, RUST_LOG syntax (default: warn, or $RUST_LOG).
     #[arg(long, global = true, env = "PDSERVE_LOG")]
     log: Option<String>,
+    /// Log line format for every command: human or json (`logging.format` for `serve`).
+    /// `pdserve launch` passes it on to every process it starts.
+    #[arg(long, global = true, env = "PDSERVE_LOG_FORMAT")]
+    log_format: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -209,9 +213,6 @@ struct ServeArgs {
     /// `scheduler.num_blocks`.
     #[arg(long)]
     num_blocks: Option<usize>,
-    /// `logging.format`: human or json.
-    #[arg(long)]
-    log_format: Option<String>,
     /// `transfer.credentials_dir`: cluster credentials (quic transfers, the control plane).
     #[arg(long)]
     credentials_dir: Option<String>,
@@ -280,8 +281,16 @@ fn main() {
     // The transfer benchmark re-runs this executable as its peer process.
     pdserve_transport::peer::run_if_requested();
     let cli = Cli::parse();
+    // Processes this one starts (`launch`'s children, the transfer benchmark's peer) log the
+    // same way. Still single-threaded here.
+    if let Some(f) = &cli.log_format {
+        std::env::set_var("PDSERVE_LOG_FORMAT", f);
+    }
     if !matches!(cli.command, Command::Serve(_)) {
-        init_logging(cli.log.as_deref());
+        if let Err(e) = init_logging(cli.log.as_deref(), cli.log_format.as_deref()) {
+            eprintln!("error: {e:#}");
+            std::process::exit(2);
+        }
     }
     pdserve_runtime::telemetry::install_panic_hook();
     if let Err(e) = run(cli) {
@@ -290,15 +299,16 @@ fn main() {
     }
 }
 
-fn init_logging(filter: Option<&str>) {
-    let filter = filter
-        .map(str::to_string)
-        .or_else(|| std::env::var("RUST_LOG").ok())
-        .unwrap_or_else(|| "warn".to_string());
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
-        .with_writer(std::io::stderr)
-        .try_init();
+fn init_logging(filter: Option<&str>, format: Option<&str>) -> Result<()> {
+    let filter = filter.unwrap_or("warn");
+    let format = parse_flag::<pdserve_runtime::telemetry::LogFormat>(
+        "log-format",
+        format.map(str::to_string),
+    )?
+    .unwrap_or_default();
+    // RUST_LOG, when set and valid, replaces the filter.
+    pdserve_runtime::telemetry::init_tracing(filter, format);
+    Ok(())
 }
 
 fn proxy(args: ProxyArgs) -> Result<()> {
@@ -374,7 +384,7 @@ pub(crate) fn set_threads(threads: Option<usize>) -> usize {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Serve(args) => serve(*args, cli.log),
+        Command::Serve(args) => serve(*args, cli.log, cli.log_format),
         Command::Launch(args) => launch::run(args),
         Command::Proxy(args) => proxy(args),
         Command::Generate(args) => generate(args),
@@ -536,7 +546,12 @@ fn parse_flag<T: serde::de::DeserializeOwned>(key: &str, v: Option<String>) -> R
 }
 
 /// `serve --config DEPLOYMENT --node NAME`: this host's part of a multi-host deployment.
-fn serve_node(args: ServeArgs, node_name: &str, log: Option<String>) -> Result<()> {
+fn serve_node(
+    args: ServeArgs,
+    node_name: &str,
+    log: Option<String>,
+    log_format: Option<String>,
+) -> Result<()> {
     use pdserve_runtime::deployment::{Deployment, NodeRole};
     let path = args
         .config
@@ -545,7 +560,7 @@ fn serve_node(args: ServeArgs, node_name: &str, log: Option<String>) -> Result<(
     let deployment = Deployment::load(path)?;
     let node = deployment.node(node_name)?.clone();
     if node.role == NodeRole::Proxy {
-        init_logging(log.as_deref());
+        init_logging(log.as_deref(), log_format.as_deref())?;
         return proxy(ProxyArgs {
             prefill: deployment.urls(NodeRole::Prefill),
             decode: deployment.urls(NodeRole::Decode),
@@ -561,6 +576,7 @@ fn serve_node(args: ServeArgs, node_name: &str, log: Option<String>) -> Result<(
     }
     let mut flags = deployment.instance_flags(&node);
     flags.log_filter = log;
+    flags.log_format = parse_flag("log-format", log_format)?;
     let threads = args.threads.or(node.threads);
     run_instance(
         pdserve_runtime::config::ServeConfig::load(None, flags)?,
@@ -568,10 +584,10 @@ fn serve_node(args: ServeArgs, node_name: &str, log: Option<String>) -> Result<(
     )
 }
 
-fn serve(args: ServeArgs, log: Option<String>) -> Result<()> {
+fn serve(args: ServeArgs, log: Option<String>, log_format: Option<String>) -> Result<()> {
     use pdserve_runtime::config::{ServeConfig, ServeFlags};
     if let Some(node) = args.node.clone() {
-        return serve_node(args, &node, log);
+        return serve_node(args, &node, log, log_format);
     }
     if let Some(path) = &args.config {
         let text =
@@ -598,7 +614,7 @@ fn serve(args: ServeArgs, log: Option<String>) -> Result<()> {
         block_size: args.block_size,
         num_blocks: args.num_blocks,
         log_filter: log,
-        log_format: parse_flag("log-format", args.log_format)?,
+        log_format: parse_flag("log-format", log_format)?,
         transfer: args.transfer,
         credentials_dir: args.credentials_dir,
         control_listen: args.control_listen,

@@ -28,8 +28,22 @@ struct Node {
 
 impl Node {
     fn start(role: &str, name: &str, mode: &str) -> Self {
+        Self::start_logging(role, name, mode, None)
+    }
+
+    /// With `log`: JSON log lines at info level go to that file.
+    fn start_logging(role: &str, name: &str, mode: &str, log: Option<&std::path::Path>) -> Self {
         let port = free_port();
-        let child = Command::new(env!("CARGO_BIN_EXE_pdserve"))
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_pdserve"));
+        if let Some(path) = log {
+            cmd.args(["--log-format", "json", "--log", "info"])
+                .env("PDSERVE_LOGGING__FILTER", "info")
+                .stderr(std::fs::File::create(path).unwrap());
+        } else {
+            cmd.env("PDSERVE_LOGGING__FILTER", "error")
+                .stderr(Stdio::inherit());
+        }
+        let child = cmd
             .args([
                 "serve",
                 "--role",
@@ -51,9 +65,7 @@ impl Node {
                 "--threads",
                 "1",
             ])
-            .env("PDSERVE_LOGGING__FILTER", "error")
             .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
             .spawn()
             .unwrap();
         Self {
@@ -228,6 +240,66 @@ fn a_prefill_instance_killed_mid_transfer_fails_its_requests_clearly() {
             let (status, v) = post(&d.url, request(100, None)).await.unwrap();
             assert_eq!(status, 200, "{mode}: {v}");
             d.assert_pool_full().await;
+        }
+    });
+}
+
+/// The transfer ids in a file of JSON log lines.
+fn transfer_ids(path: &std::path::Path) -> Vec<String> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter_map(|v| {
+            v["fields"]["transfer"]
+                .as_str()
+                .or(v["span"]["transfer"].as_str())
+                .map(str::to_string)
+        })
+        .collect()
+}
+
+#[test]
+fn one_transfer_id_traces_a_request_through_proxy_prefill_and_decode() {
+    runtime().block_on(async {
+        let dir = tempfile::tempdir().unwrap();
+        let log = |n: &str| dir.path().join(format!("{n}.log"));
+        let p = Node::start_logging("prefill", "trace-p", "push", Some(&log("prefill")));
+        let d = Node::start_logging("decode", "trace-d", "push", Some(&log("decode")));
+        p.ready().await;
+        d.ready().await;
+        let port = free_port();
+        let proxy = Node {
+            child: Command::new(env!("CARGO_BIN_EXE_pdserve"))
+                .args(["--log-format", "json", "--log", "info", "proxy", "--port"])
+                .arg(port.to_string())
+                .args(["--prefill", &p.url, "--decode", &d.url])
+                .stdout(Stdio::null())
+                .stderr(std::fs::File::create(log("proxy")).unwrap())
+                .spawn()
+                .unwrap(),
+            url: format!("http://127.0.0.1:{port}"),
+            port,
+        };
+        proxy.ready().await;
+        let (status, v) = post(&proxy.url, request(40, None)).await.unwrap();
+        assert_eq!(status, 200, "{v}");
+        let routed = transfer_ids(&log("proxy"));
+        assert_eq!(routed.len(), 1, "one routing line: {routed:?}");
+        let id = &routed[0];
+        assert_eq!(id.len(), 32, "{id}");
+        // Log lines reach the file as they are written; allow the last ones a moment.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let (pl, dl) = (transfer_ids(&log("prefill")), transfer_ids(&log("decode")));
+            if pl.contains(id) && dl.contains(id) {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "transfer {id} missing: prefill {pl:?}, decode {dl:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     });
 }

@@ -568,7 +568,7 @@ fn serve_node(
             port: node.port,
             timeout_s: 600,
             max_prefill_queue: deployment.cluster.max_prefill_queue,
-            api_key: None,
+            api_key: args.api_key.clone(),
             credentials_dir: deployment.cluster.credentials_dir.as_ref().map(Into::into),
             node: node.name.clone(),
             control_listen: format!("{}:{}", node.host, node.control_port.unwrap_or(0)),
@@ -577,6 +577,7 @@ fn serve_node(
     let mut flags = deployment.instance_flags(&node);
     flags.log_filter = log;
     flags.log_format = parse_flag("log-format", log_format)?;
+    flags.api_key = args.api_key.clone();
     let threads = args.threads.or(node.threads);
     run_instance(
         pdserve_runtime::config::ServeConfig::load(None, flags)?,

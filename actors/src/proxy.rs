@@ -162,7 +162,9 @@ pub struct RegisteredInstance {
 #[derive(Debug, Default)]
 pub struct Registry {
     instances: Vec<Upstream>,
-    rr: AtomicUsize,
+    /// Round-robin counters, one per role (a shared one would make every pick of one role
+    /// land on the same instance when the picks of the two roles alternate).
+    rr: [AtomicUsize; 2],
     generations: u64,
 }
 
@@ -303,7 +305,7 @@ impl Registry {
         };
         let best = live.iter().map(|u| key(u)).min()?;
         let ties: Vec<&&Upstream> = live.iter().filter(|u| key(u) == best).collect();
-        let n = self.rr.fetch_add(1, Ordering::Relaxed);
+        let n = self.rr[usize::from(role == Role::Decode)].fetch_add(1, Ordering::Relaxed);
         Some(ties[n % ties.len()].url.clone())
     }
 
@@ -1140,7 +1142,13 @@ mod tests {
         r.record("a", Some((0, 100)));
         r.record("b", Some((0, 100)));
         r.record("p", Some((3, 10)));
-        let picks: Vec<_> = (0..4).map(|_| r.pick(Role::Decode).unwrap()).collect();
+        // As the proxy picks: a prefill, then a decode, per request.
+        let picks: Vec<_> = (0..4)
+            .map(|_| {
+                r.pick(Role::Prefill).unwrap();
+                r.pick(Role::Decode).unwrap()
+            })
+            .collect();
         assert!(
             picks.contains(&"a".to_string()) && picks.contains(&"b".to_string()),
             "{picks:?}"

@@ -519,6 +519,34 @@ async fn occupy(client: &Client, creds: &Path, addr: &'static str) -> tokio::tas
     }
 }
 
+/// Waits until `addr` runs nothing and the proxy has had a heartbeat from it since: the
+/// proxy's view of it is idle (a request aborted just before may still show as running in
+/// the last heartbeat).
+async fn idle_in_proxy(client: &Client, creds: &Path, addr: &'static str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let l = client.load(addr).await;
+        if l["running"] == 0 && l["waiting"] == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{addr} never became idle: {l}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let idle_since = Instant::now();
+    let node = NODES.iter().find(|n| n.2 == addr).unwrap().0;
+    loop {
+        let waited = idle_since.elapsed().as_secs_f64();
+        let age = member(&inspect(creds).await, node)["last_heartbeat_s"]
+            .as_f64()
+            .unwrap();
+        if age + 0.1 < waited {
+            return;
+        }
+        assert!(Instant::now() < deadline, "no heartbeat from {node}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// Requests `addr` finished since it started (`pdserve_requests_total{outcome="finished"}`).
 async fn finished(client: &Client, addr: &str) -> u64 {
     let text = client
@@ -548,6 +576,7 @@ async fn through_proxy_to(
     prompt: &[u32],
 ) -> (Answer, bool) {
     let before = finished(client, lands).await;
+    idle_in_proxy(client, creds, lands).await;
     let occupied = occupy(client, creds, busy).await;
     let a = client.complete(PROXY_IP, prompt, MAX_TOKENS).await;
     occupied.abort();

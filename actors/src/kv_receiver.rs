@@ -493,7 +493,7 @@ impl KvContext {
             .body(bytes)
             .send()
             .await
-            .map_err(|e| e.to_string())
+            .map_err(|e| error_chain(&e))
     }
 
     /// Applies an injected transfer fault to a batch about to be submitted: fails it, delays
@@ -740,6 +740,18 @@ impl KvContext {
             tracing::debug!(%url, error = %e, "lease renewal failed");
         }
     }
+}
+
+/// An error with its causes (`reqwest` prints only the outermost: "error sending request").
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cause = c.source();
+    }
+    s
 }
 
 /// One transfer's registration with its peer's renewal task; dropping it stops renewing

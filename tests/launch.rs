@@ -8,11 +8,10 @@ use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-#[test]
-fn launch_serves_a_streamed_chat_and_stops_cleanly_on_sigterm() {
-    let tag = format!("PDSERVE_TEST_LAUNCH_TAG={}", std::process::id());
+/// `pdserve launch` of a 1P1D synthetic cluster on a free port, its environment carrying `tag`.
+fn launch_tagged(tag: &str) -> std::process::Child {
     let (key, value) = tag.split_once('=').unwrap();
-    let mut launcher = Command::new(env!("CARGO_BIN_EXE_pdserve"))
+    Command::new(env!("CARGO_BIN_EXE_pdserve"))
         .args([
             "launch",
             "--model",
@@ -26,7 +25,13 @@ fn launch_serves_a_streamed_chat_and_stops_cleanly_on_sigterm() {
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
-        .unwrap();
+        .unwrap()
+}
+
+#[test]
+fn launch_serves_a_streamed_chat_and_stops_cleanly_on_sigterm() {
+    let tag = format!("PDSERVE_TEST_LAUNCH_TAG={}", std::process::id());
+    let mut launcher = launch_tagged(&tag);
     // The proxy URL arrives on a line of its own.
     let mut lines = BufReader::new(launcher.stdout.take().unwrap()).lines();
     let url = lines.next().expect("launcher printed nothing").unwrap();
@@ -101,22 +106,7 @@ fn launch_serves_a_streamed_chat_and_stops_cleanly_on_sigterm() {
 #[test]
 fn inspect_lists_the_proxy_and_every_launched_instance() {
     let tag = format!("PDSERVE_TEST_LAUNCH_INSPECT_TAG={}", std::process::id());
-    let (key, value) = tag.split_once('=').unwrap();
-    let mut launcher = Command::new(env!("CARGO_BIN_EXE_pdserve"))
-        .args([
-            "launch",
-            "--model",
-            "synthetic:tiny",
-            "--port",
-            "0",
-            "--threads",
-            "1",
-        ])
-        .env(key, value)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
+    let mut launcher = launch_tagged(&tag);
     // Stops the launcher however this test ends.
     struct Stop(u32);
     impl Drop for Stop {

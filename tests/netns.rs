@@ -502,17 +502,22 @@ async fn occupy(client: &Client, creds: &Path, addr: &'static str) -> tokio::tas
         assert!(Instant::now() < deadline, "{addr} never got busy");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let busy_since = Instant::now();
+    heartbeat_since(creds, addr, Instant::now(), deadline).await;
+    task
+}
+
+/// Waits until the proxy has had a heartbeat from the node at `addr` sent after `since`.
+async fn heartbeat_since(creds: &Path, addr: &str, since: Instant, deadline: Instant) {
     let node = NODES.iter().find(|n| n.2 == addr).unwrap().0;
     loop {
         // The snapshot is taken after `waited`: a heartbeat younger than that came after
-        // the instance was busy (with a margin for sampling its load before sending).
-        let waited = busy_since.elapsed().as_secs_f64();
+        // `since` (with a margin for sampling the load before sending).
+        let waited = since.elapsed().as_secs_f64();
         let age = member(&inspect(creds).await, node)["last_heartbeat_s"]
             .as_f64()
             .unwrap();
         if age + 0.1 < waited {
-            return task;
+            return;
         }
         assert!(Instant::now() < deadline, "no heartbeat from {node}");
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -532,19 +537,7 @@ async fn idle_in_proxy(client: &Client, creds: &Path, addr: &'static str) {
         assert!(Instant::now() < deadline, "{addr} never became idle: {l}");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let idle_since = Instant::now();
-    let node = NODES.iter().find(|n| n.2 == addr).unwrap().0;
-    loop {
-        let waited = idle_since.elapsed().as_secs_f64();
-        let age = member(&inspect(creds).await, node)["last_heartbeat_s"]
-            .as_f64()
-            .unwrap();
-        if age + 0.1 < waited {
-            return;
-        }
-        assert!(Instant::now() < deadline, "no heartbeat from {node}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    heartbeat_since(creds, addr, Instant::now(), deadline).await;
 }
 
 /// Requests `addr` finished since it started (`pdserve_requests_total{outcome="finished"}`).

@@ -537,15 +537,21 @@ impl Drop for RequestGuard {
 }
 
 fn authorized(app: &AppState, headers: &HeaderMap) -> bool {
-    let Some(key) = &app.api_key else { return true };
+    bearer_matches(app.api_key.as_deref(), headers)
+}
+
+/// Whether `headers` carry `Authorization: Bearer KEY` for `key` (always, when no key is set).
+pub(crate) fn bearer_matches(key: Option<&str>, headers: &HeaderMap) -> bool {
+    let Some(key) = key else { return true };
     let given = headers
         .get("authorization")
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "));
-    given == Some(key.as_str())
+    given == Some(key)
 }
 
-fn unauthorized() -> Response {
+/// The 401 answer to a missing or wrong API key (OpenAI's error shape).
+pub(crate) fn unauthorized() -> Response {
     let body = json!({"error": {"message": "missing or invalid API key", "type": "authentication_error", "param": null, "code": 401}});
     (StatusCode::UNAUTHORIZED, Json(body)).into_response()
 }

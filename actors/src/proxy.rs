@@ -479,18 +479,12 @@ fn outcome(kind: &'static str) {
 }
 
 fn authorized(s: &ProxyState, headers: &HeaderMap) -> bool {
-    let Some(key) = &s.api_key else { return true };
-    let given = headers
-        .get("authorization")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
-    given == Some(key.as_str())
+    crate::http::bearer_matches(s.api_key.as_deref(), headers)
 }
 
 fn unauthorized() -> Response {
     outcome("unauthorized");
-    let body = json!({"error": {"message": "missing or invalid API key", "type": "authentication_error", "param": null, "code": 401}});
-    (StatusCode::UNAUTHORIZED, Json(body)).into_response()
+    crate::http::unauthorized()
 }
 
 async fn forward(

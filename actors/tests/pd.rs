@@ -282,6 +282,26 @@ async fn bad_hand_offs_fail_clearly_and_free_their_blocks() {
     }
 }
 
+/// A proxy in front of the given instances (upstream calls bounded at 60 s); returns it and
+/// its URL.
+async fn proxy_for(
+    name: &str,
+    prefill: Vec<String>,
+    decode: Vec<String>,
+    max_prefill_queue: Option<usize>,
+) -> (ractor::ActorRef<pdserve_actors::proxy::ProxyMsg>, String) {
+    let args = ProxyArgs {
+        bind: "127.0.0.1:0".parse().unwrap(),
+        prefill,
+        decode,
+        timeout: Duration::from_secs(60),
+        max_prefill_queue,
+        api_key: None,
+    };
+    let (proxy, addr, _join) = start_proxy(name, args).await.unwrap();
+    (proxy, format!("http://{addr}"))
+}
+
 async fn wait_healthy(url: &str) {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
@@ -336,16 +356,7 @@ async fn proxy_streams_disaggregated_answers_equal_to_colocated() {
         Duration::from_secs(30),
     )
     .await;
-    let args = ProxyArgs {
-        bind: "127.0.0.1:0".parse().unwrap(),
-        prefill: vec![p.url()],
-        decode: vec![d.url()],
-        timeout: Duration::from_secs(30),
-        max_prefill_queue: None,
-        api_key: None,
-    };
-    let (proxy, addr, _join) = start_proxy("proxy-test", args).await.unwrap();
-    let url = format!("http://{addr}");
+    let (proxy, url) = proxy_for("proxy-test", vec![p.url()], vec![d.url()], None).await;
     wait_healthy(&url).await;
     let handles: Vec<_> = (0..6)
         .map(|i| {
@@ -395,20 +406,8 @@ async fn proxy_without_a_prefill_instance_answers_503() {
         Duration::from_secs(30),
     )
     .await;
-    let args = ProxyArgs {
-        bind: "127.0.0.1:0".parse().unwrap(),
-        prefill: vec![],
-        decode: vec![d.url()],
-        timeout: Duration::from_secs(5),
-        max_prefill_queue: None,
-        api_key: None,
-    };
-    let (proxy, addr, _join) = start_proxy("proxy-503", args).await.unwrap();
-    let (status, v) = post(
-        &format!("http://{addr}"),
-        &json!({"prompt": "x", "max_tokens": 2}),
-    )
-    .await;
+    let (proxy, url) = proxy_for("proxy-503", vec![], vec![d.url()], None).await;
+    let (status, v) = post(&url, &json!({"prompt": "x", "max_tokens": 2})).await;
     assert_eq!(status, 503, "{v}");
     assert!(
         v["error"]["message"]
@@ -469,16 +468,7 @@ async fn default_model_disaggregated_tokens_equal_colocated() {
     assert_pool_full(&p).await;
     assert_pool_full(&d).await;
     // The same pair behind pdserve's proxy: one hop, layerwise push.
-    let args = ProxyArgs {
-        bind: "127.0.0.1:0".parse().unwrap(),
-        prefill: vec![p.url()],
-        decode: vec![d.url()],
-        timeout: Duration::from_secs(60),
-        max_prefill_queue: None,
-        api_key: None,
-    };
-    let (proxy, addr, _join) = start_proxy("proxy-default", args).await.unwrap();
-    let url = format!("http://{addr}");
+    let (proxy, url) = proxy_for("proxy-default", vec![p.url()], vec![d.url()], None).await;
     wait_healthy(&url).await;
     let sent_before = p.kv_figures().unwrap().bytes_sent;
     let handles: Vec<_> = prompts
@@ -589,16 +579,13 @@ impl Cluster {
             decode_tweak(o);
         })
         .await;
-        let args = ProxyArgs {
-            bind: "127.0.0.1:0".parse().unwrap(),
-            prefill: vec![p.url()],
-            decode: vec![d.url()],
-            timeout: Duration::from_secs(60),
+        let (proxy, url) = proxy_for(
+            &format!("proxy-{tag}"),
+            vec![p.url()],
+            vec![d.url()],
             max_prefill_queue,
-            api_key: None,
-        };
-        let (proxy, addr, _join) = start_proxy(&format!("proxy-{tag}"), args).await.unwrap();
-        let url = format!("http://{addr}");
+        )
+        .await;
         wait_healthy(&url).await;
         Self { p, d, proxy, url }
     }

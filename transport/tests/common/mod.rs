@@ -171,8 +171,12 @@ impl Peer {
             Peer::InProcess {
                 engine, regions, ..
             } => {
-                regions.clear();
+                // The engine goes first, as everything goes at once when a process dies:
+                // dropping the regions first would let an in-flight copy see a live peer
+                // whose region was just deregistered (a correct `UnknownRegion`, but not
+                // the death this models).
                 engine.take();
+                regions.clear();
             }
         }
     }

@@ -303,6 +303,14 @@ impl BatchState {
         }
     }
 
+    /// Ends the batch with `why` and stops its remaining pieces. The error is recorded before
+    /// the flag is raised: an executor that sees the flag first would record its own
+    /// `Cancelled` and hide why the batch was given up (a timeout, for one).
+    fn abandon(&self, why: TransportError) {
+        self.complete(Err(why));
+        self.cancelled.store(true, Ordering::Relaxed);
+    }
+
     pub(crate) fn is_cancelled(&self) -> bool {
         self.cancelled.load(Ordering::Relaxed)
             || self.error.lock().expect("batch state poisoned").is_some()
@@ -397,8 +405,7 @@ impl BatchHandle {
     /// Asks the executors to stop at the next piece boundary; the batch then fails with
     /// [`TransportError::Cancelled`]. Pieces already on the wire may still land.
     pub fn cancel(&self) {
-        self.state.cancelled.store(true, Ordering::Relaxed);
-        self.state.complete(Err(TransportError::Cancelled));
+        self.state.abandon(TransportError::Cancelled);
     }
 
     /// Waits until the batch ends or `timeout` passes. On timeout the batch is cancelled.
@@ -410,11 +417,10 @@ impl BatchHandle {
         let mut rx = self.state.finished.subscribe();
         let finished = tokio::time::timeout(timeout, rx.wait_for(|f| *f)).await;
         if finished.is_err() {
-            self.state.cancelled.store(true, Ordering::Relaxed);
-            self.state.complete(Err(TransportError::Timeout {
+            self.state.abandon(TransportError::Timeout {
                 what: "transfer batch".into(),
                 after: timeout,
-            }));
+            });
         }
         match self.status() {
             BatchStatus::Done => Ok(()),

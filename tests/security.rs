@@ -5,7 +5,8 @@
 //! - The proxy's API key guards `/v1/*`; `/health` and `/metrics` stay open.
 //! - The control plane refuses what lacks this cluster's credentials, without effect: a member
 //!   of another cluster (same name, another CA) cannot register — not even under the name of
-//!   a real node — and `pdserve inspect` with its credentials fails with a clear message.
+//!   a real node — and `pdserve inspect` with its credentials fails with a clear message. A
+//!   member of this cluster cannot pose as another node: its certificate is bound to its name.
 //! - Forged `kv_transfer_params` (block ids outside the pool, too many or too few, a
 //!   `transfer_id` never issued, malformed fields) and forged push targets are refused with a
 //!   message naming the problem; blocks the prefill instance holds for a real hand-off are
@@ -977,12 +978,11 @@ fn garbage_and_malformed_control_frames_are_refused_and_the_proxy_keeps_its_regi
     });
 }
 
-/// Known gap, ignored until fixed: a member's node name is what its `Hello` says (and
-/// `MemberCredentials::load` takes it from the file name), not its certificate's common
-/// name, so any member of the cluster can register under another node's name and take over
-/// its routing. Run with `--ignored` to check a fix.
+/// A member's certificate is bound to its node name: a real member certificate (`prober`)
+/// filed under another node's name (`decode-0`, which `MemberCredentials::load` takes from
+/// the file name) is refused at the greeting, or its registration is, and the proxy's
+/// registrations are unchanged.
 #[test]
-#[ignore = "the control plane does not bind a member's node name to its certificate"]
 fn a_member_cannot_claim_another_members_node_name() {
     with_cluster(|c| {
         Box::pin(async move {
@@ -1009,27 +1009,33 @@ fn a_member_cannot_claim_another_members_node_name() {
             }
             let creds = MemberCredentials::load(&renamed, "decode-0").unwrap();
             let ep = ControlEndpoint::bind(&creds, ControlConfig::default()).unwrap();
-            // Refused at the handshake, or its registration is refused.
-            if let Ok(conn) = ep.connect(c.control.parse().unwrap()).await {
-                let body = serde_json::to_vec(&Registration {
-                    node: "decode-0".into(),
-                    role: InstanceRole::Decode,
-                    url: "http://127.0.0.1:1".into(),
-                    control_addr: "127.0.0.1:1".into(),
-                    heartbeat_ms: 500,
-                })
-                .unwrap();
-                let answer = conn
-                    .request(ControlMessage::Opaque {
-                        topic: "register".into(),
-                        body,
+            // Refused at the greeting (saying why), or its registration is refused.
+            match ep.connect(c.control.parse().unwrap()).await {
+                Err(e) => assert!(
+                    matches!(&e, TransportError::Unauthenticated(m) if m.contains("issued for node `prober`")),
+                    "{e:?}"
+                ),
+                Ok(conn) => {
+                    let body = serde_json::to_vec(&Registration {
+                        node: "decode-0".into(),
+                        role: InstanceRole::Decode,
+                        url: "http://127.0.0.1:1".into(),
+                        control_addr: "127.0.0.1:1".into(),
+                        heartbeat_ms: 500,
                     })
-                    .await;
-                assert!(
-                    matches!(&answer, Err(TransportError::Remote { kind, .. }) if kind == "bad_registration"),
-                    "`prober` registered as decode-0: {answer:?}"
-                );
-                c.assert_registrations();
+                    .unwrap();
+                    let answer = conn
+                        .request(ControlMessage::Opaque {
+                            topic: "register".into(),
+                            body,
+                        })
+                        .await;
+                    assert!(
+                        matches!(&answer, Err(TransportError::Remote { kind, .. }) if kind == "bad_registration"),
+                        "`prober` registered as decode-0: {answer:?}"
+                    );
+                    c.assert_registrations();
+                }
             }
             c.assert_registrations();
         })

@@ -2,9 +2,13 @@
 //! [`ControlMessage`]s (rkyv, validated on receipt; see `pdserve_runtime::wire`).
 //!
 //! - **Authentication**: mutual TLS 1.3 with certificates from the cluster CA ([`tls`]); then
-//!   both sides exchange [`Hello`] and check the cluster name. A stranger (no certificate, or
-//!   one from another CA) fails the handshake; it is logged and counted
-//!   ([`ControlEndpoint::refused_connections`]) and never reaches [`ControlEndpoint::accept`].
+//!   both sides exchange [`Hello`] and check the cluster name, and that the node name the peer
+//!   announces is the one its certificate is bound to ([`tls::verify_peer_node`]): a member
+//!   cannot pose as another node. A stranger (no certificate, or one from another CA) fails the
+//!   handshake; a member announcing another node's name, or presenting a certificate issued
+//!   before node binding, is refused at the greeting with an `unauthenticated` error that says
+//!   why. Either is logged and counted ([`ControlEndpoint::refused_connections`]) and never
+//!   reaches [`ControlEndpoint::accept`].
 //! - **Messages**: a request is one bidirectional stream (request frame, response frame), a
 //!   one-way message one unidirectional stream. Each stream carries one length-prefixed frame.
 //!   A malformed, truncated or oversized frame is answered with [`ControlMessage::Error`]
@@ -192,7 +196,8 @@ impl ControlConnection {
         }
     }
 
-    /// The peer's greeting (cluster, node, role, version).
+    /// The peer's greeting (cluster, node, role, version). Its node name is the one the
+    /// peer's certificate is bound to (checked when the connection was made).
     pub fn peer(&self) -> &Hello {
         &self.shared.peer
     }
@@ -573,6 +578,15 @@ impl ControlEndpoint {
                 .map_err(|e| refine(&conn, addr, e))?;
             match env.message {
                 ControlMessage::Hello(peer) if peer.cluster == self.hello.cluster => {
+                    if let Err(e) = tls::verify_peer_node(&conn, &peer.node) {
+                        conn.close(quinn::VarInt::from_u32(1), b"node not certified");
+                        return Err(match e {
+                            TransportError::Unauthenticated(m) => {
+                                TransportError::Unauthenticated(format!("{addr}: {m}"))
+                            }
+                            other => other,
+                        });
+                    }
                     Ok(ControlConnection::start(conn, peer, self.config.clone()))
                 }
                 ControlMessage::Hello(peer) => Err(TransportError::Unauthenticated(format!(
@@ -628,6 +642,9 @@ fn refine(conn: &quinn::Connection, addr: SocketAddr, e: TransportError) -> Tran
     }
 }
 
+/// Longest wait for a refused peer to acknowledge the refusal before its connection closes.
+const REFUSAL_LINGER: Duration = Duration::from_secs(1);
+
 async fn accept_member(
     incoming: quinn::Incoming,
     hello: &Hello,
@@ -646,11 +663,15 @@ async fn accept_member(
         let env = read_frame(&mut recv, max).await?;
         match env.message {
             ControlMessage::Hello(peer) if env.kind == EnvelopeKind::Request => {
-                if peer.cluster != hello.cluster {
-                    let e = TransportError::Unauthenticated(format!(
+                let refusal = if peer.cluster != hello.cluster {
+                    Some(TransportError::Unauthenticated(format!(
                         "{} is in cluster {:?}, not {:?}",
                         peer.node, peer.cluster, hello.cluster
-                    ));
+                    )))
+                } else {
+                    tls::verify_peer_node(&conn, &peer.node).err()
+                };
+                if let Some(e) = refusal {
                     let _ = write_frame(
                         &mut send,
                         &Envelope {
@@ -661,6 +682,9 @@ async fn accept_member(
                         max,
                     )
                     .await;
+                    // Let the refusal reach the peer (so it can tell its operator why) before
+                    // the connection is closed; bounded, and by the greeting's timeout too.
+                    let _ = tokio::time::timeout(REFUSAL_LINGER, send.stopped()).await;
                     return Err(e);
                 }
                 write_frame(

@@ -119,6 +119,9 @@ pub(crate) fn host_id() -> String {
 pub(crate) struct ServerCtx {
     pub(crate) core: Arc<EngineCore>,
     pub(crate) backend: BackendKind,
+    /// The peer's name: set by its HELLO, or beforehand by a backend that authenticates it
+    /// (`quic`: the node its certificate is bound to), after which a HELLO announcing another
+    /// name is refused.
     pub(crate) peer_name: Arc<Mutex<Option<String>>>,
     pub(crate) remote_addr: String,
     pub(crate) rdma_accept: Option<RdmaAcceptHook>,
@@ -268,7 +271,24 @@ where
                         respond_error(w, h.req, &e).await?;
                         return Err(e);
                     }
-                    *ctx.peer_name.lock().expect("peer name poisoned") = Some(name);
+                    let known = {
+                        let mut known = ctx.peer_name.lock().expect("peer name poisoned");
+                        match known.as_deref() {
+                            Some(k) if k != name => Some(k.to_string()),
+                            _ => {
+                                *known = Some(name.clone());
+                                None
+                            }
+                        }
+                    };
+                    if let Some(known) = known {
+                        let e = TransportError::Unauthenticated(format!(
+                            "the peer announced engine `{name}` on a connection of `{known}` \
+                             (the node its certificate is bound to)"
+                        ));
+                        respond_error(w, h.req, &e).await?;
+                        return Err(e);
+                    }
                 } else {
                     ctx.core.deliver(ctx.peer_name(), payload).await;
                 }

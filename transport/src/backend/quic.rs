@@ -2,7 +2,9 @@
 //! cluster CA. Every piece and control request is its own bidirectional stream (header,
 //! payload, answer), so pieces run in parallel without head-of-line blocking; a semaphore
 //! bounds the streams in flight. A peer that goes silent is gone after the idle timeout
-//! (`peer_timeout`), which fails every stream of the connection.
+//! (`peer_timeout`), which fails every stream of the connection. A peer is known by the node
+//! name its certificate is bound to (see `control::tls`): its HELLO must announce that name as
+//! its engine name, and a certificate without a node binding is refused.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -13,7 +15,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::Semaphore;
 
 use super::proto::{self, ReqHeader, RespHeader, ServerCtx};
-use crate::control::tls::{quic_transport, ALPN_TRANSFER, MEMBER_SERVER_NAME};
+use crate::control::tls::{
+    certified_node, peer_certificate, quic_transport, ALPN_TRANSFER, MEMBER_SERVER_NAME,
+};
 use crate::engine::{
     Backend, BackendKind, BatchState, BoxFut, EngineCore, Link, OpKind, PieceCompletion, PlannedOp,
 };
@@ -56,7 +60,19 @@ impl QuicBackend {
                             return;
                         }
                     };
-                    let peer_name = Arc::new(Mutex::new(None));
+                    // The peer's name is the node its certificate is bound to; a HELLO
+                    // announcing another engine name is refused (`proto::serve`).
+                    let certified = match peer_certificate(&conn).and_then(|c| certified_node(&c)) {
+                        Ok(node) => node,
+                        Err(e) => {
+                            tracing::warn!(%remote, error = %e, "refused transfer connection");
+                            let reason = e.to_string();
+                            let reason = &reason.as_bytes()[..reason.len().min(256)];
+                            conn.close(quinn::VarInt::from_u32(1), reason);
+                            return;
+                        }
+                    };
+                    let peer_name = Arc::new(Mutex::new(Some(certified)));
                     while let Ok((mut send, mut recv)) = conn.accept_bi().await {
                         let ctx = ServerCtx {
                             core: core.clone(),

@@ -14,8 +14,24 @@
 //! Every connection (control plane and the `quic` transfer backend) is mutual TLS 1.3: each side
 //! presents a member certificate and accepts only certificates that chain to its cluster CA. A
 //! certificate from another cluster's CA, or none, fails the handshake. Member certificates all
-//! carry the DNS name [`MEMBER_SERVER_NAME`], which clients verify; the node name is the
-//! certificate's common name.
+//! carry the DNS name [`MEMBER_SERVER_NAME`], which clients verify.
+//!
+//! **Node binding.** A member certificate is also bound to its node name by a second DNS
+//! subject alternative name, [`node_dns_name`]:
+//!
+//! - `NODE.node.pdserve` when the node name is one lowercase DNS label (`a-z`, `0-9`, `-`, at
+//!   most 63 characters, no `-` at either end), e.g. `decode-0.node.pdserve`;
+//! - otherwise the name's UTF-8 bytes in lowercase hex, in labels of at most 62 digits, then
+//!   `.x.node.pdserve` (e.g. `Decode_0` → `4465636f64655f30.x.node.pdserve`). DNS names
+//!   compare case-insensitively, so names with upper case go this way and `Decode-0` can never
+//!   match a certificate of `decode-0`.
+//!
+//! Node names are at most [`MAX_NODE_NAME_BYTES`] bytes, without control characters, `/` or
+//! `\`. (The common name is still the node name, for people reading the certificate.) A side
+//! that learns a peer's node name from its greeting checks it against the peer's verified
+//! certificate with [`verify_peer_node`] (webpki's subject-name check) and refuses a mismatch;
+//! a certificate issued before this binding existed is refused with a message to re-issue it
+//! (`pdserve cluster issue DIR NODE`).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -39,9 +55,177 @@ pub const MEMBER_SERVER_NAME: &str = "pdserve-member";
 pub const ALPN_CONTROL: &[u8] = b"pdserve-control/1";
 /// ALPN of `quic` transfer-backend connections.
 pub const ALPN_TRANSFER: &[u8] = b"pdserve-transfer/1";
+/// Parent domain of the DNS names that bind member certificates to node names.
+pub const NODE_NAME_DOMAIN: &str = "node.pdserve";
+/// Label before [`NODE_NAME_DOMAIN`] marking a hex-encoded node name.
+const HEX_NODE_LABEL: &str = "x";
+/// Hex digits per label of a hex-encoded node name (a DNS label holds at most 63).
+const HEX_DIGITS_PER_LABEL: usize = 62;
+/// Longest node name a member certificate can be issued for, in bytes.
+pub const MAX_NODE_NAME_BYTES: usize = 100;
 
 fn tls_err(e: impl std::fmt::Display) -> TransportError {
     TransportError::Tls(e.to_string())
+}
+
+fn unauthenticated(message: String) -> TransportError {
+    TransportError::Unauthenticated(message)
+}
+
+/// Checks that `node` can be a member's node name: non-empty, at most [`MAX_NODE_NAME_BYTES`]
+/// bytes, without control characters, `/` or `\`.
+///
+/// # Errors
+/// [`TransportError::Config`] naming the problem.
+pub fn validate_node_name(node: &str) -> Result<()> {
+    if node.is_empty()
+        || node.len() > MAX_NODE_NAME_BYTES
+        || node
+            .chars()
+            .any(|c| c.is_control() || c == '/' || c == '\\')
+    {
+        return Err(TransportError::Config(format!(
+            "invalid node name {node:?}: 1 to {MAX_NODE_NAME_BYTES} bytes, without control \
+             characters, `/` or `\\`"
+        )));
+    }
+    Ok(())
+}
+
+/// Whether `node` is one lowercase DNS label, written as is in its binding name.
+fn is_plain_label(node: &str) -> bool {
+    let b = node.as_bytes();
+    (1..=63).contains(&b.len())
+        && b.iter()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+        && b[0] != b'-'
+        && b[b.len() - 1] != b'-'
+}
+
+/// The DNS name that binds a member certificate to `node` (see the module docs).
+///
+/// # Errors
+/// [`TransportError::Config`] for an invalid node name ([`validate_node_name`]).
+pub fn node_dns_name(node: &str) -> Result<String> {
+    validate_node_name(node)?;
+    if is_plain_label(node) {
+        return Ok(format!("{node}.{NODE_NAME_DOMAIN}"));
+    }
+    let hex: String = node.bytes().map(|b| format!("{b:02x}")).collect();
+    let labels: Vec<&str> = hex
+        .as_bytes()
+        .chunks(HEX_DIGITS_PER_LABEL)
+        .map(|c| std::str::from_utf8(c).expect("hex digits are ASCII"))
+        .collect();
+    Ok(format!(
+        "{}.{HEX_NODE_LABEL}.{NODE_NAME_DOMAIN}",
+        labels.join(".")
+    ))
+}
+
+/// The node name a binding DNS name stands for; `None` for any other name.
+fn node_of_dns_name(dns: &str) -> Option<String> {
+    let rest = dns
+        .to_ascii_lowercase()
+        .strip_suffix(NODE_NAME_DOMAIN)?
+        .strip_suffix('.')?
+        .to_string();
+    if let Some(hex) = rest.strip_suffix(&format!(".{HEX_NODE_LABEL}")) {
+        let digits: String = hex.split('.').collect();
+        let pairs = digits.as_bytes().chunks_exact(2);
+        if !pairs.remainder().is_empty() {
+            return None;
+        }
+        let bytes = pairs
+            .map(|p| u8::from_str_radix(std::str::from_utf8(p).ok()?, 16).ok())
+            .collect::<Option<Vec<u8>>>()?;
+        return String::from_utf8(bytes).ok();
+    }
+    (!rest.contains('.')).then_some(rest)
+}
+
+/// The node names a certificate is bound to (normally one; none for a certificate issued
+/// before node binding existed). For messages only: checks go through [`verify_node`].
+pub fn certified_nodes(cert: &CertificateDer<'_>) -> Vec<String> {
+    webpki::EndEntityCert::try_from(cert)
+        .map(|ee| ee.valid_dns_names().filter_map(node_of_dns_name).collect())
+        .unwrap_or_default()
+}
+
+/// Checks that a member certificate (already verified against the cluster CA by the TLS
+/// handshake) is bound to `node`.
+///
+/// # Errors
+/// [`TransportError::Unauthenticated`]: the certificate does not parse, is bound to another
+/// node, or carries no node binding (issued before it existed: re-issue it).
+pub fn verify_node(cert: &CertificateDer<'_>, node: &str) -> Result<()> {
+    let ee = webpki::EndEntityCert::try_from(cert)
+        .map_err(|e| unauthenticated(format!("the certificate of `{node}` does not parse: {e}")))?;
+    let expected =
+        node_dns_name(node).map_err(|e| unauthenticated(format!("the peer announced {e}")))?;
+    let subject = rustls_pki_types::ServerName::try_from(expected.as_str())
+        .map_err(|e| unauthenticated(format!("node `{node}`: {expected:?}: {e}")))?;
+    if ee.verify_is_valid_for_subject_name(&subject).is_ok() {
+        return Ok(());
+    }
+    let bound = certified_nodes(cert);
+    Err(unauthenticated(if bound.is_empty() {
+        format!(
+            "the certificate presented for node `{node}` is not bound to a node name (issued \
+             by a pdserve without node binding): re-issue it with `pdserve cluster issue DIR \
+             {node}` and restart that member"
+        )
+    } else {
+        format!(
+            "the peer announced node `{node}` but its certificate is issued for node `{}`; a \
+             member may only use its own node name",
+            bound.join("`, `")
+        )
+    }))
+}
+
+/// The node name the verified certificate `cert` is bound to.
+///
+/// # Errors
+/// [`TransportError::Unauthenticated`] when it is bound to no node (issued before node
+/// binding: re-issue it) or to more than one.
+pub fn certified_node(cert: &CertificateDer<'_>) -> Result<String> {
+    match certified_nodes(cert).as_slice() {
+        [node] => {
+            verify_node(cert, node)?;
+            Ok(node.clone())
+        }
+        [] => Err(unauthenticated(
+            "the peer's certificate is not bound to a node name (issued by a pdserve without \
+             node binding): re-issue it with `pdserve cluster issue DIR NODE` and restart that \
+             member"
+                .into(),
+        )),
+        many => Err(unauthenticated(format!(
+            "the peer's certificate is bound to several node names (`{}`)",
+            many.join("`, `")
+        ))),
+    }
+}
+
+/// The end-entity certificate the peer of `conn` presented in the TLS handshake.
+///
+/// # Errors
+/// [`TransportError::Unauthenticated`] when it presented none.
+pub fn peer_certificate(conn: &quinn::Connection) -> Result<CertificateDer<'static>> {
+    conn.peer_identity()
+        .and_then(|id| id.downcast::<Vec<CertificateDer<'static>>>().ok())
+        .and_then(|chain| chain.into_iter().next())
+        .ok_or_else(|| unauthenticated("the peer presented no certificate".into()))
+}
+
+/// Checks that the peer of `conn` presented a certificate bound to `node` (the name it
+/// announced).
+///
+/// # Errors
+/// As [`peer_certificate`] and [`verify_node`].
+pub fn verify_peer_node(conn: &quinn::Connection, node: &str) -> Result<()> {
+    verify_node(&peer_certificate(conn)?, node)
 }
 
 fn ca_params(cluster: &str) -> Result<CertificateParams> {
@@ -122,23 +306,22 @@ impl ClusterCredentials {
 
     /// Issues a member certificate for `node` (in memory).
     ///
+    /// The certificate carries the DNS names [`MEMBER_SERVER_NAME`] and [`node_dns_name`]
+    /// (`node`), and `node` as its common name.
+    ///
     /// # Errors
-    /// [`TransportError::Tls`] when signing fails; [`TransportError::Config`] for an empty node
-    /// name.
+    /// [`TransportError::Tls`] when signing fails; [`TransportError::Config`] for an invalid
+    /// node name ([`validate_node_name`]).
     pub fn issue(&self, node: &str) -> Result<MemberCredentials> {
-        if node.is_empty() || node.contains(['/', '\\', '\n']) {
-            return Err(TransportError::Config(format!(
-                "invalid node name {node:?}"
-            )));
-        }
+        let node_name = node_dns_name(node)?;
         let ca_key = KeyPair::from_pem(&self.ca_key_pem).map_err(tls_err)?;
         // Re-signing the same CA parameters with the same key yields an issuer with the
         // subject and key identifier of the CA on disk, which is all a signature chain needs.
         let ca_cert = ca_params(&self.name)?
             .self_signed(&ca_key)
             .map_err(tls_err)?;
-        let mut params =
-            CertificateParams::new(vec![MEMBER_SERVER_NAME.to_string()]).map_err(tls_err)?;
+        let mut params = CertificateParams::new(vec![MEMBER_SERVER_NAME.to_string(), node_name])
+            .map_err(tls_err)?;
         params.distinguished_name.push(DnType::CommonName, node);
         params.distinguished_name.push(
             DnType::OrganizationName,
@@ -267,6 +450,9 @@ impl MemberCredentials {
     /// Loads the member `node` from a cluster directory (needs `cluster-name`, `ca.crt` and
     /// `members/NODE.{crt,key}`; not the CA key).
     ///
+    /// A certificate that is not bound to `node` loads, with a warning: peers refuse it when
+    /// this member announces `node` (see the module docs).
+    ///
     /// # Errors
     /// I/O errors reading; [`TransportError::Tls`] when a file does not parse.
     pub fn load(dir: &Path, node: &str) -> Result<Self> {
@@ -276,7 +462,15 @@ impl MemberCredentials {
         let ca = std::fs::read_to_string(dir.join("ca.crt"))?;
         let cert = std::fs::read_to_string(member_path(dir, node, "crt"))?;
         let key = std::fs::read_to_string(member_path(dir, node, "key"))?;
-        Self::from_pem(&cluster, node, &ca, &cert, &key)
+        let member = Self::from_pem(&cluster, node, &ca, &cert, &key)?;
+        if let Err(e) = verify_node(&member.cert, node) {
+            tracing::warn!(
+                file = %member_path(dir, node, "crt").display(),
+                error = %e,
+                "member certificate is not bound to its node name: other members will refuse it"
+            );
+        }
+        Ok(member)
     }
 
     /// The cluster name.
@@ -416,5 +610,73 @@ mod tests {
         assert_eq!(mode & 0o777, 0o600);
         loaded.server_tls(ALPN_CONTROL).unwrap();
         loaded.client_tls(ALPN_CONTROL).unwrap();
+    }
+
+    fn message(e: TransportError) -> String {
+        match e {
+            TransportError::Unauthenticated(m) => m,
+            other => panic!("expected Unauthenticated, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_certificate_issued_for_a_node_verifies_as_that_node_only() {
+        let ca = ClusterCredentials::ephemeral("alpha").unwrap();
+        let a = ca.issue("decode-0").unwrap();
+        verify_node(&a.cert, "decode-0").unwrap();
+        assert_eq!(certified_nodes(&a.cert), vec!["decode-0".to_string()]);
+        for other in [
+            "decode-1",
+            "Decode-0",
+            "decode-0.node.pdserve",
+            "decode",
+            "prober",
+        ] {
+            let m = message(verify_node(&a.cert, other).unwrap_err());
+            assert!(m.contains("issued for node `decode-0`"), "{other}: {m}");
+        }
+        // Names outside one lowercase DNS label are bound in hex, exactly.
+        for node in [
+            "Decode-0",
+            "prefill_0",
+            "gpu.host-3",
+            "ünïcode",
+            "x",
+            "-dash-",
+        ] {
+            let m = ca.issue(node).unwrap();
+            verify_node(&m.cert, node).unwrap();
+            assert_eq!(certified_nodes(&m.cert), vec![node.to_string()], "{node}");
+            verify_node(&a.cert, node).unwrap_err();
+            verify_node(&m.cert, "decode-0").unwrap_err();
+        }
+        let long = "n".repeat(MAX_NODE_NAME_BYTES);
+        let m = ca.issue(&long.to_uppercase()).unwrap();
+        verify_node(&m.cert, &long.to_uppercase()).unwrap();
+        verify_node(&m.cert, &long).unwrap_err();
+        assert!(ca.issue(&format!("{long}n")).is_err());
+        assert!(ca.issue("a/b").is_err());
+        assert!(ca.issue("").is_err());
+    }
+
+    #[test]
+    fn a_certificate_without_node_binding_is_refused_with_a_reissue_hint() {
+        // A member certificate as issued before node binding: only `MEMBER_SERVER_NAME`.
+        let ca_key = KeyPair::generate().unwrap();
+        let ca_cert = ca_params("alpha").unwrap().self_signed(&ca_key).unwrap();
+        let mut params = CertificateParams::new(vec![MEMBER_SERVER_NAME.to_string()]).unwrap();
+        params
+            .distinguished_name
+            .push(DnType::CommonName, "decode-0");
+        let key = KeyPair::generate().unwrap();
+        let cert = params.signed_by(&key, &ca_cert, &ca_key).unwrap();
+        let der = CertificateDer::from(cert.der().to_vec());
+        assert!(certified_nodes(&der).is_empty());
+        let m = message(verify_node(&der, "decode-0").unwrap_err());
+        assert!(
+            m.contains("not bound to a node name")
+                && m.contains("pdserve cluster issue DIR decode-0"),
+            "{m}"
+        );
     }
 }

@@ -2,14 +2,17 @@
 //! not, aborted by the client, malformed — against a 1P2D cluster started by `pdserve launch`
 //! while faults are injected into every instance (`[faults]` through `PDSERVE_FAULTS__*`,
 //! which the launcher's children inherit): failed, delayed and corrupted KV transfer batches;
-//! dropped, delayed and corrupted control messages; one TP-worker panic per instance.
+//! dropped, delayed and corrupted control messages; one panic per instance of the round's
+//! chosen actor (`faults.actor_panic_target`: a TpWorker in round 1, the KvReceiver in round
+//! 2 — decode instances only take its messages in pull mode — and the KvSender in round 3,
+//! which only prefill instances use in push mode).
 //!
 //! At the end: every successful answer is token-identical to a colocated reference under
 //! greedy sampling, every failed one carried a clear error, every block pool is full with no
-//! hand-off in flight, no actor is left failed (each instance's TpWorker shows exactly its one
-//! injected restart in `pdserve inspect --json`, which also lists every actor of every
-//! instance), and after SIGTERM no process is left behind. Three rounds, alternating push and
-//! pull, each with its own fault seed.
+//! hand-off in flight, no actor is left failed (each instance whose chosen actor takes
+//! messages shows exactly its one injected restart of it in `pdserve inspect --json`, which
+//! also lists every actor of every instance, the others none), and after SIGTERM no process
+//! is left behind. Three rounds, alternating push and pull, each with its own fault seed.
 
 mod common;
 
@@ -30,7 +33,7 @@ const CONCURRENCY: usize = 4;
 const PROMPTS: usize = 8;
 
 /// The faults of a round, as the instances' environment.
-fn fault_env(seed: u64) -> Vec<(String, String)> {
+fn fault_env(seed: u64, panic_target: &str) -> Vec<(String, String)> {
     [
         // Per batch: a pushed request writes one batch per layer and chunk (~30 here), a
         // pulled one reads one batch per rank.
@@ -43,8 +46,9 @@ fn fault_env(seed: u64) -> Vec<(String, String)> {
         ("FAULTS__CONTROL_CORRUPT", "0.02"),
         ("FAULTS__CONTROL_DELAY", "0.05"),
         ("FAULTS__CONTROL_DELAY_MS", "30"),
-        ("FAULTS__WORKER_PANIC", "1.0"),
-        ("FAULTS__WORKER_PANIC_MAX", "1"),
+        ("FAULTS__ACTOR_PANIC", "1.0"),
+        ("FAULTS__ACTOR_PANIC_MAX", "1"),
+        ("FAULTS__ACTOR_PANIC_TARGET", panic_target),
         ("FAULTS__SEED", &seed.to_string()),
         // Bounds that keep a lost message cheap in a test: a dropped call waits these out.
         ("TRANSFER__TIMEOUT_S", "3"),
@@ -237,7 +241,17 @@ fn cluster_json(addr: &str, dir: &str) -> Value {
     serde_json::from_str(&out).unwrap()
 }
 
+/// The actor each round panics once per instance, and the roles whose instances use it.
+fn panic_target(round: u64) -> (&'static str, &'static [&'static str]) {
+    match round {
+        1 => ("TpWorker", &["prefill", "decode"]),
+        2 => ("KvReceiver", &["decode"]),
+        _ => ("KvSender", &["prefill"]),
+    }
+}
+
 fn round(rt: &tokio::runtime::Runtime, round: u64, mode: &str, reference: &[Vec<u64>]) {
+    let (target, used_by) = panic_target(round);
     let tag = format!("PDSERVE_TEST_SOAK_TAG={}-{round}", std::process::id());
     let (key, value) = tag.split_once('=').unwrap();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_pdserve"));
@@ -261,7 +275,7 @@ fn round(rt: &tokio::runtime::Runtime, round: u64, mode: &str, reference: &[Vec<
     .env(key, value)
     .stdout(Stdio::piped())
     .stderr(Stdio::inherit());
-    for (k, v) in fault_env(round) {
+    for (k, v) in fault_env(round, target) {
         cmd.env(k, v);
     }
     let mut launcher = Launcher(cmd.spawn().unwrap());
@@ -367,10 +381,19 @@ fn round(rt: &tokio::runtime::Runtime, round: u64, mode: &str, reference: &[Vec<
         for c in children {
             assert_eq!(c["state"], "running", "round {round}: {c}");
         }
-        let worker = children.iter().find(|c| c["kind"] == "TpWorker").unwrap();
+        let victim = children.iter().find(|c| c["kind"] == target).unwrap();
+        let expected = u64::from(used_by.contains(&m["role"].as_str().unwrap()));
         assert_eq!(
-            worker["restarts"], 1,
-            "round {round}: the injected worker panic shows as one restart: {m}"
+            victim["restarts"], expected,
+            "round {round}: the injected {target} panic shows as {expected} restart(s): {m}"
+        );
+        let depth: u64 = children
+            .iter()
+            .map(|c| c["mailbox_depth"].as_u64().unwrap())
+            .sum();
+        assert_eq!(
+            depth, 0,
+            "round {round}: a settled instance has empty mailboxes: {m}"
         );
     }
 

@@ -8,7 +8,9 @@
 //! bookkeeping is [`Aggregation`]; the actor keeps one per open hand-off and answers the
 //! waiter registered with [`AggregatorMsg::Expect`] exactly once.
 //!
-//! Supervised by the `InstanceSupervisor`; a failure escalates.
+//! Supervised by the `InstanceSupervisor`, which restarts it: the waiters of the hand-offs
+//! it had open see their outcome channel close (a failure), and the KvSender and KvReceiver
+//! reach the new incarnation through the same [`Mailbox`](crate::mailbox::Mailbox).
 
 use pdserve_runtime::ids::TransferId;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
@@ -110,9 +112,9 @@ pub enum AggregatorMsg {
     Open(ractor::RpcReplyPort<usize>),
 }
 
-/// The Aggregator actor.
+/// The Aggregator actor (its mailbox count).
 #[derive(Debug)]
-pub struct Aggregator;
+pub struct Aggregator(pub crate::mailbox::Inbox);
 
 type Waiting = HashMap<TransferId, (Aggregation, oneshot::Sender<HandoffOutcome>)>;
 
@@ -135,6 +137,7 @@ impl Actor for Aggregator {
         msg: Self::Msg,
         open: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
+        self.0.take();
         match msg {
             AggregatorMsg::Expect {
                 transfer,
@@ -208,7 +211,9 @@ mod tests {
 
     #[tokio::test]
     async fn the_actor_answers_each_waiter_once() {
-        let (agg, _join) = Actor::spawn(None, Aggregator, ()).await.unwrap();
+        let (agg, _join) = crate::mailbox::Mailbox::spawn(None, Aggregator, ())
+            .await
+            .unwrap();
         let t = TransferId::new_random();
         let (tx, rx) = oneshot::channel();
         agg.cast(AggregatorMsg::Expect {
@@ -231,6 +236,7 @@ mod tests {
         assert_eq!(rx.await.unwrap(), Ok(()));
         let open = ractor::call_t!(agg, AggregatorMsg::Open, 1000).unwrap();
         assert_eq!(open, 0, "a decided hand-off is closed");
+        assert_eq!(agg.depth(), 0, "every message was taken");
         agg.stop(None);
     }
 }

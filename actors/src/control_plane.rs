@@ -30,7 +30,7 @@ use pdserve_runtime::supervision::InstanceSnapshot;
 use pdserve_runtime::wire::{ControlMessage, ErrorMessage, Heartbeat, LoadFigures, Role};
 use pdserve_transport::control::tls::MemberCredentials;
 use pdserve_transport::control::{ControlConfig, ControlConnection, ControlEndpoint};
-use ractor::ActorRef;
+
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -195,8 +195,8 @@ pub(crate) struct InspectSource {
     pub(crate) role: InstanceRole,
     pub(crate) model: String,
     pub(crate) tp: usize,
-    pub(crate) supervisor: ActorRef<SupervisorMsg>,
-    pub(crate) scheduler: ActorRef<SchedulerMsg>,
+    pub(crate) supervisor: crate::mailbox::Mailbox<SupervisorMsg>,
+    pub(crate) scheduler: crate::mailbox::Mailbox<SchedulerMsg>,
     pub(crate) kv: Option<Arc<KvContext>>,
 }
 

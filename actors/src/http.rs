@@ -14,6 +14,7 @@ use crate::error::RequestError;
 use crate::kv_receiver::KvSource;
 use crate::kv_sender::{KvSenderMsg, PushTarget};
 use crate::kv_transfer::KvPeerInfo;
+use crate::mailbox::{Inbox, Mailbox};
 use crate::openai::{self, ParsedRequest, PromptInput};
 use crate::scheduler::{NewRequest, RequestEvent, SchedulerMsg};
 use axum::body::Bytes;
@@ -40,7 +41,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 /// What every handler shares.
 pub struct AppState {
     /// The instance's scheduler.
-    pub scheduler: ActorRef<SchedulerMsg>,
+    pub scheduler: Mailbox<SchedulerMsg>,
     /// Tokenizer.
     pub tokenizer: Tokenizer,
     /// Chat template.
@@ -64,7 +65,7 @@ pub struct AppState {
     /// The KV hand-off context (instances with a transfer engine).
     pub kv: Option<Arc<crate::kv_receiver::KvContext>>,
     /// The KvSender (instances with a transfer engine).
-    pub kv_sender: Option<ActorRef<crate::kv_sender::KvSenderMsg>>,
+    pub kv_sender: Option<Mailbox<crate::kv_sender::KvSenderMsg>>,
     /// Hand-offs a decode instance aborted, remembered for a while (with when) so a
     /// remote-prefill request that arrives after its own abort is refused.
     pub aborted: std::sync::Mutex<std::collections::HashMap<TransferId, std::time::Instant>>,
@@ -276,8 +277,8 @@ struct PushTargetBody {
 /// side hung up, a timeout): nothing waits for a release that will not come.
 struct HandoffGuard {
     transfer: TransferId,
-    scheduler: ActorRef<SchedulerMsg>,
-    sender: Option<ActorRef<KvSenderMsg>>,
+    scheduler: Mailbox<SchedulerMsg>,
+    sender: Option<Mailbox<KvSenderMsg>>,
     settled: bool,
 }
 
@@ -481,7 +482,13 @@ async fn kv_prefill_inner(app: Arc<AppState>, body: Bytes) -> Result<Response, A
     // the decode side frees its blocks when it gets this answer.
     let written = match tokio::time::timeout(kv.timeout, pushed).await {
         Ok(Ok(r)) => r,
-        Ok(Err(_)) => Err("the KV sender dropped the hand-off".into()),
+        Ok(Err(_)) => {
+            // The KvSender (or the Aggregator) failed with the hand-off open: nobody can
+            // say whether its writes have drained. Each ends within the transfer bound, so
+            // wait that out before decode may reuse its blocks (and before ours are freed).
+            tokio::time::sleep(kv.timeout).await;
+            Err("the KV sender failed during the hand-off".into())
+        }
         Err(_) => Err(format!(
             "the KV writes did not finish within {} s",
             kv.timeout.as_secs()
@@ -523,7 +530,7 @@ async fn chat_completions(
 /// timeout), and holds the admission permit for the request's lifetime.
 struct RequestGuard {
     id: RequestId,
-    scheduler: ActorRef<SchedulerMsg>,
+    scheduler: Mailbox<SchedulerMsg>,
     finished: bool,
     _permit: OwnedSemaphorePermit,
 }
@@ -1007,9 +1014,9 @@ pub enum HttpMsg {
     LocalAddr(RpcReplyPort<SocketAddr>),
 }
 
-/// The HttpFrontend actor.
+/// The HttpFrontend actor (its mailbox count).
 #[derive(Debug)]
-pub struct HttpFrontend;
+pub struct HttpFrontend(pub Inbox);
 
 /// Arguments: where to listen and what to serve.
 pub struct HttpArgs {
@@ -1046,6 +1053,7 @@ impl Actor for HttpFrontend {
         msg: Self::Msg,
         st: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
+        self.0.take();
         match msg {
             HttpMsg::LocalAddr(reply) => {
                 if !reply.is_closed() {

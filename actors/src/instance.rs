@@ -2,6 +2,7 @@
 //! DESIGN.md behind an OpenAI-compatible HTTP API. `pdserve serve` and the tests use this.
 
 use crate::http::AppState;
+use crate::mailbox::Mailbox;
 use crate::scheduler::{SchedulerConfig, SchedulerMsg, SchedulerStats};
 use crate::supervisor::{InstanceArgs, InstanceSupervisor, SupervisorMsg};
 use crate::worker::WorkerSpec;
@@ -11,7 +12,6 @@ use pdserve_gpu::weights::WeightFormat;
 use pdserve_runtime::config::ServeConfig;
 use pdserve_runtime::memory::{AnonAllocator, HostMemoryAllocator};
 use pdserve_runtime::supervision::{ActorSnapshot, RestartPolicy};
-use ractor::{Actor, ActorRef};
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
@@ -178,9 +178,9 @@ fn transfer_config(cfg: &ServeConfig) -> Result<Option<pdserve_transport::Transf
 
 /// A running instance.
 pub struct Instance {
-    supervisor: ActorRef<SupervisorMsg>,
+    supervisor: Mailbox<SupervisorMsg>,
     join: tokio::task::JoinHandle<()>,
-    scheduler: ActorRef<SchedulerMsg>,
+    scheduler: Mailbox<SchedulerMsg>,
     addr: Option<SocketAddr>,
     model_name: String,
     control: Option<crate::control_plane::ControlPlane>,
@@ -262,7 +262,7 @@ impl Instance {
                 opts.api_key.clone(),
             );
             let vocab_size = cfg.vocab_size;
-            let make = move |scheduler: ActorRef<SchedulerMsg>, kv_sender| AppState {
+            let make = move |scheduler: Mailbox<SchedulerMsg>, kv_sender| AppState {
                 scheduler,
                 kv_sender,
                 tokenizer,
@@ -298,7 +298,7 @@ impl Instance {
             restart_policy: opts.restart_policy,
             kv,
         };
-        let (supervisor, join) = Actor::spawn(
+        let (supervisor, join) = Mailbox::spawn(
             Some(format!("{}/supervisor", opts.name)),
             InstanceSupervisor,
             args,
@@ -367,7 +367,7 @@ impl Instance {
     }
 
     /// The scheduler, for in-process clients.
-    pub fn scheduler(&self) -> &ActorRef<SchedulerMsg> {
+    pub fn scheduler(&self) -> &Mailbox<SchedulerMsg> {
         &self.scheduler
     }
 
@@ -417,9 +417,26 @@ impl Instance {
         Ok(rx)
     }
 
-    /// Test-only fault hook: rank `rank`'s worker panics on its next step.
-    pub fn inject_worker_panic(&self, rank: usize) {
-        let _ = self.supervisor.cast(SupervisorMsg::InjectWorkerPanic(rank));
+    /// Test-only fault hook: the actor of `kind` (for `TpWorker`, of rank `rank`) panics as
+    /// it takes its next message; its supervisor then acts on the failure.
+    ///
+    /// # Errors
+    /// When the instance has no such actor, or its supervisor is gone.
+    pub async fn inject_panic(&self, kind: &str, rank: usize) -> Result<(), String> {
+        let kind = kind.to_string();
+        let found = ractor::call_t!(
+            self.supervisor,
+            SupervisorMsg::InjectPanic,
+            5_000,
+            kind.clone(),
+            rank
+        )
+        .map_err(|e| e.to_string())?;
+        if found {
+            Ok(())
+        } else {
+            Err(format!("instance has no {kind} actor (rank {rank})"))
+        }
     }
 
     /// Whether the supervision tree is still running.

@@ -22,11 +22,14 @@
 //! push waits for the prefill side's answer, which comes after its writes drained. Each
 //! hand-off runs on a task; the mailbox never waits.
 //!
-//! Supervised by the `InstanceSupervisor`; a failure escalates.
+//! Supervised by the `InstanceSupervisor`, which restarts it. Hand-off tasks and their
+//! cancel handles live in the [`KvContext`], not in the actor, so a restart loses none:
+//! an abort reaches a hand-off whichever incarnation started it.
 
 use crate::aggregator::{AggregatorMsg, RankReport};
 use crate::block_manager::BlockAllocation;
 use crate::kv_transfer::{compat_hash, compat_key, plan_pull, validate_peer, KvPeerInfo, RankKv};
+use crate::mailbox::{Inbox, Mailbox};
 use crate::scheduler::SchedulerMsg;
 use pdserve_gpu::config::ModelConfig;
 use pdserve_gpu::kv::{KvDtype, KvLayout};
@@ -219,6 +222,9 @@ pub struct KvContext {
     peers: tokio::sync::Mutex<HashMap<String, KvPeerInfo>>,
     sessions: tokio::sync::Mutex<HashMap<String, Arc<Session>>>,
     renewals: Mutex<HashMap<String, HashMap<TransferId, usize>>>,
+    handoffs: Mutex<HashMap<RequestId, CancellationToken>>,
+    /// Set when a KvSender failed with pushes open: their writes may land until then.
+    pub(crate) orphan_writes_until: Mutex<Option<std::time::Instant>>,
 }
 
 impl KvContext {
@@ -256,6 +262,8 @@ impl KvContext {
             peers: tokio::sync::Mutex::new(HashMap::new()),
             sessions: tokio::sync::Mutex::new(HashMap::new()),
             renewals: Mutex::new(HashMap::new()),
+            handoffs: Mutex::new(HashMap::new()),
+            orphan_writes_until: Mutex::new(None),
         }
     }
 
@@ -378,7 +386,7 @@ impl KvContext {
         remote: &RemotePrefill,
         local_blocks: &[u32],
         prompt_len: usize,
-        aggregator: &ActorRef<AggregatorMsg>,
+        aggregator: &Mailbox<AggregatorMsg>,
     ) -> Result<(), String> {
         let theirs = self.peer_info(&remote.url).await?;
         let per_rank = plan_pull(
@@ -431,10 +439,13 @@ impl KvContext {
             }
         });
         futures_util::future::join_all(reads).await;
-        let outcome = tokio::time::timeout(self.timeout, rx)
-            .await
-            .map_err(|_| "the aggregator did not answer".to_string())?
-            .map_err(|_| "the aggregator is gone".to_string())?;
+        // Without an outcome (the Aggregator failed or is stuck) the hand-off failed too,
+        // and the prefill side is still told to free its blocks.
+        let outcome = match tokio::time::timeout(self.timeout, rx).await {
+            Ok(Ok(outcome)) => outcome,
+            Ok(Err(_)) => Err("the aggregator failed during the hand-off".to_string()),
+            Err(_) => Err("the aggregator did not answer".to_string()),
+        };
         if let Err(e) = outcome {
             let _ = aggregator.cast(AggregatorMsg::Forget(remote.transfer_id));
             // Best effort: the prefill side frees the blocks now instead of at lease expiry.
@@ -578,7 +589,7 @@ impl KvContext {
         params: &SamplingParams,
         local_blocks: &[u32],
         cancel: &CancellationToken,
-        aggregator: &ActorRef<AggregatorMsg>,
+        aggregator: &Mailbox<AggregatorMsg>,
     ) -> Result<u32, String> {
         let mut sampling = params.clone();
         sampling.max_tokens = 1;
@@ -827,8 +838,47 @@ pub struct Fetch {
     pub prompt: Vec<u32>,
     /// The request's sampling (the prefill side samples T0 with it).
     pub params: SamplingParams,
-    /// Where to report.
-    pub scheduler: ActorRef<SchedulerMsg>,
+    /// Where the outcome goes.
+    pub reply: FetchReply,
+}
+
+/// The Scheduler's end of a hand-off: answered exactly once, by the hand-off or, if the
+/// request never got that far (the KvReceiver failed with it in its mailbox), by its drop.
+pub struct FetchReply {
+    id: RequestId,
+    scheduler: Option<Mailbox<SchedulerMsg>>,
+}
+
+impl FetchReply {
+    /// The reply for request `id`.
+    pub fn new(id: RequestId, scheduler: Mailbox<SchedulerMsg>) -> Self {
+        Self {
+            id,
+            scheduler: Some(scheduler),
+        }
+    }
+
+    fn send(mut self, result: Result<u32, String>, generation: u64) {
+        if let Some(s) = self.scheduler.take() {
+            let _ = s.cast(SchedulerMsg::RemoteKvDone {
+                id: self.id,
+                result,
+                generation,
+            });
+        }
+    }
+}
+
+impl Drop for FetchReply {
+    fn drop(&mut self) {
+        if let Some(s) = self.scheduler.take() {
+            let _ = s.cast(SchedulerMsg::RemoteKvDone {
+                id: self.id,
+                result: Err("the KV receiver failed before the hand-off started".into()),
+                generation: 0,
+            });
+        }
+    }
 }
 
 /// Messages of the KvReceiver.
@@ -837,44 +887,38 @@ pub enum KvReceiverMsg {
     Fetch(Box<Fetch>),
     /// The request was aborted: stop its hand-off (the prefill side is told).
     Abort(RequestId),
-    /// A hand-off task ended.
-    Ended(RequestId),
 }
 
-/// The KvReceiver actor.
+/// The KvReceiver actor (its mailbox count).
 #[derive(Debug)]
-pub struct KvReceiver;
+pub struct KvReceiver(pub Inbox);
 
 /// Its state.
 pub struct ReceiverState {
     kv: Arc<KvContext>,
-    aggregator: ActorRef<AggregatorMsg>,
-    tasks: HashMap<RequestId, CancellationToken>,
+    aggregator: Mailbox<AggregatorMsg>,
 }
 
 impl Actor for KvReceiver {
     type Msg = KvReceiverMsg;
     type State = ReceiverState;
-    type Arguments = (Arc<KvContext>, ActorRef<AggregatorMsg>);
+    type Arguments = (Arc<KvContext>, Mailbox<AggregatorMsg>);
 
     async fn pre_start(
         &self,
         _myself: ActorRef<Self::Msg>,
         (kv, aggregator): Self::Arguments,
     ) -> Result<Self::State, ActorProcessingErr> {
-        Ok(ReceiverState {
-            kv,
-            aggregator,
-            tasks: HashMap::new(),
-        })
+        Ok(ReceiverState { kv, aggregator })
     }
 
     async fn handle(
         &self,
-        myself: ActorRef<Self::Msg>,
+        _myself: ActorRef<Self::Msg>,
         msg: Self::Msg,
         st: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
+        self.0.take();
         match msg {
             KvReceiverMsg::Fetch(fetch) => {
                 let Fetch {
@@ -883,10 +927,14 @@ impl Actor for KvReceiver {
                     blocks,
                     prompt,
                     params,
-                    scheduler,
+                    reply,
                 } = *fetch;
                 let cancel = CancellationToken::new();
-                st.tasks.insert(id, cancel.clone());
+                st.kv
+                    .handoffs
+                    .lock()
+                    .expect("hand-offs poisoned")
+                    .insert(id, cancel.clone());
                 let (kv, aggregator) = (st.kv.clone(), st.aggregator.clone());
                 kv.in_flight.fetch_add(1, Ordering::Relaxed);
                 let started = std::time::Instant::now();
@@ -938,21 +986,15 @@ impl Actor for KvReceiver {
                     }
                     // The destination blocks stay shared until here: no reuse while bytes may land.
                     drop(blocks);
-                    let _ = myself.cast(KvReceiverMsg::Ended(id));
-                    let _ = scheduler.cast(SchedulerMsg::RemoteKvDone {
-                        id,
-                        result,
-                        generation,
-                    });
+                    kv.handoffs.lock().expect("hand-offs poisoned").remove(&id);
+                    reply.send(result, generation);
                 });
             }
             KvReceiverMsg::Abort(id) => {
-                if let Some(cancel) = st.tasks.get(&id) {
+                let handoffs = st.kv.handoffs.lock().expect("hand-offs poisoned");
+                if let Some(cancel) = handoffs.get(&id) {
                     cancel.cancel();
                 }
-            }
-            KvReceiverMsg::Ended(id) => {
-                st.tasks.remove(&id);
             }
         }
         Ok(())

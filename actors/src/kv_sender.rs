@@ -21,12 +21,16 @@
 //! share) until then too, so an abort or a preemption never lets them be reused under a
 //! write. Writes run on the transport's executor; the mailbox never waits.
 //!
-//! Supervised by the `InstanceSupervisor`; a failure escalates.
+//! Supervised by the `InstanceSupervisor`, which restarts it. The hand-offs the failed
+//! incarnation had open end with it: their outcome channels close (the HTTP handler answers
+//! decode with a failure only after the writes still in flight can no longer land, see
+//! `kv_prefill`), and their in-flight count is given back.
 
 use crate::aggregator::{AggregatorMsg, HandoffOutcome, RankReport};
 use crate::block_manager::BlockAllocation;
 use crate::kv_receiver::KvContext;
 use crate::kv_transfer::{final_blocks, plan_slice, Direction, KvPeerInfo, Slice};
+use crate::mailbox::{Inbox, Mailbox};
 use pdserve_runtime::ids::TransferId;
 use pdserve_runtime::telemetry as m;
 use pdserve_transport::Session;
@@ -143,28 +147,51 @@ struct StepEntry {
 /// The KvSender's state.
 pub struct SenderState {
     kv: Arc<KvContext>,
-    aggregator: ActorRef<AggregatorMsg>,
+    aggregator: Mailbox<AggregatorMsg>,
+    me: Mailbox<KvSenderMsg>,
     pushes: HashMap<TransferId, Push>,
     steps: HashMap<u64, StepEntry>,
 }
 
-/// The KvSender actor.
+/// The KvSender actor (its mailbox count).
 #[derive(Debug)]
-pub struct KvSender;
+pub struct KvSender(pub Inbox);
+
+impl Drop for SenderState {
+    /// A failed incarnation's open hand-offs are no longer in flight here (their waiters
+    /// see their outcome channels close).
+    fn drop(&mut self) {
+        if self.pushes.is_empty() {
+            return;
+        }
+        self.kv
+            .in_flight
+            .fetch_sub(self.pushes.len() as u64, Ordering::Relaxed);
+        // Their writes may still be in flight: nobody can confirm they drained before the
+        // transfer bound has passed (see `Cancel` for a hand-off the next incarnation does
+        // not know).
+        *self
+            .kv
+            .orphan_writes_until
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(Instant::now() + self.kv.timeout);
+    }
+}
 
 impl Actor for KvSender {
     type Msg = KvSenderMsg;
     type State = SenderState;
-    type Arguments = (Arc<KvContext>, ActorRef<AggregatorMsg>);
+    type Arguments = (Arc<KvContext>, Mailbox<AggregatorMsg>);
 
     async fn pre_start(
         &self,
-        _myself: ActorRef<Self::Msg>,
+        myself: ActorRef<Self::Msg>,
         (kv, aggregator): Self::Arguments,
     ) -> Result<Self::State, ActorProcessingErr> {
         Ok(SenderState {
             kv,
             aggregator,
+            me: Mailbox::of(&myself, &self.0),
             pushes: HashMap::new(),
             steps: HashMap::new(),
         })
@@ -172,10 +199,11 @@ impl Actor for KvSender {
 
     async fn handle(
         &self,
-        myself: ActorRef<Self::Msg>,
+        _myself: ActorRef<Self::Msg>,
         msg: Self::Msg,
         st: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
+        self.0.take();
         match msg {
             KvSenderMsg::Open {
                 target,
@@ -238,7 +266,7 @@ impl Actor for KvSender {
                 rank,
                 epoch,
                 layer,
-            } => st.on_layer(&myself, step_id, rank, epoch, layer),
+            } => st.on_layer(step_id, rank, epoch, layer),
             KvSenderMsg::StepFailed(step_id) => {
                 st.steps.remove(&step_id);
             }
@@ -275,7 +303,19 @@ impl Actor for KvSender {
                 }
                 None => {
                     if let Some(d) = drained {
-                        let _ = d.send(());
+                        // Unknown here; if a failed incarnation had it, its writes end
+                        // within one transfer bound of that failure.
+                        let until = *st
+                            .kv
+                            .orphan_writes_until
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner());
+                        tokio::spawn(async move {
+                            if let Some(t) = until {
+                                tokio::time::sleep_until(t.into()).await;
+                            }
+                            let _ = d.send(());
+                        });
                     }
                 }
             },
@@ -285,14 +325,7 @@ impl Actor for KvSender {
 }
 
 impl SenderState {
-    fn on_layer(
-        &mut self,
-        myself: &ActorRef<KvSenderMsg>,
-        step_id: u64,
-        rank: usize,
-        epoch: u64,
-        layer: usize,
-    ) {
+    fn on_layer(&mut self, step_id: u64, rank: usize, epoch: u64, layer: usize) {
         let last_layer = self.kv.model.num_layers - 1;
         let bs = self.kv.block_size;
         let Some(entry) = self.steps.get_mut(&step_id) else {
@@ -332,7 +365,7 @@ impl SenderState {
                 );
                 push.outstanding[rank] += 1;
                 let (me, transfer, kv, session) = (
-                    myself.clone(),
+                    self.me.clone(),
                     *transfer,
                     self.kv.clone(),
                     push.session.clone(),

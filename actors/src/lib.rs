@@ -11,6 +11,7 @@ pub mod instance;
 pub mod kv_receiver;
 pub mod kv_sender;
 pub mod kv_transfer;
+pub mod mailbox;
 pub mod openai;
 pub mod proxy;
 pub mod scheduler;

@@ -691,7 +691,7 @@ impl From<ProxyArgs> for ProxyStart {
 
 /// The Proxy actor.
 #[derive(Debug)]
-pub struct Proxy;
+pub struct Proxy(pub crate::mailbox::Inbox);
 
 /// Its state: the server, the registry poller and the control plane.
 pub struct ProxyActorState {
@@ -728,7 +728,12 @@ impl Actor for Proxy {
         });
         // Bind the control endpoint first: if it fails, nothing else is running yet.
         let control = match start.control {
-            Some(c) => Some(Arc::new(ProxyControl::bind(c, state.clone(), &myself)?)),
+            Some(c) => Some(Arc::new(ProxyControl::bind(
+                c,
+                state.clone(),
+                &myself,
+                &self.0,
+            )?)),
             None => None,
         };
         let server =
@@ -752,6 +757,7 @@ impl Actor for Proxy {
         msg: Self::Msg,
         st: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
+        self.0.take();
         match msg {
             ProxyMsg::LocalAddr(reply) => {
                 if !reply.is_closed() {
@@ -791,6 +797,7 @@ struct ProxyControl {
     /// node → (registration generation, its control connection).
     conns: Mutex<HashMap<String, (u64, Arc<ControlConnection>)>>,
     proxy: ActorCell,
+    inbox: crate::mailbox::Inbox,
     started: Instant,
     http_url: OnceLock<String>,
     inspect_timeout: Duration,
@@ -818,6 +825,7 @@ impl ProxyControl {
         args: ProxyControlArgs,
         state: Arc<ProxyState>,
         myself: &ActorRef<ProxyMsg>,
+        inbox: &crate::mailbox::Inbox,
     ) -> Result<Self, String> {
         let config = ControlConfig {
             listen: args.listen,
@@ -836,6 +844,7 @@ impl ProxyControl {
             state,
             conns: Mutex::new(HashMap::new()),
             proxy: myself.get_cell(),
+            inbox: inbox.clone(),
             started: Instant::now(),
             http_url: OnceLock::new(),
             inspect_timeout: args.inspect_timeout,
@@ -1001,7 +1010,7 @@ impl ProxyControl {
             kind: "Proxy".into(),
             state,
             restarts: 0,
-            mailbox_depth: 0,
+            mailbox_depth: self.inbox.depth(),
             last_error: None,
             uptime_s: self.started.elapsed().as_secs_f64(),
             children: Vec::new(),
@@ -1093,7 +1102,14 @@ async fn fetch_instance(conn: &ControlConnection, timeout: Duration) -> MemberSt
 pub async fn start_proxy(
     name: &str,
     args: ProxyArgs,
-) -> Result<(ActorRef<ProxyMsg>, SocketAddr, tokio::task::JoinHandle<()>), String> {
+) -> Result<
+    (
+        crate::mailbox::Mailbox<ProxyMsg>,
+        SocketAddr,
+        tokio::task::JoinHandle<()>,
+    ),
+    String,
+> {
     start_proxy_with_control(name, args, None).await
 }
 
@@ -1106,10 +1122,18 @@ pub async fn start_proxy_with_control(
     name: &str,
     args: ProxyArgs,
     control: Option<ProxyControlArgs>,
-) -> Result<(ActorRef<ProxyMsg>, SocketAddr, tokio::task::JoinHandle<()>), String> {
-    let (proxy, join) = Actor::spawn(Some(name.to_string()), Proxy, ProxyStart { args, control })
-        .await
-        .map_err(|e| e.to_string())?;
+) -> Result<
+    (
+        crate::mailbox::Mailbox<ProxyMsg>,
+        SocketAddr,
+        tokio::task::JoinHandle<()>,
+    ),
+    String,
+> {
+    let (proxy, join) =
+        crate::mailbox::Mailbox::spawn(Some(name.to_string()), Proxy, ProxyStart { args, control })
+            .await
+            .map_err(|e| e.to_string())?;
     let addr = ractor::call_t!(proxy, ProxyMsg::LocalAddr, 5_000).map_err(|e| e.to_string())?;
     Ok((proxy, addr, join))
 }
@@ -1118,7 +1142,9 @@ pub async fn start_proxy_with_control(
 ///
 /// # Errors
 /// When the proxy is gone or does not answer within 5 s.
-pub async fn proxy_control_addr(proxy: &ActorRef<ProxyMsg>) -> Result<Option<SocketAddr>, String> {
+pub async fn proxy_control_addr(
+    proxy: &crate::mailbox::Mailbox<ProxyMsg>,
+) -> Result<Option<SocketAddr>, String> {
     ractor::call_t!(proxy, ProxyMsg::ControlAddr, 5_000).map_err(|e| e.to_string())
 }
 

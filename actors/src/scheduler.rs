@@ -18,6 +18,7 @@ pub use self::core::{
 use crate::error::RequestError;
 use crate::kv_receiver::{KvReceiverMsg, KvSource};
 use crate::kv_sender::{KvSenderMsg, PushChunk};
+use crate::mailbox::{Inbox, Mailbox};
 use crate::worker::WorkerMsg;
 use pdserve_gpu::model::Batch;
 use pdserve_gpu::sampling::FinishReason;
@@ -121,15 +122,15 @@ pub enum SchedulerMsg {
         /// Its epoch (stale reports from older epochs are dropped).
         epoch: u64,
         /// Where to send steps.
-        worker: ActorRef<WorkerMsg>,
+        worker: Mailbox<WorkerMsg>,
     },
     /// Queue and pool figures.
     Stats(RpcReplyPort<SchedulerStats>),
 }
 
-/// The Scheduler actor (configuration only; state lives in [`SchedulerState`]).
+/// The Scheduler actor (its mailbox count; state lives in [`SchedulerState`]).
 #[derive(Debug)]
-pub struct Scheduler;
+pub struct Scheduler(pub Inbox);
 
 /// Arguments to start a Scheduler.
 pub struct SchedulerArgs {
@@ -143,9 +144,9 @@ pub struct SchedulerArgs {
     /// inside it any more.
     pub collective: pdserve_gpu::collective::ThreadCollective,
     /// The KV receiver (instances with a transfer engine).
-    pub kv_receiver: Option<ActorRef<KvReceiverMsg>>,
+    pub kv_receiver: Option<Mailbox<KvReceiverMsg>>,
     /// The KV sender (instances with a transfer engine).
-    pub kv_sender: Option<ActorRef<KvSenderMsg>>,
+    pub kv_sender: Option<Mailbox<KvSenderMsg>>,
     /// The registry whose generation tells whether received KV is still in the cache.
     pub kv_generation: Option<Arc<crate::kv_receiver::KvRegistry>>,
     /// Vocabulary size (validates peer-supplied first tokens).
@@ -170,15 +171,16 @@ struct Owner {
 pub struct SchedulerState {
     core: SchedulerCore,
     owners: HashMap<RequestId, Owner>,
-    workers: Vec<Option<(u64, ActorRef<WorkerMsg>)>>,
+    workers: Vec<Option<(u64, Mailbox<WorkerMsg>)>>,
     in_flight: Option<InFlight>,
     /// Ranks that still owe a reply to a step that failed: the collective is reset only when
     /// none is left inside it.
     draining: Vec<bool>,
     collective: pdserve_gpu::collective::ThreadCollective,
     needs_reset: bool,
-    kv_receiver: Option<ActorRef<KvReceiverMsg>>,
-    kv_sender: Option<ActorRef<KvSenderMsg>>,
+    kv_receiver: Option<Mailbox<KvReceiverMsg>>,
+    kv_sender: Option<Mailbox<KvSenderMsg>>,
+    me: Mailbox<SchedulerMsg>,
     kv_generation: Option<Arc<crate::kv_receiver::KvRegistry>>,
     vocab_size: usize,
 }
@@ -193,8 +195,21 @@ impl Actor for Scheduler {
         myself: ActorRef<Self::Msg>,
         args: SchedulerArgs,
     ) -> Result<Self::State, ActorProcessingErr> {
-        myself.send_interval(std::time::Duration::from_secs(1), || SchedulerMsg::Tick);
+        let me = Mailbox::of(&myself, &self.0);
+        let ticker = me.clone();
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(std::time::Duration::from_secs(1));
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            every.tick().await;
+            loop {
+                every.tick().await;
+                if ticker.cast(SchedulerMsg::Tick).is_err() {
+                    break; // stopped
+                }
+            }
+        });
         Ok(SchedulerState {
+            me,
             core: SchedulerCore::new(args.config, args.tokenizer),
             owners: HashMap::new(),
             workers: vec![None; args.tp],
@@ -211,17 +226,18 @@ impl Actor for Scheduler {
 
     async fn handle(
         &self,
-        myself: ActorRef<Self::Msg>,
+        _myself: ActorRef<Self::Msg>,
         msg: Self::Msg,
         st: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
+        self.0.take();
         match msg {
             SchedulerMsg::SubmitRemote {
                 request,
                 sink,
                 source,
             } => {
-                st.submit_remote(request, sink, source, myself);
+                st.submit_remote(request, sink, source);
             }
             SchedulerMsg::RemoteKvDone {
                 id,
@@ -385,7 +401,6 @@ impl SchedulerState {
         request: NewRequest,
         sink: UnboundedSender<RequestEvent>,
         source: KvSource,
-        myself: ActorRef<SchedulerMsg>,
     ) {
         let id = request.id;
         let Some(receiver) = self.kv_receiver.clone() else {
@@ -424,7 +439,7 @@ impl SchedulerState {
                         blocks,
                         prompt,
                         params,
-                        scheduler: myself,
+                        reply: crate::kv_receiver::FetchReply::new(id, self.me.clone()),
                     })))
                     .is_err()
                 {

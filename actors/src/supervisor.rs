@@ -1,41 +1,54 @@
-//! The InstanceSupervisor: starts an instance's Scheduler, TpWorkers and HttpFrontend, and
-//! keeps them alive.
+//! The InstanceSupervisor: starts an instance's actors and keeps them alive.
 //!
-//! Policy, written out: a TpWorker that fails is restarted with a new epoch, a fresh shard
-//! and KV region, after the Scheduler has failed the step it was running (those requests end
-//! with a 5xx, their blocks return to the pool). Restarts are counted per rank under a
-//! [`RestartPolicy`] (default 3 in 60 s); a rank that keeps crashing escalates: the supervisor
-//! fails, which stops the instance instead of looping. A failed Scheduler or HttpFrontend
-//! escalates at once (the requests the Scheduler held cannot be recovered).
+//! Policy, written out (one-for-one, each child under its own [`RestartPolicy`] budget,
+//! default 3 in 60 s; a child that keeps failing escalates: the supervisor fails, which
+//! stops the instance instead of looping — `pdserve launch` then restarts the process):
+//! - a **TpWorker** is restarted with a new epoch, a fresh shard and KV region, after the
+//!   Scheduler has failed the step it was running (those requests end with a 5xx, their
+//!   blocks return to the pool);
+//! - the **Aggregator**, **KvSender** and **KvReceiver** are restarted in place: everyone
+//!   reaches them through a [`Mailbox`] the restart re-points. What a failed incarnation
+//!   had open ends with it and is failed explicitly (hand-off waiters see their channel
+//!   close; see each actor's docs), nothing waits for it;
+//! - a failed **Scheduler** or **HttpFrontend** escalates at once: the requests the
+//!   Scheduler held (and the block pool that tracks them) cannot be recovered, and the
+//!   frontend's listener is the instance's address.
+//!
+//! Every child's [`Mailbox`] counts its queue (`mailbox_depth` in `pdserve inspect`) and
+//! carries its slot's test-only [`PanicHook`].
 
+use crate::aggregator::{Aggregator, AggregatorMsg};
 use crate::http::{AppState, HttpArgs, HttpFrontend, HttpMsg};
+use crate::kv_receiver::{KvContext, KvReceiver, KvReceiverMsg};
+use crate::kv_sender::{KvSender, KvSenderMsg};
+use crate::mailbox::{Mailbox, PanicHook};
 use crate::scheduler::{Scheduler, SchedulerArgs, SchedulerConfig, SchedulerMsg, SchedulerStats};
-use crate::worker::{TpWorker, WorkerArgs, WorkerSpec};
+use crate::worker::{TpWorker, WorkerArgs, WorkerMsg, WorkerSpec};
 use pdserve_gpu::collective::ThreadCollective;
+use pdserve_runtime::faults::FaultInjector;
 use pdserve_runtime::supervision::{
     ActorSnapshot, ActorState, RestartDecision, RestartPolicy, RestartTracker,
 };
 use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 use std::net::SocketAddr;
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Messages of the supervisor.
 pub enum SupervisorMsg {
-    /// Test-only fault hook: make rank `0`'s worker panic on its next step.
-    InjectWorkerPanic(usize),
+    /// Test-only fault hook: the child of this kind (`TpWorker`, `Scheduler`, `KvSender`,
+    /// `KvReceiver`, `Aggregator`, `HttpFrontend`; for `TpWorker`, rank `.1`) panics as it
+    /// takes its next message. Answers whether there is such a child.
+    InjectPanic(String, usize, RpcReplyPort<bool>),
     /// The live tree of this instance.
     Snapshot(RpcReplyPort<ActorSnapshot>),
     /// The Scheduler (for in-process clients) and where the HTTP frontend listens.
-    Handles(RpcReplyPort<(ActorRef<SchedulerMsg>, Option<SocketAddr>)>),
+    Handles(RpcReplyPort<(Mailbox<SchedulerMsg>, Option<SocketAddr>)>),
 }
 
 /// Builds the HTTP handlers' shared state once the Scheduler exists.
-pub type AppStateFactory = Box<
-    dyn FnOnce(ActorRef<SchedulerMsg>, Option<ActorRef<crate::kv_sender::KvSenderMsg>>) -> AppState
-        + Send,
->;
+pub type AppStateFactory =
+    Box<dyn FnOnce(Mailbox<SchedulerMsg>, Option<Mailbox<KvSenderMsg>>) -> AppState + Send>;
 
 /// Everything an instance is started from.
 pub struct InstanceArgs {
@@ -50,72 +63,179 @@ pub struct InstanceArgs {
     /// HTTP frontend: where to listen and the handler state (its `scheduler` field is
     /// replaced by the real one).
     pub http: Option<(SocketAddr, AppStateFactory)>,
-    /// Worker restart budget.
+    /// Restart budget of each child.
     pub restart_policy: RestartPolicy,
     /// The KV hand-off context (instances with a transfer engine).
-    pub kv: Option<Arc<crate::kv_receiver::KvContext>>,
+    pub kv: Option<Arc<KvContext>>,
+}
+
+/// A child's typed address: what restarting it and reading its queue need.
+enum Slot {
+    Worker(usize, Mailbox<WorkerMsg>),
+    Scheduler(Mailbox<SchedulerMsg>),
+    Aggregator(Mailbox<AggregatorMsg>),
+    KvSender(Mailbox<KvSenderMsg>),
+    KvReceiver(Mailbox<KvReceiverMsg>),
+    Http(Mailbox<HttpMsg>),
+}
+
+impl Slot {
+    fn kind(&self) -> &'static str {
+        match self {
+            Slot::Worker(..) => "TpWorker",
+            Slot::Scheduler(_) => "Scheduler",
+            Slot::Aggregator(_) => "Aggregator",
+            Slot::KvSender(_) => "KvSender",
+            Slot::KvReceiver(_) => "KvReceiver",
+            Slot::Http(_) => "HttpFrontend",
+        }
+    }
+
+    fn depth(&self) -> usize {
+        match self {
+            Slot::Worker(_, m) => m.depth(),
+            Slot::Scheduler(m) => m.depth(),
+            Slot::Aggregator(m) => m.depth(),
+            Slot::KvSender(m) => m.depth(),
+            Slot::KvReceiver(m) => m.depth(),
+            Slot::Http(m) => m.depth(),
+        }
+    }
+
+    fn cell(&self) -> ActorCell {
+        match self {
+            Slot::Worker(_, m) => m.get_cell(),
+            Slot::Scheduler(m) => m.get_cell(),
+            Slot::Aggregator(m) => m.get_cell(),
+            Slot::KvSender(m) => m.get_cell(),
+            Slot::KvReceiver(m) => m.get_cell(),
+            Slot::Http(m) => m.get_cell(),
+        }
+    }
+
+    fn hook(&self) -> PanicHook {
+        match self {
+            Slot::Worker(_, m) => m.panic_hook(),
+            Slot::Scheduler(m) => m.panic_hook(),
+            Slot::Aggregator(m) => m.panic_hook(),
+            Slot::KvSender(m) => m.panic_hook(),
+            Slot::KvReceiver(m) => m.panic_hook(),
+            Slot::Http(m) => m.panic_hook(),
+        }
+    }
 }
 
 struct Child {
     name: String,
-    kind: &'static str,
-    cell: ActorCell,
+    slot: Slot,
     started: Instant,
     restarts: u32,
     last_error: Option<String>,
+    tracker: RestartTracker,
 }
 
 /// The supervisor's state.
 pub struct SupervisorState {
     name: String,
-    scheduler: ActorRef<SchedulerMsg>,
+    scheduler: Mailbox<SchedulerMsg>,
+    aggregator: Option<Mailbox<AggregatorMsg>>,
     worker_spec: WorkerSpec,
-    workers: Vec<Child>,
     epochs: Vec<u64>,
-    trackers: Vec<RestartTracker>,
     comms: Vec<ThreadCollective>,
-    panic_flags: Vec<Arc<AtomicBool>>,
-    others: Vec<Child>,
-    kv: Option<Arc<crate::kv_receiver::KvContext>>,
+    /// Scheduler, KV actors and frontend first, then the workers by rank.
+    children: Vec<Child>,
+    kv: Option<Arc<KvContext>>,
+    policy: RestartPolicy,
     started: Instant,
     addr: Option<SocketAddr>,
 }
 
-/// The InstanceSupervisor actor.
+/// The InstanceSupervisor actor (its mailbox count).
 #[derive(Debug)]
-pub struct InstanceSupervisor;
+pub struct InstanceSupervisor(pub crate::mailbox::Inbox);
 
 fn worker_name(instance: &str, rank: usize) -> String {
     format!("{instance}/tp-worker-{rank}")
 }
 
-async fn spawn_worker(
-    st: &SupervisorState,
-    rank: usize,
-    myself: &ActorRef<SupervisorMsg>,
-) -> Result<Child, ActorProcessingErr> {
-    let mut spec = st.worker_spec.clone();
-    if let Some(kv) = &st.kv {
-        spec.alloc = kv.registry.allocator_for(rank);
+impl SupervisorState {
+    fn hook(&self, kind: &'static str) -> PanicHook {
+        PanicHook::new(kind, self.faults())
     }
-    let args = WorkerArgs {
-        rank,
-        epoch: st.epochs[rank],
-        spec,
-        comm: st.comms[rank].clone(),
-        scheduler: st.scheduler.clone(),
-        panic_next: st.panic_flags[rank].clone(),
-    };
-    let name = worker_name(&st.name, rank);
-    let (w, _) = Actor::spawn_linked(Some(name.clone()), TpWorker, args, myself.get_cell()).await?;
-    Ok(Child {
-        name,
-        kind: "TpWorker",
-        cell: w.get_cell(),
-        started: Instant::now(),
-        restarts: 0,
-        last_error: None,
-    })
+
+    fn faults(&self) -> Option<Arc<FaultInjector>> {
+        self.worker_spec.faults.clone()
+    }
+
+    fn worker_args(&self, rank: usize) -> WorkerArgs {
+        let mut spec = self.worker_spec.clone();
+        if let Some(kv) = &self.kv {
+            spec.alloc = kv.registry.allocator_for(rank);
+        }
+        WorkerArgs {
+            rank,
+            epoch: self.epochs[rank],
+            spec,
+            comm: self.comms[rank].clone(),
+            scheduler: self.scheduler.clone(),
+        }
+    }
+
+    fn child(&self, name: String, slot: Slot) -> Child {
+        Child {
+            name,
+            slot,
+            started: Instant::now(),
+            restarts: 0,
+            last_error: None,
+            tracker: RestartTracker::new(self.policy),
+        }
+    }
+
+    /// Starts the failed child `i` again in its slot.
+    async fn restart(
+        &mut self,
+        i: usize,
+        myself: &ActorRef<SupervisorMsg>,
+    ) -> Result<(), ActorProcessingErr> {
+        let name = self.children[i].name.clone();
+        // The dead actor's registered name is released asynchronously.
+        for _ in 0..100 {
+            if ractor::registry::where_is(name.clone()).is_none() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let sup = myself.get_cell();
+        let agg = || self.aggregator.clone().ok_or("no aggregator");
+        let kv = || self.kv.clone().ok_or("no KV context");
+        match &self.children[i].slot {
+            Slot::Worker(rank, m) => {
+                let rank = *rank;
+                self.epochs[rank] += 1;
+                let args = self.worker_args(rank);
+                m.respawn_linked(name, TpWorker, args, sup).await?;
+            }
+            Slot::Aggregator(m) => {
+                m.respawn_linked(name, Aggregator, (), sup).await?;
+            }
+            Slot::KvSender(m) => {
+                m.respawn_linked(name, KvSender, (kv()?, agg()?), sup)
+                    .await?;
+            }
+            Slot::KvReceiver(m) => {
+                m.respawn_linked(name, KvReceiver, (kv()?, agg()?), sup)
+                    .await?;
+            }
+            Slot::Scheduler(_) | Slot::Http(_) => {
+                return Err(format!("{} is not restartable", self.children[i].slot.kind()).into())
+            }
+        }
+        let c = &mut self.children[i];
+        c.started = Instant::now();
+        c.restarts += 1;
+        Ok(())
+    }
 }
 
 impl Actor for InstanceSupervisor {
@@ -129,52 +249,45 @@ impl Actor for InstanceSupervisor {
         args: InstanceArgs,
     ) -> Result<Self::State, ActorProcessingErr> {
         let tp = args.worker.opts.tp;
-        let comms = ThreadCollective::group(tp, pdserve_gpu::tp::COLLECTIVE_TIMEOUT);
-        let mut others = Vec::new();
-        let (kv_receiver, kv_sender) = match &args.kv {
+        let faults = args.worker.faults.clone();
+        let hook = |kind| PanicHook::new(kind, faults.clone());
+        let sup = || myself.get_cell();
+        let mut slots = Vec::new();
+        let (kv_receiver, kv_sender, aggregator) = match &args.kv {
             Some(kv) => {
-                let child = |name: String, kind: &'static str, cell: ActorCell| Child {
-                    name,
-                    kind,
-                    cell,
-                    started: Instant::now(),
-                    restarts: 0,
-                    last_error: None,
-                };
                 let name = format!("{}/aggregator", args.name);
-                let (agg, _) = Actor::spawn_linked(
-                    Some(name.clone()),
-                    crate::aggregator::Aggregator,
-                    (),
-                    myself.get_cell(),
-                )
-                .await?;
-                others.push(child(name, "Aggregator", agg.get_cell()));
+                let (agg, _) =
+                    Mailbox::spawn_linked(name.clone(), Aggregator, (), sup(), hook("Aggregator"))
+                        .await?;
+                slots.push((name, Slot::Aggregator(agg.clone())));
                 let name = format!("{}/kv-sender", args.name);
-                let (sender, _) = Actor::spawn_linked(
-                    Some(name.clone()),
-                    crate::kv_sender::KvSender,
+                let (sender, _) = Mailbox::spawn_linked(
+                    name.clone(),
+                    KvSender,
                     (kv.clone(), agg.clone()),
-                    myself.get_cell(),
+                    sup(),
+                    hook("KvSender"),
                 )
                 .await?;
-                others.push(child(name, "KvSender", sender.get_cell()));
+                slots.push((name, Slot::KvSender(sender.clone())));
                 let name = format!("{}/kv-receiver", args.name);
-                let (receiver, _) = Actor::spawn_linked(
-                    Some(name.clone()),
-                    crate::kv_receiver::KvReceiver,
-                    (kv.clone(), agg),
-                    myself.get_cell(),
+                let (receiver, _) = Mailbox::spawn_linked(
+                    name.clone(),
+                    KvReceiver,
+                    (kv.clone(), agg.clone()),
+                    sup(),
+                    hook("KvReceiver"),
                 )
                 .await?;
-                others.push(child(name, "KvReceiver", receiver.get_cell()));
-                (Some(receiver), Some(sender))
+                slots.push((name, Slot::KvReceiver(receiver.clone())));
+                (Some(receiver), Some(sender), Some(agg))
             }
-            None => (None, None),
+            None => (None, None, None),
         };
+        let comms = ThreadCollective::group(tp, pdserve_gpu::tp::COLLECTIVE_TIMEOUT);
         let sched_name = format!("{}/scheduler", args.name);
-        let (scheduler, _) = Actor::spawn_linked(
-            Some(sched_name.clone()),
+        let (scheduler, _) = Mailbox::spawn_linked(
+            sched_name.clone(),
             Scheduler,
             SchedulerArgs {
                 config: args.scheduler,
@@ -186,59 +299,55 @@ impl Actor for InstanceSupervisor {
                 kv_generation: args.kv.as_ref().map(|k| k.registry.clone()),
                 vocab_size: args.worker.config.vocab_size,
             },
-            myself.get_cell(),
+            sup(),
+            hook("Scheduler"),
         )
         .await?;
-        others.insert(
-            0,
-            Child {
-                name: sched_name,
-                kind: "Scheduler",
-                cell: scheduler.get_cell(),
-                started: Instant::now(),
-                restarts: 0,
-                last_error: None,
-            },
-        );
+        slots.insert(0, (sched_name, Slot::Scheduler(scheduler.clone())));
         let mut st = SupervisorState {
             name: args.name.clone(),
             scheduler: scheduler.clone(),
+            aggregator,
             worker_spec: args.worker,
-            workers: Vec::new(),
             epochs: vec![1; tp],
-            trackers: (0..tp)
-                .map(|_| RestartTracker::new(args.restart_policy))
-                .collect(),
             comms,
-            panic_flags: (0..tp).map(|_| Arc::new(AtomicBool::new(false))).collect(),
-            others,
+            children: Vec::new(),
             kv: args.kv,
+            policy: args.restart_policy,
             started: Instant::now(),
             addr: None,
         };
+        for (name, slot) in slots {
+            let c = st.child(name, slot);
+            st.children.push(c);
+        }
         for rank in 0..tp {
-            let child = spawn_worker(&st, rank, &myself).await?;
-            st.workers.push(child);
+            let name = worker_name(&st.name, rank);
+            let (w, _) = Mailbox::spawn_linked(
+                name.clone(),
+                TpWorker,
+                st.worker_args(rank),
+                sup(),
+                st.hook("TpWorker"),
+            )
+            .await?;
+            let c = st.child(name, Slot::Worker(rank, w));
+            st.children.push(c);
         }
         if let Some((bind, make_app)) = args.http {
             let app = Arc::new(make_app(scheduler.clone(), kv_sender));
             let name = format!("{}/http", args.name);
-            let (http, _) = Actor::spawn_linked(
-                Some(name.clone()),
+            let (http, _) = Mailbox::spawn_linked(
+                name.clone(),
                 HttpFrontend,
                 HttpArgs { bind, app },
-                myself.get_cell(),
+                sup(),
+                st.hook("HttpFrontend"),
             )
             .await?;
             st.addr = Some(ractor::call_t!(http, HttpMsg::LocalAddr, 5_000)?);
-            st.others.push(Child {
-                name,
-                kind: "HttpFrontend",
-                cell: http.get_cell(),
-                started: Instant::now(),
-                restarts: 0,
-                last_error: None,
-            });
+            let c = st.child(name, Slot::Http(http));
+            st.children.insert(st.children.len() - tp, c);
         }
         Ok(st)
     }
@@ -249,11 +358,17 @@ impl Actor for InstanceSupervisor {
         msg: Self::Msg,
         st: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
+        self.0.take();
         match msg {
-            SupervisorMsg::InjectWorkerPanic(rank) => {
-                if let Some(flag) = st.panic_flags.get(rank) {
-                    flag.store(true, std::sync::atomic::Ordering::SeqCst);
+            SupervisorMsg::InjectPanic(kind, rank, reply) => {
+                let child = st.children.iter().find(|c| match &c.slot {
+                    Slot::Worker(r, _) => kind == "TpWorker" && *r == rank,
+                    s => s.kind() == kind,
+                });
+                if let Some(c) = child {
+                    c.slot.hook().arm();
                 }
+                let _ = reply.send(child.is_some());
             }
             SupervisorMsg::Handles(reply) => {
                 if !reply.is_closed() {
@@ -261,21 +376,15 @@ impl Actor for InstanceSupervisor {
                 }
             }
             SupervisorMsg::Snapshot(reply) => {
-                let children = st
-                    .others
-                    .iter()
-                    .chain(&st.workers)
-                    .map(snapshot_of)
-                    .collect();
                 let snap = ActorSnapshot {
                     name: st.name.clone(),
                     kind: "InstanceSupervisor".into(),
                     state: ActorState::Running,
                     restarts: 0,
-                    mailbox_depth: 0,
+                    mailbox_depth: self.0.depth(),
                     last_error: None,
                     uptime_s: st.started.elapsed().as_secs_f64(),
-                    children,
+                    children: st.children.iter().map(snapshot_of).collect(),
                 };
                 if !reply.is_closed() {
                     let _ = reply.send(snap);
@@ -298,55 +407,45 @@ impl Actor for InstanceSupervisor {
             }
             _ => return Ok(()),
         };
-        if let Some(rank) = st
-            .workers
+        let Some(i) = st
+            .children
             .iter()
-            .position(|w| w.cell.get_id() == cell.get_id())
-        {
-            metrics::counter!(pdserve_runtime::telemetry::ACTOR_RESTARTS_TOTAL, "actor" => "TpWorker").increment(1);
-            tracing::error!(rank, %reason, "TP worker failed");
+            .position(|c| c.slot.cell().get_id() == cell.get_id())
+        else {
+            return Ok(()); // an incarnation already replaced
+        };
+        let kind = st.children[i].slot.kind();
+        metrics::counter!(pdserve_runtime::telemetry::ACTOR_RESTARTS_TOTAL, "actor" => kind)
+            .increment(1);
+        tracing::error!(actor = %st.children[i].name, kind, %reason, "actor failed");
+        st.children[i].last_error = Some(reason.clone());
+        if matches!(st.children[i].slot, Slot::Scheduler(_) | Slot::Http(_)) {
+            return Err(format!("{kind} failed: {reason}").into());
+        }
+        if let Slot::Worker(rank, _) = st.children[i].slot {
             let _ = st.scheduler.cast(SchedulerMsg::WorkerDown {
                 rank,
                 reason: reason.clone(),
             });
-            match st.trackers[rank].on_failure(Instant::now()) {
-                RestartDecision::Restart { attempt } => {
-                    st.epochs[rank] += 1;
-                    // The dead worker's registered name is released asynchronously.
-                    let name = worker_name(&st.name, rank);
-                    for _ in 0..100 {
-                        if ractor::registry::where_is(name.clone()).is_none() {
-                            break;
-                        }
-                        tokio::time::sleep(Duration::from_millis(10)).await;
-                    }
-                    let mut child = spawn_worker(st, rank, &myself).await?;
-                    child.restarts = st.workers[rank].restarts + 1;
-                    child.last_error = Some(reason);
-                    st.workers[rank] = child;
-                    tracing::warn!(
-                        rank,
-                        attempt,
-                        epoch = st.epochs[rank],
-                        "TP worker restarted"
-                    );
-                }
-                RestartDecision::Escalate { restarts_in_window } => {
-                    return Err(format!("TP worker {rank} failed {restarts_in_window} times within the restart window: escalating ({reason})").into());
-                }
+        }
+        match st.children[i].tracker.on_failure(Instant::now()) {
+            RestartDecision::Restart { attempt } => {
+                st.restart(i, &myself).await?;
+                tracing::warn!(actor = %st.children[i].name, kind, attempt, "actor restarted");
+                Ok(())
             }
-            return Ok(());
+            RestartDecision::Escalate { restarts_in_window } => Err(format!(
+                "{} failed {restarts_in_window} times within the restart window: escalating ({reason})",
+                st.children[i].name
+            )
+            .into()),
         }
-        if let Some(child) = st.others.iter().find(|c| c.cell.get_id() == cell.get_id()) {
-            return Err(format!("{} failed: {reason}", child.kind).into());
-        }
-        Ok(())
     }
 }
 
 fn snapshot_of(c: &Child) -> ActorSnapshot {
     use ractor::ActorStatus;
-    let state = match c.cell.get_status() {
+    let state = match c.slot.cell().get_status() {
         ActorStatus::Unstarted | ActorStatus::Starting => ActorState::Starting,
         ActorStatus::Running | ActorStatus::Upgrading | ActorStatus::Draining => {
             ActorState::Running
@@ -355,10 +454,10 @@ fn snapshot_of(c: &Child) -> ActorSnapshot {
     };
     ActorSnapshot {
         name: c.name.clone(),
-        kind: c.kind.into(),
+        kind: c.slot.kind().into(),
         state,
         restarts: c.restarts,
-        mailbox_depth: 0,
+        mailbox_depth: c.slot.depth(),
         last_error: c.last_error.clone(),
         uptime_s: c.started.elapsed().as_secs_f64(),
         children: Vec::new(),
@@ -370,7 +469,7 @@ fn snapshot_of(c: &Child) -> ActorSnapshot {
 /// # Errors
 /// When the scheduler is gone or does not answer in time.
 pub async fn scheduler_stats(
-    scheduler: &ActorRef<SchedulerMsg>,
+    scheduler: &Mailbox<SchedulerMsg>,
 ) -> Result<SchedulerStats, ActorProcessingErr> {
     Ok(ractor::call_t!(scheduler, SchedulerMsg::Stats, 5_000)?)
 }

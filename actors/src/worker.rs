@@ -8,6 +8,7 @@
 //! escalates when the budget is spent. The executor thread of a dead worker exits when its
 //! queue closes; reports it still sends carry the old epoch and are dropped.
 
+use crate::mailbox::{Inbox, Mailbox};
 use crate::scheduler::SchedulerMsg;
 use pdserve_gpu::collective::ThreadCollective;
 use pdserve_gpu::config::ModelConfig;
@@ -16,7 +17,6 @@ use pdserve_gpu::tp::{LayerHook, RankExecutor, StepCallback, TpOptions};
 use pdserve_gpu::weights::TensorStore;
 use pdserve_runtime::memory::HostMemoryAllocator;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 /// Messages of a TpWorker.
@@ -32,8 +32,6 @@ pub enum WorkerMsg {
     },
     /// A peer rank died: fail any collective this group waits in.
     Poison(String),
-    /// Test-only fault hook: the next `Step` panics inside this actor's handler.
-    InjectPanic,
 }
 
 /// What every rank of an instance is built from (shared by ranks and restarts).
@@ -47,7 +45,7 @@ pub struct WorkerSpec {
     pub opts: TpOptions,
     /// Where KV regions come from.
     pub alloc: Arc<dyn HostMemoryAllocator>,
-    /// Test-only fault injection (worker panics).
+    /// Test-only fault injection (the instance's injector: the supervisor's panic hooks).
     pub faults: Option<Arc<pdserve_runtime::faults::FaultInjector>>,
 }
 
@@ -63,14 +61,12 @@ pub struct WorkerArgs {
     /// This rank's end of the group's collective.
     pub comm: ThreadCollective,
     /// Where step reports go.
-    pub scheduler: ActorRef<SchedulerMsg>,
-    /// Shared "panic on next step" switches, set through the fault hook.
-    pub panic_next: Arc<AtomicBool>,
+    pub scheduler: Mailbox<SchedulerMsg>,
 }
 
-/// The TpWorker actor.
+/// The TpWorker actor (its mailbox count).
 #[derive(Debug)]
-pub struct TpWorker;
+pub struct TpWorker(pub Inbox);
 
 /// A worker's state.
 pub struct WorkerState {
@@ -103,7 +99,7 @@ impl Actor for TpWorker {
         args.scheduler.cast(SchedulerMsg::WorkerUp {
             rank: args.rank,
             epoch: args.epoch,
-            worker: myself,
+            worker: Mailbox::of(&myself, &self.0),
         })?;
         tracing::info!(rank = args.rank, epoch = args.epoch, "TP worker ready");
         Ok(WorkerState { args, executor })
@@ -115,24 +111,13 @@ impl Actor for TpWorker {
         msg: Self::Msg,
         st: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
+        self.0.take();
         match msg {
             WorkerMsg::Step {
                 step_id,
                 batch,
                 hook,
             } => {
-                let injected = st
-                    .args
-                    .spec
-                    .faults
-                    .as_ref()
-                    .is_some_and(|f| f.roll(pdserve_runtime::faults::Fault::WorkerPanic));
-                if st.args.panic_next.swap(false, Ordering::SeqCst) || injected {
-                    panic!(
-                        "injected fault: TP worker {} panics on step {step_id}",
-                        st.args.rank
-                    );
-                }
                 let scheduler = st.args.scheduler.clone();
                 let (rank, epoch) = (st.args.rank, st.args.epoch);
                 let done: StepCallback = Box::new(move |result| {
@@ -154,7 +139,6 @@ impl Actor for TpWorker {
                 }
             }
             WorkerMsg::Poison(reason) => st.executor.poison(&reason),
-            WorkerMsg::InjectPanic => st.args.panic_next.store(true, Ordering::SeqCst),
         }
         Ok(())
     }

@@ -22,7 +22,6 @@ use pdserve_runtime::wire::{ControlMessage, Role};
 use pdserve_transport::control::tls::{ClusterCredentials, MemberCredentials};
 use pdserve_transport::control::{ControlConfig, ControlEndpoint};
 use pdserve_transport::{BackendKind, TransferConfig};
-use ractor::ActorRef;
 use serde_json::{json, Value};
 use std::future::Future;
 use std::net::SocketAddr;
@@ -58,7 +57,7 @@ where
 }
 
 struct Proxy {
-    actor: ActorRef<ProxyMsg>,
+    actor: pdserve_actors::mailbox::Mailbox<ProxyMsg>,
     join: tokio::task::JoinHandle<()>,
     url: String,
     control: SocketAddr,
@@ -472,7 +471,7 @@ async fn inspect_through_the_proxy_shows_every_tree_restarts_and_unreachable_ins
     assert!(v["instances"][0].get("unreachable").is_none(), "{v}");
 
     // A crashed worker is restarted; the next inspect counts it.
-    p.inject_worker_panic(1);
+    p.inject_panic("TpWorker", 1).await.unwrap();
     let (status, v) = complete(&p.url()).await;
     assert_eq!(status, 500, "the injected fault fails the step: {v}");
     let worker = "cp-insp-p/tp-worker-1";

@@ -430,7 +430,7 @@ async fn overload_is_refused_with_503_and_disconnects_free_blocks() {
 async fn a_crashed_worker_fails_its_requests_is_restarted_and_serves_again() {
     let inst = start("crash", "tiny", |_| {}).await;
     let url = inst.url();
-    inst.inject_worker_panic(0);
+    inst.inject_panic("TpWorker", 0).await.unwrap();
     let (status, v) = post(
         &url,
         "/v1/completions",
@@ -501,7 +501,7 @@ async fn a_worker_that_keeps_crashing_escalates() {
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        inst.inject_worker_panic(0);
+        inst.inject_panic("TpWorker", 0).await.unwrap();
         let (status, _) = post(
             &url,
             "/v1/completions",

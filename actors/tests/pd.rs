@@ -289,7 +289,10 @@ async fn proxy_for(
     prefill: Vec<String>,
     decode: Vec<String>,
     max_prefill_queue: Option<usize>,
-) -> (ractor::ActorRef<pdserve_actors::proxy::ProxyMsg>, String) {
+) -> (
+    pdserve_actors::mailbox::Mailbox<pdserve_actors::proxy::ProxyMsg>,
+    String,
+) {
     let args = ProxyArgs {
         bind: "127.0.0.1:0".parse().unwrap(),
         prefill,
@@ -545,7 +548,7 @@ async fn a_dead_prefill_instance_fails_the_read_clearly_and_decode_keeps_serving
 struct Cluster {
     p: Instance,
     d: Instance,
-    proxy: ractor::ActorRef<pdserve_actors::proxy::ProxyMsg>,
+    proxy: pdserve_actors::mailbox::Mailbox<pdserve_actors::proxy::ProxyMsg>,
     url: String,
 }
 
@@ -976,4 +979,102 @@ async fn a_failed_memory_registration_is_a_clear_start_error() {
         err.contains("injected fault: KV memory registration failed"),
         "{err}"
     );
+}
+
+/// The actor `kind` of `inst`, from its live tree.
+async fn actor_of(inst: &Instance, kind: &str) -> pdserve_runtime::supervision::ActorSnapshot {
+    let snap = inst.snapshot().await.unwrap();
+    snap.children
+        .into_iter()
+        .find(|c| c.kind == kind)
+        .unwrap_or_else(|| panic!("no {kind} in the tree"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicked_kv_actor_is_restarted_in_place_and_the_pair_keeps_serving() {
+    let reference = colocated_reference("small", 3).await;
+    // (mode, the side whose actor panics, the actor)
+    let cases = [
+        (TransferMode::Push, true, "KvSender"),
+        (TransferMode::Push, true, "Aggregator"),
+        (TransferMode::Pull, false, "KvReceiver"),
+        (TransferMode::Pull, false, "Aggregator"),
+    ];
+    for (n, (mode, on_prefill, kind)) in cases.into_iter().enumerate() {
+        let tag = format!("restart-{n}");
+        eprintln!(
+            "case {tag}: {kind} panics on the {} side ({mode:?})",
+            if on_prefill { "prefill" } else { "decode" }
+        );
+        let lease = Duration::from_secs(30);
+        // A short transfer bound: a KvSender that dies with a hand-off open makes the
+        // prefill side wait one bound before it answers (its writes may still land).
+        let short = |o: &mut InstanceOptions| o.kv_timeout = Duration::from_secs(2);
+        let p = instance_with(
+            &format!("p-{tag}"),
+            "small",
+            1,
+            Some(BackendKind::Tcp),
+            lease,
+            short,
+        )
+        .await;
+        let d = instance_with(
+            &format!("d-{tag}"),
+            "small",
+            1,
+            Some(BackendKind::Tcp),
+            lease,
+            |o| {
+                short(o);
+                o.transfer_mode = mode;
+            },
+        )
+        .await;
+        let (_proxy, url) =
+            proxy_for(&format!("proxy-{tag}"), vec![p.url()], vec![d.url()], None).await;
+        wait_healthy(&url).await;
+        let victim = if on_prefill { &p } else { &d };
+        victim.inject_panic(kind, 0).await.unwrap();
+        // The next request is the one the actor panics on: it fails with a clear error.
+        let err = through(&url, 0, false)
+            .await
+            .expect_err("the request in the failed actor's hands fails");
+        assert!(err.0 >= 500 && !err.1.is_empty(), "{kind}: {err:?}");
+        // The supervisor restarts it (its event may trail the client's error a little).
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut a = actor_of(victim, kind).await;
+        while a.restarts == 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            a = actor_of(victim, kind).await;
+        }
+        assert_eq!(a.restarts, 1, "{kind}: {a:?}");
+        assert_eq!(a.state, pdserve_runtime::supervision::ActorState::Running);
+        assert!(
+            a.last_error
+                .as_deref()
+                .is_some_and(|e| e.contains("injected fault")),
+            "{a:?}"
+        );
+        // The restarted actor serves, and the answers are still the colocated ones.
+        for (i, want) in reference.iter().enumerate() {
+            let got = through(&url, i, i % 2 == 1)
+                .await
+                .unwrap_or_else(|e| panic!("{kind} after restart, request {i}: {e:?}"));
+            assert_eq!(&got, want, "{kind} request {i}");
+        }
+        for inst in [&p, &d] {
+            assert_pool_full(inst).await;
+            assert_no_hand_off_in_flight(inst).await;
+            let snap = inst.snapshot().await.unwrap();
+            for c in &snap.children {
+                assert_eq!(
+                    c.mailbox_depth, 0,
+                    "an idle instance has empty mailboxes: {c:?}"
+                );
+            }
+        }
+        p.stop().await;
+        d.stop().await;
+    }
 }

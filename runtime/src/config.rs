@@ -1389,6 +1389,7 @@ mod tests {
                     "instance.role" => "prefill",
                     "logging.filter" => "warn",
                     "logging.format" => "json",
+                    "faults.actor_panic_target" => "KvSender",
                     "scheduler.watermark" => "0.2",
                     k if k.starts_with("faults.")
                         && !k.ends_with("_ms")

@@ -12,8 +12,10 @@
 //!   corrupted message carries a body that does not parse, which the receiver must refuse;
 //! - **memory registration** of a KV region fails (a worker cannot start; its supervisor
 //!   retries under its restart budget);
-//! - **worker panics**: a TP worker panics inside a step (supervised restart), at most
-//!   `worker_panic_max` times.
+//! - **actor panics**: the actor named by `actor_panic_target` (`TpWorker` by default,
+//!   or `Scheduler`, `KvSender`, `KvReceiver`, `Aggregator`, `HttpFrontend`) panics as it
+//!   takes a message from its mailbox, at most `actor_panic_max` times; its supervisor
+//!   handles it as any other failure (see `actors/src/supervisor.rs`).
 //!
 //! With every rate 0 (the default) nothing is injected and [`FaultInjector::new`] returns
 //! `None`: production paths pay one `Option` check.
@@ -46,10 +48,14 @@ pub struct FaultSection {
     pub control_corrupt: f64,
     /// KV memory registrations that fail.
     pub register_fail: f64,
-    /// Forward steps at which a TP worker panics.
-    pub worker_panic: f64,
-    /// Most worker panics injected over the process's life.
-    pub worker_panic_max: u64,
+    /// Messages at which the `actor_panic_target` actor panics (for a TpWorker: steps).
+    #[serde(alias = "worker_panic")]
+    pub actor_panic: f64,
+    /// Most actor panics injected over the process's life.
+    #[serde(alias = "worker_panic_max")]
+    pub actor_panic_max: u64,
+    /// Which actor kind panics: one of [`PANIC_TARGETS`] (default `TpWorker`).
+    pub actor_panic_target: String,
     /// Seed of the fault generator (the same seed draws the same faults in the same order).
     pub seed: u64,
 }
@@ -69,12 +75,31 @@ impl FaultSection {
             ("faults.control_delay", self.control_delay),
             ("faults.control_corrupt", self.control_corrupt),
             ("faults.register_fail", self.register_fail),
-            ("faults.worker_panic", self.worker_panic),
+            ("faults.actor_panic", self.actor_panic),
         ]
+    }
+
+    /// The actor kind `actor_panic` applies to.
+    pub fn panic_target(&self) -> &str {
+        if self.actor_panic_target.is_empty() {
+            "TpWorker"
+        } else {
+            &self.actor_panic_target
+        }
     }
 
     /// The first rate outside `[0, 1]`, as `(key, message)`.
     pub fn invalid(&self) -> Option<(&'static str, String)> {
+        if !PANIC_TARGETS.contains(&self.panic_target()) {
+            return Some((
+                "faults.actor_panic_target",
+                format!(
+                    "faults.actor_panic_target must be one of {}, got {:?}",
+                    PANIC_TARGETS.join(", "),
+                    self.actor_panic_target
+                ),
+            ));
+        }
         self.rates()
             .into_iter()
             .find(|(_, r)| !(0.0..=1.0).contains(r))
@@ -99,9 +124,19 @@ pub enum Fault {
     ControlCorrupt,
     /// A memory registration fails.
     RegisterFail,
-    /// A worker panics.
-    WorkerPanic,
+    /// An actor panics.
+    ActorPanic,
 }
+
+/// The actor kinds `faults.actor_panic_target` may name.
+pub const PANIC_TARGETS: [&str; 6] = [
+    "TpWorker",
+    "Scheduler",
+    "KvSender",
+    "KvReceiver",
+    "Aggregator",
+    "HttpFrontend",
+];
 
 const KINDS: usize = 8;
 
@@ -120,7 +155,7 @@ impl Fault {
             Self::ControlDelay => "control_delay",
             Self::ControlCorrupt => "control_corrupt",
             Self::RegisterFail => "register_fail",
-            Self::WorkerPanic => "worker_panic",
+            Self::ActorPanic => "actor_panic",
         }
     }
 }
@@ -192,7 +227,7 @@ impl FaultInjector {
             Fault::ControlDelay => c.control_delay,
             Fault::ControlCorrupt => c.control_corrupt,
             Fault::RegisterFail => c.register_fail,
-            Fault::WorkerPanic => c.worker_panic,
+            Fault::ActorPanic => c.actor_panic,
         }
     }
 
@@ -202,9 +237,9 @@ impl FaultInjector {
         if rate <= 0.0 || self.draw() >= rate {
             return false;
         }
-        if fault == Fault::WorkerPanic {
+        if fault == Fault::ActorPanic {
             let n = &self.injected[fault.index()];
-            let cap = self.cfg.worker_panic_max;
+            let cap = self.cfg.actor_panic_max;
             if n.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| {
                 (v < cap).then_some(v + 1)
             })
@@ -217,6 +252,11 @@ impl FaultInjector {
         }
         tracing::info!(fault = fault.as_str(), "injecting a fault");
         true
+    }
+
+    /// Whether an actor of `kind` panics at the message it is taking now.
+    pub fn actor_panics(&self, kind: &str) -> bool {
+        self.cfg.panic_target() == kind && self.roll(Fault::ActorPanic)
     }
 
     /// The fate of one control message.
@@ -263,14 +303,25 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(bad.invalid().unwrap().0, "faults.transfer_fail");
+        let bad = FaultSection {
+            actor_panic_target: "Proxy".into(),
+            ..Default::default()
+        };
+        let (key, msg) = bad.invalid().unwrap();
+        assert_eq!(key, "faults.actor_panic_target");
+        assert!(
+            msg.contains("KvSender") && msg.contains("\"Proxy\""),
+            "{msg}"
+        );
     }
 
     #[test]
     fn rates_are_honoured_deterministically_and_panics_are_capped() {
         let cfg = FaultSection {
             transfer_fail: 0.25,
-            worker_panic: 1.0,
-            worker_panic_max: 2,
+            actor_panic: 1.0,
+            actor_panic_max: 2,
+            actor_panic_target: "KvSender".into(),
             seed: 9,
             ..Default::default()
         };
@@ -281,8 +332,9 @@ mod tests {
         assert_eq!(draws, again, "same seed, same faults");
         let n = a.injected(Fault::TransferFail);
         assert!((800..1200).contains(&n), "{n} of 4000 at 25%");
-        assert_eq!((0..10).filter(|_| a.roll(Fault::WorkerPanic)).count(), 2);
-        assert_eq!(a.injected(Fault::WorkerPanic), 2);
+        assert!(!a.actor_panics("TpWorker"), "only the chosen actor panics");
+        assert_eq!((0..10).filter(|_| a.actor_panics("KvSender")).count(), 2);
+        assert_eq!(a.injected(Fault::ActorPanic), 2);
         assert!(!a.roll(Fault::ControlDrop), "rate 0 never fires");
     }
 }

@@ -266,7 +266,10 @@ fn chunk_end(chunks: &[RegionChunk], offset: u64) -> Option<(RegionChunk, u64)> 
 pub(crate) struct BatchState {
     total: usize,
     done: AtomicUsize,
-    error: Mutex<Option<TransportError>>,
+    /// The first error. Its lock is also the landing fence: bytes land in local memory
+    /// under a read lock ([`BatchState::land`]) and the error is set under the write lock,
+    /// so once a batch has failed no byte lands any more.
+    error: RwLock<Option<TransportError>>,
     cancelled: AtomicBool,
     finished: watch::Sender<bool>,
 }
@@ -277,7 +280,7 @@ impl BatchState {
         Arc::new(Self {
             total,
             done: AtomicUsize::new(0),
-            error: Mutex::new(None),
+            error: RwLock::new(None),
             cancelled: AtomicBool::new(false),
             finished,
         })
@@ -293,7 +296,7 @@ impl BatchState {
                 }
             }
             Err(e) => {
-                let mut slot = self.error.lock().expect("batch state poisoned");
+                let mut slot = self.error.write().unwrap_or_else(|e| e.into_inner());
                 if slot.is_none() {
                     *slot = Some(e);
                 }
@@ -311,13 +314,31 @@ impl BatchState {
         self.cancelled.store(true, Ordering::Relaxed);
     }
 
+    /// Copies received bytes into local memory with `copy` unless the batch has already
+    /// ended in failure or been given up; returns whether it copied. A copy runs to its end
+    /// before a failure can be recorded, so once [`BatchHandle::wait`] or
+    /// [`BatchHandle::cancel`] returned, no byte of this batch lands in local memory: the
+    /// caller may reuse it. (Bytes a late answer brings are read off the wire and dropped.)
+    pub(crate) fn land(&self, copy: impl FnOnce()) -> bool {
+        let error = self.error.read().unwrap_or_else(|e| e.into_inner());
+        if error.is_some() || self.cancelled.load(Ordering::Relaxed) {
+            return false;
+        }
+        copy();
+        true
+    }
+
     pub(crate) fn is_cancelled(&self) -> bool {
         self.cancelled.load(Ordering::Relaxed)
-            || self.error.lock().expect("batch state poisoned").is_some()
+            || self
+                .error
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_some()
     }
 
     fn status(&self) -> BatchStatus {
-        if let Some(e) = self.error.lock().expect("batch state poisoned").clone() {
+        if let Some(e) = self.error.read().unwrap_or_else(|e| e.into_inner()).clone() {
             return BatchStatus::Failed(e);
         }
         let done = self.done.load(Ordering::Acquire);
@@ -349,6 +370,13 @@ impl PieceCompletion {
     }
     pub(crate) fn is_cancelled(&self) -> bool {
         self.batch.as_ref().is_some_and(|b| b.is_cancelled())
+    }
+    /// See [`BatchState::land`].
+    pub(crate) fn land(&self, copy: impl FnOnce()) -> bool {
+        match &self.batch {
+            Some(b) => b.land(copy),
+            None => false,
+        }
     }
     pub(crate) fn complete(mut self, result: Result<()>) {
         if let Some(b) = self.batch.take() {

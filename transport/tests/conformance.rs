@@ -431,6 +431,45 @@ async fn timeouts_fire_and_the_engine_recovers(backend: BackendKind) {
     assert_eq!(back.read_at(0, 1000).unwrap(), vec![0x5A; 1000]);
 }
 
+/// A read batch given up (timeout) lands nothing more once `wait` returned, although the
+/// peer keeps answering the reads already sent: the memory may be reused at once.
+async fn late_read_answers_never_land(backend: BackendKind) {
+    let s = setup(backend, 5);
+    let session = s.engine.connect(&s.peer.address()).await.unwrap();
+    let rids = s.peer.region_ids();
+    let local = s.engine.allocate_and_register(1 << 20).unwrap();
+    let reads: Vec<TransferOp> = (0..4000u64)
+        .map(|i| {
+            TransferOp::read(
+                local.id(),
+                (i % 2) * (512 << 10),
+                rids[0],
+                (i % 2) * (512 << 10),
+                512 << 10,
+            )
+        })
+        .collect();
+    let handle = session.submit(&reads).unwrap();
+    let err = handle.wait(Duration::from_millis(20)).await.unwrap_err();
+    assert!(matches!(err, TransportError::Timeout { .. }), "{err:?}");
+    // The owner reuses the memory right away; answers still arriving must not touch it.
+    local.write_at(0, &vec![0xEE; 1 << 20]).unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let now = local.read_at(0, 1 << 20).unwrap();
+    let changed = now.iter().filter(|&&b| b != 0xEE).count();
+    assert_eq!(
+        changed, 0,
+        "{changed} bytes landed after the batch timed out"
+    );
+    // The session still serves.
+    session
+        .submit(&[TransferOp::read(local.id(), 0, rids[1], 0, 4096)])
+        .unwrap()
+        .wait(STEP)
+        .await
+        .unwrap();
+}
+
 macro_rules! conformance {
     ($($(#[$attr:meta])* $backend:ident => $kind:expr),* $(,)?) => {$(
         mod $backend {
@@ -454,6 +493,11 @@ macro_rules! conformance {
             $(#[$attr])*
             async fn timeouts_fire_and_the_engine_recovers() {
                 super::timeouts_fire_and_the_engine_recovers($kind).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            $(#[$attr])*
+            async fn late_read_answers_never_land() {
+                super::late_read_answers_never_land($kind).await
             }
         }
     )*};

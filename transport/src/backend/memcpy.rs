@@ -96,21 +96,29 @@ pub(crate) fn run_pieces(
                 .remote_ptr(op.remote_region, op.remote_offset, op.len)
                 .map_err(|e| remote.peer_alive().err().unwrap_or(e))?;
             let lptr = op.local.ptr_at(op.local_offset);
-            // SAFETY: both ranges were checked (local at submit, remote just now) and their
-            // memory is kept mapped by `op.local` and the peer mapping; batches never overlap
-            // source and destination (distinct regions or disjoint ranges by contract; `copy`
-            // tolerates overlap anyway).
-            unsafe {
-                match op.kind {
-                    crate::engine::OpKind::Write => std::ptr::copy(lptr, rptr, op.len as usize),
-                    crate::engine::OpKind::Read => {
-                        fence(Ordering::Acquire);
-                        std::ptr::copy(rptr, lptr, op.len as usize)
+            // Under the batch's landing fence: once the batch has ended (timed out,
+            // cancelled, failed) no copy of it runs any more, on either side's memory.
+            let landed = batch.land(|| {
+                // SAFETY: both ranges were checked (local at submit, remote just now) and
+                // their memory is kept mapped by `op.local` and the peer mapping; batches
+                // never overlap source and destination (distinct regions or disjoint ranges
+                // by contract; `copy` tolerates overlap anyway).
+                unsafe {
+                    match op.kind {
+                        crate::engine::OpKind::Write => std::ptr::copy(lptr, rptr, op.len as usize),
+                        crate::engine::OpKind::Read => {
+                            fence(Ordering::Acquire);
+                            std::ptr::copy(rptr, lptr, op.len as usize)
+                        }
                     }
                 }
+                fence(Ordering::Release);
+            });
+            if landed {
+                Ok(())
+            } else {
+                Err(TransportError::Cancelled)
             }
-            fence(Ordering::Release);
-            Ok(())
         });
         let failed = res.is_err();
         batch.complete(res);

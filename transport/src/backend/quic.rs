@@ -193,7 +193,7 @@ impl QuicLink {
         })
     }
 
-    async fn piece(&self, op: &PlannedOp) -> Result<()> {
+    async fn piece(&self, op: &PlannedOp, done: &PieceCompletion) -> Result<()> {
         let (mut send, mut recv) = self.conn.open_bi().await.map_err(|e| self.gone(e))?;
         let header = ReqHeader {
             op: if op.kind == OpKind::Write {
@@ -222,15 +222,26 @@ impl QuicLink {
             match (op.kind, resp.status) {
                 (OpKind::Write, proto::ST_OK) if resp.len == 0 => Ok(()),
                 (OpKind::Read, proto::ST_DATA) if resp.len == op.len => {
-                    // SAFETY: as above; the batch owns these local bytes.
-                    let dst = unsafe {
-                        std::slice::from_raw_parts_mut(
-                            op.local.ptr_at(op.local_offset),
-                            op.len as usize,
-                        )
-                    };
-                    AsyncReadExt::read_exact(&mut recv, dst).await?;
-                    Ok(())
+                    // Into a buffer, then into registered memory under the batch's landing
+                    // fence (see `BatchState::land`): a late answer is dropped.
+                    let len = op.len as usize;
+                    let mut buf = vec![0u8; len];
+                    AsyncReadExt::read_exact(&mut recv, &mut buf).await?;
+                    let landed = done.land(|| {
+                        // SAFETY: as above; the batch owns these local bytes until it ends.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                buf.as_ptr(),
+                                op.local.ptr_at(op.local_offset),
+                                len,
+                            );
+                        }
+                    });
+                    if landed {
+                        Ok(())
+                    } else {
+                        Err(TransportError::Cancelled)
+                    }
                 }
                 (_, proto::ST_UNKNOWN_REGION | proto::ST_OUT_OF_BOUNDS | proto::ST_ERROR) => {
                     Err(proto::answer_error(&mut recv, &header, &resp).await)
@@ -272,7 +283,7 @@ impl Link for QuicLink {
                 };
                 let link = link.clone();
                 tokio::spawn(async move {
-                    let res = link.piece(&op).await;
+                    let res = link.piece(&op, &done).await;
                     drop(permit);
                     done.complete(res);
                 });

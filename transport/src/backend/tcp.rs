@@ -239,6 +239,7 @@ impl TcpConn {
         // Reader: matches answers to requests in order.
         let (r_alive, r_cancel, r_peer) = (alive.clone(), cancel.clone(), peer.clone());
         tokio::spawn(async move {
+            let mut scratch: Vec<u8> = Vec::new();
             let reason = loop {
                 let mut hb = [0u8; proto::RESP_HEADER];
                 let got = tokio::select! {
@@ -265,20 +266,35 @@ impl TcpConn {
                         let res = match (op.kind, resp.status) {
                             (OpKind::Write, proto::ST_OK) if resp.len == 0 => Ok(()),
                             (OpKind::Read, proto::ST_DATA) if resp.len == op.len => {
-                                // SAFETY: the local range was checked at submit; `op.local`
-                                // keeps the region alive; the batch owns these bytes.
-                                let dst = unsafe {
-                                    std::slice::from_raw_parts_mut(
-                                        op.local.ptr_at(op.local_offset),
-                                        op.len as usize,
-                                    )
-                                };
-                                match r.read_exact(dst).await {
-                                    Ok(_) => Ok(()),
-                                    Err(e) => {
-                                        done.complete(Err(TransportError::peer_gone(&*r_peer, &e)));
-                                        break e.to_string();
+                                // Off the wire into a buffer, then into registered memory
+                                // under the batch's landing fence: an answer that arrives
+                                // after its batch timed out or was cancelled (a partition,
+                                // a slow peer) is read and dropped, never copied into
+                                // memory its owner may already have reused.
+                                let len = op.len as usize;
+                                if scratch.len() < len {
+                                    scratch.resize(len, 0);
+                                }
+                                if let Err(e) = r.read_exact(&mut scratch[..len]).await {
+                                    done.complete(Err(TransportError::peer_gone(&*r_peer, &e)));
+                                    break e.to_string();
+                                }
+                                let landed = done.land(|| {
+                                    // SAFETY: the local range was checked at submit;
+                                    // `op.local` keeps the region alive; the batch owns
+                                    // these bytes until it ends, and it has not ended.
+                                    unsafe {
+                                        std::ptr::copy_nonoverlapping(
+                                            scratch.as_ptr(),
+                                            op.local.ptr_at(op.local_offset),
+                                            len,
+                                        );
                                     }
+                                });
+                                if landed {
+                                    Ok(())
+                                } else {
+                                    Err(TransportError::Cancelled)
                                 }
                             }
                             (

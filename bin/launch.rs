@@ -61,6 +61,12 @@ pub struct LaunchArgs {
     /// Run every actor in this process over the `local` transport.
     #[arg(long)]
     in_process: bool,
+    /// One API key for the cluster: clients need `Authorization: Bearer KEY` at the proxy,
+    /// and the instances require it on their `/v1/*` routes too (the proxy and decode
+    /// instances send it). Handed to the children in their environment, not their command
+    /// lines.
+    #[arg(long)]
+    api_key: Option<String>,
 }
 
 fn free_port() -> Result<u16> {
@@ -131,14 +137,16 @@ impl Drop for LaunchCredentials {
 struct Member {
     name: String,
     args: Vec<String>,
+    env: Vec<(&'static str, String)>,
     child: Option<Child>,
     tracker: RestartTracker,
 }
 
-fn spawn(args: &[String]) -> Result<Child> {
+fn spawn(m: &Member) -> Result<Child> {
     let exe = std::env::current_exe()?;
     let mut cmd = Command::new(exe);
-    cmd.args(args)
+    cmd.args(&m.args)
+        .envs(m.env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
@@ -250,7 +258,8 @@ pub fn run(args: LaunchArgs) -> Result<()> {
                 .iter()
                 .map(|s| s.to_string())
                 .collect();
-                members.push(Member { name, args: a, child: None, tracker: RestartTracker::new(RestartPolicy::default()) });
+                let env = args.api_key.iter().map(|k| ("PDSERVE_SERVER__API_KEY", k.clone())).collect();
+                members.push(Member { name, args: a, env, child: None, tracker: RestartTracker::new(RestartPolicy::default()) });
             }
         }
         let proxy_args: Vec<String> = [
@@ -260,9 +269,10 @@ pub fn run(args: LaunchArgs) -> Result<()> {
         .iter()
         .map(|s| s.to_string())
         .collect();
-        members.push(Member { name: "proxy".into(), args: proxy_args, child: None, tracker: RestartTracker::new(RestartPolicy::default()) });
+        let env = args.api_key.iter().map(|k| ("PDSERVE_PROXY_API_KEY", k.clone())).collect();
+        members.push(Member { name: "proxy".into(), args: proxy_args, env, child: None, tracker: RestartTracker::new(RestartPolicy::default()) });
         for m in &mut members {
-            m.child = Some(spawn(&m.args).with_context(|| format!("starting {}", m.name))?);
+            m.child = Some(spawn(m).with_context(|| format!("starting {}", m.name))?);
         }
         let proxy_url = format!("http://{}:{proxy_port}", args.host);
         if let Err(e) = wait_ready(&proxy_url, &mut members).await {
@@ -289,7 +299,7 @@ pub fn run(args: LaunchArgs) -> Result<()> {
                         match m.tracker.on_failure(Instant::now()) {
                             RestartDecision::Restart { attempt } => {
                                 eprintln!("pdserve launch: {} exited ({status}); restart {attempt}", m.name);
-                                match spawn(&m.args) {
+                                match spawn(m) {
                                     Ok(c) => m.child = Some(c),
                                     Err(e) => { failed = Some(format!("cannot restart {}: {e}", m.name)); break; }
                                 }
@@ -325,7 +335,7 @@ async fn run_in_process(args: LaunchArgs, threads: usize, creds: &LaunchCredenti
         decode: Vec::new(),
         timeout: Duration::from_secs(600),
         max_prefill_queue: None,
-        api_key: None,
+        api_key: args.api_key.clone(),
     };
     let control = pdserve_actors::proxy::ProxyControlArgs::new(
         MemberCredentials::load(creds.dir(), "proxy")?,
@@ -349,6 +359,7 @@ async fn run_in_process(args: LaunchArgs, threads: usize, creds: &LaunchCredenti
             let name = format!("{role}-{i}");
             let mut o = InstanceOptions::local(&name, model);
             o.tp = args.tp;
+            o.api_key = args.api_key.clone();
             o.num_blocks = None;
             o.kv_cache_bytes = 256 << 20;
             o.transfer = Some(pdserve_transport::TransferConfig::new(

@@ -9,7 +9,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// `pdserve launch` of a 1P1D synthetic cluster on a free port, its environment carrying `tag`.
-fn launch_tagged(tag: &str) -> std::process::Child {
+fn launch_tagged(tag: &str, extra: &[&str]) -> std::process::Child {
     let (key, value) = tag.split_once('=').unwrap();
     Command::new(env!("CARGO_BIN_EXE_pdserve"))
         .args([
@@ -21,6 +21,7 @@ fn launch_tagged(tag: &str) -> std::process::Child {
             "--threads",
             "1",
         ])
+        .args(extra)
         .env(key, value)
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -31,7 +32,7 @@ fn launch_tagged(tag: &str) -> std::process::Child {
 #[test]
 fn launch_serves_a_streamed_chat_and_stops_cleanly_on_sigterm() {
     let tag = format!("PDSERVE_TEST_LAUNCH_TAG={}", std::process::id());
-    let mut launcher = launch_tagged(&tag);
+    let mut launcher = launch_tagged(&tag, &[]);
     // The proxy URL arrives on a line of its own.
     let mut lines = BufReader::new(launcher.stdout.take().unwrap()).lines();
     let url = lines.next().expect("launcher printed nothing").unwrap();
@@ -104,9 +105,10 @@ fn launch_serves_a_streamed_chat_and_stops_cleanly_on_sigterm() {
 }
 
 #[test]
-fn inspect_lists_the_proxy_and_every_launched_instance() {
+fn inspect_lists_the_proxy_and_every_launched_instance_and_one_api_key_guards_them() {
+    const KEY: &str = "sk-launch-5e1d";
     let tag = format!("PDSERVE_TEST_LAUNCH_INSPECT_TAG={}", std::process::id());
-    let mut launcher = launch_tagged(&tag);
+    let mut launcher = launch_tagged(&tag, &["--api-key", KEY]);
     // Stops the launcher however this test ends.
     struct Stop(u32);
     impl Drop for Stop {
@@ -156,6 +158,50 @@ fn inspect_lists_the_proxy_and_every_launched_instance() {
         for kind in ["Scheduler", "TpWorker", "HttpFrontend"] {
             assert!(kinds.contains(&kind), "{kind} missing: {m}");
         }
+    }
+
+    // `--api-key`: the proxy and every instance require the key on `/v1/*`; disaggregated
+    // requests work with it (the proxy and decode send it on); the children got it in their
+    // environment, not on their command lines.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let http = reqwest::Client::builder().no_proxy().build().unwrap();
+        let body = serde_json::json!({"prompt": "hello", "max_tokens": 4, "ignore_eos": true});
+        let r = http
+            .post(format!("{url}/v1/completions"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 401, "the proxy without the key");
+        let r = http
+            .post(format!("{url}/v1/completions"))
+            .bearer_auth(KEY)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+        for m in instances {
+            let info = format!("{}/v1/kv/info", m["url"].as_str().unwrap());
+            let r = http.get(&info).send().await.unwrap();
+            assert_eq!(r.status(), 401, "{info} without the key");
+            let r = http.get(&info).bearer_auth(KEY).send().await.unwrap();
+            assert_eq!(r.status(), 200, "{info} with the key");
+        }
+    });
+    for pid in tagged_processes(&tag) {
+        if pid == launcher.id() {
+            continue;
+        }
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        assert!(
+            !String::from_utf8_lossy(&cmdline).contains(KEY),
+            "the key is on a child's command line"
+        );
     }
 
     // The tree, with the address taken from the credentials directory.

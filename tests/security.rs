@@ -77,11 +77,14 @@ struct Cluster {
     control: String,
     nodes: Vec<(&'static str, Child, PathBuf)>,
     http: reqwest::Client,
+    /// Whether the instances have the key too (`--api-key` on every node).
+    instance_key: bool,
 }
 
 impl Cluster {
     /// Starts the cluster; the proxy gets its API key from `PDSERVE_PROXY_API_KEY`, or with
-    /// `key_flag` from `--api-key` on its `serve --config FILE --node proxy` command line.
+    /// `key_flag` every node gets it from `--api-key` on its `serve --config FILE --node N`
+    /// command line (one key for the cluster).
     fn start(key_flag: bool) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let creds = dir.path().join("credentials");
@@ -147,7 +150,7 @@ threads = 1
                 .arg(&file)
                 .args(["--node", node]);
             match (node, key_flag) {
-                ("proxy", true) => cmd.args(["--api-key", API_KEY]),
+                (_, true) => cmd.args(["--api-key", API_KEY]),
                 ("proxy", false) => cmd.env("PDSERVE_PROXY_API_KEY", API_KEY),
                 _ => &mut cmd,
             };
@@ -171,6 +174,7 @@ threads = 1
             control: format!("127.0.0.1:{control}"),
             nodes,
             http: reqwest::Client::builder().no_proxy().build().unwrap(),
+            instance_key: key_flag,
         }
     }
 
@@ -435,6 +439,32 @@ async fn check_api_key(c: &mut Cluster) {
         metrics.contains("outcome=\"unauthorized\""),
         "refusals are counted"
     );
+    if !c.instance_key {
+        return;
+    }
+    // The instances hold the same key: the disaggregated answers above went through (the
+    // proxy and the decode instance sent it), and every `/v1/*` route of an instance,
+    // the KV calls included, refuses a caller without it.
+    for base in [&c.prefill, &c.decode] {
+        let info = format!("{base}/v1/kv/info");
+        let r = c.http.get(&info).send().await.unwrap();
+        assert_eq!(r.status(), 401, "{info} without a key");
+        let r = c.http.get(&info).bearer_auth(API_KEY).send().await.unwrap();
+        assert_eq!(r.status(), 200, "{info} with the key");
+        let body = json!({"transfer_id": "00000000000000000000000000000001"});
+        for path in [
+            "/v1/kv/release",
+            "/v1/kv/abort",
+            "/v1/kv/prefill",
+            "/v1/completions",
+        ] {
+            let (status, v) = c.post(&format!("{base}{path}"), &body, None).await;
+            assert_eq!(status, 401, "{base}{path} without a key: {v}");
+            assert_eq!(v["error"]["type"], "authentication_error", "{v}");
+        }
+        let r = c.http.get(format!("{base}/health")).send().await.unwrap();
+        assert_eq!(r.status(), 200, "{base}/health stays open");
+    }
 }
 
 #[test]
@@ -442,10 +472,11 @@ fn the_proxy_api_key_guards_v1_and_leaves_health_and_metrics_open() {
     with_cluster(|c| Box::pin(check_api_key(c)));
 }
 
-/// `pdserve serve --config FILE --node proxy --api-key KEY` enforces the key (the flag, not
-/// only `PDSERVE_PROXY_API_KEY`).
+/// `pdserve serve --config FILE --node N --api-key KEY` on every node: the proxy enforces the
+/// key (the flag, not only `PDSERVE_PROXY_API_KEY`), the instances too, and disaggregated
+/// requests still work because the proxy and decode send it on.
 #[test]
-fn the_api_key_flag_of_a_deployment_proxy_node_is_enforced() {
+fn one_api_key_on_every_deployment_node_guards_them_all_and_pd_still_works() {
     run_cluster(true, Box::new(|c| Box::pin(check_api_key(c))));
 }
 

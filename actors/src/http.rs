@@ -90,21 +90,42 @@ impl IntoResponse for ApiError {
     }
 }
 
-/// The routes of one instance.
+/// The routes of one instance. With `server.api_key` set, every `/v1/*` route — the OpenAI
+/// API and the instance-to-instance KV calls alike — needs `Authorization: Bearer KEY`;
+/// `/health` and `/metrics` stay open. A cluster shares one key: the proxy and decode
+/// instances send their own key on their calls (see `KvContext::api_key`).
 pub fn router(state: Arc<AppState>) -> Router {
-    Router::new()
+    let guarded = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
-        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
-        .route("/metrics", get(metrics))
         .route("/v1/kv/info", get(kv_info))
         .route("/v1/load", get(load))
         .route("/v1/kv/release", post(kv_release))
         .route("/v1/kv/renew", post(kv_renew))
         .route("/v1/kv/abort", post(kv_abort))
         .route("/v1/kv/prefill", post(kv_prefill))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            require_key,
+        ));
+    Router::new()
+        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/metrics", get(metrics))
+        .merge(guarded)
         .with_state(state)
+}
+
+async fn require_key(
+    State(app): State<Arc<AppState>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if bearer_matches(app.api_key.as_deref(), req.headers()) {
+        next.run(req).await
+    } else {
+        unauthorized()
+    }
 }
 
 fn unix_now() -> u64 {
@@ -306,10 +327,7 @@ impl Drop for HandoffGuard {
 /// held under a lease. Push: `target` names the decode instance's layout and destination
 /// blocks (validated here: the handshake); each layer's blocks are written as they are
 /// computed and the answer `{first_token_id}` comes once the last write finished.
-async fn kv_prefill(State(app): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
-    if !authorized(&app, &headers) {
-        return unauthorized();
-    }
+async fn kv_prefill(State(app): State<Arc<AppState>>, body: Bytes) -> Response {
     kv_prefill_inner(app, body)
         .await
         .unwrap_or_else(IntoResponse::into_response)
@@ -506,22 +524,14 @@ async fn kv_prefill_inner(app: Arc<AppState>, body: Bytes) -> Result<Response, A
     .into_response())
 }
 
-async fn completions(
-    State(app): State<Arc<AppState>>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    serve(app, headers, body, false)
+async fn completions(State(app): State<Arc<AppState>>, body: Bytes) -> Response {
+    serve(app, body, false)
         .await
         .unwrap_or_else(IntoResponse::into_response)
 }
 
-async fn chat_completions(
-    State(app): State<Arc<AppState>>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    serve(app, headers, body, true)
+async fn chat_completions(State(app): State<Arc<AppState>>, body: Bytes) -> Response {
+    serve(app, body, true)
         .await
         .unwrap_or_else(IntoResponse::into_response)
 }
@@ -543,10 +553,6 @@ impl Drop for RequestGuard {
     }
 }
 
-fn authorized(app: &AppState, headers: &HeaderMap) -> bool {
-    bearer_matches(app.api_key.as_deref(), headers)
-}
-
 /// Whether `headers` carry `Authorization: Bearer KEY` for `key` (always, when no key is set).
 pub(crate) fn bearer_matches(key: Option<&str>, headers: &HeaderMap) -> bool {
     let Some(key) = key else { return true };
@@ -563,15 +569,7 @@ pub(crate) fn unauthorized() -> Response {
     (StatusCode::UNAUTHORIZED, Json(body)).into_response()
 }
 
-async fn serve(
-    app: Arc<AppState>,
-    headers: HeaderMap,
-    body: Bytes,
-    chat: bool,
-) -> Result<Response, ApiError> {
-    if !authorized(&app, &headers) {
-        return Ok(unauthorized());
-    }
+async fn serve(app: Arc<AppState>, body: Bytes, chat: bool) -> Result<Response, ApiError> {
     let req = openai::parse_request(&body, chat)?;
     if let Some(m) = &req.model {
         if m != &app.model_name {

@@ -243,6 +243,7 @@ impl Instance {
                 ctx.min_remote_prompt_tokens = opts.min_remote_prompt_tokens;
                 ctx.lease = opts.kv_lease;
                 ctx.prefill_timeout = opts.request_timeout;
+                ctx.api_key = opts.api_key.clone();
                 Some(Arc::new(ctx))
             }
             None => None,

@@ -218,6 +218,9 @@ pub struct KvContext {
     pub failures: AtomicU64,
     /// Test-only fault injection at the transfer and control-message points.
     pub faults: Option<Arc<FaultInjector>>,
+    /// The cluster's API key, sent on our calls to peers' `/v1/kv/*` (this instance's own
+    /// `server.api_key`: a cluster shares one).
+    pub api_key: Option<String>,
     http: reqwest::Client,
     peers: tokio::sync::Mutex<HashMap<String, KvPeerInfo>>,
     sessions: tokio::sync::Mutex<HashMap<String, Arc<Session>>>,
@@ -255,6 +258,7 @@ impl KvContext {
             bytes_received: AtomicU64::new(0),
             failures: AtomicU64::new(0),
             faults: None,
+            api_key: None,
             http: reqwest::Client::builder()
                 .no_proxy()
                 .build()
@@ -314,8 +318,7 @@ impl KvContext {
             return Ok(p.clone());
         }
         let info: KvPeerInfo = self
-            .http
-            .get(format!("{url}/v1/kv/info"))
+            .authed(self.http.get(format!("{url}/v1/kv/info")))
             .timeout(self.timeout)
             .send()
             .await
@@ -497,14 +500,20 @@ impl KvContext {
             ControlFault::Delay(d) => tokio::time::sleep(d).await,
             ControlFault::Corrupt => bytes = b"\x00{injected fault: corrupted".to_vec(),
         }
-        self.http
-            .post(url)
+        self.authed(self.http.post(url))
             .timeout(timeout)
             .header("content-type", "application/json")
             .body(bytes)
             .send()
             .await
             .map_err(|e| error_chain(&e))
+    }
+
+    fn authed(&self, req: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+        match &self.api_key {
+            Some(key) => req.bearer_auth(key),
+            None => req,
+        }
     }
 
     /// Applies an injected transfer fault to a batch about to be submitted: fails it, delays

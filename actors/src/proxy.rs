@@ -358,6 +358,17 @@ pub struct ProxyState {
     metrics: pdserve_runtime::telemetry::MetricsHandle,
 }
 
+impl ProxyState {
+    /// A call to an instance, with the cluster's API key when the proxy has one (instances
+    /// of a cluster share the proxy's key; one without a key ignores it).
+    fn upstream(&self, req: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+        match &self.api_key {
+            Some(key) => req.bearer_auth(key),
+            None => req,
+        }
+    }
+}
+
 fn error(e: RequestError) -> Response {
     let status = StatusCode::from_u16(e.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     (status, Json(openai::error_body(&e))).into_response()
@@ -407,8 +418,7 @@ async fn models(State(s): State<Arc<ProxyState>>, headers: HeaderMap) -> Respons
         ));
     };
     match s
-        .http
-        .get(format!("{url}/v1/models"))
+        .upstream(s.http.get(format!("{url}/v1/models")))
         .timeout(s.timeout)
         .send()
         .await
@@ -555,8 +565,7 @@ async fn forward(
         });
     }
     match s
-        .http
-        .post(format!("{decode}{path}"))
+        .upstream(s.http.post(format!("{decode}{path}")))
         .json(&request)
         .timeout(s.timeout)
         .send()
@@ -601,7 +610,11 @@ async fn poll_forever(state: Arc<ProxyState>) {
             .unwrap_or_else(|e| e.into_inner())
             .static_urls();
         for url in urls {
-            let load = match client.get(format!("{url}/v1/load")).send().await {
+            let load = match state
+                .upstream(client.get(format!("{url}/v1/load")))
+                .send()
+                .await
+            {
                 Ok(r) if r.status().is_success() => r.json::<Value>().await.ok().map(|v| {
                     let n = |k: &str| v[k].as_u64().unwrap_or(0) as usize;
                     (n("waiting") + n("running"), n("blocks_free"))

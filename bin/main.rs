@@ -104,6 +104,9 @@ struct BenchTransferArgs {
     /// Print a JSON list of rows instead of a table.
     #[arg(long)]
     json: bool,
+    /// Measure reads from the peer (pull mode's direction) instead of writes to it.
+    #[arg(long)]
+    reads: bool,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -664,6 +667,7 @@ fn bench_transfer(args: BenchTransferArgs) -> Result<()> {
     if !args.backends.is_empty() {
         opts.backends = args.backends;
     }
+    opts.reads = args.reads;
     let (rows, placement) = run_transfer_bench_with_placement(&opts)?;
     if args.json {
         println!("{}", serde_json::to_string(&rows)?);

@@ -1,9 +1,9 @@
 //! `pdserve bench transfer`: throughput and latency of each backend beside the raw limit of its
 //! medium, measured in the same run.
 //!
-//! For each backend and size: `latency_us` is the median time of one write of `size` bytes
-//! alone, from submit to completion; `gbps` is the sustained rate with [`WINDOW`] writes of
-//! `size` in flight (`WINDOW * size` over the median time of such a window). The limit is
+//! For each backend and size: `latency_us` is the median time of one write (or, with
+//! `reads`, one read: what a decode instance does in pull mode) of `size` bytes alone, from
+//! submit to completion; `gbps` is the sustained rate with [`WINDOW`] of them in flight (`WINDOW * size` over the median time of such a window). The limit is
 //! measured the same way on the bare medium: a plain single-threaded `memcpy` of `size` bytes,
 //! `WINDOW` times, for `local`/`shm`; for `tcp`/`quic` a plain TCP socket pair on loopback
 //! (`WINDOW` messages of `size` bytes streamed, the receiver answering one byte per message).
@@ -38,6 +38,8 @@ pub struct TransferBenchOptions {
     pub max_time: Duration,
     /// Peer executable (default: [`PeerProcess::find_exe`], then this executable).
     pub peer_exe: Option<PathBuf>,
+    /// Measure reads from the peer instead of writes to it.
+    pub reads: bool,
 }
 
 impl Default for TransferBenchOptions {
@@ -51,6 +53,7 @@ impl Default for TransferBenchOptions {
             max_iterations: 2000,
             max_time: Duration::from_millis(700),
             peer_exe: None,
+            reads: false,
         }
     }
 }
@@ -60,6 +63,9 @@ impl Default for TransferBenchOptions {
 pub struct TransferBenchRow {
     /// Backend name.
     pub backend: String,
+    /// `write` or `read`.
+    #[serde(default = "write_op")]
+    pub op: String,
     /// Bytes per transfer.
     pub size_bytes: u64,
     /// Throughput of the backend, GB/s (10^9 bytes per second).
@@ -68,6 +74,10 @@ pub struct TransferBenchRow {
     pub limit_gbps: f64,
     /// Median time of one transfer, microseconds.
     pub latency_us: f64,
+}
+
+fn write_op() -> String {
+    "write".into()
 }
 
 /// Transfers kept in flight when measuring throughput.
@@ -265,7 +275,11 @@ fn bench_backend(
         .enable_all()
         .build()?;
     for &size in &opts.sizes {
-        let op = TransferOp::write(local.id(), 0, remote_id, 0, size);
+        let op = if opts.reads {
+            TransferOp::read(local.id(), 0, remote_id, 0, size)
+        } else {
+            TransferOp::write(local.id(), 0, remote_id, 0, size)
+        };
         let wait = |handles: Vec<crate::BatchHandle>| -> Result<()> {
             rt.block_on(async {
                 // Newest first: one wake-up for the window instead of one per transfer.
@@ -295,6 +309,7 @@ fn bench_backend(
         };
         rows.push(TransferBenchRow {
             backend: backend.to_string(),
+            op: if opts.reads { "read" } else { "write" }.into(),
             size_bytes: size,
             gbps: t.gbps,
             limit_gbps: limit,
@@ -357,13 +372,14 @@ fn human(size: u64) -> String {
 /// Prints the rows as a table.
 pub fn print_table(rows: &[TransferBenchRow]) {
     println!(
-        "{:<8} {:>10} {:>10} {:>12} {:>8} {:>12}",
-        "backend", "size", "GB/s", "limit GB/s", "ratio", "latency µs"
+        "{:<8} {:<6} {:>10} {:>10} {:>12} {:>8} {:>12}",
+        "backend", "op", "size", "GB/s", "limit GB/s", "ratio", "latency µs"
     );
     for r in rows {
         println!(
-            "{:<8} {:>10} {:>10.2} {:>12.2} {:>8.2} {:>12.1}",
+            "{:<8} {:<6} {:>10} {:>10.2} {:>12.2} {:>8.2} {:>12.1}",
             r.backend,
+            r.op,
             human(r.size_bytes),
             r.gbps,
             r.limit_gbps,

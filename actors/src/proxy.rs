@@ -1108,21 +1108,18 @@ async fn fetch_instance(conn: &ControlConnection, timeout: Duration) -> MemberSt
     }
 }
 
+/// A started proxy: its actor, HTTP address, and the task that ends when it stops.
+pub type StartedProxy = (
+    crate::mailbox::Mailbox<ProxyMsg>,
+    SocketAddr,
+    tokio::task::JoinHandle<()>,
+);
+
 /// Starts a proxy; returns its actor and address.
 ///
 /// # Errors
 /// When it cannot bind.
-pub async fn start_proxy(
-    name: &str,
-    args: ProxyArgs,
-) -> Result<
-    (
-        crate::mailbox::Mailbox<ProxyMsg>,
-        SocketAddr,
-        tokio::task::JoinHandle<()>,
-    ),
-    String,
-> {
+pub async fn start_proxy(name: &str, args: ProxyArgs) -> Result<StartedProxy, String> {
     start_proxy_with_control(name, args, None).await
 }
 
@@ -1135,14 +1132,7 @@ pub async fn start_proxy_with_control(
     name: &str,
     args: ProxyArgs,
     control: Option<ProxyControlArgs>,
-) -> Result<
-    (
-        crate::mailbox::Mailbox<ProxyMsg>,
-        SocketAddr,
-        tokio::task::JoinHandle<()>,
-    ),
-    String,
-> {
+) -> Result<StartedProxy, String> {
     let (proxy, join) =
         crate::mailbox::Mailbox::spawn(Some(name.to_string()), Proxy, ProxyStart { args, control })
             .await

@@ -371,11 +371,28 @@ impl PieceCompletion {
     pub(crate) fn is_cancelled(&self) -> bool {
         self.batch.as_ref().is_some_and(|b| b.is_cancelled())
     }
-    /// See [`BatchState::land`].
-    pub(crate) fn land(&self, copy: impl FnOnce()) -> bool {
-        match &self.batch {
-            Some(b) => b.land(copy),
-            None => false,
+    /// Copies a read answer (`bytes`, `op.len` of them) into `op`'s local range under the
+    /// batch's landing fence ([`BatchState::land`]); `Cancelled` when the batch has ended.
+    pub(crate) fn land_read(&self, op: &PlannedOp, bytes: &[u8]) -> Result<()> {
+        let len = op.len as usize;
+        assert!(bytes.len() >= len, "a read answer shorter than its piece");
+        let landed = self.batch.as_ref().is_some_and(|b| {
+            b.land(|| {
+                // SAFETY: the local range was checked at submit; `op.local` keeps the region
+                // alive; the batch owns these bytes until it ends, and it has not ended.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        bytes.as_ptr(),
+                        op.local.ptr_at(op.local_offset),
+                        len,
+                    );
+                }
+            })
+        });
+        if landed {
+            Ok(())
+        } else {
+            Err(TransportError::Cancelled)
         }
     }
     pub(crate) fn complete(mut self, result: Result<()>) {

@@ -227,21 +227,7 @@ impl QuicLink {
                     let len = op.len as usize;
                     let mut buf = vec![0u8; len];
                     AsyncReadExt::read_exact(&mut recv, &mut buf).await?;
-                    let landed = done.land(|| {
-                        // SAFETY: as above; the batch owns these local bytes until it ends.
-                        unsafe {
-                            std::ptr::copy_nonoverlapping(
-                                buf.as_ptr(),
-                                op.local.ptr_at(op.local_offset),
-                                len,
-                            );
-                        }
-                    });
-                    if landed {
-                        Ok(())
-                    } else {
-                        Err(TransportError::Cancelled)
-                    }
+                    done.land_read(op, &buf)
                 }
                 (_, proto::ST_UNKNOWN_REGION | proto::ST_OUT_OF_BOUNDS | proto::ST_ERROR) => {
                     Err(proto::answer_error(&mut recv, &header, &resp).await)

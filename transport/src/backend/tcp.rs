@@ -279,23 +279,7 @@ impl TcpConn {
                                     done.complete(Err(TransportError::peer_gone(&*r_peer, &e)));
                                     break e.to_string();
                                 }
-                                let landed = done.land(|| {
-                                    // SAFETY: the local range was checked at submit;
-                                    // `op.local` keeps the region alive; the batch owns
-                                    // these bytes until it ends, and it has not ended.
-                                    unsafe {
-                                        std::ptr::copy_nonoverlapping(
-                                            scratch.as_ptr(),
-                                            op.local.ptr_at(op.local_offset),
-                                            len,
-                                        );
-                                    }
-                                });
-                                if landed {
-                                    Ok(())
-                                } else {
-                                    Err(TransportError::Cancelled)
-                                }
+                                done.land_read(&op, &scratch[..len])
                             }
                             (
                                 _,

@@ -245,12 +245,14 @@ pub fn run(args: LaunchArgs) -> Result<()> {
         let control = SocketAddr::from(([127, 0, 0, 1], free_udp_port()?));
         let dir = creds.dir().display().to_string();
         let mut members = Vec::new();
+        // Instances bind a port of the kernel's choosing (`--port 0`) and register their real
+        // address with the proxy: no port picked here can be taken by someone else before the
+        // child binds it.
         for (role, count) in [("prefill", args.prefill), ("decode", args.decode)] {
             for i in 0..count {
-                let port = free_port()?;
                 let name = format!("{role}-{i}");
                 let a: Vec<String> = [
-                    "serve", "--role", role, "--name", &name, "--model", &args.model, "--port", &port.to_string(),
+                    "serve", "--role", role, "--name", &name, "--model", &args.model, "--port", "0",
                     "--tp", &args.tp.to_string(), "--transfer", &args.transport, "--threads", &threads.to_string(),
                     "--credentials-dir", &dir, "--control-proxy", &control.to_string(),
                     "--transfer-mode", mode.as_str(),

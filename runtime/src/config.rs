@@ -832,8 +832,13 @@ impl ServeConfig {
         if s.host.trim().is_empty() {
             return invalid("server.host", "server.host must not be empty");
         }
-        if s.port == 0 {
-            return invalid("server.port", "server.port must be > 0");
+        // Port 0 (the system picks one) only makes sense when the instance tells a proxy
+        // where it ended up: it registers its bound address over the control plane.
+        if s.port == 0 && self.control.proxy.is_none() {
+            return invalid(
+                "server.port",
+                "server.port must be > 0 (0, a port the system picks, needs control.proxy: the instance then registers the address it bound)",
+            );
         }
         if s.api_key.as_deref().is_some_and(str::is_empty) {
             return invalid(
@@ -1347,6 +1352,10 @@ mod tests {
         c.scheduler.num_blocks = Some(1);
         c.validate().unwrap();
         c.scheduler.block_size = 1;
+        c.validate().unwrap();
+        // Port 0 with a proxy to register with (the bound address reaches it that way).
+        c.server.port = 0;
+        c.control.proxy = Some("127.0.0.1:9".into());
         c.validate().unwrap();
     }
 

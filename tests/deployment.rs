@@ -1,16 +1,11 @@
 //! A "multi-host" deployment started from one file: every node is a separate process on
 //! 127.0.0.1 with its own port, started as `pdserve serve --config FILE --node NAME`.
 
+mod common;
+
+use common::free_tcp_port;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 struct Nodes(Vec<Child>);
 
@@ -35,7 +30,12 @@ impl Drop for Nodes {
 
 #[test]
 fn nodes_started_from_one_file_serve_through_the_proxy() {
-    let (proxy, prefill, d0, d1) = (free_port(), free_port(), free_port(), free_port());
+    let (proxy, prefill, d0, d1) = (
+        free_tcp_port(),
+        free_tcp_port(),
+        free_tcp_port(),
+        free_tcp_port(),
+    );
     let file = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(
         file.path(),

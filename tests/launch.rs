@@ -3,10 +3,9 @@
 
 mod common;
 
-use common::{inspect, tagged_processes};
+use common::{assert_none_left, inspect, sigterm_and_wait, tagged_processes};
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
 
 /// `pdserve launch` of a 1P1D synthetic cluster on a free port, its environment carrying `tag`.
 fn launch_tagged(tag: &str, extra: &[&str]) -> std::process::Child {
@@ -80,28 +79,9 @@ fn launch_serves_a_streamed_chat_and_stops_cleanly_on_sigterm() {
     assert_eq!(finish.as_deref(), Some("length"));
 
     // SIGTERM: everything stops, in bounded time, leaving nothing behind.
-    // SAFETY: signalling our own child.
-    unsafe {
-        libc::kill(launcher.id() as i32, libc::SIGTERM);
-    }
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let status = loop {
-        if let Some(s) = launcher.try_wait().unwrap() {
-            break s;
-        }
-        assert!(Instant::now() < deadline, "launcher did not stop");
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let status = sigterm_and_wait(&mut launcher);
     assert!(status.success(), "{status}");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !tagged_processes(&tag).is_empty() {
-        assert!(
-            Instant::now() < deadline,
-            "processes left behind: {:?}",
-            tagged_processes(&tag)
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    assert_none_left(&tag);
 }
 
 #[test]
@@ -231,23 +211,8 @@ fn inspect_lists_the_proxy_and_every_launched_instance_and_one_api_key_guards_th
     assert!(err.contains(&format!("cannot reach {nowhere}")), "{err}");
 
     // SIGTERM: the launcher stops and removes its credentials.
-    // SAFETY: signalling our own child.
-    unsafe {
-        libc::kill(launcher.id() as i32, libc::SIGTERM);
-    }
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let status = loop {
-        if let Some(s) = launcher.try_wait().unwrap() {
-            break s;
-        }
-        assert!(Instant::now() < deadline, "launcher did not stop");
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let status = sigterm_and_wait(&mut launcher);
     assert!(status.success(), "{status}");
     assert!(!std::path::Path::new(&dir).exists(), "{dir} left behind");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !tagged_processes(&tag).is_empty() {
-        assert!(Instant::now() < deadline, "processes left behind");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    assert_none_left(&tag);
 }

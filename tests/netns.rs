@@ -17,6 +17,8 @@
 //! `skipped: <reason>` and passes. Every namespace carries a per-run tag and is removed at the
 //! end (also on panic; namespaces of an aborted run are removed by the next one).
 
+mod common;
+
 use serde_json::{json, Value};
 use std::os::fd::AsRawFd;
 use std::os::unix::process::CommandExt;
@@ -272,28 +274,7 @@ impl Cluster {
 
 impl Drop for Cluster {
     fn drop(&mut self) {
-        for (_, child, _) in &self.nodes {
-            // SAFETY: signalling our own children.
-            unsafe {
-                libc::kill(child.id() as i32, libc::SIGTERM);
-            }
-        }
-        for (node, child, log) in &mut self.nodes {
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while child.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            let _ = child.kill();
-            let _ = child.wait();
-            if std::thread::panicking() {
-                let text = std::fs::read_to_string(&*log).unwrap_or_default();
-                let lines: Vec<&str> = text.lines().collect();
-                eprintln!("--- {node} log (last 30 lines) ---");
-                for l in &lines[lines.len().saturating_sub(30)..] {
-                    eprintln!("{l}");
-                }
-            }
-        }
+        common::stop_nodes(&mut self.nodes);
     }
 }
 

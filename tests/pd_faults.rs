@@ -5,19 +5,14 @@
 //! The affected requests must end with a clear error, the survivor's block pool must return
 //! to full, and the survivor must keep serving.
 
+mod common;
+
+use common::free_tcp_port;
 use serde_json::{json, Value};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 const MODEL: &str = "synthetic:small,context=4096";
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 /// A `pdserve serve` child, killed when dropped.
 struct Node {
@@ -33,7 +28,7 @@ impl Node {
 
     /// With `log`: JSON log lines at info level go to that file.
     fn start_logging(role: &str, name: &str, mode: &str, log: Option<&std::path::Path>) -> Self {
-        let port = free_port();
+        let port = free_tcp_port();
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_pdserve"));
         if let Some(path) = log {
             cmd.args(["--log-format", "json", "--log", "info"])
@@ -268,7 +263,7 @@ fn one_transfer_id_traces_a_request_through_proxy_prefill_and_decode() {
         let d = Node::start_logging("decode", "trace-d", "push", Some(&log("decode")));
         p.ready().await;
         d.ready().await;
-        let port = free_port();
+        let port = free_tcp_port();
         let proxy = Node {
             child: Command::new(env!("CARGO_BIN_EXE_pdserve"))
                 .args(["--log-format", "json", "--log", "info", "proxy", "--port"])

@@ -17,7 +17,7 @@
 
 mod common;
 
-use common::inspect;
+use common::{free_tcp_port, free_udp_port, inspect};
 use pdserve_actors::control_plane::Registration;
 use pdserve_runtime::config::InstanceRole;
 use pdserve_runtime::wire::{
@@ -39,22 +39,6 @@ const API_KEY: &str = "sk-test-7f3a";
 /// Tokens of the prompt every check uses (7 blocks of 16).
 const PROMPT_TOKENS: usize = 100;
 const MAX_TOKENS: usize = 8;
-
-fn free_tcp_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn free_udp_port() -> u16 {
-    std::net::UdpSocket::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 fn prompt() -> Vec<u32> {
     (0..PROMPT_TOKENS)
@@ -240,6 +224,15 @@ threads = 1
         }
     }
 
+    /// GET `url` (with `Authorization: Bearer key` when given); the status.
+    async fn get(&self, url: &str, key: Option<&str>) -> u16 {
+        let mut req = self.http.get(url).timeout(Duration::from_secs(60));
+        if let Some(k) = key {
+            req = req.bearer_auth(k);
+        }
+        req.send().await.unwrap().status().as_u16()
+    }
+
     /// POST `body` to `url` (with `Authorization: Bearer key` when given).
     async fn post(&self, url: &str, body: &Value, key: Option<&str>) -> (u16, Value) {
         let mut req = self
@@ -298,24 +291,7 @@ threads = 1
 
 impl Drop for Cluster {
     fn drop(&mut self) {
-        for (_, child, _) in &self.nodes {
-            // SAFETY: signalling our own children.
-            unsafe {
-                libc::kill(child.id() as i32, libc::SIGTERM);
-            }
-        }
-        for (node, child, log) in &mut self.nodes {
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while child.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            let _ = child.kill();
-            let _ = child.wait();
-            if std::thread::panicking() {
-                let text = std::fs::read_to_string(&*log).unwrap_or_default();
-                eprintln!("--- {node} log ---\n{text}");
-            }
-        }
+        common::stop_nodes(&mut self.nodes);
     }
 }
 
@@ -397,13 +373,8 @@ async fn check_api_key(c: &mut Cluster) {
         .post(&format!("{}/v1/chat/completions", c.proxy), &chat, None)
         .await;
     assert_eq!(status, 401, "chat without a key");
-    let r = c
-        .http
-        .get(format!("{}/v1/models", c.proxy))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 401, "models without a key");
+    let status = c.get(&format!("{}/v1/models", c.proxy), None).await;
+    assert_eq!(status, 401, "models without a key");
     // The right key.
     let (status, v) = c.post(&url, &completion(), Some(API_KEY)).await;
     assert_eq!(status, 200, "{v}");
@@ -418,13 +389,8 @@ async fn check_api_key(c: &mut Cluster) {
     assert_eq!(status, 200, "{v}");
     // Health and metrics stay open.
     for path in ["/health", "/metrics"] {
-        let r = c
-            .http
-            .get(format!("{}{path}", c.proxy))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 200, "{path}");
+        let status = c.get(&format!("{}{path}", c.proxy), None).await;
+        assert_eq!(status, 200, "{path}");
     }
     let metrics = c
         .http
@@ -447,10 +413,12 @@ async fn check_api_key(c: &mut Cluster) {
     // the KV calls included, refuses a caller without it.
     for base in [&c.prefill, &c.decode] {
         let info = format!("{base}/v1/kv/info");
-        let r = c.http.get(&info).send().await.unwrap();
-        assert_eq!(r.status(), 401, "{info} without a key");
-        let r = c.http.get(&info).bearer_auth(API_KEY).send().await.unwrap();
-        assert_eq!(r.status(), 200, "{info} with the key");
+        assert_eq!(c.get(&info, None).await, 401, "{info} without a key");
+        assert_eq!(
+            c.get(&info, Some(API_KEY)).await,
+            200,
+            "{info} with the key"
+        );
         let body = json!({"transfer_id": "00000000000000000000000000000001"});
         for path in [
             "/v1/kv/release",
@@ -462,8 +430,8 @@ async fn check_api_key(c: &mut Cluster) {
             assert_eq!(status, 401, "{base}{path} without a key: {v}");
             assert_eq!(v["error"]["type"], "authentication_error", "{v}");
         }
-        let r = c.http.get(format!("{base}/health")).send().await.unwrap();
-        assert_eq!(r.status(), 200, "{base}/health stays open");
+        let status = c.get(&format!("{base}/health"), None).await;
+        assert_eq!(status, 200, "{base}/health stays open");
     }
 }
 

@@ -16,7 +16,7 @@
 
 mod common;
 
-use common::{inspect, tagged_processes};
+use common::{assert_none_left, inspect};
 use pdserve_actors::{Instance, InstanceOptions};
 use pdserve_gpu::loader::{load_model, ModelSource};
 use serde_json::{json, Value};
@@ -399,15 +399,7 @@ fn round(rt: &tokio::runtime::Runtime, round: u64, mode: &str, reference: &[Vec<
 
     // SIGTERM: nothing left behind.
     drop(launcher);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !tagged_processes(&tag).is_empty() {
-        assert!(
-            Instant::now() < deadline,
-            "round {round}: processes left behind: {:?}",
-            tagged_processes(&tag)
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    assert_none_left(&tag);
 }
 
 #[test]

@@ -599,57 +599,34 @@ async fn serve(app: Arc<AppState>, body: Bytes, chat: bool) -> Result<Response, 
     let token_ids = req.return_token_ids.then(|| prompt.clone());
     let (tx, rx) = unbounded_channel();
     let mut hand_off = None;
+    let mut request = NewRequest {
+        id,
+        prompt,
+        params,
+        hold_for: None,
+        push: false,
+    };
     let msg = match directive {
-        openai::KvDirective::None => SchedulerMsg::Submit {
-            request: NewRequest {
-                id,
-                prompt,
-                params,
-                hold_for: None,
-                push: false,
-            },
-            sink: tx,
-        },
+        openai::KvDirective::None => SchedulerMsg::Submit { request, sink: tx },
         openai::KvDirective::HoldForDecode(transfer) => {
             if req.stream {
                 return Err(RequestError::BadRequest("do_remote_decode needs `stream: false` (the answer carries kv_transfer_params)".into()).into());
             }
             tracing::info!(request = %id, %transfer, "prefill for a remote decode");
             hand_off = Some(transfer);
-            SchedulerMsg::Submit {
-                request: NewRequest {
-                    id,
-                    prompt,
-                    params,
-                    hold_for: Some(transfer),
-                    push: false,
-                },
-                sink: tx,
-            }
+            request.hold_for = Some(transfer);
+            SchedulerMsg::Submit { request, sink: tx }
         }
         openai::KvDirective::FromPrefill(remote) => {
             tracing::info!(request = %id, transfer = %remote.transfer_id, prefill = %remote.url, "decoding from held KV");
             SchedulerMsg::SubmitRemote {
-                request: NewRequest {
-                    id,
-                    prompt,
-                    params,
-                    hold_for: None,
-                    push: false,
-                },
+                request,
                 sink: tx,
                 source: KvSource::Held(remote),
             }
         }
         openai::KvDirective::DriveRemote { url, transfer_id } => {
             let threshold = app.kv.as_ref().map_or(0, |k| k.min_remote_prompt_tokens);
-            let request = NewRequest {
-                id,
-                prompt,
-                params,
-                hold_for: None,
-                push: false,
-            };
             if request.prompt.len() < threshold {
                 // Conditional disaggregation: a short prompt costs less here than a hand-off.
                 tracing::info!(request = %id, transfer = %transfer_id, prompt_tokens = request.prompt.len(), threshold, "prefilling locally: short prompt");

@@ -83,7 +83,9 @@ impl PanicHook {
                 .as_ref()
                 .is_some_and(|f| f.actor_panics(self.kind))
         };
-        if self.armed.swap(false, Ordering::SeqCst) || drawn() {
+        // A plain load first: the swap (a locked write) only when armed, not per message.
+        let armed = self.armed.load(Ordering::Relaxed) && self.armed.swap(false, Ordering::SeqCst);
+        if armed || drawn() {
             panic!("injected fault: {} panics taking a message", self.kind);
         }
     }

@@ -87,6 +87,16 @@ async fn assert_pool_full(inst: &Instance) {
     }
 }
 
+/// `status` is `code` and the error message contains `needle`.
+#[track_caller]
+fn assert_error(status: u16, v: &Value, code: u16, needle: &str) {
+    assert_eq!(status, code, "{v}");
+    let msg = v["error"]["message"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no message: {v}"));
+    assert!(msg.contains(needle), "{v}");
+}
+
 fn body(i: usize) -> Value {
     let prompt: Vec<u32> = (0..(6 + 9 * i))
         .map(|t| ((t * 37 + i * 11 + 5) % 250) as u32)
@@ -243,33 +253,18 @@ async fn bad_hand_offs_fail_clearly_and_free_their_blocks() {
         p2["remote_block_ids"] = forged;
         d_body["kv_transfer_params"] = p2;
         let (status, v) = post(&d.url(), &d_body).await;
-        assert_eq!(status, 502, "{v}");
-        assert!(
-            v["error"]["message"].as_str().unwrap().contains("block"),
-            "{v}"
-        );
+        assert_error(status, &v, 502, "block");
     }
     // A decode instance of another model shape refuses the peer at the handshake.
     let mut d_body = body(2);
     d_body["kv_transfer_params"] = params.clone();
     let (status, v) = post(&other.url(), &d_body).await;
-    assert_eq!(status, 502, "{v}");
-    assert!(
-        v["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("incompatible"),
-        "{v}"
-    );
+    assert_error(status, &v, 502, "incompatible");
 
     // The lease runs out before decode reads: the late read fails loudly.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let (status, v) = post(&d.url(), &d_body).await;
-    assert_eq!(status, 502, "{v}");
-    assert!(
-        v["error"]["message"].as_str().unwrap().contains("expired"),
-        "{v}"
-    );
+    assert_error(status, &v, 502, "expired");
 
     for inst in [&p, &d, &other] {
         assert_pool_full(inst).await;
@@ -411,14 +406,7 @@ async fn proxy_without_a_prefill_instance_answers_503() {
     .await;
     let (proxy, url) = proxy_for("proxy-503", vec![], vec![d.url()], None).await;
     let (status, v) = post(&url, &json!({"prompt": "x", "max_tokens": 2})).await;
-    assert_eq!(status, 503, "{v}");
-    assert!(
-        v["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("no prefill instance"),
-        "{v}"
-    );
+    assert_error(status, &v, 503, "no prefill instance");
     proxy.stop(None);
     d.stop().await;
 }
@@ -527,11 +515,7 @@ async fn a_dead_prefill_instance_fails_the_read_clearly_and_decode_keeps_serving
     second["kv_transfer_params"] = answer["kv_transfer_params"].clone();
     let started = Instant::now();
     let (status, v) = post(&d.url(), &second).await;
-    assert_eq!(status, 502, "{v}");
-    assert!(
-        v["error"]["message"].as_str().unwrap().contains("KV"),
-        "{v}"
-    );
+    assert_error(status, &v, 502, "KV");
     assert!(
         started.elapsed() < Duration::from_secs(30),
         "the failure must be timely"
@@ -836,14 +820,7 @@ async fn push_handshake_refuses_mismatched_layouts_and_forged_destinations() {
     b["kv_transfer_params"] =
         json!({"do_remote_prefill": true, "remote_host": "127.0.0.1", "remote_port": port});
     let (status, v) = post(&other.url(), &b).await;
-    assert_eq!(status, 502, "{v}");
-    assert!(
-        v["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("incompatible"),
-        "{v}"
-    );
+    assert_error(status, &v, 502, "incompatible");
 
     // Forged push targets sent straight to the prefill instance: refused, nothing held.
     let info: Value = reqwest::get(format!("{}/v1/kv/info", c.d.url()))

@@ -36,3 +36,83 @@ pub fn inspect(args: &[&str]) -> (bool, String, String) {
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
 }
+
+/// A free TCP port on 127.0.0.1.
+pub fn free_tcp_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A free UDP port on 127.0.0.1 (the control plane is QUIC).
+pub fn free_udp_port() -> u16 {
+    std::net::UdpSocket::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Stops node processes `(name, child, log file)`: SIGTERM to all, then up to 10 s each to
+/// exit before SIGKILL. When the test is panicking, prints the end of each node's log.
+pub fn stop_nodes<N: std::fmt::Display>(
+    nodes: &mut [(N, std::process::Child, std::path::PathBuf)],
+) {
+    for (_, child, _) in nodes.iter() {
+        // SAFETY: signalling our own children.
+        unsafe {
+            libc::kill(child.id() as i32, libc::SIGTERM);
+        }
+    }
+    for (node, child, log) in nodes.iter_mut() {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while child.try_wait().ok().flatten().is_none() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        if std::thread::panicking() {
+            let text = std::fs::read_to_string(&*log).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            eprintln!("--- {node} log (last 60 lines) ---");
+            for l in &lines[lines.len().saturating_sub(60)..] {
+                eprintln!("{l}");
+            }
+        }
+    }
+}
+
+/// SIGTERMs `child` and waits (at most 30 s) for it to exit; its exit status.
+pub fn sigterm_and_wait(child: &mut std::process::Child) -> std::process::ExitStatus {
+    // SAFETY: signalling our own child.
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGTERM);
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return s;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} did not stop",
+            child.id()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+/// Waits (at most 10 s) until no process carries `tag`; fails naming those left behind.
+pub fn assert_none_left(tag: &str) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !tagged_processes(tag).is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "processes left behind: {:?}",
+            tagged_processes(tag)
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}

@@ -215,8 +215,7 @@ async fn stop_all(members: &mut [Member]) {
 /// # Errors
 /// Start-up failures, or a child that keeps crashing.
 pub fn run(args: LaunchArgs) -> Result<()> {
-    let mode: pdserve_actors::kv_receiver::TransferMode =
-        args.mode.parse().map_err(anyhow::Error::msg)?;
+    let mode: pdserve_actors::handoff::TransferMode = args.mode.parse()?;
     if args.prefill == 0 || args.decode == 0 {
         bail!("a cluster needs at least one prefill and one decode instance");
     }
@@ -325,7 +324,7 @@ async fn run_in_process(args: LaunchArgs, threads: usize, creds: &LaunchCredenti
     use pdserve_actors::control_plane::InstanceControl;
     use pdserve_actors::{Instance, InstanceOptions};
     use pdserve_gpu::loader::{load_model, ModelSource};
-    use pdserve_runtime::config::InstanceRole;
+    use pdserve_runtime::Role;
     use pdserve_transport::control::tls::MemberCredentials;
     crate::set_threads(Some(threads));
     let source: ModelSource = args.model.parse().expect("infallible");
@@ -338,24 +337,21 @@ async fn run_in_process(args: LaunchArgs, threads: usize, creds: &LaunchCredenti
         timeout: Duration::from_secs(600),
         max_prefill_queue: None,
         api_key: args.api_key.clone(),
+        call_timeout: Duration::from_secs(5),
     };
     let control = pdserve_actors::proxy::ProxyControlArgs::new(
         MemberCredentials::load(creds.dir(), "proxy")?,
         SocketAddr::from(([127, 0, 0, 1], 0)),
     );
-    let (proxy, addr, _join) =
-        pdserve_actors::proxy::start_proxy_with_control("proxy", pargs, Some(control))
-            .await
-            .map_err(anyhow::Error::msg)?;
-    let control_addr = pdserve_actors::proxy::proxy_control_addr(&proxy)
-        .await
-        .map_err(anyhow::Error::msg)?
+    let proxy =
+        pdserve_actors::proxy::start_proxy_with_control("proxy", pargs, Some(control)).await?;
+    let addr = proxy.addr;
+    let control_addr = proxy
+        .control_addr()
+        .await?
         .context("the proxy started without its control plane")?;
     let mut instances = Vec::new();
-    for (role, count) in [
-        (InstanceRole::Prefill, args.prefill),
-        (InstanceRole::Decode, args.decode),
-    ] {
+    for (role, count) in [(Role::Prefill, args.prefill), (Role::Decode, args.decode)] {
         for i in 0..count {
             let model = tokio::task::block_in_place(|| load_model(&source))?;
             let name = format!("{role}-{i}");
@@ -371,13 +367,13 @@ async fn run_in_process(args: LaunchArgs, threads: usize, creds: &LaunchCredenti
             let mut ctl = InstanceControl::new(MemberCredentials::load(creds.dir(), &name)?, role);
             ctl.proxy = Some(control_addr);
             o.control = Some(ctl);
-            let inst = Instance::start(o).await.map_err(anyhow::Error::msg)?;
+            let inst = Instance::start(o).await?;
             instances.push(inst);
         }
     }
     let url = format!("http://{addr}");
     if let Err(e) = wait_ready(&url, &mut []).await {
-        proxy.stop(None);
+        proxy.stop().await;
         for i in instances {
             i.stop().await;
         }
@@ -394,9 +390,10 @@ async fn run_in_process(args: LaunchArgs, threads: usize, creds: &LaunchCredenti
         _ = tokio::signal::ctrl_c() => {}
         _ = term.recv() => {}
     }
-    proxy.stop(None);
+    // Instances first (each drains and leaves the proxy's routing set), the proxy last.
     for i in instances {
         i.stop().await;
     }
+    proxy.stop().await;
     Ok(())
 }

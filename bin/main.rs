@@ -10,6 +10,7 @@ use pdserve_gpu::weights::WeightFormat;
 use std::io::Write;
 
 mod bench_serve;
+mod cuda;
 mod inspect;
 mod launch;
 
@@ -56,6 +57,9 @@ enum Command {
     Cluster(ClusterCommand),
     /// The live supervision tree of a cluster (via its proxy) or of one instance.
     Inspect(inspect::InspectArgs),
+    /// The CUDA backend: probe the driver, precompile the kernels, verify on a GPU.
+    #[command(subcommand)]
+    Cuda(cuda::CudaCommand),
 }
 
 #[derive(Subcommand, Debug)]
@@ -107,6 +111,12 @@ struct BenchTransferArgs {
     /// Measure reads from the peer (pull mode's direction) instead of writes to it.
     #[arg(long)]
     reads: bool,
+    /// Unauthenticated sessions (default: the peer grants a session key, as in a deployment).
+    #[arg(long)]
+    no_auth: bool,
+    /// tcp frame protections to measure (comma-separated: none, mac, encrypt).
+    #[arg(long, value_delimiter = ',', default_value = "none,mac,encrypt")]
+    tcp_integrity: Vec<String>,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -120,9 +130,15 @@ struct ModelArgs {
     /// Compute threads (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
-    /// Weight format in memory: auto (Q4/Q5 → Q8_0), native, q8_0, f32.
+    /// Weight format in memory: auto (Q4/Q5 → Q8_0), native, q8_0, f32 (CPU).
     #[arg(long, default_value = "auto")]
     weights: WeightFormat,
+    /// Where the model runs: cpu, cuda (GPU 0) or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: pdserve_gpu::device::Device,
+    /// Matmul weight type on CUDA: auto (= f16), f16, bf16, f32.
+    #[arg(long, default_value = "auto")]
+    dtype: String,
 }
 
 #[derive(Args, Debug)]
@@ -180,6 +196,12 @@ struct ServeArgs {
     /// `model.weights`: auto, native, q8_0, f32.
     #[arg(long)]
     weights: Option<String>,
+    /// `model.device`: cpu, cuda or cuda:N.
+    #[arg(long)]
+    device: Option<String>,
+    /// `model.dtype` (CUDA matmul weights): auto, f16, bf16, f32.
+    #[arg(long)]
+    dtype: Option<String>,
     /// `server.host`.
     #[arg(long)]
     host: Option<String>,
@@ -219,6 +241,51 @@ struct ServeArgs {
     /// `transfer.credentials_dir`: cluster credentials (quic transfers, the control plane).
     #[arg(long)]
     credentials_dir: Option<String>,
+    /// `transfer.listen`: where the transfer engine listens (IP:port).
+    #[arg(long)]
+    transfer_listen: Option<String>,
+    /// `transfer.advertise_addr`: the address peers are told (IP or IP:port).
+    #[arg(long)]
+    transfer_advertise_addr: Option<String>,
+    /// `transfer.io_threads`: threads of the transfer engine's I/O runtime.
+    #[arg(long)]
+    transfer_io_threads: Option<usize>,
+    /// `transfer.queue_depth`: bounded queue depth of the transfer executors.
+    #[arg(long)]
+    transfer_queue_depth: Option<usize>,
+    /// `transfer.piece_bytes`: largest piece one wire operation moves.
+    #[arg(long)]
+    transfer_piece_bytes: Option<u64>,
+    /// `transfer.tcp_connections`: parallel data connections per peer (tcp).
+    #[arg(long)]
+    transfer_tcp_connections: Option<usize>,
+    /// `transfer.registration_chunk_bytes`: largest single memory registration.
+    #[arg(long)]
+    transfer_registration_chunk_bytes: Option<u64>,
+    /// `transfer.require_auth`: every transfer connection must prove a session key.
+    #[arg(long)]
+    transfer_require_auth: Option<bool>,
+    /// `transfer.tcp_integrity`: none, mac or encrypt (authenticated tcp sessions).
+    #[arg(long)]
+    transfer_tcp_integrity: Option<String>,
+    /// `transfer.rdma_devices`: comma-separated RDMA devices to stripe over.
+    #[arg(long)]
+    rdma_devices: Option<String>,
+    /// `transfer.rdma_port`.
+    #[arg(long)]
+    rdma_port: Option<u8>,
+    /// `transfer.rdma_gid_index` (default: the first RoCE v2 IPv4 GID).
+    #[arg(long)]
+    rdma_gid_index: Option<u32>,
+    /// `transfer.rdma_mtu`: 256, 512, 1024, 2048 or 4096 (default: the port's active MTU).
+    #[arg(long)]
+    rdma_mtu: Option<u32>,
+    /// `transfer.rdma_send_queue_depth`.
+    #[arg(long)]
+    rdma_send_queue_depth: Option<u32>,
+    /// `transfer.rdma_cq_depth`.
+    #[arg(long)]
+    rdma_cq_depth: Option<u32>,
     /// `control.listen`: the control endpoint's IP:port (needs --credentials-dir).
     #[arg(long)]
     control_listen: Option<String>,
@@ -233,39 +300,74 @@ struct ServeArgs {
 
 #[derive(Args, Debug)]
 struct ProxyArgs {
-    /// A prefill instance URL (repeatable).
+    /// A TOML file with a `[proxy]` section (flags override it, `PDSERVE_PROXY__<KEY>`
+    /// variables sit between).
+    #[arg(long)]
+    config: Option<std::path::PathBuf>,
+    /// `proxy.prefill`: a prefill instance URL (repeatable).
     #[arg(long = "prefill")]
     prefill: Vec<String>,
-    /// A decode instance URL (repeatable).
+    /// `proxy.decode`: a decode instance URL (repeatable).
     #[arg(long = "decode")]
     decode: Vec<String>,
-    /// Listen address.
-    #[arg(long, default_value = "127.0.0.1")]
-    host: String,
-    /// Listen port.
-    #[arg(long, default_value_t = 8000)]
-    port: u16,
-    /// Bound on each upstream call, in seconds.
-    #[arg(long, default_value_t = 600)]
-    timeout_s: u64,
-    /// Conditional disaggregation: when the least-loaded prefill instance has more requests
-    /// queued or running than this, the decode instance prefills the request itself.
+    /// `proxy.host`: listen address (default 127.0.0.1).
+    #[arg(long)]
+    host: Option<String>,
+    /// `proxy.port`: listen port (default 8000).
+    #[arg(long)]
+    port: Option<u16>,
+    /// `proxy.timeout_s`: bound on each upstream call, in seconds (default 600).
+    #[arg(long)]
+    timeout_s: Option<u64>,
+    /// `proxy.max_prefill_queue`: conditional disaggregation; when the least-loaded prefill
+    /// instance has more requests queued or running than this, the decode instance prefills
+    /// the request itself.
     #[arg(long)]
     max_prefill_queue: Option<usize>,
-    /// Bearer token clients must send (`Authorization: Bearer KEY`) on `/v1/*`; also read
-    /// from `PDSERVE_PROXY_API_KEY`.
+    /// `proxy.api_key`: bearer token clients must send (`Authorization: Bearer KEY`) on
+    /// `/v1/*`; also `PDSERVE_PROXY__API_KEY` (or `PDSERVE_PROXY_API_KEY`).
     #[arg(long)]
     api_key: Option<String>,
-    /// Cluster credentials directory: enables the control plane, where instances register
-    /// and `pdserve inspect` connects.
+    /// `proxy.credentials_dir`: cluster credentials; enables the control plane, where
+    /// instances register and `pdserve inspect` connects.
     #[arg(long)]
     credentials_dir: Option<std::path::PathBuf>,
-    /// Member name of this proxy in the credentials directory.
-    #[arg(long, default_value = "proxy")]
-    node: String,
-    /// Control-plane listen address (UDP; port 0 picks one).
-    #[arg(long, default_value = "127.0.0.1:0")]
-    control_listen: String,
+    /// `proxy.node`: member name of this proxy in the credentials directory (default proxy).
+    #[arg(long)]
+    node: Option<String>,
+    /// `proxy.control_listen`: control-plane listen address (UDP; default 127.0.0.1:0).
+    #[arg(long)]
+    control_listen: Option<String>,
+}
+
+impl ProxyArgs {
+    /// The flags as the config's top layer (`None` flags are left to the lower layers).
+    fn flags(&self) -> serde_json::Value {
+        let mut p = serde_json::Map::new();
+        let mut set = |k: &str, v: serde_json::Value| {
+            if !v.is_null() {
+                p.insert(k.to_string(), v);
+            }
+        };
+        if !self.prefill.is_empty() {
+            set("prefill", serde_json::json!(self.prefill));
+        }
+        if !self.decode.is_empty() {
+            set("decode", serde_json::json!(self.decode));
+        }
+        set("host", serde_json::json!(self.host));
+        set("port", serde_json::json!(self.port));
+        set("timeout_s", serde_json::json!(self.timeout_s));
+        set(
+            "max_prefill_queue",
+            serde_json::json!(self.max_prefill_queue),
+        );
+        set("api_key", serde_json::json!(self.api_key));
+        set("credentials_dir", serde_json::json!(self.credentials_dir));
+        set("node", serde_json::json!(self.node));
+        set("control_listen", serde_json::json!(self.control_listen));
+        serde_json::json!({ "proxy": p })
+    }
 }
 
 #[derive(Args, Debug)]
@@ -315,36 +417,36 @@ fn init_logging(filter: Option<&str>, format: Option<&str>) -> Result<()> {
 }
 
 fn proxy(args: ProxyArgs) -> Result<()> {
-    let bind: std::net::SocketAddr = format!("{}:{}", args.host, args.port)
+    let cfg = pdserve_runtime::config::ProxyConfig::load(args.config.as_deref(), args.flags())?;
+    let p = cfg.proxy;
+    let bind: std::net::SocketAddr = format!("{}:{}", p.host, p.port)
         .parse()
-        .context("--host/--port")?;
+        .context("proxy.host/proxy.port")?;
     let pargs = pdserve_actors::proxy::ProxyArgs {
         bind,
-        prefill: args.prefill,
-        decode: args.decode,
-        timeout: std::time::Duration::from_secs(args.timeout_s),
-        max_prefill_queue: args.max_prefill_queue,
-        api_key: args
-            .api_key
-            .clone()
-            .or_else(|| std::env::var("PDSERVE_PROXY_API_KEY").ok()),
+        prefill: p.prefill,
+        decode: p.decode,
+        timeout: std::time::Duration::from_secs(p.timeout_s),
+        max_prefill_queue: p.max_prefill_queue,
+        api_key: p.api_key,
+        call_timeout: std::time::Duration::from_millis(p.actor_call_timeout_ms),
     };
-    let control = match &args.credentials_dir {
+    let control = match &p.credentials_dir {
         Some(dir) => {
-            let creds = pdserve_transport::control::tls::MemberCredentials::load(dir, &args.node)
-                .with_context(|| {
+            let creds = pdserve_transport::control::tls::MemberCredentials::load(
+                std::path::Path::new(dir),
+                &p.node,
+            )
+            .with_context(|| {
                 format!(
-                    "--credentials-dir {}: member credentials `{}` (pdserve cluster issue {} {})",
-                    dir.display(),
-                    args.node,
-                    dir.display(),
-                    args.node
+                    "proxy.credentials_dir {dir}: member credentials `{}` (pdserve cluster issue {dir} {})",
+                    p.node, p.node
                 )
             })?;
-            let listen: std::net::SocketAddr = args
+            let listen: std::net::SocketAddr = p
                 .control_listen
                 .parse()
-                .with_context(|| format!("--control-listen {}", args.control_listen))?;
+                .with_context(|| format!("proxy.control_listen {}", p.control_listen))?;
             Some(pdserve_actors::proxy::ProxyControlArgs::new(creds, listen))
         }
         None => None,
@@ -354,15 +456,10 @@ fn proxy(args: ProxyArgs) -> Result<()> {
         .enable_all()
         .build()?;
     rt.block_on(async move {
-        let (proxy, addr, join) =
-            pdserve_actors::proxy::start_proxy_with_control("proxy", pargs, control)
-                .await
-                .map_err(anyhow::Error::msg)?;
-        println!("pdserve proxy: http://{addr}");
-        if let Some(control) = pdserve_actors::proxy::proxy_control_addr(&proxy)
-            .await
-            .map_err(anyhow::Error::msg)?
-        {
+        let proxy =
+            pdserve_actors::proxy::start_proxy_with_control("proxy", pargs, control).await?;
+        println!("pdserve proxy: http://{}", proxy.addr);
+        if let Some(control) = proxy.control_addr().await? {
             println!("pdserve proxy: control plane at {control}");
         }
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
@@ -370,8 +467,7 @@ fn proxy(args: ProxyArgs) -> Result<()> {
             _ = tokio::signal::ctrl_c() => {}
             _ = term.recv() => {}
         }
-        proxy.stop(None);
-        let _ = join.await;
+        proxy.stop().await;
         Ok(())
     })
 }
@@ -400,6 +496,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(BenchCommand::Serve(args)) => bench_serve::run(*args),
         Command::Bench(BenchCommand::Transfer(args)) => bench_transfer(args),
         Command::Inspect(args) => inspect::run(args),
+        Command::Cuda(cmd) => cuda::run(cmd),
         Command::Cluster(ClusterCommand::Init { dir, name, nodes }) => {
             pdserve_transport::control::tls::init_cluster(&dir, &name)?;
             println!("cluster `{name}`: CA written to {}", dir.display());
@@ -439,6 +536,8 @@ fn build_engine(args: &ModelArgs, max_seqs: usize) -> Result<Engine> {
 /// `pdserve serve`, without HTTP) and streams its text to stdout.
 fn generate(args: GenerateArgs) -> Result<()> {
     use pdserve_actors::scheduler::RequestEvent;
+    // Before anything is loaded: a device that cannot run fails at once, with its reason.
+    cuda::check(args.model.device, args.model.tp)?;
     set_threads(args.model.threads);
     let source: ModelSource = args.model.model.parse().expect("infallible");
     let model = load_model(&source).with_context(|| format!("loading model `{source}`"))?;
@@ -466,6 +565,9 @@ fn generate(args: GenerateArgs) -> Result<()> {
         ..SamplingParams::default()
     };
     params.validate(model.config.vocab_size)?;
+    if args.model.device.is_cuda() {
+        return cuda::generate(model, &args.model, prompt, params);
+    }
     let blocks = (prompt.len() + args.max_tokens).div_ceil(16) + 1;
     let mut opts = pdserve_actors::InstanceOptions::local("generate", model);
     opts.bind = None;
@@ -486,7 +588,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
             .map_err(anyhow::Error::msg)?;
         let mut stdout = std::io::stdout();
         let result = loop {
-            match events.recv().await {
+            match events.next().await {
                 Some(RequestEvent::Token { text, .. }) => {
                     stdout.write_all(text.as_bytes())?;
                     stdout.flush()?;
@@ -518,19 +620,24 @@ fn generate(args: GenerateArgs) -> Result<()> {
 }
 
 fn bench_model(args: BenchModelArgs) -> Result<()> {
+    cuda::check(args.model.device, args.model.tp)?;
     let threads = set_threads(args.model.threads);
-    let engine = build_engine(&args.model, 9)?;
     let opts = pdserve_gpu::bench::ModelBenchOptions {
         decode_steps: args.decode_steps,
         ..Default::default()
     };
-    let r = pdserve_gpu::bench::run_model_bench(engine.group(), engine.name(), threads, &opts)?;
+    let r = if args.model.device.is_cuda() {
+        cuda::bench_model(&args.model, threads, &opts)?
+    } else {
+        let engine = build_engine(&args.model, 9)?;
+        pdserve_gpu::bench::run_model_bench(engine.group(), engine.name(), threads, &opts)?
+    };
     if args.json {
         println!("{}", serde_json::to_string(&r)?);
     } else {
         println!(
-            "model {} · {} thread(s) · tp {}",
-            r.model, r.threads, args.model.tp
+            "model {} · {} thread(s) · tp {} · {}",
+            r.model, r.threads, args.model.tp, args.model.device
         );
         println!("  prefill  128 tokens : {:8.1} tokens/s", r.prefill_tps_128);
         println!("  prefill  512 tokens : {:8.1} tokens/s", r.prefill_tps_512);
@@ -555,26 +662,28 @@ fn serve_node(
     log: Option<String>,
     log_format: Option<String>,
 ) -> Result<()> {
-    use pdserve_runtime::deployment::{Deployment, NodeRole};
+    use pdserve_runtime::deployment::Deployment;
+    use pdserve_runtime::Role;
     let path = args
         .config
         .as_deref()
         .context("--node needs --config DEPLOYMENT_FILE")?;
     let deployment = Deployment::load(path)?;
     let node = deployment.node(node_name)?.clone();
-    if node.role == NodeRole::Proxy {
+    if node.role == Role::Proxy {
         init_logging(log.as_deref(), log_format.as_deref())?;
         return proxy(ProxyArgs {
-            prefill: deployment.urls(NodeRole::Prefill),
-            decode: deployment.urls(NodeRole::Decode),
-            host: node.host.clone(),
-            port: node.port,
-            timeout_s: 600,
+            config: None,
+            prefill: deployment.urls(Role::Prefill),
+            decode: deployment.urls(Role::Decode),
+            host: Some(node.host.clone()),
+            port: Some(node.port),
+            timeout_s: None,
             max_prefill_queue: deployment.cluster.max_prefill_queue,
             api_key: args.api_key.clone(),
             credentials_dir: deployment.cluster.credentials_dir.as_ref().map(Into::into),
-            node: node.name.clone(),
-            control_listen: format!("{}:{}", node.host, node.control_port.unwrap_or(0)),
+            node: Some(node.name.clone()),
+            control_listen: Some(format!("{}:{}", node.host, node.control_port.unwrap_or(0))),
         });
     }
     let mut flags = deployment.instance_flags(&node);
@@ -608,6 +717,8 @@ fn serve(args: ServeArgs, log: Option<String>, log_format: Option<String>) -> Re
         served_model_name: args.served_model_name,
         tp: args.tp,
         weights: args.weights,
+        device: args.device,
+        dtype: args.dtype,
         host: args.host,
         port: args.port,
         api_key: args.api_key,
@@ -625,7 +736,21 @@ fn serve(args: ServeArgs, log: Option<String>, log_format: Option<String>) -> Re
         control_proxy: args.control_proxy,
         transfer_mode: args.transfer_mode,
         min_remote_prompt_tokens: args.min_remote_prompt_tokens,
-        ..ServeFlags::default()
+        transfer_listen: args.transfer_listen,
+        transfer_advertise_addr: args.transfer_advertise_addr,
+        transfer_io_threads: args.transfer_io_threads,
+        transfer_queue_depth: args.transfer_queue_depth,
+        transfer_piece_bytes: args.transfer_piece_bytes,
+        transfer_tcp_connections: args.transfer_tcp_connections,
+        transfer_registration_chunk_bytes: args.transfer_registration_chunk_bytes,
+        transfer_require_auth: args.transfer_require_auth,
+        transfer_tcp_integrity: args.transfer_tcp_integrity,
+        rdma_devices: args.rdma_devices,
+        rdma_port: args.rdma_port,
+        rdma_gid_index: args.rdma_gid_index,
+        rdma_mtu: args.rdma_mtu,
+        rdma_send_queue_depth: args.rdma_send_queue_depth,
+        rdma_cq_depth: args.rdma_cq_depth,
     };
     let cfg = ServeConfig::load(args.config.as_deref(), flags)?;
     run_instance(cfg, args.threads)
@@ -633,16 +758,16 @@ fn serve(args: ServeArgs, log: Option<String>, log_format: Option<String>) -> Re
 
 fn run_instance(cfg: pdserve_runtime::config::ServeConfig, threads: Option<usize>) -> Result<()> {
     pdserve_runtime::telemetry::init_tracing(&cfg.logging.filter, cfg.logging.format);
+    cuda::check_serving(&cfg)?;
     set_threads(threads);
     let source: ModelSource = cfg.model.source.parse().expect("infallible");
     let model = load_model(&source).with_context(|| format!("loading model `{source}`"))?;
-    let opts =
-        pdserve_actors::InstanceOptions::from_config(&cfg, model).map_err(anyhow::Error::msg)?;
+    let opts = pdserve_actors::InstanceOptions::from_config(&cfg, model)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
     rt.block_on(async move {
-        let mut instance = pdserve_actors::Instance::start(opts).await.map_err(anyhow::Error::msg)?;
+        let mut instance = pdserve_actors::Instance::start(opts).await?;
         println!("pdserve: serving `{}` at {}", instance.model_name(), instance.url());
         if let Some(control) = instance.control_plane() {
             println!("pdserve: control plane at {}", control.local_addr());
@@ -654,7 +779,21 @@ fn run_instance(cfg: pdserve_runtime::config::ServeConfig, threads: Option<usize
             _ = term.recv() => tracing::info!("terminate: shutting down"),
             _ = instance.stopped() => bail!("the instance stopped after an unrecoverable failure (see the log)"),
         }
-        instance.stop().await;
+        let report = instance.stop().await;
+        // One line a supervisor or a test can read: what the phased shutdown left.
+        eprintln!(
+            "pdserve: stopped in {:.1} s: KV blocks {}/{} free, {} request(s) and {} hand-off(s) cut off, {}",
+            report.elapsed.as_secs_f64(),
+            report.blocks_free,
+            report.blocks_total,
+            report.requests_cut_off,
+            report.handoffs_cut_off,
+            if report.handoff_tasks_ended && report.control_tasks_ended {
+                "no task left"
+            } else {
+                "some tasks did not end"
+            }
+        );
         Ok(())
     })
 }
@@ -668,6 +807,12 @@ fn bench_transfer(args: BenchTransferArgs) -> Result<()> {
         opts.backends = args.backends;
     }
     opts.reads = args.reads;
+    opts.auth = !args.no_auth;
+    opts.tcp_integrity = args
+        .tcp_integrity
+        .iter()
+        .map(|m| m.parse())
+        .collect::<Result<_, _>>()?;
     let (rows, placement) = run_transfer_bench_with_placement(&opts)?;
     if args.json {
         println!("{}", serde_json::to_string(&rows)?);

@@ -28,7 +28,6 @@ impl Node {
 
     /// With `log`: JSON log lines at info level go to that file.
     fn start_logging(role: &str, name: &str, mode: &str, log: Option<&std::path::Path>) -> Self {
-        let port = free_tcp_port();
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_pdserve"));
         if let Some(path) = log {
             cmd.args(["--log-format", "json", "--log", "info"])
@@ -38,6 +37,19 @@ impl Node {
             cmd.env("PDSERVE_LOGGING__FILTER", "error")
                 .stderr(Stdio::inherit());
         }
+        Self::spawn(cmd, role, name, mode)
+    }
+
+    /// Errors only, with stderr (the stop line included) going to `err`.
+    fn start_capturing(role: &str, name: &str, mode: &str, err: &std::path::Path) -> Self {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_pdserve"));
+        cmd.env("PDSERVE_LOGGING__FILTER", "error")
+            .stderr(std::fs::File::create(err).unwrap());
+        Self::spawn(cmd, role, name, mode)
+    }
+
+    fn spawn(mut cmd: Command, role: &str, name: &str, mode: &str) -> Self {
+        let port = free_tcp_port();
         let child = cmd
             .args([
                 "serve",
@@ -295,6 +307,82 @@ fn one_transfer_id_traces_a_request_through_proxy_prefill_and_decode() {
                 "transfer {id} missing: prefill {pl:?}, decode {dl:?}"
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+}
+
+/// The instance's last stderr line of its phased shutdown (`pdserve: stopped ...`).
+fn stop_line(path: &std::path::Path) -> String {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .find(|l| l.starts_with("pdserve: stopped"))
+        .unwrap_or_else(|| panic!("no stop line in {}", path.display()))
+        .to_string()
+}
+
+/// `KV blocks F/T free` of a stop line, as (F, T).
+fn stopped_pool(line: &str) -> (u64, u64) {
+    let rest = line.split("KV blocks ").nth(1).expect(line);
+    let (free, rest) = rest.split_once('/').expect(line);
+    let total = rest.split_whitespace().next().expect(line);
+    (free.parse().expect(line), total.parse().expect(line))
+}
+
+/// SIGTERM on an instance stops it in phases: it stops admitting, drains what runs, then
+/// stops. A decode instance SIGTERMed while 8 disaggregated requests are in flight finishes
+/// them (or ends each with a clear error), exits 0 with its pool full and no task left; the
+/// prefill instance is left with a full pool and stops as cleanly.
+#[test]
+fn sigterm_during_eight_in_flight_hand_offs_drains_cleanly() {
+    runtime().block_on(async {
+        let dir = tempfile::tempdir().unwrap();
+        for mode in ["pull", "push"] {
+            let err = |n: &str| dir.path().join(format!("{n}-{mode}.err"));
+            let mut p =
+                Node::start_capturing("prefill", &format!("term-p-{mode}"), mode, &err("p"));
+            let mut d = Node::start_capturing("decode", &format!("term-d-{mode}"), mode, &err("d"));
+            p.ready().await;
+            d.ready().await;
+            let pending: Vec<_> = (0..8)
+                .map(|i| {
+                    let (url, port) = (d.url.clone(), p.port);
+                    tokio::spawn(async move { post(&url, request(400 + 40 * i, Some(port))).await })
+                })
+                .collect();
+            p.busy().await;
+            let status = tokio::task::block_in_place(|| common::sigterm_and_wait(&mut d.child));
+            assert!(status.success(), "{mode}: decode exited with {status}");
+            let (mut finished, mut failed) = (0, 0);
+            for h in pending {
+                match h.await.unwrap() {
+                    Ok((200, v)) => {
+                        assert_eq!(v["usage"]["completion_tokens"], 8, "{mode}: {v}");
+                        finished += 1;
+                    }
+                    Ok((status, v)) => {
+                        let msg = v["error"]["message"].as_str().unwrap_or("");
+                        assert!(status >= 500 && !msg.is_empty(), "{mode}: {status} {v}");
+                        failed += 1;
+                    }
+                    Err(e) => panic!("{mode}: a request got no answer: {e}"),
+                }
+            }
+            println!("{mode}: {finished} finished, {failed} failed with a clear error");
+            let line = stop_line(&err("d"));
+            let (free, total) = stopped_pool(&line);
+            assert!(
+                total > 0 && free == total,
+                "{mode}: decode stopped with {line}"
+            );
+            assert!(line.contains("no task left"), "{mode}: {line}");
+            p.assert_pool_full().await;
+            let status = tokio::task::block_in_place(|| common::sigterm_and_wait(&mut p.child));
+            assert!(status.success(), "{mode}: prefill exited with {status}");
+            let line = stop_line(&err("p"));
+            let (free, total) = stopped_pool(&line);
+            assert!(free == total, "{mode}: prefill stopped with {line}");
+            assert!(line.contains("no task left"), "{mode}: {line}");
         }
     });
 }

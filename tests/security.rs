@@ -19,11 +19,15 @@ mod common;
 
 use common::{free_tcp_port, free_udp_port, inspect};
 use pdserve_actors::control_plane::Registration;
-use pdserve_runtime::config::InstanceRole;
+use pdserve_actors::handoff::peer::{PeerAddr, Peers};
+use pdserve_actors::handoff::protocol::{
+    KvPeerInfo, PeerAnswer, PeerRequest, PrefillMode, PrefillRequest,
+};
 use pdserve_runtime::wire::{
     encode_frame, ControlMessage, Envelope, EnvelopeKind, Heartbeat, LoadFigures,
     DEFAULT_MAX_FRAME_BYTES,
 };
+use pdserve_runtime::Role;
 use pdserve_transport::control::tls::{ClusterCredentials, MemberCredentials};
 use pdserve_transport::control::{ControlConfig, ControlEndpoint};
 use pdserve_transport::TransportError;
@@ -420,12 +424,7 @@ async fn check_api_key(c: &mut Cluster) {
             "{info} with the key"
         );
         let body = json!({"transfer_id": "00000000000000000000000000000001"});
-        for path in [
-            "/v1/kv/release",
-            "/v1/kv/abort",
-            "/v1/kv/prefill",
-            "/v1/completions",
-        ] {
+        for path in ["/v1/kv/peer", "/v1/load", "/v1/completions"] {
             let (status, v) = c.post(&format!("{base}{path}"), &body, None).await;
             assert_eq!(status, 401, "{base}{path} without a key: {v}");
             assert_eq!(v["error"]["type"], "authentication_error", "{v}");
@@ -689,8 +688,9 @@ fn forged_kv_transfer_params_are_refused_and_held_blocks_stay_untouched() {
                 c.pool_full(&c.decode).await;
             }
 
-            // Forged push targets sent straight to the prefill instance.
-            let peer: Value = c
+            // Forged push targets sent straight to the prefill instance, over the peer
+            // protocol's HTTP adapter.
+            let peer: KvPeerInfo = c
                 .http
                 .get(format!("{}/v1/kv/info", c.decode))
                 .send()
@@ -699,7 +699,8 @@ fn forged_kv_transfer_params_are_refused_and_held_blocks_stay_untouched() {
                 .json()
                 .await
                 .unwrap();
-            let pool = peer["ranks"][0]["layout"]["num_blocks"].as_u64().unwrap();
+            let pool = peer.ranks[0].layout.num_blocks as u32;
+            let client = Peers::new("forger".into(), None, None, None, Duration::from_secs(30));
             for (what, blocks, needle) in [
                 (
                     "a destination outside the pool",
@@ -714,21 +715,34 @@ fn forged_kv_transfer_params_are_refused_and_held_blocks_stay_untouched() {
                     "need 7 destination blocks",
                 ),
             ] {
-                let body = json!({
-                    "transfer_id": "fedcba9876543210fedcba9876543210",
-                    "prompt_token_ids": prompt(),
-                    "sampling": {},
-                    "mode": "push",
-                    "target": {"peer": peer, "block_ids": blocks},
+                let request = PeerRequest::Prefill(PrefillRequest {
+                    transfer: "fedcba9876543210fedcba9876543210".parse().unwrap(),
+                    prompt: prompt(),
+                    sampling: pdserve_gpu::sampling::SamplingParams::default(),
+                    mode: PrefillMode::Push {
+                        peer: peer.clone(),
+                        block_ids: blocks,
+                        session: None,
+                    },
                 });
-                let (status, v) = c
-                    .post(&format!("{}/v1/kv/prefill", c.prefill), &body, None)
-                    .await;
-                println!("push target with {what}: {status} {}", message(&v));
-                assert_eq!(status, 400, "{what}: {v}");
+                let answer = client
+                    .call(
+                        &PeerAddr::Http {
+                            url: c.prefill.clone(),
+                        },
+                        &request,
+                        Duration::from_secs(30),
+                    )
+                    .await
+                    .expect("the prefill instance answers");
+                let PeerAnswer::Failed(e) = answer else {
+                    panic!("push target with {what}: answered {answer:?}");
+                };
+                println!("push target with {what}: {e}");
+                assert_eq!(e.kind(), "invalid_blocks", "{what}: {e}");
                 assert!(
-                    message(&v).contains("invalid block ids") && message(&v).contains(needle),
-                    "{what}: {v}"
+                    e.to_string().contains("invalid block ids") && e.to_string().contains(needle),
+                    "{what}: {e}"
                 );
                 assert_eq!(
                     c.load(&c.prefill).await["blocks_free"].as_u64().unwrap(),
@@ -891,7 +905,7 @@ fn garbage_and_malformed_control_frames_are_refused_and_the_proxy_keeps_its_regi
             let registration = |node: &str, heartbeat_ms: u64| {
                 serde_json::to_vec(&Registration {
                     node: node.into(),
-                    role: InstanceRole::Decode,
+                    role: Role::Decode,
                     url: "http://127.0.0.1:1".into(),
                     control_addr: "127.0.0.1:1".into(),
                     heartbeat_ms,
@@ -1017,7 +1031,7 @@ fn a_member_cannot_claim_another_members_node_name() {
                 Ok(conn) => {
                     let body = serde_json::to_vec(&Registration {
                         node: "decode-0".into(),
-                        role: InstanceRole::Decode,
+                        role: Role::Decode,
                         url: "http://127.0.0.1:1".into(),
                         control_addr: "127.0.0.1:1".into(),
                         heartbeat_ms: 500,

@@ -3,8 +3,10 @@
 //!
 //! - **Answers** (on every control connection, accepted or opened by the instance):
 //!   `Opaque` topic [`TOPIC_INSPECT`] → the JSON of this instance's [`InstanceSnapshot`] (live
-//!   supervision tree, queue, KV block and transfer figures). Anything else is answered with
-//!   `ControlMessage::Error` kind `unsupported`.
+//!   supervision tree, queue, KV block and transfer figures); `Opaque` topic
+//!   [`PEER_TOPIC`] → the P/D peer protocol (rkyv frames, answered by the instance's
+//!   [`PeerService`]). Anything else is answered with `ControlMessage::Error` kind
+//!   `unsupported`.
 //! - **Registration** (when a proxy address is configured): the instance connects to the proxy,
 //!   sends `Opaque` topic [`TOPIC_REGISTER`] with a JSON [`Registration`] (node, role, HTTP API
 //!   URL, control address, heartbeat interval), then a `Heartbeat` with its scheduler's
@@ -16,20 +18,26 @@
 //!   [`MISSED_HEARTBEATS_TO_DROP`] intervals.
 //!
 //! This is not an actor: it is a few tasks owned by [`ControlPlane`] (the accept loop, the
-//! registration loop, one task per connection and one per request), started by
-//! `Instance::start` after the supervision tree is up and stopped when the [`ControlPlane`] is
-//! shut down or dropped. Every wait is bounded; a request handler never blocks the connection's
-//! receive loop (each answer is built on a task of its own).
+//! registration loop, one task per connection and one per request, all tracked), started by
+//! `Instance::start` after the supervision tree is up (the endpoint itself is bound before,
+//! so the hand-off can reach peers through it) and stopped in phases by `Instance::stop`:
+//! first the registration ends (the proxy stops routing here at once), last the endpoint
+//! closes. Every wait is bounded; a request handler never blocks the connection's receive
+//! loop (each answer is built on a task of its own).
 
-use crate::kv_receiver::KvContext;
-use crate::scheduler::SchedulerMsg;
-use crate::supervisor::SupervisorMsg;
-use pdserve_runtime::config::{InstanceRole, ServeConfig};
+use crate::error::StartError;
+use crate::handoff::protocol::{decode_request, encode_answer, PeerAnswer, PEER_TOPIC};
+use crate::handoff::{KvContext, PeerService};
+use crate::scheduler::SchedulerHandle;
+use crate::supervisor::SupervisorHandle;
+use pdserve_runtime::config::ServeConfig;
 use pdserve_runtime::faults::ControlFault;
 use pdserve_runtime::supervision::InstanceSnapshot;
-use pdserve_runtime::wire::{ControlMessage, ErrorMessage, Heartbeat, LoadFigures, Role};
+use pdserve_runtime::wire::{ControlMessage, ErrorMessage, Heartbeat, LoadFigures};
+use pdserve_runtime::Role;
 use pdserve_transport::control::tls::MemberCredentials;
 use pdserve_transport::control::{ControlConfig, ControlConnection, ControlEndpoint};
+use tokio_util::task::TaskTracker;
 
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
@@ -57,7 +65,7 @@ pub struct Registration {
     /// Node name; must equal the name the connection's greeting announced.
     pub node: String,
     /// `prefill`, `decode` or `colocated`.
-    pub role: InstanceRole,
+    pub role: Role,
     /// The instance's OpenAI-compatible HTTP API (`http://host:port`).
     pub url: String,
     /// Its control-plane address (`IP:port`).
@@ -71,50 +79,67 @@ impl Registration {
     /// validated before it is used).
     ///
     /// # Errors
-    /// A message naming the first bad field.
-    pub fn validate(&self, peer_node: &str) -> Result<(), String> {
+    /// [`RegistrationError`] naming the first bad field.
+    pub fn validate(&self, peer_node: &str) -> Result<(), RegistrationError> {
+        let bad = |field: &'static str, message: String| RegistrationError { field, message };
+        if !self.role.is_instance() {
+            return Err(bad("role", format!("role `{}` cannot serve", self.role)));
+        }
         if self.node.is_empty()
             || self
                 .node
                 .chars()
                 .any(|c| c.is_whitespace() || c.is_control())
         {
-            return Err(format!("invalid node name {:?}", self.node));
+            return Err(bad("node", format!("invalid node name {:?}", self.node)));
         }
         if self.node != peer_node {
-            return Err(format!(
-                "registration for node `{}` on the control connection of `{peer_node}`",
-                self.node
+            return Err(bad(
+                "node",
+                format!(
+                    "registration for node `{}` on the control connection of `{peer_node}`",
+                    self.node
+                ),
             ));
         }
         let url = reqwest::Url::parse(&self.url)
-            .map_err(|e| format!("url {:?} does not parse: {e}", self.url))?;
+            .map_err(|e| bad("url", format!("url {:?} does not parse: {e}", self.url)))?;
         if url.scheme() != "http" || url.host().is_none() || url.port_or_known_default().is_none() {
-            return Err(format!("url {:?} must be http://host:port", self.url));
+            return Err(bad(
+                "url",
+                format!("url {:?} must be http://host:port", self.url),
+            ));
         }
-        self.control_addr
-            .parse::<SocketAddr>()
-            .map_err(|e| format!("control_addr {:?}: {e}", self.control_addr))?;
+        self.control_addr.parse::<SocketAddr>().map_err(|e| {
+            bad(
+                "control_addr",
+                format!("control_addr {:?}: {e}", self.control_addr),
+            )
+        })?;
         let range = pdserve_runtime::config::HEARTBEAT_MS_RANGE;
         if !range.contains(&self.heartbeat_ms) {
-            return Err(format!(
-                "heartbeat_ms {} is outside {}..={}",
-                self.heartbeat_ms,
-                range.start(),
-                range.end()
+            return Err(bad(
+                "heartbeat_ms",
+                format!(
+                    "heartbeat_ms {} is outside {}..={}",
+                    self.heartbeat_ms,
+                    range.start(),
+                    range.end()
+                ),
             ));
         }
         Ok(())
     }
 }
 
-/// The control-plane role an instance announces in its greeting.
-pub fn wire_role(role: InstanceRole) -> Role {
-    match role {
-        InstanceRole::Prefill => Role::Prefill,
-        InstanceRole::Decode => Role::Decode,
-        InstanceRole::Colocated => Role::Colocated,
-    }
+/// A registration the proxy refuses.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct RegistrationError {
+    /// The field at fault.
+    pub field: &'static str,
+    /// What is wrong with it.
+    pub message: String,
 }
 
 /// An instance's control-plane settings ([`crate::InstanceOptions::control`]).
@@ -129,13 +154,13 @@ pub struct InstanceControl {
     /// Time between heartbeats.
     pub heartbeat: Duration,
     /// The role the instance registers as.
-    pub role: InstanceRole,
+    pub role: Role,
 }
 
 impl InstanceControl {
     /// Settings with the defaults of `[control]`: listen on `127.0.0.1:0`, no proxy, a
     /// heartbeat every 500 ms.
-    pub fn new(credentials: MemberCredentials, role: InstanceRole) -> Self {
+    pub fn new(credentials: MemberCredentials, role: Role) -> Self {
         let defaults = pdserve_runtime::config::ControlSection::default();
         Self {
             credentials,
@@ -150,33 +175,41 @@ impl InstanceControl {
     /// member is `instance.name`).
     ///
     /// # Errors
-    /// When the credentials cannot be loaded or an address does not parse, naming the key.
-    pub fn from_config(cfg: &ServeConfig) -> Result<Option<Self>, String> {
+    /// [`StartError::Config`] when the credentials cannot be loaded or an address does not
+    /// parse, naming the key.
+    pub fn from_config(cfg: &ServeConfig) -> Result<Option<Self>, StartError> {
         let Some(dir) = &cfg.transfer.credentials_dir else {
             if let Some(proxy) = &cfg.control.proxy {
-                return Err(format!(
-                    "control.proxy is {proxy} but transfer.credentials_dir is not set: registering with a proxy needs cluster credentials (pdserve cluster init)"
+                return Err(StartError::config(
+                    "control.proxy",
+                    format!("control.proxy is {proxy} but transfer.credentials_dir is not set: registering with a proxy needs cluster credentials (pdserve cluster init)"),
                 ));
             }
             return Ok(None);
         };
         let credentials = MemberCredentials::load(std::path::Path::new(dir), &cfg.instance.name)
             .map_err(|e| {
-                format!(
-                    "transfer.credentials_dir: no usable member credentials for `{}` in {dir}: {e}",
-                    cfg.instance.name
+                StartError::config(
+                    "transfer.credentials_dir",
+                    format!(
+                        "no usable member credentials for `{}` in {dir}: {e}",
+                        cfg.instance.name
+                    ),
                 )
             })?;
         let listen = cfg
             .control
             .listen
             .parse()
-            .map_err(|e| format!("control.listen: {e}"))?;
+            .map_err(|e| StartError::config("control.listen", e))?;
         let proxy = cfg
             .control
             .proxy
             .as_deref()
-            .map(|p| p.parse().map_err(|e| format!("control.proxy: {e}")))
+            .map(|p| {
+                p.parse()
+                    .map_err(|e| StartError::config("control.proxy", e))
+            })
             .transpose()?;
         Ok(Some(Self {
             credentials,
@@ -188,32 +221,30 @@ impl InstanceControl {
     }
 }
 
-/// What an inspect answer is built from (handles into the running instance).
+/// What the control plane answers from (handles into the running instance).
 #[derive(Clone)]
 pub(crate) struct InspectSource {
     pub(crate) name: String,
-    pub(crate) role: InstanceRole,
+    pub(crate) role: Role,
     pub(crate) model: String,
     pub(crate) tp: usize,
-    pub(crate) supervisor: crate::mailbox::Mailbox<SupervisorMsg>,
-    pub(crate) scheduler: crate::mailbox::Mailbox<SchedulerMsg>,
+    pub(crate) supervisor: SupervisorHandle,
+    pub(crate) scheduler: SchedulerHandle,
     pub(crate) kv: Option<Arc<KvContext>>,
+    pub(crate) peer: Option<Arc<PeerService<SchedulerHandle>>>,
 }
 
 /// KV hand-off figures of an instance (zeros without a transfer engine).
-fn kv_figures(kv: Option<&KvContext>) -> crate::kv_receiver::KvFigures {
+fn kv_figures(kv: Option<&KvContext>) -> crate::handoff::KvFigures {
     kv.map(KvContext::figures).unwrap_or_default()
 }
 
 impl InspectSource {
     /// The live snapshot: the supervisor's tree and the scheduler's figures (each query
     /// bounded).
-    pub(crate) async fn snapshot(&self) -> Result<InstanceSnapshot, String> {
-        let actors = ractor::call_t!(self.supervisor, SupervisorMsg::Snapshot, 2_000)
-            .map_err(|e| format!("the instance supervisor did not answer: {e}"))?;
-        let stats = crate::supervisor::scheduler_stats(&self.scheduler)
-            .await
-            .map_err(|e| format!("the scheduler did not answer: {e}"))?;
+    pub(crate) async fn snapshot(&self) -> Result<InstanceSnapshot, crate::error::RequestError> {
+        let actors = self.supervisor.snapshot().await?;
+        let stats = self.scheduler.stats().await?;
         let kv = kv_figures(self.kv.as_deref());
         Ok(InstanceSnapshot {
             instance: self.name.clone(),
@@ -235,12 +266,14 @@ impl InspectSource {
     }
 
     /// Heartbeat load figures from the scheduler (bounded by `within`).
-    async fn load(&self, within: Duration) -> Result<LoadFigures, String> {
-        let stats =
-            tokio::time::timeout(within, crate::supervisor::scheduler_stats(&self.scheduler))
-                .await
-                .map_err(|_| format!("the scheduler did not answer within {within:?}"))?
-                .map_err(|e| format!("the scheduler did not answer: {e}"))?;
+    async fn load(&self, within: Duration) -> Result<LoadFigures, crate::error::RequestError> {
+        let stats = tokio::time::timeout(within, self.scheduler.stats())
+            .await
+            .map_err(|_| {
+                crate::error::RequestError::Internal(format!(
+                    "the scheduler did not answer within {within:?}"
+                ))
+            })??;
         let sat = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
         Ok(LoadFigures {
             running: sat(stats.running),
@@ -259,16 +292,37 @@ fn error_answer(kind: &str, message: impl Into<String>) -> ControlMessage {
 }
 
 /// Answers the requests that arrive on `conn` until it closes. Each answer is built on its
-/// own task, so a slow snapshot never holds up the next request.
-async fn serve_requests(conn: Arc<ControlConnection>, source: InspectSource) {
+/// own (tracked) task, so a slow snapshot or a remote prefill never holds up the next request.
+async fn serve_requests(conn: Arc<ControlConnection>, source: InspectSource, tasks: TaskTracker) {
     while let Some(incoming) = conn.recv().await {
         // One-way messages (a peer's heartbeats) carry nothing an instance acts on.
         let Some(responder) = incoming.responder else {
             continue;
         };
         let source = source.clone();
-        tokio::spawn(async move {
+        let caller = conn.peer().node.clone();
+        tasks.spawn(async move {
             let answer = match incoming.message {
+                ControlMessage::Opaque { topic, body } if topic == PEER_TOPIC => {
+                    let answer = match (&source.peer, decode_request(&body)) {
+                        (Some(service), Ok(request)) => {
+                            service.handle(request, Some(&caller)).await
+                        }
+                        (None, _) => {
+                            PeerAnswer::Failed(crate::handoff::HandoffError::NotSupported(
+                                "this instance has no KV transfer engine".into(),
+                            ))
+                        }
+                        (_, Err(e)) => PeerAnswer::Failed(e),
+                    };
+                    match encode_answer(&answer) {
+                        Ok(body) => ControlMessage::Opaque {
+                            topic: PEER_TOPIC.into(),
+                            body,
+                        },
+                        Err(e) => error_answer("internal", e.to_string()),
+                    }
+                }
                 ControlMessage::Opaque { topic, .. } if topic == TOPIC_INSPECT => {
                     match tokio::time::timeout(INSPECT_TIMEOUT, source.snapshot()).await {
                         Ok(Ok(snap)) => match serde_json::to_vec(&snap) {
@@ -278,7 +332,7 @@ async fn serve_requests(conn: Arc<ControlConnection>, source: InspectSource) {
                             },
                             Err(e) => error_answer("internal", e.to_string()),
                         },
-                        Ok(Err(e)) => error_answer("inspect_failed", e),
+                        Ok(Err(e)) => error_answer("inspect_failed", e.to_string()),
                         Err(_) => error_answer(
                             "timeout",
                             format!("the snapshot took longer than {INSPECT_TIMEOUT:?}"),
@@ -321,6 +375,8 @@ struct Shared {
     registrations: AtomicU64,
     heartbeats: AtomicU64,
     paused: AtomicBool,
+    /// The connection to the proxy while registered.
+    proxy_conn: std::sync::Mutex<Option<Arc<ControlConnection>>>,
 }
 
 /// A running instance control plane. Dropping it (or [`ControlPlane::shutdown`]) closes the
@@ -329,7 +385,9 @@ pub struct ControlPlane {
     endpoint: Arc<ControlEndpoint>,
     addr: SocketAddr,
     shared: Arc<Shared>,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
+    accept: Option<tokio::task::JoinHandle<()>>,
+    registration: Option<tokio::task::JoinHandle<()>>,
+    tasks: TaskTracker,
 }
 
 impl std::fmt::Debug for ControlPlane {
@@ -341,59 +399,76 @@ impl std::fmt::Debug for ControlPlane {
 }
 
 impl ControlPlane {
-    /// Binds the endpoint, starts answering, and (with a proxy configured) starts registering
-    /// and heartbeating. Must run inside a tokio runtime.
-    pub(crate) fn start(
-        ctl: InstanceControl,
-        source: InspectSource,
-        api_url: Option<String>,
-    ) -> Result<Self, String> {
-        if ctl.credentials.node() != source.name {
-            return Err(format!(
-                "control plane: the member credentials are for `{}`, the instance is `{}`",
+    /// Binds the instance's control endpoint (before its actors start, so the hand-off can
+    /// reach peers through it).
+    ///
+    /// # Errors
+    /// [`StartError::ControlPlane`] when the credentials are not the instance's or the address
+    /// cannot be bound.
+    pub(crate) fn bind(
+        ctl: &InstanceControl,
+        name: &str,
+    ) -> Result<Arc<ControlEndpoint>, StartError> {
+        if ctl.credentials.node() != name {
+            return Err(StartError::ControlPlane(format!(
+                "the member credentials are for `{}`, the instance is `{name}`",
                 ctl.credentials.node(),
-                source.name
-            ));
+            )));
         }
         let config = ControlConfig {
             listen: ctl.listen,
-            role: wire_role(ctl.role),
+            role: ctl.role,
             ..ControlConfig::default()
         };
-        let endpoint = Arc::new(
-            ControlEndpoint::bind(&ctl.credentials, config)
-                .map_err(|e| format!("control plane: cannot listen on {}: {e}", ctl.listen))?,
-        );
+        ControlEndpoint::bind(&ctl.credentials, config)
+            .map(Arc::new)
+            .map_err(|e| StartError::ControlPlane(format!("cannot listen on {}: {e}", ctl.listen)))
+    }
+
+    /// Starts answering on `endpoint` and (with a proxy configured) registering and
+    /// heartbeating. Must run inside a tokio runtime.
+    ///
+    /// # Errors
+    /// [`StartError::ControlPlane`] when registering needs an HTTP API the instance lacks.
+    pub(crate) fn start(
+        ctl: InstanceControl,
+        endpoint: Arc<ControlEndpoint>,
+        source: InspectSource,
+        api_url: Option<String>,
+    ) -> Result<Self, StartError> {
         let addr = endpoint
             .local_addr()
-            .map_err(|e| format!("control plane: {e}"))?;
+            .map_err(|e| StartError::ControlPlane(e.to_string()))?;
         let shared = Arc::new(Shared::default());
-        let mut tasks = Vec::new();
-        let (ep, src) = (endpoint.clone(), source.clone());
-        tasks.push(tokio::spawn(async move {
+        let tasks = TaskTracker::new();
+        let (ep, src, t) = (endpoint.clone(), source.clone(), tasks.clone());
+        let accept = tokio::spawn(async move {
             while let Some(conn) = ep.accept().await {
-                tokio::spawn(serve_requests(Arc::new(conn), src.clone()));
+                t.spawn(serve_requests(Arc::new(conn), src.clone(), t.clone()));
             }
-        }));
+        });
+        let mut registration = None;
         if let Some(proxy) = ctl.proxy {
             let url = api_url.ok_or_else(|| {
-                "control plane: registering with a proxy needs the HTTP API (no bind address)"
-                    .to_string()
+                StartError::ControlPlane(
+                    "registering with a proxy needs the HTTP API (no bind address)".into(),
+                )
             })?;
-            let registration = Registration {
+            let reg = Registration {
                 node: source.name.clone(),
                 role: ctl.role,
                 url,
                 control_addr: addr.to_string(),
                 heartbeat_ms: ctl.heartbeat.as_millis() as u64,
             };
-            tasks.push(tokio::spawn(register_and_heartbeat(
+            registration = Some(tokio::spawn(register_and_heartbeat(
                 endpoint.clone(),
                 proxy,
-                registration,
+                reg,
                 ctl.heartbeat,
                 source,
                 shared.clone(),
+                tasks.clone(),
             )));
         }
         tracing::info!(%addr, proxy = ?ctl.proxy, "control plane listening");
@@ -401,6 +476,8 @@ impl ControlPlane {
             endpoint,
             addr,
             shared,
+            accept: Some(accept),
+            registration,
             tasks,
         })
     }
@@ -426,12 +503,38 @@ impl ControlPlane {
         self.shared.paused.store(paused, Ordering::SeqCst);
     }
 
+    /// Leaves the proxy's routing set: ends the registration and closes its connection (the
+    /// proxy stops routing here at once). Peer requests keep being answered.
+    pub fn deregister(&mut self) {
+        if let Some(r) = self.registration.take() {
+            r.abort();
+        }
+        if let Some(conn) = self
+            .shared
+            .proxy_conn
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            conn.close();
+        }
+    }
+
     /// Stops every task and closes the endpoint and its connections.
-    pub fn shutdown(&self) {
-        for t in &self.tasks {
-            t.abort();
+    pub fn shutdown(&mut self) {
+        self.deregister();
+        if let Some(a) = self.accept.take() {
+            a.abort();
         }
         self.endpoint.close();
+        self.tasks.close();
+    }
+
+    /// Waits (bounded by `within`) for the answer tasks to end after [`ControlPlane::shutdown`].
+    pub async fn wait(&self, within: Duration) -> bool {
+        tokio::time::timeout(within, self.tasks.wait())
+            .await
+            .is_ok()
     }
 }
 
@@ -442,8 +545,15 @@ impl Drop for ControlPlane {
 }
 
 /// Sends the registration and checks the proxy's answer.
-async fn register(conn: &ControlConnection, registration: &Registration) -> Result<(), String> {
-    let body = serde_json::to_vec(registration).map_err(|e| e.to_string())?;
+async fn register(
+    conn: &ControlConnection,
+    registration: &Registration,
+) -> Result<(), RegistrationError> {
+    let failed = |message: String| RegistrationError {
+        field: "registration",
+        message,
+    };
+    let body = serde_json::to_vec(registration).map_err(|e| failed(e.to_string()))?;
     match conn
         .request(ControlMessage::Opaque {
             topic: TOPIC_REGISTER.into(),
@@ -452,11 +562,11 @@ async fn register(conn: &ControlConnection, registration: &Registration) -> Resu
         .await
     {
         Ok(ControlMessage::Opaque { topic, .. }) if topic == TOPIC_REGISTERED => Ok(()),
-        Ok(other) => Err(format!(
+        Ok(other) => Err(failed(format!(
             "the proxy answered the registration with {}",
             message_name(&other)
-        )),
-        Err(e) => Err(e.to_string()),
+        ))),
+        Err(e) => Err(failed(e.to_string())),
     }
 }
 
@@ -468,6 +578,7 @@ async fn register_and_heartbeat(
     interval: Duration,
     source: InspectSource,
     shared: Arc<Shared>,
+    tasks: TaskTracker,
 ) {
     let initial_delay = interval.min(Duration::from_millis(100));
     let mut delay = initial_delay;
@@ -477,7 +588,7 @@ async fn register_and_heartbeat(
         let attempt = async {
             let conn = Arc::new(endpoint.connect(proxy).await.map_err(|e| e.to_string())?);
             // Answer the proxy's requests (inspect) on this connection, from before we register.
-            let server = tokio::spawn(serve_requests(conn.clone(), source.clone()));
+            let server = tasks.spawn(serve_requests(conn.clone(), source.clone(), tasks.clone()));
             match register(&conn, &registration).await {
                 Ok(()) => Ok((conn, server)),
                 Err(e) => {
@@ -503,6 +614,7 @@ async fn register_and_heartbeat(
             }
         };
         shared.registrations.fetch_add(1, Ordering::Relaxed);
+        *shared.proxy_conn.lock().unwrap_or_else(|e| e.into_inner()) = Some(conn.clone());
         tracing::info!(%proxy, node = %registration.node, "registered with the proxy");
         delay = initial_delay;
         last_error = None;
@@ -520,7 +632,7 @@ async fn register_and_heartbeat(
                     continue;
                 }
             };
-            let faults = source.kv.as_ref().and_then(|k| k.faults.clone());
+            let faults = source.kv.as_ref().and_then(|k| k.settings.faults.clone());
             match faults.map_or(ControlFault::Send, |f| f.control()) {
                 ControlFault::Send => {}
                 ControlFault::Drop => continue,
@@ -563,7 +675,7 @@ mod tests {
     fn registration() -> Registration {
         Registration {
             node: "decode-0".into(),
-            role: InstanceRole::Decode,
+            role: Role::Decode,
             url: "http://127.0.0.1:8200".into(),
             control_addr: "127.0.0.1:7200".into(),
             heartbeat_ms: 500,
@@ -575,7 +687,7 @@ mod tests {
         let mut cfg = ServeConfig::default();
         assert!(InstanceControl::from_config(&cfg).unwrap().is_none());
         cfg.control.proxy = Some("127.0.0.1:7000".into());
-        let e = InstanceControl::from_config(&cfg).unwrap_err();
+        let e = InstanceControl::from_config(&cfg).unwrap_err().to_string();
         assert!(e.contains("transfer.credentials_dir"), "{e}");
 
         let dir = tempfile::tempdir().unwrap();
@@ -583,7 +695,7 @@ mod tests {
         pdserve_transport::control::tls::issue_member(dir.path(), "decode-7").unwrap();
         cfg.transfer.credentials_dir = Some(dir.path().display().to_string());
         cfg.instance.name = "decode-7".into();
-        cfg.instance.role = InstanceRole::Decode;
+        cfg.instance.role = Role::Decode;
         cfg.control.listen = "127.0.0.1:7107".into();
         cfg.control.heartbeat_ms = 250;
         let ctl = InstanceControl::from_config(&cfg).unwrap().unwrap();
@@ -595,10 +707,10 @@ mod tests {
             Some("127.0.0.1:7000".parse::<SocketAddr>().unwrap())
         );
         assert_eq!(ctl.heartbeat, Duration::from_millis(250));
-        assert_eq!(ctl.role, InstanceRole::Decode);
+        assert_eq!(ctl.role, Role::Decode);
 
         cfg.instance.name = "decode-8".into();
-        let e = InstanceControl::from_config(&cfg).unwrap_err();
+        let e = InstanceControl::from_config(&cfg).unwrap_err().to_string();
         assert!(
             e.contains("no usable member credentials for `decode-8`"),
             "{e}"
@@ -633,7 +745,7 @@ mod tests {
             } else {
                 "decode-0"
             };
-            let e = r.validate(peer).expect_err(needle);
+            let e = r.validate(peer).expect_err(needle).to_string();
             assert!(e.contains(needle), "{needle}: {e}");
         }
     }

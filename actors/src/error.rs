@@ -29,7 +29,10 @@ pub enum RequestError {
     WorkerFailed(String),
     /// Moving the prompt's KV from the prefill instance failed (502).
     #[error("KV transfer from the prefill instance failed: {0}")]
-    KvTransfer(String),
+    KvTransfer(crate::handoff::HandoffError),
+    /// The proxy could not reach the instance it picked (502).
+    #[error("upstream instance unavailable: {0}")]
+    Upstream(String),
     /// The instance is stopping (503).
     #[error("instance is shutting down")]
     ShuttingDown,
@@ -51,7 +54,7 @@ impl RequestError {
             Self::BadRequest(_) | Self::ContextOverflow { .. } | Self::UnknownModel(_) => 400,
             Self::Overloaded(_) | Self::ShuttingDown => 503,
             Self::Timeout(_) => 504,
-            Self::KvTransfer(_) => 502,
+            Self::KvTransfer(_) | Self::Upstream(_) => 502,
             Self::Aborted => 499,
             Self::WorkerFailed(_) | Self::Internal(_) => 500,
         }
@@ -68,7 +71,63 @@ impl RequestError {
             Self::Aborted => "aborted",
             Self::WorkerFailed(_) => "worker_failed",
             Self::KvTransfer(_) => "kv_transfer_failed",
+            Self::Upstream(_) => "upstream_error",
             Self::Internal(_) => "internal_error",
+        }
+    }
+}
+
+/// Why an instance, a proxy or one of their parts could not start, or a setting was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StartError {
+    /// A setting is missing, malformed or inconsistent.
+    #[error("{key}: {message}")]
+    Config {
+        /// The config key (or flag) at fault.
+        key: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// The control plane could not start (credentials, binding).
+    #[error("control plane: {0}")]
+    ControlPlane(String),
+    /// The transfer engine could not start, or KV memory could not be registered.
+    #[error("transfer engine: {0}")]
+    Transfer(String),
+    /// An actor failed to start (model sharding, memory, binding), or did not answer.
+    #[error("{what}: {message}")]
+    Actor {
+        /// Which part.
+        what: String,
+        /// Its failure.
+        message: String,
+    },
+}
+
+impl StartError {
+    /// A stable name of the failure, for logs.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Config { .. } => "config",
+            Self::ControlPlane(_) => "control_plane",
+            Self::Transfer(_) => "transfer",
+            Self::Actor { .. } => "actor",
+        }
+    }
+
+    /// A config failure of `key`.
+    pub fn config(key: impl Into<String>, message: impl std::fmt::Display) -> Self {
+        Self::Config {
+            key: key.into(),
+            message: message.to_string(),
+        }
+    }
+
+    /// An actor failure of `what`.
+    pub fn actor(what: impl Into<String>, message: impl std::fmt::Display) -> Self {
+        Self::Actor {
+            what: what.into(),
+            message: message.to_string(),
         }
     }
 }

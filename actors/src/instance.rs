@@ -1,11 +1,29 @@
-//! Starting and stopping one serving instance (role `colocated`): the supervision tree of
-//! DESIGN.md behind an OpenAI-compatible HTTP API. `pdserve serve` and the tests use this.
+//! Starting and stopping one serving instance: the supervision tree of the design behind an
+//! HTTP API and (with cluster credentials) a control plane. `pdserve serve` and the tests use
+//! this.
+//!
+//! **Shutdown is phased** ([`Instance::stop`]): stop admitting (new requests get 503, `/health`
+//! says `stopping`) → leave the proxy's routing set → drain what runs (requests and KV
+//! hand-offs, bounded by `server.drain_timeout_s`; what is left is then cut off with clear
+//! errors) → stop the actors → close the control plane and the transfer engine. Every
+//! hand-off task is tracked, so none outlives the instance; the [`ShutdownReport`] says what
+//! was left at each phase and whether the block pool was full at the end.
 
+use crate::control_plane::{ControlPlane, InspectSource, InstanceControl};
+use crate::error::{RequestError, StartError};
+use crate::handoff::aggregator::Epochs;
+use crate::handoff::peer::Peers;
+use crate::handoff::pull::PullBounds;
+use crate::handoff::service::PromptLimits;
+use crate::handoff::{KvContext, KvFigures, KvRegistry, KvSettings, PeerService, TransferMode};
 use crate::http::AppState;
 use crate::mailbox::Mailbox;
-use crate::scheduler::{SchedulerConfig, SchedulerMsg, SchedulerStats};
-use crate::supervisor::{InstanceArgs, InstanceSupervisor, SupervisorMsg};
+use crate::scheduler::{
+    NewRequest, RequestStream, SchedulerConfig, SchedulerHandle, SchedulerStats,
+};
+use crate::supervisor::{InstanceArgs, InstanceSupervisor, SupervisorHandle};
 use crate::worker::WorkerSpec;
+use pdserve_gpu::kv::KvDtype;
 use pdserve_gpu::loader::LoadedModel;
 use pdserve_gpu::tp::TpOptions;
 use pdserve_gpu::weights::WeightFormat;
@@ -13,9 +31,9 @@ use pdserve_runtime::config::ServeConfig;
 use pdserve_runtime::memory::{AnonAllocator, HostMemoryAllocator};
 use pdserve_runtime::supervision::{ActorSnapshot, RestartPolicy};
 use std::net::SocketAddr;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// How to start an instance.
 pub struct InstanceOptions {
@@ -49,6 +67,10 @@ pub struct InstanceOptions {
     pub max_concurrent_requests: usize,
     /// Per-request deadline.
     pub request_timeout: Duration,
+    /// Bound on one call between the instance's actors.
+    pub call_timeout: Duration,
+    /// How long a stop lets running requests and hand-offs finish.
+    pub drain_timeout: Duration,
     /// Bearer token required by the API.
     pub api_key: Option<String>,
     /// Worker restart budget.
@@ -61,27 +83,28 @@ pub struct InstanceOptions {
     /// How long held KV waits for a decode instance to read and release it.
     pub kv_lease: Duration,
     /// How this instance, as decode, gets a prompt's KV when it drives the hand-off.
-    pub transfer_mode: crate::kv_receiver::TransferMode,
+    pub transfer_mode: TransferMode,
     /// As decode: prompts shorter than this are prefilled here (conditional disaggregation).
     pub min_remote_prompt_tokens: usize,
     /// Bound on each step of a KV hand-off (handshake, connect, a batch, a lease call).
     pub kv_timeout: Duration,
     /// Test-only fault injection (`[faults]`).
     pub faults: Option<Arc<pdserve_runtime::faults::FaultInjector>>,
-    /// The control plane (`pdserve inspect`, registration with a proxy); `None`: no control
-    /// endpoint.
-    pub control: Option<crate::control_plane::InstanceControl>,
+    /// The control plane (`pdserve inspect`, registration with a proxy, the P/D peer
+    /// protocol); `None`: no control endpoint.
+    pub control: Option<InstanceControl>,
 }
 
 impl InstanceOptions {
     /// Options from a loaded [`ServeConfig`].
     ///
     /// # Errors
-    /// When the host/port or weight format in the config do not parse.
-    pub fn from_config(cfg: &ServeConfig, model: LoadedModel) -> Result<Self, String> {
+    /// [`StartError::Config`] when the host/port, weight format, transfer settings or
+    /// control-plane credentials in the config do not parse.
+    pub fn from_config(cfg: &ServeConfig, model: LoadedModel) -> Result<Self, StartError> {
         let bind: SocketAddr = format!("{}:{}", cfg.server.host, cfg.server.port)
             .parse()
-            .map_err(|e| format!("server.host/server.port: {e}"))?;
+            .map_err(|e| StartError::config("server.host/server.port", e))?;
         Ok(Self {
             name: cfg.instance.name.clone(),
             model,
@@ -91,7 +114,7 @@ impl InstanceOptions {
                 .model
                 .weights
                 .parse()
-                .map_err(|e| format!("model.weights: {e}"))?,
+                .map_err(|e| StartError::config("model.weights", e))?,
             max_num_seqs: cfg.scheduler.max_num_seqs,
             max_num_batched_tokens: cfg.scheduler.max_num_batched_tokens,
             block_size: cfg.scheduler.block_size,
@@ -102,16 +125,22 @@ impl InstanceOptions {
             bind: Some(bind),
             max_concurrent_requests: cfg.server.max_concurrent_requests,
             request_timeout: Duration::from_secs(cfg.server.request_timeout_s),
+            call_timeout: Duration::from_millis(cfg.server.actor_call_timeout_ms),
+            drain_timeout: Duration::from_secs(cfg.server.drain_timeout_s),
             api_key: cfg.server.api_key.clone(),
             restart_policy: RestartPolicy::default(),
             alloc: Arc::new(AnonAllocator),
             transfer: transfer_config(cfg)?,
             kv_lease: Duration::from_secs(cfg.transfer.kv_lease_s),
-            transfer_mode: cfg.transfer.mode.parse()?,
+            transfer_mode: cfg
+                .transfer
+                .mode
+                .parse()
+                .map_err(|e| StartError::config("transfer.mode", e))?,
             min_remote_prompt_tokens: cfg.transfer.min_remote_prompt_tokens,
             kv_timeout: Duration::from_secs(cfg.transfer.timeout_s),
             faults: pdserve_runtime::faults::FaultInjector::new(&cfg.faults),
-            control: crate::control_plane::InstanceControl::from_config(cfg)?,
+            control: InstanceControl::from_config(cfg)?,
         })
     }
 
@@ -133,12 +162,14 @@ impl InstanceOptions {
             bind: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
             max_concurrent_requests: 256,
             request_timeout: Duration::from_secs(120),
+            call_timeout: Duration::from_secs(5),
+            drain_timeout: Duration::from_secs(30),
             api_key: None,
             restart_policy: RestartPolicy::default(),
             alloc: Arc::new(AnonAllocator),
             transfer: None,
             kv_lease: Duration::from_secs(30),
-            transfer_mode: crate::kv_receiver::TransferMode::Pull,
+            transfer_mode: TransferMode::Pull,
             min_remote_prompt_tokens: 0,
             kv_timeout: Duration::from_secs(30),
             faults: None,
@@ -148,54 +179,71 @@ impl InstanceOptions {
 }
 
 /// The transfer engine of a `prefill` or `decode` instance (none for `colocated`).
-fn transfer_config(cfg: &ServeConfig) -> Result<Option<pdserve_transport::TransferConfig>, String> {
-    use pdserve_runtime::config::InstanceRole;
-    if cfg.instance.role == InstanceRole::Colocated {
+fn transfer_config(
+    cfg: &ServeConfig,
+) -> Result<Option<pdserve_transport::TransferConfig>, StartError> {
+    if !cfg.instance.role.disaggregated() {
         return Ok(None);
     }
-    let backend: pdserve_transport::BackendKind = cfg
-        .transfer
-        .backend
-        .parse()
-        .map_err(|e| format!("transfer.backend: {e}"))?;
-    let mut t = pdserve_transport::TransferConfig::new(backend, cfg.instance.name.clone());
-    t.listen = cfg
-        .transfer
-        .listen
-        .parse()
-        .map_err(|e| format!("transfer.listen: {e}"))?;
-    if let Some(dir) = &cfg.transfer.credentials_dir {
-        let creds = pdserve_transport::control::tls::MemberCredentials::load(
-            std::path::Path::new(dir),
-            &cfg.instance.name,
-        )
-        .map_err(|e| format!("transfer.credentials_dir: {e}"))?;
-        t.credentials = Some(creds);
-    }
-    t.validate().map_err(|e| format!("[transfer]: {e}"))?;
+    // Every `[transfer]` key (backend, listen and advertised address, I/O knobs, keys and
+    // integrity, RDMA devices) through one constructor, so none is left unreachable.
+    let t = pdserve_transport::TransferConfig::from_serve_config(cfg)
+        .map_err(|e| StartError::config("[transfer]", e))?;
     Ok(Some(t))
+}
+
+/// What each phase of [`Instance::stop`] found.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ShutdownReport {
+    /// Requests still running or waiting when the drain bound passed (they were cut off).
+    pub requests_cut_off: usize,
+    /// KV hand-offs still in flight when the drain bound passed (they were cancelled).
+    pub handoffs_cut_off: u64,
+    /// Whether every hand-off task had ended before the actors stopped.
+    pub handoff_tasks_ended: bool,
+    /// Free blocks when the actors stopped.
+    pub blocks_free: usize,
+    /// All blocks.
+    pub blocks_total: usize,
+    /// Whether every control-plane task had ended at the end.
+    pub control_tasks_ended: bool,
+    /// How long the stop took.
+    pub elapsed: Duration,
+}
+
+impl ShutdownReport {
+    /// Whether nothing was lost: every block back, every task ended.
+    pub fn clean(&self) -> bool {
+        self.blocks_free == self.blocks_total
+            && self.handoff_tasks_ended
+            && self.control_tasks_ended
+    }
 }
 
 /// A running instance.
 pub struct Instance {
-    supervisor: Mailbox<SupervisorMsg>,
+    supervisor: SupervisorHandle,
     join: tokio::task::JoinHandle<()>,
-    scheduler: Mailbox<SchedulerMsg>,
+    scheduler: SchedulerHandle,
     addr: Option<SocketAddr>,
     model_name: String,
-    control: Option<crate::control_plane::ControlPlane>,
-    kv: Option<Arc<crate::kv_receiver::KvContext>>,
+    control: Option<ControlPlane>,
+    kv: Option<Arc<KvContext>>,
+    app: Option<Arc<AppState>>,
+    drain_timeout: Duration,
+    max_concurrent_requests: usize,
 }
 
 impl Instance {
     /// Starts the supervision tree; returns once every rank is loaded and the API listens.
     ///
     /// # Errors
-    /// Model sharding, memory, or bind failures, with the failing actor's message.
-    pub async fn start(opts: InstanceOptions) -> Result<Self, String> {
+    /// Model sharding, memory, bind or control-plane failures, naming the failing part.
+    pub async fn start(opts: InstanceOptions) -> Result<Self, StartError> {
         let model = opts.model;
         let cfg = model.config.clone();
-        cfg.check_tp(opts.tp).map_err(|e| e.to_string())?;
+        cfg.check_tp(opts.tp)
+            .map_err(|e| StartError::config("model.tp", e))?;
         let bytes_per_block_all_ranks =
             2 * cfg.num_layers * cfg.num_kv_heads * opts.block_size * cfg.head_dim * 4;
         let num_blocks = opts
@@ -219,69 +267,96 @@ impl Instance {
             alloc: opts.alloc,
             faults: opts.faults.clone(),
         };
-        let tokenizer = model.tokenizer.clone();
+        let epochs = Epochs::new(opts.tp);
+        let endpoint = opts
+            .control
+            .as_ref()
+            .map(|ctl| ControlPlane::bind(ctl, &opts.name))
+            .transpose()?;
         let kv = match opts.transfer {
             Some(tcfg) => {
                 let engine = pdserve_transport::TransferEngine::new(tcfg)
-                    .map_err(|e| format!("transfer engine: {e}"))?;
-                let registry = crate::kv_receiver::KvRegistry::new(
-                    Arc::new(engine),
-                    opts.tp,
-                    opts.faults.clone(),
-                );
-                let mut ctx = crate::kv_receiver::KvContext::new(
+                    .map_err(|e| StartError::Transfer(e.to_string()))?;
+                let registry = KvRegistry::new(Arc::new(engine), opts.tp, opts.faults.clone());
+                let peers = Peers::new(
                     opts.name.clone(),
-                    registry,
-                    cfg.clone(),
-                    opts.tp,
-                    num_blocks,
-                    opts.block_size,
+                    endpoint.clone(),
+                    opts.api_key.clone(),
+                    opts.faults.clone(),
                     opts.kv_timeout,
                 );
-                ctx.faults = opts.faults.clone();
-                ctx.mode = opts.transfer_mode;
-                ctx.min_remote_prompt_tokens = opts.min_remote_prompt_tokens;
-                ctx.lease = opts.kv_lease;
-                ctx.prefill_timeout = opts.request_timeout;
-                ctx.api_key = opts.api_key.clone();
-                Some(Arc::new(ctx))
+                let settings = KvSettings {
+                    engine_id: opts.name.clone(),
+                    model: cfg.clone(),
+                    tp: opts.tp,
+                    num_blocks,
+                    block_size: opts.block_size,
+                    dtype: KvDtype::F32,
+                    bounds: PullBounds {
+                        transfer: opts.kv_timeout,
+                        prefill: opts.request_timeout,
+                    },
+                    mode: opts.transfer_mode,
+                    min_remote_prompt_tokens: opts.min_remote_prompt_tokens,
+                    lease: opts.kv_lease,
+                    faults: opts.faults.clone(),
+                };
+                Some(Arc::new(KvContext::new(
+                    settings,
+                    registry,
+                    peers,
+                    epochs.clone(),
+                )))
             }
             None => None,
         };
-        let kv_for_http = kv.clone();
-        let kv_for_figures = kv.clone();
-        let kv_for_control = kv.clone();
-        let http = opts.bind.map(|bind| {
+        let app_factory = {
             let (tokenizer, chat_template, model_name) = (
                 model.tokenizer.clone(),
                 model.chat_template.clone(),
                 served.clone(),
             );
-            let (max_concurrent, timeout, api_key) = (
+            let (max_concurrent, timeout, api_key, call_timeout) = (
                 opts.max_concurrent_requests,
                 opts.request_timeout,
                 opts.api_key.clone(),
+                opts.call_timeout,
             );
             let vocab_size = cfg.vocab_size;
-            let make = move |scheduler: Mailbox<SchedulerMsg>, kv_sender| AppState {
-                scheduler,
-                kv_sender,
-                tokenizer,
-                chat_template,
-                model_name,
-                max_model_len,
-                vocab_size,
-                admission: Arc::new(tokio::sync::Semaphore::new(max_concurrent)),
-                request_timeout: timeout,
-                api_key,
-                next_id: AtomicU64::new(1),
-                metrics: pdserve_runtime::telemetry::install_metrics(),
-                kv: kv_for_http,
-                aborted: Default::default(),
-                addr: std::sync::OnceLock::new(),
-            };
-            (bind, Box::new(make) as crate::supervisor::AppStateFactory)
-        });
+            let kv = kv.clone();
+            move |scheduler, kv_sender| {
+                let scheduler = SchedulerHandle::new(scheduler, call_timeout);
+                let admission = Arc::new(tokio::sync::Semaphore::new(max_concurrent));
+                let peer = kv.as_ref().map(|kv| {
+                    Arc::new(PeerService::new(
+                        kv.clone(),
+                        scheduler.clone(),
+                        kv_sender,
+                        admission.clone(),
+                        PromptLimits {
+                            vocab_size,
+                            max_model_len,
+                        },
+                    ))
+                });
+                Arc::new(AppState {
+                    scheduler,
+                    tokenizer,
+                    chat_template,
+                    model_name,
+                    max_model_len,
+                    vocab_size,
+                    admission,
+                    request_timeout: timeout,
+                    api_key,
+                    metrics: pdserve_runtime::telemetry::install_metrics(),
+                    kv,
+                    peer,
+                    addr: std::sync::OnceLock::new(),
+                    ready: std::sync::atomic::AtomicBool::new(true),
+                })
+            }
+        };
         let args = InstanceArgs {
             name: opts.name.clone(),
             worker,
@@ -294,10 +369,13 @@ impl Instance {
                 max_model_len,
                 kv_lease: opts.kv_lease,
             },
-            tokenizer,
-            http,
+            tokenizer: model.tokenizer.clone(),
+            app: Box::new(app_factory),
+            http: opts.bind,
             restart_policy: opts.restart_policy,
-            kv,
+            kv: kv.clone(),
+            epochs,
+            call_timeout: opts.call_timeout,
         };
         let (supervisor, join) = Mailbox::spawn(
             Some(format!("{}/supervisor", opts.name)),
@@ -305,31 +383,38 @@ impl Instance {
             args,
         )
         .await
-        .map_err(|e| format!("instance {} failed to start: {e}", opts.name))?;
-        let (scheduler, addr) = ractor::call_t!(supervisor, SupervisorMsg::Handles, 5_000)
-            .map_err(|e| e.to_string())?;
-        let control = match opts.control {
-            Some(ctl) => {
-                let source = crate::control_plane::InspectSource {
+        .map_err(|e| StartError::actor(format!("instance {}", opts.name), e))?;
+        let supervisor = SupervisorHandle::new(supervisor, opts.call_timeout);
+        let (scheduler, addr, app) = supervisor
+            .handles()
+            .await
+            .map_err(|e| StartError::actor("the instance supervisor", e))?;
+        let scheduler = SchedulerHandle::new(scheduler, opts.call_timeout);
+        let control = match (opts.control, endpoint) {
+            (Some(ctl), Some(endpoint)) => {
+                let source = InspectSource {
                     name: opts.name.clone(),
                     role: ctl.role,
                     model: served.clone(),
                     tp: opts.tp,
                     supervisor: supervisor.clone(),
                     scheduler: scheduler.clone(),
-                    kv: kv_for_control,
+                    kv: kv.clone(),
+                    peer: app.as_ref().and_then(|a| a.peer.clone()),
                 };
                 let url = addr.map(|a| format!("http://{a}"));
-                match crate::control_plane::ControlPlane::start(ctl, source, url) {
+                match ControlPlane::start(ctl, endpoint, source, url) {
                     Ok(c) => Some(c),
                     Err(e) => {
-                        supervisor.stop(Some("control plane failed".into()));
+                        supervisor
+                            .mailbox()
+                            .stop(Some("control plane failed".into()));
                         let _ = tokio::time::timeout(Duration::from_secs(10), join).await;
                         return Err(e);
                     }
                 }
             }
-            None => None,
+            _ => None,
         };
         Ok(Self {
             supervisor,
@@ -338,12 +423,15 @@ impl Instance {
             addr,
             model_name: served,
             control,
-            kv: kv_for_figures,
+            kv,
+            app,
+            drain_timeout: opts.drain_timeout,
+            max_concurrent_requests: opts.max_concurrent_requests,
         })
     }
 
     /// KV hand-off figures (instances with a transfer engine).
-    pub fn kv_figures(&self) -> Option<crate::kv_receiver::KvFigures> {
+    pub fn kv_figures(&self) -> Option<KvFigures> {
         self.kv.as_ref().map(|k| k.figures())
     }
 
@@ -358,7 +446,7 @@ impl Instance {
     }
 
     /// The control plane, when the instance has cluster credentials.
-    pub fn control_plane(&self) -> Option<&crate::control_plane::ControlPlane> {
+    pub fn control_plane(&self) -> Option<&ControlPlane> {
         self.control.as_ref()
     }
 
@@ -368,7 +456,7 @@ impl Instance {
     }
 
     /// The scheduler, for in-process clients.
-    pub fn scheduler(&self) -> &Mailbox<SchedulerMsg> {
+    pub fn scheduler(&self) -> &SchedulerHandle {
         &self.scheduler
     }
 
@@ -376,22 +464,20 @@ impl Instance {
     ///
     /// # Errors
     /// When the scheduler is gone or slow.
-    pub async fn stats(&self) -> Result<SchedulerStats, String> {
-        crate::supervisor::scheduler_stats(&self.scheduler)
-            .await
-            .map_err(|e| e.to_string())
+    pub async fn stats(&self) -> Result<SchedulerStats, RequestError> {
+        self.scheduler.stats().await
     }
 
     /// The live actor tree.
     ///
     /// # Errors
     /// When the supervisor is gone or slow.
-    pub async fn snapshot(&self) -> Result<ActorSnapshot, String> {
-        ractor::call_t!(self.supervisor, SupervisorMsg::Snapshot, 5_000).map_err(|e| e.to_string())
+    pub async fn snapshot(&self) -> Result<ActorSnapshot, RequestError> {
+        self.supervisor.snapshot().await
     }
 
     /// Submits a request from inside the process (no HTTP): its events arrive on the returned
-    /// channel; dropping the receiver aborts it.
+    /// stream; dropping it aborts the request.
     ///
     /// # Errors
     /// When the scheduler is gone.
@@ -399,23 +485,15 @@ impl Instance {
         &self,
         prompt: Vec<u32>,
         params: pdserve_gpu::sampling::SamplingParams,
-    ) -> Result<tokio::sync::mpsc::UnboundedReceiver<crate::scheduler::RequestEvent>, String> {
-        static NEXT: AtomicU64 = AtomicU64::new(1 << 48);
-        let id = pdserve_runtime::ids::RequestId(
-            NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
-        );
-        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        let request = crate::scheduler::NewRequest {
-            id,
+    ) -> Result<RequestStream, RequestError> {
+        let request = NewRequest {
+            id: self.scheduler.next_request_id(),
             prompt,
             params,
             hold_for: None,
             push: false,
         };
-        self.scheduler
-            .cast(SchedulerMsg::Submit { request, sink: tx })
-            .map_err(|e| e.to_string())?;
-        Ok(rx)
+        self.scheduler.submit(request)
     }
 
     /// Test-only fault hook: the actor of `kind` (for `TpWorker`, of rank `rank`) panics as
@@ -423,20 +501,13 @@ impl Instance {
     ///
     /// # Errors
     /// When the instance has no such actor, or its supervisor is gone.
-    pub async fn inject_panic(&self, kind: &str, rank: usize) -> Result<(), String> {
-        let kind = kind.to_string();
-        let found = ractor::call_t!(
-            self.supervisor,
-            SupervisorMsg::InjectPanic,
-            5_000,
-            kind.clone(),
-            rank
-        )
-        .map_err(|e| e.to_string())?;
-        if found {
+    pub async fn inject_panic(&self, kind: &str, rank: usize) -> Result<(), RequestError> {
+        if self.supervisor.inject_panic(kind.to_string(), rank).await? {
             Ok(())
         } else {
-            Err(format!("instance has no {kind} actor (rank {rank})"))
+            Err(RequestError::BadRequest(format!(
+                "instance has no {kind} actor (rank {rank})"
+            )))
         }
     }
 
@@ -445,14 +516,94 @@ impl Instance {
         !self.join.is_finished()
     }
 
-    /// Stops the instance and waits for it (bounded).
-    pub async fn stop(self) {
-        // Leave the cluster first: the proxy stops routing here at once.
-        if let Some(control) = &self.control {
-            control.shutdown();
+    /// Stops the instance in phases (see the module docs) and reports what each found.
+    pub async fn stop(mut self) -> ShutdownReport {
+        let started = Instant::now();
+        let mut report = ShutdownReport::default();
+        let deadline = tokio::time::Instant::now() + self.drain_timeout;
+        // 1. Stop admitting.
+        if let Some(app) = &self.app {
+            app.ready.store(false, Ordering::SeqCst);
         }
-        self.supervisor.stop(Some("shutdown".into()));
-        let _ = tokio::time::timeout(Duration::from_secs(10), self.join).await;
+        let admission = self.app.as_ref().map(|a| a.admission.clone());
+        // 2. Leave the cluster: the proxy stops routing here at once.
+        if let Some(control) = &mut self.control {
+            control.deregister();
+        }
+        // 3. Drain: every admitted request returns its slot when it ends.
+        let mut _every_slot = None;
+        let drained = match &admission {
+            Some(a) => {
+                let all = u32::try_from(self.max_concurrent_requests).unwrap_or(u32::MAX);
+                match tokio::time::timeout_at(deadline, a.clone().acquire_many_owned(all)).await {
+                    Ok(Ok(permits)) => {
+                        // Held until the end: nothing new is admitted.
+                        _every_slot = Some(permits);
+                        true
+                    }
+                    _ => false,
+                }
+            }
+            None => true,
+        };
+        if let Some(a) = &admission {
+            a.close();
+        }
+        if !drained {
+            let s = self.scheduler.stats().await.unwrap_or_default();
+            report.requests_cut_off = s.running + s.waiting;
+            tracing::warn!(
+                running = s.running,
+                waiting = s.waiting,
+                "drain bound passed: cutting off what is left"
+            );
+        }
+        if let Some(kv) = &self.kv {
+            report.handoffs_cut_off = if drained {
+                0
+            } else {
+                kv.figures().transfers_in_flight
+            };
+            // Hand-offs end by their own bounds; after the drain bound they are cancelled.
+            kv.tasks.close();
+            if tokio::time::timeout_at(deadline, kv.tasks.wait())
+                .await
+                .is_err()
+            {
+                kv.shutdown.cancel();
+            }
+            report.handoff_tasks_ended = tokio::time::timeout(
+                kv.bounds().transfer + Duration::from_secs(1),
+                kv.tasks.wait(),
+            )
+            .await
+            .is_ok();
+            kv.peers.close().await;
+            // No session we granted reaches our memory any more.
+            kv.grants.revoke_all();
+        } else {
+            report.handoff_tasks_ended = true;
+        }
+        // 4. Stop the actors (the pool is read first: what a stop leaves behind).
+        if let Ok(s) = self.scheduler.stats().await {
+            report.blocks_free = s.blocks_free;
+            report.blocks_total = s.blocks_total;
+        }
+        self.supervisor.mailbox().stop(Some("shutdown".into()));
+        let _ = tokio::time::timeout(Duration::from_secs(10), &mut self.join).await;
+        // 5. Close the control plane and (with the last reference) the transfer engine.
+        report.control_tasks_ended = match &mut self.control {
+            Some(c) => {
+                c.shutdown();
+                c.wait(Duration::from_secs(5)).await
+            }
+            None => true,
+        };
+        self.app = None;
+        self.kv = None;
+        report.elapsed = started.elapsed();
+        tracing::info!(?report, "instance stopped");
+        report
     }
 
     /// Resolves when the supervision tree has stopped by itself (an escalated failure).

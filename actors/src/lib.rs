@@ -1,16 +1,25 @@
-//! The supervised actors of a pdserve instance: `InstanceSupervisor`, `Scheduler`,
-//! `TpWorker` × tp, `HttpFrontend`, and for the P/D roles `KvSender`, `KvReceiver` and
-//! `Aggregator`; the `Proxy` fronts a cluster. See `../shared/DESIGN.md`.
+//! The supervised actors of a pdserve instance and of the proxy, and the P/D hand-off
+//! between instances. See `docs/architecture.md` for the map.
+//!
+//! | module | what it holds |
+//! |---|---|
+//! | [`instance`] | starting and (in phases) stopping one instance |
+//! | [`supervisor`] | the InstanceSupervisor and its restart policy |
+//! | [`scheduler`] | the Scheduler actor over its pure core, and its typed handle |
+//! | [`worker`] | the TpWorker actor (one TP rank on an executor thread) |
+//! | [`handoff`] | the P/D hand-off: peer protocol, pure cores, KvSender, KvReceiver, Aggregator |
+//! | [`http`] | the HttpFrontend actor: the OpenAI API and the peer protocol's HTTP adapter |
+//! | [`control_plane`] | an instance's side of the control plane |
+//! | [`proxy`] | the ProxySupervisor and Proxy: the cluster's front door |
+//! | [`openai`] | OpenAI request parsing and response shapes (pure) |
+//! | [`block_manager`], [`mailbox`], [`error`] | shared pieces |
 
-pub mod aggregator;
 pub mod block_manager;
 pub mod control_plane;
 pub mod error;
+pub mod handoff;
 pub mod http;
 pub mod instance;
-pub mod kv_receiver;
-pub mod kv_sender;
-pub mod kv_transfer;
 pub mod mailbox;
 pub mod openai;
 pub mod proxy;
@@ -18,5 +27,5 @@ pub mod scheduler;
 pub mod supervisor;
 pub mod worker;
 
-pub use error::RequestError;
-pub use instance::{Instance, InstanceOptions};
+pub use error::{RequestError, StartError};
+pub use instance::{Instance, InstanceOptions, ShutdownReport};

@@ -120,8 +120,23 @@ fn token_list(v: &Value) -> Option<Vec<u32>> {
 /// # Errors
 /// [`RequestError::BadRequest`] naming the offending field.
 pub fn parse_request(body: &[u8], chat: bool) -> Result<ParsedRequest, RequestError> {
-    let v: Value =
-        serde_json::from_slice(body).map_err(|e| bad(format!("invalid JSON body: {e}")))?;
+    parse_value(&parse_json(body)?, chat)
+}
+
+/// Parses a request body as JSON (once; see [`parse_value`]).
+///
+/// # Errors
+/// [`RequestError::BadRequest`] when it is not JSON.
+pub fn parse_json(body: &[u8]) -> Result<Value, RequestError> {
+    serde_json::from_slice(body).map_err(|e| bad(format!("invalid JSON body: {e}")))
+}
+
+/// Validates an already parsed request body (the proxy parses a body once, validates it, and
+/// forwards the same value).
+///
+/// # Errors
+/// [`RequestError::BadRequest`] naming the first bad field.
+pub fn parse_value(v: &Value, chat: bool) -> Result<ParsedRequest, RequestError> {
     if !v.is_object() {
         return Err(bad("the request body must be a JSON object"));
     }
@@ -205,16 +220,16 @@ pub fn parse_request(body: &[u8], chat: bool) -> Result<ParsedRequest, RequestEr
     } else {
         "max_tokens"
     };
-    let max_tokens = opt_uint(&v, key_max)?.map(|n| n as usize);
+    let max_tokens = opt_uint(v, key_max)?.map(|n| n as usize);
     if max_tokens == Some(0) {
         return Err(bad(format!("`{key_max}` must be at least 1")));
     }
-    if let Some(n) = opt_uint(&v, "n")? {
+    if let Some(n) = opt_uint(v, "n")? {
         if n != 1 {
             return Err(bad("only `n` = 1 is supported"));
         }
     }
-    if opt_bool(&v, "echo")? {
+    if opt_bool(v, "echo")? {
         return Err(bad("`echo` is not supported"));
     }
     if let Some(lp) = v.get("logprobs") {
@@ -229,22 +244,22 @@ pub fn parse_request(body: &[u8], chat: bool) -> Result<ParsedRequest, RequestEr
         }
     }
     let mut params = SamplingParams::default();
-    if let Some(t) = opt_f32(&v, "temperature", 0.0, 2.0, false)? {
+    if let Some(t) = opt_f32(v, "temperature", 0.0, 2.0, false)? {
         params.temperature = t;
     }
-    if let Some(p) = opt_f32(&v, "top_p", 0.0, 1.0, true)? {
+    if let Some(p) = opt_f32(v, "top_p", 0.0, 1.0, true)? {
         params.top_p = p;
     }
-    if let Some(p) = opt_f32(&v, "min_p", 0.0, 1.0, false)? {
+    if let Some(p) = opt_f32(v, "min_p", 0.0, 1.0, false)? {
         params.min_p = p;
     }
-    if let Some(p) = opt_f32(&v, "presence_penalty", -2.0, 2.0, false)? {
+    if let Some(p) = opt_f32(v, "presence_penalty", -2.0, 2.0, false)? {
         params.presence_penalty = p;
     }
-    if let Some(p) = opt_f32(&v, "frequency_penalty", -2.0, 2.0, false)? {
+    if let Some(p) = opt_f32(v, "frequency_penalty", -2.0, 2.0, false)? {
         params.frequency_penalty = p;
     }
-    if let Some(p) = opt_f32(&v, "repetition_penalty", 0.0, 10.0, true)? {
+    if let Some(p) = opt_f32(v, "repetition_penalty", 0.0, 10.0, true)? {
         params.repetition_penalty = p;
     }
     match v.get("top_k") {
@@ -259,8 +274,8 @@ pub fn parse_request(body: &[u8], chat: bool) -> Result<ParsedRequest, RequestEr
             }
         },
     }
-    params.seed = opt_uint(&v, "seed")?;
-    params.stop = strings(&v, "stop")?;
+    params.seed = opt_uint(v, "seed")?;
+    params.stop = strings(v, "stop")?;
     if params.stop.len() > 16 {
         return Err(bad("`stop` takes at most 16 strings"));
     }
@@ -270,8 +285,8 @@ pub fn parse_request(body: &[u8], chat: bool) -> Result<ParsedRequest, RequestEr
             token_list(x).ok_or_else(|| bad("`stop_token_ids` must be a list of token ids"))?
         }
     };
-    params.ignore_eos = opt_bool(&v, "ignore_eos")?;
-    let stream = opt_bool(&v, "stream")?;
+    params.ignore_eos = opt_bool(v, "ignore_eos")?;
+    let stream = opt_bool(v, "stream")?;
     let include_usage = match v.get("stream_options") {
         None | Some(Value::Null) => false,
         Some(o) if o.is_object() => opt_bool(o, "include_usage")?,
@@ -281,7 +296,7 @@ pub fn parse_request(body: &[u8], chat: bool) -> Result<ParsedRequest, RequestEr
         .get("kv_transfer_params")
         .filter(|x| !x.is_null())
         .cloned();
-    let return_token_ids = opt_bool(&v, "return_token_ids")?;
+    let return_token_ids = opt_bool(v, "return_token_ids")?;
     Ok(ParsedRequest {
         model,
         prompt,
@@ -328,7 +343,12 @@ pub fn resolve_max_tokens(
 
 /// The OpenAI error body.
 pub fn error_body(e: &RequestError) -> Value {
-    json!({"error": {"message": e.to_string(), "type": e.kind(), "param": null, "code": e.status()}})
+    error_json(&e.to_string(), e.kind(), e.status())
+}
+
+/// OpenAI's error object.
+pub fn error_json(message: &str, kind: &str, code: u16) -> Value {
+    json!({"error": {"message": message, "type": kind, "param": null, "code": code}})
 }
 
 /// `usage` object.
@@ -404,6 +424,18 @@ mod tests {
     }
 }
 
+/// Where a peer instance is, as `kv_transfer_params` name it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerRef {
+    /// Its HTTP API, `http://remote_host:remote_port`.
+    pub url: String,
+    /// Its control-plane address (`remote_control_addr`, pdserve's extension), when given.
+    pub control: Option<std::net::SocketAddr>,
+    /// Its engine id (`remote_engine_id`), when given: the node name it must prove on the
+    /// control plane.
+    pub engine_id: Option<String>,
+}
+
 /// What a request's `kv_transfer_params` ask for (vLLM's field names).
 #[derive(Debug, Clone, PartialEq)]
 pub enum KvDirective {
@@ -413,22 +445,34 @@ pub enum KvDirective {
     HoldForDecode(pdserve_runtime::ids::TransferId),
     /// `do_remote_prefill` with `remote_block_ids`: the prompt's KV is held by a prefill
     /// instance (vLLM's two-hop flow); read it, then decode.
-    FromPrefill(crate::kv_receiver::RemotePrefill),
-    /// `do_remote_prefill` without `remote_block_ids`: ask the prefill instance at `url` to
-    /// run the prompt and hand its KV over (pdserve's one-hop flow; push or pull by the
-    /// decode instance's `transfer.mode`).
+    FromPrefill {
+        /// The prefill instance.
+        peer: PeerRef,
+        /// The hand-off.
+        transfer: pdserve_runtime::ids::TransferId,
+        /// Its blocks holding the prompt (`remote_block_ids`).
+        block_ids: Vec<u32>,
+        /// The first token it sampled (`first_token_id`).
+        first_token: u32,
+        /// How long it holds the blocks unless renewed (`kv_lease_ms`), when it said.
+        lease: Option<std::time::Duration>,
+    },
+    /// `do_remote_prefill` without `remote_block_ids`: ask the prefill instance to run the
+    /// prompt and hand its KV over (pdserve's one-hop flow; push or pull by the decode
+    /// instance's `transfer.mode`).
     DriveRemote {
-        /// The prefill instance's API.
-        url: String,
-        /// The hand-off id.
-        transfer_id: pdserve_runtime::ids::TransferId,
+        /// The prefill instance.
+        peer: PeerRef,
+        /// The hand-off.
+        transfer: pdserve_runtime::ids::TransferId,
     },
 }
 
-/// Reads `kv_transfer_params`.
+/// Reads `kv_transfer_params` (vLLM's field names plus pdserve's `transfer_id`,
+/// `first_token_id`, `kv_lease_ms` and `remote_control_addr`).
 ///
 /// # Errors
-/// [`RequestError::BadRequest`] naming the malformed field.
+/// [`RequestError::BadRequest`] naming the first malformed field.
 pub fn kv_directive(params: Option<&Value>) -> Result<KvDirective, RequestError> {
     use pdserve_runtime::ids::TransferId;
     let Some(p) = params else {
@@ -466,11 +510,33 @@ pub fn kv_directive(params: Option<&Value>) -> Result<KvDirective, RequestError>
     if host.is_empty() || host.contains('/') {
         return Err(bad(format!("{} is not a host", field("remote_host"))));
     }
-    let url = format!("http://{host}:{port}");
+    let control = match p.get("remote_control_addr") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(
+            v.as_str()
+                .and_then(|a| a.parse::<std::net::SocketAddr>().ok())
+                .ok_or_else(|| bad(format!("{} must be IP:port", field("remote_control_addr"))))?,
+        ),
+    };
+    let engine_id = match p.get("remote_engine_id") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
+        Some(_) => {
+            return Err(bad(format!(
+                "{} must be a non-empty string",
+                field("remote_engine_id")
+            )))
+        }
+    };
+    let peer = PeerRef {
+        url: format!("http://{host}:{port}"),
+        control,
+        engine_id,
+    };
     if p.get("remote_block_ids").is_none_or(Value::is_null) {
         return Ok(KvDirective::DriveRemote {
-            url,
-            transfer_id: transfer_id.unwrap_or_else(TransferId::new_random),
+            peer,
+            transfer: transfer_id.unwrap_or_else(TransferId::new_random),
         });
     }
     let block_ids = p
@@ -487,7 +553,7 @@ pub fn kv_directive(params: Option<&Value>) -> Result<KvDirective, RequestError>
         .and_then(Value::as_u64)
         .and_then(|n| u32::try_from(n).ok())
         .ok_or_else(|| bad(format!("{} must be a token id", field("first_token_id"))))?;
-    let transfer_id = transfer_id.ok_or_else(|| {
+    let transfer = transfer_id.ok_or_else(|| {
         bad(format!(
             "{} is required with do_remote_prefill",
             field("transfer_id")
@@ -504,13 +570,89 @@ pub fn kv_directive(params: Option<&Value>) -> Result<KvDirective, RequestError>
             },
         )?)),
     };
-    Ok(KvDirective::FromPrefill(
-        crate::kv_receiver::RemotePrefill {
-            transfer_id,
-            url,
-            block_ids,
-            first_token,
-            lease,
-        },
-    ))
+    Ok(KvDirective::FromPrefill {
+        peer,
+        transfer,
+        block_ids,
+        first_token,
+        lease,
+    })
+}
+
+#[cfg(test)]
+mod kv_params_tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn vllm_fields_and_our_extensions_are_read() {
+        let d = kv_directive(Some(&json!({
+            "do_remote_prefill": true, "remote_host": "10.0.0.1", "remote_port": 8100,
+            "remote_engine_id": "prefill-0", "remote_control_addr": "10.0.0.1:7100",
+            "transfer_id": "000000000000000000000000000000ab"
+        })))
+        .unwrap();
+        let KvDirective::DriveRemote { peer, transfer } = d else {
+            panic!("{d:?}")
+        };
+        assert_eq!(peer.url, "http://10.0.0.1:8100");
+        assert_eq!(peer.control, Some("10.0.0.1:7100".parse().unwrap()));
+        assert_eq!(peer.engine_id.as_deref(), Some("prefill-0"));
+        assert_eq!(transfer.0, 0xab);
+        for (params, needle) in [
+            (
+                json!({"do_remote_prefill": true, "remote_port": 1}),
+                "remote_host",
+            ),
+            (
+                json!({"do_remote_prefill": true, "remote_host": "h", "remote_port": 70000}),
+                "remote_port",
+            ),
+            (
+                json!({"do_remote_prefill": true, "remote_host": "h", "remote_port": 1, "remote_control_addr": "x"}),
+                "remote_control_addr",
+            ),
+            (
+                json!({"do_remote_prefill": true, "remote_host": "h", "remote_port": 1, "remote_block_ids": [1]}),
+                "first_token_id",
+            ),
+        ] {
+            let e = kv_directive(Some(&params)).unwrap_err();
+            assert!(e.to_string().contains(needle), "{needle}: {e}");
+        }
+    }
+}
+
+/// The `kv_transfer_params` pdserve writes: the proxy's one-hop request to a decode instance
+/// (no block ids: the decode instance drives the hand-off), and a prefill instance's answer in
+/// vLLM's two-hop flow (held block ids, T0, lease). vLLM's field names plus pdserve's
+/// `transfer_id`, `first_token_id`, `kv_lease_ms` and `remote_control_addr`;
+/// [`kv_directive`] reads them back.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct KvTransferParams {
+    /// Decode asks no remote decode.
+    pub do_remote_decode: bool,
+    /// The prompt's KV comes from a prefill instance.
+    pub do_remote_prefill: bool,
+    /// The prefill instance's host.
+    pub remote_host: Option<String>,
+    /// Its HTTP port.
+    pub remote_port: Option<u16>,
+    /// Its engine id (node name).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub remote_engine_id: Option<String>,
+    /// Its control-plane address.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub remote_control_addr: Option<String>,
+    /// The blocks it holds (two-hop flow).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub remote_block_ids: Option<Vec<u32>>,
+    /// The hand-off id.
+    pub transfer_id: String,
+    /// T0 (two-hop flow).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub first_token_id: Option<u32>,
+    /// How long the blocks are held unless renewed (two-hop flow).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_lease_ms: Option<u64>,
 }

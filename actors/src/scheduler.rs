@@ -3,23 +3,29 @@
 //! their reports (by rank index, per step id and epoch) and streams tokens to each request's
 //! owner.
 //!
-//! Messages: [`SchedulerMsg`]. Supervised by the `InstanceSupervisor`, which reports worker
-//! failures (`WorkerDown`) and restarts (`WorkerUp`). When a worker fails, every request in the
+//! Messages: [`SchedulerMsg`]; other code talks to it through a [`SchedulerHandle`] (typed
+//! calls with the configured timeout). Supervised by the `InstanceSupervisor`, which reports
+//! worker failures (`WorkerDown`); workers report through `Worker` (ready, step done). When a worker fails, every request in the
 //! step it was running ends with a 5xx [`RequestError::WorkerFailed`] and its blocks return to
 //! the pool; scheduling resumes once every rank is back. If the Scheduler itself fails, the
 //! supervisor escalates: the requests it held cannot be recovered.
 
 mod core;
+mod handle;
 
 pub use self::core::{
     NewRequest, Output, RequestState, SchedulerConfig, SchedulerCore, SchedulerStats, StepPlan,
 };
+pub use self::handle::{RequestStream, SchedulerHandle};
 
 use crate::error::RequestError;
-use crate::kv_receiver::{KvReceiverMsg, KvSource};
-use crate::kv_sender::{KvSenderMsg, PushChunk};
+use crate::handoff::protocol::unix_now_us;
+use crate::handoff::push::PushChunk;
+use crate::handoff::receiver::{Fetch, FetchOutcome, FetchReply, KvReceiverMsg, KvSource};
+use crate::handoff::sender::KvSenderMsg;
+use crate::handoff::HandoffError;
 use crate::mailbox::{Inbox, Mailbox};
-use crate::worker::WorkerMsg;
+use crate::worker::{StepError, WorkerMsg, WorkerReport};
 use pdserve_gpu::model::Batch;
 use pdserve_gpu::sampling::FinishReason;
 use pdserve_runtime::ids::{RequestId, TransferId};
@@ -27,7 +33,11 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
-use tokio::sync::mpsc::UnboundedSender;
+use tokio::sync::mpsc::error::TrySendError;
+
+/// Where a request's events go: a bounded channel sized for every event the request can
+/// produce (see [`SchedulerHandle::submit`]), so the Scheduler never waits on it.
+pub type EventSink = tokio::sync::mpsc::Sender<RequestEvent>;
 
 /// What a request's owner (an HTTP handler) receives.
 #[derive(Debug, Clone, PartialEq)]
@@ -63,14 +73,14 @@ pub enum SchedulerMsg {
         /// The request.
         request: NewRequest,
         /// Where its events go.
-        sink: UnboundedSender<RequestEvent>,
+        sink: EventSink,
     },
     /// A request whose prompt KV comes from a prefill instance (decode side of P/D).
     SubmitRemote {
         /// The request (its prompt is what the prefill side computed).
         request: NewRequest,
         /// Where its events go.
-        sink: UnboundedSender<RequestEvent>,
+        sink: EventSink,
         /// Where the KV comes from.
         source: KvSource,
     },
@@ -79,13 +89,13 @@ pub enum SchedulerMsg {
         /// Request.
         id: RequestId,
         /// T0 from the prefill side, or the failure.
-        result: Result<u32, String>,
-        /// The KV cache generation the bytes landed in (see `KvRegistry::generation`).
-        generation: u64,
+        outcome: FetchOutcome,
     },
     /// A decode instance renews the leases of blocks held for it; answers the transfers no
     /// longer held.
     RenewHeld(Vec<TransferId>, RpcReplyPort<Vec<TransferId>>),
+    /// The blocks held for a transfer, while its lease lives (to scope a reader's session).
+    HeldBlocks(TransferId, RpcReplyPort<Option<Vec<u32>>>),
     /// A decode instance gave up on a hand-off: abort the request computing it (its owner
     /// gets [`RequestError::Aborted`]) or free the blocks held for it. Answers whether
     /// anything was found.
@@ -97,32 +107,14 @@ pub enum SchedulerMsg {
     Tick,
     /// The owner gave up on a request (client disconnect).
     Abort(RequestId),
-    /// A rank finished (or failed) a step.
-    StepDone {
-        /// The reporting worker's epoch.
-        epoch: u64,
-        /// Which step.
-        step_id: u64,
-        /// Which rank.
-        rank: usize,
-        /// Logits (rank 0) or the failure.
-        result: Result<Vec<Vec<f32>>, String>,
-    },
+    /// A worker's report: ready for steps, or a step done.
+    Worker(WorkerReport),
     /// A worker died; its supervisor is restarting it.
     WorkerDown {
         /// Rank.
         rank: usize,
         /// What happened.
         reason: String,
-    },
-    /// A worker (re)started and is ready for steps.
-    WorkerUp {
-        /// Rank.
-        rank: usize,
-        /// Its epoch (stale reports from older epochs are dropped).
-        epoch: u64,
-        /// Where to send steps.
-        worker: Mailbox<WorkerMsg>,
     },
     /// Queue and pool figures.
     Stats(RpcReplyPort<SchedulerStats>),
@@ -147,8 +139,6 @@ pub struct SchedulerArgs {
     pub kv_receiver: Option<Mailbox<KvReceiverMsg>>,
     /// The KV sender (instances with a transfer engine).
     pub kv_sender: Option<Mailbox<KvSenderMsg>>,
-    /// The registry whose generation tells whether received KV is still in the cache.
-    pub kv_generation: Option<Arc<crate::kv_receiver::KvRegistry>>,
     /// Vocabulary size (validates peer-supplied first tokens).
     pub vocab_size: usize,
 }
@@ -157,14 +147,43 @@ struct InFlight {
     plan: StepPlan,
     /// Whether the KvSender was told about pushed chunks of this step.
     pushes: bool,
-    replies: Vec<Option<Result<Vec<Vec<f32>>, String>>>,
+    replies: Vec<Option<Result<Vec<Vec<f32>>, StepError>>>,
+}
+
+/// Decode side: where a request's prompt KV came from, and when.
+struct Remote {
+    transfer: TransferId,
+    /// Worker epochs when the hand-off started: KV landing in a cache that a restarted
+    /// worker replaced since is gone.
+    epochs: Vec<u64>,
+    /// When the prefill instance had the prompt computed (µs since the Unix epoch).
+    computed_at_unix_us: Option<u64>,
+    /// Whether the first decode step was scheduled (the hand-off gap is measured once).
+    stepped: bool,
 }
 
 struct Owner {
-    sink: UnboundedSender<RequestEvent>,
+    sink: EventSink,
     arrived: Instant,
     first_token: Option<Instant>,
     last_token: Option<Instant>,
+    /// Prefill side: the transfer its blocks are held for.
+    hold_for: Option<TransferId>,
+    /// Decode side of a remote request.
+    remote: Option<Remote>,
+}
+
+impl Owner {
+    fn new(sink: EventSink, hold_for: Option<TransferId>, remote: Option<Remote>) -> Self {
+        Self {
+            sink,
+            arrived: Instant::now(),
+            first_token: None,
+            last_token: None,
+            hold_for,
+            remote,
+        }
+    }
 }
 
 /// The Scheduler's mutable state.
@@ -181,7 +200,6 @@ pub struct SchedulerState {
     kv_receiver: Option<Mailbox<KvReceiverMsg>>,
     kv_sender: Option<Mailbox<KvSenderMsg>>,
     me: Mailbox<SchedulerMsg>,
-    kv_generation: Option<Arc<crate::kv_receiver::KvRegistry>>,
     vocab_size: usize,
 }
 
@@ -219,7 +237,6 @@ impl Actor for Scheduler {
             needs_reset: false,
             kv_receiver: args.kv_receiver,
             kv_sender: args.kv_sender,
-            kv_generation: args.kv_generation,
             vocab_size: args.vocab_size,
         })
     }
@@ -239,23 +256,21 @@ impl Actor for Scheduler {
             } => {
                 st.submit_remote(request, sink, source);
             }
-            SchedulerMsg::RemoteKvDone {
-                id,
-                result,
-                generation,
-            } => {
+            SchedulerMsg::RemoteKvDone { id, outcome } => {
                 // KV that landed in a cache a restarted worker has replaced is gone; so is KV
                 // landing while a worker is down (its replacement allocates a fresh cache).
-                let cache_intact = st.workers.iter().all(Option::is_some)
-                    && st
-                        .kv_generation
-                        .as_ref()
-                        .is_none_or(|g| g.generation() == generation);
-                let result = match result {
-                    Ok(_) if !cache_intact => {
-                        Err("a TP worker restarted while this request's KV was arriving"
-                            .to_string())
-                    }
+                let current = st.worker_epochs();
+                let remote = st.owners.get_mut(&id).and_then(|o| o.remote.as_mut());
+                let cache_intact = remote
+                    .as_ref()
+                    .is_none_or(|r| current.iter().zip(&r.epochs).all(|(c, e)| *c == Some(*e)));
+                if let Some(r) = remote {
+                    r.computed_at_unix_us = outcome.computed_at_unix_us;
+                }
+                let result = match outcome.result {
+                    Ok(_) if !cache_intact => Err(HandoffError::CacheLost(
+                        "a TP worker restarted while this request's KV was arriving".into(),
+                    )),
                     r => r,
                 };
                 let out = match result {
@@ -274,6 +289,11 @@ impl Actor for Scheduler {
                 };
                 st.dispatch(out);
             }
+            SchedulerMsg::HeldBlocks(transfer, reply) => {
+                if !reply.is_closed() {
+                    let _ = reply.send(st.core.held_blocks(transfer));
+                }
+            }
             SchedulerMsg::RenewHeld(transfers, reply) => {
                 let gone = st.core.renew_many(&transfers, Instant::now());
                 if !reply.is_closed() {
@@ -286,7 +306,9 @@ impl Actor for Scheduler {
                         tracing::info!(request = %id, %transfer, "hand-off aborted by the decode side");
                         st.abort_request(id);
                         if let Some(owner) = st.owners.remove(&id) {
-                            let _ = owner.sink.send(RequestEvent::Failed(RequestError::Aborted));
+                            let _ = owner
+                                .sink
+                                .try_send(RequestEvent::Failed(RequestError::Aborted));
                         }
                         true
                     }
@@ -306,24 +328,16 @@ impl Actor for Scheduler {
                 st.core.expire_held(Instant::now());
             }
             SchedulerMsg::Submit { request, sink } => {
-                let id = request.id;
+                let (id, hold_for) = (request.id, request.hold_for);
                 let prompt_tokens = request.prompt.len();
                 match st.core.add(request) {
                     Ok(()) => {
                         metrics::counter!(pdserve_runtime::telemetry::PROMPT_TOKENS_TOTAL)
                             .increment(prompt_tokens as u64);
-                        st.owners.insert(
-                            id,
-                            Owner {
-                                sink,
-                                arrived: Instant::now(),
-                                first_token: None,
-                                last_token: None,
-                            },
-                        );
+                        st.owners.insert(id, Owner::new(sink, hold_for, None));
                     }
                     Err(e) => {
-                        let _ = sink.send(RequestEvent::Failed(e));
+                        let _ = sink.try_send(RequestEvent::Failed(e));
                     }
                 }
             }
@@ -334,13 +348,20 @@ impl Actor for Scheduler {
                 }
                 st.owners.remove(&id);
             }
-            SchedulerMsg::StepDone {
+            SchedulerMsg::Worker(WorkerReport::StepDone {
                 epoch,
                 step_id,
                 rank,
                 result,
-            } => {
+            }) => {
                 st.on_step_done(epoch, step_id, rank, result);
+            }
+            SchedulerMsg::Worker(WorkerReport::Up {
+                rank,
+                epoch,
+                worker,
+            }) => {
+                st.workers[rank] = Some((epoch, worker));
             }
             SchedulerMsg::WorkerDown { rank, reason } => {
                 tracing::warn!(rank, %reason, "worker down; failing the step it held");
@@ -368,20 +389,13 @@ impl Actor for Scheduler {
                     st.abort_request(id);
                     out.push(Output::Failed {
                         id,
-                        error: RequestError::WorkerFailed(format!(
+                        error: RequestError::KvTransfer(HandoffError::CacheLost(format!(
                             "TP rank {rank} restarted while this request's KV was arriving"
-                        )),
+                        ))),
                     });
                 }
                 st.core.cache_lost();
                 st.dispatch(out);
-            }
-            SchedulerMsg::WorkerUp {
-                rank,
-                epoch,
-                worker,
-            } => {
-                st.workers[rank] = Some((epoch, worker));
             }
             SchedulerMsg::Stats(reply) => {
                 if !reply.is_closed() {
@@ -396,23 +410,18 @@ impl Actor for Scheduler {
 }
 
 impl SchedulerState {
-    fn submit_remote(
-        &mut self,
-        request: NewRequest,
-        sink: UnboundedSender<RequestEvent>,
-        source: KvSource,
-    ) {
+    fn submit_remote(&mut self, request: NewRequest, sink: EventSink, source: KvSource) {
         let id = request.id;
         let Some(receiver) = self.kv_receiver.clone() else {
-            let _ = sink.send(RequestEvent::Failed(RequestError::BadRequest(
+            let _ = sink.try_send(RequestEvent::Failed(RequestError::BadRequest(
                 "this instance has no KV transfer engine: do_remote_prefill needs role decode"
                     .into(),
             )));
             return;
         };
-        if let KvSource::Held(remote) = &source {
-            if remote.first_token as usize >= self.core_vocab() {
-                let _ = sink.send(RequestEvent::Failed(RequestError::BadRequest(
+        if let KvSource::Held { first_token, .. } = &source {
+            if *first_token as usize >= self.vocab_size {
+                let _ = sink.try_send(RequestEvent::Failed(RequestError::BadRequest(
                     "kv_transfer_params.first_token_id is outside the vocabulary".into(),
                 )));
                 return;
@@ -423,37 +432,53 @@ impl SchedulerState {
             Ok(_) => {
                 let blocks = self.core.share_blocks(id).expect("just added");
                 let _ = self.core.remote_kv_transferring(id);
-                self.owners.insert(
+                let remote = Remote {
+                    transfer: source.transfer(),
+                    epochs: self
+                        .worker_epochs()
+                        .into_iter()
+                        .map(|e| e.unwrap_or(0))
+                        .collect(),
+                    computed_at_unix_us: None,
+                    stepped: false,
+                };
+                self.owners.insert(id, Owner::new(sink, None, Some(remote)));
+                let me = self.me.clone();
+                let fetch = Fetch {
                     id,
-                    Owner {
-                        sink,
-                        arrived: Instant::now(),
-                        first_token: None,
-                        last_token: None,
-                    },
-                );
+                    source,
+                    blocks,
+                    prompt,
+                    params,
+                    reply: FetchReply::new(move |outcome| {
+                        let _ = me.cast(SchedulerMsg::RemoteKvDone { id, outcome });
+                    }),
+                };
                 if receiver
-                    .cast(KvReceiverMsg::Fetch(Box::new(crate::kv_receiver::Fetch {
-                        id,
-                        source,
-                        blocks,
-                        prompt,
-                        params,
-                        reply: crate::kv_receiver::FetchReply::new(id, self.me.clone()),
-                    })))
+                    .cast(KvReceiverMsg::Fetch(Box::new(fetch)))
                     .is_err()
                 {
                     self.core.abort(id);
                     self.dispatch(vec![Output::Failed {
                         id,
-                        error: RequestError::Internal("the KV receiver is gone".into()),
+                        error: RequestError::KvTransfer(HandoffError::Interrupted(
+                            "the KV receiver is gone".into(),
+                        )),
                     }]);
                 }
             }
             Err(e) => {
-                let _ = sink.send(RequestEvent::Failed(e));
+                let _ = sink.try_send(RequestEvent::Failed(e));
             }
         }
+    }
+
+    /// Each rank's worker epoch (`None` while it is down).
+    fn worker_epochs(&self) -> Vec<Option<u64>> {
+        self.workers
+            .iter()
+            .map(|w| w.as_ref().map(|(e, _)| *e))
+            .collect()
     }
 
     /// Drops a request; one whose KV is still arriving has its hand-off stopped too (the
@@ -480,16 +505,12 @@ impl SchedulerState {
         }
     }
 
-    fn core_vocab(&self) -> usize {
-        self.vocab_size
-    }
-
     fn on_step_done(
         &mut self,
         epoch: u64,
         step_id: u64,
         rank: usize,
-        result: Result<Vec<Vec<f32>>, String>,
+        result: Result<Vec<Vec<f32>>, StepError>,
     ) {
         let current_epoch = self
             .workers
@@ -556,6 +577,7 @@ impl SchedulerState {
         let Some(plan) = self.core.schedule() else {
             return;
         };
+        self.note_first_decode_steps(&plan);
         let batch: Arc<Batch> = Arc::new(plan.batch.clone());
         let hook = self.push_hook(&plan);
         for (_, w) in self.workers.iter().flatten() {
@@ -570,6 +592,27 @@ impl SchedulerState {
             pushes: hook.is_some(),
             plan,
         });
+    }
+
+    /// The hand-off gap of remote requests whose first decode step `plan` holds: from the
+    /// prefill instance having the prompt computed to now.
+    fn note_first_decode_steps(&mut self, plan: &StepPlan) {
+        use pdserve_runtime::telemetry as m;
+        for (id, _, _) in &plan.members {
+            let Some(remote) = self.owners.get_mut(id).and_then(|o| o.remote.as_mut()) else {
+                continue;
+            };
+            if std::mem::replace(&mut remote.stepped, true) {
+                continue;
+            }
+            let at_us = unix_now_us();
+            let transfer = remote.transfer;
+            tracing::info!(%transfer, at_us, "handoff: first decode step");
+            if let Some(computed) = remote.computed_at_unix_us {
+                let gap = at_us.saturating_sub(computed) as f64 / 1e6;
+                metrics::histogram!(m::KV_HANDOFF_GAP_SECONDS).record(gap);
+            }
+        }
     }
 
     /// When `plan` computes chunks of pushed requests: tells the KvSender (before any worker
@@ -674,7 +717,25 @@ impl SchedulerState {
                     }
                 }
             }
-            let gone = owner.sink.send(event).is_err();
+            if let (
+                Some(transfer),
+                RequestEvent::Finished {
+                    held_blocks: Some(_),
+                    ..
+                },
+            ) = (owner.hold_for, &event)
+            {
+                tracing::info!(%transfer, at_us = unix_now_us(), "handoff: prompt computed");
+            }
+            let gone = match owner.sink.try_send(event) {
+                Ok(()) => false,
+                Err(TrySendError::Closed(_)) => true,
+                Err(TrySendError::Full(_)) => {
+                    // Cannot happen: the channel holds every event a request can produce.
+                    tracing::error!(request = %id, "request event channel full: dropping the request");
+                    true
+                }
+            };
             if end {
                 self.owners.remove(&id);
             } else if gone {

@@ -5,11 +5,14 @@
 //! stops the instance instead of looping — `pdserve launch` then restarts the process):
 //! - a **TpWorker** is restarted with a new epoch, a fresh shard and KV region, after the
 //!   Scheduler has failed the step it was running (those requests end with a 5xx, their
-//!   blocks return to the pool);
+//!   blocks return to the pool); the rank's hand-off epoch moves on and the Aggregator fails
+//!   the hand-offs that waited on its old cache;
 //! - the **Aggregator**, **KvSender** and **KvReceiver** are restarted in place: everyone
 //!   reaches them through a [`Mailbox`] the restart re-points. What a failed incarnation
 //!   had open ends with it and is failed explicitly (hand-off waiters see their channel
-//!   close; see each actor's docs), nothing waits for it;
+//!   close; see each actor's docs), nothing waits for it. A KvSender or KvReceiver restart
+//!   moves every rank's hand-off epoch on: late reports of the old incarnation's hand-offs
+//!   are stale;
 //! - a failed **Scheduler** or **HttpFrontend** escalates at once: the requests the
 //!   Scheduler held (and the block pool that tracks them) cannot be recovered, and the
 //!   frontend's listener is the instance's address.
@@ -17,13 +20,15 @@
 //! Every child's [`Mailbox`] counts its queue (`mailbox_depth` in `pdserve inspect`) and
 //! carries its slot's test-only [`PanicHook`].
 
-use crate::aggregator::{Aggregator, AggregatorMsg};
+use crate::error::RequestError;
+use crate::handoff::aggregator::{Aggregator, AggregatorMsg, DroppedReports, Epochs};
+use crate::handoff::receiver::{KvReceiver, KvReceiverMsg};
+use crate::handoff::sender::{KvSender, KvSenderMsg};
+use crate::handoff::KvContext;
 use crate::http::{AppState, HttpArgs, HttpFrontend, HttpMsg};
-use crate::kv_receiver::{KvContext, KvReceiver, KvReceiverMsg};
-use crate::kv_sender::{KvSender, KvSenderMsg};
 use crate::mailbox::{Mailbox, PanicHook};
-use crate::scheduler::{Scheduler, SchedulerArgs, SchedulerConfig, SchedulerMsg, SchedulerStats};
-use crate::worker::{TpWorker, WorkerArgs, WorkerMsg, WorkerSpec};
+use crate::scheduler::{Scheduler, SchedulerArgs, SchedulerConfig, SchedulerMsg};
+use crate::worker::{ReportSink, StepError, TpWorker, WorkerArgs, WorkerMsg, WorkerSpec};
 use pdserve_gpu::collective::ThreadCollective;
 use pdserve_runtime::faults::FaultInjector;
 use pdserve_runtime::supervision::{
@@ -42,13 +47,14 @@ pub enum SupervisorMsg {
     InjectPanic(String, usize, RpcReplyPort<bool>),
     /// The live tree of this instance.
     Snapshot(RpcReplyPort<ActorSnapshot>),
-    /// The Scheduler (for in-process clients) and where the HTTP frontend listens.
-    Handles(RpcReplyPort<(Mailbox<SchedulerMsg>, Option<SocketAddr>)>),
+    /// The Scheduler (for in-process clients), where the HTTP frontend listens, and its
+    /// shared state.
+    Handles(RpcReplyPort<Handles>),
 }
 
 /// Builds the HTTP handlers' shared state once the Scheduler exists.
 pub type AppStateFactory =
-    Box<dyn FnOnce(Mailbox<SchedulerMsg>, Option<Mailbox<KvSenderMsg>>) -> AppState + Send>;
+    Box<dyn FnOnce(Mailbox<SchedulerMsg>, Option<Mailbox<KvSenderMsg>>) -> Arc<AppState> + Send>;
 
 /// Everything an instance is started from.
 pub struct InstanceArgs {
@@ -60,13 +66,18 @@ pub struct InstanceArgs {
     pub scheduler: SchedulerConfig,
     /// Tokenizer for the scheduler's streaming text.
     pub tokenizer: pdserve_gpu::tokenizer::Tokenizer,
-    /// HTTP frontend: where to listen and the handler state (its `scheduler` field is
-    /// replaced by the real one).
-    pub http: Option<(SocketAddr, AppStateFactory)>,
+    /// Builds the handlers' shared state (HTTP API and peer protocol).
+    pub app: AppStateFactory,
+    /// Where the HTTP frontend listens (`None`: no frontend).
+    pub http: Option<SocketAddr>,
     /// Restart budget of each child.
     pub restart_policy: RestartPolicy,
     /// The KV hand-off context (instances with a transfer engine).
     pub kv: Option<Arc<KvContext>>,
+    /// Per-rank epochs (shared with the KV context when there is one).
+    pub epochs: Arc<Epochs>,
+    /// Bound on calls between the instance's actors.
+    pub call_timeout: Duration,
 }
 
 /// A child's typed address: what restarting it and reading its queue need.
@@ -140,7 +151,9 @@ pub struct SupervisorState {
     scheduler: Mailbox<SchedulerMsg>,
     aggregator: Option<Mailbox<AggregatorMsg>>,
     worker_spec: WorkerSpec,
-    epochs: Vec<u64>,
+    epochs: Arc<Epochs>,
+    dropped: Arc<DroppedReports>,
+    app: Option<Arc<AppState>>,
     comms: Vec<ThreadCollective>,
     /// Scheduler, KV actors and frontend first, then the workers by rank.
     children: Vec<Child>,
@@ -172,12 +185,18 @@ impl SupervisorState {
         if let Some(kv) = &self.kv {
             spec.alloc = kv.registry.allocator_for(rank);
         }
+        let scheduler = self.scheduler.clone();
+        let reports: ReportSink = Arc::new(move |r| {
+            scheduler
+                .cast(SchedulerMsg::Worker(r))
+                .map_err(|_| StepError("the scheduler is gone".into()))
+        });
         WorkerArgs {
             rank,
-            epoch: self.epochs[rank],
+            epoch: self.epochs.worker(rank),
             spec,
             comm: self.comms[rank].clone(),
-            scheduler: self.scheduler.clone(),
+            reports,
         }
     }
 
@@ -212,18 +231,25 @@ impl SupervisorState {
         match &self.children[i].slot {
             Slot::Worker(rank, m) => {
                 let rank = *rank;
-                self.epochs[rank] += 1;
+                self.epochs.bump_worker(rank);
+                self.epochs_moved(&[rank]);
                 let args = self.worker_args(rank);
                 m.respawn_linked(name, TpWorker, args, sup).await?;
             }
             Slot::Aggregator(m) => {
-                m.respawn_linked(name, Aggregator, (), sup).await?;
+                let dropped = self.dropped.clone();
+                m.respawn_linked(name, move |i| Aggregator(i, dropped), (), sup)
+                    .await?;
             }
             Slot::KvSender(m) => {
+                self.epochs.bump_incarnation();
+                self.epochs_moved(&(0..self.epochs.len()).collect::<Vec<_>>());
                 m.respawn_linked(name, KvSender, (kv()?, agg()?), sup)
                     .await?;
             }
             Slot::KvReceiver(m) => {
+                self.epochs.bump_incarnation();
+                self.epochs_moved(&(0..self.epochs.len()).collect::<Vec<_>>());
                 m.respawn_linked(name, KvReceiver, (kv()?, agg()?), sup)
                     .await?;
             }
@@ -235,6 +261,19 @@ impl SupervisorState {
         c.started = Instant::now();
         c.restarts += 1;
         Ok(())
+    }
+
+    /// Tells the Aggregator that these ranks' hand-off epochs moved on.
+    fn epochs_moved(&self, ranks: &[usize]) {
+        if let Some(agg) = &self.aggregator {
+            let current = self.epochs.current();
+            for &rank in ranks {
+                let _ = agg.cast(AggregatorMsg::EpochBumped {
+                    rank,
+                    epoch: current[rank],
+                });
+            }
+        }
     }
 }
 
@@ -253,12 +292,22 @@ impl Actor for InstanceSupervisor {
         let hook = |kind| PanicHook::new(kind, faults.clone());
         let sup = || myself.get_cell();
         let mut slots = Vec::new();
+        let dropped = args
+            .kv
+            .as_ref()
+            .map_or_else(Arc::default, |kv| kv.dropped.clone());
         let (kv_receiver, kv_sender, aggregator) = match &args.kv {
             Some(kv) => {
                 let name = format!("{}/aggregator", args.name);
-                let (agg, _) =
-                    Mailbox::spawn_linked(name.clone(), Aggregator, (), sup(), hook("Aggregator"))
-                        .await?;
+                let d = dropped.clone();
+                let (agg, _) = Mailbox::spawn_linked(
+                    name.clone(),
+                    move |i| Aggregator(i, d),
+                    (),
+                    sup(),
+                    hook("Aggregator"),
+                )
+                .await?;
                 slots.push((name, Slot::Aggregator(agg.clone())));
                 let name = format!("{}/kv-sender", args.name);
                 let (sender, _) = Mailbox::spawn_linked(
@@ -296,7 +345,6 @@ impl Actor for InstanceSupervisor {
                 collective: comms[0].clone(),
                 kv_receiver,
                 kv_sender: kv_sender.clone(),
-                kv_generation: args.kv.as_ref().map(|k| k.registry.clone()),
                 vocab_size: args.worker.config.vocab_size,
             },
             sup(),
@@ -309,7 +357,9 @@ impl Actor for InstanceSupervisor {
             scheduler: scheduler.clone(),
             aggregator,
             worker_spec: args.worker,
-            epochs: vec![1; tp],
+            epochs: args.epochs,
+            dropped,
+            app: None,
             comms,
             children: Vec::new(),
             kv: args.kv,
@@ -334,8 +384,9 @@ impl Actor for InstanceSupervisor {
             let c = st.child(name, Slot::Worker(rank, w));
             st.children.push(c);
         }
-        if let Some((bind, make_app)) = args.http {
-            let app = Arc::new(make_app(scheduler.clone(), kv_sender));
+        let app = (args.app)(scheduler.clone(), kv_sender);
+        st.app = Some(app.clone());
+        if let Some(bind) = args.http {
             let name = format!("{}/http", args.name);
             let (http, _) = Mailbox::spawn_linked(
                 name.clone(),
@@ -345,7 +396,8 @@ impl Actor for InstanceSupervisor {
                 st.hook("HttpFrontend"),
             )
             .await?;
-            st.addr = Some(ractor::call_t!(http, HttpMsg::LocalAddr, 5_000)?);
+            let ms = args.call_timeout.as_millis() as u64;
+            st.addr = Some(ractor::call_t!(http, HttpMsg::LocalAddr, ms)?);
             let c = st.child(name, Slot::Http(http));
             st.children.insert(st.children.len() - tp, c);
         }
@@ -372,7 +424,7 @@ impl Actor for InstanceSupervisor {
             }
             SupervisorMsg::Handles(reply) => {
                 if !reply.is_closed() {
-                    let _ = reply.send((st.scheduler.clone(), st.addr));
+                    let _ = reply.send((st.scheduler.clone(), st.addr, st.app.clone()));
                 }
             }
             SupervisorMsg::Snapshot(reply) => {
@@ -391,6 +443,22 @@ impl Actor for InstanceSupervisor {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// A stopping supervisor stops its children and waits for them (ractor leaves them
+    /// running otherwise): their `post_stop` closes the listener, the executors end.
+    async fn post_stop(
+        &self,
+        myself: ActorRef<Self::Msg>,
+        _st: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        myself
+            .stop_children_and_wait(
+                Some("the instance is stopping".into()),
+                Some(Duration::from_secs(10)),
+            )
+            .await;
         Ok(())
     }
 
@@ -464,12 +532,71 @@ fn snapshot_of(c: &Child) -> ActorSnapshot {
     }
 }
 
-/// Queries the scheduler (bounded wait).
-///
-/// # Errors
-/// When the scheduler is gone or does not answer in time.
-pub async fn scheduler_stats(
-    scheduler: &Mailbox<SchedulerMsg>,
-) -> Result<SchedulerStats, ActorProcessingErr> {
-    Ok(ractor::call_t!(scheduler, SchedulerMsg::Stats, 5_000)?)
+/// What `Instance::start` needs from a started tree.
+pub type Handles = (
+    Mailbox<SchedulerMsg>,
+    Option<SocketAddr>,
+    Option<Arc<AppState>>,
+);
+
+/// A typed handle on an InstanceSupervisor; every call waits at most the configured timeout.
+#[derive(Clone)]
+pub struct SupervisorHandle {
+    mailbox: Mailbox<SupervisorMsg>,
+    call_timeout: Duration,
+}
+
+impl SupervisorHandle {
+    /// A handle whose calls wait at most `call_timeout`.
+    pub fn new(mailbox: Mailbox<SupervisorMsg>, call_timeout: Duration) -> Self {
+        Self {
+            mailbox,
+            call_timeout,
+        }
+    }
+
+    /// The supervisor's mailbox.
+    pub fn mailbox(&self) -> &Mailbox<SupervisorMsg> {
+        &self.mailbox
+    }
+
+    fn ms(&self) -> u64 {
+        self.call_timeout.as_millis() as u64
+    }
+
+    /// The live tree.
+    ///
+    /// # Errors
+    /// [`RequestError::Internal`] when the supervisor is gone or does not answer in time.
+    pub async fn snapshot(&self) -> Result<ActorSnapshot, RequestError> {
+        ractor::call_t!(self.mailbox, SupervisorMsg::Snapshot, self.ms()).map_err(|e| {
+            RequestError::Internal(format!("the instance supervisor did not answer: {e}"))
+        })
+    }
+
+    /// The tree's handles.
+    ///
+    /// # Errors
+    /// [`RequestError::Internal`] when the supervisor is gone or does not answer in time.
+    pub async fn handles(&self) -> Result<Handles, RequestError> {
+        ractor::call_t!(self.mailbox, SupervisorMsg::Handles, self.ms()).map_err(|e| {
+            RequestError::Internal(format!("the instance supervisor did not answer: {e}"))
+        })
+    }
+
+    /// Test-only fault hook: arms the panic of the child of `kind` (rank `rank` for a
+    /// TpWorker); answers whether there is such a child.
+    ///
+    /// # Errors
+    /// [`RequestError::Internal`] when the supervisor is gone or does not answer in time.
+    pub async fn inject_panic(&self, kind: String, rank: usize) -> Result<bool, RequestError> {
+        ractor::call_t!(
+            self.mailbox,
+            SupervisorMsg::InjectPanic,
+            self.ms(),
+            kind,
+            rank
+        )
+        .map_err(|e| RequestError::Internal(format!("the instance supervisor did not answer: {e}")))
+    }
 }

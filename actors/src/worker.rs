@@ -1,7 +1,8 @@
 //! The TpWorker actor: one tensor-parallel rank. It owns a [`RankExecutor`] — the rank's model
 //! shard and KV region on a dedicated OS thread — forwards each step to it and lets the
-//! executor report straight back to the Scheduler (`StepDone`, tagged with this worker's
-//! epoch). The mailbox never waits on compute.
+//! executor report straight back through the worker's [`ReportSink`] (a
+//! [`WorkerReport::StepDone`] tagged with this worker's epoch; the supervisor points the sink
+//! at the Scheduler). The mailbox never waits on compute.
 //!
 //! Messages: [`WorkerMsg`]. Supervised by the `InstanceSupervisor`, which restarts a failed
 //! worker with a new epoch (a fresh executor, shard and KV region) under a restart budget and
@@ -9,7 +10,6 @@
 //! queue closes; reports it still sends carry the old epoch and are dropped.
 
 use crate::mailbox::{Inbox, Mailbox};
-use crate::scheduler::SchedulerMsg;
 use pdserve_gpu::collective::ThreadCollective;
 use pdserve_gpu::config::ModelConfig;
 use pdserve_gpu::model::Batch;
@@ -33,6 +33,38 @@ pub enum WorkerMsg {
     /// A peer rank died: fail any collective this group waits in.
     Poison(String),
 }
+
+/// Why a forward step failed on a rank (the executor's error, as reported).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct StepError(pub String);
+
+/// What a worker reports.
+pub enum WorkerReport {
+    /// The worker (re)started and is ready for steps.
+    Up {
+        /// Rank.
+        rank: usize,
+        /// Its epoch (reports of older epochs are stale).
+        epoch: u64,
+        /// Where to send its steps.
+        worker: Mailbox<WorkerMsg>,
+    },
+    /// A step ended on this rank.
+    StepDone {
+        /// The worker's epoch.
+        epoch: u64,
+        /// Which step.
+        step_id: u64,
+        /// Which rank.
+        rank: usize,
+        /// Logits (rank 0) or the failure.
+        result: Result<Vec<Vec<f32>>, StepError>,
+    },
+}
+
+/// Where a worker's reports go; `Err` when the receiver is gone.
+pub type ReportSink = Arc<dyn Fn(WorkerReport) -> Result<(), StepError> + Send + Sync>;
 
 /// What every rank of an instance is built from (shared by ranks and restarts).
 #[derive(Clone)]
@@ -60,8 +92,8 @@ pub struct WorkerArgs {
     pub spec: WorkerSpec,
     /// This rank's end of the group's collective.
     pub comm: ThreadCollective,
-    /// Where step reports go.
-    pub scheduler: Mailbox<SchedulerMsg>,
+    /// Where its reports go.
+    pub reports: ReportSink,
 }
 
 /// The TpWorker actor (its mailbox count).
@@ -96,7 +128,7 @@ impl Actor for TpWorker {
             )
         })
         .await??;
-        args.scheduler.cast(SchedulerMsg::WorkerUp {
+        (args.reports)(WorkerReport::Up {
             rank: args.rank,
             epoch: args.epoch,
             worker: Mailbox::of(&myself, &self.0),
@@ -118,11 +150,11 @@ impl Actor for TpWorker {
                 batch,
                 hook,
             } => {
-                let scheduler = st.args.scheduler.clone();
+                let reports = st.args.reports.clone();
                 let (rank, epoch) = (st.args.rank, st.args.epoch);
                 let done: StepCallback = Box::new(move |result| {
-                    let result = result.map_err(|e| e.to_string());
-                    let _ = scheduler.cast(SchedulerMsg::StepDone {
+                    let result = result.map_err(|e| StepError(e.to_string()));
+                    let _ = reports(WorkerReport::StepDone {
                         epoch,
                         step_id,
                         rank,
@@ -130,11 +162,11 @@ impl Actor for TpWorker {
                     });
                 });
                 if let Err(e) = st.executor.submit(batch, hook, done) {
-                    st.args.scheduler.cast(SchedulerMsg::StepDone {
+                    (st.args.reports)(WorkerReport::StepDone {
                         epoch,
                         step_id,
                         rank,
-                        result: Err(e.to_string()),
+                        result: Err(StepError(e.to_string())),
                     })?;
                 }
             }

@@ -9,16 +9,14 @@
 //! in parallel); every wait polls a condition under a deadline.
 
 use pdserve_actors::control_plane::{InstanceControl, TOPIC_INSPECT};
-use pdserve_actors::proxy::{
-    proxy_control_addr, start_proxy_with_control, ProxyArgs, ProxyControlArgs, ProxyMsg,
-};
+use pdserve_actors::proxy::{start_proxy_with_control, ProxyArgs, ProxyControlArgs, StartedProxy};
 use pdserve_actors::{Instance, InstanceOptions};
 use pdserve_gpu::loader::{load_model, ModelSource};
-use pdserve_runtime::config::InstanceRole;
 use pdserve_runtime::supervision::{
     ActorSnapshot, ActorState, ClusterSnapshot, InstanceSnapshot, MemberStatus,
 };
-use pdserve_runtime::wire::{ControlMessage, Role};
+use pdserve_runtime::wire::ControlMessage;
+use pdserve_runtime::Role;
 use pdserve_transport::control::tls::{ClusterCredentials, MemberCredentials};
 use pdserve_transport::control::{ControlConfig, ControlEndpoint};
 use pdserve_transport::{BackendKind, TransferConfig};
@@ -57,16 +55,14 @@ where
 }
 
 struct Proxy {
-    actor: pdserve_actors::mailbox::Mailbox<ProxyMsg>,
-    join: tokio::task::JoinHandle<()>,
+    started: StartedProxy,
     url: String,
     control: SocketAddr,
 }
 
 impl Proxy {
     async fn stop(self) {
-        self.actor.stop(None);
-        let _ = tokio::time::timeout(Duration::from_secs(10), self.join).await;
+        self.started.stop().await;
     }
 }
 
@@ -79,16 +75,20 @@ async fn proxy_at(name: &str, listen: SocketAddr) -> Result<Proxy, String> {
         timeout: Duration::from_secs(30),
         max_prefill_queue: None,
         api_key: None,
+        call_timeout: Duration::from_secs(5),
     };
     let control = ProxyControlArgs::new(member(name), listen);
-    let (actor, addr, join) = start_proxy_with_control(name, args, Some(control)).await?;
-    let control = proxy_control_addr(&actor)
-        .await?
+    let started = start_proxy_with_control(name, args, Some(control))
+        .await
+        .map_err(|e| e.to_string())?;
+    let control = started
+        .control_addr()
+        .await
+        .map_err(|e| e.to_string())?
         .expect("a proxy started with control args has a control address");
     Ok(Proxy {
-        actor,
-        join,
-        url: format!("http://{addr}"),
+        url: format!("http://{}", started.addr),
+        started,
         control,
     })
 }
@@ -102,7 +102,7 @@ async fn proxy(name: &str) -> Proxy {
 /// An instance of the tiny synthetic model that registers with `proxy` as `role`.
 async fn instance(
     name: &str,
-    role: InstanceRole,
+    role: Role,
     proxy: SocketAddr,
     credentials: MemberCredentials,
     tp: usize,
@@ -208,7 +208,7 @@ async fn registered_instances_are_routed_to_without_static_urls() {
     assert_eq!(status, 503, "{v}");
     let p = instance(
         "cp-route-p",
-        InstanceRole::Prefill,
+        Role::Prefill,
         px.control,
         member("cp-route-p"),
         1,
@@ -216,7 +216,7 @@ async fn registered_instances_are_routed_to_without_static_urls() {
     .await;
     let d = instance(
         "cp-route-d",
-        InstanceRole::Decode,
+        Role::Decode,
         px.control,
         member("cp-route-d"),
         1,
@@ -274,22 +274,8 @@ async fn registered_instances_are_routed_to_without_static_urls() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn silent_instances_are_dropped_and_a_restarted_proxy_gets_everyone_back() {
     let px = proxy("cp-hb-proxy").await;
-    let p = instance(
-        "cp-hb-p",
-        InstanceRole::Prefill,
-        px.control,
-        member("cp-hb-p"),
-        1,
-    )
-    .await;
-    let d = instance(
-        "cp-hb-d",
-        InstanceRole::Decode,
-        px.control,
-        member("cp-hb-d"),
-        1,
-    )
-    .await;
+    let p = instance("cp-hb-p", Role::Prefill, px.control, member("cp-hb-p"), 1).await;
+    let d = instance("cp-hb-d", Role::Decode, px.control, member("cp-hb-d"), 1).await;
     wait_for("both instances routable", Duration::from_secs(10), || {
         healthy(&px.url)
     })
@@ -370,7 +356,7 @@ async fn an_instance_without_this_clusters_credentials_is_refused_and_never_regi
     let other = ClusterCredentials::ephemeral("cp-test").unwrap();
     let s = instance(
         "cp-stranger-d",
-        InstanceRole::Decode,
+        Role::Decode,
         px.control,
         other.issue("cp-stranger-d").unwrap(),
         1,
@@ -404,7 +390,7 @@ async fn inspect_through_the_proxy_shows_every_tree_restarts_and_unreachable_ins
     let px = proxy("cp-insp-proxy").await;
     let p = instance(
         "cp-insp-p",
-        InstanceRole::Prefill,
+        Role::Prefill,
         px.control,
         member("cp-insp-p"),
         2,
@@ -412,7 +398,7 @@ async fn inspect_through_the_proxy_shows_every_tree_restarts_and_unreachable_ins
     .await;
     let d = instance(
         "cp-insp-d",
-        InstanceRole::Decode,
+        Role::Decode,
         px.control,
         member("cp-insp-d"),
         1,

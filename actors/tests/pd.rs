@@ -6,8 +6,13 @@
 //! mode). Under greedy sampling the tokens must equal a colocated instance's, and every
 //! block pool returns to full after every test, faults included.
 
-use pdserve_actors::kv_receiver::TransferMode;
-use pdserve_actors::proxy::{start_proxy, ProxyArgs};
+use pdserve_actors::control_plane::InstanceControl;
+use pdserve_actors::handoff::peer::{PeerAddr, Peers};
+use pdserve_actors::handoff::protocol::{
+    KvPeerInfo, PeerAnswer, PeerRequest, PrefillMode, PrefillRequest,
+};
+use pdserve_actors::handoff::TransferMode;
+use pdserve_actors::proxy::{start_proxy, ProxyArgs, StartedProxy};
 use pdserve_actors::{Instance, InstanceOptions};
 use pdserve_gpu::loader::{load_model, ModelSource};
 use pdserve_transport::{BackendKind, TransferConfig};
@@ -37,24 +42,69 @@ async fn instance_with(
     tweak: impl FnOnce(&mut InstanceOptions),
 ) -> Instance {
     let mut o = InstanceOptions::local(name, model(spec));
-    tweak(&mut o);
     o.tp = tp;
     o.kv_lease = lease;
+    // Every P/D instance gets cluster credentials: the peer protocol then runs over the
+    // control plane wherever the decode side learns the prefill side's control address (the
+    // prefill answer of vLLM's two-hop flow names it), and over the HTTP adapter where it
+    // does not (a proxy of static URLs, hand-written kv_transfer_params).
+    let role = match name.split('-').next() {
+        Some("p") => pdserve_runtime::Role::Prefill,
+        Some("d") => pdserve_runtime::Role::Decode,
+        _ => pdserve_runtime::Role::Colocated,
+    };
+    if transfer.is_some() {
+        o.control = Some(InstanceControl::new(cluster().issue(name).unwrap(), role));
+    }
     o.transfer = transfer.map(|b| {
         let mut c = TransferConfig::new(b, name);
+        // As `pdserve serve` does by default: a transfer connection that does not prove a
+        // key the peer granted over the peer protocol is refused, so every hand-off below
+        // runs on authenticated sessions (fenced per hand-off on tcp and quic).
+        c.require_auth = b != BackendKind::Local;
         if b == BackendKind::Quic {
             // Both members of a pair must come from one cluster CA (a stranger is refused).
-            static CLUSTER: std::sync::OnceLock<
-                pdserve_transport::control::tls::ClusterCredentials,
-            > = std::sync::OnceLock::new();
-            let cluster = CLUSTER.get_or_init(|| {
-                pdserve_transport::control::tls::ClusterCredentials::ephemeral("pd-test").unwrap()
-            });
-            c.credentials = Some(cluster.issue(name).unwrap());
+            c.credentials = Some(cluster().issue(name).unwrap());
         }
         c
     });
+    tweak(&mut o);
     Instance::start(o).await.unwrap()
+}
+
+/// The one cluster CA of these tests.
+fn cluster() -> &'static pdserve_transport::control::tls::ClusterCredentials {
+    static CLUSTER: std::sync::OnceLock<pdserve_transport::control::tls::ClusterCredentials> =
+        std::sync::OnceLock::new();
+    CLUSTER.get_or_init(|| {
+        pdserve_transport::control::tls::ClusterCredentials::ephemeral("pd-test").unwrap()
+    })
+}
+
+/// A client of the peer protocol, as a decode instance without credentials would be (it
+/// reaches instances over their HTTP adapter).
+fn peer_client() -> std::sync::Arc<Peers> {
+    Peers::new(
+        "test-client".into(),
+        None,
+        None,
+        None,
+        Duration::from_secs(30),
+    )
+}
+
+/// Sends one peer-protocol request to the instance at `url` over HTTP.
+async fn peer_call(url: &str, request: PeerRequest) -> PeerAnswer {
+    peer_client()
+        .call(
+            &PeerAddr::Http {
+                url: url.to_string(),
+            },
+            &request,
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("peer call to {url}: {e}"))
 }
 
 async fn post(url: &str, body: &Value) -> (u16, Value) {
@@ -284,10 +334,7 @@ async fn proxy_for(
     prefill: Vec<String>,
     decode: Vec<String>,
     max_prefill_queue: Option<usize>,
-) -> (
-    pdserve_actors::mailbox::Mailbox<pdserve_actors::proxy::ProxyMsg>,
-    String,
-) {
+) -> (StartedProxy, String) {
     let args = ProxyArgs {
         bind: "127.0.0.1:0".parse().unwrap(),
         prefill,
@@ -295,9 +342,11 @@ async fn proxy_for(
         timeout: Duration::from_secs(60),
         max_prefill_queue,
         api_key: None,
+        call_timeout: Duration::from_secs(5),
     };
-    let (proxy, addr, _join) = start_proxy(name, args).await.unwrap();
-    (proxy, format!("http://{addr}"))
+    let proxy = start_proxy(name, args).await.unwrap();
+    let url = format!("http://{}", proxy.addr);
+    (proxy, url)
 }
 
 async fn wait_healthy(url: &str) {
@@ -389,7 +438,7 @@ async fn proxy_streams_disaggregated_answers_equal_to_colocated() {
     assert_eq!(status, 400, "{v}");
     assert_pool_full(&p).await;
     assert_pool_full(&d).await;
-    proxy.stop(None);
+    proxy.stop().await;
     p.stop().await;
     d.stop().await;
 }
@@ -407,7 +456,7 @@ async fn proxy_without_a_prefill_instance_answers_503() {
     let (proxy, url) = proxy_for("proxy-503", vec![], vec![d.url()], None).await;
     let (status, v) = post(&url, &json!({"prompt": "x", "max_tokens": 2})).await;
     assert_error(status, &v, 503, "no prefill instance");
-    proxy.stop(None);
+    proxy.stop().await;
     d.stop().await;
 }
 
@@ -481,7 +530,7 @@ async fn default_model_disaggregated_tokens_equal_colocated() {
     );
     assert_pool_full(&p).await;
     assert_pool_full(&d).await;
-    proxy.stop(None);
+    proxy.stop().await;
     p.stop().await;
     d.stop().await;
 }
@@ -532,7 +581,7 @@ async fn a_dead_prefill_instance_fails_the_read_clearly_and_decode_keeps_serving
 struct Cluster {
     p: Instance,
     d: Instance,
-    proxy: pdserve_actors::mailbox::Mailbox<pdserve_actors::proxy::ProxyMsg>,
+    proxy: StartedProxy,
     url: String,
 }
 
@@ -580,7 +629,7 @@ impl Cluster {
     async fn stop(self) {
         assert_pool_full(&self.p).await;
         assert_pool_full(&self.d).await;
-        self.proxy.stop(None);
+        self.proxy.stop().await;
         self.p.stop().await;
         self.d.stop().await;
     }
@@ -763,13 +812,8 @@ async fn an_abort_racing_prefill_completion_ends_in_one_clear_outcome() {
             let d_url = c.d.url();
             let request = tokio::spawn(async move { post(&d_url, &b).await });
             tokio::time::sleep(Duration::from_millis(delay_ms)).await;
-            let abort = reqwest::Client::new()
-                .post(format!("{}/v1/kv/abort", c.p.url()))
-                .json(&json!({"transfer_id": transfer.to_string()}))
-                .send()
-                .await
-                .unwrap();
-            assert_eq!(abort.status(), 200);
+            let abort = peer_call(&c.p.url(), PeerRequest::Abort(transfer)).await;
+            assert!(matches!(abort, PeerAnswer::Aborted { .. }), "{abort:?}");
             let (status, v) = request.await.unwrap();
             match status {
                 200 => {
@@ -823,44 +867,34 @@ async fn push_handshake_refuses_mismatched_layouts_and_forged_destinations() {
     assert_error(status, &v, 502, "incompatible");
 
     // Forged push targets sent straight to the prefill instance: refused, nothing held.
-    let info: Value = reqwest::get(format!("{}/v1/kv/info", c.d.url()))
+    let info: KvPeerInfo = reqwest::get(format!("{}/v1/kv/info", c.d.url()))
         .await
         .unwrap()
         .json()
         .await
         .unwrap();
     let prompt: Vec<u32> = (0..40).collect();
-    let client = reqwest::Client::new();
     let mut foreign = info.clone();
-    foreign["compat_key"] = json!("another model");
-    for (target, expect) in [
-        (
-            json!({"peer": info, "block_ids": [0, 1]}),
-            "need 3 destination blocks",
-        ),
-        (
-            json!({"peer": info, "block_ids": [0, 1, 99999]}),
-            "outside the peer's pool",
-        ),
-        (
-            json!({"peer": foreign, "block_ids": [0, 1, 2]}),
-            "incompatible",
-        ),
+    foreign.compat_key = "another model".into();
+    for (peer, block_ids, expect) in [
+        (info.clone(), vec![0, 1], "need 3 destination blocks"),
+        (info.clone(), vec![0, 1, 99999], "outside the peer's pool"),
+        (foreign, vec![0, 1, 2], "incompatible"),
     ] {
-        let r = client
-            .post(format!("{}/v1/kv/prefill", c.p.url()))
-            .json(&json!({"transfer_id": pdserve_runtime::ids::TransferId::new_random().to_string(),
-                "prompt_token_ids": prompt, "sampling": pdserve_gpu::sampling::SamplingParams::greedy(1),
-                "mode": "push", "target": target}))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 400);
-        let v: Value = r.json().await.unwrap();
-        assert!(
-            v["error"]["message"].as_str().unwrap().contains(expect),
-            "{v}"
-        );
+        let request = PeerRequest::Prefill(PrefillRequest {
+            transfer: pdserve_runtime::ids::TransferId::new_random(),
+            prompt: prompt.clone(),
+            sampling: pdserve_gpu::sampling::SamplingParams::greedy(1),
+            mode: PrefillMode::Push {
+                peer,
+                block_ids,
+                session: None,
+            },
+        });
+        match peer_call(&c.p.url(), request).await {
+            PeerAnswer::Failed(e) => assert!(e.to_string().contains(expect), "{expect}: {e}"),
+            other => panic!("{expect}: answered {other:?}"),
+        }
     }
     assert_pool_full(&other).await;
     other.stop().await;
@@ -953,7 +987,8 @@ async fn a_failed_memory_registration_is_a_clear_start_error() {
         .err()
         .expect("cannot start without its KV memory");
     assert!(
-        err.contains("injected fault: KV memory registration failed"),
+        err.to_string()
+            .contains("injected fault: KV memory registration failed"),
         "{err}"
     );
 }

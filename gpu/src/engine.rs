@@ -84,13 +84,58 @@ impl Seq {
     }
 }
 
+/// The TP ranks an [`Engine`] steps: the CPU [`TpGroup`] or a device backend's group.
+pub trait StepGroup: std::fmt::Debug {
+    /// The model configuration.
+    fn config(&self) -> &ModelConfig;
+    /// Tokens per KV block.
+    fn block_size(&self) -> usize;
+    /// Runs one forward step on every rank; logits of the sequences that asked for them.
+    ///
+    /// # Errors
+    /// Invalid batches, rank failures.
+    fn step(&self, batch: Batch) -> Result<Vec<Vec<f32>>>;
+}
+
+impl StepGroup for TpGroup {
+    fn config(&self) -> &ModelConfig {
+        TpGroup::config(self)
+    }
+    fn block_size(&self) -> usize {
+        self.layouts()[0].block_size
+    }
+    fn step(&self, batch: Batch) -> Result<Vec<Vec<f32>>> {
+        TpGroup::step(self, batch)
+    }
+}
+
+impl EngineOptions {
+    /// KV blocks per rank: `num_blocks`, or enough for `max_seqs` full contexts (at most 8192
+    /// tokens each) of `cfg`.
+    pub fn pool_blocks(&self, cfg: &ModelConfig) -> usize {
+        self.num_blocks.unwrap_or_else(|| {
+            self.max_seqs * cfg.context_length.min(8192).div_ceil(self.block_size)
+        })
+    }
+
+    /// The [`TpOptions`] of a group built for these options.
+    pub fn tp_options(&self, cfg: &ModelConfig) -> TpOptions {
+        TpOptions {
+            tp: self.tp,
+            num_blocks: self.pool_blocks(cfg),
+            block_size: self.block_size,
+            format: self.format,
+        }
+    }
+}
+
 /// A model, its TP ranks and a block pool, generating for batches of requests.
 #[derive(Debug)]
-pub struct Engine {
+pub struct Engine<G: StepGroup = TpGroup> {
     name: String,
     tokenizer: Tokenizer,
     chat_template: ChatTemplate,
-    group: TpGroup,
+    group: G,
     blocks: BlockAllocator,
     opts: EngineOptions,
 }
@@ -101,25 +146,24 @@ impl Engine {
     /// # Errors
     /// [`ModelError::BadTpSize`], weight and memory errors.
     pub fn new(model: LoadedModel, opts: EngineOptions) -> Result<Self> {
-        let cfg = &model.config;
-        let num_blocks = opts.num_blocks.unwrap_or_else(|| {
-            opts.max_seqs * cfg.context_length.min(8192).div_ceil(opts.block_size)
-        });
-        let tp_opts = TpOptions {
-            tp: opts.tp,
-            num_blocks,
-            block_size: opts.block_size,
-            format: opts.format,
-        };
-        let group = TpGroup::new(cfg, &model.store, &tp_opts, &AnonAllocator)?;
-        Ok(Self {
+        let tp_opts = opts.tp_options(&model.config);
+        let group = TpGroup::new(&model.config, &model.store, &tp_opts, &AnonAllocator)?;
+        Ok(Engine::with_group(model, group, opts))
+    }
+}
+
+impl<G: StepGroup> Engine<G> {
+    /// An engine over an already started `group` (built from `model` with
+    /// `opts.tp_options`); the model's weights are dropped here.
+    pub fn with_group(model: LoadedModel, group: G, opts: EngineOptions) -> Self {
+        Self {
             name: model.name,
             tokenizer: model.tokenizer,
             chat_template: model.chat_template,
+            blocks: BlockAllocator::new(opts.pool_blocks(&model.config)),
             group,
-            blocks: BlockAllocator::new(num_blocks),
             opts,
-        })
+        }
     }
 
     /// Model name.
@@ -138,7 +182,7 @@ impl Engine {
     }
 
     /// The TP group (for tests and tools that drive steps directly).
-    pub fn group(&self) -> &TpGroup {
+    pub fn group(&self) -> &G {
         &self.group
     }
 

@@ -103,6 +103,9 @@ pub enum ModelError {
     /// Filesystem error.
     #[error("i/o error: {0}")]
     Io(#[from] std::io::Error),
+    /// The requested device cannot be used, or a device operation failed (CUDA).
+    #[error(transparent)]
+    Device(#[from] crate::device::DeviceError),
 }
 
 impl ModelError {
@@ -127,6 +130,7 @@ impl ModelError {
             Self::RankFailed { .. } => "rank_failed",
             Self::Candle(_) => "tensor_library",
             Self::Io(_) => "io",
+            Self::Device(e) => e.kind(),
         }
     }
 }

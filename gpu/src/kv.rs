@@ -35,7 +35,19 @@ pub enum KvKind {
 
 /// Element type of the cache. Only f32 is produced by the CPU backend today; the field is part
 /// of the layout so peers can refuse a mismatch.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    Hash,
+    Serialize,
+    Deserialize,
+    rkyv::Archive,
+    rkyv::Serialize,
+    rkyv::Deserialize,
+)]
 pub enum KvDtype {
     /// 32-bit float.
     F32,
@@ -51,7 +63,19 @@ impl KvDtype {
 }
 
 /// The byte layout of one TP rank's KV cache.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    Hash,
+    Serialize,
+    Deserialize,
+    rkyv::Archive,
+    rkyv::Serialize,
+    rkyv::Deserialize,
+)]
 pub struct KvLayout {
     /// Decoder layers (one region each).
     pub num_layers: usize,

@@ -18,6 +18,8 @@ pub use tokenizer::{DecodeStream, Tokenizer};
 pub mod bench;
 pub mod collective;
 pub mod config;
+pub mod cuda;
+pub mod device;
 pub mod engine;
 pub mod generation;
 pub mod kv;

@@ -25,7 +25,16 @@ pub const MAX_STOP_STRING_BYTES: usize = 256;
 pub const MAX_TEMPERATURE: f32 = 100.0;
 
 /// How one request samples and when it stops.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(
+    Clone,
+    Debug,
+    PartialEq,
+    Serialize,
+    Deserialize,
+    rkyv::Archive,
+    rkyv::Serialize,
+    rkyv::Deserialize,
+)]
 #[serde(default)]
 pub struct SamplingParams {
     /// Softmax temperature; 0 means greedy.

@@ -258,47 +258,7 @@ impl TpGroup {
     /// # Errors
     /// As [`TpGroup::step`].
     pub fn step_with_hook(&self, batch: Batch, hook: Option<LayerHook>) -> Result<Vec<Vec<f32>>> {
-        let batch = Arc::new(batch);
-        let mut replies: Vec<Receiver<Result<Vec<Vec<f32>>>>> = Vec::new();
-        for rank in &self.ranks {
-            let (tx, rx) = sync_channel(1);
-            let done: StepCallback = Box::new(move |r| {
-                let _ = tx.send(r);
-            });
-            if let Err(e) = rank.submit(batch.clone(), hook.clone(), done) {
-                rank.poison(&e.to_string());
-                // Drain the ranks already started so none is left inside a collective.
-                for rx in replies {
-                    let _ = rx.recv();
-                }
-                rank.reset();
-                return Err(e);
-            }
-            replies.push(rx);
-        }
-        let mut first_err = None;
-        let mut logits = Vec::new();
-        for (r, rx) in replies.into_iter().enumerate() {
-            match rx.recv() {
-                Ok(Ok(l)) if r == 0 => logits = l,
-                Ok(Ok(_)) => {}
-                Ok(Err(e)) => {
-                    first_err.get_or_insert(e);
-                }
-                Err(_) => {
-                    first_err.get_or_insert(ModelError::RankFailed {
-                        rank: r,
-                        reason: "rank thread exited".into(),
-                    });
-                }
-            }
-        }
-        if let Some(e) = first_err {
-            // Every rank has answered: nobody is inside a collective, so it can be cleared.
-            self.ranks[0].reset();
-            return Err(e);
-        }
-        Ok(logits)
+        step_ranks(&self.ranks, batch, hook)
     }
 
     /// Runs `f` on rank `rank`'s KV cache, on that rank's thread, between steps.
@@ -312,6 +272,77 @@ impl TpGroup {
     ) -> Result<T> {
         self.ranks[rank].with_kv(f)
     }
+}
+
+/// What [`step_ranks`] needs of one rank's executor (the CPU [`RankExecutor`] or a device
+/// backend's).
+pub(crate) trait StepRank {
+    fn submit(&self, batch: Arc<Batch>, hook: Option<LayerHook>, done: StepCallback) -> Result<()>;
+    fn poison(&self, reason: &str);
+    fn reset(&self);
+}
+
+impl StepRank for RankExecutor {
+    fn submit(&self, batch: Arc<Batch>, hook: Option<LayerHook>, done: StepCallback) -> Result<()> {
+        RankExecutor::submit(self, batch, hook, done)
+    }
+    fn poison(&self, reason: &str) {
+        RankExecutor::poison(self, reason)
+    }
+    fn reset(&self) {
+        RankExecutor::reset(self)
+    }
+}
+
+/// Runs one step on every rank and returns rank 0's logits. A rank that cannot take the job
+/// poisons the group so the others leave their collectives; the group is reset once every
+/// rank answered.
+pub(crate) fn step_ranks<R: StepRank>(
+    ranks: &[R],
+    batch: Batch,
+    hook: Option<LayerHook>,
+) -> Result<Vec<Vec<f32>>> {
+    let batch = Arc::new(batch);
+    let mut replies: Vec<Receiver<Result<Vec<Vec<f32>>>>> = Vec::new();
+    for rank in ranks {
+        let (tx, rx) = sync_channel(1);
+        let done: StepCallback = Box::new(move |r| {
+            let _ = tx.send(r);
+        });
+        if let Err(e) = rank.submit(batch.clone(), hook.clone(), done) {
+            rank.poison(&e.to_string());
+            // Drain the ranks already started so none is left inside a collective.
+            for rx in replies {
+                let _ = rx.recv();
+            }
+            rank.reset();
+            return Err(e);
+        }
+        replies.push(rx);
+    }
+    let mut first_err = None;
+    let mut logits = Vec::new();
+    for (r, rx) in replies.into_iter().enumerate() {
+        match rx.recv() {
+            Ok(Ok(l)) if r == 0 => logits = l,
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                first_err.get_or_insert(e);
+            }
+            Err(_) => {
+                first_err.get_or_insert(ModelError::RankFailed {
+                    rank: r,
+                    reason: "rank thread exited".into(),
+                });
+            }
+        }
+    }
+    if let Some(e) = first_err {
+        // Every rank has answered: nobody is inside a collective, so it can be cleared.
+        ranks[0].reset();
+        return Err(e);
+    }
+    Ok(logits)
 }
 
 fn rank_loop(shard: ModelShard, mut kv: KvCache, comm: ThreadCollective, jobs: Receiver<Job>) {
@@ -348,7 +379,7 @@ fn rank_loop(shard: ModelShard, mut kv: KvCache, comm: ThreadCollective, jobs: R
     }
 }
 
-fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
     p.downcast_ref::<&str>()
         .map(|s| s.to_string())
         .or_else(|| p.downcast_ref::<String>().cloned())

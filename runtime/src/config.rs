@@ -53,6 +53,19 @@ pub fn env_var_name(key: &str) -> String {
 /// Weight formats accepted by `model.weights`.
 pub const WEIGHT_FORMATS: &[&str] = &["auto", "native", "q8_0", "f32"];
 
+/// Devices accepted by `model.device` (besides `cuda:N`, a GPU by ordinal).
+pub const DEVICES: &[&str] = &["cpu", "cuda"];
+
+/// CUDA matmul weight types accepted by `model.dtype`.
+pub const CUDA_DTYPES: &[&str] = &["auto", "f16", "bf16", "f32"];
+
+/// Whether `s` names a device `model.device` accepts: `cpu`, `cuda` or `cuda:N`.
+pub fn is_device(s: &str) -> bool {
+    DEVICES.contains(&s)
+        || s.strip_prefix("cuda:")
+            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+}
+
 /// The default model source: the built-in default model (SmolLM2-135M-Instruct).
 pub const DEFAULT_MODEL_SOURCE: &str = "default";
 
@@ -137,7 +150,49 @@ pub struct TransferSection {
     /// Seconds every step of a KV hand-off may take (handshake, connect, a read or write
     /// batch, a lease call) before it fails.
     pub timeout_s: u64,
+    /// The address peers are told to reach this engine at: an IP (the bound port is kept) or
+    /// `IP:port`. `None`: the bound address, or, when `listen` is unspecified (`0.0.0.0`,
+    /// `::`), the address of the interface that routes to the peer.
+    #[serde(deserialize_with = "lenient::opt_string")]
+    pub advertise_addr: Option<String>,
+    /// Threads of the transfer engine's I/O runtime.
+    pub io_threads: usize,
+    /// Bounded queue depth of the transfer executors (batches, pieces per connection).
+    pub queue_depth: usize,
+    /// Largest piece one wire operation or copy moves; larger operations are split.
+    pub piece_bytes: u64,
+    /// Parallel data connections per peer (`tcp`).
+    pub tcp_connections: usize,
+    /// Largest single memory registration; larger regions are registered in chunks. `None`:
+    /// the backend's default (1 GiB for `rdma`, one chunk otherwise).
+    pub registration_chunk_bytes: Option<u64>,
+    /// Require every transfer connection to prove a session key, even before the first grant.
+    pub require_auth: bool,
+    /// Protection of `tcp` frames of authenticated sessions: `none`, `mac` (AES-GCM tag over
+    /// header and payload) or `encrypt` (AES-256-GCM).
+    #[serde(deserialize_with = "lenient::string")]
+    pub tcp_integrity: String,
+    /// RDMA devices to use, comma-separated (`mlx5_0,mlx5_1`): batches are striped over them.
+    /// Empty: the first device listed.
+    #[serde(deserialize_with = "lenient::string")]
+    pub rdma_devices: String,
+    /// RDMA port number on each device.
+    pub rdma_port: u8,
+    /// GID table index (RoCE); `None`: the first RoCE v2 entry holding an IPv4 address.
+    pub rdma_gid_index: Option<u32>,
+    /// Path MTU in bytes (256, 512, 1024, 2048, 4096); `None`: the port's active MTU.
+    pub rdma_mtu: Option<u32>,
+    /// Work requests in flight per queue pair.
+    pub rdma_send_queue_depth: u32,
+    /// Completion-queue entries per queue pair (at least `rdma_send_queue_depth`).
+    pub rdma_cq_depth: u32,
 }
+
+/// Values of `transfer.tcp_integrity`.
+pub const TCP_INTEGRITY_MODES: &[&str] = &["none", "mac", "encrypt"];
+
+/// The RDMA path MTUs a queue pair can use.
+pub const RDMA_MTUS: &[u32] = &[256, 512, 1024, 2048, 4096];
 
 impl Default for TransferSection {
     fn default() -> Self {
@@ -149,7 +204,138 @@ impl Default for TransferSection {
             mode: "pull".into(),
             min_remote_prompt_tokens: 0,
             timeout_s: 30,
+            advertise_addr: None,
+            io_threads: 2,
+            queue_depth: 256,
+            piece_bytes: 1 << 20,
+            tcp_connections: 4,
+            registration_chunk_bytes: None,
+            require_auth: true,
+            tcp_integrity: "none".into(),
+            rdma_devices: String::new(),
+            rdma_port: 1,
+            rdma_gid_index: None,
+            rdma_mtu: None,
+            rdma_send_queue_depth: 512,
+            rdma_cq_depth: 1024,
         }
+    }
+}
+
+impl TransferSection {
+    /// The RDMA devices named by `rdma_devices`, in order.
+    pub fn rdma_device_list(&self) -> Vec<String> {
+        self.rdma_devices
+            .split(',')
+            .map(str::trim)
+            .filter(|d| !d.is_empty())
+            .map(str::to_string)
+            .collect()
+    }
+
+    /// Checks the engine knobs; `(key, message)` of the first bad one.
+    pub fn invalid(&self) -> Option<(&'static str, String)> {
+        if let Some(a) = &self.advertise_addr {
+            if a.parse::<std::net::IpAddr>().is_err() && a.parse::<std::net::SocketAddr>().is_err()
+            {
+                return Some((
+                    "transfer.advertise_addr",
+                    format!("transfer.advertise_addr must be an IP or IP:port, got `{a}`"),
+                ));
+            }
+        }
+        if !(1..=64).contains(&self.io_threads) {
+            return Some((
+                "transfer.io_threads",
+                format!(
+                    "transfer.io_threads must be 1..=64, got {}",
+                    self.io_threads
+                ),
+            ));
+        }
+        if !(1..=1 << 20).contains(&self.queue_depth) {
+            return Some((
+                "transfer.queue_depth",
+                format!(
+                    "transfer.queue_depth must be 1..=1048576, got {}",
+                    self.queue_depth
+                ),
+            ));
+        }
+        if !(4096..=1 << 30).contains(&self.piece_bytes) {
+            return Some((
+                "transfer.piece_bytes",
+                format!(
+                    "transfer.piece_bytes must be 4096..=1073741824, got {}",
+                    self.piece_bytes
+                ),
+            ));
+        }
+        if !(1..=64).contains(&self.tcp_connections) {
+            return Some((
+                "transfer.tcp_connections",
+                format!(
+                    "transfer.tcp_connections must be 1..=64, got {}",
+                    self.tcp_connections
+                ),
+            ));
+        }
+        if self.registration_chunk_bytes.is_some_and(|b| b < 4096) {
+            return Some((
+                "transfer.registration_chunk_bytes",
+                "transfer.registration_chunk_bytes must be at least 4096 when set".into(),
+            ));
+        }
+        if !TCP_INTEGRITY_MODES.contains(&self.tcp_integrity.as_str()) {
+            return Some((
+                "transfer.tcp_integrity",
+                format!(
+                    "transfer.tcp_integrity must be one of none, mac, encrypt, got `{}`",
+                    self.tcp_integrity
+                ),
+            ));
+        }
+        let devices = self.rdma_device_list();
+        if let Some(d) = devices.iter().find(|d| d.contains(char::is_whitespace)) {
+            return Some((
+                "transfer.rdma_devices",
+                format!("transfer.rdma_devices: device name `{d}` contains whitespace"),
+            ));
+        }
+        if self.rdma_port == 0 {
+            return Some((
+                "transfer.rdma_port",
+                "transfer.rdma_port must be ≥ 1".into(),
+            ));
+        }
+        if let Some(m) = self.rdma_mtu {
+            if !RDMA_MTUS.contains(&m) {
+                return Some((
+                    "transfer.rdma_mtu",
+                    format!("transfer.rdma_mtu must be 256, 512, 1024, 2048 or 4096, got {m}"),
+                ));
+            }
+        }
+        if !(1..=32768).contains(&self.rdma_send_queue_depth) {
+            return Some((
+                "transfer.rdma_send_queue_depth",
+                format!(
+                    "transfer.rdma_send_queue_depth must be 1..=32768, got {}",
+                    self.rdma_send_queue_depth
+                ),
+            ));
+        }
+        if self.rdma_cq_depth < self.rdma_send_queue_depth || self.rdma_cq_depth > 1 << 22 {
+            return Some((
+                "transfer.rdma_cq_depth",
+                format!(
+                    "transfer.rdma_cq_depth must be between transfer.rdma_send_queue_depth ({}) \
+                     and 4194304, got {}",
+                    self.rdma_send_queue_depth, self.rdma_cq_depth
+                ),
+            ));
+        }
+        None
     }
 }
 
@@ -169,6 +355,13 @@ pub struct ModelConfig {
     pub weights: String,
     /// Tensor-parallel degree (number of `TpWorker`s).
     pub tp: usize,
+    /// Where the forward pass runs: `cpu`, `cuda` (GPU 0) or `cuda:N` (TP rank `r` on GPU
+    /// `N + r`). CUDA needs a binary built with `--features cuda` and an NVIDIA driver.
+    #[serde(deserialize_with = "lenient::string")]
+    pub device: String,
+    /// Matmul weight type on CUDA, one of [`CUDA_DTYPES`] (`auto` = f16; weights are
+    /// dequantized to it at load). The CPU backend's in-memory format is `weights`.
+    pub dtype: String,
 }
 
 impl Default for ModelConfig {
@@ -178,6 +371,8 @@ impl Default for ModelConfig {
             name: None,
             weights: "auto".into(),
             tp: 1,
+            device: "cpu".into(),
+            dtype: "auto".into(),
         }
     }
 }
@@ -198,6 +393,12 @@ pub struct ServerConfig {
     pub max_concurrent_requests: usize,
     /// A request still unfinished after this many seconds is aborted.
     pub request_timeout_s: u64,
+    /// Bound on one call between the instance's actors (a scheduler query, a lease call
+    /// answered by the scheduler), in milliseconds.
+    pub actor_call_timeout_ms: u64,
+    /// When the instance stops (SIGTERM, Ctrl-C): how long it lets running requests and
+    /// KV hand-offs finish before cutting them off, in seconds.
+    pub drain_timeout_s: u64,
 }
 
 impl Default for ServerConfig {
@@ -208,6 +409,8 @@ impl Default for ServerConfig {
             api_key: None,
             max_concurrent_requests: 256,
             request_timeout_s: 600,
+            actor_call_timeout_ms: 5_000,
+            drain_timeout_s: 30,
         }
     }
 }
@@ -247,42 +450,14 @@ impl Default for SchedulerConfig {
     }
 }
 
-/// The part an instance plays in a disaggregated deployment.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum InstanceRole {
-    /// Prefill and decode in one instance.
-    #[default]
-    Colocated,
-    /// Runs prompts and hands their KV cache to a decode instance.
-    Prefill,
-    /// Generates tokens from KV cache transferred from a prefill instance.
-    Decode,
-}
-
-impl InstanceRole {
-    /// The lowercase name used in config, logs and `inspect`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Colocated => "colocated",
-            Self::Prefill => "prefill",
-            Self::Decode => "decode",
-        }
-    }
-}
-
-impl fmt::Display for InstanceRole {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+pub use crate::role::Role;
 
 /// `[instance]`: this instance's identity.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct InstanceConfig {
     /// Prefill, decode or both.
-    pub role: InstanceRole,
+    pub role: Role,
     /// Unique name in the cluster (e.g. `instance-0`); no whitespace.
     #[serde(deserialize_with = "lenient::string")]
     pub name: String,
@@ -291,7 +466,7 @@ pub struct InstanceConfig {
 impl Default for InstanceConfig {
     fn default() -> Self {
         Self {
-            role: InstanceRole::Colocated,
+            role: Role::Colocated,
             name: "instance-0".into(),
         }
     }
@@ -344,6 +519,10 @@ pub struct ServeFlags {
     pub tp: Option<usize>,
     /// `model.weights`.
     pub weights: Option<String>,
+    /// `model.device`.
+    pub device: Option<String>,
+    /// `model.dtype`.
+    pub dtype: Option<String>,
     /// `server.host`.
     pub host: Option<String>,
     /// `server.port`.
@@ -351,7 +530,7 @@ pub struct ServeFlags {
     /// `server.api_key`.
     pub api_key: Option<String>,
     /// `instance.role`.
-    pub role: Option<InstanceRole>,
+    pub role: Option<Role>,
     /// `instance.name`.
     pub name: Option<String>,
     /// `scheduler.max_num_seqs`.
@@ -376,6 +555,34 @@ pub struct ServeFlags {
     pub transfer_mode: Option<String>,
     /// `transfer.min_remote_prompt_tokens`.
     pub min_remote_prompt_tokens: Option<usize>,
+    /// `transfer.advertise_addr`.
+    pub transfer_advertise_addr: Option<String>,
+    /// `transfer.io_threads`.
+    pub transfer_io_threads: Option<usize>,
+    /// `transfer.queue_depth`.
+    pub transfer_queue_depth: Option<usize>,
+    /// `transfer.piece_bytes`.
+    pub transfer_piece_bytes: Option<u64>,
+    /// `transfer.tcp_connections`.
+    pub transfer_tcp_connections: Option<usize>,
+    /// `transfer.registration_chunk_bytes`.
+    pub transfer_registration_chunk_bytes: Option<u64>,
+    /// `transfer.require_auth`.
+    pub transfer_require_auth: Option<bool>,
+    /// `transfer.tcp_integrity`.
+    pub transfer_tcp_integrity: Option<String>,
+    /// `transfer.rdma_devices`.
+    pub rdma_devices: Option<String>,
+    /// `transfer.rdma_port`.
+    pub rdma_port: Option<u8>,
+    /// `transfer.rdma_gid_index`.
+    pub rdma_gid_index: Option<u32>,
+    /// `transfer.rdma_mtu`.
+    pub rdma_mtu: Option<u32>,
+    /// `transfer.rdma_send_queue_depth`.
+    pub rdma_send_queue_depth: Option<u32>,
+    /// `transfer.rdma_cq_depth`.
+    pub rdma_cq_depth: Option<u32>,
     /// `control.listen`.
     pub control_listen: Option<String>,
     /// `control.proxy`.
@@ -414,6 +621,34 @@ struct FlagsTransfer<'a> {
     mode: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     min_remote_prompt_tokens: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    advertise_addr: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    io_threads: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    queue_depth: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    piece_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tcp_connections: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    registration_chunk_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    require_auth: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tcp_integrity: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rdma_devices: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rdma_port: Option<u8>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rdma_gid_index: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rdma_mtu: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rdma_send_queue_depth: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rdma_cq_depth: Option<u32>,
 }
 
 #[derive(Serialize)]
@@ -426,6 +661,10 @@ struct FlagsModel<'a> {
     weights: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     tp: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    device: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    dtype: Option<&'a str>,
 }
 
 #[derive(Serialize)]
@@ -453,7 +692,7 @@ struct FlagsScheduler {
 #[derive(Serialize)]
 struct FlagsInstance<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
-    role: Option<InstanceRole>,
+    role: Option<Role>,
     #[serde(skip_serializing_if = "Option::is_none")]
     name: Option<&'a str>,
 }
@@ -474,6 +713,8 @@ impl Serialize for ServeFlags {
                 name: self.served_model_name.as_deref(),
                 weights: self.weights.as_deref(),
                 tp: self.tp,
+                device: self.device.as_deref(),
+                dtype: self.dtype.as_deref(),
             },
             server: FlagsServer {
                 host: self.host.as_deref(),
@@ -500,6 +741,20 @@ impl Serialize for ServeFlags {
                 credentials_dir: self.credentials_dir.as_deref(),
                 mode: self.transfer_mode.as_deref(),
                 min_remote_prompt_tokens: self.min_remote_prompt_tokens,
+                advertise_addr: self.transfer_advertise_addr.as_deref(),
+                io_threads: self.transfer_io_threads,
+                queue_depth: self.transfer_queue_depth,
+                piece_bytes: self.transfer_piece_bytes,
+                tcp_connections: self.transfer_tcp_connections,
+                registration_chunk_bytes: self.transfer_registration_chunk_bytes,
+                require_auth: self.transfer_require_auth,
+                tcp_integrity: self.transfer_tcp_integrity.as_deref(),
+                rdma_devices: self.rdma_devices.as_deref(),
+                rdma_port: self.rdma_port,
+                rdma_gid_index: self.rdma_gid_index,
+                rdma_mtu: self.rdma_mtu,
+                rdma_send_queue_depth: self.rdma_send_queue_depth,
+                rdma_cq_depth: self.rdma_cq_depth,
             },
             control: FlagsControl {
                 listen: self.control_listen.as_deref(),
@@ -578,6 +833,164 @@ mod lenient {
     }
 }
 
+/// The name of the proxy's section (`[proxy]`, `PDSERVE_PROXY__<KEY>`).
+pub const PROXY_SECTION: &str = "proxy";
+
+/// The environment variable of `proxy.api_key` under its older name, still read when
+/// `PDSERVE_PROXY__API_KEY` is not set (`pdserve launch` passes the key to its proxy there).
+pub const PROXY_API_KEY_ENV: &str = "PDSERVE_PROXY_API_KEY";
+
+/// The configuration of `pdserve proxy`: the same layers as an instance's (defaults < TOML
+/// `--config` file < `PDSERVE_PROXY__<KEY>` / `PDSERVE_LOGGING__<KEY>` < flags).
+///
+/// ```toml
+/// [proxy]
+/// port = 8000
+/// prefill = ["http://10.0.0.2:8100"]
+/// decode = ["http://10.0.0.3:8200"]
+/// ```
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ProxyConfig {
+    /// The proxy.
+    pub proxy: ProxySection,
+    /// Log output.
+    pub logging: LoggingConfig,
+}
+
+/// `[proxy]`: the P/D front door.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ProxySection {
+    /// Address to bind.
+    #[serde(deserialize_with = "lenient::string")]
+    pub host: String,
+    /// Port to bind (0 picks one).
+    pub port: u16,
+    /// Static prefill instances (`http://host:port`), polled for their load.
+    pub prefill: Vec<String>,
+    /// Static decode instances.
+    pub decode: Vec<String>,
+    /// Bound on each upstream call, in seconds.
+    pub timeout_s: u64,
+    /// Conditional disaggregation: when the least-loaded prefill instance has more requests
+    /// queued or running than this, the decode instance prefills the request itself.
+    pub max_prefill_queue: Option<usize>,
+    /// Bearer token clients must send on `/v1/*` (and that the proxy sends on to instances).
+    #[serde(deserialize_with = "lenient::opt_string")]
+    pub api_key: Option<String>,
+    /// Cluster credentials directory: enables the control plane, where instances register and
+    /// `pdserve inspect` connects.
+    #[serde(deserialize_with = "lenient::opt_string")]
+    pub credentials_dir: Option<String>,
+    /// Member name of this proxy in the credentials directory.
+    #[serde(deserialize_with = "lenient::string")]
+    pub node: String,
+    /// Control-plane listen address (UDP; port 0 picks one).
+    #[serde(deserialize_with = "lenient::string")]
+    pub control_listen: String,
+    /// Bound on one call between the proxy's actors, in milliseconds.
+    pub actor_call_timeout_ms: u64,
+}
+
+impl Default for ProxySection {
+    fn default() -> Self {
+        Self {
+            host: "127.0.0.1".into(),
+            port: 8000,
+            prefill: Vec::new(),
+            decode: Vec::new(),
+            timeout_s: 600,
+            max_prefill_queue: None,
+            api_key: None,
+            credentials_dir: None,
+            node: "proxy".into(),
+            control_listen: "127.0.0.1:0".into(),
+            actor_call_timeout_ms: 5_000,
+        }
+    }
+}
+
+impl ProxyConfig {
+    /// Loads the proxy's config: built-in defaults < TOML `file` < `PDSERVE_PROXY__<KEY>` and
+    /// `PDSERVE_LOGGING__<KEY>` < `flags` (a partial structure of the same shape, `None`
+    /// fields skipped), then validates it.
+    ///
+    /// # Errors
+    ///
+    /// As [`ServeConfig::load`].
+    pub fn load(file: Option<&Path>, flags: impl Serialize) -> Result<ProxyConfig, ConfigError> {
+        let figment = layered(ProxyConfig::default(), file, flags, |section| {
+            section == PROXY_SECTION || section == "logging"
+        })?;
+        let mut config: ProxyConfig = extract_validated(&figment, ProxyConfig::validate)?;
+        if config.proxy.api_key.is_none() {
+            config.proxy.api_key = std::env::var(PROXY_API_KEY_ENV)
+                .ok()
+                .filter(|k| !k.is_empty());
+        }
+        Ok(config)
+    }
+
+    /// Checks the values.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::Invalid`] naming the first offending key.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |key: &str, message: String| {
+            Err(ConfigError::Invalid {
+                key: key.into(),
+                message,
+                layer: None,
+            })
+        };
+        let p = &self.proxy;
+        if format!("{}:{}", p.host, p.port)
+            .parse::<std::net::SocketAddr>()
+            .is_err()
+        {
+            return invalid(
+                "proxy.host",
+                format!("proxy.host must be an IP address, got `{}`", p.host),
+            );
+        }
+        if p.timeout_s == 0 {
+            return invalid("proxy.timeout_s", "proxy.timeout_s must be > 0".into());
+        }
+        if p.actor_call_timeout_ms == 0 {
+            return invalid(
+                "proxy.actor_call_timeout_ms",
+                "proxy.actor_call_timeout_ms must be > 0".into(),
+            );
+        }
+        if p.control_listen.parse::<std::net::SocketAddr>().is_err() {
+            return invalid(
+                "proxy.control_listen",
+                format!(
+                    "proxy.control_listen must be an IP:port, got `{}`",
+                    p.control_listen
+                ),
+            );
+        }
+        for (key, urls) in [("proxy.prefill", &p.prefill), ("proxy.decode", &p.decode)] {
+            if let Some(u) = urls
+                .iter()
+                .find(|u| !(u.starts_with("http://") || u.starts_with("https://")))
+            {
+                return invalid(key, format!("{key}: `{u}` is not an http:// URL"));
+            }
+        }
+        if p.api_key.as_deref().is_some_and(str::is_empty) {
+            return invalid(
+                "proxy.api_key",
+                "proxy.api_key must not be empty when set".into(),
+            );
+        }
+        Ok(())
+    }
+}
+
 /// Where a config value came from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ConfigLayer {
@@ -622,6 +1035,81 @@ impl<P: Provider> Provider for NamedLayer<P> {
     }
 }
 
+/// The layered figment of a config whose built-in values are `defaults`: defaults < TOML
+/// `file` < `PDSERVE_<SECTION>__<KEY>` environment < `flags`.
+fn layered(
+    defaults: impl Serialize,
+    file: Option<&Path>,
+    flags: impl Serialize,
+    env_sections: impl Fn(&str) -> bool + Clone + Send + Sync + 'static,
+) -> Result<Figment, ConfigError> {
+    let mut figment = Figment::from(NamedLayer {
+        name: LAYER_DEFAULTS,
+        inner: Serialized::defaults(defaults),
+    });
+    if let Some(path) = file {
+        // `Toml::file` silently treats a missing file as empty; an explicit `--config`
+        // that does not exist is a mistake the user must hear about.
+        if let Err(err) = std::fs::metadata(path).and_then(|m| {
+            if m.is_file() {
+                Ok(())
+            } else {
+                Err(std::io::Error::other("not a regular file"))
+            }
+        }) {
+            return Err(ConfigError::File {
+                path: path.to_path_buf(),
+                message: err.to_string(),
+            });
+        }
+        figment = figment.merge(Toml::file_exact(path));
+    }
+    let env = Env::prefixed(ENV_PREFIX)
+        .filter(move |key| {
+            key.as_str()
+                .split_once(ENV_SEPARATOR)
+                .is_some_and(|(section, _)| env_sections(&section.to_ascii_lowercase()))
+        })
+        .split(ENV_SEPARATOR);
+    figment = figment
+        .merge(NamedLayer {
+            name: LAYER_ENV,
+            inner: env,
+        })
+        .merge(NamedLayer {
+            name: LAYER_FLAGS,
+            inner: Serialized::defaults(flags),
+        });
+    Ok(figment)
+}
+
+/// Extracts a config from `figment` and checks it with `validate`, naming the layer of the
+/// offending key.
+fn extract_validated<T: serde::de::DeserializeOwned>(
+    figment: &Figment,
+    validate: impl FnOnce(&T) -> Result<(), ConfigError>,
+) -> Result<T, ConfigError> {
+    let config: T = figment
+        .extract()
+        .map_err(|err| convert_error(figment, err))?;
+    validate(&config).map_err(|err| match err {
+        ConfigError::Invalid {
+            key,
+            message,
+            layer: None,
+        } => {
+            let layer = layer_of(figment, &key);
+            ConfigError::Invalid {
+                key,
+                message,
+                layer,
+            }
+        }
+        other => other,
+    })?;
+    Ok(config)
+}
+
 impl ServeConfig {
     /// Builds the layered figment (defaults < `file` < environment < `flags`) without
     /// extracting it; use [`ServeConfig::from_figment`] to extract, or merge more providers
@@ -634,40 +1122,10 @@ impl ServeConfig {
     ///
     /// [`ConfigError::File`] when `file` is given but is not a readable file.
     pub fn figment(file: Option<&Path>, flags: impl Serialize) -> Result<Figment, ConfigError> {
-        let mut figment = Figment::from(NamedLayer {
-            name: LAYER_DEFAULTS,
-            inner: Serialized::defaults(ServeConfig::default()),
-        });
-        if let Some(path) = file {
-            // `Toml::file` silently treats a missing file as empty; an explicit `--config`
-            // that does not exist is a mistake the user must hear about.
-            if let Err(err) = std::fs::metadata(path).and_then(|m| {
-                if m.is_file() {
-                    Ok(())
-                } else {
-                    Err(std::io::Error::other("not a regular file"))
-                }
-            }) {
-                return Err(ConfigError::File {
-                    path: path.to_path_buf(),
-                    message: err.to_string(),
-                });
-            }
-            figment = figment.merge(Toml::file_exact(path));
-        }
-        let env = Env::prefixed(ENV_PREFIX)
-            .filter(|key| key.as_str().contains(ENV_SEPARATOR))
-            .split(ENV_SEPARATOR);
-        figment = figment
-            .merge(NamedLayer {
-                name: LAYER_ENV,
-                inner: env,
-            })
-            .merge(NamedLayer {
-                name: LAYER_FLAGS,
-                inner: Serialized::defaults(flags),
-            });
-        Ok(figment)
+        // Every section but the proxy's: a misspelt section is an error that names it.
+        layered(ServeConfig::default(), file, flags, |section| {
+            section != PROXY_SECTION
+        })
     }
 
     /// Extracts and validates a config from `figment` (usually from [`ServeConfig::figment`]).
@@ -678,25 +1136,7 @@ impl ServeConfig {
     /// the config does not have or a value of the wrong type (the error names the key and the
     /// layer); [`ConfigError::Invalid`] when [`ServeConfig::validate`] rejects the result.
     pub fn from_figment(figment: &Figment) -> Result<ServeConfig, ConfigError> {
-        let config: ServeConfig = figment
-            .extract()
-            .map_err(|err| convert_error(figment, err))?;
-        config.validate().map_err(|err| match err {
-            ConfigError::Invalid {
-                key,
-                message,
-                layer: None,
-            } => {
-                let layer = layer_of(figment, &key);
-                ConfigError::Invalid {
-                    key,
-                    message,
-                    layer,
-                }
-            }
-            other => other,
-        })?;
-        Ok(config)
+        extract_validated(figment, ServeConfig::validate)
     }
 
     /// Loads the config: built-in defaults < TOML `file` < `PDSERVE_<SECTION>__<KEY>`
@@ -727,8 +1167,20 @@ impl ServeConfig {
         if let Some((key, message)) = self.faults.invalid() {
             return invalid(key, message);
         }
+        if !self.instance.role.is_instance() {
+            return invalid(
+                "instance.role",
+                format!(
+                    "instance.role must be colocated, prefill or decode, got `{}`",
+                    self.instance.role
+                ),
+            );
+        }
         if self.transfer.timeout_s == 0 {
             return invalid("transfer.timeout_s", "transfer.timeout_s must be > 0");
+        }
+        if let Some((key, message)) = self.transfer.invalid() {
+            return invalid(key, message);
         }
         if !["local", "shm", "tcp", "quic", "rdma"].contains(&self.transfer.backend.as_str()) {
             return invalid(
@@ -827,6 +1279,34 @@ impl ServeConfig {
         if m.tp < 1 {
             return invalid("model.tp", "model.tp must be ≥ 1");
         }
+        if !is_device(&m.device) {
+            return invalid(
+                "model.device",
+                format!(
+                    "model.device must be cpu, cuda or cuda:N, got {:?}",
+                    m.device
+                ),
+            );
+        }
+        if !CUDA_DTYPES.contains(&m.dtype.as_str()) {
+            return invalid(
+                "model.dtype",
+                format!(
+                    "model.dtype must be one of {}, got {:?}",
+                    CUDA_DTYPES.join(", "),
+                    m.dtype
+                ),
+            );
+        }
+        if m.device != "cpu" && m.weights != "auto" {
+            return invalid(
+                "model.weights",
+                format!(
+                    "model.weights {:?} is a CPU format; on {} the weight type is model.dtype",
+                    m.weights, m.device
+                ),
+            );
+        }
 
         let s = &self.server;
         if s.host.trim().is_empty() {
@@ -850,6 +1330,12 @@ impl ServeConfig {
             return invalid(
                 "server.max_concurrent_requests",
                 "server.max_concurrent_requests must be ≥ 1",
+            );
+        }
+        if s.actor_call_timeout_ms == 0 {
+            return invalid(
+                "server.actor_call_timeout_ms",
+                "server.actor_call_timeout_ms must be > 0",
             );
         }
         if s.request_timeout_s == 0 {
@@ -1038,7 +1524,7 @@ mod tests {
         assert_eq!(c.scheduler.max_num_batched_tokens, 512);
         assert_eq!(c.scheduler.block_size, 16);
         assert_eq!(c.scheduler.kv_cache_bytes, 512 << 20);
-        assert_eq!(c.instance.role, InstanceRole::Colocated);
+        assert_eq!(c.instance.role, Role::Colocated);
         assert_eq!(c.logging.format, LogFormat::Human);
     }
 
@@ -1075,7 +1561,7 @@ mod tests {
             let c = ServeConfig::load(Some(path), no_flags()).unwrap();
             assert_eq!((c.server.port, c.server.host.as_str()), (9001, "0.0.0.0"));
             assert_eq!(c.scheduler.max_num_seqs, 10);
-            assert_eq!(c.instance.role, InstanceRole::Prefill);
+            assert_eq!(c.instance.role, Role::Prefill);
 
             // The environment beats the file for the same key; other file keys survive.
             jail.set_env("PDSERVE_SERVER__PORT", "9002");
@@ -1086,22 +1572,217 @@ mod tests {
             assert_eq!(c.server.host, "0.0.0.0");
             assert_eq!(c.scheduler.max_num_seqs, 8);
             assert_eq!(c.scheduler.block_size, 32);
-            assert_eq!(c.instance.role, InstanceRole::Decode);
+            assert_eq!(c.instance.role, Role::Decode);
 
             // Flags beat the environment; unset flags leave the lower layers alone.
             let flags = ServeFlags {
                 port: Some(9003),
-                role: Some(InstanceRole::Colocated),
+                role: Some(Role::Colocated),
                 ..Default::default()
             };
             let c = ServeConfig::load(Some(path), &flags).unwrap();
             assert_eq!(c.server.port, 9003);
-            assert_eq!(c.instance.role, InstanceRole::Colocated);
+            assert_eq!(c.instance.role, Role::Colocated);
             assert_eq!(c.scheduler.max_num_seqs, 8);
             assert_eq!(c.scheduler.block_size, 32);
             assert_eq!(c.server.host, "0.0.0.0");
             Ok(())
         });
+    }
+
+    /// Every transfer-engine key: a value from the file, beaten by one from the environment,
+    /// beaten by one from the flags; each layer is seen in the loaded config.
+    #[test]
+    fn transfer_engine_keys_override_through_file_env_and_flags() {
+        type SetFlag = fn(&mut ServeFlags);
+        type Get = fn(&TransferSection) -> String;
+        /// Key, file value, environment value, flag setter, getter, what each layer gives.
+        type Case = (
+            &'static str,
+            &'static str,
+            &'static str,
+            SetFlag,
+            Get,
+            [&'static str; 3],
+        );
+        let cases: Vec<Case> = vec![
+            (
+                "advertise_addr",
+                "\"10.0.0.1\"",
+                "10.0.0.2",
+                |f| f.transfer_advertise_addr = Some("10.0.0.3:7000".into()),
+                |t| format!("{:?}", t.advertise_addr),
+                [
+                    "Some(\"10.0.0.1\")",
+                    "Some(\"10.0.0.2\")",
+                    "Some(\"10.0.0.3:7000\")",
+                ],
+            ),
+            (
+                "io_threads",
+                "3",
+                "4",
+                |f| f.transfer_io_threads = Some(5),
+                |t| t.io_threads.to_string(),
+                ["3", "4", "5"],
+            ),
+            (
+                "queue_depth",
+                "30",
+                "40",
+                |f| f.transfer_queue_depth = Some(50),
+                |t| t.queue_depth.to_string(),
+                ["30", "40", "50"],
+            ),
+            (
+                "piece_bytes",
+                "65536",
+                "131072",
+                |f| f.transfer_piece_bytes = Some(262144),
+                |t| t.piece_bytes.to_string(),
+                ["65536", "131072", "262144"],
+            ),
+            (
+                "tcp_connections",
+                "2",
+                "6",
+                |f| f.transfer_tcp_connections = Some(8),
+                |t| t.tcp_connections.to_string(),
+                ["2", "6", "8"],
+            ),
+            (
+                "registration_chunk_bytes",
+                "8192",
+                "16384",
+                |f| f.transfer_registration_chunk_bytes = Some(32768),
+                |t| format!("{:?}", t.registration_chunk_bytes),
+                ["Some(8192)", "Some(16384)", "Some(32768)"],
+            ),
+            (
+                "require_auth",
+                "true",
+                "false",
+                |f| f.transfer_require_auth = Some(true),
+                |t| t.require_auth.to_string(),
+                ["true", "false", "true"],
+            ),
+            (
+                "tcp_integrity",
+                "\"mac\"",
+                "encrypt",
+                |f| f.transfer_tcp_integrity = Some("none".into()),
+                |t| t.tcp_integrity.clone(),
+                ["mac", "encrypt", "none"],
+            ),
+            (
+                "rdma_devices",
+                "\"mlx5_0\"",
+                "mlx5_1",
+                |f| f.rdma_devices = Some("mlx5_2,mlx5_3".into()),
+                |t| t.rdma_devices.clone(),
+                ["mlx5_0", "mlx5_1", "mlx5_2,mlx5_3"],
+            ),
+            (
+                "rdma_port",
+                "2",
+                "3",
+                |f| f.rdma_port = Some(4),
+                |t| t.rdma_port.to_string(),
+                ["2", "3", "4"],
+            ),
+            (
+                "rdma_gid_index",
+                "1",
+                "3",
+                |f| f.rdma_gid_index = Some(5),
+                |t| format!("{:?}", t.rdma_gid_index),
+                ["Some(1)", "Some(3)", "Some(5)"],
+            ),
+            (
+                "rdma_mtu",
+                "1024",
+                "2048",
+                |f| f.rdma_mtu = Some(4096),
+                |t| format!("{:?}", t.rdma_mtu),
+                ["Some(1024)", "Some(2048)", "Some(4096)"],
+            ),
+            (
+                "rdma_send_queue_depth",
+                "64",
+                "128",
+                |f| f.rdma_send_queue_depth = Some(256),
+                |t| t.rdma_send_queue_depth.to_string(),
+                ["64", "128", "256"],
+            ),
+            (
+                "rdma_cq_depth",
+                "2048",
+                "4096",
+                |f| f.rdma_cq_depth = Some(8192),
+                |t| t.rdma_cq_depth.to_string(),
+                ["2048", "4096", "8192"],
+            ),
+        ];
+        for (key, file_value, env_value, set_flag, get, expect) in cases {
+            Jail::expect_with(|jail| {
+                jail.create_file("pd.toml", &format!("[transfer]\n{key} = {file_value}\n"))?;
+                let path = Some(Path::new("pd.toml"));
+                let c =
+                    ServeConfig::load(path, no_flags()).unwrap_or_else(|e| panic!("{key}: {e}"));
+                assert_eq!(get(&c.transfer), expect[0], "{key} from the file");
+                jail.set_env(env_var_name(&format!("transfer.{key}")), env_value);
+                let c =
+                    ServeConfig::load(path, no_flags()).unwrap_or_else(|e| panic!("{key}: {e}"));
+                assert_eq!(get(&c.transfer), expect[1], "{key} from the environment");
+                let mut flags = ServeFlags::default();
+                set_flag(&mut flags);
+                let c = ServeConfig::load(path, &flags).unwrap_or_else(|e| panic!("{key}: {e}"));
+                assert_eq!(get(&c.transfer), expect[2], "{key} from the flags");
+                Ok(())
+            });
+        }
+    }
+
+    #[test]
+    fn transfer_engine_keys_are_validated_without_a_device() {
+        type Mutation = fn(&mut TransferSection);
+        let cases: Vec<(&str, Mutation)> = vec![
+            ("transfer.advertise_addr", |t| {
+                t.advertise_addr = Some("host.example".into())
+            }),
+            ("transfer.io_threads", |t| t.io_threads = 0),
+            ("transfer.queue_depth", |t| t.queue_depth = 0),
+            ("transfer.piece_bytes", |t| t.piece_bytes = 100),
+            ("transfer.tcp_connections", |t| t.tcp_connections = 65),
+            ("transfer.registration_chunk_bytes", |t| {
+                t.registration_chunk_bytes = Some(1)
+            }),
+            ("transfer.tcp_integrity", |t| {
+                t.tcp_integrity = "sign".into()
+            }),
+            ("transfer.rdma_devices", |t| {
+                t.rdma_devices = "mlx5 0".into()
+            }),
+            ("transfer.rdma_port", |t| t.rdma_port = 0),
+            ("transfer.rdma_mtu", |t| t.rdma_mtu = Some(1500)),
+            ("transfer.rdma_send_queue_depth", |t| {
+                t.rdma_send_queue_depth = 0
+            }),
+            ("transfer.rdma_cq_depth", |t| t.rdma_cq_depth = 10),
+        ];
+        for (key, mutate) in cases {
+            let mut c = ServeConfig::default();
+            mutate(&mut c.transfer);
+            let err = c.validate().expect_err(key);
+            assert_eq!(err.key(), Some(key), "{err}");
+        }
+        let mut t = TransferSection {
+            rdma_devices: " mlx5_0, ,mlx5_1 ".into(),
+            ..TransferSection::default()
+        };
+        assert_eq!(t.rdma_device_list(), vec!["mlx5_0", "mlx5_1"]);
+        t.advertise_addr = Some("10.1.2.3:9000".into());
+        assert!(t.invalid().is_none());
     }
 
     #[test]
@@ -1115,7 +1796,7 @@ mod tests {
                 host: Some("0.0.0.0".into()),
                 port: Some(1234),
                 api_key: Some("sk-1".into()),
-                role: Some(InstanceRole::Decode),
+                role: Some(Role::Decode),
                 name: Some("d-1".into()),
                 max_num_seqs: Some(4),
                 max_num_batched_tokens: Some(64),
@@ -1130,6 +1811,9 @@ mod tests {
                 min_remote_prompt_tokens: Some(64),
                 control_listen: Some("127.0.0.1:7100".into()),
                 control_proxy: Some("127.0.0.1:7000".into()),
+                // The transfer engine's keys: `transfer_engine_keys_override_through_...`;
+                // `device` and `dtype`: the CUDA tests.
+                ..Default::default()
             };
             let c = ServeConfig::load(None, &flags).unwrap();
             assert_eq!(c.transfer.mode, "push");
@@ -1143,10 +1827,21 @@ mod tests {
             assert_eq!(c.model.name.as_deref(), Some("served"));
             assert_eq!(c.model.tp, 2);
             assert_eq!(c.model.weights, "f32");
+            // The device flags, in a load of their own (f32 is a CPU weight format).
+            let cuda = ServeFlags {
+                device: Some("cuda:2".into()),
+                dtype: Some("bf16".into()),
+                ..ServeFlags::default()
+            };
+            let d = ServeConfig::load(None, &cuda).unwrap();
+            assert_eq!(
+                (d.model.device.as_str(), d.model.dtype.as_str()),
+                ("cuda:2", "bf16")
+            );
             assert_eq!(c.server.host, "0.0.0.0");
             assert_eq!(c.server.port, 1234);
             assert_eq!(c.server.api_key.as_deref(), Some("sk-1"));
-            assert_eq!(c.instance.role, InstanceRole::Decode);
+            assert_eq!(c.instance.role, Role::Decode);
             assert_eq!(c.instance.name, "d-1");
             assert_eq!(c.scheduler.max_num_seqs, 4);
             assert_eq!(c.scheduler.max_num_batched_tokens, 64);
@@ -1309,6 +2004,13 @@ mod tests {
             ("server.port must be > 0", |c| c.server.port = 0),
             ("model.tp must be ≥ 1", |c| c.model.tp = 0),
             ("model.weights", |c| c.model.weights = "q4".into()),
+            ("model.device", |c| c.model.device = "gpu".into()),
+            ("model.device", |c| c.model.device = "cuda:".into()),
+            ("model.dtype", |c| c.model.dtype = "f8".into()),
+            ("a CPU format", |c| {
+                c.model.device = "cuda".into();
+                c.model.weights = "q8_0".into();
+            }),
             ("model.source", |c| c.model.source = "synthetic:".into()),
             ("scheduler.block_size", |c| c.scheduler.block_size = 512),
             ("scheduler.block_size", |c| c.scheduler.block_size = 0),
@@ -1393,8 +2095,18 @@ mod tests {
                     "transfer.backend" => "tcp",
                     "transfer.mode" => "push",
                     "transfer.min_remote_prompt_tokens" => "64",
+                    "transfer.advertise_addr" => "10.0.0.7",
+                    "transfer.io_threads" | "transfer.tcp_connections" => "8",
+                    "transfer.piece_bytes" | "transfer.registration_chunk_bytes" => "8192",
+                    "transfer.require_auth" => "true",
+                    "transfer.tcp_integrity" => "mac",
+                    "transfer.rdma_devices" => "mlx5_0,mlx5_1",
+                    "transfer.rdma_port" => "2",
+                    "transfer.rdma_send_queue_depth" => "256",
                     "transfer.listen" | "control.listen" | "control.proxy" => "127.0.0.1:9999",
                     "model.weights" => "q8_0",
+                    "model.device" => "cuda:1",
+                    "model.dtype" => "bf16",
                     "instance.role" => "prefill",
                     "logging.filter" => "warn",
                     "logging.format" => "json",
@@ -1431,6 +2143,47 @@ mod tests {
             let c = ServeConfig::load(None, no_flags()).unwrap();
             assert_eq!(c.server.api_key.as_deref(), Some("12345"));
             assert_eq!(c.instance.name, "7");
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn the_proxy_config_layers_file_env_and_flags_and_ignores_instance_sections() {
+        figment::Jail::expect_with(|jail| {
+            jail.create_file(
+                "proxy.toml",
+                "[proxy]\nport = 9100\ndecode = [\"http://10.0.0.3:8200\"]\ntimeout_s = 30\n",
+            )?;
+            jail.set_env("PDSERVE_PROXY__TIMEOUT_S", "45");
+            // An instance's variable in the same environment is not the proxy's business.
+            jail.set_env("PDSERVE_SERVER__PORT", "9002");
+            #[derive(Serialize)]
+            struct Flags {
+                proxy: Partial,
+            }
+            #[derive(Serialize)]
+            struct Partial {
+                max_prefill_queue: usize,
+            }
+            let c = ProxyConfig::load(
+                Some(Path::new("proxy.toml")),
+                Flags {
+                    proxy: Partial {
+                        max_prefill_queue: 3,
+                    },
+                },
+            )
+            .unwrap();
+            assert_eq!(c.proxy.port, 9100, "file");
+            assert_eq!(c.proxy.decode, vec!["http://10.0.0.3:8200".to_string()]);
+            assert_eq!(c.proxy.timeout_s, 45, "env over file");
+            assert_eq!(c.proxy.max_prefill_queue, Some(3), "flags");
+            assert_eq!(c.proxy.node, "proxy", "default");
+            jail.set_env("PDSERVE_PROXY__TIMEOUT", "45");
+            let e = ProxyConfig::load(None, ProxyConfig::default())
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("PDSERVE_PROXY__TIMEOUT"), "{e}");
             Ok(())
         });
     }

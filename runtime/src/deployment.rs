@@ -35,8 +35,9 @@
 //! instance registers with it there and sends heartbeats, so `pdserve inspect
 //! host:control_port` shows the whole cluster.
 
-use crate::config::{InstanceRole, ServeFlags};
+use crate::config::ServeFlags;
 use crate::error::ConfigError;
+use crate::role::Role;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
@@ -79,18 +80,6 @@ fn default_transport() -> String {
     "tcp".into()
 }
 
-/// What a node runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum NodeRole {
-    /// The HTTP front door.
-    Proxy,
-    /// A prefill instance.
-    Prefill,
-    /// A decode instance.
-    Decode,
-}
-
 /// `[[node]]`: one host's part.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -98,7 +87,7 @@ pub struct NodeSection {
     /// Unique node name (also the instance name and its cluster member name).
     pub name: String,
     /// What it runs.
-    pub role: NodeRole,
+    pub role: Role,
     /// The address it binds and that peers use to reach it.
     pub host: String,
     /// Its HTTP port.
@@ -214,18 +203,31 @@ impl Deployment {
                 );
             }
         }
-        let count = |r: NodeRole| self.nodes.iter().filter(|n| n.role == r).count();
-        if count(NodeRole::Proxy) != 1 {
+        if let Some(n) = self
+            .nodes
+            .iter()
+            .find(|n| !matches!(n.role, Role::Proxy | Role::Prefill | Role::Decode))
+        {
+            return invalid(
+                "node.role",
+                format!(
+                    "node `{}`: role must be proxy, prefill or decode, got `{}`",
+                    n.name, n.role
+                ),
+            );
+        }
+        let count = |r: Role| self.nodes.iter().filter(|n| n.role == r).count();
+        if count(Role::Proxy) != 1 {
             return invalid(
                 "node.role",
                 format!(
                     "a deployment needs exactly one proxy node, found {}",
-                    count(NodeRole::Proxy)
+                    count(Role::Proxy)
                 ),
             );
         }
         if self.cluster.credentials_dir.is_some() {
-            if let Some(proxy) = self.nodes.iter().find(|n| n.role == NodeRole::Proxy) {
+            if let Some(proxy) = self.nodes.iter().find(|n| n.role == Role::Proxy) {
                 if proxy.control_port.is_none_or(|p| p == 0) {
                     return invalid(
                         "node.control_port",
@@ -237,7 +239,7 @@ impl Deployment {
                 }
             }
         }
-        if count(NodeRole::Prefill) == 0 || count(NodeRole::Decode) == 0 {
+        if count(Role::Prefill) == 0 || count(Role::Decode) == 0 {
             return invalid(
                 "node.role",
                 "a deployment needs at least one prefill and one decode node".into(),
@@ -269,7 +271,7 @@ impl Deployment {
     }
 
     /// `http://host:port` of every node of `role`.
-    pub fn urls(&self, role: NodeRole) -> Vec<String> {
+    pub fn urls(&self, role: Role) -> Vec<String> {
         self.nodes
             .iter()
             .filter(|n| n.role == role)
@@ -281,7 +283,7 @@ impl Deployment {
     /// and the proxy a control port.
     pub fn proxy_control_addr(&self) -> Option<String> {
         self.cluster.credentials_dir.as_ref()?;
-        let proxy = self.nodes.iter().find(|n| n.role == NodeRole::Proxy)?;
+        let proxy = self.nodes.iter().find(|n| n.role == Role::Proxy)?;
         Some(format!("{}:{}", proxy.host, proxy.control_port?))
     }
 
@@ -293,10 +295,7 @@ impl Deployment {
             tp: Some(node.tp),
             host: Some(node.host.clone()),
             port: Some(node.port),
-            role: Some(match node.role {
-                NodeRole::Prefill => InstanceRole::Prefill,
-                _ => InstanceRole::Decode,
-            }),
+            role: Some(node.role),
             name: Some(node.name.clone()),
             transfer: Some(self.cluster.transport.clone()),
             transfer_listen: Some(format!("{}:0", node.host)),
@@ -345,13 +344,13 @@ port = 8200
     fn parses_nodes_and_derives_instance_flags() {
         let d = Deployment::parse(GOOD, "test").unwrap();
         assert_eq!(
-            d.urls(NodeRole::Prefill),
+            d.urls(Role::Prefill),
             vec!["http://127.0.0.1:8100".to_string()]
         );
         let flags = d.instance_flags(d.node("prefill-0").unwrap());
         assert_eq!(
             (flags.tp, flags.port, flags.role),
-            (Some(2), Some(8100), Some(InstanceRole::Prefill))
+            (Some(2), Some(8100), Some(Role::Prefill))
         );
         assert_eq!(flags.transfer.as_deref(), Some("tcp"));
         assert_eq!(
@@ -444,7 +443,7 @@ mod shipped_configs {
             if path.extension().is_some_and(|e| e == "toml") {
                 let d =
                     Deployment::load(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-                assert!(!d.urls(NodeRole::Decode).is_empty());
+                assert!(!d.urls(Role::Decode).is_empty());
                 seen += 1;
             }
         }

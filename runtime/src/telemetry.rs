@@ -52,40 +52,23 @@ pub const KV_TRANSFER_BYTES_TOTAL: &str = "pdserve_kv_transfer_bytes_total";
 /// Histogram: seconds one KV hand-off took, from its start to its last byte (decode: from the
 /// request's arrival; prefill push: from the hand-off's registration), labelled [`LABEL_MODE`].
 pub const KV_TRANSFER_SECONDS: &str = "pdserve_kv_transfer_seconds";
-/// Label of [`KV_TRANSFER_FAILURES_TOTAL`]: `timeout`, `peer_gone`, `handshake`,
-/// `lease_expired`, `invalid_blocks`, `aborted`, `refused`, `transfer`.
+/// Label of [`KV_TRANSFER_FAILURES_TOTAL`]: the failure's `HandoffError::kind()` — `timeout`,
+/// `peer_gone`, `handshake`, `lease_expired`, `invalid_blocks`, `aborted`, `refused`,
+/// `transfer`, `cache_lost`, `interrupted`, `overloaded`, `protocol`.
 pub const LABEL_KIND: &str = "kind";
 /// Label of [`KV_TRANSFER_BYTES_TOTAL`]: `sent` or `received`.
 pub const LABEL_DIRECTION: &str = "direction";
 /// Label of [`KV_TRANSFER_SECONDS`]: `push` or `pull`.
 pub const LABEL_MODE: &str = "mode";
+/// Histogram (decode): seconds from the prefill instance having the whole prompt computed to
+/// the decode instance's first decode step of the request — what disaggregation adds to the
+/// time to the second token (same-host clocks; across hosts it includes their clock skew),
+/// labelled [`LABEL_MODE`].
+pub const KV_HANDOFF_GAP_SECONDS: &str = "pdserve_kv_handoff_gap_seconds";
+/// Counter: per-rank hand-off reports the Aggregator dropped, labelled [`LABEL_REASON`]
+/// (`stale_epoch`: from an older epoch of its rank or another attempt; `duplicate`).
+pub const KV_REPORTS_DROPPED_TOTAL: &str = "pdserve_kv_reports_dropped_total";
 
-/// The [`LABEL_KIND`] of a KV hand-off failure, from its message.
-pub fn kv_failure_kind(message: &str) -> &'static str {
-    let m = message.to_ascii_lowercase();
-    if m.contains("aborted") {
-        "aborted"
-    } else if m.contains("timed out") || m.contains("did not finish") || m.contains("timeout") {
-        "timeout"
-    } else if m.contains("incompatible") || m.contains("layout") {
-        "handshake"
-    } else if m.contains("expired") {
-        "lease_expired"
-    } else if m.contains("block") && (m.contains("invalid") || m.contains("outside")) {
-        "invalid_blocks"
-    } else if m.contains("connect")
-        || m.contains("peer")
-        || m.contains("sending request")
-        || m.contains("gone")
-        || m.contains("closed")
-    {
-        "peer_gone"
-    } else if m.contains("refused") || m.contains("(4") {
-        "refused"
-    } else {
-        "transfer"
-    }
-}
 /// Counter: requests a decode instance prefilled itself instead of remotely (conditional
 /// disaggregation), labelled [`LABEL_REASON`].
 pub const LOCAL_PREFILLS_TOTAL: &str = "pdserve_local_prefills_total";
@@ -351,34 +334,6 @@ mod tests {
     use super::*;
     use std::io::Write;
 
-    #[test]
-    fn kv_failures_are_classified_by_kind() {
-        for (msg, kind) in [
-            ("aborted", "aborted"),
-            ("connecting to 127.0.0.1:1 timed out", "timeout"),
-            ("incompatible peer p: it serves `x`", "handshake"),
-            (
-                "KV layout mismatch with p: rank 0 has 3 layers",
-                "handshake",
-            ),
-            (
-                "the KV lease of transfer 00 expired before the read finished",
-                "lease_expired",
-            ),
-            (
-                "invalid block ids: remote block 9 is outside the peer's pool",
-                "invalid_blocks",
-            ),
-            (
-                "remote prefill at http://x: error sending request",
-                "peer_gone",
-            ),
-            ("KV transfer refused: no", "refused"),
-            ("checksum", "transfer"),
-        ] {
-            assert_eq!(kv_failure_kind(msg), kind, "{msg}");
-        }
-    }
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::{Arc, Mutex};
 

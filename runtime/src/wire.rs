@@ -56,20 +56,7 @@ impl WireError {
     }
 }
 
-/// The role a cluster member plays.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
-pub enum Role {
-    /// Runs prompts and produces KV cache.
-    Prefill,
-    /// Generates tokens from transferred KV cache.
-    Decode,
-    /// Does both in one instance.
-    Colocated,
-    /// The HTTP front door.
-    Proxy,
-    /// Tools, tests, benchmarks.
-    Other,
-}
+pub use crate::role::Role;
 
 /// The first message on every control connection, in both directions.
 #[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]

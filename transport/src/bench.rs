@@ -20,10 +20,16 @@ use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use crate::auth::{Access, RegionGrant, SessionCredentials, SessionGrant, SessionKey};
 use crate::control::tls::{init_cluster, issue_member, MemberCredentials};
-use crate::engine::{BackendKind, TransferConfig, TransferEngine, TransferOp};
+use crate::engine::{BackendKind, TcpIntegrity, TransferConfig, TransferEngine, TransferOp};
 use crate::error::{Result, TransportError};
-use crate::peer::{PeerProcess, PEER_NODE};
+use crate::peer::{
+    key_to_hex, PeerProcess, ENV_GRANT_PEER, ENV_SESSION_KEY, ENV_TCP_INTEGRITY, PEER_NODE,
+};
+
+/// The initiator's engine name in the benchmark (and the node its grant names).
+const BENCH_NODE: &str = "bench";
 
 /// What to measure.
 #[derive(Debug, Clone)]
@@ -40,6 +46,11 @@ pub struct TransferBenchOptions {
     pub peer_exe: Option<PathBuf>,
     /// Measure reads from the peer instead of writes to it.
     pub reads: bool,
+    /// Authenticated sessions (every backend but `local`): the peer grants a session key and
+    /// the bench connects with it, as a deployment does.
+    pub auth: bool,
+    /// Frame protections to measure `tcp` with (one set of rows each; needs `auth`).
+    pub tcp_integrity: Vec<TcpIntegrity>,
 }
 
 impl Default for TransferBenchOptions {
@@ -54,6 +65,8 @@ impl Default for TransferBenchOptions {
             max_time: Duration::from_millis(700),
             peer_exe: None,
             reads: false,
+            auth: true,
+            tcp_integrity: vec![TcpIntegrity::None, TcpIntegrity::Mac, TcpIntegrity::Encrypt],
         }
     }
 }
@@ -74,6 +87,9 @@ pub struct TransferBenchRow {
     pub limit_gbps: f64,
     /// Median time of one transfer, microseconds.
     pub latency_us: f64,
+    /// Whether the session proved a session key (and ops were checked against a grant).
+    #[serde(default)]
+    pub auth: bool,
 }
 
 fn write_op() -> String {
@@ -198,7 +214,17 @@ impl Drop for ScratchCluster {
 #[allow(dead_code)]
 enum BenchPeer {
     Process(PeerProcess),
-    InProcess(TransferEngine, crate::memory::RegisteredRegion),
+    InProcess(
+        TransferEngine,
+        crate::memory::RegisteredRegion,
+        Option<crate::auth::SessionGrantGuard>,
+    ),
+}
+
+/// How the bench session is secured.
+struct Security {
+    key: Option<SessionKey>,
+    integrity: TcpIntegrity,
 }
 
 fn start_peer(
@@ -206,7 +232,13 @@ fn start_peer(
     len: u64,
     opts: &TransferBenchOptions,
     cluster: Option<&ScratchCluster>,
+    sec: &Security,
 ) -> Result<(BenchPeer, String, u64, String)> {
+    let mut env: Vec<(&str, String)> = vec![(ENV_TCP_INTEGRITY, integrity_name(sec.integrity))];
+    if let Some(key) = &sec.key {
+        env.push((ENV_SESSION_KEY, key_to_hex(key)));
+        env.push((ENV_GRANT_PEER, BENCH_NODE.to_string()));
+    }
     let candidates: Vec<PathBuf> = opts
         .peer_exe
         .clone()
@@ -217,7 +249,16 @@ fn start_peer(
     if backend != BackendKind::Local {
         for exe in candidates {
             let dir = cluster.map(|c| c.0.as_path());
-            match PeerProcess::spawn(&exe, backend, &[len], 1, dir, None, Duration::from_secs(5)) {
+            match PeerProcess::spawn_with_env(
+                &exe,
+                backend,
+                &[len],
+                1,
+                dir,
+                None,
+                Duration::from_secs(5),
+                &env,
+            ) {
                 Ok(p) => {
                     let (addr, id) = (p.address.clone(), p.regions.first().copied().unwrap_or(0));
                     let placement = format!(
@@ -237,19 +278,43 @@ fn start_peer(
     if let Some(c) = cluster {
         cfg.credentials = Some(MemberCredentials::load(&c.0, PEER_NODE)?);
     }
+    cfg.tcp_integrity = sec.integrity;
     let engine = TransferEngine::new(cfg)?;
     let region = engine.allocate_and_register(len as usize)?;
+    let grant = match &sec.key {
+        Some(key) => Some(engine.grant_session(SessionGrant {
+            key: key.clone(),
+            peer: BENCH_NODE.into(),
+            regions: vec![RegionGrant::whole(region.id(), Access::ReadWrite)],
+        })?),
+        None => None,
+    };
     let (addr, id) = (engine.address(), region.id());
     let placement = if backend == BackendKind::Local {
         "both engines in this process (the local backend's design)".to_string()
     } else {
         "FALLBACK: peer engine in this process (no peer executable could be started)".to_string()
     };
-    Ok((BenchPeer::InProcess(engine, region), addr, id, placement))
+    Ok((
+        BenchPeer::InProcess(engine, region, grant),
+        addr,
+        id,
+        placement,
+    ))
+}
+
+fn integrity_name(i: TcpIntegrity) -> String {
+    match i {
+        TcpIntegrity::None => "none",
+        TcpIntegrity::Mac => "mac",
+        TcpIntegrity::Encrypt => "encrypt",
+    }
+    .to_string()
 }
 
 fn bench_backend(
     backend: BackendKind,
+    integrity: TcpIntegrity,
     opts: &TransferBenchOptions,
     rows: &mut Vec<TransferBenchRow>,
     placements: &mut Vec<String>,
@@ -260,25 +325,50 @@ fn bench_backend(
     } else {
         None
     };
-    let (peer, addr, remote_id, placement) = start_peer(backend, max, opts, cluster.as_ref())?;
-    placements.push(format!("{backend}: {placement}"));
-    let mut cfg = TransferConfig::new(backend, "bench");
+    let auth = opts.auth && backend != BackendKind::Local;
+    let sec = Security {
+        key: auth.then(SessionKey::generate).transpose()?,
+        integrity,
+    };
+    let label = match integrity {
+        TcpIntegrity::None => backend.to_string(),
+        other => format!("{backend}+{}", integrity_name(other)),
+    };
+    // Transfers in flight go to disjoint slots of the peer's region: concurrent writes into the
+    // same bytes are undefined (and fail their tags under tcp_integrity, which checks after
+    // landing).
+    let (peer, addr, remote_id, placement) =
+        start_peer(backend, max * WINDOW as u64, opts, cluster.as_ref(), &sec)?;
+    placements.push(format!("{label}: {placement}"));
+    let mut cfg = TransferConfig::new(backend, BENCH_NODE);
     cfg.peer_timeout = Duration::from_secs(10);
+    cfg.tcp_integrity = integrity;
     if let Some(c) = &cluster {
-        cfg.credentials = Some(MemberCredentials::load(&c.0, "bench")?);
+        cfg.credentials = Some(MemberCredentials::load(&c.0, BENCH_NODE)?);
     }
     let engine = TransferEngine::new(cfg)?;
     let local = engine.allocate_and_register(max as usize)?;
     local.write_at(0, &vec![0x3Cu8; max as usize])?;
-    let session = engine.connect_blocking(&addr)?;
+    let session = match &sec.key {
+        Some(key) => {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            rt.block_on(engine.connect_with(&addr, SessionCredentials { key: key.clone() }))?
+        }
+        None => engine.connect_blocking(&addr)?,
+    };
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     for &size in &opts.sizes {
-        let op = if opts.reads {
-            TransferOp::read(local.id(), 0, remote_id, 0, size)
-        } else {
-            TransferOp::write(local.id(), 0, remote_id, 0, size)
+        let op = |slot: usize| {
+            let remote = slot as u64 * size;
+            if opts.reads {
+                TransferOp::read(local.id(), 0, remote_id, remote, size)
+            } else {
+                TransferOp::write(local.id(), 0, remote_id, remote, size)
+            }
         };
         let wait = |handles: Vec<crate::BatchHandle>| -> Result<()> {
             rt.block_on(async {
@@ -291,13 +381,13 @@ fn bench_backend(
         };
         // Latency: one transfer alone, submit to completion.
         let lat = measure(size, &opts.latency_phase(), || {
-            wait(vec![session.submit(&[op])?])
+            wait(vec![session.submit(&[op(0)])?])
         })?;
         // Throughput: WINDOW transfers in flight, as a sender streaming KV blocks keeps them.
         let t = measure(size * WINDOW as u64, opts, || {
             wait(
                 (0..WINDOW)
-                    .map(|_| session.submit(&[op]))
+                    .map(|slot| session.submit(&[op(slot)]))
                     .collect::<Result<_>>()?,
             )
         })?;
@@ -308,7 +398,8 @@ fn bench_backend(
             BackendKind::Rdma => f64::NAN,
         };
         rows.push(TransferBenchRow {
-            backend: backend.to_string(),
+            auth,
+            backend: label.clone(),
             op: if opts.reads { "read" } else { "write" }.into(),
             size_bytes: size,
             gbps: t.gbps,
@@ -353,7 +444,14 @@ pub fn run_transfer_bench_with_placement(
             let mut rows = Vec::new();
             let mut placements = Vec::new();
             for &b in &opts.backends {
-                bench_backend(b, &opts, &mut rows, &mut placements)?;
+                let modes = if b == BackendKind::Tcp && opts.auth {
+                    opts.tcp_integrity.clone()
+                } else {
+                    vec![TcpIntegrity::None]
+                };
+                for integrity in modes {
+                    bench_backend(b, integrity, &opts, &mut rows, &mut placements)?;
+                }
             }
             Ok((rows, placements))
         })?
@@ -372,13 +470,14 @@ fn human(size: u64) -> String {
 /// Prints the rows as a table.
 pub fn print_table(rows: &[TransferBenchRow]) {
     println!(
-        "{:<8} {:<6} {:>10} {:>10} {:>12} {:>8} {:>12}",
-        "backend", "op", "size", "GB/s", "limit GB/s", "ratio", "latency µs"
+        "{:<12} {:<5} {:<6} {:>10} {:>10} {:>12} {:>8} {:>12}",
+        "backend", "auth", "op", "size", "GB/s", "limit GB/s", "ratio", "latency µs"
     );
     for r in rows {
         println!(
-            "{:<8} {:<6} {:>10} {:>10.2} {:>12.2} {:>8.2} {:>12.1}",
+            "{:<12} {:<5} {:<6} {:>10} {:>10.2} {:>12.2} {:>8.2} {:>12.1}",
             r.backend,
+            if r.auth { "key" } else { "-" },
             r.op,
             human(r.size_bytes),
             r.gbps,

@@ -234,8 +234,22 @@ impl ControlConnection {
     /// [`TransportError::Wire`] for a bad or oversized frame either way;
     /// [`TransportError::Protocol`] when the answer is not the matching response.
     pub async fn request(&self, message: ControlMessage) -> Result<ControlMessage> {
+        self.request_within(message, self.shared.config.request_timeout)
+            .await
+    }
+
+    /// [`ControlConnection::request`] with its own bound instead of the connection's
+    /// `request_timeout` (a request whose answer takes long by nature, such as a remote
+    /// prefill).
+    ///
+    /// # Errors
+    /// As [`ControlConnection::request`].
+    pub async fn request_within(
+        &self,
+        message: ControlMessage,
+        timeout: Duration,
+    ) -> Result<ControlMessage> {
         let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
-        let timeout = self.shared.config.request_timeout;
         let max = self.shared.config.max_frame_bytes;
         let conn = self.shared.conn.clone();
         let fut = async move {

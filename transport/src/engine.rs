@@ -23,6 +23,10 @@ use pdserve_runtime::memory::{HostMemory, HostMemoryAllocator};
 use pdserve_runtime::wire::{RegionChunk, RegionDescriptor, ShmHandle};
 use tokio::sync::{mpsc, watch};
 
+use crate::auth::{
+    AuthTable, ClientAuth, FenceId, SessionCredentials, SessionGrant, SessionGrantGuard,
+    SESSION_SCOPE,
+};
 use crate::control::tls::MemberCredentials;
 use crate::error::{Result, Side, TransportError};
 use crate::memory::{
@@ -121,6 +125,121 @@ pub struct TransferConfig {
     pub max_notify_bytes: usize,
     /// Cluster member credentials (required by `quic`: mutual TLS).
     pub credentials: Option<MemberCredentials>,
+    /// Every connection must prove a session key ([`TransferEngine::grant_session`]) before
+    /// any operation. When false, keys become required anyway from the first grant on.
+    pub require_auth: bool,
+    /// What peers are told to connect to: an IP (the bound port is kept) or `IP:port`.
+    /// `None`: the bound address, or, when `listen` is unspecified (`0.0.0.0`, `::`), the
+    /// address of the interface that routes to the peer ([`TransferEngine::address_for`]).
+    pub advertise_addr: Option<String>,
+    /// Protection of `tcp` frames of authenticated sessions.
+    pub tcp_integrity: TcpIntegrity,
+    /// RDMA devices, port, GID, MTU and queue depths (`rdma`).
+    pub rdma: RdmaConfig,
+}
+
+/// Protection of the frames of an authenticated `tcp` session (`transfer.tcp_integrity`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TcpIntegrity {
+    /// Frames travel as they are: the key proof authenticates the connection, not its bytes.
+    #[default]
+    None,
+    /// Every frame carries an AES-256-GCM tag over its header and payload (tampering,
+    /// replay and reordering are detected; bytes travel in the clear).
+    Mac,
+    /// Every frame's payload is encrypted with AES-256-GCM, its header authenticated.
+    Encrypt,
+}
+
+impl std::str::FromStr for TcpIntegrity {
+    type Err = TransportError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "none" => Ok(Self::None),
+            "mac" => Ok(Self::Mac),
+            "encrypt" => Ok(Self::Encrypt),
+            other => Err(TransportError::Config(format!(
+                "unknown tcp_integrity {other:?} (none, mac, encrypt)"
+            ))),
+        }
+    }
+}
+
+/// The RDMA settings (`transfer.rdma_*`), checked by [`TransferConfig::validate`] without
+/// touching a device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RdmaConfig {
+    /// Devices to use (`mlx5_0`, ...); batches are striped over them. Empty: the first device.
+    pub devices: Vec<String>,
+    /// Port number on each device.
+    pub port: u8,
+    /// GID table index; `None`: the first RoCE v2 entry holding an IPv4 address (InfiniBand
+    /// ports use no GID).
+    pub gid_index: Option<u32>,
+    /// Path MTU in bytes (256 to 4096, a power of two); `None`: the port's active MTU.
+    pub mtu: Option<u32>,
+    /// Work requests in flight per queue pair.
+    pub send_queue_depth: u32,
+    /// Completion-queue entries per queue pair (at least `send_queue_depth`).
+    pub cq_depth: u32,
+}
+
+impl Default for RdmaConfig {
+    fn default() -> Self {
+        Self {
+            devices: Vec::new(),
+            port: 1,
+            gid_index: None,
+            mtu: None,
+            send_queue_depth: 512,
+            cq_depth: 1024,
+        }
+    }
+}
+
+impl RdmaConfig {
+    /// Checks the values.
+    ///
+    /// # Errors
+    /// [`TransportError::Config`] naming the first bad value.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(TransportError::Config(m));
+        if let Some(d) = self
+            .devices
+            .iter()
+            .find(|d| d.is_empty() || d.contains(char::is_whitespace))
+        {
+            return bad(format!("rdma device name {d:?} is empty or has whitespace"));
+        }
+        let mut seen = std::collections::HashSet::new();
+        if let Some(d) = self.devices.iter().find(|d| !seen.insert(*d)) {
+            return bad(format!("rdma device {d:?} is listed twice"));
+        }
+        if self.port == 0 {
+            return bad("rdma port must be ≥ 1".into());
+        }
+        if let Some(m) = self.mtu {
+            if !matches!(m, 256 | 512 | 1024 | 2048 | 4096) {
+                return bad(format!(
+                    "rdma mtu must be 256, 512, 1024, 2048 or 4096, got {m}"
+                ));
+            }
+        }
+        if !(1..=32768).contains(&self.send_queue_depth) {
+            return bad(format!(
+                "rdma send_queue_depth must be 1..=32768, got {}",
+                self.send_queue_depth
+            ));
+        }
+        if self.cq_depth < self.send_queue_depth || self.cq_depth > 1 << 22 {
+            return bad(format!(
+                "rdma cq_depth must be between send_queue_depth ({}) and 4194304, got {}",
+                self.send_queue_depth, self.cq_depth
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl TransferConfig {
@@ -139,6 +258,10 @@ impl TransferConfig {
             queue_depth: 256,
             max_notify_bytes: 64 << 10,
             credentials: None,
+            require_auth: false,
+            advertise_addr: None,
+            tcp_integrity: TcpIntegrity::None,
+            rdma: RdmaConfig::default(),
         }
     }
 
@@ -163,8 +286,126 @@ impl TransferConfig {
         if self.backend == BackendKind::Quic && self.credentials.is_none() {
             return bad("the quic backend needs cluster member credentials (mutual TLS)");
         }
-        Ok(())
+        if let Some(a) = &self.advertise_addr {
+            parse_advertise(a)?;
+        }
+        self.rdma.validate()
     }
+
+    /// The transfer engine an instance configured by `cfg` runs: `transfer.*` (backend,
+    /// listen address, advertised address, engine knobs, keys, integrity, RDMA) and, with
+    /// `transfer.credentials_dir`, the member credentials of `instance.name`.
+    ///
+    /// # Errors
+    /// [`TransportError::Config`] naming the bad key; credential loading errors.
+    pub fn from_serve_config(cfg: &pdserve_runtime::config::ServeConfig) -> Result<Self> {
+        let t = &cfg.transfer;
+        let key_err = |key: &str, e: &dyn std::fmt::Display| {
+            TransportError::Config(format!("transfer.{key}: {e}"))
+        };
+        let backend: BackendKind = t.backend.parse().map_err(|e| key_err("backend", &e))?;
+        let mut c = Self::new(backend, cfg.instance.name.clone());
+        c.listen = t.listen.parse().map_err(|e| key_err("listen", &e))?;
+        c.advertise_addr = t.advertise_addr.clone();
+        c.io_threads = t.io_threads;
+        c.queue_depth = t.queue_depth;
+        c.piece_bytes = t.piece_bytes;
+        c.tcp_connections = t.tcp_connections;
+        c.max_registration_bytes = t.registration_chunk_bytes;
+        c.require_auth = t.require_auth;
+        c.tcp_integrity = t
+            .tcp_integrity
+            .parse()
+            .map_err(|e| key_err("tcp_integrity", &e))?;
+        c.rdma = RdmaConfig {
+            devices: t.rdma_device_list(),
+            port: t.rdma_port,
+            gid_index: t.rdma_gid_index,
+            mtu: t.rdma_mtu,
+            send_queue_depth: t.rdma_send_queue_depth,
+            cq_depth: t.rdma_cq_depth,
+        };
+        if let Some(dir) = &t.credentials_dir {
+            c.credentials = Some(
+                MemberCredentials::load(std::path::Path::new(dir), &cfg.instance.name)
+                    .map_err(|e| key_err("credentials_dir", &e))?,
+            );
+        }
+        c.validate()?;
+        Ok(c)
+    }
+}
+
+/// A configured advertised address: a whole socket address, or an IP to pair with the bound
+/// port.
+fn parse_advertise(a: &str) -> Result<(std::net::IpAddr, Option<u16>)> {
+    if let Ok(sock) = a.parse::<SocketAddr>() {
+        return Ok((sock.ip(), Some(sock.port())));
+    }
+    a.parse::<std::net::IpAddr>()
+        .map(|ip| (ip, None))
+        .map_err(|_| {
+            TransportError::Config(format!(
+                "advertise_addr must be an IP or IP:port, got {a:?}"
+            ))
+        })
+}
+
+/// The first address of an interface that is up and not loopback (IPv4 first), if any.
+fn interface_address() -> Option<std::net::IpAddr> {
+    let mut found: Vec<std::net::IpAddr> = Vec::new();
+    // SAFETY: getifaddrs fills a list we walk read-only and free with freeifaddrs.
+    unsafe {
+        let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
+        if libc::getifaddrs(&mut list) != 0 {
+            return None;
+        }
+        let mut cur = list;
+        while !cur.is_null() {
+            let ifa = &*cur;
+            let up = ifa.ifa_flags & libc::IFF_UP as u32 != 0;
+            let lo = ifa.ifa_flags & libc::IFF_LOOPBACK as u32 != 0;
+            if up && !lo && !ifa.ifa_addr.is_null() {
+                match i32::from((*ifa.ifa_addr).sa_family) {
+                    libc::AF_INET => {
+                        let sin = &*(ifa.ifa_addr as *const libc::sockaddr_in);
+                        found.push(std::net::IpAddr::from(
+                            u32::from_be(sin.sin_addr.s_addr).to_be_bytes(),
+                        ));
+                    }
+                    libc::AF_INET6 => {
+                        let sin6 = &*(ifa.ifa_addr as *const libc::sockaddr_in6);
+                        let ip = std::net::Ipv6Addr::from(sin6.sin6_addr.s6_addr);
+                        // Link-local addresses need a scope id a peer cannot guess.
+                        if ip.segments()[0] & 0xffc0 != 0xfe80 {
+                            found.push(ip.into());
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            cur = ifa.ifa_next;
+        }
+        libc::freeifaddrs(list);
+    }
+    found.sort_by_key(|ip| ip.is_ipv6());
+    found.into_iter().next()
+}
+
+/// The local address the kernel would send from to reach `peer` (a UDP socket `connect`,
+/// which sends nothing).
+fn route_source(peer: SocketAddr) -> Option<std::net::IpAddr> {
+    let any: SocketAddr = if peer.is_ipv4() {
+        ([0, 0, 0, 0], 0).into()
+    } else {
+        (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+    };
+    let s = std::net::UdpSocket::bind(any).ok()?;
+    s.connect(peer).ok()?;
+    s.local_addr()
+        .ok()
+        .map(|a| a.ip())
+        .filter(|ip| !ip.is_unspecified())
 }
 
 /// Direction of one operation, seen from the initiator.
@@ -249,6 +490,8 @@ pub(crate) struct PlannedOp {
     pub(crate) remote_region: RegionId,
     pub(crate) remote_offset: u64,
     pub(crate) len: u64,
+    /// The scope at the target the piece belongs to.
+    pub(crate) fence: FenceId,
     /// The remote chunk holding the piece (RDMA address and key).
     #[allow(dead_code)]
     pub(crate) remote_chunk: RegionChunk,
@@ -374,8 +617,20 @@ impl PieceCompletion {
     /// Copies a read answer (`bytes`, `op.len` of them) into `op`'s local range under the
     /// batch's landing fence ([`BatchState::land`]); `Cancelled` when the batch has ended.
     pub(crate) fn land_read(&self, op: &PlannedOp, bytes: &[u8]) -> Result<()> {
-        let len = op.len as usize;
-        assert!(bytes.len() >= len, "a read answer shorter than its piece");
+        assert!(
+            bytes.len() as u64 >= op.len,
+            "a read answer shorter than its piece"
+        );
+        self.land_read_at(op, 0, &bytes[..op.len as usize])
+    }
+
+    /// As [`PieceCompletion::land_read`] for the part of the answer at `at` (`bytes` must fit
+    /// inside the piece).
+    pub(crate) fn land_read_at(&self, op: &PlannedOp, at: usize, bytes: &[u8]) -> Result<()> {
+        assert!(
+            at as u64 + bytes.len() as u64 <= op.len,
+            "a read answer longer than its piece"
+        );
         let landed = self.batch.as_ref().is_some_and(|b| {
             b.land(|| {
                 // SAFETY: the local range was checked at submit; `op.local` keeps the region
@@ -383,8 +638,8 @@ impl PieceCompletion {
                 unsafe {
                     std::ptr::copy_nonoverlapping(
                         bytes.as_ptr(),
-                        op.local.ptr_at(op.local_offset),
-                        len,
+                        op.local.ptr_at(op.local_offset + at as u64),
+                        bytes.len(),
                     );
                 }
             })
@@ -501,6 +756,10 @@ pub struct Notification {
 /// One open connection to a peer, as a backend implements it.
 pub(crate) trait Link: Send + Sync {
     fn peer(&self) -> &str;
+    /// The node name the peer proved (`quic`: from its certificate).
+    fn peer_node(&self) -> Option<&str> {
+        None
+    }
     fn fetch_regions(self: Arc<Self>) -> BoxFut<Result<Vec<RegionDescriptor>>>;
     fn notify(self: Arc<Self>, bytes: Vec<u8>) -> BoxFut<Result<()>>;
     /// Starts the pieces; each is completed through `batch` later, possibly on another thread.
@@ -522,7 +781,13 @@ pub(crate) trait Backend: Send + Sync {
         Option<ShmHandle>,
         Option<BackendRegistration>,
     )>;
-    fn connect(&self, core: Arc<EngineCore>, addr: String) -> BoxFut<Result<Arc<dyn Link>>>;
+    /// Opens a link; with `auth`, every connection of it proves the session key.
+    fn connect(
+        &self,
+        core: Arc<EngineCore>,
+        addr: String,
+        auth: Option<ClientAuth>,
+    ) -> BoxFut<Result<Arc<dyn Link>>>;
 }
 
 /// What the engine's executors and servers share. Never owns the runtime.
@@ -534,6 +799,8 @@ pub(crate) struct EngineCore {
     pub(crate) notify_tx: mpsc::Sender<Notification>,
     pub(crate) alive: AtomicBool,
     pub(crate) memcpy: crate::backend::memcpy::MemcpyExecutor,
+    /// The grants this engine handed out as a target.
+    pub(crate) auth: Arc<AuthTable>,
 }
 
 impl EngineCore {
@@ -611,6 +878,7 @@ impl TransferEngine {
                 &config.name,
                 config.queue_depth,
             )?,
+            auth: Arc::new(AuthTable::new(config.require_auth)),
             config,
         });
         let backend: Box<dyn Backend> = {
@@ -644,9 +912,48 @@ impl TransferEngine {
         self.shared.core.config.backend
     }
 
-    /// The address peers pass to [`TransferEngine::connect`] (`local:N` or `host:port`).
+    /// The address peers pass to [`TransferEngine::connect`] (`local:N` or `host:port`):
+    /// `advertise_addr` when configured (behind NAT, say); else the bound address, except that
+    /// an engine listening on an unspecified address (`0.0.0.0`, `::`) never publishes it but
+    /// the first address of an interface that is up and not loopback (else loopback). Prefer [`TransferEngine::address_for`] when
+    /// the peer is known.
     pub fn address(&self) -> String {
-        self.shared.backend.address()
+        self.published(None)
+    }
+
+    /// The address to give the peer at `peer` (its transfer or control address): as
+    /// [`TransferEngine::address`], but an engine listening on an unspecified address
+    /// publishes the address of the interface that routes to `peer`, unless `advertise_addr`
+    /// is configured.
+    pub fn address_for(&self, peer: &str) -> String {
+        self.published(peer.parse::<SocketAddr>().ok())
+    }
+
+    fn published(&self, peer: Option<SocketAddr>) -> String {
+        let bound = self.shared.backend.address();
+        let Ok(sock) = bound.parse::<SocketAddr>() else {
+            return bound; // `local:N`
+        };
+        let config = &self.shared.core.config;
+        if let Some((ip, port)) = config
+            .advertise_addr
+            .as_deref()
+            .and_then(|a| parse_advertise(a).ok())
+        {
+            return SocketAddr::new(ip, port.unwrap_or(sock.port())).to_string();
+        }
+        if !sock.ip().is_unspecified() {
+            return bound;
+        }
+        let ip = peer
+            .and_then(route_source)
+            .or_else(interface_address)
+            .unwrap_or(if sock.is_ipv4() {
+                std::net::Ipv4Addr::LOCALHOST.into()
+            } else {
+                std::net::Ipv6Addr::LOCALHOST.into()
+            });
+        SocketAddr::new(ip, sock.port()).to_string()
     }
 
     /// The allocator whose memory this backend can register and a peer can reach
@@ -712,16 +1019,67 @@ impl TransferEngine {
             .take()
     }
 
+    /// Grants a peer session access to this engine's memory (this engine is the target):
+    /// from now on every connection must prove a session key, and one proving `grant.key` may
+    /// reach what `grant.regions` allow (and scopes opened later with
+    /// [`SessionGrantGuard::allow`]). Dropping the guard revokes the grant. Hand
+    /// `grant.key` to the peer over the mutual-TLS control plane; it connects with
+    /// [`TransferEngine::connect_with`].
+    ///
+    /// # Errors
+    /// [`TransportError::Config`] for an invalid peer name, an empty range, or a key that is
+    /// already granted.
+    pub fn grant_session(&self, grant: SessionGrant) -> Result<SessionGrantGuard> {
+        self.shared.core.auth.grant(grant)
+    }
+
+    /// Whether this engine requires a session key of every connection.
+    pub fn requires_auth(&self) -> bool {
+        self.shared.core.auth.required()
+    }
+
+    /// Connections and key proofs this engine refused so far (unauthenticated, wrong or spent
+    /// key, revoked grant).
+    pub fn refused_sessions(&self) -> u64 {
+        self.shared.core.auth.refused()
+    }
+
     /// Opens a session to the engine at `addr` and fetches its registered-memory descriptors.
+    /// Without a session key: a target that requires keys refuses it.
     ///
     /// # Errors
     /// [`TransportError::Timeout`] after `connect_timeout`, [`TransportError::PeerGone`] when
     /// nobody answers, [`TransportError::LayoutMismatch`] for inconsistent descriptors, TLS
-    /// errors (`quic`).
+    /// errors (`quic`), [`TransportError::Unauthenticated`] from a target that requires keys.
     pub async fn connect(&self, addr: &str) -> Result<Session> {
+        self.open_session(addr, None).await
+    }
+
+    /// Opens an authenticated session to the engine at `addr` with the key it granted
+    /// ([`TransferEngine::grant_session`] on the target): every connection proves the key
+    /// before any operation, and the target checks each operation against the grant.
+    ///
+    /// # Errors
+    /// As [`TransferEngine::connect`]; [`TransportError::Unauthenticated`] for a key the target
+    /// does not know, revoked, or already spent by an ended session, and when the target cannot
+    /// prove the key itself; [`TransportError::Unsupported`] on `local`.
+    pub async fn connect_with(&self, addr: &str, creds: SessionCredentials) -> Result<Session> {
+        let integrity = if self.backend() == BackendKind::Tcp {
+            self.shared.core.config.tcp_integrity
+        } else {
+            TcpIntegrity::None // quic: TLS protects every byte; shm/rdma: no bytes on a socket
+        };
+        self.open_session(addr, Some(ClientAuth::new(&creds, integrity)?))
+            .await
+    }
+
+    async fn open_session(&self, addr: &str, auth: Option<ClientAuth>) -> Result<Session> {
         let core = self.shared.core.clone();
         let timeout = core.config.connect_timeout;
-        let fut = self.shared.backend.connect(core.clone(), addr.to_string());
+        let fut = self
+            .shared
+            .backend
+            .connect(core.clone(), addr.to_string(), auth);
         let handle = self.io_handle()?;
         let link = run_on(&handle, async move {
             tokio::time::timeout(timeout, fut)
@@ -809,6 +1167,12 @@ impl Session {
         self.link.peer()
     }
 
+    /// The node name the peer proved: on `quic` the node its certificate is bound to (checked
+    /// by the TLS handshake against the cluster CA), elsewhere `None`.
+    pub fn peer_node(&self) -> Option<&str> {
+        self.link.peer_node()
+    }
+
     /// Whether the connection is still up (a failed peer makes this false).
     pub fn is_alive(&self) -> bool {
         self.link.is_alive() && self.core.alive.load(Ordering::Acquire)
@@ -875,6 +1239,16 @@ impl Session {
     /// last fetched) before anything moves; [`TransportError::PeerGone`] when the session is
     /// closed; [`TransportError::Busy`] when the executor queue is full.
     pub fn submit(&self, ops: &[TransferOp]) -> Result<BatchHandle> {
+        self.submit_fenced(SESSION_SCOPE, ops)
+    }
+
+    /// As [`Session::submit`], for operations of scope `fence` at the target (opened there
+    /// with [`SessionGrantGuard::allow`]): once the target fences the scope, its operations
+    /// are refused there with [`TransportError::Fenced`] and none of their bytes land.
+    ///
+    /// # Errors
+    /// As [`Session::submit`].
+    pub fn submit_fenced(&self, fence: FenceId, ops: &[TransferOp]) -> Result<BatchHandle> {
         if !self.is_alive() {
             return Err(TransportError::peer_gone(self.peer(), "session closed"));
         }
@@ -915,6 +1289,7 @@ impl Session {
                     remote_region: op.remote_region,
                     remote_offset: ro,
                     len: n,
+                    fence,
                     remote_chunk: rchunk,
                 });
                 done += n;

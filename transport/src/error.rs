@@ -106,6 +106,37 @@ pub enum TransportError {
     /// The batch was cancelled by its owner.
     #[error("cancelled")]
     Cancelled,
+    /// The operation lies outside what the session's grant allows (region, range, direction).
+    #[error("not granted: {} of region {region} range {offset}+{len} (fence {fence})", if *write { "write" } else { "read" })]
+    NotGranted {
+        /// The target's region id.
+        region: u64,
+        /// Offset asked for.
+        offset: u64,
+        /// Length asked for.
+        len: u64,
+        /// Whether it was a write.
+        write: bool,
+        /// The scope it named.
+        fence: u64,
+    },
+    /// The operation's scope was fenced (closed) by the target, or never opened: its bytes
+    /// did not land.
+    #[error("fenced: scope {fence} is closed at the target")]
+    Fenced {
+        /// The scope's fence id.
+        fence: u64,
+    },
+    /// An RDMA device named in the configuration is not there, or unusable.
+    #[error("rdma device {device:?}: {reason} (devices here: {available:?})")]
+    RdmaDevice {
+        /// The device named.
+        device: String,
+        /// What went wrong.
+        reason: String,
+        /// The devices this machine lists.
+        available: Vec<String>,
+    },
 }
 
 impl TransportError {
@@ -128,6 +159,9 @@ impl TransportError {
             Self::Busy(_) => "busy",
             Self::Unsupported(_) => "unsupported",
             Self::Cancelled => "cancelled",
+            Self::NotGranted { .. } => "not_granted",
+            Self::Fenced { .. } => "fenced",
+            Self::RdmaDevice { .. } => "rdma_device",
         }
     }
 

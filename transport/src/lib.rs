@@ -12,18 +12,24 @@
 //!
 //! See `docs/transport.md` for the design, guarantees and measured performance.
 
+pub mod auth;
 mod backend;
 pub mod bench;
 pub mod control;
 mod engine;
 mod error;
+mod integrity;
 pub mod memory;
 #[doc(hidden)]
 pub mod peer;
 
+pub use auth::{
+    Access, FenceId, FenceScope, RegionGrant, SessionCredentials, SessionGrant, SessionGrantGuard,
+    SessionKey,
+};
 pub use engine::{
-    coalesce, BackendKind, BatchHandle, BatchStatus, Notification, OpKind, Session, TransferConfig,
-    TransferEngine, TransferOp,
+    coalesce, BackendKind, BatchHandle, BatchStatus, Notification, OpKind, RdmaConfig, Session,
+    TcpIntegrity, TransferConfig, TransferEngine, TransferOp,
 };
 pub use error::{Result, Side, TransportError};
 pub use memory::{RegionId, RegisteredRegion, ShmAllocator, ShmMemory};

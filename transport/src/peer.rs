@@ -31,6 +31,34 @@ pub const ENV_CLUSTER_DIR: &str = "PDSERVE_TRANSFER_PEER_CLUSTER_DIR";
 pub const ENV_MAX_REG: &str = "PDSERVE_TRANSFER_PEER_MAX_REG";
 /// Optional path of a peer executable for the benchmark.
 pub const ENV_PEER_EXE: &str = "PDSERVE_TRANSFER_PEER_EXE";
+/// Optional session key (64 hex digits): the peer grants it, for every region read and write,
+/// to the initiator named by [`ENV_GRANT_PEER`], and then requires keys of every connection.
+pub const ENV_SESSION_KEY: &str = "PDSERVE_TRANSFER_PEER_SESSION_KEY";
+/// The initiator's name the session key is granted to (default `initiator`).
+pub const ENV_GRANT_PEER: &str = "PDSERVE_TRANSFER_PEER_GRANT_TO";
+/// Optional `tcp_integrity` of the peer (`none`, `mac`, `encrypt`): the weakest it accepts.
+pub const ENV_TCP_INTEGRITY: &str = "PDSERVE_TRANSFER_PEER_TCP_INTEGRITY";
+
+/// A session key as [`ENV_SESSION_KEY`] carries it.
+pub fn key_to_hex(key: &crate::auth::SessionKey) -> String {
+    key.as_bytes().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Parses [`key_to_hex`]'s output.
+///
+/// # Errors
+/// [`TransportError::Config`] when it is not 64 hex digits.
+pub fn key_from_hex(hex: &str) -> Result<crate::auth::SessionKey> {
+    let bad = || TransportError::Config("a session key is 64 hex digits".into());
+    if hex.len() != 2 * crate::auth::KEY_BYTES {
+        return Err(bad());
+    }
+    let mut key = [0u8; crate::auth::KEY_BYTES];
+    for (i, b) in key.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).map_err(|_| bad())?;
+    }
+    Ok(crate::auth::SessionKey::from_bytes(key))
+}
 
 /// The argument a peer process is started with (ignored by the peer itself).
 pub const PEER_ARG: &str = "__pdserve-transfer-peer";
@@ -103,6 +131,9 @@ fn run_from_env() -> Result<()> {
         config.credentials = Some(MemberCredentials::load(Path::new(&dir), PEER_NODE)?);
         config.peer_timeout = Duration::from_secs(2);
     }
+    if let Ok(mode) = std::env::var(ENV_TCP_INTEGRITY) {
+        config.tcp_integrity = mode.parse()?;
+    }
     let engine = TransferEngine::new(config)?;
     let mut regions: Vec<RegisteredRegion> = Vec::new();
     for (i, &len) in lens.iter().enumerate() {
@@ -112,6 +143,21 @@ fn run_from_env() -> Result<()> {
         r.write_at(0, &buf)?;
         regions.push(r);
     }
+    let _grant = match std::env::var(ENV_SESSION_KEY) {
+        Ok(hex) => Some(
+            engine.grant_session(crate::auth::SessionGrant {
+                key: key_from_hex(&hex)?,
+                peer: std::env::var(ENV_GRANT_PEER).unwrap_or_else(|_| "initiator".into()),
+                regions: regions
+                    .iter()
+                    .map(|r| {
+                        crate::auth::RegionGrant::whole(r.id(), crate::auth::Access::ReadWrite)
+                    })
+                    .collect(),
+            })?,
+        ),
+        Err(_) => None,
+    };
     let mut notes = engine
         .take_notifications()
         .ok_or_else(|| TransportError::Config("no notification receiver".into()))?;
@@ -187,7 +233,35 @@ impl PeerProcess {
         max_reg: Option<u64>,
         timeout: Duration,
     ) -> Result<Self> {
+        Self::spawn_with_env(
+            exe,
+            backend,
+            region_lens,
+            seed,
+            cluster_dir,
+            max_reg,
+            timeout,
+            &[],
+        )
+    }
+
+    /// As [`PeerProcess::spawn`], with more environment variables ([`ENV_SESSION_KEY`], ...).
+    ///
+    /// # Errors
+    /// As [`PeerProcess::spawn`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn spawn_with_env(
+        exe: &Path,
+        backend: BackendKind,
+        region_lens: &[u64],
+        seed: u64,
+        cluster_dir: Option<&Path>,
+        max_reg: Option<u64>,
+        timeout: Duration,
+        env: &[(&str, String)],
+    ) -> Result<Self> {
         let mut cmd = Command::new(exe);
+        cmd.envs(env.iter().map(|(k, v)| (*k, v.as_str())));
         // The argument makes an executable without the peer hook exit at once (unknown
         // argument) instead of doing its default work.
         cmd.arg(PEER_ARG)

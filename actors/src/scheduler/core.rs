@@ -316,6 +316,11 @@ impl SchedulerCore {
         self.held.remove(&transfer).is_some()
     }
 
+    /// The blocks held for `transfer`, while its lease lives.
+    pub fn held_blocks(&self, transfer: TransferId) -> Option<Vec<u32>> {
+        self.held.get(&transfer).map(|(b, _)| b.blocks().to_vec())
+    }
+
     /// Extends the lease on held blocks; `false` when they are no longer held.
     pub fn renew_held(&mut self, transfer: TransferId, now: Instant) -> bool {
         match self.held.get_mut(&transfer) {
@@ -841,7 +846,9 @@ mod tests {
         assert_eq!(held.len(), 3);
         assert_eq!(c.stats().blocks_free, 13, "held blocks stay taken");
         assert!(c.renew_held(t, Instant::now()));
+        assert_eq!(c.held_blocks(t).map(|b| b.len()), Some(3));
         assert!(c.release_held(t));
+        assert_eq!(c.held_blocks(t), None);
         assert!(!c.release_held(t), "a second release finds nothing");
         assert_eq!(c.stats().blocks_free, 16);
         // A lease that runs out frees the blocks; a late release is refused.

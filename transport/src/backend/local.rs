@@ -66,8 +66,19 @@ impl Backend for LocalBackend {
     )> {
         Ok((plain_chunks(mem.len() as u64, self.max_reg), None, None))
     }
-    fn connect(&self, core: Arc<EngineCore>, addr: String) -> BoxFut<Result<Arc<dyn Link>>> {
+    fn connect(
+        &self,
+        core: Arc<EngineCore>,
+        addr: String,
+        auth: Option<crate::auth::ClientAuth>,
+    ) -> BoxFut<Result<Arc<dyn Link>>> {
         Box::pin(async move {
+            if auth.is_some() {
+                return Err(TransportError::Unsupported(
+                    "local engines share one process: there is no connection to authenticate"
+                        .into(),
+                ));
+            }
             let peer = engines()
                 .lock()
                 .expect("local engines poisoned")

@@ -1,26 +1,37 @@
-//! The byte-stream protocol of the `tcp`, `quic` and `shm` (control only) backends.
+//! The byte-stream protocol of the `tcp`, `quic` and `shm`/`rdma` (control only) backends.
 //!
-//! Requests are a fixed 40-byte header (`op, req id, region, offset, len`) followed by `len`
-//! payload bytes for writes, greetings and notifications; answers are a fixed 32-byte header
-//! (`status, req id, aux, len`) followed by `len` payload bytes. Payloads of writes and reads go
-//! straight between the socket and registered memory, with no intermediate buffer. The target
-//! checks every request against its own registry, whatever the initiator checked.
+//! Requests are a fixed 48-byte header (`op, req id, region, offset, len, fence`) followed by
+//! `len` payload bytes for writes, greetings and notifications; answers are a fixed 32-byte
+//! header (`status, req id, aux, len`) followed by `len` payload bytes. Payloads of writes and
+//! reads go straight between the socket and registered memory, with no intermediate buffer. The
+//! target checks every request against its own registry and, once keys are required, against
+//! the session's grant ([`crate::auth`]), whatever the initiator checked.
+//!
+//! A session starts with `HELLO` (backend, engine name, host), answered with a fresh server
+//! nonce; an authenticated one continues with `AUTH` (key id, session id, client nonce,
+//! HMAC proof), answered with the server's own proof and the session scope's grants.
 
+use std::pin::Pin;
 use std::sync::atomic::{fence, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::task::Poll;
 
 use pdserve_runtime::wire::{from_archive, to_archive, RegionDescriptor};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 
-use crate::engine::{BackendKind, EngineCore};
+use crate::auth::{self, ConnAuth, FenceId, Handshake, Scope, NONCE_BYTES, SESSION_SCOPE};
+use crate::engine::{BackendKind, EngineCore, OpKind, TcpIntegrity};
 use crate::error::{Result, Side, TransportError};
+use crate::integrity::{FrameSealer, Framing, TAG};
 
-pub(crate) const REQ_HEADER: usize = 40;
+pub(crate) const REQ_HEADER: usize = 48;
+/// Most bytes one non-blocking read lands under a scope's gate (bounds how long `fence` waits).
+const LAND_CHUNK: usize = 256 << 10;
 pub(crate) const RESP_HEADER: usize = 32;
 /// Largest payload the target drains for a refused write before giving up on the connection.
 const MAX_DRAIN: u64 = 1 << 30;
 /// Largest descriptor list accepted from a peer.
-const MAX_REGIONS_BYTES: u64 = 64 << 20;
+pub(crate) const MAX_REGIONS_BYTES: u64 = 64 << 20;
 /// Largest error text accepted from a peer.
 const MAX_ERROR_BYTES: u64 = 64 << 10;
 
@@ -31,11 +42,30 @@ pub(crate) const OP_READ: u8 = 4;
 pub(crate) const OP_NOTIFY: u8 = 5;
 /// RDMA: exchange queue-pair endpoints (payload: JSON endpoint; answer: the target's).
 pub(crate) const OP_RDMA_CONNECT: u8 = 6;
+/// Proves the session key (payload: [`auth::AUTH_REQUEST_BYTES`]); answer: the server's proof
+/// and the session scope's grants (JSON).
+pub(crate) const OP_AUTH: u8 = 7;
+/// RDMA: the target's memory keys of every region on each of its devices (JSON).
+pub(crate) const OP_RDMA_KEYS: u8 = 8;
 
-/// Accepts an RDMA connection: takes the initiator's endpoint, returns the target's endpoint and
-/// the state (queue pair) to keep while the control connection lives.
+/// Serves the RDMA control ops of an admitted connection: `OP_RDMA_CONNECT` takes the
+/// initiator's endpoints and returns the target's, with the state (queue pairs) to keep while
+/// the control connection lives; `OP_RDMA_KEYS` returns the memory keys per device.
 pub(crate) type RdmaAcceptHook =
-    Arc<dyn Fn(&[u8]) -> Result<(Vec<u8>, Box<dyn std::any::Any + Send>)> + Send + Sync>;
+    Arc<dyn Fn(u8, &[u8]) -> Result<(Vec<u8>, Box<dyn std::any::Any + Send>)> + Send + Sync>;
+
+/// Whether an answer status is a refusal whose error [`answer_error`] decodes.
+pub(crate) fn is_refusal(status: u8) -> bool {
+    matches!(
+        status,
+        ST_UNKNOWN_REGION
+            | ST_OUT_OF_BOUNDS
+            | ST_ERROR
+            | ST_UNAUTHENTICATED
+            | ST_NOT_GRANTED
+            | ST_FENCED
+    )
+}
 
 pub(crate) const ST_OK: u8 = 0;
 pub(crate) const ST_REGIONS: u8 = 1;
@@ -43,6 +73,12 @@ pub(crate) const ST_DATA: u8 = 2;
 pub(crate) const ST_UNKNOWN_REGION: u8 = 3;
 pub(crate) const ST_OUT_OF_BOUNDS: u8 = 4;
 pub(crate) const ST_ERROR: u8 = 5;
+/// The connection has not proven a session key (payload: message); the target closes it.
+pub(crate) const ST_UNAUTHENTICATED: u8 = 6;
+/// Outside the session's grant (payload: JSON of the refused op).
+pub(crate) const ST_NOT_GRANTED: u8 = 7;
+/// The op's scope is fenced (aux: the fence id).
+pub(crate) const ST_FENCED: u8 = 8;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct ReqHeader {
@@ -51,9 +87,23 @@ pub(crate) struct ReqHeader {
     pub(crate) region: u64,
     pub(crate) offset: u64,
     pub(crate) len: u64,
+    /// The scope the op belongs to ([`SESSION_SCOPE`] for the session's own).
+    pub(crate) fence: FenceId,
 }
 
 impl ReqHeader {
+    /// A control request (no region) carrying `len` payload bytes.
+    pub(crate) fn control(op: u8, req: u64, len: usize) -> Self {
+        Self {
+            op,
+            req,
+            region: 0,
+            offset: 0,
+            len: len as u64,
+            fence: SESSION_SCOPE,
+        }
+    }
+
     pub(crate) fn encode(&self) -> [u8; REQ_HEADER] {
         let mut b = [0u8; REQ_HEADER];
         b[0] = self.op;
@@ -61,6 +111,7 @@ impl ReqHeader {
         b[16..24].copy_from_slice(&self.region.to_le_bytes());
         b[24..32].copy_from_slice(&self.offset.to_le_bytes());
         b[32..40].copy_from_slice(&self.len.to_le_bytes());
+        b[40..48].copy_from_slice(&self.fence.to_le_bytes());
         b
     }
     pub(crate) fn decode(b: &[u8; REQ_HEADER]) -> Self {
@@ -71,6 +122,7 @@ impl ReqHeader {
             region: u(16..24),
             offset: u(24..32),
             len: u(32..40),
+            fence: u(40..48),
         }
     }
 }
@@ -115,25 +167,75 @@ pub(crate) fn host_id() -> String {
         .unwrap_or_default()
 }
 
+/// What the streams of one connection share (a `tcp` connection has one stream, a `quic`
+/// connection many).
+#[derive(Default)]
+pub(crate) struct ConnShared {
+    /// The peer's name: set by its HELLO, or beforehand by a backend that authenticates it
+    /// (`quic`: the node its certificate is bound to), after which a HELLO announcing another
+    /// name is refused.
+    pub(crate) peer_name: Mutex<Option<String>>,
+    /// The nonce this side answered the HELLO with.
+    nonce: Mutex<Option<[u8; NONCE_BYTES]>>,
+    /// Set once the peer proved a session key.
+    auth: OnceLock<ConnAuth>,
+}
+
+impl ConnShared {
+    /// Shared state with the peer's name already known (`quic`: from its certificate).
+    pub(crate) fn named(name: String) -> Arc<Self> {
+        Arc::new(Self {
+            peer_name: Mutex::new(Some(name)),
+            ..Self::default()
+        })
+    }
+}
+
 /// Per-connection server state.
 pub(crate) struct ServerCtx {
     pub(crate) core: Arc<EngineCore>,
     pub(crate) backend: BackendKind,
-    /// The peer's name: set by its HELLO, or beforehand by a backend that authenticates it
-    /// (`quic`: the node its certificate is bound to), after which a HELLO announcing another
-    /// name is refused.
-    pub(crate) peer_name: Arc<Mutex<Option<String>>>,
+    pub(crate) conn: Arc<ConnShared>,
     pub(crate) remote_addr: String,
     pub(crate) rdma_accept: Option<RdmaAcceptHook>,
 }
 
 impl ServerCtx {
     fn peer_name(&self) -> String {
-        self.peer_name
+        self.conn
+            .peer_name
             .lock()
             .expect("peer name poisoned")
             .clone()
             .unwrap_or_else(|| self.remote_addr.clone())
+    }
+
+    /// Whether this connection may use the engine at all: it proved a key, or keys are not
+    /// required (an engine that never granted a session and was not configured to).
+    fn admitted(&self) -> Result<Option<&ConnAuth>> {
+        match self.conn.auth.get() {
+            Some(a) => Ok(Some(a)),
+            None if self.core.auth.required() => {
+                Err(self.core.auth.refuse(TransportError::Unauthenticated(
+                    "this engine requires a session key: prove one (connect_with) first".into(),
+                )))
+            }
+            None => Ok(None),
+        }
+    }
+
+    /// The scope a data op may land under, after checking it against the grant; `None` on an
+    /// engine that requires no keys.
+    fn authorize(&self, kind: OpKind, h: &ReqHeader) -> Result<Option<Arc<Scope>>> {
+        match self.admitted()? {
+            Some(a) => {
+                let scope = a.grant.scope(h.fence)?;
+                scope.check(kind, h.region, h.offset, h.len)?;
+                Ok(Some(scope))
+            }
+            None if h.fence != SESSION_SCOPE => Err(TransportError::Fenced { fence: h.fence }),
+            None => Ok(None),
+        }
     }
 }
 
@@ -173,6 +275,7 @@ async fn drain<R: AsyncRead + Unpin>(r: &mut R, mut len: u64) -> Result<()> {
 
 async fn respond<W: AsyncWrite + Unpin>(
     w: &mut W,
+    fr: Option<&mut FrameSealer>,
     status: u8,
     req: u64,
     aux: u64,
@@ -183,32 +286,91 @@ async fn respond<W: AsyncWrite + Unpin>(
         req,
         aux,
         len: payload.len() as u64,
+    }
+    .encode();
+    let Some(fr) = fr else {
+        if payload.len() <= 16 << 10 {
+            let mut buf = Vec::with_capacity(RESP_HEADER + payload.len());
+            buf.extend_from_slice(&h);
+            buf.extend_from_slice(payload);
+            w.write_all(&buf).await?;
+        } else {
+            w.write_all(&h).await?;
+            w.write_all(payload).await?;
+        }
+        return Ok(());
     };
-    if payload.len() <= 16 << 10 {
-        let mut buf = Vec::with_capacity(RESP_HEADER + payload.len());
-        buf.extend_from_slice(&h.encode());
-        buf.extend_from_slice(payload);
-        w.write_all(&buf).await?;
+    let mut head = Vec::with_capacity(RESP_HEADER + 2 * TAG + payload.len().min(16 << 10));
+    head.extend_from_slice(&h);
+    head.extend_from_slice(&fr.seal_header(&h));
+    if payload.is_empty() {
+        w.write_all(&head).await?;
+        return Ok(());
+    }
+    let (bytes, tag) = fr.seal_payload(payload);
+    if bytes.len() <= 16 << 10 {
+        head.extend_from_slice(bytes);
+        head.extend_from_slice(&tag);
+        w.write_all(&head).await?;
     } else {
-        w.write_all(&h.encode()).await?;
-        w.write_all(payload).await?;
+        w.write_all(&head).await?;
+        w.write_all(bytes).await?;
+        w.write_all(&tag).await?;
     }
     Ok(())
 }
 
+/// The sending half of a connection's frame protection, if it has one.
+fn sealer(fr: &mut Option<Framing>) -> Option<&mut FrameSealer> {
+    fr.as_mut().map(|f| &mut f.sealer)
+}
+
+/// Reads a frame's tag.
+pub(crate) async fn read_tag<R: AsyncRead + Unpin>(r: &mut R) -> Result<[u8; TAG]> {
+    let mut tag = [0u8; TAG];
+    r.read_exact(&mut tag).await?;
+    Ok(tag)
+}
+
+/// Reads a small payload (and checks its tag on a protected connection).
+async fn read_payload<R: AsyncRead + Unpin>(
+    r: &mut R,
+    fr: &mut Option<Framing>,
+    len: u64,
+) -> Result<Vec<u8>> {
+    let mut payload = vec![0u8; len as usize];
+    r.read_exact(&mut payload).await?;
+    if let Some(f) = fr {
+        let tag = read_tag(r).await?;
+        f.opener.open_payload(&mut payload, &tag)?;
+    }
+    Ok(payload)
+}
+
 async fn respond_error<W: AsyncWrite + Unpin>(
     w: &mut W,
+    fr: Option<&mut FrameSealer>,
     req: u64,
     e: &TransportError,
 ) -> Result<()> {
     match e {
-        TransportError::UnknownRegion { .. } => respond(w, ST_UNKNOWN_REGION, req, 0, &[]).await,
-        TransportError::OutOfBounds { region_len, .. } => {
-            respond(w, ST_OUT_OF_BOUNDS, req, *region_len, &[]).await
+        TransportError::UnknownRegion { .. } => {
+            respond(w, fr, ST_UNKNOWN_REGION, req, 0, &[]).await
         }
+        TransportError::OutOfBounds { region_len, .. } => {
+            respond(w, fr, ST_OUT_OF_BOUNDS, req, *region_len, &[]).await
+        }
+        TransportError::Unauthenticated(m) => {
+            respond(w, fr, ST_UNAUTHENTICATED, req, 0, m.as_bytes()).await
+        }
+        TransportError::NotGranted { fence, .. } => {
+            respond(w, fr, ST_NOT_GRANTED, req, *fence, &[]).await
+        }
+        TransportError::Fenced { fence } => respond(w, fr, ST_FENCED, req, *fence, &[]).await,
         other => {
             respond(
                 w,
+                fr,
                 ST_ERROR,
                 req,
                 0,
@@ -219,8 +381,43 @@ async fn respond_error<W: AsyncWrite + Unpin>(
     }
 }
 
+/// Reads `dst.len()` bytes into `dst` (target memory), each non-blocking read under `scope`'s
+/// gate. Returns `Ok(false)` when the scope was fenced before every byte landed: the rest is
+/// read off the stream and dropped, so nothing lands once [`Scope`]'s gate is closed.
+async fn read_gated<R: AsyncRead + Unpin>(
+    r: &mut R,
+    dst: &mut [u8],
+    scope: &Scope,
+) -> Result<bool> {
+    let mut got = 0;
+    while got < dst.len() {
+        let end = (got + LAND_CHUNK).min(dst.len());
+        let step = std::future::poll_fn(|cx| {
+            let mut buf = ReadBuf::new(&mut dst[got..end]);
+            match scope.land(|| Pin::new(&mut *r).poll_read(cx, &mut buf)) {
+                None => Poll::Ready(Ok(None)),
+                Some(Poll::Pending) => Poll::Pending,
+                Some(Poll::Ready(Ok(()))) => Poll::Ready(Ok(Some(buf.filled().len()))),
+                Some(Poll::Ready(Err(e))) => Poll::Ready(Err(e)),
+            }
+        })
+        .await?;
+        match step {
+            None => {
+                drain(r, (dst.len() - got) as u64).await?;
+                return Ok(false);
+            }
+            Some(0) => return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into()),
+            Some(n) => got += n,
+        }
+    }
+    Ok(true)
+}
+
 /// Serves requests from one stream until it ends. Each request is checked against this
-/// engine's registry; refused writes have their payload drained so the stream stays in sync.
+/// engine's registry and the connection's grant; refused writes of an admitted connection have
+/// their payload drained so the stream stays in sync. A connection that is not admitted (keys
+/// are required and it proved none) is answered and closed.
 ///
 /// # Errors
 /// I/O errors, and protocol violations (after which the caller drops the connection).
@@ -232,128 +429,207 @@ where
     let max_notify = ctx.core.config.max_notify_bytes as u64;
     // Per-connection state (RDMA queue pairs) lives as long as this loop.
     let mut _kept: Vec<Box<dyn std::any::Any + Send>> = Vec::new();
+    // The frame protection, once an `AUTH` asked for it (`tcp_integrity`).
+    let mut fr: Option<Framing> = None;
     loop {
         let mut hb = [0u8; REQ_HEADER];
         if !read_exact_or_eof(r, &mut hb).await? {
             return Ok(());
         }
+        if let Some(f) = &mut fr {
+            let tag = read_tag(r).await?;
+            f.opener.open_header(&hb, &tag)?;
+        }
         let h = ReqHeader::decode(&hb);
         match h.op {
-            OP_HELLO | OP_NOTIFY => {
+            OP_HELLO | OP_NOTIFY | OP_AUTH => {
                 if h.len > max_notify {
                     let e = TransportError::Protocol(format!(
                         "message of {} bytes is too large",
                         h.len
                     ));
-                    respond_error(w, h.req, &e).await?;
+                    respond_error(w, sealer(&mut fr), h.req, &e).await?;
                     return Err(e);
                 }
-                let mut payload = vec![0u8; h.len as usize];
-                r.read_exact(&mut payload).await?;
-                if h.op == OP_HELLO {
-                    let text = String::from_utf8_lossy(&payload).to_string();
-                    let mut parts = text.splitn(3, '\n');
-                    let backend = parts.next().unwrap_or_default();
-                    let name = parts.next().unwrap_or_default().to_string();
-                    let host = parts.next().unwrap_or_default();
-                    if backend != ctx.backend.as_str() {
-                        let e = TransportError::Config(format!(
-                            "peer speaks backend {backend:?}, this engine is {}",
-                            ctx.backend
-                        ));
-                        respond_error(w, h.req, &e).await?;
+                if h.op == OP_NOTIFY {
+                    if let Err(e) = ctx.admitted() {
+                        respond_error(w, sealer(&mut fr), h.req, &e).await?;
+                        w.flush().await?;
                         return Err(e);
                     }
-                    if ctx.backend == BackendKind::Shm && host != host_id() {
-                        let e = TransportError::Unsupported(
-                            "shm peers must run on the same host".into(),
-                        );
-                        respond_error(w, h.req, &e).await?;
-                        return Err(e);
-                    }
-                    let known = {
-                        let mut known = ctx.peer_name.lock().expect("peer name poisoned");
-                        match known.as_deref() {
-                            Some(k) if k != name => Some(k.to_string()),
-                            _ => {
-                                *known = Some(name.clone());
-                                None
-                            }
-                        }
-                    };
-                    if let Some(known) = known {
-                        let e = TransportError::Unauthenticated(format!(
-                            "the peer announced engine `{name}` on a connection of `{known}` \
-                             (the node its certificate is bound to)"
-                        ));
-                        respond_error(w, h.req, &e).await?;
-                        return Err(e);
-                    }
-                } else {
-                    ctx.core.deliver(ctx.peer_name(), payload).await;
                 }
-                respond(w, ST_OK, h.req, 0, &[]).await?;
+                let payload = read_payload(r, &mut fr, h.len).await?;
+                match h.op {
+                    OP_HELLO => {
+                        let nonce = match hello(ctx, &payload) {
+                            Ok(n) => n,
+                            Err(e) => {
+                                respond_error(w, sealer(&mut fr), h.req, &e).await?;
+                                w.flush().await?;
+                                return Err(e);
+                            }
+                        };
+                        respond(w, sealer(&mut fr), ST_OK, h.req, 0, &nonce).await?;
+                    }
+                    OP_AUTH => match authenticate(ctx, &payload) {
+                        Ok((answer, framing)) => {
+                            // The answer goes out in the clear; protection starts after it.
+                            respond(w, None, ST_OK, h.req, 0, &answer).await?;
+                            fr = framing;
+                        }
+                        Err(e) => {
+                            tracing::warn!(peer = %ctx.remote_addr, error = %e, "refused transfer session");
+                            respond_error(w, sealer(&mut fr), h.req, &e).await?;
+                            w.flush().await?;
+                            return Err(e);
+                        }
+                    },
+                    _ => {
+                        ctx.core.deliver(ctx.peer_name(), payload).await;
+                        respond(w, sealer(&mut fr), ST_OK, h.req, 0, &[]).await?;
+                    }
+                }
             }
-            OP_GET_REGIONS => {
-                let bytes = to_archive(&ctx.core.registry.descriptors())?;
-                respond(w, ST_REGIONS, h.req, 0, &bytes).await?;
-            }
+            OP_GET_REGIONS => match ctx.admitted() {
+                Ok(auth) => {
+                    let mut regions = ctx.core.registry.descriptors();
+                    if let Some(a) = auth {
+                        let visible = a.grant.visible_regions();
+                        regions.retain(|d| visible.contains(&d.id));
+                    }
+                    respond(
+                        w,
+                        sealer(&mut fr),
+                        ST_REGIONS,
+                        h.req,
+                        0,
+                        &to_archive(&regions)?,
+                    )
+                    .await?;
+                }
+                Err(e) => {
+                    respond_error(w, sealer(&mut fr), h.req, &e).await?;
+                    w.flush().await?;
+                    return Err(e);
+                }
+            },
             OP_WRITE => {
-                let checked = ctx
-                    .core
-                    .registry
-                    .get(Side::Local, h.region)
-                    .and_then(|e| e.check(Side::Local, h.offset, h.len).map(|()| e));
+                let checked = ctx.authorize(OpKind::Write, &h).and_then(|scope| {
+                    let e = ctx.core.registry.get(Side::Local, h.region)?;
+                    e.check(Side::Local, h.offset, h.len)?;
+                    Ok((e, scope))
+                });
                 match checked {
-                    Ok(entry) => {
+                    Ok((entry, scope)) => {
                         // SAFETY: the range was checked against the region, which `entry`
                         // keeps alive until the read finishes. Concurrent access to these
                         // bytes is excluded by the users' block ownership (HostMemory's
-                        // contract).
+                        // contract) and, with grants, by the scope's gate.
                         let dst = unsafe {
                             std::slice::from_raw_parts_mut(entry.ptr_at(h.offset), h.len as usize)
                         };
-                        r.read_exact(dst).await?;
-                        // Release: the bytes are in memory before the acknowledgement leaves.
-                        fence(Ordering::Release);
-                        respond(w, ST_OK, h.req, 0, &[]).await?;
+                        let mut landed = match &scope {
+                            Some(scope) => read_gated(r, dst, scope).await?,
+                            None => {
+                                r.read_exact(dst).await?;
+                                true
+                            }
+                        };
+                        if let Some(f) = &mut fr {
+                            // Checked (decrypted) in place, under the gate: a scope fenced
+                            // meanwhile is not touched again.
+                            let tag = read_tag(r).await?;
+                            let opened = match (&scope, landed) {
+                                (_, false) => None,
+                                (Some(scope), true) => {
+                                    scope.land(|| f.opener.open_payload(dst, &tag))
+                                }
+                                (None, true) => Some(f.opener.open_payload(dst, &tag)),
+                            };
+                            match opened {
+                                Some(Ok(())) => {}
+                                Some(Err(e)) => {
+                                    respond_error(w, sealer(&mut fr), h.req, &e).await?;
+                                    w.flush().await?;
+                                    return Err(e);
+                                }
+                                None => {
+                                    f.opener.skip_payload();
+                                    landed = false;
+                                }
+                            }
+                        }
+                        if landed {
+                            // Release: the bytes are in memory before the acknowledgement.
+                            fence(Ordering::Release);
+                            respond(w, sealer(&mut fr), ST_OK, h.req, 0, &[]).await?;
+                        } else {
+                            let e = TransportError::Fenced { fence: h.fence };
+                            respond_error(w, sealer(&mut fr), h.req, &e).await?;
+                        }
+                    }
+                    Err(e @ TransportError::Unauthenticated(_)) => {
+                        respond_error(w, sealer(&mut fr), h.req, &e).await?;
+                        w.flush().await?;
+                        return Err(e);
                     }
                     Err(e) => {
                         drain(r, h.len).await?;
-                        respond_error(w, h.req, &e).await?;
+                        if let Some(f) = &mut fr {
+                            read_tag(r).await?;
+                            f.opener.skip_payload();
+                        }
+                        respond_error(w, sealer(&mut fr), h.req, &e).await?;
                     }
                 }
             }
             OP_READ => {
-                let checked = ctx
-                    .core
-                    .registry
-                    .get(Side::Local, h.region)
-                    .and_then(|e| e.check(Side::Local, h.offset, h.len).map(|()| e));
+                let checked = ctx.authorize(OpKind::Read, &h).and_then(|scope| {
+                    let e = ctx.core.registry.get(Side::Local, h.region)?;
+                    e.check(Side::Local, h.offset, h.len)?;
+                    Ok((e, scope))
+                });
                 match checked {
-                    Ok(entry) => {
+                    Ok((entry, _scope)) => {
                         fence(Ordering::Acquire);
                         // SAFETY: as for writes; the bytes are only read.
                         let src = unsafe {
                             std::slice::from_raw_parts(entry.ptr_at(h.offset), h.len as usize)
                         };
-                        respond(w, ST_DATA, h.req, 0, src).await?;
+                        respond(w, sealer(&mut fr), ST_DATA, h.req, 0, src).await?;
                     }
-                    Err(e) => respond_error(w, h.req, &e).await?,
+                    Err(e @ TransportError::Unauthenticated(_)) => {
+                        respond_error(w, sealer(&mut fr), h.req, &e).await?;
+                        w.flush().await?;
+                        return Err(e);
+                    }
+                    Err(e) => respond_error(w, sealer(&mut fr), h.req, &e).await?,
                 }
             }
-            OP_RDMA_CONNECT if h.len <= max_notify => {
-                let mut payload = vec![0u8; h.len as usize];
-                r.read_exact(&mut payload).await?;
-                match ctx.rdma_accept.as_ref().map(|hook| hook(&payload)) {
+            OP_RDMA_CONNECT | OP_RDMA_KEYS if h.len <= max_notify => {
+                let mut payload = read_payload(r, &mut fr, h.len).await?;
+                let auth = match ctx.admitted() {
+                    Ok(a) => a,
+                    Err(e) => {
+                        respond_error(w, sealer(&mut fr), h.req, &e).await?;
+                        w.flush().await?;
+                        return Err(e);
+                    }
+                };
+                if let (OP_RDMA_KEYS, Some(a)) = (h.op, auth) {
+                    // An authenticated session learns the rkeys of granted regions only.
+                    payload = granted_ids(&payload, &a.grant.visible_regions())?;
+                }
+                match ctx.rdma_accept.as_ref().map(|hook| hook(h.op, &payload)) {
                     Some(Ok((answer, state))) => {
                         _kept.push(state);
-                        respond(w, ST_OK, h.req, 0, &answer).await?;
+                        respond(w, sealer(&mut fr), ST_OK, h.req, 0, &answer).await?;
                     }
-                    Some(Err(e)) => respond_error(w, h.req, &e).await?,
+                    Some(Err(e)) => respond_error(w, sealer(&mut fr), h.req, &e).await?,
                     None => {
                         respond_error(
                             w,
+                            sealer(&mut fr),
                             h.req,
                             &TransportError::Unsupported("not an rdma engine".into()),
                         )
@@ -363,12 +639,118 @@ where
             }
             other => {
                 let e = TransportError::Protocol(format!("unknown request op {other}"));
-                respond_error(w, h.req, &e).await?;
+                respond_error(w, sealer(&mut fr), h.req, &e).await?;
                 return Err(e);
             }
         }
         w.flush().await?;
     }
+}
+
+/// The region ids (JSON list) of an `OP_RDMA_KEYS` request narrowed to `visible` (all of
+/// `visible` when the request names none).
+fn granted_ids(payload: &[u8], visible: &std::collections::HashSet<u64>) -> Result<Vec<u8>> {
+    let asked: Vec<u64> = if payload.is_empty() {
+        visible.iter().copied().collect()
+    } else {
+        serde_json::from_slice(payload).map_err(|e| TransportError::Protocol(e.to_string()))?
+    };
+    let ids: Vec<u64> = asked
+        .into_iter()
+        .filter(|id| visible.contains(id))
+        .collect();
+    serde_json::to_vec(&ids).map_err(|e| TransportError::Protocol(e.to_string()))
+}
+
+/// Handles a greeting: checks backend, host (`shm`) and name; returns the nonce to answer with.
+fn hello(ctx: &ServerCtx, payload: &[u8]) -> Result<[u8; NONCE_BYTES]> {
+    let text = String::from_utf8_lossy(payload).to_string();
+    let mut parts = text.splitn(3, '\n');
+    let backend = parts.next().unwrap_or_default();
+    let name = parts.next().unwrap_or_default().to_string();
+    let host = parts.next().unwrap_or_default();
+    if backend != ctx.backend.as_str() {
+        return Err(TransportError::Config(format!(
+            "peer speaks backend {backend:?}, this engine is {}",
+            ctx.backend
+        )));
+    }
+    if ctx.backend == BackendKind::Shm && host != host_id() {
+        return Err(TransportError::Unsupported(
+            "shm peers must run on the same host".into(),
+        ));
+    }
+    {
+        let mut known = ctx.conn.peer_name.lock().expect("peer name poisoned");
+        match known.as_deref() {
+            Some(k) if k != name => {
+                return Err(TransportError::Unauthenticated(format!(
+                    "the peer announced engine `{name}` on a connection of `{k}` \
+                     (the node its certificate is bound to)"
+                )))
+            }
+            _ => *known = Some(name),
+        }
+    }
+    let nonce = auth::server_nonce()?;
+    *ctx.conn.nonce.lock().expect("nonce poisoned") = Some(nonce);
+    Ok(nonce)
+}
+
+/// Handles `AUTH`: checks the proof against the grant; returns the server's proof followed by
+/// the session scope's grants (JSON).
+fn authenticate(ctx: &ServerCtx, payload: &[u8]) -> Result<(Vec<u8>, Option<Framing>)> {
+    let nonce = ctx
+        .conn
+        .nonce
+        .lock()
+        .expect("nonce poisoned")
+        .ok_or_else(|| TransportError::Protocol("AUTH before HELLO".into()))?;
+    let name = ctx
+        .conn
+        .peer_name
+        .lock()
+        .expect("peer name poisoned")
+        .clone()
+        .unwrap_or_default();
+    let req = auth::parse_auth_request(payload).map_err(|e| ctx.core.auth.refuse(e))?;
+    let backend = ctx.backend.as_str();
+    let hs = Handshake {
+        backend,
+        client_name: &name,
+        server_nonce: nonce,
+        client_nonce: req.client_nonce,
+        session: req.session,
+        integrity: req.integrity,
+    };
+    if req.integrity != TcpIntegrity::None && ctx.backend != BackendKind::Tcp {
+        return Err(ctx
+            .core
+            .auth
+            .refuse(TransportError::Unauthenticated(format!(
+                "frame protection is a tcp option; this engine is {}",
+                ctx.backend
+            ))));
+    }
+    let required = if ctx.backend == BackendKind::Tcp {
+        ctx.core.config.tcp_integrity
+    } else {
+        TcpIntegrity::None
+    };
+    let (conn_auth, answer, framing) =
+        ctx.core
+            .auth
+            .accept(&hs, req.key_id, req.session, req.proof, required)?;
+    let grants = conn_auth.grant.session_grants();
+    ctx.conn
+        .auth
+        .set(conn_auth)
+        .map_err(|_| TransportError::Protocol("a second AUTH on one connection".into()))?;
+    let mut out = answer.to_vec();
+    out.extend_from_slice(
+        &serde_json::to_vec(&grants).map_err(|e| TransportError::Protocol(e.to_string()))?,
+    );
+    Ok((out, framing))
 }
 
 /// Turns an error answer into the typed error of the request it answers.
@@ -389,6 +771,24 @@ pub(crate) async fn answer_error<R: AsyncRead + Unpin>(
             len: req.len,
             region_len: resp.aux,
         },
+        ST_UNAUTHENTICATED if resp.len <= MAX_ERROR_BYTES => {
+            let mut buf = vec![0u8; resp.len as usize];
+            if let Err(e) = r.read_exact(&mut buf).await {
+                return e.into();
+            }
+            TransportError::Unauthenticated(format!(
+                "the target refused: {}",
+                String::from_utf8_lossy(&buf)
+            ))
+        }
+        ST_NOT_GRANTED => TransportError::NotGranted {
+            region: req.region,
+            offset: req.offset,
+            len: req.len,
+            write: req.op == OP_WRITE,
+            fence: resp.aux,
+        },
+        ST_FENCED => TransportError::Fenced { fence: resp.aux },
         ST_ERROR if resp.len <= MAX_ERROR_BYTES => {
             let mut buf = vec![0u8; resp.len as usize];
             if let Err(e) = r.read_exact(&mut buf).await {
@@ -461,9 +861,98 @@ where
     read_control_payload(r, &req, &resp).await
 }
 
+/// The initiator's half of the key proof, split so that `quic` can send it on its own stream.
+pub(crate) struct ClientProof<'a> {
+    auth: &'a auth::ClientAuth,
+    hs: Handshake<'a>,
+    /// The `AUTH` request payload.
+    pub(crate) payload: Vec<u8>,
+}
+
+impl<'a> ClientProof<'a> {
+    /// Builds the proof for the nonce the target answered `HELLO` with.
+    pub(crate) fn new(
+        core: &'a EngineCore,
+        auth: &'a auth::ClientAuth,
+        hello_answer: &[u8],
+    ) -> Result<Self> {
+        let nonce: [u8; NONCE_BYTES] = hello_answer.try_into().map_err(|_| {
+            TransportError::Unauthenticated(
+                "the target sent no nonce: it does not support session keys".into(),
+            )
+        })?;
+        let (payload, hs) = auth.request(core.config.backend.as_str(), &core.name, nonce)?;
+        Ok(Self { auth, hs, payload })
+    }
+
+    /// Checks the target's answer to `AUTH`; returns the session scope's grants and the
+    /// connection's frame protection.
+    pub(crate) fn finish(self, answer: &[u8]) -> Result<(Vec<auth::RegionGrant>, Option<Framing>)> {
+        if answer.len() < auth::TAG_BYTES {
+            return Err(TransportError::Protocol("short AUTH answer".into()));
+        }
+        let (proof, grants) = answer.split_at(auth::TAG_BYTES);
+        self.hs.verify_server(&self.auth.key, proof)?;
+        let grants =
+            serde_json::from_slice(grants).map_err(|e| TransportError::Protocol(e.to_string()))?;
+        Ok((grants, self.hs.framing(&self.auth.key, true)?))
+    }
+}
+
+/// Greets the target on a fresh stream and, with `auth`, proves the session key; returns the
+/// session scope's grants (`None` without `auth`) and the frame protection.
+///
+/// # Errors
+/// The target's refusal ([`TransportError::Unauthenticated`] for a wrong or spent key), I/O
+/// and protocol errors.
+pub(crate) async fn client_handshake<R, W>(
+    r: &mut R,
+    w: &mut W,
+    core: &EngineCore,
+    auth: Option<&auth::ClientAuth>,
+) -> Result<(Option<Vec<auth::RegionGrant>>, Option<Framing>)>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let hello = hello_payload(core);
+    let nonce =
+        roundtrip_control(r, w, ReqHeader::control(OP_HELLO, 0, hello.len()), &hello).await?;
+    let Some(auth) = auth else {
+        return Ok((None, None));
+    };
+    let proof = ClientProof::new(core, auth, &nonce)?;
+    let answer = roundtrip_control(
+        r,
+        w,
+        ReqHeader::control(OP_AUTH, 1, proof.payload.len()),
+        &proof.payload,
+    )
+    .await?;
+    let (grants, framing) = proof.finish(&answer)?;
+    Ok((Some(grants), framing))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rdma_key_requests_are_narrowed_to_granted_regions() {
+        let visible: std::collections::HashSet<u64> = [2, 5].into_iter().collect();
+        let ids = |b: Vec<u8>| {
+            let mut v: Vec<u64> = serde_json::from_slice(&b).unwrap();
+            v.sort_unstable();
+            v
+        };
+        assert_eq!(
+            ids(granted_ids(b"[1,2,3,5]", &visible).unwrap()),
+            vec![2, 5]
+        );
+        assert_eq!(ids(granted_ids(b"", &visible).unwrap()), vec![2, 5]);
+        assert!(ids(granted_ids(b"[7]", &visible).unwrap()).is_empty());
+        assert!(granted_ids(b"not json", &visible).is_err());
+    }
 
     #[test]
     fn headers_round_trip() {
@@ -473,6 +962,7 @@ mod tests {
             region: 3,
             offset: 1 << 40,
             len: 12345,
+            fence: 99,
         };
         assert_eq!(ReqHeader::decode(&h.encode()), h);
         let r = RespHeader {

@@ -1,19 +1,28 @@
 //! The `rdma` backend over raw ibverbs (feature `rdma`): reliable-connected queue pairs and
 //! one-sided RDMA WRITE / RDMA READ straight between registered regions.
 //!
-//! - The engine opens the first device (port 1), allocates one protection domain, and registers
-//!   each region as memory regions of at most `max_registration_bytes` (default 1 GiB; NICs
-//!   limit one registration) — the chunks, with their address and rkey, are what the region
-//!   descriptor carries. Dropping the registration deregisters every chunk.
-//! - A TCP control connection (the `tcp` backend's protocol) carries the greeting,
-//!   `GetRegisteredMemory`, notifications, and the queue-pair endpoint exchange; the target
-//!   keeps its queue pair while that connection lives.
-//! - Each session owns a queue pair and a completion queue, driven by one dedicated thread
-//!   (`pdserve-rdma-<peer>`) that posts pieces from a bounded queue (at most `SEND_DEPTH` in
-//!   flight) and polls the completion queue, completing pieces by work-request id.
+//! - The engine opens the devices of `RdmaConfig::devices` (or the first one listed), each on
+//!   port `RdmaConfig::port`, with one protection domain each; a named device that is missing
+//!   is a [`TransportError::RdmaDevice`] naming the devices that are there. On RoCE ports the
+//!   GID index is `RdmaConfig::gid_index`, or the first RoCE v2 entry holding an IPv4 address
+//!   ([`super::pick_roce_gid`]); the path MTU is `RdmaConfig::mtu` or the port's active MTU.
+//! - Each region is registered on every device, as memory regions of at most
+//!   `max_registration_bytes` (default 1 GiB; NICs limit one registration). Its descriptor
+//!   carries the first device's address and rkey per chunk; the other devices' rkeys come with
+//!   `OP_RDMA_KEYS`. Dropping the registration deregisters every chunk on every device.
+//! - A TCP control connection (the `tcp` backend's protocol, with the session-key proof when
+//!   the session is authenticated) carries the greeting, `GetRegisteredMemory`,
+//!   notifications, the queue-pair endpoint exchange and the keys; the target keeps its queue
+//!   pairs while that connection lives.
+//! - A session owns one queue pair per local device (connected to the target's device
+//!   `i mod n`), each driven by a dedicated thread (`pdserve-rdma-<peer>-<i>`) that posts
+//!   pieces from a bounded queue (at most `send_queue_depth` in flight) and polls its
+//!   completion queue. The pieces of a batch are striped over the queue pairs.
 //!
-//! This machine has no RDMA device: the backend is compiled here (`cargo check --features
-//! rdma`) but its tests run only where `ibv_devices` lists a device.
+//! A write completion means the bytes are in the target's memory as far as its NIC is
+//! concerned (one-sided: the target's CPU copies nothing and runs no fence or check); see
+//! docs/transport.md. This machine has no RDMA device: the backend is compiled here (`cargo
+//! check --features rdma`) but its tests run only where `ibv_devices` lists a device.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -26,22 +35,81 @@ use ibverbs_sys as ffi;
 use pdserve_runtime::memory::{AnonAllocator, HostMemory, HostMemoryAllocator};
 use pdserve_runtime::wire::{RegionChunk, RegionDescriptor, ShmHandle};
 
+use crate::auth::ClientAuth;
 use crate::backend::proto;
 use crate::backend::tcp::{listen, TcpConn};
 use crate::engine::{
     Backend, BackendKind, BatchState, BoxFut, EngineCore, Link, OpKind, PieceCompletion, PlannedOp,
+    RdmaConfig,
 };
 use crate::error::{Result, TransportError};
-use crate::memory::BackendRegistration;
+use crate::memory::{BackendRegistration, Registry};
 
-const PORT: u8 = 1;
-const CQ_DEPTH: i32 = 1024;
-const SEND_DEPTH: u32 = 512;
 const DEFAULT_MAX_REGISTRATION: u64 = 1 << 30;
 
 /// Whether `ibv_devices` would list a device.
 pub(crate) fn device_available() -> bool {
     ibverbs::devices().map(|d| !d.is_empty()).unwrap_or(false)
+}
+
+/// Names of the devices `ibv_devices` lists.
+fn device_names() -> Vec<String> {
+    let mut n = 0i32;
+    let mut names = Vec::new();
+    // SAFETY: the list is read while held and freed once.
+    unsafe {
+        let list = ffi::ibv_get_device_list(&mut n);
+        if list.is_null() {
+            return names;
+        }
+        for i in 0..n.max(0) as usize {
+            let dev = *list.add(i);
+            let name = ffi::ibv_get_device_name(dev);
+            if !name.is_null() {
+                names.push(
+                    std::ffi::CStr::from_ptr(name)
+                        .to_string_lossy()
+                        .into_owned(),
+                );
+            }
+        }
+        ffi::ibv_free_device_list(list);
+    }
+    names
+}
+
+fn mtu_enum(bytes: u32) -> Option<ffi::ibv_mtu> {
+    Some(match bytes {
+        256 => ffi::IBV_MTU_256,
+        512 => ffi::IBV_MTU_512,
+        1024 => ffi::IBV_MTU_1024,
+        2048 => ffi::IBV_MTU_2048,
+        4096 => ffi::IBV_MTU_4096,
+        _ => return None,
+    })
+}
+
+/// The GID table of `port` of `device` as sysfs shows it (type per index), with the GIDs.
+fn gid_table(ctx: *mut ffi::ibv_context, device: &str, port: u8, len: i32) -> Vec<super::GidEntry> {
+    let mut out = Vec::new();
+    for index in 0..len.max(0) as u32 {
+        let kind = std::fs::read_to_string(format!(
+            "/sys/class/infiniband/{device}/ports/{port}/gid_attrs/types/{index}"
+        ))
+        .unwrap_or_default();
+        // SAFETY: `gid` is written by the call before it is read; live context.
+        let mut gid: ffi::ibv_gid = unsafe { std::mem::zeroed() };
+        if unsafe { ffi::ibv_query_gid(ctx, port, index as i32, &mut gid) } != 0 {
+            continue;
+        }
+        // SAFETY: `raw` is the union's byte view, always initialised.
+        out.push(super::GidEntry {
+            index,
+            kind,
+            gid: unsafe { gid.raw },
+        });
+    }
+    out
 }
 
 fn os_err(what: &str) -> TransportError {
@@ -51,12 +119,18 @@ fn os_err(what: &str) -> TransportError {
     ))))
 }
 
-/// An open device and protection domain.
+/// An open device and protection domain, with the port settings queue pairs use.
 struct Verbs {
+    name: String,
     ctx: *mut ffi::ibv_context,
     pd: *mut ffi::ibv_pd,
+    port: u8,
     lid: u16,
-    gid: Option<[u8; 16]>,
+    /// This side's GID and its index (RoCE); `None` on InfiniBand.
+    gid: Option<([u8; 16], u32)>,
+    mtu: ffi::ibv_mtu,
+    send_depth: u32,
+    cq_depth: i32,
 }
 
 // SAFETY: verbs objects are thread-safe per the libibverbs documentation.
@@ -65,47 +139,106 @@ unsafe impl Send for Verbs {}
 unsafe impl Sync for Verbs {}
 
 impl Verbs {
-    fn open() -> Result<Arc<Self>> {
+    /// Opens `name` with the settings of `cfg`.
+    fn open(name: &str, cfg: &RdmaConfig, available: &[String]) -> Result<Arc<Self>> {
+        let dev_err = |reason: String| TransportError::RdmaDevice {
+            device: name.to_string(),
+            reason,
+            available: available.to_vec(),
+        };
+        let port = cfg.port;
         let mut n = 0i32;
         // SAFETY: plain libibverbs calls; the list is freed after opening.
         unsafe {
             let list = ffi::ibv_get_device_list(&mut n);
-            if list.is_null() || n == 0 {
-                if !list.is_null() {
-                    ffi::ibv_free_device_list(list);
-                }
-                return Err(TransportError::Unsupported(
-                    "no RDMA device (ibv_devices lists none)".into(),
-                ));
+            if list.is_null() {
+                return Err(os_err("ibv_get_device_list"));
             }
-            let ctx = ffi::ibv_open_device(*list);
+            let mut ctx = std::ptr::null_mut();
+            for i in 0..n.max(0) as usize {
+                let dev = *list.add(i);
+                let dn = ffi::ibv_get_device_name(dev);
+                if !dn.is_null() && std::ffi::CStr::from_ptr(dn).to_string_lossy() == name {
+                    ctx = ffi::ibv_open_device(dev);
+                    if ctx.is_null() {
+                        ffi::ibv_free_device_list(list);
+                        return Err(dev_err(format!(
+                            "ibv_open_device: {}",
+                            std::io::Error::last_os_error()
+                        )));
+                    }
+                    break;
+                }
+            }
             ffi::ibv_free_device_list(list);
             if ctx.is_null() {
-                return Err(os_err("ibv_open_device"));
+                return Err(dev_err("no such device".into()));
             }
-            let mut port: ffi::ibv_port_attr = std::mem::zeroed();
-            if ffi::ibv_query_port(ctx, PORT, &mut port as *mut ffi::ibv_port_attr as *mut _) != 0 {
+            let close = |e: TransportError| {
                 ffi::ibv_close_device(ctx);
-                return Err(os_err("ibv_query_port"));
+                e
+            };
+            let mut pa: ffi::ibv_port_attr = std::mem::zeroed();
+            if ffi::ibv_query_port(ctx, port, &mut pa as *mut ffi::ibv_port_attr as *mut _) != 0 {
+                return Err(close(dev_err(format!(
+                    "port {port}: ibv_query_port: {}",
+                    std::io::Error::last_os_error()
+                ))));
             }
-            let mut gid: ffi::ibv_gid = std::mem::zeroed();
-            let gid = if ffi::ibv_query_gid(ctx, PORT, 0, &mut gid) == 0
-                && port.link_layer == ffi::IBV_LINK_LAYER_ETHERNET as u8
-            {
-                Some(gid.raw)
+            if pa.state != ffi::ibv_port_state::IBV_PORT_ACTIVE {
+                return Err(close(dev_err(format!(
+                    "port {port} is not active (state {:?})",
+                    pa.state
+                ))));
+            }
+            let mtu = match cfg.mtu {
+                Some(bytes) => {
+                    let m = mtu_enum(bytes)
+                        .ok_or_else(|| close(dev_err(format!("unsupported mtu {bytes}"))))?;
+                    if m > pa.active_mtu {
+                        return Err(close(dev_err(format!(
+                            "mtu {bytes} is above port {port}'s active mtu ({:?})",
+                            pa.active_mtu
+                        ))));
+                    }
+                    m
+                }
+                None => pa.active_mtu,
+            };
+            let gid = if pa.link_layer == ffi::IBV_LINK_LAYER_ETHERNET as u8 {
+                let table = gid_table(ctx, name, port, pa.gid_tbl_len);
+                let index = match cfg.gid_index {
+                    Some(i) => i,
+                    None => super::pick_roce_gid(&table).ok_or_else(|| {
+                        close(dev_err(format!(
+                            "port {port} has no RoCE v2 GID: set transfer.rdma_gid_index"
+                        )))
+                    })?,
+                };
+                let entry = table.iter().find(|e| e.index == index).ok_or_else(|| {
+                    close(dev_err(format!(
+                        "GID index {index} is not in port {port}'s table ({} entries)",
+                        pa.gid_tbl_len
+                    )))
+                })?;
+                Some((entry.gid, index))
             } else {
                 None
             };
             let pd = ffi::ibv_alloc_pd(ctx);
             if pd.is_null() {
-                ffi::ibv_close_device(ctx);
-                return Err(os_err("ibv_alloc_pd"));
+                return Err(close(os_err("ibv_alloc_pd")));
             }
             Ok(Arc::new(Self {
+                name: name.to_string(),
                 ctx,
                 pd,
-                lid: port.lid,
+                port,
+                lid: pa.lid,
                 gid,
+                mtu,
+                send_depth: cfg.send_queue_depth,
+                cq_depth: cfg.cq_depth as i32,
             }))
         }
     }
@@ -151,12 +284,46 @@ impl Drop for MrSet {
     }
 }
 
+/// A region's registrations, one [`MrSet`] per device (in the engine's device order).
+struct RdmaRegistration {
+    sets: Vec<MrSet>,
+}
+
+impl RdmaRegistration {
+    /// Each chunk's offset and its rkey on each device.
+    fn rkeys(&self) -> Vec<(u64, Vec<u32>)> {
+        let Some(first) = self.sets.first() else {
+            return Vec::new();
+        };
+        first
+            .mrs
+            .iter()
+            .enumerate()
+            .map(|(c, (offset, _, _))| {
+                let keys = self
+                    .sets
+                    .iter()
+                    // SAFETY: the MRs live while `self` does.
+                    .map(|s| unsafe { (*s.mrs[c].2).rkey })
+                    .collect();
+                (*offset, keys)
+            })
+            .collect()
+    }
+}
+
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 struct Endpoint {
     qpn: u32,
     lid: u16,
     gid: Option<[u8; 16]>,
+    /// Which of its side's devices the queue pair is on.
+    device: usize,
 }
+
+/// `OP_RDMA_KEYS` answer: per region, per chunk (by offset), the rkey on each of the target's
+/// devices.
+type KeyTable = HashMap<u64, Vec<(u64, Vec<u32>)>>;
 
 /// A reliable-connected queue pair with its completion queue.
 struct Qp {
@@ -176,7 +343,7 @@ impl Qp {
         unsafe {
             let cq = ffi::ibv_create_cq(
                 verbs.ctx,
-                CQ_DEPTH,
+                verbs.cq_depth,
                 std::ptr::null_mut(),
                 std::ptr::null_mut(),
                 0,
@@ -188,7 +355,7 @@ impl Qp {
             attr.send_cq = cq;
             attr.recv_cq = cq;
             attr.qp_type = ffi::ibv_qp_type::IBV_QPT_RC;
-            attr.cap.max_send_wr = SEND_DEPTH;
+            attr.cap.max_send_wr = verbs.send_depth;
             attr.cap.max_recv_wr = 1;
             attr.cap.max_send_sge = 1;
             attr.cap.max_recv_sge = 1;
@@ -201,12 +368,13 @@ impl Qp {
         }
     }
 
-    fn endpoint(&self) -> Endpoint {
+    fn endpoint(&self, device: usize) -> Endpoint {
         // SAFETY: live QP.
         Endpoint {
             qpn: unsafe { (*self.qp).qp_num },
             lid: self.verbs.lid,
-            gid: self.verbs.gid,
+            gid: self.verbs.gid.map(|(g, _)| g),
+            device,
         }
     }
 
@@ -217,7 +385,7 @@ impl Qp {
         unsafe {
             let mut a: ffi::ibv_qp_attr = std::mem::zeroed();
             a.qp_state = ffi::ibv_qp_state::IBV_QPS_INIT;
-            a.port_num = PORT;
+            a.port_num = self.verbs.port;
             a.qp_access_flags = (ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE
                 | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE
                 | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ)
@@ -229,18 +397,18 @@ impl Qp {
             }
             let mut a: ffi::ibv_qp_attr = std::mem::zeroed();
             a.qp_state = ffi::ibv_qp_state::IBV_QPS_RTR;
-            a.path_mtu = ffi::IBV_MTU_1024;
+            a.path_mtu = self.verbs.mtu;
             a.dest_qp_num = remote.qpn;
             a.rq_psn = 0;
             a.max_dest_rd_atomic = 16;
             a.min_rnr_timer = 12;
             a.ah_attr.dlid = remote.lid;
-            a.ah_attr.port_num = PORT;
+            a.ah_attr.port_num = self.verbs.port;
             if let Some(gid) = remote.gid {
                 a.ah_attr.is_global = 1;
                 a.ah_attr.grh.dgid.raw = gid;
                 a.ah_attr.grh.hop_limit = 0xff;
-                a.ah_attr.grh.sgid_index = 0;
+                a.ah_attr.grh.sgid_index = self.verbs.gid.map_or(0, |(_, i)| i as u8);
             }
             let mask = M::IBV_QP_STATE
                 | M::IBV_QP_AV
@@ -272,13 +440,15 @@ impl Qp {
         Ok(())
     }
 
-    /// Posts one signaled RDMA WRITE or READ of a piece.
-    fn post(&self, wr_id: u64, op: &PlannedOp) -> Result<()> {
+    /// Posts one signaled RDMA WRITE or READ of a piece, from this QP's device's registration
+    /// (`device`) of the local region.
+    fn post(&self, wr_id: u64, op: &PlannedOp, device: usize) -> Result<()> {
         let mrs = op
             .local
             .backend
             .as_ref()
-            .and_then(|b| b.0.downcast_ref::<MrSet>())
+            .and_then(|b| b.0.downcast_ref::<RdmaRegistration>())
+            .and_then(|r| r.sets.get(device))
             .ok_or_else(|| {
                 TransportError::Config("local region is not registered with rdma".into())
             })?;
@@ -356,27 +526,48 @@ impl Drop for Qp {
 }
 
 pub(crate) struct RdmaBackend {
-    verbs: Arc<Verbs>,
+    devices: Vec<Arc<Verbs>>,
     addr: SocketAddr,
     max_reg: u64,
 }
 
 impl RdmaBackend {
     pub(crate) fn new(core: &Arc<EngineCore>) -> Result<Self> {
-        let verbs = Verbs::open()?;
-        let v = verbs.clone();
-        let hook: proto::RdmaAcceptHook = Arc::new(move |payload: &[u8]| {
-            let remote: Endpoint = serde_json::from_slice(payload)
+        let cfg = &core.config.rdma;
+        let available = device_names();
+        let devices = super::select_devices(&cfg.devices, &available)?
+            .iter()
+            .map(|name| Verbs::open(name, cfg, &available))
+            .collect::<Result<Vec<_>>>()?;
+        for v in &devices {
+            tracing::info!(device = %v.name, port = v.port, gid_index = ?v.gid.map(|(_, i)| i), mtu = ?v.mtu, "rdma device opened");
+        }
+        let (hook_devices, registry) = (devices.clone(), core.registry.clone());
+        let hook: proto::RdmaAcceptHook = Arc::new(move |op: u8, payload: &[u8]| {
+            if op == proto::OP_RDMA_KEYS {
+                let keys = key_table(&registry, payload)?;
+                let answer = serde_json::to_vec(&keys)
+                    .map_err(|e| TransportError::Protocol(e.to_string()))?;
+                return Ok((answer, Box::new(()) as Box<dyn std::any::Any + Send>));
+            }
+            let remotes: Vec<Endpoint> = serde_json::from_slice(payload)
                 .map_err(|e| TransportError::Protocol(e.to_string()))?;
-            let qp = Qp::new(v.clone())?;
-            qp.connect(&remote)?;
-            let answer = serde_json::to_vec(&qp.endpoint())
-                .map_err(|e| TransportError::Protocol(e.to_string()))?;
-            Ok((answer, Box::new(qp) as Box<dyn std::any::Any + Send>))
+            let mut qps = Vec::with_capacity(remotes.len());
+            let mut answer = Vec::with_capacity(remotes.len());
+            for (i, remote) in remotes.iter().enumerate() {
+                let device = i % hook_devices.len();
+                let qp = Qp::new(hook_devices[device].clone())?;
+                qp.connect(remote)?;
+                answer.push(qp.endpoint(device));
+                qps.push(qp);
+            }
+            let answer =
+                serde_json::to_vec(&answer).map_err(|e| TransportError::Protocol(e.to_string()))?;
+            Ok((answer, Box::new(qps) as Box<dyn std::any::Any + Send>))
         });
         let addr = listen(core, BackendKind::Rdma, Some(hook))?;
         Ok(Self {
-            verbs,
+            devices,
             addr,
             max_reg: core
                 .config
@@ -384,6 +575,30 @@ impl RdmaBackend {
                 .unwrap_or(DEFAULT_MAX_REGISTRATION),
         })
     }
+}
+
+/// The rkeys of the regions named in `payload` (JSON list of ids; all when empty) on every
+/// device.
+fn key_table(registry: &Registry, payload: &[u8]) -> Result<KeyTable> {
+    let ids: Vec<u64> = if payload.is_empty() {
+        registry.descriptors().iter().map(|d| d.id).collect()
+    } else {
+        serde_json::from_slice(payload).map_err(|e| TransportError::Protocol(e.to_string()))?
+    };
+    let mut out = KeyTable::new();
+    for id in ids {
+        let Ok(entry) = registry.get(crate::error::Side::Local, id) else {
+            continue;
+        };
+        if let Some(reg) = entry
+            .backend
+            .as_ref()
+            .and_then(|b| b.0.downcast_ref::<RdmaRegistration>())
+        {
+            out.insert(id, reg.rkeys());
+        }
+    }
+    Ok(out)
 }
 
 impl Backend for RdmaBackend {
@@ -402,72 +617,118 @@ impl Backend for RdmaBackend {
         Option<BackendRegistration>,
     )> {
         let len = mem.len() as u64;
-        let mut set = MrSet {
-            mrs: Vec::new(),
-            _verbs: self.verbs.clone(),
-        };
-        let mut chunks = Vec::new();
         let access = (ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE
             | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE
             | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ)
             .0 as i32;
-        let mut offset = 0u64;
-        while offset < len {
-            let n = self.max_reg.min(len - offset);
-            let addr = mem.as_ptr().wrapping_add(offset as usize);
-            // SAFETY: `addr..addr+n` lies inside the memory, which outlives the MR (the entry
-            // holds both; the MR set drops first).
-            let mr = unsafe { ffi::ibv_reg_mr(self.verbs.pd, addr.cast(), n as usize, access) };
-            if mr.is_null() {
-                return Err(os_err("ibv_reg_mr")); // `set` deregisters what was registered
+        let mut reg = RdmaRegistration { sets: Vec::new() };
+        let mut chunks = Vec::new();
+        for (d, verbs) in self.devices.iter().enumerate() {
+            let mut set = MrSet {
+                mrs: Vec::new(),
+                _verbs: verbs.clone(),
+            };
+            let mut offset = 0u64;
+            while offset < len {
+                let n = self.max_reg.min(len - offset);
+                let addr = mem.as_ptr().wrapping_add(offset as usize);
+                // SAFETY: `addr..addr+n` lies inside the memory, which outlives the MR (the
+                // entry holds both; the registration drops first).
+                let mr = unsafe { ffi::ibv_reg_mr(verbs.pd, addr.cast(), n as usize, access) };
+                if mr.is_null() {
+                    // `set` and `reg` deregister what was registered.
+                    return Err(os_err(&format!("ibv_reg_mr on {}", verbs.name)));
+                }
+                set.mrs.push((offset, n, mr));
+                if d == 0 {
+                    chunks.push(RegionChunk {
+                        offset,
+                        len: n,
+                        addr: addr as u64,
+                        // SAFETY: live MR.
+                        rkey: unsafe { (*mr).rkey },
+                    });
+                }
+                offset += n;
             }
-            set.mrs.push((offset, n, mr));
-            // SAFETY: live MR.
-            chunks.push(RegionChunk {
-                offset,
-                len: n,
-                addr: addr as u64,
-                rkey: unsafe { (*mr).rkey },
-            });
-            offset += n;
+            reg.sets.push(set);
         }
-        Ok((chunks, None, Some(Box::new(set))))
+        Ok((chunks, None, Some(Box::new(reg))))
     }
-    fn connect(&self, core: Arc<EngineCore>, addr: String) -> BoxFut<Result<Arc<dyn Link>>> {
-        let verbs = self.verbs.clone();
+    fn connect(
+        &self,
+        core: Arc<EngineCore>,
+        addr: String,
+        auth: Option<ClientAuth>,
+    ) -> BoxFut<Result<Arc<dyn Link>>> {
+        let devices = self.devices.clone();
         Box::pin(async move {
             let peer: Arc<str> = Arc::from(addr.as_str());
-            let control = TcpConn::open(&core, &addr, peer.clone()).await?;
-            let qp = Qp::new(verbs)?;
-            let mine = serde_json::to_vec(&qp.endpoint())
-                .map_err(|e| TransportError::Protocol(e.to_string()))?;
+            let control = TcpConn::open(&core, &addr, peer.clone(), auth.as_ref()).await?;
+            let qps = devices
+                .iter()
+                .map(|v| Qp::new(v.clone()))
+                .collect::<Result<Vec<_>>>()?;
+            let mine: Vec<Endpoint> = qps.iter().enumerate().map(|(i, q)| q.endpoint(i)).collect();
+            let mine =
+                serde_json::to_vec(&mine).map_err(|e| TransportError::Protocol(e.to_string()))?;
             let theirs = control.control(&peer, proto::OP_RDMA_CONNECT, mine).await?;
-            let remote: Endpoint = serde_json::from_slice(&theirs)
+            let remotes: Vec<Endpoint> = serde_json::from_slice(&theirs)
                 .map_err(|e| TransportError::Protocol(e.to_string()))?;
-            qp.connect(&remote)?;
-            Ok(
-                Arc::new(RdmaLink::start(peer, control, qp, core.config.queue_depth)?)
-                    as Arc<dyn Link>,
-            )
+            if remotes.len() != qps.len() {
+                return Err(TransportError::Protocol(format!(
+                    "the target answered {} queue pairs for {}",
+                    remotes.len(),
+                    qps.len()
+                )));
+            }
+            let mut lanes = Vec::with_capacity(qps.len());
+            for (i, (qp, remote)) in qps.into_iter().zip(&remotes).enumerate() {
+                qp.connect(remote)?;
+                lanes.push(Lane::start(
+                    format!("{peer}-{i}"),
+                    peer.clone(),
+                    qp,
+                    i,
+                    remote.device,
+                    core.config.queue_depth,
+                )?);
+            }
+            Ok(Arc::new(RdmaLink {
+                peer,
+                control,
+                lanes,
+                keys: std::sync::RwLock::new(Arc::new(KeyTable::new())),
+                next: std::sync::atomic::AtomicUsize::new(0),
+            }) as Arc<dyn Link>)
         })
     }
 }
 
 type Job = (Vec<PlannedOp>, Arc<BatchState>);
 
-struct RdmaLink {
-    peer: Arc<str>,
-    control: TcpConn,
+/// One queue pair of a session and the thread that drives it.
+struct Lane {
     tx: SyncSender<Job>,
     alive: Arc<AtomicBool>,
+    /// The target device this lane's queue pair is connected to.
+    remote_device: usize,
 }
 
-impl RdmaLink {
-    fn start(peer: Arc<str>, control: TcpConn, qp: Qp, depth: usize) -> Result<Self> {
+impl Lane {
+    fn start(
+        name: String,
+        peer: Arc<str>,
+        qp: Qp,
+        device: usize,
+        remote_device: usize,
+        depth: usize,
+    ) -> Result<Self> {
         let (tx, rx) = sync_channel::<Job>(depth);
         let alive = Arc::new(AtomicBool::new(true));
-        let (alive2, peer2) = (alive.clone(), peer.clone());
-        std::thread::Builder::new().name(format!("pdserve-rdma-{peer}")).spawn(move || {
+        let send_depth = qp.verbs.send_depth as usize;
+        let (alive2, peer2) = (alive.clone(), peer);
+        std::thread::Builder::new().name(format!("pdserve-rdma-{name}")).spawn(move || {
             let mut pending: std::collections::VecDeque<(PlannedOp, PieceCompletion)> = Default::default();
             let mut in_flight: HashMap<u64, PieceCompletion> = HashMap::new();
             let mut next_id = 1u64;
@@ -488,7 +749,7 @@ impl RdmaLink {
                         }
                     }
                 }
-                while in_flight.len() < SEND_DEPTH as usize {
+                while in_flight.len() < send_depth {
                     let Some((op, done)) = pending.pop_front() else { break };
                     if done.is_cancelled() {
                         done.complete(Err(TransportError::Cancelled));
@@ -496,7 +757,7 @@ impl RdmaLink {
                     }
                     let id = next_id;
                     next_id += 1;
-                    match qp.post(id, &op) {
+                    match qp.post(id, &op, device) {
                         Ok(()) => {
                             in_flight.insert(id, done);
                         }
@@ -538,12 +799,20 @@ impl RdmaLink {
             drop(qp);
         })?;
         Ok(Self {
-            peer,
-            control,
             tx,
             alive,
+            remote_device,
         })
     }
+}
+
+struct RdmaLink {
+    peer: Arc<str>,
+    control: TcpConn,
+    lanes: Vec<Lane>,
+    /// The target's rkeys on its other devices, as last fetched with the descriptors.
+    keys: std::sync::RwLock<Arc<KeyTable>>,
+    next: std::sync::atomic::AtomicUsize,
 }
 
 impl Link for RdmaLink {
@@ -552,12 +821,25 @@ impl Link for RdmaLink {
     }
     fn fetch_regions(self: Arc<Self>) -> BoxFut<Result<Vec<RegionDescriptor>>> {
         Box::pin(async move {
-            proto::decode_regions(
+            let regions = proto::decode_regions(
                 &self
                     .control
                     .control(&self.peer, proto::OP_GET_REGIONS, Vec::new())
                     .await?,
-            )
+            )?;
+            if self.lanes.iter().any(|l| l.remote_device != 0) {
+                let ids: Vec<u64> = regions.iter().map(|d| d.id).collect();
+                let ids = serde_json::to_vec(&ids)
+                    .map_err(|e| TransportError::Protocol(e.to_string()))?;
+                let keys = self
+                    .control
+                    .control(&self.peer, proto::OP_RDMA_KEYS, ids)
+                    .await?;
+                let keys: KeyTable = serde_json::from_slice(&keys)
+                    .map_err(|e| TransportError::Protocol(e.to_string()))?;
+                *self.keys.write().expect("rdma keys poisoned") = Arc::new(keys);
+            }
+            Ok(regions)
         })
     }
     fn notify(self: Arc<Self>, bytes: Vec<u8>) -> BoxFut<Result<()>> {
@@ -572,20 +854,61 @@ impl Link for RdmaLink {
         if !self.is_alive() {
             return Err(TransportError::peer_gone(&*self.peer, "connection lost"));
         }
-        match self.tx.try_send((pieces, batch)) {
-            Ok(()) => Ok(()),
-            Err(TrySendError::Full(_)) => Err(TransportError::Busy("rdma queue full".into())),
-            Err(TrySendError::Disconnected(_)) => Err(TransportError::peer_gone(
-                &*self.peer,
-                "rdma thread stopped",
-            )),
+        // Stripe the pieces over the lanes; a lane to another target device uses that
+        // device's rkey of the chunk.
+        let n = self.lanes.len();
+        let first = self.next.fetch_add(1, Ordering::Relaxed);
+        let keys = self.keys.read().expect("rdma keys poisoned").clone();
+        let mut jobs: Vec<Vec<PlannedOp>> = vec![Vec::new(); n];
+        for (i, mut op) in pieces.into_iter().enumerate() {
+            let lane = (first + i) % n;
+            let dev = self.lanes[lane].remote_device;
+            if dev != 0 {
+                let chunk = op.remote_chunk.offset;
+                let rkey = keys.get(&op.remote_region).and_then(|chunks| {
+                    chunks
+                        .iter()
+                        .find(|(offset, _)| *offset == chunk)
+                        .and_then(|(_, k)| k.get(dev).copied())
+                });
+                match rkey {
+                    Some(k) => op.remote_chunk.rkey = k,
+                    None => {
+                        return Err(TransportError::LayoutMismatch(format!(
+                            "no rkey of region {} on the target's device {dev}: refresh_regions",
+                            op.remote_region
+                        )))
+                    }
+                }
+            }
+            jobs[lane].push(op);
         }
+        for (lane, ops) in self.lanes.iter().zip(jobs) {
+            if ops.is_empty() {
+                continue;
+            }
+            match lane.tx.try_send((ops, batch.clone())) {
+                Ok(()) => {}
+                Err(TrySendError::Full(_)) => {
+                    return Err(TransportError::Busy("rdma queue full".into()))
+                }
+                Err(TrySendError::Disconnected(_)) => {
+                    return Err(TransportError::peer_gone(
+                        &*self.peer,
+                        "rdma thread stopped",
+                    ))
+                }
+            }
+        }
+        Ok(())
     }
     fn is_alive(&self) -> bool {
-        self.alive.load(Ordering::Acquire) && self.control.is_alive()
+        self.lanes.iter().all(|l| l.alive.load(Ordering::Acquire)) && self.control.is_alive()
     }
     fn close(&self) {
-        self.alive.store(false, Ordering::Release);
+        self.lanes
+            .iter()
+            .for_each(|l| l.alive.store(false, Ordering::Release));
         self.control.close();
     }
 }

@@ -20,6 +20,7 @@ use pdserve_runtime::wire::{RegionChunk, RegionDescriptor, ShmHandle};
 use super::memcpy::{run_pieces, KeepAlive, RemotePointers};
 use super::proto;
 use super::tcp::{listen, TcpConn};
+use crate::auth::ClientAuth;
 use crate::engine::{Backend, BackendKind, BatchState, BoxFut, EngineCore, Link, PlannedOp};
 use crate::error::{Result, Side, TransportError};
 use crate::memory::{
@@ -66,13 +67,23 @@ impl Backend for ShmBackend {
             None,
         ))
     }
-    fn connect(&self, core: Arc<EngineCore>, addr: String) -> BoxFut<Result<Arc<dyn Link>>> {
+    fn connect(
+        &self,
+        core: Arc<EngineCore>,
+        addr: String,
+        auth: Option<ClientAuth>,
+    ) -> BoxFut<Result<Arc<dyn Link>>> {
         Box::pin(async move {
             let peer: Arc<str> = Arc::from(addr.as_str());
-            let control = TcpConn::open(&core, &addr, peer.clone()).await?;
+            let control = TcpConn::open(&core, &addr, peer.clone(), auth.as_ref()).await?;
+            let grants = control
+                .grants
+                .as_ref()
+                .map(|g| crate::auth::Scope::new(crate::auth::SESSION_SCOPE, g));
             Ok(Arc::new(ShmLink {
                 peer,
                 control,
+                grants,
                 me: core,
                 maps: RwLock::new(HashMap::new()),
             }) as Arc<dyn Link>)
@@ -88,6 +99,9 @@ struct MappedRegion {
 struct ShmLink {
     peer: Arc<str>,
     control: TcpConn,
+    /// The session scope's grants the target reported: the initiator's engine checks every
+    /// piece against them, since it copies into the target's memory itself.
+    grants: Option<crate::auth::Scope>,
     me: Arc<EngineCore>,
     maps: RwLock<HashMap<u64, MappedRegion>>,
 }
@@ -174,6 +188,25 @@ impl Link for ShmLink {
                 &*self.peer,
                 "control connection lost",
             ));
+        }
+        if let Some(grants) = &self.grants {
+            for op in &pieces {
+                if op.fence != crate::auth::SESSION_SCOPE {
+                    return Err(TransportError::Unsupported(
+                        "fenced scopes need a target that lands the bytes itself (tcp, quic); \
+                         shm copies from the initiator"
+                            .into(),
+                    ));
+                }
+                grants.check(op.kind, op.remote_region, op.remote_offset, op.len)?;
+            }
+        } else if pieces
+            .iter()
+            .any(|op| op.fence != crate::auth::SESSION_SCOPE)
+        {
+            return Err(TransportError::Fenced {
+                fence: pieces[0].fence,
+            });
         }
         let maps = self
             .maps

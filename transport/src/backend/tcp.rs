@@ -8,7 +8,7 @@
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use pdserve_runtime::memory::{AnonAllocator, HostMemory, HostMemoryAllocator};
 use pdserve_runtime::wire::{RegionChunk, RegionDescriptor, ShmHandle};
@@ -17,11 +17,13 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
-use super::proto::{self, ReqHeader, RespHeader, ServerCtx};
+use super::proto::{self, ConnShared, ReqHeader, RespHeader, ServerCtx};
+use crate::auth::{ClientAuth, RegionGrant};
 use crate::engine::{
     Backend, BackendKind, BatchState, BoxFut, EngineCore, Link, OpKind, PieceCompletion, PlannedOp,
 };
 use crate::error::{Result, TransportError};
+use crate::integrity::{FrameSealer, TAG};
 use crate::memory::{plain_chunks, BackendRegistration};
 
 /// Binds the listener and serves incoming connections with [`proto::serve`].
@@ -48,7 +50,7 @@ pub(crate) fn listen(
             let ctx = ServerCtx {
                 core: core.clone(),
                 backend,
-                peer_name: Arc::new(Mutex::new(None)),
+                conn: Arc::new(ConnShared::default()),
                 remote_addr: remote.to_string(),
                 rdma_accept: rdma_accept.clone(),
             };
@@ -95,9 +97,15 @@ impl Backend for TcpBackend {
     )> {
         Ok((plain_chunks(mem.len() as u64, self.max_reg), None, None))
     }
-    fn connect(&self, core: Arc<EngineCore>, addr: String) -> BoxFut<Result<Arc<dyn Link>>> {
+    fn connect(
+        &self,
+        core: Arc<EngineCore>,
+        addr: String,
+        auth: Option<ClientAuth>,
+    ) -> BoxFut<Result<Arc<dyn Link>>> {
         Box::pin(async move {
-            let link = TcpLink::connect(&core, &addr, core.config.tcp_connections).await?;
+            let link =
+                TcpLink::connect(&core, &addr, core.config.tcp_connections, auth.as_ref()).await?;
             Ok(Arc::new(link) as Arc<dyn Link>)
         })
     }
@@ -127,30 +135,30 @@ pub(crate) struct TcpConn {
     tx: mpsc::Sender<ConnJob>,
     alive: Arc<AtomicBool>,
     cancel: CancellationToken,
+    /// The session scope's grants the target reported (authenticated connections).
+    pub(crate) grants: Option<Vec<RegionGrant>>,
 }
 
 impl TcpConn {
-    /// Connects, greets, and starts the writer and reader tasks.
-    pub(crate) async fn open(core: &Arc<EngineCore>, addr: &str, peer: Arc<str>) -> Result<Self> {
+    /// Connects, greets (proving the session key with `auth`), and starts the writer and
+    /// reader tasks.
+    pub(crate) async fn open(
+        core: &Arc<EngineCore>,
+        addr: &str,
+        peer: Arc<str>,
+        auth: Option<&ClientAuth>,
+    ) -> Result<Self> {
         let mut stream = TcpStream::connect(addr)
             .await
             .map_err(|e| TransportError::peer_gone(addr, e))?;
         stream.set_nodelay(true)?;
-        let hello = proto::hello_payload(core);
         let (mut r, mut w) = stream.split();
-        proto::roundtrip_control(
-            &mut r,
-            &mut w,
-            ReqHeader {
-                op: proto::OP_HELLO,
-                req: 0,
-                region: 0,
-                offset: 0,
-                len: hello.len() as u64,
-            },
-            &hello,
-        )
-        .await?;
+        let (grants, framing) = proto::client_handshake(&mut r, &mut w, core, auth).await?;
+        let (mut sealer, mut opener) = match framing {
+            Some(f) => (Some(f.sealer), Some(f.opener)),
+            None => (None, None),
+        };
+        let max_answer = core.config.piece_bytes.max(proto::MAX_REGIONS_BYTES);
         let (mut r, mut w) = stream.into_split();
         let depth = core.config.queue_depth;
         let (tx, mut rx) = mpsc::channel::<ConnJob>(depth);
@@ -188,6 +196,7 @@ impl TcpConn {
                             region: op.remote_region,
                             offset: op.remote_offset,
                             len: op.len,
+                            fence: op.fence,
                         };
                         let payload = (op.kind == OpKind::Write)
                             .then(|| (op.local.clone(), op.local_offset, op.len));
@@ -201,16 +210,10 @@ impl TcpConn {
                         {
                             break;
                         }
-                        write_request(&mut w, &header, payload).await
+                        write_request(&mut w, sealer.as_mut(), &header, payload).await
                     }
                     ConnJob::Control { op, payload, reply } => {
-                        let header = ReqHeader {
-                            op,
-                            req,
-                            region: 0,
-                            offset: 0,
-                            len: payload.len() as u64,
-                        };
+                        let header = ReqHeader::control(op, req, payload.len());
                         if pending_tx
                             .send(Pending {
                                 header,
@@ -221,9 +224,7 @@ impl TcpConn {
                         {
                             break;
                         }
-                        let mut buf = header.encode().to_vec();
-                        buf.extend_from_slice(&payload);
-                        w.write_all(&buf).await.map_err(TransportError::from)
+                        write_control(&mut w, sealer.as_mut(), &header, &payload).await
                     }
                 };
                 if let Err(e) = sent {
@@ -252,9 +253,66 @@ impl TcpConn {
                     Err(e) => break e.to_string(),
                 }
                 let resp = RespHeader::decode(&hb);
+                if let Some(o) = &mut opener {
+                    let checked = match proto::read_tag(&mut r).await {
+                        Ok(tag) => o.open_header(&hb, &tag),
+                        Err(e) => Err(e),
+                    };
+                    if let Err(e) = checked {
+                        break e.to_string();
+                    }
+                }
                 let Some(p) = pending_rx.recv().await else {
                     break "answer without a request".to_string();
                 };
+                if let (Some(o), true) = (&mut opener, resp.len > 0) {
+                    // A protected payload: read and check it whole, then answer from memory.
+                    if resp.len > max_answer {
+                        break format!("answer of {} bytes is too large", resp.len);
+                    }
+                    let len = resp.len as usize;
+                    if scratch.len() < len {
+                        scratch.resize(len, 0);
+                    }
+                    let read = async {
+                        r.read_exact(&mut scratch[..len]).await?;
+                        let tag = proto::read_tag(&mut r).await?;
+                        o.open_payload(&mut scratch[..len], &tag)
+                    };
+                    if let Err(e) = read.await {
+                        let reason = e.to_string();
+                        fail_pending(p, &r_peer, &reason);
+                        break reason;
+                    }
+                    let mut body: &[u8] = &scratch[..len];
+                    match p.job {
+                        PendingJob::Piece(op, done) => {
+                            let res = match (op.kind, resp.status) {
+                                (OpKind::Read, proto::ST_DATA) if resp.len == op.len => {
+                                    done.land_read(&op, body)
+                                }
+                                (_, status) if proto::is_refusal(status) => {
+                                    Err(proto::answer_error(&mut body, &p.header, &resp).await)
+                                }
+                                (_, status) => {
+                                    let e = TransportError::Protocol(format!(
+                                        "unexpected answer status {status} len {}",
+                                        resp.len
+                                    ));
+                                    done.complete(Err(e.clone()));
+                                    break e.to_string();
+                                }
+                            };
+                            done.complete(res);
+                        }
+                        PendingJob::Control(reply) => {
+                            let res =
+                                proto::read_control_payload(&mut body, &p.header, &resp).await;
+                            let _ = reply.send(res);
+                        }
+                    }
+                    continue;
+                }
                 if p.header.req != resp.req {
                     break format!(
                         "answer for request {} while {} was next",
@@ -281,12 +339,9 @@ impl TcpConn {
                                 }
                                 done.land_read(&op, &scratch[..len])
                             }
-                            (
-                                _,
-                                proto::ST_UNKNOWN_REGION
-                                | proto::ST_OUT_OF_BOUNDS
-                                | proto::ST_ERROR,
-                            ) => Err(proto::answer_error(&mut r, &p.header, &resp).await),
+                            (_, status) if proto::is_refusal(status) => {
+                                Err(proto::answer_error(&mut r, &p.header, &resp).await)
+                            }
                             (_, status) => {
                                 let e = TransportError::Protocol(format!(
                                     "unexpected answer status {status} len {}",
@@ -326,7 +381,12 @@ impl TcpConn {
                 }
             }
         });
-        Ok(Self { tx, alive, cancel })
+        Ok(Self {
+            tx,
+            alive,
+            cancel,
+            grants,
+        })
     }
 
     pub(crate) fn is_alive(&self) -> bool {
@@ -354,11 +414,65 @@ impl TcpConn {
     }
 }
 
+/// Fails the piece or control request of a connection that broke while reading its answer.
+fn fail_pending(p: Pending, peer: &Arc<str>, reason: &str) {
+    match p.job {
+        PendingJob::Piece(_, done) => {
+            done.complete(Err(TransportError::peer_gone(&**peer, reason)))
+        }
+        PendingJob::Control(reply) => {
+            let _ = reply.send(Err(TransportError::peer_gone(&**peer, reason)));
+        }
+    }
+}
+
+/// Sends a control request (small payload).
+async fn write_control(
+    w: &mut tokio::net::tcp::OwnedWriteHalf,
+    sealer: Option<&mut FrameSealer>,
+    header: &ReqHeader,
+    payload: &[u8],
+) -> Result<()> {
+    let h = header.encode();
+    let mut buf = Vec::with_capacity(proto::REQ_HEADER + payload.len() + 2 * TAG);
+    buf.extend_from_slice(&h);
+    match sealer {
+        None => buf.extend_from_slice(payload),
+        Some(s) => {
+            buf.extend_from_slice(&s.seal_header(&h));
+            if !payload.is_empty() {
+                let (bytes, tag) = s.seal_payload(payload);
+                buf.extend_from_slice(bytes);
+                buf.extend_from_slice(&tag);
+            }
+        }
+    }
+    w.write_all(&buf).await?;
+    Ok(())
+}
+
 async fn write_request(
     w: &mut tokio::net::tcp::OwnedWriteHalf,
+    sealer: Option<&mut FrameSealer>,
     header: &ReqHeader,
     payload: Option<(Arc<crate::memory::RegionEntry>, u64, u64)>,
 ) -> Result<()> {
+    if let Some(s) = sealer {
+        let h = header.encode();
+        let mut head = Vec::with_capacity(proto::REQ_HEADER + TAG);
+        head.extend_from_slice(&h);
+        head.extend_from_slice(&s.seal_header(&h));
+        w.write_all(&head).await?;
+        if let Some((entry, offset, len)) = payload {
+            // SAFETY: range checked at submit; `entry` keeps the region alive.
+            let src = unsafe { std::slice::from_raw_parts(entry.ptr_at(offset), len as usize) };
+            // `mac`: straight from registered memory; `encrypt`: from the sealer's buffer.
+            let (bytes, tag) = s.seal_payload(src);
+            w.write_all(bytes).await?;
+            w.write_all(&tag).await?;
+        }
+        return Ok(());
+    }
     match payload {
         None => w.write_all(&header.encode()).await?,
         Some((entry, offset, len)) => {
@@ -387,12 +501,17 @@ pub(crate) struct TcpLink {
 }
 
 impl TcpLink {
-    async fn connect(core: &Arc<EngineCore>, addr: &str, connections: usize) -> Result<Self> {
+    async fn connect(
+        core: &Arc<EngineCore>,
+        addr: &str,
+        connections: usize,
+        auth: Option<&ClientAuth>,
+    ) -> Result<Self> {
         let peer: Arc<str> = Arc::from(addr);
-        let control = TcpConn::open(core, addr, peer.clone()).await?;
+        let control = TcpConn::open(core, addr, peer.clone(), auth).await?;
         let mut data = Vec::with_capacity(connections);
         for _ in 0..connections {
-            data.push(TcpConn::open(core, addr, peer.clone()).await?);
+            data.push(TcpConn::open(core, addr, peer.clone(), auth).await?);
         }
         Ok(Self {
             peer,

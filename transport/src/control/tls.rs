@@ -545,6 +545,22 @@ impl MemberCredentials {
         alpn: &[u8],
         transport: Arc<quinn::TransportConfig>,
     ) -> Result<quinn::Endpoint> {
+        let socket = std::net::UdpSocket::bind(addr)?;
+        self.quic_endpoint_on(socket, alpn, transport, quinn::EndpointConfig::default())
+    }
+
+    /// As [`MemberCredentials::quic_endpoint`], on a socket the caller prepared (buffer sizes)
+    /// and with its endpoint settings (largest UDP payload).
+    ///
+    /// # Errors
+    /// TLS and I/O errors. Must be called inside a tokio runtime.
+    pub fn quic_endpoint_on(
+        &self,
+        socket: std::net::UdpSocket,
+        alpn: &[u8],
+        transport: Arc<quinn::TransportConfig>,
+        endpoint: quinn::EndpointConfig,
+    ) -> Result<quinn::Endpoint> {
         let server_crypto =
             quinn::crypto::rustls::QuicServerConfig::try_from(self.server_tls(alpn)?)
                 .map_err(tls_err)?;
@@ -555,7 +571,9 @@ impl MemberCredentials {
                 .map_err(tls_err)?;
         let mut client = quinn::ClientConfig::new(Arc::new(client_crypto));
         client.transport_config(transport);
-        let mut endpoint = quinn::Endpoint::server(server, addr)?;
+        let runtime = quinn::default_runtime()
+            .ok_or_else(|| TransportError::Config("no async runtime for QUIC".into()))?;
+        let mut endpoint = quinn::Endpoint::new(endpoint, Some(server), socket, runtime)?;
         endpoint.set_default_client_config(client);
         Ok(endpoint)
     }

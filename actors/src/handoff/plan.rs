@@ -1,103 +1,18 @@
-//! What two instances must agree on before KV cache moves between them, and how a
-//! (prefill blocks → decode blocks) hand-off becomes transfer-engine operations.
+//! How a (prefill blocks → decode blocks) hand-off becomes transfer-engine operations, and
+//! the checks that come first.
 //!
-//! Each instance publishes a [`KvPeerInfo`]: its compatibility key (pdserve version, model
-//! shape, dtype, block size), its transfer-engine address, and per TP rank the model-wide KV
-//! heads it owns, its [`KvLayout`] and the registered region of each layer. The receiving
-//! side validates the peer's info against its own ([`validate_peer`]) and refuses a mismatch
-//! with a clear error instead of reading into the wrong place; [`plan_pull`] then maps every
-//! (layer, K/V, block, head range) to byte spans on both sides. Different TP sizes on the two
-//! sides (heterogeneous TP) are handled by intersecting head ranges: a rank with half the heads
-//! reads half of each block from the rank that holds them.
+//! The receiving side validates the peer's published [`KvPeerInfo`] against its own
+//! ([`validate_peer`]) and refuses a mismatch with a clear error instead of reading into the
+//! wrong place; [`check_blocks`] checks a hand-off's block lists; [`plan_pull`] and
+//! [`plan_slice`] map every (layer, K/V, block, head range) to byte spans on both sides.
+//! Different TP sizes on the two sides (heterogeneous TP) are handled by intersecting head
+//! ranges: a rank with half the heads reads half of each block from the rank that holds them.
+//! Pure functions: no I/O, no actors.
 
-use pdserve_gpu::config::ModelConfig;
-use pdserve_gpu::kv::{KvKind, KvLayout};
+use super::protocol::{HandoffError, KvPeerInfo};
+use pdserve_gpu::kv::KvKind;
 use pdserve_transport::TransferOp;
-use serde::{Deserialize, Serialize};
 use std::ops::Range;
-
-/// One TP rank's KV memory as a peer sees it.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RankKv {
-    /// Model-wide KV heads held by this rank (`start..end`).
-    pub heads: (usize, usize),
-    /// The rank's cache layout (its `num_kv_heads` is `heads.1 - heads.0`).
-    pub layout: KvLayout,
-    /// The transfer-engine region of each layer, in layer order.
-    pub regions: Vec<u64>,
-}
-
-/// What an instance publishes about its KV memory.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct KvPeerInfo {
-    /// The instance's engine id (`remote_engine_id` in `kv_transfer_params`).
-    pub engine_id: String,
-    /// Human-readable compatibility key; two instances exchange KV only when equal.
-    pub compat_key: String,
-    /// FNV-1a of `compat_key`, the compatibility hash of DESIGN.md.
-    pub compat_hash: String,
-    /// Where its transfer engine listens.
-    pub transfer_addr: String,
-    /// Transfer backend (`local`, `shm`, `tcp`, `quic`, `rdma`).
-    pub backend: String,
-    /// KV heads of the whole model.
-    pub num_kv_heads: usize,
-    /// Per TP rank, in rank order.
-    pub ranks: Vec<RankKv>,
-}
-
-/// Why two instances cannot exchange KV, or a hand-off is refused.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum KvHandoffError {
-    /// Different pdserve version, model, dtype or block size.
-    #[error("incompatible peer {peer}: it serves `{theirs}`, this instance `{ours}`")]
-    Incompatible {
-        /// The peer's engine id.
-        peer: String,
-        /// Its compatibility key.
-        theirs: String,
-        /// Ours.
-        ours: String,
-    },
-    /// The peer's published layout is inconsistent or does not match ours.
-    #[error("KV layout mismatch with {peer}: {reason}")]
-    LayoutMismatch {
-        /// The peer's engine id.
-        peer: String,
-        /// What differs.
-        reason: String,
-    },
-    /// Block ids that the request does not own, or a wrong number of them.
-    #[error("invalid block ids: {0}")]
-    InvalidBlocks(String),
-}
-
-/// The compatibility key of a model served with a KV layout.
-pub fn compat_key(model: &ModelConfig, block_size: usize, layout: &KvLayout) -> String {
-    format!(
-        "pdserve/{} arch={} layers={} hidden={} heads={} kv_heads={} head_dim={} vocab={} dtype={:?} block={}",
-        pdserve_runtime::PDSERVE_VERSION,
-        model.architecture,
-        model.num_layers,
-        model.hidden_size,
-        model.num_heads,
-        model.num_kv_heads,
-        model.head_dim,
-        model.vocab_size,
-        layout.dtype,
-        block_size,
-    )
-}
-
-/// FNV-1a 64 of `key`, as 16 hex digits (stable across builds, unlike `DefaultHasher`).
-pub fn compat_hash(key: &str) -> String {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in key.bytes() {
-        h ^= b as u64;
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    format!("{h:016x}")
-}
 
 fn intersect(a: (usize, usize), b: (usize, usize)) -> Range<usize> {
     a.0.max(b.0)..a.1.min(b.1).max(a.0.max(b.0))
@@ -106,16 +21,16 @@ fn intersect(a: (usize, usize), b: (usize, usize)) -> Range<usize> {
 /// Checks a peer's published KV memory against ours.
 ///
 /// # Errors
-/// [`KvHandoffError::Incompatible`] for a different compatibility key;
-/// [`KvHandoffError::LayoutMismatch`] naming what differs (layer count, block size, head
+/// [`HandoffError::Incompatible`] for a different compatibility key;
+/// [`HandoffError::LayoutMismatch`] naming what differs (layer count, block size, head
 /// size, dtype, head coverage, region count).
-pub fn validate_peer(ours: &KvPeerInfo, theirs: &KvPeerInfo) -> Result<(), KvHandoffError> {
-    let mismatch = |reason: String| KvHandoffError::LayoutMismatch {
+pub fn validate_peer(ours: &KvPeerInfo, theirs: &KvPeerInfo) -> Result<(), HandoffError> {
+    let mismatch = |reason: String| HandoffError::LayoutMismatch {
         peer: theirs.engine_id.clone(),
         reason,
     };
     if ours.compat_key != theirs.compat_key || ours.compat_hash != theirs.compat_hash {
-        return Err(KvHandoffError::Incompatible {
+        return Err(HandoffError::Incompatible {
             peer: theirs.engine_id.clone(),
             theirs: theirs.compat_key.clone(),
             ours: ours.compat_key.clone(),
@@ -177,18 +92,18 @@ pub fn validate_peer(ours: &KvPeerInfo, theirs: &KvPeerInfo) -> Result<(), KvHan
 /// least that many locally, every id inside its pool. Returns the number of blocks.
 ///
 /// # Errors
-/// [`KvHandoffError::InvalidBlocks`] naming what is wrong.
+/// [`HandoffError::InvalidBlocks`] naming what is wrong.
 pub fn check_blocks(
     ours: &KvPeerInfo,
     theirs: &KvPeerInfo,
     local_blocks: &[u32],
     remote_blocks: &[u32],
     tokens: usize,
-) -> Result<usize, KvHandoffError> {
+) -> Result<usize, HandoffError> {
     let bs = ours.ranks[0].layout.block_size;
     let n = tokens.div_ceil(bs);
     if local_blocks.len() < n || remote_blocks.len() != n {
-        return Err(KvHandoffError::InvalidBlocks(format!(
+        return Err(HandoffError::InvalidBlocks(format!(
             "{tokens} tokens need {n} blocks; got {} remote and {} local",
             remote_blocks.len(),
             local_blocks.len()
@@ -196,13 +111,13 @@ pub fn check_blocks(
     }
     let remote_pool = theirs.ranks[0].layout.num_blocks;
     if let Some(b) = remote_blocks.iter().find(|&&b| b as usize >= remote_pool) {
-        return Err(KvHandoffError::InvalidBlocks(format!(
+        return Err(HandoffError::InvalidBlocks(format!(
             "remote block {b} is outside the peer's pool of {remote_pool}"
         )));
     }
     let local_pool = ours.ranks[0].layout.num_blocks;
     if let Some(b) = local_blocks.iter().find(|&&b| b as usize >= local_pool) {
-        return Err(KvHandoffError::InvalidBlocks(format!(
+        return Err(HandoffError::InvalidBlocks(format!(
             "local block {b} is outside our pool of {local_pool}"
         )));
     }
@@ -288,7 +203,7 @@ pub fn plan_slice(
 /// `remote_blocks` into our `local_blocks`, one list per local rank (every layer, K and V).
 ///
 /// # Errors
-/// [`KvHandoffError::InvalidBlocks`] when either list does not have exactly the blocks the
+/// [`HandoffError::InvalidBlocks`] when either list does not have exactly the blocks the
 /// tokens need, or names a block outside its pool.
 pub fn plan_pull(
     ours: &KvPeerInfo,
@@ -296,7 +211,7 @@ pub fn plan_pull(
     local_blocks: &[u32],
     remote_blocks: &[u32],
     tokens: usize,
-) -> Result<Vec<Vec<TransferOp>>, KvHandoffError> {
+) -> Result<Vec<Vec<TransferOp>>, HandoffError> {
     let n = check_blocks(ours, theirs, local_blocks, remote_blocks, tokens)?;
     let layers = ours.ranks[0].layout.num_layers;
     Ok((0..ours.ranks.len())
@@ -340,7 +255,8 @@ pub fn final_blocks(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use pdserve_gpu::kv::KvDtype;
+    use crate::handoff::protocol::{compat_hash, RankKv};
+    use pdserve_gpu::kv::{KvDtype, KvLayout};
 
     fn info(tp: usize, kv_heads: usize, blocks: usize, first_region: u64) -> KvPeerInfo {
         let ranks = (0..tp)
@@ -490,7 +406,7 @@ mod tests {
         other.compat_key = "other model".into();
         assert!(matches!(
             validate_peer(&ours, &other),
-            Err(KvHandoffError::Incompatible { .. })
+            Err(HandoffError::Incompatible { .. })
         ));
         let mut bs = info(1, 4, 8, 0);
         bs.ranks[0].layout.block_size = 8;
@@ -500,20 +416,20 @@ mod tests {
         gap.ranks[1].heads = (3, 4);
         assert!(matches!(
             validate_peer(&ours, &gap),
-            Err(KvHandoffError::LayoutMismatch { .. })
+            Err(HandoffError::LayoutMismatch { .. })
         ));
         let theirs = info(1, 4, 8, 0);
         assert!(matches!(
             plan_pull(&ours, &theirs, &[0, 1], &[0, 99], 5),
-            Err(KvHandoffError::InvalidBlocks(_))
+            Err(HandoffError::InvalidBlocks(_))
         ));
         assert!(matches!(
             plan_pull(&ours, &theirs, &[0, 1], &[0], 5),
-            Err(KvHandoffError::InvalidBlocks(_))
+            Err(HandoffError::InvalidBlocks(_))
         ));
         assert!(matches!(
             plan_pull(&ours, &theirs, &[0, 1], &[0, 1, 2], 5),
-            Err(KvHandoffError::InvalidBlocks(_))
+            Err(HandoffError::InvalidBlocks(_))
         ));
     }
 }

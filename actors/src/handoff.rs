@@ -1,0 +1,38 @@
+//! The P/D hand-off: how a prompt's KV cache moves from a prefill instance to a decode
+//! instance, read as one protocol and two state machines.
+//!
+//! | module | what it holds |
+//! |---|---|
+//! | [`protocol`] | the typed peer protocol (`PeerRequest` → `PeerAnswer`, rkyv frames) and its one error, [`HandoffError`] |
+//! | [`plan`] | pure checks and planning: layout validation, block lists, (layer, K/V, block, heads) → byte spans |
+//! | [`pull`] | [`PullCore`]: the decode side of one hand-off (pull reads, or waiting for a push), events in, actions out |
+//! | [`push`] | [`PushTracker`]: the prefill side of layerwise pushes, events in, actions out |
+//! | [`aggregator`] | the Aggregator actor: joins per-rank reports, fenced by epochs and attempts |
+//! | [`peer`] | the client side of the protocol: carriers (control plane, HTTP), cached handshakes and sessions, lease renewal |
+//! | [`service`] | [`PeerService`]: what an instance answers to the protocol (the prefill side) |
+//! | [`session`] | authenticated transfer sessions: grants, keys, one fenced scope per hand-off |
+//! | [`receiver`] | the KvReceiver actor: one driver task per decode-side hand-off running a [`PullCore`] |
+//! | [`sender`] | the KvSender actor: drives the [`PushTracker`] |
+//! | [`context`] | [`KvContext`]: what both actors share about their instance |
+//!
+//! Dependencies point one way: this module knows nothing of the Scheduler (the service reaches
+//! it through [`service::PrefillHost`], the receiver answers through a [`receiver::FetchReply`]
+//! callback), and the Scheduler depends on it.
+
+pub mod aggregator;
+pub mod context;
+pub mod peer;
+pub mod plan;
+pub mod protocol;
+pub mod pull;
+pub mod push;
+pub mod receiver;
+pub mod sender;
+pub mod service;
+pub mod session;
+
+pub use context::{KvContext, KvFigures, KvRegistry, KvSettings, TransferMode};
+pub use protocol::HandoffError;
+pub use pull::PullCore;
+pub use push::PushTracker;
+pub use service::PeerService;

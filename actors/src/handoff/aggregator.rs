@@ -1,0 +1,524 @@
+//! The Aggregator: joins the per-TP-rank reports of a KV hand-off into one outcome.
+//!
+//! A request's KV has been sent (prefill, push) or received (decode, pull) only when every TP
+//! rank of the **current epoch** reported its share done. Each rank's epoch comes from the
+//! instance's [`Epochs`]: it is bumped when that rank's worker restarts (its cache is new:
+//! KV written into the old one is gone) and, for every rank, when the KvSender or KvReceiver
+//! restarts (the hand-offs they drove are gone). A hand-off is opened with the epochs current
+//! at that moment and a fresh **attempt** number ([`AggregatorMsg::Expect`]; a hand-off that is
+//! retried under the same transfer id is a new attempt); then
+//! - a report from another epoch of its rank or another attempt is **stale**: dropped and
+//!   counted (it was planned against a cache, an actor or an attempt that no longer exists,
+//!   and must never complete a new hand-off);
+//! - a second report of a rank is a **duplicate**: dropped and counted;
+//! - a failure report from any rank ends the hand-off at once (an explicit terminal message:
+//!   nobody waits for reports that will not come);
+//! - an epoch bump of a rank the hand-off waits on ([`AggregatorMsg::EpochBumped`]) fails it
+//!   (its bytes landed in, or were read from, a cache that is gone).
+//!
+//! The pure bookkeeping is [`Aggregation`]; the actor keeps one per open hand-off and answers
+//! the waiter registered with [`AggregatorMsg::Expect`] exactly once.
+//!
+//! Supervised by the `InstanceSupervisor`, which restarts it in place: the waiters of the
+//! hand-offs it had open see their outcome channel close (a failure), and the KvSender and
+//! KvReceiver reach the new incarnation through the same [`Mailbox`](crate::mailbox::Mailbox).
+
+use super::protocol::HandoffError;
+use crate::mailbox::Inbox;
+use pdserve_runtime::ids::TransferId;
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use tokio::sync::oneshot;
+
+/// The outcome of one hand-off over all ranks.
+pub type HandoffOutcome = Result<(), HandoffError>;
+
+/// The epochs of one instance's TP ranks, shared by everyone who plans or reports KV work.
+///
+/// A rank's hand-off epoch combines two counters: the instance-wide **incarnation** of its KV
+/// actors (bumped when the KvSender or KvReceiver restarts: the hand-offs they drove are gone)
+/// in the high 32 bits, and the rank's **worker epoch** (bumped when its TpWorker restarts:
+/// its cache is new) in the low 32. The worker epoch alone tags forward steps (the
+/// Scheduler's `StepDone` check); the combined value tags hand-off reports. The incarnation
+/// starts at a random value, so an epoch never matches one of another start of the instance.
+#[derive(Debug)]
+pub struct Epochs {
+    incarnation: AtomicU64,
+    workers: Vec<AtomicU64>,
+}
+
+impl Epochs {
+    /// `tp` ranks, every worker at epoch 1.
+    pub fn new(tp: usize) -> Arc<Self> {
+        let start = (pdserve_runtime::ids::TransferId::new_random().0 as u64) & 0x00ff_ffff;
+        Arc::new(Self {
+            incarnation: AtomicU64::new(start),
+            workers: (0..tp).map(|_| AtomicU64::new(1)).collect(),
+        })
+    }
+
+    /// The worker epoch of `rank`.
+    pub fn worker(&self, rank: usize) -> u64 {
+        self.workers[rank].load(Ordering::SeqCst)
+    }
+
+    /// `rank`'s worker restarts: returns its new worker epoch.
+    pub fn bump_worker(&self, rank: usize) -> u64 {
+        self.workers[rank].fetch_add(1, Ordering::SeqCst) + 1
+    }
+
+    /// The KvSender or KvReceiver restarts: every rank's hand-off epoch moves on.
+    pub fn bump_incarnation(&self) {
+        self.incarnation.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// The hand-off epoch of work a rank does in worker epoch `worker_epoch`.
+    pub fn tag(&self, worker_epoch: u64) -> u64 {
+        (self.incarnation.load(Ordering::SeqCst) << 32) | (worker_epoch & 0xffff_ffff)
+    }
+
+    /// The current hand-off epoch of every rank.
+    pub fn current(&self) -> Vec<u64> {
+        (0..self.workers.len())
+            .map(|r| self.tag(self.worker(r)))
+            .collect()
+    }
+
+    /// Ranks.
+    pub fn len(&self) -> usize {
+        self.workers.len()
+    }
+
+    /// Whether there are no ranks.
+    pub fn is_empty(&self) -> bool {
+        self.workers.is_empty()
+    }
+}
+
+/// Where a rank's report comes from: the hand-off attempt and the rank's epoch its work was
+/// planned in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tag {
+    /// The hand-off attempt ([`next_attempt`]).
+    pub attempt: u64,
+    /// The rank's epoch.
+    pub epoch: u64,
+}
+
+/// A fresh hand-off attempt number (process-wide).
+pub fn next_attempt() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// What one rank reported.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RankReport {
+    /// Its share is done.
+    Done,
+    /// Its share failed.
+    Failed(HandoffError),
+}
+
+/// What applying a report did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Applied {
+    /// Counted; still waiting for other ranks.
+    Waiting,
+    /// The hand-off is decided now (first and only time).
+    Decided(HandoffOutcome),
+    /// Dropped: the rank already reported.
+    Duplicate,
+    /// Dropped: the report comes from an older epoch of its rank.
+    Stale,
+    /// Dropped: no such rank, or the hand-off was already decided.
+    Ignored,
+}
+
+/// The joining of one hand-off's rank reports.
+#[derive(Debug, Clone)]
+pub struct Aggregation {
+    attempt: u64,
+    epochs: Vec<u64>,
+    done: Vec<bool>,
+    outcome: Option<HandoffOutcome>,
+}
+
+impl Aggregation {
+    /// Waits for `epochs.len()` ranks; rank `r` must report for `attempt` with exactly epoch
+    /// `epochs[r]`.
+    pub fn new(attempt: u64, epochs: Vec<u64>) -> Self {
+        let n = epochs.len();
+        Self {
+            attempt,
+            epochs,
+            done: vec![false; n],
+            outcome: None,
+        }
+    }
+
+    /// Applies a report.
+    pub fn report(&mut self, rank: usize, tag: Tag, report: RankReport) -> Applied {
+        if self.outcome.is_some() || rank >= self.done.len() {
+            return Applied::Ignored;
+        }
+        if tag.attempt != self.attempt || tag.epoch != self.epochs[rank] {
+            return Applied::Stale;
+        }
+        match report {
+            RankReport::Failed(e) => self.decide(Err(e)),
+            RankReport::Done => {
+                if std::mem::replace(&mut self.done[rank], true) {
+                    return Applied::Duplicate;
+                }
+                if self.done.iter().all(|&d| d) {
+                    self.decide(Ok(()))
+                } else {
+                    Applied::Waiting
+                }
+            }
+        }
+    }
+
+    /// Rank `rank` moved to `epoch`: if this hand-off waits on an older epoch of it, it fails.
+    pub fn epoch_bumped(&mut self, rank: usize, epoch: u64) -> Applied {
+        match self.epochs.get(rank) {
+            Some(&e) if self.outcome.is_none() && e < epoch => {
+                self.decide(Err(HandoffError::CacheLost(format!(
+                    "TP rank {rank} moved to a new epoch while this hand-off waited on it"
+                ))))
+            }
+            _ => Applied::Ignored,
+        }
+    }
+
+    fn decide(&mut self, o: HandoffOutcome) -> Applied {
+        self.outcome = Some(o.clone());
+        Applied::Decided(o)
+    }
+
+    /// Ranks that reported done.
+    pub fn reported(&self) -> usize {
+        self.done.iter().filter(|&&d| d).count()
+    }
+}
+
+/// Reports the Aggregator dropped, by reason (for `inspect` and metrics).
+#[derive(Debug, Default)]
+pub struct DroppedReports {
+    /// From an older epoch of their rank.
+    pub stale: AtomicU64,
+    /// A rank reporting twice.
+    pub duplicate: AtomicU64,
+}
+
+/// Messages of the Aggregator.
+pub enum AggregatorMsg {
+    /// Opens a hand-off over `epochs.len()` ranks; `done` gets its outcome once.
+    Expect {
+        /// The hand-off.
+        transfer: TransferId,
+        /// Its attempt ([`next_attempt`]).
+        attempt: u64,
+        /// Epoch per rank the reports must carry.
+        epochs: Vec<u64>,
+        /// Where the outcome goes.
+        done: oneshot::Sender<HandoffOutcome>,
+    },
+    /// One rank's report.
+    Report {
+        /// The hand-off.
+        transfer: TransferId,
+        /// Reporting rank.
+        rank: usize,
+        /// The attempt and the rank's epoch its work was planned in.
+        tag: Tag,
+        /// What it says.
+        report: RankReport,
+    },
+    /// A rank moved to a new epoch: open hand-offs waiting on an older one fail.
+    EpochBumped {
+        /// Rank.
+        rank: usize,
+        /// Its new epoch.
+        epoch: u64,
+    },
+    /// Closes a hand-off without an outcome (its owner gave up); later reports are ignored.
+    Forget(TransferId),
+    /// Open hand-offs.
+    Open(ractor::RpcReplyPort<usize>),
+}
+
+/// The Aggregator actor (its mailbox count and the instance's dropped-report counters).
+#[derive(Debug)]
+pub struct Aggregator(pub Inbox, pub Arc<DroppedReports>);
+
+type Waiting = HashMap<TransferId, (Aggregation, oneshot::Sender<HandoffOutcome>)>;
+
+impl Actor for Aggregator {
+    type Msg = AggregatorMsg;
+    type State = Waiting;
+    type Arguments = ();
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        _: (),
+    ) -> Result<Self::State, ActorProcessingErr> {
+        Ok(HashMap::new())
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        msg: Self::Msg,
+        open: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        self.0.take();
+        match msg {
+            AggregatorMsg::Expect {
+                transfer,
+                attempt,
+                epochs,
+                done,
+            } => {
+                if epochs.is_empty() {
+                    let _ = done.send(Ok(()));
+                } else {
+                    open.insert(transfer, (Aggregation::new(attempt, epochs), done));
+                }
+            }
+            AggregatorMsg::Report {
+                transfer,
+                rank,
+                tag,
+                report,
+            } => {
+                let applied = open
+                    .get_mut(&transfer)
+                    .map_or(Applied::Stale, |(agg, _)| agg.report(rank, tag, report));
+                self.settle(open, transfer, applied);
+            }
+            AggregatorMsg::EpochBumped { rank, epoch } => {
+                let decided: Vec<(TransferId, Applied)> = open
+                    .iter_mut()
+                    .map(|(t, (agg, _))| (*t, agg.epoch_bumped(rank, epoch)))
+                    .filter(|(_, a)| matches!(a, Applied::Decided(_)))
+                    .collect();
+                for (t, applied) in decided {
+                    self.settle(open, t, applied);
+                }
+            }
+            AggregatorMsg::Forget(transfer) => {
+                open.remove(&transfer);
+            }
+            AggregatorMsg::Open(reply) => {
+                if !reply.is_closed() {
+                    let _ = reply.send(open.len());
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Aggregator {
+    fn settle(&self, open: &mut Waiting, transfer: TransferId, applied: Applied) {
+        use pdserve_runtime::telemetry as m;
+        match applied {
+            Applied::Decided(outcome) => {
+                if let Some((_, done)) = open.remove(&transfer) {
+                    let _ = done.send(outcome);
+                }
+            }
+            Applied::Stale => {
+                self.1.stale.fetch_add(1, Ordering::Relaxed);
+                metrics::counter!(m::KV_REPORTS_DROPPED_TOTAL, m::LABEL_REASON => "stale_epoch")
+                    .increment(1);
+                tracing::debug!(%transfer, "dropped a rank report from an old epoch");
+            }
+            Applied::Duplicate => {
+                self.1.duplicate.fetch_add(1, Ordering::Relaxed);
+                metrics::counter!(m::KV_REPORTS_DROPPED_TOTAL, m::LABEL_REASON => "duplicate")
+                    .increment(1);
+            }
+            Applied::Waiting | Applied::Ignored => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tag(epoch: u64) -> Tag {
+        Tag { attempt: 9, epoch }
+    }
+
+    #[test]
+    fn waits_for_every_rank_and_drops_duplicates() {
+        let mut a = Aggregation::new(9, vec![1, 1, 1]);
+        assert_eq!(a.report(0, tag(1), RankReport::Done), Applied::Waiting);
+        assert_eq!(a.report(0, tag(1), RankReport::Done), Applied::Duplicate);
+        assert_eq!(a.reported(), 1, "a duplicate counts once");
+        assert_eq!(a.report(2, tag(1), RankReport::Done), Applied::Waiting);
+        assert_eq!(
+            a.report(7, tag(1), RankReport::Done),
+            Applied::Ignored,
+            "no such rank"
+        );
+        assert_eq!(
+            a.report(1, tag(1), RankReport::Done),
+            Applied::Decided(Ok(()))
+        );
+        assert_eq!(
+            a.report(1, tag(1), RankReport::Done),
+            Applied::Ignored,
+            "decided once"
+        );
+    }
+
+    #[test]
+    fn a_failure_ends_it_at_once_and_other_epochs_are_stale() {
+        let mut a = Aggregation::new(9, vec![2, 5]);
+        let gone = HandoffError::PeerGone {
+            peer: "p".into(),
+            reason: "killed".into(),
+        };
+        assert_eq!(
+            a.report(1, tag(4), RankReport::Failed(gone.clone())),
+            Applied::Stale,
+            "a report from before rank 1's restart"
+        );
+        assert_eq!(
+            a.report(1, tag(6), RankReport::Done),
+            Applied::Stale,
+            "nor from an epoch the hand-off was not opened in"
+        );
+        assert_eq!(a.report(0, tag(2), RankReport::Done), Applied::Waiting);
+        assert_eq!(
+            a.report(1, tag(5), RankReport::Failed(gone.clone())),
+            Applied::Decided(Err(gone))
+        );
+        assert_eq!(a.report(1, tag(5), RankReport::Done), Applied::Ignored);
+    }
+
+    #[test]
+    fn an_epoch_bump_fails_the_hand_offs_waiting_on_the_old_epoch() {
+        let mut a = Aggregation::new(9, vec![3, 3]);
+        assert_eq!(a.report(0, tag(3), RankReport::Done), Applied::Waiting);
+        assert_eq!(a.epoch_bumped(1, 3), Applied::Ignored, "not newer");
+        assert!(matches!(
+            a.epoch_bumped(1, 4),
+            Applied::Decided(Err(HandoffError::CacheLost(_)))
+        ));
+        assert_eq!(a.report(1, tag(3), RankReport::Done), Applied::Ignored);
+    }
+
+    async fn spawn() -> (crate::mailbox::Mailbox<AggregatorMsg>, Arc<DroppedReports>) {
+        let dropped = Arc::new(DroppedReports::default());
+        let d = dropped.clone();
+        let (agg, _join) =
+            crate::mailbox::Mailbox::spawn(None, move |inbox| Aggregator(inbox, d), ())
+                .await
+                .unwrap();
+        (agg, dropped)
+    }
+
+    fn expect(
+        agg: &crate::mailbox::Mailbox<AggregatorMsg>,
+        transfer: TransferId,
+        attempt: u64,
+        epochs: Vec<u64>,
+    ) -> oneshot::Receiver<HandoffOutcome> {
+        let (tx, rx) = oneshot::channel();
+        agg.cast(AggregatorMsg::Expect {
+            transfer,
+            attempt,
+            epochs,
+            done: tx,
+        })
+        .unwrap();
+        rx
+    }
+
+    fn report(
+        agg: &crate::mailbox::Mailbox<AggregatorMsg>,
+        transfer: TransferId,
+        rank: usize,
+        attempt: u64,
+        epoch: u64,
+    ) {
+        agg.cast(AggregatorMsg::Report {
+            transfer,
+            rank,
+            tag: Tag { attempt, epoch },
+            report: RankReport::Done,
+        })
+        .unwrap();
+    }
+
+    #[tokio::test]
+    async fn the_actor_answers_each_waiter_once() {
+        let (agg, dropped) = spawn().await;
+        let t = TransferId::new_random();
+        let rx = expect(&agg, t, 1, vec![1, 1]);
+        for (rank, n) in [(1, 3), (0, 1)] {
+            for _ in 0..n {
+                report(&agg, t, rank, 1, 1);
+            }
+        }
+        assert_eq!(rx.await.unwrap(), Ok(()));
+        let open = ractor::call_t!(agg, AggregatorMsg::Open, 1000).unwrap();
+        assert_eq!(open, 0, "a decided hand-off is closed");
+        assert_eq!(dropped.duplicate.load(Ordering::Relaxed), 2);
+        assert_eq!(agg.depth(), 0, "every message was taken");
+        agg.stop(None);
+    }
+
+    /// The restart scenario: a hand-off is opened, a rank restarts (its epoch is bumped), the
+    /// same transfer is opened again in the new epoch, and the old incarnation's late reports
+    /// arrive. They must not complete the new hand-off; only the new attempt's reports do.
+    #[tokio::test]
+    async fn a_stale_report_from_before_a_restart_cannot_complete_a_new_hand_off() {
+        let (agg, dropped) = spawn().await;
+        let epochs = Epochs::new(2);
+        let t = TransferId::new_random();
+        let (old, before) = (next_attempt(), epochs.current());
+        let rx_old = expect(&agg, t, old, before.clone());
+        report(&agg, t, 0, old, before[0]);
+        // Rank 1's worker restarts: the open hand-off fails at once.
+        epochs.bump_worker(1);
+        agg.cast(AggregatorMsg::EpochBumped {
+            rank: 1,
+            epoch: epochs.current()[1],
+        })
+        .unwrap();
+        assert!(matches!(
+            rx_old.await.unwrap(),
+            Err(HandoffError::CacheLost(_))
+        ));
+        // The retried hand-off, a new attempt in the new epochs.
+        let (new, after) = (next_attempt(), epochs.current());
+        let mut rx_new = expect(&agg, t, new, after.clone());
+        // Late reports of both ranks from the old attempt (rank 0's epoch did not change).
+        for (rank, &epoch) in before.iter().enumerate() {
+            report(&agg, t, rank, old, epoch);
+        }
+        // And one from the new attempt planned against rank 1's old epoch.
+        report(&agg, t, 1, new, before[1]);
+        let open = ractor::call_t!(agg, AggregatorMsg::Open, 1000).unwrap();
+        assert_eq!(open, 1, "stale reports completed nothing");
+        assert!(rx_new.try_recv().is_err(), "no outcome yet");
+        assert_eq!(dropped.stale.load(Ordering::Relaxed), 3);
+        report(&agg, t, 0, new, after[0]);
+        report(&agg, t, 1, new, after[1]);
+        assert_eq!(rx_new.await.unwrap(), Ok(()));
+        // A KV actor restart moves every rank on.
+        epochs.bump_incarnation();
+        assert!(epochs.current().iter().zip(&after).all(|(n, o)| n > o));
+        agg.stop(None);
+    }
+}

@@ -1,0 +1,643 @@
+//! The KvReceiver actor: the decode side of KV hand-offs.
+//!
+//! A request that arrives with `kv_transfer_params.do_remote_prefill` gets its destination
+//! blocks from the Scheduler (state `WaitingForRemoteKv`) and a [`KvReceiverMsg::Fetch`] here.
+//! For each, the actor starts one driver task (tracked by the instance's [`KvContext`], so an
+//! instance stop drains it) that runs a [`PullCore`]: it performs the core's actions — the
+//! Prefill call, the reads (one batch per local TP rank, joined by the Aggregator, with the
+//! lease renewed meanwhile), the release, the abort — and feeds their outcomes, cancels and
+//! time back into it. The Scheduler hears the outcome exactly once through the fetch's
+//! [`FetchReply`]; the driver keeps a share of the destination blocks until the core says no
+//! byte can land in them any more. The mailbox never waits.
+//!
+//! Messages: [`KvReceiverMsg`]. Supervised by the `InstanceSupervisor`, which restarts it in
+//! place (and moves every rank's hand-off epoch on: reports of the hand-offs the old
+//! incarnation planned are stale). Driver tasks and their cancel handles live in the
+//! [`KvContext`], not in the actor, so an abort reaches a hand-off whichever incarnation
+//! started it.
+
+use super::aggregator::{next_attempt, AggregatorMsg, RankReport, Tag};
+use super::context::KvContext;
+use super::peer::{PeerAddr, RenewGuard};
+use super::plan::plan_pull;
+use super::protocol::{
+    HandoffError, KvPeerInfo, PeerAnswer, PeerRequest, PrefillMode, PrefillRequest, SessionOffer,
+};
+use super::pull::{PullAction, PullCore, PullEvent, Shape};
+use super::session::{block_grants, fence_id, Grant, Security};
+use crate::block_manager::BlockAllocation;
+use crate::mailbox::{Inbox, Mailbox};
+use futures_util::stream::{FuturesUnordered, StreamExt};
+use pdserve_gpu::sampling::SamplingParams;
+use pdserve_runtime::ids::{RequestId, TransferId};
+use pdserve_transport::{Access, FenceId, FenceScope};
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+
+/// Where a remote request's prompt KV comes from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KvSource {
+    /// Already computed and held by a prefill instance (vLLM's two-hop flow).
+    Held {
+        /// The prefill instance.
+        peer: PeerAddr,
+        /// The hand-off.
+        transfer: TransferId,
+        /// Its blocks holding the prompt (`remote_block_ids`).
+        block_ids: Vec<u32>,
+        /// The first token it sampled (T0).
+        first_token: u32,
+        /// How long it holds the blocks unless renewed (`kv_lease_ms`), when it said.
+        lease: Option<Duration>,
+    },
+    /// To be computed by the prefill instance `peer`, asked by us.
+    Drive {
+        /// The prefill instance.
+        peer: PeerAddr,
+        /// The hand-off.
+        transfer: TransferId,
+    },
+}
+
+impl KvSource {
+    /// The hand-off id.
+    pub fn transfer(&self) -> TransferId {
+        match self {
+            Self::Held { transfer, .. } | Self::Drive { transfer, .. } => *transfer,
+        }
+    }
+
+    /// The prefill instance.
+    pub fn peer(&self) -> &PeerAddr {
+        match self {
+            Self::Held { peer, .. } | Self::Drive { peer, .. } => peer,
+        }
+    }
+}
+
+/// How a fetch ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FetchOutcome {
+    /// T0, or why the hand-off failed.
+    pub result: Result<u32, HandoffError>,
+    /// When the prefill instance had the whole prompt computed (µs since the Unix epoch), when
+    /// it said.
+    pub computed_at_unix_us: Option<u64>,
+}
+
+/// The Scheduler's end of a hand-off: answered exactly once, by the hand-off or, if the
+/// request never got that far (the KvReceiver failed with it in its mailbox), by its drop.
+pub struct FetchReply(Option<Box<dyn FnOnce(FetchOutcome) + Send>>);
+
+impl FetchReply {
+    /// A reply that calls `f` once.
+    pub fn new(f: impl FnOnce(FetchOutcome) + Send + 'static) -> Self {
+        Self(Some(Box::new(f)))
+    }
+
+    fn send(mut self, outcome: FetchOutcome) {
+        if let Some(f) = self.0.take() {
+            f(outcome);
+        }
+    }
+}
+
+impl Drop for FetchReply {
+    fn drop(&mut self) {
+        if let Some(f) = self.0.take() {
+            f(FetchOutcome {
+                result: Err(HandoffError::Interrupted(
+                    "the KV receiver failed before the hand-off started".into(),
+                )),
+                computed_at_unix_us: None,
+            });
+        }
+    }
+}
+
+/// One request's hand-off for the KvReceiver.
+pub struct Fetch {
+    /// Request.
+    pub id: RequestId,
+    /// Where it comes from.
+    pub source: KvSource,
+    /// Our destination blocks (a share, kept until no byte can land any more).
+    pub blocks: BlockAllocation,
+    /// Prompt tokens.
+    pub prompt: Vec<u32>,
+    /// The request's sampling (the prefill side samples T0 with it).
+    pub params: SamplingParams,
+    /// Where the outcome goes.
+    pub reply: FetchReply,
+}
+
+/// Messages of the KvReceiver.
+pub enum KvReceiverMsg {
+    /// Bring a request's prompt KV into its destination blocks.
+    Fetch(Box<Fetch>),
+    /// The request was aborted: stop its hand-off (the prefill side is told).
+    Abort(RequestId),
+}
+
+/// The KvReceiver actor (its mailbox count).
+#[derive(Debug)]
+pub struct KvReceiver(pub Inbox);
+
+/// Its state.
+pub struct ReceiverState {
+    kv: Arc<KvContext>,
+    aggregator: Mailbox<AggregatorMsg>,
+}
+
+impl Actor for KvReceiver {
+    type Msg = KvReceiverMsg;
+    type State = ReceiverState;
+    type Arguments = (Arc<KvContext>, Mailbox<AggregatorMsg>);
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        (kv, aggregator): Self::Arguments,
+    ) -> Result<Self::State, ActorProcessingErr> {
+        Ok(ReceiverState { kv, aggregator })
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        msg: Self::Msg,
+        st: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        self.0.take();
+        match msg {
+            KvReceiverMsg::Fetch(fetch) => {
+                let cancel = st.kv.track_handoff(fetch.id);
+                st.kv.handoff_started();
+                let driver = Driver {
+                    kv: st.kv.clone(),
+                    aggregator: st.aggregator.clone(),
+                };
+                st.kv.tasks.spawn(driver.run(*fetch, cancel));
+            }
+            KvReceiverMsg::Abort(id) => st.kv.cancel_handoff(id),
+        }
+        Ok(())
+    }
+}
+
+type Call = Pin<Box<dyn Future<Output = PullEvent> + Send>>;
+
+/// A push's grant to the prefill instance and the fenced scope of its destination blocks,
+/// held until the blocks are released.
+type WriteScope = Arc<Mutex<Option<(Arc<Grant>, Option<FenceScope>)>>>;
+
+/// Performs one hand-off's [`PullCore`] actions.
+#[derive(Clone)]
+struct Driver {
+    kv: Arc<KvContext>,
+    aggregator: Mailbox<AggregatorMsg>,
+}
+
+impl Driver {
+    async fn run(self, fetch: Fetch, cancel: CancellationToken) {
+        let Fetch {
+            id,
+            source,
+            blocks,
+            prompt,
+            params,
+            reply,
+        } = fetch;
+        let transfer = source.transfer();
+        let peer = source.peer().clone();
+        let mode = match &source {
+            KvSource::Held { .. } => super::context::TransferMode::Pull,
+            KvSource::Drive { .. } => self.kv.settings.mode,
+        };
+        let shape = match source {
+            KvSource::Held {
+                block_ids,
+                first_token,
+                lease,
+                ..
+            } => Shape::Held {
+                block_ids,
+                first_token,
+                lease,
+            },
+            KvSource::Drive { .. } if mode == super::context::TransferMode::Push => {
+                Shape::DrivePush
+            }
+            KvSource::Drive { .. } => Shape::DrivePull,
+        };
+        let started = Instant::now();
+        let (mut core, mut actions) = PullCore::start(transfer, shape, self.kv.bounds(), started);
+        let local: Vec<u32> = blocks.blocks().to_vec();
+        let mut blocks = Some(blocks);
+        let mut reply = Some(reply);
+        let mut calls: FuturesUnordered<Call> = FuturesUnordered::new();
+        let mut renewing: Option<RenewGuard> = None;
+        let write_scope: WriteScope = Arc::default();
+        let mut computed_at = None;
+        let mut result: Option<Result<(), HandoffError>> = None;
+        let mut cancelled = false;
+        loop {
+            for action in actions.drain(..) {
+                match action {
+                    PullAction::SendPrefill => calls.push(Box::pin(self.clone().prefill(
+                        peer.clone(),
+                        transfer,
+                        prompt.clone(),
+                        params.clone(),
+                        local.clone(),
+                        mode,
+                        write_scope.clone(),
+                    ))),
+                    PullAction::Read { block_ids, lease } => {
+                        let lease = lease.unwrap_or(self.kv.settings.lease);
+                        renewing = Some(self.kv.peers.renew_while_alive(&peer, transfer, lease));
+                        calls.push(Box::pin(self.clone().read(
+                            peer.clone(),
+                            transfer,
+                            block_ids,
+                            local.clone(),
+                            prompt.len(),
+                        )));
+                    }
+                    PullAction::SendRelease => {
+                        calls.push(Box::pin(self.clone().release(peer.clone(), transfer)))
+                    }
+                    PullAction::SendAbort => {
+                        calls.push(Box::pin(self.clone().abort(peer.clone(), transfer)))
+                    }
+                    PullAction::Finish(r) => {
+                        self.finished(id, transfer, &r, mode, started);
+                        result = Some(r.as_ref().map(|_| ()).map_err(Clone::clone));
+                        if let Err(e) = &r {
+                            self.kv.peers.forget(&peer);
+                            if e.breaks_session() {
+                                // A push's writes may be stuck behind a broken link: the
+                                // next push from that peer gets a new key (this one keeps
+                                // the old grant until its blocks are released).
+                                if let Some((g, _)) = write_scope
+                                    .lock()
+                                    .unwrap_or_else(|e| e.into_inner())
+                                    .as_ref()
+                                {
+                                    self.kv.grants.retire(g.peer());
+                                }
+                            }
+                        }
+                        if let Some(reply) = reply.take() {
+                            reply.send(FetchOutcome {
+                                result: r,
+                                computed_at_unix_us: computed_at,
+                            });
+                        }
+                    }
+                    // The destination blocks stay shared until here: no reuse while bytes may
+                    // land. Their write scope is fenced first: from here no write lands.
+                    PullAction::ReleaseBlocks => {
+                        drop(write_scope.lock().unwrap_or_else(|e| e.into_inner()).take());
+                        drop(blocks.take());
+                    }
+                }
+            }
+            if core.is_done() {
+                break;
+            }
+            let deadline = core.deadline();
+            let event = tokio::select! {
+                Some(ev) = calls.next() => Some(ev),
+                () = cancel.cancelled(), if !cancelled => {
+                    cancelled = true;
+                    Some(PullEvent::Cancel)
+                }
+                () = sleep_until(deadline), if deadline.is_some() => None,
+            };
+            let now = Instant::now();
+            actions = match event {
+                Some(ev) => {
+                    match &ev {
+                        PullEvent::ReadsDone(_) | PullEvent::ReadsRefused(_) => renewing = None,
+                        PullEvent::Prefilled(a) => computed_at = Some(a.computed_at_unix_us),
+                        _ => {}
+                    }
+                    core.on(ev, now)
+                }
+                None => core.tick(now),
+            };
+        }
+        drop(renewing);
+        self.kv.untrack_handoff(id);
+        self.kv
+            .handoff_ended(result.as_ref().map_or(Ok(()), |r| r.as_ref().map(|_| ())));
+    }
+
+    fn finished(
+        &self,
+        id: RequestId,
+        transfer: TransferId,
+        r: &Result<u32, HandoffError>,
+        mode: super::context::TransferMode,
+        started: Instant,
+    ) {
+        use pdserve_runtime::telemetry as m;
+        let ms = started.elapsed().as_millis() as u64;
+        match r {
+            Err(e) => {
+                tracing::warn!(request = %id, %transfer, kind = e.kind(), error = %e, "KV hand-off failed");
+            }
+            Ok(_) => {
+                metrics::histogram!(m::KV_TRANSFER_SECONDS, m::LABEL_MODE => mode.as_str())
+                    .record(started.elapsed().as_secs_f64());
+                tracing::info!(request = %id, %transfer, mode = mode.as_str(), ms, "KV hand-off done");
+            }
+        }
+    }
+
+    /// Grants the prefill instance `theirs` the writes of a push into our `blocks`: its
+    /// session key (reused while its session lives) and, where the backend fences, the scope
+    /// of exactly those blocks, kept in `scope` until the blocks are released. `None` on
+    /// `local` (no keys).
+    fn grant_writes(
+        &self,
+        theirs: &KvPeerInfo,
+        transfer: TransferId,
+        blocks: &[u32],
+        scope: &WriteScope,
+    ) -> Result<Option<SessionOffer>, HandoffError> {
+        let security = self.kv.security();
+        if security == Security::None {
+            return Ok(None);
+        }
+        let (layouts, regions) = self.kv.memory();
+        let whole: Vec<u64> = regions.iter().flatten().copied().collect();
+        let grant = self.kv.grants.for_peer(
+            &theirs.engine_id,
+            Some(&theirs.transfer_addr),
+            false,
+            &whole,
+            Access::Write,
+        )?;
+        let ranges = block_grants(&layouts, &regions, blocks, Access::Write);
+        let fence = grant.scope(security, transfer, &ranges)?;
+        let offer = grant.offer();
+        let offer = SessionOffer {
+            key: offer.key,
+            transfer_addr: offer.transfer_addr.clone(),
+        };
+        *scope.lock().unwrap_or_else(|e| e.into_inner()) = Some((grant, fence));
+        Ok(Some(offer))
+    }
+
+    /// The Prefill call (with the handshake first when pushing: the peer's layout is
+    /// validated against ours before it may write).
+    #[allow(clippy::too_many_arguments)]
+    async fn prefill(
+        self,
+        peer: PeerAddr,
+        transfer: TransferId,
+        prompt: Vec<u32>,
+        mut sampling: SamplingParams,
+        local: Vec<u32>,
+        mode: super::context::TransferMode,
+        write_scope: WriteScope,
+    ) -> PullEvent {
+        sampling.max_tokens = 1;
+        let not_sent = |error| PullEvent::PrefillFailed {
+            error,
+            answered: true,
+        };
+        let mode = match mode {
+            super::context::TransferMode::Pull => PrefillMode::Pull,
+            super::context::TransferMode::Push => {
+                let ours = self.kv.info();
+                let theirs = match self.kv.peers.info(&peer, &ours).await {
+                    Ok(t) => t,
+                    Err(e) => return not_sent(e),
+                };
+                let n = prompt.len().div_ceil(self.kv.settings.block_size);
+                if local.len() < n {
+                    return not_sent(HandoffError::InvalidBlocks(format!(
+                        "{} tokens need {n} destination blocks, the request owns {}",
+                        prompt.len(),
+                        local.len()
+                    )));
+                }
+                let session = match self.grant_writes(&theirs, transfer, &local[..n], &write_scope)
+                {
+                    Ok(s) => s,
+                    Err(e) => return not_sent(e),
+                };
+                PrefillMode::Push {
+                    peer: ours,
+                    block_ids: local[..n].to_vec(),
+                    session,
+                }
+            }
+        };
+        let request = PeerRequest::Prefill(PrefillRequest {
+            transfer,
+            prompt,
+            sampling,
+            mode,
+        });
+        let within = self.kv.bounds().prefill;
+        match self.kv.peers.call(&peer, &request, within).await {
+            Ok(PeerAnswer::Prefilled(a)) => {
+                if a.first_token as usize >= self.kv.settings.model.vocab_size {
+                    not_sent(HandoffError::Protocol(format!(
+                        "the prefill instance answered first token {}, outside the vocabulary",
+                        a.first_token
+                    )))
+                } else if a.transfer != transfer {
+                    not_sent(HandoffError::Protocol(format!(
+                        "the prefill instance answered for transfer {}, not {transfer}",
+                        a.transfer
+                    )))
+                } else {
+                    PullEvent::Prefilled(a)
+                }
+            }
+            Ok(PeerAnswer::Failed(error)) => PullEvent::PrefillFailed {
+                error,
+                answered: true,
+            },
+            Ok(other) => not_sent(HandoffError::Protocol(format!(
+                "{peer} answered Prefill with {}",
+                other.name()
+            ))),
+            Err(error) => PullEvent::PrefillFailed {
+                error,
+                answered: false,
+            },
+        }
+    }
+
+    /// Reads the held blocks into ours: one batch per local rank, joined by the Aggregator.
+    /// Every batch is awaited to its end, even after one failed: our blocks may not be
+    /// released while a read can still land in them.
+    async fn read(
+        self,
+        peer: PeerAddr,
+        transfer: TransferId,
+        remote: Vec<u32>,
+        local: Vec<u32>,
+        prompt_len: usize,
+    ) -> PullEvent {
+        // Everything before the first batch is submitted can refuse the hand-off without any
+        // byte having moved.
+        let prepared = async {
+            let kv = &self.kv;
+            let ours = kv.info();
+            let theirs = kv.peers.info(&peer, &ours).await?;
+            let per_rank = plan_pull(&ours, &theirs, &local, &remote, prompt_len)?;
+            let session = kv
+                .peers
+                .session_for(kv.registry.engine(), &peer, &theirs)
+                .await?;
+            // On backends with fenced scopes, the prefill instance opens the read scope of
+            // exactly this hand-off's held blocks on our session.
+            let (session, fence) = if kv.security().fenced() {
+                kv.peers.open_read(&peer, transfer).await?;
+                // The session sees the regions of its open scopes.
+                let session = kv.peers.ready(session, &theirs).await?;
+                (session, Some(fence_id(transfer)))
+            } else {
+                (session, None)
+            };
+            Ok::<_, HandoffError>((per_rank, session, fence, theirs.transfer_addr))
+        };
+        match prepared.await {
+            Ok((per_rank, session, fence, addr)) => {
+                let r = self.read_batches(transfer, per_rank, session, fence).await;
+                if r.as_ref().is_err_and(HandoffError::breaks_session) {
+                    self.kv.peers.forget_session(&addr);
+                }
+                PullEvent::ReadsDone(r)
+            }
+            Err(e) => PullEvent::ReadsRefused(e),
+        }
+    }
+
+    async fn read_batches(
+        &self,
+        transfer: TransferId,
+        per_rank: Vec<Vec<pdserve_transport::TransferOp>>,
+        session: Arc<pdserve_transport::Session>,
+        fence: Option<FenceId>,
+    ) -> Result<(), HandoffError> {
+        let kv = &self.kv;
+        let attempt = next_attempt();
+        let epochs = kv.epochs.current();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.aggregator
+            .cast(AggregatorMsg::Expect {
+                transfer,
+                attempt,
+                epochs: epochs.clone(),
+                done: tx,
+            })
+            .map_err(|_| HandoffError::Interrupted("the aggregator is gone".into()))?;
+        let bound = kv.bounds().transfer;
+        let reads = per_rank.into_iter().enumerate().map(|(rank, mut ops)| {
+            let session = session.clone();
+            let epoch = epochs[rank];
+            async move {
+                let report = match kv.transfer_fault(&mut ops).await.and_then(|()| {
+                    match fence {
+                        Some(f) => session.submit_fenced(f, &ops),
+                        None => session.submit(&ops),
+                    }
+                    .map_err(|e| HandoffError::transfer(&e))
+                }) {
+                    Ok(batch) => match batch.wait(bound).await {
+                        Ok(()) => {
+                            kv.received(batch.bytes());
+                            RankReport::Done
+                        }
+                        Err(e) => RankReport::Failed(HandoffError::transfer(&e)),
+                    },
+                    Err(e) => RankReport::Failed(e),
+                };
+                let _ = self.aggregator.cast(AggregatorMsg::Report {
+                    transfer,
+                    rank,
+                    tag: Tag { attempt, epoch },
+                    report,
+                });
+            }
+        });
+        futures_util::future::join_all(reads).await;
+        // Without an outcome (the Aggregator failed or is stuck) the hand-off failed too.
+        let outcome = match tokio::time::timeout(bound, rx).await {
+            Ok(Ok(outcome)) => outcome,
+            Ok(Err(_)) => Err(HandoffError::Interrupted(
+                "the aggregator failed during the hand-off".into(),
+            )),
+            Err(_) => Err(HandoffError::timeout("the aggregator's answer", bound)),
+        };
+        if outcome.is_err() {
+            let _ = self.aggregator.cast(AggregatorMsg::Forget(transfer));
+        }
+        outcome
+    }
+
+    async fn release(self, peer: PeerAddr, transfer: TransferId) -> PullEvent {
+        let r = self
+            .kv
+            .peers
+            .call(
+                &peer,
+                &PeerRequest::Release(transfer),
+                self.kv.bounds().transfer,
+            )
+            .await;
+        PullEvent::Released(match r {
+            Ok(PeerAnswer::Released { was_held }) => Ok(was_held),
+            Ok(PeerAnswer::Failed(e)) | Err(e) => Err(e),
+            Ok(other) => Err(HandoffError::Protocol(format!(
+                "{peer} answered Release with {}",
+                other.name()
+            ))),
+        })
+    }
+
+    /// Asks the prefill instance to drop the hand-off (abort its prefill, stop its writes,
+    /// free held blocks); it answers once none of its writes is in flight.
+    async fn abort(self, peer: PeerAddr, transfer: TransferId) -> PullEvent {
+        let r = self
+            .kv
+            .peers
+            .call(
+                &peer,
+                &PeerRequest::Abort(transfer),
+                self.kv.bounds().transfer,
+            )
+            .await;
+        PullEvent::AbortAnswered(match r {
+            Ok(PeerAnswer::Aborted { .. }) => Ok(()),
+            Ok(PeerAnswer::Failed(e)) | Err(e) => {
+                tracing::info!(%transfer, %peer, error = %e, "the prefill instance did not confirm the abort");
+                Err(e)
+            }
+            Ok(other) => Err(HandoffError::Protocol(format!(
+                "{peer} answered Abort with {}",
+                other.name()
+            ))),
+        })
+    }
+}
+
+/// Sleeps until `deadline` (forever without one; the caller guards the branch).
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d.into()).await,
+        None => std::future::pending().await,
+    }
+}

@@ -1,0 +1,425 @@
+//! The OpenAI-compatible routes of an instance: `POST /v1/completions`,
+//! `POST /v1/chat/completions` (JSON or SSE), `GET /v1/models`. Requests are validated
+//! ([`crate::openai`]), admitted under the instance's concurrency bound (503 beyond it),
+//! tokenized and handed to the Scheduler; the answer streams back from the request's events.
+//! A client that disconnects drops its handler, whose [`RequestStream`] aborts the request so
+//! its KV blocks return to the pool. `kv_transfer_params` (vLLM's P/D fields) turn a request
+//! into the prefill or the decode half of a hand-off.
+
+use super::error::ApiError;
+use super::state::AppState;
+use crate::error::RequestError;
+use crate::handoff::receiver::KvSource;
+use crate::openai::{self, KvDirective, ParsedRequest, PromptInput};
+use crate::scheduler::{NewRequest, RequestEvent, RequestStream};
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures_util::stream::{self, Stream};
+use pdserve_runtime::ids::TransferId;
+use serde_json::{json, Value};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokio::sync::OwnedSemaphorePermit;
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+pub(super) async fn models(State(app): State<Arc<AppState>>) -> Json<Value> {
+    Json(json!({"object": "list", "data": [{
+        "id": app.model_name, "object": "model", "created": unix_now(), "owned_by": "pdserve",
+        "max_model_len": app.max_model_len,
+    }]}))
+}
+
+pub(super) async fn completions(State(app): State<Arc<AppState>>, body: Bytes) -> Response {
+    serve(app, body, false)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+pub(super) async fn chat_completions(State(app): State<Arc<AppState>>, body: Bytes) -> Response {
+    serve(app, body, true)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+/// A running request: its events, and its admission permit for its lifetime.
+struct Running {
+    events: RequestStream,
+    _permit: OwnedSemaphorePermit,
+}
+
+async fn serve(app: Arc<AppState>, body: Bytes, chat: bool) -> Result<Response, ApiError> {
+    let req = openai::parse_request(&body, chat)?;
+    if let Some(m) = &req.model {
+        if m != &app.model_name {
+            return Err(RequestError::UnknownModel(m.clone()).into());
+        }
+    }
+    let permit = app.admit()?;
+    let prompt = tokenize(&app, &req.prompt)?;
+    let max_tokens =
+        openai::resolve_max_tokens(req.max_tokens, chat, prompt.len(), app.max_model_len)?;
+    let mut params = req.params.clone();
+    params.max_tokens = max_tokens;
+    params
+        .validate(app.vocab_size)
+        .map_err(|e| RequestError::BadRequest(e.to_string()))?;
+
+    let directive = openai::kv_directive(req.kv_transfer_params.as_ref())?;
+    if !matches!(directive, KvDirective::None) && app.kv.is_none() {
+        return Err(RequestError::BadRequest("kv_transfer_params need an instance with a KV transfer engine (role prefill or decode)".into()).into());
+    }
+    let id = app.scheduler.next_request_id();
+    let token_ids = req.return_token_ids.then(|| prompt.clone());
+    let mut hand_off = None;
+    let mut request = NewRequest {
+        id,
+        prompt,
+        params,
+        hold_for: None,
+        push: false,
+    };
+    let scheduler = &app.scheduler;
+    let events = match (directive, app.kv.as_ref()) {
+        (KvDirective::None, _) => scheduler.submit(request)?,
+        (KvDirective::HoldForDecode(transfer), _) => {
+            if req.stream {
+                return Err(RequestError::BadRequest("do_remote_decode needs `stream: false` (the answer carries kv_transfer_params)".into()).into());
+            }
+            tracing::info!(request = %id, %transfer, "prefill for a remote decode");
+            hand_off = Some(transfer);
+            request.hold_for = Some(transfer);
+            scheduler.submit(request)?
+        }
+        (
+            KvDirective::FromPrefill {
+                peer,
+                transfer,
+                block_ids,
+                first_token,
+                lease,
+            },
+            Some(kv),
+        ) => {
+            let peer = kv
+                .peers
+                .addr_of(&peer.url, peer.control, peer.engine_id.as_deref());
+            tracing::info!(request = %id, %transfer, prefill = %peer, "decoding from held KV");
+            let source = KvSource::Held {
+                peer,
+                transfer,
+                block_ids,
+                first_token,
+                lease,
+            };
+            scheduler.submit_remote(request, source)?
+        }
+        (KvDirective::DriveRemote { peer, transfer }, Some(kv)) => {
+            let threshold = kv.settings.min_remote_prompt_tokens;
+            if request.prompt.len() < threshold {
+                // Conditional disaggregation: a short prompt costs less here than a hand-off.
+                tracing::info!(request = %id, %transfer, prompt_tokens = request.prompt.len(), threshold, "prefilling locally: short prompt");
+                metrics::counter!(pdserve_runtime::telemetry::LOCAL_PREFILLS_TOTAL, pdserve_runtime::telemetry::LABEL_REASON => "short_prompt").increment(1);
+                scheduler.submit(request)?
+            } else {
+                let peer = kv
+                    .peers
+                    .addr_of(&peer.url, peer.control, peer.engine_id.as_deref());
+                tracing::info!(request = %id, %transfer, prefill = %peer, "remote prefill");
+                scheduler.submit_remote(request, KvSource::Drive { peer, transfer })?
+            }
+        }
+        (_, None) => unreachable!("checked above: kv_transfer_params need a KV engine"),
+    };
+    let running = Running {
+        events,
+        _permit: permit,
+    };
+    let meta = ResponseMeta {
+        id: format!("{}-{}", if chat { "chatcmpl" } else { "cmpl" }, id.0),
+        created: unix_now(),
+        model: app.model_name.clone(),
+        chat,
+        include_usage: req.include_usage,
+        token_ids,
+        lease_ms: app
+            .kv
+            .as_ref()
+            .map_or(0, |k| k.settings.lease.as_millis() as u64),
+        hand_off: hand_off.map(|t| HandOff {
+            transfer: t,
+            engine_id: app
+                .kv
+                .as_ref()
+                .map(|k| k.settings.engine_id.clone())
+                .unwrap_or_default(),
+            addr: app.addr.get().copied(),
+            control: app.control_addr(),
+        }),
+    };
+    let deadline = tokio::time::Instant::now() + app.request_timeout;
+    if req.stream {
+        Ok(
+            Sse::new(sse_stream(running, meta, deadline, app.request_timeout))
+                .keep_alive(KeepAlive::default())
+                .into_response(),
+        )
+    } else {
+        collect(running, meta, deadline, app.request_timeout, &req).await
+    }
+}
+
+fn tokenize(app: &AppState, prompt: &PromptInput) -> Result<Vec<u32>, RequestError> {
+    let ids = match prompt {
+        PromptInput::Text(t) => app.tokenizer.encode(t, true),
+        PromptInput::Tokens(t) => Ok(t.clone()),
+        PromptInput::Chat(messages) => app
+            .chat_template
+            .render(messages, true)
+            .and_then(|text| app.tokenizer.encode(&text, false)),
+    }
+    .map_err(|e| RequestError::BadRequest(e.to_string()))?;
+    if ids.is_empty() {
+        return Err(RequestError::BadRequest("the prompt is empty".into()));
+    }
+    if let Some(bad) = ids.iter().find(|&&t| t as usize >= app.vocab_size) {
+        return Err(RequestError::BadRequest(format!(
+            "token id {bad} is outside the vocabulary of {}",
+            app.vocab_size
+        )));
+    }
+    Ok(ids)
+}
+
+/// Prefill side of vLLM's two-hop flow: what the answer's `kv_transfer_params` name.
+struct HandOff {
+    transfer: TransferId,
+    engine_id: String,
+    addr: Option<SocketAddr>,
+    control: Option<SocketAddr>,
+}
+
+struct ResponseMeta {
+    id: String,
+    created: u64,
+    model: String,
+    chat: bool,
+    include_usage: bool,
+    /// `Some(prompt ids)` when the client asked for token ids.
+    token_ids: Option<Vec<u32>>,
+    hand_off: Option<HandOff>,
+    /// How long held blocks wait for the decode side, in ms (published with them).
+    lease_ms: u64,
+}
+
+impl ResponseMeta {
+    fn chunk(&self, text: &str, finish: Option<&str>, first: bool, tokens: &[u32]) -> Value {
+        let mut v = self.chunk_body(text, finish, first);
+        if self.token_ids.is_some() {
+            v["choices"][0]["token_ids"] = json!(tokens);
+        }
+        v
+    }
+
+    fn chunk_body(&self, text: &str, finish: Option<&str>, first: bool) -> Value {
+        if self.chat {
+            let delta = if first {
+                json!({"role": "assistant", "content": text})
+            } else if finish.is_some() && text.is_empty() {
+                json!({})
+            } else {
+                json!({"content": text})
+            };
+            json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                   "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}]})
+        } else {
+            json!({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                   "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}]})
+        }
+    }
+
+    fn usage_chunk(&self, prompt: usize, completion: usize) -> Value {
+        let object = if self.chat {
+            "chat.completion.chunk"
+        } else {
+            "text_completion"
+        };
+        json!({"id": self.id, "object": object, "created": self.created, "model": self.model,
+               "choices": [], "usage": openai::usage(prompt, completion)})
+    }
+
+    fn full(
+        &self,
+        text: &str,
+        finish: &str,
+        prompt: usize,
+        completion: usize,
+        tokens: &[u32],
+        held: Option<&[u32]>,
+    ) -> Value {
+        let mut v = if self.chat {
+            json!({"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                   "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish}],
+                   "usage": openai::usage(prompt, completion)})
+        } else {
+            json!({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                   "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}],
+                   "usage": openai::usage(prompt, completion)})
+        };
+        if let (Some(h), Some(blocks)) = (&self.hand_off, held) {
+            let params = openai::KvTransferParams {
+                do_remote_decode: false,
+                do_remote_prefill: true,
+                remote_host: h.addr.map(|a| a.ip().to_string()),
+                remote_port: h.addr.map(|a| a.port()),
+                remote_engine_id: Some(h.engine_id.clone()),
+                remote_control_addr: h.control.map(|a| a.to_string()),
+                remote_block_ids: Some(blocks.to_vec()),
+                transfer_id: h.transfer.to_string(),
+                first_token_id: tokens.first().copied(),
+                kv_lease_ms: Some(self.lease_ms),
+            };
+            v["kv_transfer_params"] = serde_json::to_value(params).unwrap_or_default();
+        }
+        if let Some(prompt_ids) = &self.token_ids {
+            v["choices"][0]["token_ids"] = json!(tokens);
+            v["choices"][0]["prompt_token_ids"] = json!(prompt_ids);
+        }
+        v
+    }
+}
+
+/// The next event, or a timeout (which leaves the request to be aborted on drop).
+async fn next_event(
+    events: &mut RequestStream,
+    deadline: tokio::time::Instant,
+    timeout: Duration,
+) -> RequestEvent {
+    match tokio::time::timeout_at(deadline, events.next()).await {
+        Ok(Some(e)) => e,
+        Ok(None) => RequestEvent::Failed(RequestError::Internal(
+            "the scheduler dropped the request".into(),
+        )),
+        Err(_) => {
+            events.abort_on_drop();
+            RequestEvent::Failed(RequestError::Timeout(timeout.as_secs()))
+        }
+    }
+}
+
+async fn collect(
+    mut running: Running,
+    meta: ResponseMeta,
+    deadline: tokio::time::Instant,
+    timeout: Duration,
+    _req: &ParsedRequest,
+) -> Result<Response, ApiError> {
+    let mut text = String::new();
+    let mut tokens = Vec::new();
+    loop {
+        match next_event(&mut running.events, deadline, timeout).await {
+            RequestEvent::Token { text: t, token } => {
+                text.push_str(&t);
+                tokens.push(token);
+            }
+            RequestEvent::Finished {
+                reason,
+                text: t,
+                prompt_tokens,
+                completion_tokens,
+                held_blocks,
+            } => {
+                text.push_str(&t);
+                return Ok(Json(meta.full(
+                    &text,
+                    reason.as_openai(),
+                    prompt_tokens,
+                    completion_tokens,
+                    &tokens,
+                    held_blocks.as_deref(),
+                ))
+                .into_response());
+            }
+            RequestEvent::Failed(e) => return Err(e.into()),
+        }
+    }
+}
+
+fn sse_stream(
+    running: Running,
+    meta: ResponseMeta,
+    deadline: tokio::time::Instant,
+    timeout: Duration,
+) -> impl Stream<Item = Result<Event, std::convert::Infallible>> {
+    struct S {
+        running: Running,
+        meta: ResponseMeta,
+        done: bool,
+        first: bool,
+        /// Events to send before the next read, emitted from the end.
+        pending: Vec<Event>,
+    }
+    let state = S {
+        running,
+        meta,
+        done: false,
+        first: true,
+        pending: Vec::new(),
+    };
+    stream::unfold(state, move |mut s| async move {
+        if let Some(ev) = s.pending.pop() {
+            return Some((Ok(ev), s));
+        }
+        if s.done {
+            return None;
+        }
+        let data = |v: Value| Event::default().data(v.to_string());
+        // Tokens whose text is not final yet (half a UTF-8 character, a possible stop string)
+        // are carried into the next chunk rather than sent as empty chunks.
+        let mut held: Vec<u32> = Vec::new();
+        let ev = loop {
+            match next_event(&mut s.running.events, deadline, timeout).await {
+                RequestEvent::Token { text, token } => {
+                    held.push(token);
+                    if text.is_empty() && !(s.first && s.meta.chat) {
+                        continue;
+                    }
+                    let e = data(s.meta.chunk(&text, None, s.first, &held));
+                    s.first = false;
+                    return Some((Ok(e), s));
+                }
+                RequestEvent::Finished {
+                    reason,
+                    text,
+                    prompt_tokens,
+                    completion_tokens,
+                    ..
+                } => {
+                    s.pending.push(Event::default().data("[DONE]"));
+                    if s.meta.include_usage {
+                        s.pending
+                            .push(data(s.meta.usage_chunk(prompt_tokens, completion_tokens)));
+                    }
+                    break data(
+                        s.meta
+                            .chunk(&text, Some(reason.as_openai()), s.first, &held),
+                    );
+                }
+                RequestEvent::Failed(e) => {
+                    s.pending.push(Event::default().data("[DONE]"));
+                    break data(openai::error_body(&e));
+                }
+            }
+        };
+        s.done = true;
+        Some((Ok(ev), s))
+    })
+}

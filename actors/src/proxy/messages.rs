@@ -1,0 +1,105 @@
+//! What the Proxy is started from and answers: [`ProxyMsg`], [`ProxyArgs`],
+//! [`ProxyControlArgs`], [`ProxyStart`], and what its supervisor shows of it.
+
+use pdserve_transport::control::tls::MemberCredentials;
+use ractor::RpcReplyPort;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// Messages of the Proxy.
+pub enum ProxyMsg {
+    /// The bound address.
+    LocalAddr(RpcReplyPort<SocketAddr>),
+    /// Where the control plane listens (`None`: started without one).
+    ControlAddr(RpcReplyPort<Option<SocketAddr>>),
+}
+
+/// Where the proxy listens and what it routes to.
+#[derive(Clone, Debug)]
+pub struct ProxyArgs {
+    /// Address to bind.
+    pub bind: SocketAddr,
+    /// Prefill instance URLs (`http://host:port`).
+    pub prefill: Vec<String>,
+    /// Decode instance URLs.
+    pub decode: Vec<String>,
+    /// Bound on each upstream call.
+    pub timeout: Duration,
+    /// Conditional disaggregation: when the least-loaded prefill instance has more requests
+    /// queued or running than this, the decode instance prefills the request itself.
+    pub max_prefill_queue: Option<usize>,
+    /// Bearer token the front door requires (`/v1/*`; `/health` and `/metrics` stay open).
+    pub api_key: Option<String>,
+    /// Bound on one call between the proxy's actors (`proxy.actor_call_timeout_ms`).
+    pub call_timeout: Duration,
+}
+
+impl ProxyArgs {
+    /// A proxy on `bind` in front of these instances, with the config's defaults for the rest
+    /// (upstream calls bounded at 600 s, no conditional disaggregation, no API key).
+    pub fn new(bind: SocketAddr, prefill: Vec<String>, decode: Vec<String>) -> Self {
+        let d = pdserve_runtime::config::ProxySection::default();
+        Self {
+            bind,
+            prefill,
+            decode,
+            timeout: Duration::from_secs(d.timeout_s),
+            max_prefill_queue: d.max_prefill_queue,
+            api_key: None,
+            call_timeout: Duration::from_millis(d.actor_call_timeout_ms),
+        }
+    }
+
+    pub(super) fn call_ms(&self) -> u64 {
+        self.call_timeout.as_millis() as u64
+    }
+}
+
+/// The proxy's control plane: where instances register and `pdserve inspect` connects.
+#[derive(Clone, Debug)]
+pub struct ProxyControlArgs {
+    /// The proxy's member credentials (its node name is the certificate's).
+    pub credentials: MemberCredentials,
+    /// Where the control endpoint listens (UDP; port 0 picks one).
+    pub listen: SocketAddr,
+    /// Bound on fetching one instance's snapshot for `inspect`.
+    pub inspect_timeout: Duration,
+}
+
+impl ProxyControlArgs {
+    /// Control-plane settings with a 2 s inspect timeout.
+    pub fn new(credentials: MemberCredentials, listen: SocketAddr) -> Self {
+        Self {
+            credentials,
+            listen,
+            inspect_timeout: Duration::from_secs(2),
+        }
+    }
+}
+
+/// Everything a Proxy is started from.
+#[derive(Clone, Debug)]
+pub struct ProxyStart {
+    /// HTTP side and static instances.
+    pub args: ProxyArgs,
+    /// The control plane, if the cluster has credentials.
+    pub control: Option<ProxyControlArgs>,
+}
+
+impl From<ProxyArgs> for ProxyStart {
+    fn from(args: ProxyArgs) -> Self {
+        Self {
+            args,
+            control: None,
+        }
+    }
+}
+
+/// What the ProxySupervisor knows of its child, for `inspect`.
+#[derive(Debug, Clone, Default)]
+pub struct SupervisedFigures {
+    /// Restarts so far.
+    pub restarts: u32,
+    /// The last failure.
+    pub last_error: Option<String>,
+}

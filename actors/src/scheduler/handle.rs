@@ -1,0 +1,309 @@
+//! [`SchedulerHandle`]: how other code talks to a Scheduler — typed calls, each bounded by the
+//! instance's configured actor-call timeout, and request submission with a bounded event
+//! channel per request.
+
+use super::{NewRequest, RequestEvent, SchedulerMsg, SchedulerStats};
+use crate::error::RequestError;
+use crate::handoff::protocol::HandoffError;
+use crate::handoff::receiver::KvSource;
+use crate::handoff::service::{PrefillDone, PrefillHost, PrefillJob};
+use crate::mailbox::Mailbox;
+use pdserve_runtime::ids::{RequestId, TransferId};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc;
+
+/// The events of one request; dropping it aborts the request in the Scheduler.
+pub struct RequestStream {
+    id: RequestId,
+    events: mpsc::Receiver<RequestEvent>,
+    scheduler: Mailbox<SchedulerMsg>,
+    ended: bool,
+}
+
+impl RequestStream {
+    /// The request.
+    pub fn id(&self) -> RequestId {
+        self.id
+    }
+
+    /// The next event; `None` once the Scheduler dropped the request (it failed or stopped).
+    pub async fn next(&mut self) -> Option<RequestEvent> {
+        let e = self.events.recv().await;
+        if matches!(
+            e,
+            None | Some(RequestEvent::Finished { .. } | RequestEvent::Failed(_))
+        ) {
+            self.ended = true;
+        }
+        e
+    }
+
+    /// Marks the request as over for the Scheduler (no abort on drop), e.g. after a timeout
+    /// the owner reports itself.
+    pub fn keep_running_on_drop(&mut self) {
+        self.ended = true;
+    }
+
+    /// Marks the request as still to be aborted on drop (e.g. it timed out).
+    pub fn abort_on_drop(&mut self) {
+        self.ended = false;
+    }
+}
+
+impl Drop for RequestStream {
+    fn drop(&mut self) {
+        if !self.ended {
+            let _ = self.scheduler.cast(SchedulerMsg::Abort(self.id));
+        }
+    }
+}
+
+/// A typed handle on an instance's Scheduler.
+#[derive(Clone)]
+pub struct SchedulerHandle {
+    mailbox: Mailbox<SchedulerMsg>,
+    call_timeout: Duration,
+    next_id: Arc<AtomicU64>,
+}
+
+impl std::fmt::Debug for SchedulerHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SchedulerHandle")
+            .field("call_timeout", &self.call_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+fn gone(e: impl std::fmt::Display) -> RequestError {
+    RequestError::Internal(format!("the scheduler did not answer: {e}"))
+}
+
+impl SchedulerHandle {
+    /// A handle whose calls wait at most `call_timeout`.
+    pub fn new(mailbox: Mailbox<SchedulerMsg>, call_timeout: Duration) -> Self {
+        Self {
+            mailbox,
+            call_timeout,
+            next_id: Arc::new(AtomicU64::new(1)),
+        }
+    }
+
+    /// The Scheduler's mailbox.
+    pub fn mailbox(&self) -> &Mailbox<SchedulerMsg> {
+        &self.mailbox
+    }
+
+    /// The bound of every call.
+    pub fn call_timeout(&self) -> Duration {
+        self.call_timeout
+    }
+
+    /// A fresh request id.
+    pub fn next_request_id(&self) -> RequestId {
+        RequestId(self.next_id.fetch_add(1, Ordering::Relaxed))
+    }
+
+    fn call_ms(&self) -> u64 {
+        self.call_timeout.as_millis() as u64
+    }
+
+    /// Queue and pool figures.
+    ///
+    /// # Errors
+    /// [`RequestError::Internal`] when the Scheduler is gone or does not answer in time.
+    pub async fn stats(&self) -> Result<SchedulerStats, RequestError> {
+        ractor::call_t!(self.mailbox, SchedulerMsg::Stats, self.call_ms()).map_err(gone)
+    }
+
+    fn channel(&self, request: &NewRequest) -> (super::EventSink, mpsc::Receiver<RequestEvent>) {
+        // Every event the request can produce: a token per output token, T0 of a remote
+        // request, and the final event.
+        mpsc::channel(request.params.max_tokens.max(1) + 4)
+    }
+
+    fn stream(&self, id: RequestId, events: mpsc::Receiver<RequestEvent>) -> RequestStream {
+        RequestStream {
+            id,
+            events,
+            scheduler: self.mailbox.clone(),
+            ended: false,
+        }
+    }
+
+    /// Submits a request; its events arrive on the returned stream.
+    ///
+    /// # Errors
+    /// [`RequestError::ShuttingDown`] when the Scheduler is gone.
+    pub fn submit(&self, request: NewRequest) -> Result<RequestStream, RequestError> {
+        let id = request.id;
+        let (sink, events) = self.channel(&request);
+        self.mailbox
+            .cast(SchedulerMsg::Submit { request, sink })
+            .map_err(|_| RequestError::ShuttingDown)?;
+        Ok(self.stream(id, events))
+    }
+
+    /// Submits a request whose prompt KV comes from a prefill instance.
+    ///
+    /// # Errors
+    /// [`RequestError::ShuttingDown`] when the Scheduler is gone.
+    pub fn submit_remote(
+        &self,
+        request: NewRequest,
+        source: KvSource,
+    ) -> Result<RequestStream, RequestError> {
+        let id = request.id;
+        let (sink, events) = self.channel(&request);
+        self.mailbox
+            .cast(SchedulerMsg::SubmitRemote {
+                request,
+                sink,
+                source,
+            })
+            .map_err(|_| RequestError::ShuttingDown)?;
+        Ok(self.stream(id, events))
+    }
+
+    /// Renews the leases of held transfers; answers those no longer held.
+    ///
+    /// # Errors
+    /// [`RequestError::Internal`] when the Scheduler does not answer in time.
+    pub async fn renew_held(
+        &self,
+        transfers: Vec<TransferId>,
+    ) -> Result<Vec<TransferId>, RequestError> {
+        ractor::call_t!(
+            self.mailbox,
+            SchedulerMsg::RenewHeld,
+            self.call_ms(),
+            transfers
+        )
+        .map_err(gone)
+    }
+
+    /// The blocks held for `transfer`, while its lease lives.
+    ///
+    /// # Errors
+    /// [`RequestError::Internal`] when the Scheduler does not answer in time.
+    pub async fn held_blocks(
+        &self,
+        transfer: TransferId,
+    ) -> Result<Option<Vec<u32>>, RequestError> {
+        ractor::call_t!(
+            self.mailbox,
+            SchedulerMsg::HeldBlocks,
+            self.call_ms(),
+            transfer
+        )
+        .map_err(gone)
+    }
+
+    /// Frees a transfer's held blocks; answers whether they were still held.
+    ///
+    /// # Errors
+    /// [`RequestError::Internal`] when the Scheduler does not answer in time.
+    pub async fn release_held(&self, transfer: TransferId) -> Result<bool, RequestError> {
+        ractor::call_t!(
+            self.mailbox,
+            SchedulerMsg::ReleaseHeld,
+            self.call_ms(),
+            transfer
+        )
+        .map_err(gone)
+    }
+
+    /// Aborts the request computing a transfer or frees its held blocks; answers whether
+    /// anything was found.
+    ///
+    /// # Errors
+    /// [`RequestError::Internal`] when the Scheduler does not answer in time.
+    pub async fn abort_transfer(&self, transfer: TransferId) -> Result<bool, RequestError> {
+        ractor::call_t!(
+            self.mailbox,
+            SchedulerMsg::AbortTransfer,
+            self.call_ms(),
+            transfer
+        )
+        .map_err(gone)
+    }
+}
+
+fn interrupted(e: RequestError) -> HandoffError {
+    HandoffError::Interrupted(e.to_string())
+}
+
+impl PrefillHost for SchedulerHandle {
+    async fn prefill(&self, job: PrefillJob) -> Result<PrefillDone, HandoffError> {
+        let request = NewRequest {
+            id: self.next_request_id(),
+            prompt: job.prompt,
+            params: job.params,
+            hold_for: Some(job.transfer),
+            push: job.push,
+        };
+        let mut events = self.submit(request).map_err(interrupted)?;
+        let mut first = None;
+        loop {
+            match events.next().await {
+                Some(RequestEvent::Token { token, .. }) => {
+                    first.get_or_insert(token);
+                }
+                Some(RequestEvent::Finished { held_blocks, .. }) => {
+                    let first_token = first.ok_or_else(|| {
+                        HandoffError::Protocol("the prompt finished without a first token".into())
+                    })?;
+                    return Ok(PrefillDone {
+                        first_token,
+                        held_blocks: held_blocks.unwrap_or_default(),
+                    });
+                }
+                Some(RequestEvent::Failed(e)) => {
+                    return Err(match e {
+                        RequestError::Aborted => HandoffError::Aborted,
+                        RequestError::Overloaded(m) => HandoffError::Overloaded(m),
+                        RequestError::ShuttingDown => HandoffError::Interrupted(e.to_string()),
+                        RequestError::KvTransfer(h) => h,
+                        other => HandoffError::PrefillFailed {
+                            kind: other.kind().to_string(),
+                            message: other.to_string(),
+                        },
+                    })
+                }
+                None => {
+                    return Err(HandoffError::Interrupted(
+                        "the scheduler dropped the request".into(),
+                    ))
+                }
+            }
+        }
+    }
+
+    async fn renew(&self, transfers: Vec<TransferId>) -> Result<Vec<TransferId>, HandoffError> {
+        self.renew_held(transfers).await.map_err(interrupted)
+    }
+
+    async fn release(&self, transfer: TransferId) -> Result<bool, HandoffError> {
+        self.release_held(transfer).await.map_err(interrupted)
+    }
+
+    async fn held_blocks(&self, transfer: TransferId) -> Result<Option<Vec<u32>>, HandoffError> {
+        SchedulerHandle::held_blocks(self, transfer)
+            .await
+            .map_err(interrupted)
+    }
+
+    async fn abort_transfer(&self, transfer: TransferId) -> Result<bool, HandoffError> {
+        SchedulerHandle::abort_transfer(self, transfer)
+            .await
+            .map_err(interrupted)
+    }
+
+    fn abort_transfer_now(&self, transfer: TransferId) {
+        let (tx, _rx) = ractor::concurrency::oneshot();
+        let _ = self
+            .mailbox
+            .cast(SchedulerMsg::AbortTransfer(transfer, tx.into()));
+    }
+}

@@ -1,0 +1,68 @@
+//! `--device cuda` on a machine or build that cannot run it ends with a precise error and a
+//! non-zero status before any model is loaded, never with a panic.
+
+use std::process::Command;
+
+fn pdserve(args: &[&str]) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_pdserve"))
+        .args(args)
+        .env(
+            "PDSERVE_HOME",
+            std::env::temp_dir().join("pdserve-cuda-cli-test"),
+        )
+        .output()
+        .expect("run pdserve");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn has_cuda_driver() -> bool {
+    pdserve_gpu::device::probe_cuda(1).is_ok()
+}
+
+#[test]
+fn generate_on_cuda_without_a_usable_gpu_is_a_clear_error() {
+    if has_cuda_driver() && cfg!(feature = "cuda") {
+        return; // A usable GPU: the GPU paths are checked by benches/cuda_verify.sh.
+    }
+    let (ok, err) = pdserve(&[
+        "generate",
+        "--device",
+        "cuda",
+        "--model",
+        "synthetic:tiny",
+        "--prompt",
+        "hi",
+    ]);
+    assert!(!ok, "{err}");
+    let want = if cfg!(feature = "cuda") {
+        "no CUDA driver"
+    } else {
+        "built without CUDA support"
+    };
+    assert!(err.contains("--device cuda") && err.contains(want), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn bad_device_names_and_cpu_formats_on_cuda_are_refused() {
+    let (ok, err) = pdserve(&["bench", "model", "--device", "gpu"]);
+    assert!(!ok);
+    assert!(err.contains("unknown device `gpu`"), "{err}");
+    let (ok, err) = pdserve(&[
+        "serve",
+        "--device",
+        "cuda",
+        "--weights",
+        "q8_0",
+        "--model",
+        "synthetic:tiny",
+    ]);
+    assert!(!ok);
+    assert!(
+        err.contains("model.weights") && err.contains("CPU format"),
+        "{err}"
+    );
+}

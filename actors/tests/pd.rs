@@ -1090,3 +1090,104 @@ async fn a_panicked_kv_actor_is_restarted_in_place_and_the_pair_keeps_serving() 
         d.stop().await;
     }
 }
+
+/// A stand-in prefill instance that answers the peer protocol over HTTP but whose transfer
+/// engine never answers: its published address is a listening socket nobody accepts from
+/// (the kernel completes the TCP handshake, nothing ever replies). Everything else it says
+/// comes from the real instance `like`, so the decode side's handshake accepts it.
+async fn unresponsive_peer(like: KvPeerInfo) -> (String, std::net::TcpListener) {
+    use pdserve_actors::handoff::protocol::{
+        decode_request, encode_answer, HeldKv, PrefillAnswer, SessionOffer,
+    };
+    let blackhole = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut info = like;
+    info.transfer_addr = blackhole.local_addr().unwrap().to_string();
+    let block_size = info.ranks[0].layout.block_size;
+    let answer = move |body: axum::body::Bytes| {
+        let info = info.clone();
+        async move {
+            let answer = match decode_request(&body) {
+                Ok(PeerRequest::Info) => PeerAnswer::Info(info.clone()),
+                Ok(PeerRequest::Prefill(req)) => PeerAnswer::Prefilled(PrefillAnswer {
+                    transfer: req.transfer,
+                    first_token: 1,
+                    held: Some(HeldKv {
+                        block_ids: (0..req.prompt.len().div_ceil(block_size) as u32).collect(),
+                        lease_ms: 30_000,
+                    }),
+                    computed_at_unix_us: 0,
+                }),
+                Ok(PeerRequest::OpenSession { .. }) => PeerAnswer::Session(SessionOffer {
+                    key: [7; 32],
+                    transfer_addr: info.transfer_addr.clone(),
+                }),
+                Ok(PeerRequest::OpenRead { .. }) => PeerAnswer::ReadOpened,
+                Ok(PeerRequest::Renew(_)) => PeerAnswer::Renewed { unknown: vec![] },
+                Ok(PeerRequest::Release(_)) => PeerAnswer::Released { was_held: true },
+                Ok(PeerRequest::Abort(_)) => PeerAnswer::Aborted { found: true },
+                Err(e) => PeerAnswer::Failed(e),
+            };
+            encode_answer(&answer).unwrap()
+        }
+    };
+    let app = axum::Router::new().route("/v1/kv/peer", axum::routing::post(answer));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, blackhole)
+}
+
+/// Issue 17's head-of-line case: a decode instance whose connect to one peer's transfer engine
+/// hangs still hands off from another peer meanwhile (connects are per peer, never under one
+/// lock), and the hung hand-off then fails clearly within its bound and frees its blocks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_never_answers_does_not_delay_hand_offs_from_another() {
+    let lease = Duration::from_secs(30);
+    let p = instance("p-hol", "small", 1, Some(BackendKind::Tcp), lease).await;
+    let d = instance_with("d-hol", "small", 1, Some(BackendKind::Tcp), lease, |o| {
+        o.kv_timeout = Duration::from_secs(8);
+        if let Some(t) = &mut o.transfer {
+            t.connect_timeout = Duration::from_secs(8);
+        }
+    })
+    .await;
+    let PeerAnswer::Info(info) = peer_call(&p.url(), PeerRequest::Info).await else {
+        panic!("no Info from the prefill instance");
+    };
+    let (fake, _blackhole) = unresponsive_peer(info).await;
+    let port: u16 = fake.rsplit(':').next().unwrap().parse().unwrap();
+
+    let mut stuck = body(0);
+    stuck["kv_transfer_params"] = json!({"do_remote_prefill": true, "remote_host": "127.0.0.1",
+        "remote_port": port, "transfer_id": pdserve_runtime::ids::TransferId::new_random().to_string()});
+    let d_url = d.url();
+    let stuck = tokio::spawn(async move { post(&d_url, &stuck).await });
+    // The hung hand-off is connecting to the blackhole (a read of it is under way).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while d.kv_figures().unwrap().transfers_in_flight == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the hand-off to the stand-in never started"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    let reference = colocated_reference("small", 2).await;
+    for i in 0..2 {
+        let (status, v) = via_pd(&p.url(), &d.url(), &body(i)).await;
+        assert_eq!((status, ids(&v)), (200, reference[i].clone()), "{v}");
+        assert!(
+            !stuck.is_finished(),
+            "the hand-off from the real prefill instance waited for the unresponsive peer"
+        );
+    }
+
+    let (status, v) = stuck.await.unwrap();
+    assert_error(status, &v, 502, "timed out");
+    assert_no_hand_off_in_flight(&d).await;
+    assert_pool_full(&d).await;
+    assert_pool_full(&p).await;
+    p.stop().await;
+    d.stop().await;
+}

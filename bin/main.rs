@@ -238,6 +238,9 @@ struct ServeArgs {
     /// `scheduler.num_blocks`.
     #[arg(long)]
     num_blocks: Option<usize>,
+    /// `scheduler.kv_cache_dtype`: f32, f16 or bf16.
+    #[arg(long)]
+    kv_cache_dtype: Option<String>,
     /// `transfer.credentials_dir`: cluster credentials (quic transfers, the control plane).
     #[arg(long)]
     credentials_dir: Option<String>,
@@ -728,6 +731,7 @@ fn serve(args: ServeArgs, log: Option<String>, log_format: Option<String>) -> Re
         max_num_batched_tokens: args.max_num_batched_tokens,
         block_size: args.block_size,
         num_blocks: args.num_blocks,
+        kv_cache_dtype: args.kv_cache_dtype,
         log_filter: log,
         log_format: parse_flag("log-format", log_format)?,
         transfer: args.transfer,

@@ -57,6 +57,8 @@ pub struct InstanceOptions {
     pub num_blocks: Option<usize>,
     /// KV memory budget over all ranks when `num_blocks` is not given.
     pub kv_cache_bytes: usize,
+    /// Element type of the KV cache (`scheduler.kv_cache_dtype`).
+    pub kv_dtype: KvDtype,
     /// Fraction of blocks kept free at admission.
     pub watermark: f64,
     /// Longest sequence (None: the model's context).
@@ -120,6 +122,11 @@ impl InstanceOptions {
             block_size: cfg.scheduler.block_size,
             num_blocks: cfg.scheduler.num_blocks,
             kv_cache_bytes: cfg.scheduler.kv_cache_bytes as usize,
+            kv_dtype: cfg
+                .scheduler
+                .kv_cache_dtype
+                .parse()
+                .map_err(|e| StartError::config("scheduler.kv_cache_dtype", e))?,
             watermark: cfg.scheduler.watermark,
             max_model_len: cfg.scheduler.max_model_len,
             bind: Some(bind),
@@ -157,6 +164,7 @@ impl InstanceOptions {
             block_size: 16,
             num_blocks: Some(256),
             kv_cache_bytes: 0,
+            kv_dtype: KvDtype::F32,
             watermark: 0.01,
             max_model_len: None,
             bind: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
@@ -244,8 +252,12 @@ impl Instance {
         let cfg = model.config.clone();
         cfg.check_tp(opts.tp)
             .map_err(|e| StartError::config("model.tp", e))?;
-        let bytes_per_block_all_ranks =
-            2 * cfg.num_layers * cfg.num_kv_heads * opts.block_size * cfg.head_dim * 4;
+        let bytes_per_block_all_ranks = 2
+            * cfg.num_layers
+            * cfg.num_kv_heads
+            * opts.block_size
+            * cfg.head_dim
+            * opts.kv_dtype.size();
         let num_blocks = opts
             .num_blocks
             .unwrap_or(opts.kv_cache_bytes / bytes_per_block_all_ranks)
@@ -263,6 +275,7 @@ impl Instance {
                 num_blocks,
                 block_size: opts.block_size,
                 format: opts.weights,
+                kv_dtype: opts.kv_dtype,
             },
             alloc: opts.alloc,
             faults: opts.faults.clone(),
@@ -291,7 +304,7 @@ impl Instance {
                     tp: opts.tp,
                     num_blocks,
                     block_size: opts.block_size,
-                    dtype: KvDtype::F32,
+                    dtype: opts.kv_dtype,
                     bounds: PullBounds {
                         transfer: opts.kv_timeout,
                         prefill: opts.request_timeout,

@@ -1174,9 +1174,9 @@ async fn a_peer_that_never_answers_does_not_delay_hand_offs_from_another() {
     tokio::time::sleep(Duration::from_millis(200)).await;
 
     let reference = colocated_reference("small", 2).await;
-    for i in 0..2 {
+    for (i, want) in reference.iter().enumerate() {
         let (status, v) = via_pd(&p.url(), &d.url(), &body(i)).await;
-        assert_eq!((status, ids(&v)), (200, reference[i].clone()), "{v}");
+        assert_eq!((status, &ids(&v)), (200, want), "{v}");
         assert!(
             !stuck.is_finished(),
             "the hand-off from the real prefill instance waited for the unresponsive peer"
@@ -1190,4 +1190,43 @@ async fn a_peer_that_never_answers_does_not_delay_hand_offs_from_another() {
     assert_pool_full(&p).await;
     p.stop().await;
     d.stop().await;
+}
+
+/// Issue 17: a P/D pair with f16 KV caches hands off exactly (same tokens as a colocated
+/// instance with the f16 cache, half the bytes of f32), and a pair whose caches disagree on
+/// the dtype is refused at the handshake with a clear error; pools stay full.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn f16_kv_hands_off_exactly_and_a_dtype_mismatch_is_refused() {
+    use pdserve_gpu::kv::KvDtype;
+    let lease = Duration::from_secs(30);
+    let half = |o: &mut InstanceOptions| o.kv_dtype = KvDtype::F16;
+    let c = instance_with("ref-f16", "small", 1, None, lease, half).await;
+    let mut reference = Vec::new();
+    for i in 0..2 {
+        let (status, v) = post(&c.url(), &body(i)).await;
+        assert_eq!(status, 200, "{v}");
+        reference.push(ids(&v));
+    }
+    c.stop().await;
+    // A short lease: the blocks held for the refused decode instance are freed when it ends
+    // (a refusal never releases them: forged parameters must not free others' blocks).
+    let short = Duration::from_millis(500);
+    let p = instance_with("p-f16", "small", 1, Some(BackendKind::Tcp), short, half).await;
+    let d = instance_with("d-f16", "small", 1, Some(BackendKind::Tcp), lease, half).await;
+    let d32 = instance("d-f32", "small", 1, Some(BackendKind::Tcp), lease).await;
+    for (i, want) in reference.iter().enumerate() {
+        let (status, v) = via_pd(&p.url(), &d.url(), &body(i)).await;
+        assert_eq!((status, &ids(&v)), (200, want), "{v}");
+    }
+    let (pf, df) = (p.kv_figures().unwrap(), d.kv_figures().unwrap());
+    assert!(df.bytes_received > 0 && pf.failures + df.failures == 0);
+    let (status, v) = via_pd(&p.url(), &d32.url(), &body(0)).await;
+    assert_error(status, &v, 502, "dtype");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    for inst in [&p, &d, &d32] {
+        assert_pool_full(inst).await;
+    }
+    for inst in [p, d, d32] {
+        inst.stop().await;
+    }
 }

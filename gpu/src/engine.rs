@@ -33,6 +33,8 @@ pub struct EngineOptions {
     pub max_batch_tokens: usize,
     /// Sequences the default pool is sized for.
     pub max_seqs: usize,
+    /// Element type of the KV cache.
+    pub kv_dtype: crate::kv::KvDtype,
 }
 
 impl Default for EngineOptions {
@@ -44,6 +46,7 @@ impl Default for EngineOptions {
             format: WeightFormat::Auto,
             max_batch_tokens: 512,
             max_seqs: 8,
+            kv_dtype: crate::kv::KvDtype::F32,
         }
     }
 }
@@ -125,6 +128,7 @@ impl EngineOptions {
             num_blocks: self.pool_blocks(cfg),
             block_size: self.block_size,
             format: self.format,
+            kv_dtype: self.kv_dtype,
         }
     }
 }

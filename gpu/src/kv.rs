@@ -4,7 +4,7 @@
 //! One region per layer. Inside a layer's region, all K blocks come first, then all V blocks:
 //!
 //! ```text
-//! layer region = [K|V][block][kv_head][slot_in_block][head_dim]   (f32, little endian)
+//! layer region = [K|V][block][kv_head][slot_in_block][head_dim]   (KvDtype, little endian)
 //! ```
 //!
 //! so the bytes of `(layer, K or V, block, kv-head range)` are one contiguous span, computable
@@ -33,8 +33,9 @@ pub enum KvKind {
     Value = 1,
 }
 
-/// Element type of the cache. Only f32 is produced by the CPU backend today; the field is part
-/// of the layout so peers can refuse a mismatch.
+/// Element type of the cache: `f32`, or `f16`/`bf16` (half the bytes to store and hand off;
+/// K and V are rounded once when written, attention reads them widened to f32). Part of the
+/// layout (and so of the compat key): peers with another dtype refuse each other.
 #[derive(
     Clone,
     Copy,
@@ -51,6 +52,10 @@ pub enum KvKind {
 pub enum KvDtype {
     /// 32-bit float.
     F32,
+    /// IEEE 754 half precision.
+    F16,
+    /// bfloat16.
+    Bf16,
 }
 
 impl KvDtype {
@@ -58,6 +63,69 @@ impl KvDtype {
     pub fn size(self) -> usize {
         match self {
             KvDtype::F32 => 4,
+            KvDtype::F16 | KvDtype::Bf16 => 2,
+        }
+    }
+
+    /// The config spelling (`f32`, `f16`, `bf16`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KvDtype::F32 => "f32",
+            KvDtype::F16 => "f16",
+            KvDtype::Bf16 => "bf16",
+        }
+    }
+}
+
+impl std::str::FromStr for KvDtype {
+    type Err = ModelError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "f32" => Ok(Self::F32),
+            "f16" => Ok(Self::F16),
+            "bf16" => Ok(Self::Bf16),
+            other => Err(ModelError::InvalidBatch(format!(
+                "unknown KV cache dtype `{other}` (expected f32, f16 or bf16)"
+            ))),
+        }
+    }
+}
+
+/// One head's slots of one block as stored (`block_size * head_dim` elements).
+#[derive(Clone, Copy, Debug)]
+pub enum HeadBlock<'a> {
+    /// An f32 cache: read in place.
+    F32(&'a [f32]),
+    /// An f16 cache.
+    F16(&'a [half::f16]),
+    /// A bf16 cache.
+    Bf16(&'a [half::bf16]),
+}
+
+impl<'a> HeadBlock<'a> {
+    /// The values as f32: borrowed from an f32 cache, widened otherwise.
+    pub fn widen(self) -> std::borrow::Cow<'a, [f32]> {
+        match self {
+            Self::F32(s) => std::borrow::Cow::Borrowed(s),
+            Self::F16(s) => std::borrow::Cow::Owned(s.iter().map(|x| x.to_f32()).collect()),
+            Self::Bf16(s) => std::borrow::Cow::Owned(s.iter().map(|x| x.to_f32()).collect()),
+        }
+    }
+
+    /// Writes the first `out.len()` values, as f32, into `out`.
+    pub fn copy_to(self, out: &mut [f32]) {
+        let n = out.len();
+        match self {
+            Self::F32(s) => out.copy_from_slice(&s[..n]),
+            Self::F16(s) => out
+                .iter_mut()
+                .zip(&s[..n])
+                .for_each(|(o, x)| *o = x.to_f32()),
+            Self::Bf16(s) => out
+                .iter_mut()
+                .zip(&s[..n])
+                .for_each(|(o, x)| *o = x.to_f32()),
         }
     }
 }
@@ -227,7 +295,7 @@ impl KvCache {
         }
     }
 
-    /// Writes one token's K or V for one head.
+    /// Writes one token's K or V for one head (rounded to the cache's dtype).
     pub(crate) fn write_slot(
         &mut self,
         layer: usize,
@@ -240,32 +308,53 @@ impl KvCache {
         debug_assert_eq!(data.len(), self.layout.head_dim);
         let off = self.layout.slot_offset(kind, block, head, slot);
         let region = &self.regions[layer];
-        assert!(off + data.len() * 4 <= region.len());
-        // SAFETY: in bounds (asserted); the region is f32-aligned (page aligned, 4-byte
-        // multiples); `&mut self` excludes concurrent writers in this process.
+        let n = data.len();
+        assert!(off + n * self.layout.dtype.size() <= region.len());
+        // SAFETY: in bounds (asserted); the region is aligned for every dtype (page aligned,
+        // offsets are multiples of the element size); `&mut self` excludes concurrent writers
+        // in this process.
         unsafe {
-            std::ptr::copy_nonoverlapping(
-                data.as_ptr(),
-                region.as_ptr().add(off) as *mut f32,
-                data.len(),
-            );
+            let dst = region.as_ptr().add(off);
+            match self.layout.dtype {
+                KvDtype::F32 => std::ptr::copy_nonoverlapping(data.as_ptr(), dst as *mut f32, n),
+                KvDtype::F16 => std::slice::from_raw_parts_mut(dst as *mut half::f16, n)
+                    .iter_mut()
+                    .zip(data)
+                    .for_each(|(d, &x)| *d = half::f16::from_f32(x)),
+                KvDtype::Bf16 => std::slice::from_raw_parts_mut(dst as *mut half::bf16, n)
+                    .iter_mut()
+                    .zip(data)
+                    .for_each(|(d, &x)| *d = half::bf16::from_f32(x)),
+            }
         }
     }
 
-    /// One head's slots of one block, as f32 (`block_size * head_dim` values).
-    pub(crate) fn head_block(
+    /// One head's slots of one block as stored (`block_size * head_dim` elements).
+    pub fn head_block(
         &self,
         layer: usize,
         kind: KvKind,
         block: usize,
         head: usize,
-    ) -> &[f32] {
+    ) -> HeadBlock<'_> {
         let off = self.layout.slot_offset(kind, block, head, 0);
         let n = self.layout.block_size * self.layout.head_dim;
         let region = &self.regions[layer];
-        assert!(off + n * 4 <= region.len());
-        // SAFETY: in bounds, aligned, and the region outlives the borrow of `self`.
-        unsafe { std::slice::from_raw_parts(region.as_ptr().add(off) as *const f32, n) }
+        assert!(off + n * self.layout.dtype.size() <= region.len());
+        // SAFETY: in bounds (asserted), aligned for the element type, and the region outlives
+        // the borrow of `self`.
+        unsafe {
+            let p = region.as_ptr().add(off);
+            match self.layout.dtype {
+                KvDtype::F32 => HeadBlock::F32(std::slice::from_raw_parts(p as *const f32, n)),
+                KvDtype::F16 => {
+                    HeadBlock::F16(std::slice::from_raw_parts(p as *const half::f16, n))
+                }
+                KvDtype::Bf16 => {
+                    HeadBlock::Bf16(std::slice::from_raw_parts(p as *const half::bf16, n))
+                }
+            }
+        }
     }
 }
 
@@ -383,6 +472,37 @@ mod tests {
         });
         let nonzero = all.iter().filter(|&&b| b != 0).count();
         assert_eq!(nonzero, bytes.iter().filter(|&&b| b != 0).count());
+    }
+
+    #[test]
+    fn half_caches_store_two_bytes_an_element_and_read_back_rounded() {
+        let data: Vec<f32> = (0..8).map(|i| i as f32 * 0.1 - 0.3).collect();
+        for (dtype, round) in [
+            (
+                KvDtype::F16,
+                (|x: f32| half::f16::from_f32(x).to_f32()) as fn(f32) -> f32,
+            ),
+            (KvDtype::Bf16, |x: f32| half::bf16::from_f32(x).to_f32()),
+        ] {
+            let l = KvLayout { dtype, ..layout() };
+            assert_eq!(l.region_bytes() * 2, layout().region_bytes());
+            let mut kv = KvCache::new(l, &AnonAllocator).unwrap();
+            kv.write_slot(1, KvKind::Value, 3, 2, 1, &data);
+            let block = kv.head_block(1, KvKind::Value, 3, 2).widen();
+            let want: Vec<f32> = data.iter().map(|&x| round(x)).collect();
+            assert_eq!(&block[8..16], &want[..], "{dtype:?}");
+            assert!(block[..8].iter().chain(&block[16..]).all(|&x| x == 0.0));
+            let mut out = vec![0f32; 16];
+            kv.head_block(1, KvKind::Value, 3, 2).copy_to(&mut out);
+            assert_eq!(&out[8..16], &want[..]);
+            // The slot's bytes are where the layout says, two per element.
+            let span = l.span(1, KvKind::Value, 3, 2..3);
+            let bytes = kv.read_span(span);
+            assert!(bytes[..16].iter().all(|&b| b == 0));
+            assert!(bytes[16..32].iter().any(|&b| b != 0));
+            assert_eq!("bf16".parse::<KvDtype>().unwrap(), KvDtype::Bf16);
+            assert!("f8".parse::<KvDtype>().is_err());
+        }
     }
 
     #[test]

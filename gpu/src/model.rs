@@ -10,7 +10,7 @@
 
 use crate::collective::Collective;
 use crate::config::{ModelConfig, RopeStyle};
-use crate::kv::{KvCache, KvKind};
+use crate::kv::{HeadBlock, KvCache, KvKind};
 use crate::weights::{concat_rows, convert, slice_cols, slice_rows, TensorStore, WeightFormat};
 use crate::{ModelError, Result};
 use candle_core::quantized::{QMatMul, QTensor};
@@ -696,9 +696,17 @@ fn attend_direct<'a>(
     hd: usize,
     scale: f32,
     limit: impl Fn(usize) -> usize,
-    block: impl Fn(usize) -> (&'a [f32], &'a [f32]),
+    block: impl Fn(usize) -> (HeadBlock<'a>, HeadBlock<'a>),
     bs: usize,
 ) -> Vec<f32> {
+    // Each block once, as f32: borrowed from an f32 cache, widened once from a half one.
+    let blocks: Vec<_> = (0..ctx.div_ceil(bs))
+        .map(|b| {
+            let (k, v) = block(b);
+            (k.widen(), v.widen())
+        })
+        .collect();
+    let block = |b: usize| (&*blocks[b].0, &*blocks[b].1);
     let mut out = vec![0f32; nq * hd];
     let mut scores = vec![0f32; ctx];
     for r in 0..nq {
@@ -741,7 +749,7 @@ fn attend_gemm<'a>(
     hd: usize,
     scale: f32,
     limit: impl Fn(usize) -> usize,
-    block: impl Fn(usize) -> (&'a [f32], &'a [f32]),
+    block: impl Fn(usize) -> (HeadBlock<'a>, HeadBlock<'a>),
     bs: usize,
 ) -> Vec<f32> {
     let mut k = vec![0f32; ctx * hd];
@@ -749,8 +757,8 @@ fn attend_gemm<'a>(
     for b in 0..ctx.div_ceil(bs) {
         let n = bs.min(ctx - b * bs);
         let (kb, vb) = block(b);
-        k[b * bs * hd..(b * bs + n) * hd].copy_from_slice(&kb[..n * hd]);
-        v[b * bs * hd..(b * bs + n) * hd].copy_from_slice(&vb[..n * hd]);
+        kb.copy_to(&mut k[b * bs * hd..(b * bs + n) * hd]);
+        vb.copy_to(&mut v[b * bs * hd..(b * bs + n) * hd]);
     }
     let mut s = vec![0f32; nq * ctx];
     // S[nq, ctx] = Q[nq, hd] · K[ctx, hd]ᵀ

@@ -51,6 +51,8 @@ pub struct TpOptions {
     pub block_size: usize,
     /// In-memory weight format.
     pub format: WeightFormat,
+    /// Element type of the KV cache.
+    pub kv_dtype: crate::kv::KvDtype,
 }
 
 /// Jobs a rank thread may have queued beyond the one it runs (bounded: a caller that gets
@@ -97,7 +99,7 @@ impl RankExecutor {
             block_size: opts.block_size,
             num_kv_heads: config.num_kv_heads / opts.tp,
             head_dim: config.head_dim,
-            dtype: crate::kv::KvDtype::F32,
+            dtype: opts.kv_dtype,
         };
         let kv = KvCache::new(layout, alloc)?;
         let (tx, rx) = sync_channel::<Job>(RANK_QUEUE);

@@ -210,6 +210,7 @@ fn kv_lands_at_the_layout_spans_on_every_rank() {
                 num_blocks: 8,
                 block_size: 16,
                 format: WeightFormat::F32,
+                kv_dtype: pdserve_gpu::kv::KvDtype::F32,
             },
             &pdserve_runtime::memory::AnonAllocator,
         )

@@ -429,6 +429,10 @@ pub struct SchedulerConfig {
     pub num_blocks: Option<usize>,
     /// KV cache budget in bytes per TP rank, used when `num_blocks` is `None`.
     pub kv_cache_bytes: u64,
+    /// Element type of the KV cache: `f32`, `f16` or `bf16` (half the memory and half the
+    /// bytes each P/D hand-off moves). Both sides of a hand-off must agree.
+    #[serde(deserialize_with = "lenient::string")]
+    pub kv_cache_dtype: String,
     /// Fraction of blocks kept free for running sequences when admitting new ones,
     /// in `[0, 0.5)`.
     pub watermark: f64,
@@ -444,6 +448,7 @@ impl Default for SchedulerConfig {
             block_size: 16,
             num_blocks: None,
             kv_cache_bytes: 512 << 20,
+            kv_cache_dtype: "f32".into(),
             watermark: 0.01,
             max_model_len: None,
         }
@@ -541,6 +546,8 @@ pub struct ServeFlags {
     pub block_size: Option<usize>,
     /// `scheduler.num_blocks`.
     pub num_blocks: Option<usize>,
+    /// `scheduler.kv_cache_dtype`.
+    pub kv_cache_dtype: Option<String>,
     /// `logging.filter`.
     pub log_filter: Option<String>,
     /// `logging.format`.
@@ -594,7 +601,7 @@ pub struct ServeFlags {
 struct FlagsTree<'a> {
     model: FlagsModel<'a>,
     server: FlagsServer<'a>,
-    scheduler: FlagsScheduler,
+    scheduler: FlagsScheduler<'a>,
     instance: FlagsInstance<'a>,
     logging: FlagsLogging<'a>,
     transfer: FlagsTransfer<'a>,
@@ -678,7 +685,7 @@ struct FlagsServer<'a> {
 }
 
 #[derive(Serialize)]
-struct FlagsScheduler {
+struct FlagsScheduler<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     max_num_seqs: Option<usize>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -687,6 +694,8 @@ struct FlagsScheduler {
     block_size: Option<usize>,
     #[serde(skip_serializing_if = "Option::is_none")]
     num_blocks: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    kv_cache_dtype: Option<&'a str>,
 }
 
 #[derive(Serialize)]
@@ -726,6 +735,7 @@ impl Serialize for ServeFlags {
                 max_num_batched_tokens: self.max_num_batched_tokens,
                 block_size: self.block_size,
                 num_blocks: self.num_blocks,
+                kv_cache_dtype: self.kv_cache_dtype.as_deref(),
             },
             instance: FlagsInstance {
                 role: self.role,
@@ -1393,6 +1403,15 @@ impl ServeConfig {
             }
             None => {}
         }
+        if !["f32", "f16", "bf16"].contains(&c.kv_cache_dtype.as_str()) {
+            return invalid(
+                "scheduler.kv_cache_dtype",
+                format!(
+                    "scheduler.kv_cache_dtype must be one of f32, f16, bf16, got {:?}",
+                    c.kv_cache_dtype
+                ),
+            );
+        }
         if !(c.watermark.is_finite() && (0.0..0.5).contains(&c.watermark)) {
             return invalid(
                 "scheduler.watermark",
@@ -1586,6 +1605,48 @@ mod tests {
             assert_eq!(c.scheduler.max_num_seqs, 8);
             assert_eq!(c.scheduler.block_size, 32);
             assert_eq!(c.server.host, "0.0.0.0");
+            Ok(())
+        });
+    }
+
+    /// `scheduler.kv_cache_dtype`: file, then environment, then flag; a bad value names the key.
+    #[test]
+    fn kv_cache_dtype_overrides_through_file_env_and_flag() {
+        Jail::expect_with(|jail| {
+            jail.create_file("kv.toml", "[scheduler]\nkv_cache_dtype = \"bf16\"\n")?;
+            let path = Path::new("kv.toml");
+            assert_eq!(
+                ServeConfig::load(None, no_flags())
+                    .unwrap()
+                    .scheduler
+                    .kv_cache_dtype,
+                "f32"
+            );
+            let c = ServeConfig::load(Some(path), no_flags()).unwrap();
+            assert_eq!(c.scheduler.kv_cache_dtype, "bf16");
+            jail.set_env("PDSERVE_SCHEDULER__KV_CACHE_DTYPE", "f16");
+            let c = ServeConfig::load(Some(path), no_flags()).unwrap();
+            assert_eq!(c.scheduler.kv_cache_dtype, "f16");
+            let flags = ServeFlags {
+                kv_cache_dtype: Some("f32".into()),
+                ..Default::default()
+            };
+            assert_eq!(
+                ServeConfig::load(Some(path), &flags)
+                    .unwrap()
+                    .scheduler
+                    .kv_cache_dtype,
+                "f32"
+            );
+            let bad = ServeFlags {
+                kv_cache_dtype: Some("fp8".into()),
+                ..Default::default()
+            };
+            let msg = ServeConfig::load(Some(path), &bad).unwrap_err().to_string();
+            assert!(
+                msg.contains("scheduler.kv_cache_dtype") && msg.contains("fp8"),
+                "{msg}"
+            );
             Ok(())
         });
     }

@@ -184,6 +184,7 @@ mod tests {
             num_blocks: 16,
             block_size: 4,
             format: WeightFormat::F32,
+            kv_dtype: crate::kv::KvDtype::F32,
         };
         let a = TpGroup::new(&spec.config, &store, &opts, &AnonAllocator).unwrap();
         let b = TpGroup::new(&spec.config, &store, &opts, &AnonAllocator).unwrap();

@@ -134,6 +134,12 @@ impl DeviceKvCache {
                 "a KV cache needs at least one block".into(),
             ));
         }
+        if layout.dtype != crate::kv::KvDtype::F32 {
+            return Err(DeviceError::Unsupported(format!(
+                "the CUDA backend keeps its KV cache in f32, not {}",
+                layout.dtype.as_str()
+            )));
+        }
         gpu.context().bind_to_thread().map_err(rt("bind context"))?;
         let mut regions = Vec::with_capacity(layout.num_layers);
         for _ in 0..layout.num_layers {

@@ -191,6 +191,7 @@ pub fn run(model: &LoadedModel, opts: &VerifyOptions) -> Result<VerifyReport> {
         num_blocks: (2 * per_seq).max(bench_blocks),
         block_size: bs,
         format: opts.cpu_format,
+        kv_dtype: crate::kv::KvDtype::F32,
     };
     let table: Vec<u32> = (0..per_seq as u32).collect();
     let other: Vec<u32> = (per_seq as u32..2 * per_seq as u32).collect();

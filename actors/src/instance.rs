@@ -101,7 +101,7 @@ impl InstanceOptions {
     /// Options from a loaded [`ServeConfig`].
     ///
     /// # Errors
-    /// [`StartError::Config`] when the host/port, weight format, transfer settings or
+    /// [`StartError::Config`] when the host/port, transfer settings or
     /// control-plane credentials in the config do not parse.
     pub fn from_config(cfg: &ServeConfig, model: LoadedModel) -> Result<Self, StartError> {
         let bind: SocketAddr = format!("{}:{}", cfg.server.host, cfg.server.port)
@@ -112,11 +112,7 @@ impl InstanceOptions {
             model,
             served_name: cfg.model.name.clone(),
             tp: cfg.model.tp,
-            weights: cfg
-                .model
-                .weights
-                .parse()
-                .map_err(|e| StartError::config("model.weights", e))?,
+            weights: cfg.model.weights,
             max_num_seqs: cfg.scheduler.max_num_seqs,
             max_num_batched_tokens: cfg.scheduler.max_num_batched_tokens,
             block_size: cfg.scheduler.block_size,
@@ -139,11 +135,7 @@ impl InstanceOptions {
             alloc: Arc::new(AnonAllocator),
             transfer: transfer_config(cfg)?,
             kv_lease: Duration::from_secs(cfg.transfer.kv_lease_s),
-            transfer_mode: cfg
-                .transfer
-                .mode
-                .parse()
-                .map_err(|e| StartError::config("transfer.mode", e))?,
+            transfer_mode: cfg.transfer.mode,
             min_remote_prompt_tokens: cfg.transfer.min_remote_prompt_tokens,
             kv_timeout: Duration::from_secs(cfg.transfer.timeout_s),
             faults: pdserve_runtime::faults::FaultInjector::new(&cfg.faults),

@@ -8,42 +8,14 @@
 use crate::{ModelError, Result};
 use candle_core::quantized::{gguf_file, GgmlDType, QStorage, QTensor};
 use candle_core::{DType, Device, Tensor};
-use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-/// How matmul weights are stored in memory.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum WeightFormat {
-    /// Sub-8-bit quantized weights are requantized to Q8_0 at load (candle's fast CPU path);
-    /// everything else stays as stored.
-    #[default]
-    Auto,
-    /// Exactly as stored in the file.
-    Native,
-    /// Q8_0 wherever the row length allows it.
-    Q8_0,
-    /// Dequantized to f32.
-    F32,
-}
-
-impl std::str::FromStr for WeightFormat {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s {
-            "auto" => Ok(Self::Auto),
-            "native" => Ok(Self::Native),
-            "q8_0" | "q8" => Ok(Self::Q8_0),
-            "f32" => Ok(Self::F32),
-            other => Err(format!(
-                "unknown weight format `{other}` (auto, native, q8_0, f32)"
-            )),
-        }
-    }
-}
+/// How matmul weights are stored in memory: the config's `model.weights` enum (`auto`,
+/// `native`, `q8_0` (alias `q8`), `f32`).
+pub use pdserve_runtime::config::WeightFormat;
 
 /// Tensor types the CPU backend runs.
 pub fn supported_dtype(dtype: GgmlDType) -> bool {

@@ -50,8 +50,132 @@ pub fn env_var_name(key: &str) -> String {
     format!("{ENV_PREFIX}{}", upper.join(ENV_SEPARATOR))
 }
 
-/// Weight formats accepted by `model.weights`.
-pub const WEIGHT_FORMATS: &[&str] = &["auto", "native", "q8_0", "f32"];
+/// A config value that names none of its key's accepted values.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{key} must be one of {}, got `{value}`", .expected.join(", "))]
+pub struct UnknownValue {
+    /// The dotted key (`transfer.backend`).
+    pub key: &'static str,
+    /// The value given.
+    pub value: String,
+    /// The accepted values.
+    pub expected: &'static [&'static str],
+}
+
+/// A closed set of lowercase names for one config key: the enum, its `as_str`/`ALL`/`NAMES`,
+/// `Display`, `FromStr` (the accepted names, plus any listed alias) and serde (the same
+/// names; a bad one is refused when the config is parsed, with [`UnknownValue`]'s message).
+macro_rules! config_enum {
+    (
+        $(#[$meta:meta])*
+        $vis:vis enum $name:ident for $key:literal {
+            $(
+                $(#[$vmeta:meta])*
+                $variant:ident = $text:literal $(| $alias:literal)*,
+            )+
+        }
+    ) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+        $vis enum $name {
+            $($(#[$vmeta])* $variant,)+
+        }
+
+        impl $name {
+            /// Every value, in a stable order.
+            pub const ALL: [$name; <[&str]>::len(&[$($text),+])] = [$(Self::$variant),+];
+            /// The accepted names, in the order of [`Self::ALL`].
+            pub const NAMES: &'static [&'static str] = &[$($text),+];
+
+            /// The name used in config, flags, logs and metrics.
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $(Self::$variant => $text,)+
+                }
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl std::str::FromStr for $name {
+            type Err = UnknownValue;
+
+            fn from_str(s: &str) -> Result<Self, UnknownValue> {
+                match s {
+                    $($text $(| $alias)* => Ok(Self::$variant),)+
+                    other => Err(UnknownValue {
+                        key: $key,
+                        value: other.to_string(),
+                        expected: Self::NAMES,
+                    }),
+                }
+            }
+        }
+
+        impl Serialize for $name {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.serialize_str(self.as_str())
+            }
+        }
+
+        impl<'de> Deserialize<'de> for $name {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                lenient::string(d)?.parse().map_err(serde::de::Error::custom)
+            }
+        }
+    };
+}
+
+config_enum! {
+    /// `transfer.backend`: which medium moves KV bytes between instances.
+    pub enum TransferBackend for "transfer.backend" {
+        /// Both ends in one process; a transfer is a memcpy.
+        Local = "local",
+        /// Two processes on one host; regions are memfds the peer maps; a transfer is a memcpy.
+        #[default]
+        Shm = "shm",
+        /// Tokio TCP sockets, several parallel connections per peer.
+        Tcp = "tcp",
+        /// QUIC (quinn) streams, mutual TLS from the cluster CA.
+        Quic = "quic",
+        /// One-sided RDMA READ/WRITE (ibverbs, cargo feature `rdma`).
+        Rdma = "rdma",
+    }
+}
+
+config_enum! {
+    /// `transfer.mode`: how KV moves from prefill to decode when the decode instance drives
+    /// the hand-off.
+    pub enum TransferMode for "transfer.mode" {
+        /// vLLM NIXL style: prefill finishes and holds the blocks under a lease; decode reads
+        /// them and releases the lease.
+        #[default]
+        Pull = "pull",
+        /// Mooncake/SGLang style: decode sends its destination blocks with the prompt; prefill
+        /// writes each layer's blocks as soon as that layer is computed.
+        Push = "push",
+    }
+}
+
+config_enum! {
+    /// `model.weights`: the in-memory weight format of the CPU backend.
+    pub enum WeightFormat for "model.weights" {
+        /// Sub-8-bit quantized weights are requantized to Q8_0 at load (candle's fast CPU
+        /// path); everything else stays as stored.
+        #[default]
+        Auto = "auto",
+        /// Exactly as stored in the file.
+        Native = "native",
+        /// Q8_0 wherever the row length allows it (`q8` is accepted as an alias).
+        Q8_0 = "q8_0" | "q8",
+        /// Dequantized to f32.
+        F32 = "f32",
+    }
+}
 
 /// Devices accepted by `model.device` (besides `cuda:N`, a GPU by ordinal).
 pub const DEVICES: &[&str] = &["cpu", "cuda"];
@@ -132,7 +256,7 @@ pub const HEARTBEAT_MS_RANGE: std::ops::RangeInclusive<u64> = 10..=60_000;
 #[serde(default, deny_unknown_fields)]
 pub struct TransferSection {
     /// Transfer backend: `local`, `shm`, `tcp`, `quic` or `rdma`.
-    pub backend: String,
+    pub backend: TransferBackend,
     /// Where the transfer engine listens (`shm` control, `tcp`, `quic`); port 0 picks one.
     pub listen: String,
     /// Seconds a prefill instance keeps a finished request's KV for its decode instance.
@@ -142,8 +266,7 @@ pub struct TransferSection {
     /// How a decode instance asks for a prompt's KV when it drives the hand-off (requests
     /// from pdserve's proxy): `pull` (prefill holds the blocks, decode reads them) or `push`
     /// (decode sends its destination blocks, prefill writes each layer as it is computed).
-    #[serde(deserialize_with = "lenient::string")]
-    pub mode: String,
+    pub mode: TransferMode,
     /// Decode: prompts with fewer tokens than this are prefilled on the decode instance
     /// itself (conditional disaggregation); 0 sends every prompt to a prefill instance.
     pub min_remote_prompt_tokens: usize,
@@ -197,11 +320,11 @@ pub const RDMA_MTUS: &[u32] = &[256, 512, 1024, 2048, 4096];
 impl Default for TransferSection {
     fn default() -> Self {
         Self {
-            backend: "shm".into(),
+            backend: TransferBackend::Shm,
             listen: "127.0.0.1:0".into(),
             kv_lease_s: 30,
             credentials_dir: None,
-            mode: "pull".into(),
+            mode: TransferMode::Pull,
             min_remote_prompt_tokens: 0,
             timeout_s: 30,
             advertise_addr: None,
@@ -350,9 +473,9 @@ pub struct ModelConfig {
     /// The served model name in the API; `None` uses the model's own name.
     #[serde(deserialize_with = "lenient::opt_string")]
     pub name: Option<String>,
-    /// Weight format: one of [`WEIGHT_FORMATS`] (`"auto"` keeps what the file has, within
-    /// what the backend supports; `"native"` forces the file's own format).
-    pub weights: String,
+    /// Weight format: `auto` keeps what the file has, within what the backend supports;
+    /// `native` forces the file's own format; `q8_0`, `f32` (CPU only).
+    pub weights: WeightFormat,
     /// Tensor-parallel degree (number of `TpWorker`s).
     pub tp: usize,
     /// Where the forward pass runs: `cpu`, `cuda` (GPU 0) or `cuda:N` (TP rank `r` on GPU
@@ -369,7 +492,7 @@ impl Default for ModelConfig {
         Self {
             source: DEFAULT_MODEL_SOURCE.into(),
             name: None,
-            weights: "auto".into(),
+            weights: WeightFormat::Auto,
             tp: 1,
             device: "cpu".into(),
             dtype: "auto".into(),
@@ -1192,15 +1315,6 @@ impl ServeConfig {
         if let Some((key, message)) = self.transfer.invalid() {
             return invalid(key, message);
         }
-        if !["local", "shm", "tcp", "quic", "rdma"].contains(&self.transfer.backend.as_str()) {
-            return invalid(
-                "transfer.backend",
-                format!(
-                    "transfer.backend must be one of local, shm, tcp, quic, rdma, got `{}`",
-                    self.transfer.backend
-                ),
-            );
-        }
         if self
             .transfer
             .listen
@@ -1217,15 +1331,6 @@ impl ServeConfig {
         }
         if self.transfer.kv_lease_s == 0 {
             return invalid("transfer.kv_lease_s", "transfer.kv_lease_s must be > 0");
-        }
-        if !matches!(self.transfer.mode.as_str(), "push" | "pull") {
-            return invalid(
-                "transfer.mode",
-                format!(
-                    "transfer.mode must be push or pull, got `{}`",
-                    self.transfer.mode
-                ),
-            );
         }
         let ctl = &self.control;
         if ctl.listen.parse::<std::net::SocketAddr>().is_err() {
@@ -1276,16 +1381,6 @@ impl ServeConfig {
         if m.name.as_deref().is_some_and(|n| n.trim().is_empty()) {
             return invalid("model.name", "model.name must not be empty when set");
         }
-        if !WEIGHT_FORMATS.contains(&m.weights.as_str()) {
-            return invalid(
-                "model.weights",
-                format!(
-                    "model.weights must be one of {}, got {:?}",
-                    WEIGHT_FORMATS.join(", "),
-                    m.weights
-                ),
-            );
-        }
         if m.tp < 1 {
             return invalid("model.tp", "model.tp must be ≥ 1");
         }
@@ -1308,12 +1403,13 @@ impl ServeConfig {
                 ),
             );
         }
-        if m.device != "cpu" && m.weights != "auto" {
+        if m.device != "cpu" && m.weights != WeightFormat::Auto {
             return invalid(
                 "model.weights",
                 format!(
                     "model.weights {:?} is a CPU format; on {} the weight type is model.dtype",
-                    m.weights, m.device
+                    m.weights.as_str(),
+                    m.device
                 ),
             );
         }
@@ -1533,7 +1629,10 @@ mod tests {
         let c = ServeConfig::default();
         c.validate().unwrap();
         assert_eq!(c.model.source, "default");
-        assert_eq!(c.model.weights, "auto");
+        assert_eq!(c.model.weights, WeightFormat::Auto);
+        assert_eq!(c.transfer.backend, TransferBackend::Shm);
+        assert_eq!(c.transfer.mode, TransferMode::Pull);
+        assert!(c.transfer.require_auth);
         assert_eq!(c.model.tp, 1);
         assert_eq!(c.server.host, "127.0.0.1");
         assert_eq!(c.server.port, 8000);
@@ -1877,17 +1976,17 @@ mod tests {
                 ..Default::default()
             };
             let c = ServeConfig::load(None, &flags).unwrap();
-            assert_eq!(c.transfer.mode, "push");
+            assert_eq!(c.transfer.mode, TransferMode::Push);
             assert_eq!(c.transfer.min_remote_prompt_tokens, 64);
             assert_eq!(c.control.listen, "127.0.0.1:7100");
             assert_eq!(c.control.proxy.as_deref(), Some("127.0.0.1:7000"));
-            assert_eq!(c.transfer.backend, "tcp");
+            assert_eq!(c.transfer.backend, TransferBackend::Tcp);
             assert_eq!(c.transfer.listen, "127.0.0.1:7000");
             assert_eq!(c.transfer.credentials_dir.as_deref(), Some("/tmp/creds"));
             assert_eq!(c.model.source, "synthetic:tiny");
             assert_eq!(c.model.name.as_deref(), Some("served"));
             assert_eq!(c.model.tp, 2);
-            assert_eq!(c.model.weights, "f32");
+            assert_eq!(c.model.weights, WeightFormat::F32);
             // The device flags, in a load of their own (f32 is a CPU weight format).
             let cuda = ServeFlags {
                 device: Some("cuda:2".into()),
@@ -2022,6 +2121,99 @@ mod tests {
         });
     }
 
+    /// `transfer.backend`, `transfer.mode` and `model.weights` are enums: a value outside
+    /// their names is refused when the layer is parsed, naming the key, the layer and the
+    /// accepted values.
+    #[test]
+    fn bad_enum_values_are_refused_at_parse_from_file_env_and_flags() {
+        let cases = [
+            ("transfer", "backend", "ucx", "local, shm, tcp, quic, rdma"),
+            ("transfer", "mode", "both", "pull, push"),
+            ("model", "weights", "q4", "auto, native, q8_0, f32"),
+        ];
+        for (section, field, bad, accepted) in cases {
+            let key = format!("{section}.{field}");
+            let expect = |err: ConfigError, layer: &str| {
+                assert_eq!(err.kind(), "config_invalid_value", "{key}: {err}");
+                assert_eq!(err.key(), Some(key.as_str()), "{err}");
+                let msg = err.to_string();
+                assert!(
+                    msg.contains(&format!("{key} must be one of {accepted}, got `{bad}`")),
+                    "{msg}"
+                );
+                assert!(msg.contains(layer), "{layer}: {msg}");
+            };
+            Jail::expect_with(|jail| {
+                jail.create_file("pd.toml", &format!("[{section}]\n{field} = \"{bad}\"\n"))?;
+                let err = ServeConfig::load(Some(Path::new("pd.toml")), no_flags()).unwrap_err();
+                expect(err, "pd.toml");
+
+                jail.set_env(env_var_name(&key), bad);
+                let err = ServeConfig::load(None, no_flags()).unwrap_err();
+                expect(err, &env_var_name(&key));
+                jail.clear_env();
+
+                let flags = serde_json::json!({ section: { field: bad } });
+                let err = ServeConfig::load(None, flags).unwrap_err();
+                expect(err, "command-line flags");
+                Ok(())
+            });
+        }
+    }
+
+    #[test]
+    fn enum_names_round_trip_and_every_spelling_in_use_still_parses() {
+        fn round_trip<T>(all: &[T], names: &[&str])
+        where
+            T: Copy + PartialEq + fmt::Debug + fmt::Display + std::str::FromStr + Serialize,
+            T: serde::de::DeserializeOwned,
+            T::Err: fmt::Debug,
+        {
+            assert_eq!(all.len(), names.len());
+            for (v, name) in all.iter().zip(names) {
+                assert_eq!(v.to_string(), *name);
+                assert_eq!(name.parse::<T>().unwrap(), *v);
+                let json = serde_json::to_string(v).unwrap();
+                assert_eq!(json, format!("\"{name}\""));
+                assert_eq!(serde_json::from_str::<T>(&json).unwrap(), *v);
+            }
+        }
+        round_trip(
+            &TransferBackend::ALL,
+            &["local", "shm", "tcp", "quic", "rdma"],
+        );
+        round_trip(&TransferMode::ALL, &["pull", "push"]);
+        round_trip(&WeightFormat::ALL, &["auto", "native", "q8_0", "f32"]);
+        // The older alias of `q8_0` (`pdserve run --weights q8`).
+        assert_eq!("q8".parse::<WeightFormat>().unwrap(), WeightFormat::Q8_0);
+        Jail::expect_with(|jail| {
+            jail.create_file(
+                "pd.toml",
+                "[transfer]\nbackend = \"tcp\"\nmode = \"push\"\n[model]\nweights = \"native\"\n",
+            )?;
+            let c = ServeConfig::load(Some(Path::new("pd.toml")), no_flags()).unwrap();
+            assert_eq!(c.transfer.backend, TransferBackend::Tcp);
+            assert_eq!(c.transfer.mode, TransferMode::Push);
+            assert_eq!(c.model.weights, WeightFormat::Native);
+            jail.set_env("PDSERVE_TRANSFER__BACKEND", "quic");
+            jail.set_env("PDSERVE_MODEL__WEIGHTS", "f32");
+            let c = ServeConfig::load(Some(Path::new("pd.toml")), no_flags()).unwrap();
+            assert_eq!(c.transfer.backend, TransferBackend::Quic);
+            assert_eq!(c.model.weights, WeightFormat::F32);
+            let flags = ServeFlags {
+                transfer: Some("rdma".into()),
+                transfer_mode: Some("pull".into()),
+                weights: Some("q8_0".into()),
+                ..ServeFlags::default()
+            };
+            let c = ServeConfig::load(Some(Path::new("pd.toml")), &flags).unwrap();
+            assert_eq!(c.transfer.backend, TransferBackend::Rdma);
+            assert_eq!(c.transfer.mode, TransferMode::Pull);
+            assert_eq!(c.model.weights, WeightFormat::Q8_0);
+            Ok(())
+        });
+    }
+
     #[test]
     fn missing_config_file_is_an_error() {
         Jail::expect_with(|_| {
@@ -2064,13 +2256,12 @@ mod tests {
         let cases: Vec<(&str, Mutation)> = vec![
             ("server.port must be > 0", |c| c.server.port = 0),
             ("model.tp must be ≥ 1", |c| c.model.tp = 0),
-            ("model.weights", |c| c.model.weights = "q4".into()),
             ("model.device", |c| c.model.device = "gpu".into()),
             ("model.device", |c| c.model.device = "cuda:".into()),
             ("model.dtype", |c| c.model.dtype = "f8".into()),
             ("a CPU format", |c| {
                 c.model.device = "cuda".into();
-                c.model.weights = "q8_0".into();
+                c.model.weights = WeightFormat::Q8_0;
             }),
             ("model.source", |c| c.model.source = "synthetic:".into()),
             ("scheduler.block_size", |c| c.scheduler.block_size = 512),
@@ -2159,7 +2350,8 @@ mod tests {
                     "transfer.advertise_addr" => "10.0.0.7",
                     "transfer.io_threads" | "transfer.tcp_connections" => "8",
                     "transfer.piece_bytes" | "transfer.registration_chunk_bytes" => "8192",
-                    "transfer.require_auth" => "true",
+                    // The default is `true`: the variable must change it.
+                    "transfer.require_auth" => "false",
                     "transfer.tcp_integrity" => "mac",
                     "transfer.rdma_devices" => "mlx5_0,mlx5_1",
                     "transfer.rdma_port" => "2",

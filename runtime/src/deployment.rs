@@ -158,7 +158,13 @@ impl Deployment {
         if self.cluster.name.trim().is_empty() {
             return invalid("cluster.name", "cluster.name must not be empty".into());
         }
-        if !["local", "shm", "tcp", "quic", "rdma"].contains(&self.cluster.transport.as_str()) {
+        // The same names as `transfer.backend` and `transfer.mode`, which these become.
+        if self
+            .cluster
+            .transport
+            .parse::<crate::config::TransferBackend>()
+            .is_err()
+        {
             return invalid(
                 "cluster.transport",
                 format!(
@@ -167,7 +173,12 @@ impl Deployment {
                 ),
             );
         }
-        if !matches!(self.cluster.mode.as_str(), "push" | "pull") {
+        if self
+            .cluster
+            .mode
+            .parse::<crate::config::TransferMode>()
+            .is_err()
+        {
             return invalid(
                 "cluster.mode",
                 format!(

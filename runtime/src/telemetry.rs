@@ -62,8 +62,8 @@ pub const LABEL_DIRECTION: &str = "direction";
 pub const LABEL_MODE: &str = "mode";
 /// Histogram (decode): seconds from the prefill instance having the whole prompt computed to
 /// the decode instance's first decode step of the request — what disaggregation adds to the
-/// time to the second token (same-host clocks; across hosts it includes their clock skew),
-/// labelled [`LABEL_MODE`].
+/// time to the second token (same-host clocks; across hosts it includes their clock skew).
+/// No labels.
 pub const KV_HANDOFF_GAP_SECONDS: &str = "pdserve_kv_handoff_gap_seconds";
 /// Counter: per-rank hand-off reports the Aggregator dropped, labelled [`LABEL_REASON`]
 /// (`stale_epoch`: from an older epoch of its rank or another attempt; `duplicate`).
@@ -254,6 +254,15 @@ fn describe_and_register() {
         Unit::Seconds,
         "Duration of one KV hand-off, by mode (push, pull)."
     );
+    describe_histogram!(
+        KV_HANDOFF_GAP_SECONDS,
+        Unit::Seconds,
+        "Decode: prompt computed at the prefill instance to the request's first decode step here."
+    );
+    describe_counter!(
+        KV_REPORTS_DROPPED_TOTAL,
+        "Per-rank hand-off reports the Aggregator dropped, by reason (stale_epoch, duplicate)."
+    );
     describe_counter!(
         LOCAL_PREFILLS_TOTAL,
         "Requests prefilled on the decode instance itself (conditional disaggregation), by reason."
@@ -279,6 +288,7 @@ fn describe_and_register() {
     describe_gauge!(PROXY_INSTANCES, "Proxy: live instances by role.");
     for name in [
         KV_TRANSFER_SECONDS,
+        KV_HANDOFF_GAP_SECONDS,
         TIME_TO_FIRST_TOKEN_SECONDS,
         TIME_PER_OUTPUT_TOKEN_SECONDS,
         INTER_TOKEN_LATENCY_SECONDS,

@@ -22,7 +22,9 @@ use std::time::{Duration, Instant};
 
 use crate::auth::{Access, RegionGrant, SessionCredentials, SessionGrant, SessionKey};
 use crate::control::tls::{init_cluster, issue_member, MemberCredentials};
-use crate::engine::{BackendKind, TcpIntegrity, TransferConfig, TransferEngine, TransferOp};
+use crate::engine::{
+    BackendAvailability, BackendKind, TcpIntegrity, TransferConfig, TransferEngine, TransferOp,
+};
 use crate::error::{Result, TransportError};
 use crate::peer::{
     key_to_hex, PeerProcess, ENV_GRANT_PEER, ENV_SESSION_KEY, ENV_TCP_INTEGRITY, PEER_NODE,

@@ -36,64 +36,23 @@ use crate::memory::{
 
 pub(crate) type BoxFut<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
 
-/// Which medium moves the bytes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum BackendKind {
-    /// Both ends in one process; a transfer is a memcpy.
-    Local,
-    /// Two processes on one host; regions are memfds the peer maps; a transfer is a memcpy.
-    Shm,
-    /// Tokio TCP sockets, several parallel connections per peer.
-    Tcp,
-    /// QUIC (quinn) streams, mutual TLS from the cluster CA.
-    Quic,
-    /// One-sided RDMA READ/WRITE (ibverbs, cargo feature `rdma`).
-    Rdma,
+/// Which medium moves the bytes: the config's `transfer.backend` enum (one type from the
+/// config file to the engine; `FromStr`/serde accept `local`, `shm`, `tcp`, `quic`, `rdma`).
+pub use pdserve_runtime::config::TransferBackend as BackendKind;
+
+/// Whether this build and this machine can run a backend.
+pub trait BackendAvailability {
+    /// Whether this build and this machine can run the backend (`rdma` needs the feature and
+    /// a device listed by ibverbs).
+    fn is_available(&self) -> bool;
 }
 
-impl BackendKind {
-    /// Every backend, in a stable order.
-    pub const ALL: [BackendKind; 5] = [Self::Local, Self::Shm, Self::Tcp, Self::Quic, Self::Rdma];
-
-    /// The backend's config name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Local => "local",
-            Self::Shm => "shm",
-            Self::Tcp => "tcp",
-            Self::Quic => "quic",
-            Self::Rdma => "rdma",
-        }
-    }
-
-    /// Whether this build and this machine can run the backend (`rdma` needs the feature and a
-    /// device listed by ibverbs).
-    pub fn is_available(self) -> bool {
+impl BackendAvailability for BackendKind {
+    fn is_available(&self) -> bool {
         match self {
             Self::Rdma => crate::backend::rdma::device_available(),
             _ => true,
         }
-    }
-}
-
-impl std::fmt::Display for BackendKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl std::str::FromStr for BackendKind {
-    type Err = TransportError;
-    fn from_str(s: &str) -> Result<Self> {
-        Self::ALL
-            .into_iter()
-            .find(|b| b.as_str() == s)
-            .ok_or_else(|| {
-                TransportError::Config(format!(
-                    "unknown backend {s:?} (local, shm, tcp, quic, rdma)"
-                ))
-            })
     }
 }
 
@@ -303,8 +262,7 @@ impl TransferConfig {
         let key_err = |key: &str, e: &dyn std::fmt::Display| {
             TransportError::Config(format!("transfer.{key}: {e}"))
         };
-        let backend: BackendKind = t.backend.parse().map_err(|e| key_err("backend", &e))?;
-        let mut c = Self::new(backend, cfg.instance.name.clone());
+        let mut c = Self::new(t.backend, cfg.instance.name.clone());
         c.listen = t.listen.parse().map_err(|e| key_err("listen", &e))?;
         c.advertise_addr = t.advertise_addr.clone();
         c.io_threads = t.io_threads;

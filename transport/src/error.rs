@@ -173,6 +173,12 @@ impl TransportError {
     }
 }
 
+impl From<pdserve_runtime::config::UnknownValue> for TransportError {
+    fn from(e: pdserve_runtime::config::UnknownValue) -> Self {
+        Self::Config(e.to_string())
+    }
+}
+
 impl From<std::io::Error> for TransportError {
     fn from(e: std::io::Error) -> Self {
         Self::Io(Arc::new(e))

@@ -28,8 +28,8 @@ pub use auth::{
     SessionKey,
 };
 pub use engine::{
-    coalesce, BackendKind, BatchHandle, BatchStatus, Notification, OpKind, RdmaConfig, Session,
-    TcpIntegrity, TransferConfig, TransferEngine, TransferOp,
+    coalesce, BackendAvailability, BackendKind, BatchHandle, BatchStatus, Notification, OpKind,
+    RdmaConfig, Session, TcpIntegrity, TransferConfig, TransferEngine, TransferOp,
 };
 pub use error::{Result, Side, TransportError};
 pub use memory::{RegionId, RegisteredRegion, ShmAllocator, ShmMemory};

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use common::{engine_config, wait_until, Cluster, Peer, STEP};
 use pdserve_transport::peer::{fill_pattern, fnv1a};
 use pdserve_transport::{
-    BackendKind, BatchStatus, OpKind, RegisteredRegion, Side, TransferEngine, TransferOp,
-    TransportError,
+    BackendAvailability, BackendKind, BatchStatus, OpKind, RegisteredRegion, Side, TransferEngine,
+    TransferOp, TransportError,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};

@@ -98,40 +98,9 @@ impl HostMemoryAllocator for RankAllocator {
     }
 }
 
-/// How KV moves from prefill to decode when the decode instance drives the hand-off.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum TransferMode {
-    /// vLLM NIXL style: prefill finishes and holds the blocks under a lease; decode reads
-    /// them and releases the lease.
-    #[default]
-    Pull,
-    /// Mooncake/SGLang style: decode sends its destination blocks with the prompt; prefill
-    /// writes each layer's blocks as soon as that layer is computed.
-    Push,
-}
-
-impl std::str::FromStr for TransferMode {
-    type Err = HandoffError;
-    fn from_str(s: &str) -> Result<Self, HandoffError> {
-        match s {
-            "pull" => Ok(Self::Pull),
-            "push" => Ok(Self::Push),
-            other => Err(HandoffError::NotSupported(format!(
-                "unknown transfer mode `{other}` (expected push or pull)"
-            ))),
-        }
-    }
-}
-
-impl TransferMode {
-    /// `push` or `pull`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Pull => "pull",
-            Self::Push => "push",
-        }
-    }
-}
+/// How KV moves from prefill to decode when the decode instance drives the hand-off: the
+/// config's `transfer.mode` enum (`pull` or `push`).
+pub use pdserve_runtime::config::TransferMode;
 
 /// Hand-off figures of one instance (for `inspect` and metrics).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]

@@ -27,7 +27,7 @@ use pdserve_gpu::kv::KvDtype;
 use pdserve_gpu::loader::LoadedModel;
 use pdserve_gpu::tp::TpOptions;
 use pdserve_gpu::weights::WeightFormat;
-use pdserve_runtime::config::ServeConfig;
+use pdserve_runtime::config::{KvCacheDtype, ServeConfig};
 use pdserve_runtime::memory::{AnonAllocator, HostMemoryAllocator};
 use pdserve_runtime::supervision::{ActorSnapshot, RestartPolicy};
 use std::net::SocketAddr;
@@ -118,11 +118,11 @@ impl InstanceOptions {
             block_size: cfg.scheduler.block_size,
             num_blocks: cfg.scheduler.num_blocks,
             kv_cache_bytes: cfg.scheduler.kv_cache_bytes as usize,
-            kv_dtype: cfg
-                .scheduler
-                .kv_cache_dtype
-                .parse()
-                .map_err(|e| StartError::config("scheduler.kv_cache_dtype", e))?,
+            kv_dtype: match cfg.scheduler.kv_cache_dtype {
+                KvCacheDtype::F32 => KvDtype::F32,
+                KvCacheDtype::F16 => KvDtype::F16,
+                KvCacheDtype::Bf16 => KvDtype::Bf16,
+            },
             watermark: cfg.scheduler.watermark,
             max_model_len: cfg.scheduler.max_model_len,
             bind: Some(bind),
@@ -333,7 +333,8 @@ impl Instance {
                 let scheduler = SchedulerHandle::new(scheduler, call_timeout);
                 let admission = Arc::new(tokio::sync::Semaphore::new(max_concurrent));
                 let peer = kv.as_ref().map(|kv| {
-                    Arc::new(PeerService::new(
+                    let sweep = (kv.settings.lease / 8).max(Duration::from_millis(10));
+                    let service = Arc::new(PeerService::new(
                         kv.clone(),
                         scheduler.clone(),
                         kv_sender,
@@ -342,7 +343,9 @@ impl Instance {
                             vocab_size,
                             max_model_len,
                         },
-                    ))
+                    ));
+                    service.expire_reads_every(sweep);
+                    service
                 });
                 Arc::new(AppState {
                     scheduler,
@@ -570,6 +573,7 @@ impl Instance {
                 kv.figures().transfers_in_flight
             };
             // Hand-offs end by their own bounds; after the drain bound they are cancelled.
+            kv.background.cancel();
             kv.tasks.close();
             if tokio::time::timeout_at(deadline, kv.tasks.wait())
                 .await

@@ -177,6 +177,20 @@ config_enum! {
     }
 }
 
+config_enum! {
+    /// `scheduler.kv_cache_dtype`: the element type of the KV cache (part of the layout both
+    /// sides of a hand-off must share).
+    pub enum KvCacheDtype for "scheduler.kv_cache_dtype" {
+        /// 32-bit floats: what attention computes with.
+        #[default]
+        F32 = "f32",
+        /// IEEE half precision: half the memory and half the hand-off bytes.
+        F16 = "f16",
+        /// bfloat16: as f16, with f32's range and 8 mantissa bits.
+        Bf16 = "bf16",
+    }
+}
+
 /// Devices accepted by `model.device` (besides `cuda:N`, a GPU by ordinal).
 pub const DEVICES: &[&str] = &["cpu", "cuda"];
 
@@ -554,8 +568,7 @@ pub struct SchedulerConfig {
     pub kv_cache_bytes: u64,
     /// Element type of the KV cache: `f32`, `f16` or `bf16` (half the memory and half the
     /// bytes each P/D hand-off moves). Both sides of a hand-off must agree.
-    #[serde(deserialize_with = "lenient::string")]
-    pub kv_cache_dtype: String,
+    pub kv_cache_dtype: KvCacheDtype,
     /// Fraction of blocks kept free for running sequences when admitting new ones,
     /// in `[0, 0.5)`.
     pub watermark: f64,
@@ -571,7 +584,7 @@ impl Default for SchedulerConfig {
             block_size: 16,
             num_blocks: None,
             kv_cache_bytes: 512 << 20,
-            kv_cache_dtype: "f32".into(),
+            kv_cache_dtype: KvCacheDtype::F32,
             watermark: 0.01,
             max_model_len: None,
         }
@@ -1499,15 +1512,6 @@ impl ServeConfig {
             }
             None => {}
         }
-        if !["f32", "f16", "bf16"].contains(&c.kv_cache_dtype.as_str()) {
-            return invalid(
-                "scheduler.kv_cache_dtype",
-                format!(
-                    "scheduler.kv_cache_dtype must be one of f32, f16, bf16, got {:?}",
-                    c.kv_cache_dtype
-                ),
-            );
-        }
         if !(c.watermark.is_finite() && (0.0..0.5).contains(&c.watermark)) {
             return invalid(
                 "scheduler.watermark",
@@ -1719,13 +1723,13 @@ mod tests {
                     .unwrap()
                     .scheduler
                     .kv_cache_dtype,
-                "f32"
+                KvCacheDtype::F32
             );
             let c = ServeConfig::load(Some(path), no_flags()).unwrap();
-            assert_eq!(c.scheduler.kv_cache_dtype, "bf16");
+            assert_eq!(c.scheduler.kv_cache_dtype, KvCacheDtype::Bf16);
             jail.set_env("PDSERVE_SCHEDULER__KV_CACHE_DTYPE", "f16");
             let c = ServeConfig::load(Some(path), no_flags()).unwrap();
-            assert_eq!(c.scheduler.kv_cache_dtype, "f16");
+            assert_eq!(c.scheduler.kv_cache_dtype, KvCacheDtype::F16);
             let flags = ServeFlags {
                 kv_cache_dtype: Some("f32".into()),
                 ..Default::default()
@@ -1735,7 +1739,7 @@ mod tests {
                     .unwrap()
                     .scheduler
                     .kv_cache_dtype,
-                "f32"
+                KvCacheDtype::F32
             );
             let bad = ServeFlags {
                 kv_cache_dtype: Some("fp8".into()),

@@ -165,6 +165,9 @@ pub struct KvContext {
     pub tasks: TaskTracker,
     /// Cancelled when the instance stops: tasks that wait on their own (lease renewals) end.
     pub shutdown: CancellationToken,
+    /// Cancelled when the instance starts to stop: ends the timers of [`KvContext::tasks`]
+    /// (e.g. the sweep of expired read scopes), so draining waits only for hand-offs.
+    pub background: CancellationToken,
     handoffs: dashmap::DashMap<RequestId, CancellationToken>,
     orphan_writes_until: Mutex<Option<Instant>>,
     in_flight: AtomicU64,
@@ -181,7 +184,9 @@ impl KvContext {
         peers: Arc<Peers>,
         epochs: Arc<Epochs>,
     ) -> Self {
+        let shutdown = CancellationToken::new();
         Self {
+            background: shutdown.child_token(),
             grants: Grants::new(registry.engine().clone()),
             settings,
             registry,
@@ -189,7 +194,7 @@ impl KvContext {
             epochs,
             dropped: Arc::new(DroppedReports::default()),
             tasks: TaskTracker::new(),
-            shutdown: CancellationToken::new(),
+            shutdown,
             handoffs: dashmap::DashMap::new(),
             orphan_writes_until: Mutex::new(None),
             in_flight: AtomicU64::new(0),

@@ -228,6 +228,33 @@ impl<H: PrefillHost> PeerService<H> {
         }
     }
 
+    /// Fences the read scopes whose lease ended every `interval` (an eighth of the lease is
+    /// what the instance uses: a scope's deadline is 7/8 of the lease after its last renewal,
+    /// so it is fenced before the Scheduler frees and reuses its blocks), until the instance
+    /// starts to stop or the service is dropped.
+    pub fn expire_reads_every(self: &Arc<Self>, interval: Duration) {
+        let service = Arc::downgrade(self);
+        let stop = self.kv.background.clone();
+        self.kv.tasks.spawn(async move {
+            loop {
+                tokio::select! {
+                    () = tokio::time::sleep(interval) => {}
+                    () = stop.cancelled() => return,
+                }
+                match service.upgrade() {
+                    Some(s) => s.expire_reads(Instant::now()),
+                    None => return,
+                }
+            }
+        });
+    }
+
+    /// How long a read scope stays open after its opening or last renewal: 7/8 of the lease
+    /// (the Scheduler frees the blocks at the full lease).
+    fn read_deadline(&self) -> Instant {
+        Instant::now() + self.kv.settings.lease * 7 / 8
+    }
+
     /// The hand-off context.
     pub fn kv(&self) -> &Arc<KvContext> {
         &self.kv
@@ -273,7 +300,7 @@ impl<H: PrefillHost> PeerService<H> {
 
     async fn renew(&self, ids: Vec<TransferId>) -> Result<PeerAnswer, HandoffError> {
         let unknown = self.host.renew(ids.clone()).await?;
-        let until = Instant::now() + self.kv.settings.lease;
+        let until = self.read_deadline();
         let mut reads = self.reads.lock().unwrap_or_else(|e| e.into_inner());
         for t in &ids {
             if unknown.contains(t) {
@@ -333,7 +360,7 @@ impl<H: PrefillHost> PeerService<H> {
             let scope = grant.scope(self.kv.security(), transfer, &ranges)?;
             e.insert(HeldRead {
                 _scope: scope,
-                until: Instant::now() + self.kv.settings.lease,
+                until: self.read_deadline(),
             });
         }
         Ok(())

@@ -2362,6 +2362,7 @@ mod tests {
                     "transfer.rdma_send_queue_depth" => "256",
                     "transfer.listen" | "control.listen" | "control.proxy" => "127.0.0.1:9999",
                     "model.weights" => "q8_0",
+                    "scheduler.kv_cache_dtype" => "f16",
                     "model.device" => "cuda:1",
                     "model.dtype" => "bf16",
                     "instance.role" => "prefill",

@@ -158,7 +158,9 @@ impl<M: ractor::Message> Mailbox<M> {
     }
 
     /// Restarts the slot: spawns a new incarnation (same panic hook, fresh count: the old
-    /// queue died with the old actor) and points this mailbox, every clone of it, at it.
+    /// queue died with the old actor) and points this mailbox, every clone of it, at it. The
+    /// dead incarnation's registered name is released asynchronously: the new one waits for
+    /// it (up to a second; after that the spawn reports the name as taken).
     ///
     /// # Errors
     /// As [`Actor::spawn_linked`]; the mailbox keeps pointing at the old (dead) actor.
@@ -169,6 +171,12 @@ impl<M: ractor::Message> Mailbox<M> {
         args: A::Arguments,
         supervisor: ActorCell,
     ) -> Result<JoinHandle<()>, SpawnErr> {
+        for _ in 0..100 {
+            if ractor::registry::where_is(name.clone()).is_none() {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
         let inbox = Inbox {
             queued: Arc::default(),
             hook: self.current().1.hook,
@@ -354,9 +362,6 @@ mod tests {
             st: &mut Self::State,
         ) -> Result<(), ActorProcessingErr> {
             if let (ractor::SupervisionEvent::ActorFailed(..), Some(m)) = (evt, st) {
-                while ractor::registry::where_is::<&str>("mailbox-test-gate").is_some() {
-                    tokio::time::sleep(Duration::from_millis(2)).await;
-                }
                 m.respawn_linked(
                     "mailbox-test-gate".into(),
                     Gate,

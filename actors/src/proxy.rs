@@ -371,12 +371,6 @@ impl Actor for ProxySupervisor {
             .last_error = Some(reason.clone());
         match st.tracker.on_failure(Instant::now()) {
             RestartDecision::Restart { attempt } => {
-                for _ in 0..100 {
-                    if ractor::registry::where_is(st.name.clone()).is_none() {
-                        break;
-                    }
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                }
                 let f = st.figures.clone();
                 st.proxy
                     .respawn_linked(

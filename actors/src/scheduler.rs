@@ -20,7 +20,7 @@ pub use self::handle::{RequestStream, SchedulerHandle};
 
 use crate::error::RequestError;
 use crate::handoff::protocol::unix_now_us;
-use crate::handoff::push::PushChunk;
+use crate::handoff::push::{PushChunk, PushEvent};
 use crate::handoff::receiver::{Fetch, FetchOutcome, FetchReply, KvReceiverMsg, KvSource};
 use crate::handoff::sender::KvSenderMsg;
 use crate::handoff::HandoffError;
@@ -500,7 +500,7 @@ impl SchedulerState {
     fn step_failed(&self, step_id: u64, pushes: bool) {
         if pushes {
             if let Some(sender) = &self.kv_sender {
-                let _ = sender.cast(KvSenderMsg::StepFailed(step_id));
+                let _ = sender.cast(KvSenderMsg::Event(PushEvent::StepFailed(step_id)));
             }
         }
     }
@@ -641,19 +641,19 @@ impl SchedulerState {
             .collect();
         let step_id = plan.step_id;
         sender
-            .cast(KvSenderMsg::Step {
+            .cast(KvSenderMsg::Event(PushEvent::Step {
                 step_id,
                 epochs: epochs.clone(),
                 chunks,
-            })
+            }))
             .ok()?;
         Some(Arc::new(move |rank, layer| {
-            let _ = sender.cast(KvSenderMsg::LayerDone {
+            let _ = sender.cast(KvSenderMsg::Event(PushEvent::LayerDone {
                 step_id,
                 rank,
                 epoch: epochs.get(rank).copied().unwrap_or(0),
                 layer,
-            });
+            }));
         }))
     }
 

@@ -218,13 +218,6 @@ impl SupervisorState {
         myself: &ActorRef<SupervisorMsg>,
     ) -> Result<(), ActorProcessingErr> {
         let name = self.children[i].name.clone();
-        // The dead actor's registered name is released asynchronously.
-        for _ in 0..100 {
-            if ractor::registry::where_is(name.clone()).is_none() {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
         let sup = myself.get_cell();
         let agg = || self.aggregator.clone().ok_or("no aggregator");
         let kv = || self.kv.clone().ok_or("no KV context");

@@ -62,17 +62,80 @@ const RANK_QUEUE: usize = 4;
 /// One tensor-parallel rank: a named OS thread (`pdserve-tp{rank}`) that owns the rank's model
 /// shard and KV cache and runs the jobs it is sent, reporting through callbacks.
 pub struct RankExecutor {
-    rank: usize,
-    jobs: Option<SyncSender<Job>>,
-    thread: Option<JoinHandle<()>>,
+    thread: RankThread<Job>,
     layout: KvLayout,
+}
+
+/// A rank's job queue and thread, as every backend's rank executor drives it: bounded sends
+/// that fail instead of waiting, the group's collective to poison and reset, and a drop that
+/// closes the queue without joining the thread.
+pub(crate) struct RankThread<J> {
+    rank: usize,
+    jobs: Option<SyncSender<J>>,
+    thread: Option<JoinHandle<()>>,
     comm: ThreadCollective,
+}
+
+impl<J> RankThread<J> {
+    /// Rank `comm.rank()`'s queue `jobs`, served by `thread`.
+    pub(crate) fn new(jobs: SyncSender<J>, thread: JoinHandle<()>, comm: ThreadCollective) -> Self {
+        Self {
+            rank: comm.rank(),
+            jobs: Some(jobs),
+            thread: Some(thread),
+            comm,
+        }
+    }
+
+    /// The rank's index.
+    pub(crate) fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Fails every collective the group is waiting in (a peer rank died).
+    pub(crate) fn poison(&self, reason: &str) {
+        self.comm.poison(reason);
+    }
+
+    /// Clears a poisoned collective once no rank is inside a step.
+    pub(crate) fn reset(&self) {
+        self.comm.reset();
+    }
+
+    /// The rank's failure, for `reason`.
+    pub(crate) fn gone(&self, reason: &str) -> ModelError {
+        ModelError::RankFailed {
+            rank: self.rank,
+            reason: reason.into(),
+        }
+    }
+
+    /// Queues `job`; a full queue or a gone thread is an error, never a wait.
+    pub(crate) fn send(&self, job: J) -> Result<()> {
+        let tx = self
+            .jobs
+            .as_ref()
+            .ok_or_else(|| self.gone("rank is shutting down"))?;
+        tx.try_send(job).map_err(|e| match e {
+            std::sync::mpsc::TrySendError::Full(_) => self.gone("rank queue is full"),
+            std::sync::mpsc::TrySendError::Disconnected(_) => self.gone("rank thread is gone"),
+        })
+    }
+}
+
+impl<J> Drop for RankThread<J> {
+    fn drop(&mut self) {
+        // Closing the channel ends the loop once the job in hand is done. The thread is not
+        // joined: a dying owner (an actor on an async thread) must not wait on compute.
+        self.jobs = None;
+        drop(self.thread.take());
+    }
 }
 
 impl std::fmt::Debug for RankExecutor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RankExecutor")
-            .field("rank", &self.rank)
+            .field("rank", &self.thread.rank())
             .field("layout", &self.layout)
             .finish()
     }
@@ -108,17 +171,14 @@ impl RankExecutor {
             .name(format!("pdserve-tp{rank}"))
             .spawn(move || rank_loop(shard, kv, rank_comm, rx))?;
         Ok(Self {
-            rank,
-            jobs: Some(tx),
-            thread: Some(thread),
+            thread: RankThread::new(tx, thread, comm),
             layout,
-            comm,
         })
     }
 
     /// This rank's index.
     pub fn rank(&self) -> usize {
-        self.rank
+        self.thread.rank()
     }
 
     /// This rank's KV layout.
@@ -137,7 +197,7 @@ impl RankExecutor {
         hook: Option<LayerHook>,
         done: StepCallback,
     ) -> Result<()> {
-        self.send(Job::Forward { batch, hook, done })
+        self.thread.send(Job::Forward { batch, hook, done })
     }
 
     /// Runs `f` on this rank's KV cache, on the rank thread, between steps, and waits for it.
@@ -152,45 +212,19 @@ impl RankExecutor {
         let job: KvJob = Box::new(move |kv| {
             let _ = tx.send(f(kv));
         });
-        self.send(Job::WithKv { job })?;
-        rx.recv().map_err(|_| self.gone("rank thread is gone"))
+        self.thread.send(Job::WithKv { job })?;
+        rx.recv()
+            .map_err(|_| self.thread.gone("rank thread is gone"))
     }
 
     /// Fails every collective this group is waiting in (a peer rank died).
     pub fn poison(&self, reason: &str) {
-        self.comm.poison(reason);
+        self.thread.poison(reason);
     }
 
     /// Clears a poisoned collective once no rank is inside a step.
     pub fn reset(&self) {
-        self.comm.reset();
-    }
-
-    fn gone(&self, reason: &str) -> ModelError {
-        ModelError::RankFailed {
-            rank: self.rank,
-            reason: reason.into(),
-        }
-    }
-
-    fn send(&self, job: Job) -> Result<()> {
-        let tx = self
-            .jobs
-            .as_ref()
-            .ok_or_else(|| self.gone("rank is shutting down"))?;
-        tx.try_send(job).map_err(|e| match e {
-            std::sync::mpsc::TrySendError::Full(_) => self.gone("rank queue is full"),
-            std::sync::mpsc::TrySendError::Disconnected(_) => self.gone("rank thread is gone"),
-        })
-    }
-}
-
-impl Drop for RankExecutor {
-    fn drop(&mut self) {
-        // Closing the channel ends the loop once the job in hand is done. The thread is not
-        // joined: a dying owner (an actor on an async thread) must not wait on compute.
-        self.jobs = None;
-        drop(self.thread.take());
+        self.thread.reset();
     }
 }
 

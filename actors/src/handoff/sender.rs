@@ -5,12 +5,12 @@
 //! [`PeerService`](super::service::PeerService) validates the decode side's layout against
 //! ours (the handshake), opens a transfer session and registers the hand-off here
 //! ([`KvSenderMsg::Open`]). The Scheduler then tells us, before each forward step, which
-//! chunks of which pushed requests the step computes ([`KvSenderMsg::Step`]), and every TP
+//! chunks of which pushed requests the step computes ([`PushEvent::Step`]), and every TP
 //! rank's layer hook reports each layer as soon as its K/V are in the rank's cache
-//! ([`KvSenderMsg::LayerDone`]). The decisions — which blocks of which rank go where, when a
+//! ([`PushEvent::LayerDone`]). The decisions — which blocks of which rank go where, when a
 //! rank's share is done, when a failed hand-off may close — are the [`PushTracker`]'s; this
 //! actor performs them: writes run on the transport's executor (one tracked task per batch,
-//! answering [`KvSenderMsg::WriteDone`]), reports go to the Aggregator, outcomes to the
+//! answering [`PushEvent::WriteDone`]), reports go to the Aggregator, outcomes to the
 //! service. The mailbox never waits.
 //!
 //! Supervised by the `InstanceSupervisor`, which restarts it (and moves every rank's
@@ -21,7 +21,7 @@
 use super::aggregator::{AggregatorMsg, HandoffOutcome, Tag};
 use super::context::KvContext;
 use super::protocol::HandoffError;
-use super::push::{PushAction, PushChunk, PushEvent, PushShape, PushTarget, PushTracker};
+use super::push::{PushAction, PushEvent, PushShape, PushTarget, PushTracker};
 use super::session::fence_id;
 use crate::mailbox::{Inbox, Mailbox};
 use pdserve_runtime::ids::TransferId;
@@ -44,37 +44,9 @@ pub enum KvSenderMsg {
         /// The outcome.
         done: oneshot::Sender<HandoffOutcome>,
     },
-    /// The Scheduler is about to run a step computing these chunks.
-    Step {
-        /// Step id.
-        step_id: u64,
-        /// Worker epoch of each rank running it.
-        epochs: Vec<u64>,
-        /// The pushed chunks.
-        chunks: Vec<PushChunk>,
-    },
-    /// A rank has layer `layer` of step `step_id` in its cache (from its layer hook).
-    LayerDone {
-        /// Step id.
-        step_id: u64,
-        /// Rank.
-        rank: usize,
-        /// Its worker epoch.
-        epoch: u64,
-        /// Layer.
-        layer: usize,
-    },
-    /// The step failed: its remaining layers will not be reported.
-    StepFailed(u64),
-    /// A write batch finished.
-    WriteDone {
-        /// The hand-off.
-        transfer: TransferId,
-        /// The writing rank.
-        rank: usize,
-        /// Bytes written, or the failure.
-        result: Result<u64, HandoffError>,
-    },
+    /// An event for the tracker as it is: a step about to run (from the Scheduler), a layer
+    /// in a rank's cache (from its layer hook), a failed step, an ended write batch.
+    Event(PushEvent),
     /// Give up on a hand-off (the request failed or was aborted).
     Cancel {
         /// The hand-off.
@@ -191,49 +163,14 @@ impl Actor for KvSender {
                     now,
                 )
             }
-            KvSenderMsg::Step {
-                step_id,
-                epochs,
-                chunks,
-            } => st.tracker.on(
-                PushEvent::Step {
-                    step_id,
-                    epochs,
-                    chunks,
-                },
-                now,
-            ),
-            KvSenderMsg::LayerDone {
-                step_id,
-                rank,
-                epoch,
-                layer,
-            } => st.tracker.on(
-                PushEvent::LayerDone {
-                    step_id,
-                    rank,
-                    epoch,
-                    layer,
-                },
-                now,
-            ),
-            KvSenderMsg::StepFailed(step_id) => st.tracker.on(PushEvent::StepFailed(step_id), now),
-            KvSenderMsg::WriteDone {
-                transfer,
-                rank,
-                result,
-            } => {
-                if let Ok(bytes) = &result {
+            KvSenderMsg::Event(event) => {
+                if let PushEvent::WriteDone {
+                    result: Ok(bytes), ..
+                } = &event
+                {
                     st.kv.sent(*bytes);
                 }
-                st.tracker.on(
-                    PushEvent::WriteDone {
-                        transfer,
-                        rank,
-                        result,
-                    },
-                    now,
-                )
+                st.tracker.on(event, now)
             }
             KvSenderMsg::Cancel {
                 transfer,
@@ -302,11 +239,11 @@ impl SenderState {
                                 Err(e) => Err(HandoffError::transfer(&e)),
                             },
                         };
-                        let _ = me.cast(KvSenderMsg::WriteDone {
+                        let _ = me.cast(KvSenderMsg::Event(PushEvent::WriteDone {
                             transfer,
                             rank,
                             result,
-                        });
+                        }));
                     });
                 }
                 PushAction::Report {

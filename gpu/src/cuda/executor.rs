@@ -23,7 +23,8 @@ use crate::engine::StepGroup;
 use crate::kv::{KvDtype, KvLayout, KvSpan};
 use crate::model::Batch;
 use crate::tp::{
-    panic_message, step_ranks, LayerHook, StepCallback, StepRank, TpOptions, COLLECTIVE_TIMEOUT,
+    panic_message, step_ranks, LayerHook, RankThread, StepCallback, StepRank, TpOptions,
+    COLLECTIVE_TIMEOUT,
 };
 use crate::weights::TensorStore;
 use crate::{ModelError, Result};
@@ -31,7 +32,6 @@ use cudarc::driver::CudaEvent;
 use pdserve_runtime::memory::{HostMemory, HostMemoryAllocator};
 use std::sync::mpsc::{channel, sync_channel, Receiver, Sender, SyncSender};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 
 /// Jobs a rank may have queued beyond the one it runs.
 const RANK_QUEUE: usize = 4;
@@ -87,11 +87,8 @@ enum Fence {
 
 /// One tensor-parallel rank on a GPU.
 pub struct CudaRankExecutor {
-    rank: usize,
-    jobs: Option<SyncSender<Job>>,
-    thread: Option<JoinHandle<()>>,
+    thread: RankThread<Job>,
     layout: KvLayout,
-    comm: ThreadCollective,
     mirror: Vec<Arc<dyn HostMemory>>,
     arch: String,
 }
@@ -99,7 +96,7 @@ pub struct CudaRankExecutor {
 impl std::fmt::Debug for CudaRankExecutor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CudaRankExecutor")
-            .field("rank", &self.rank)
+            .field("rank", &self.thread.rank())
             .field("arch", &self.arch)
             .field("layout", &self.layout)
             .finish()
@@ -164,11 +161,8 @@ impl CudaRankExecutor {
             .name(format!("pdserve-cuda{rank}"))
             .spawn(move || rank_loop(shard, kv, rank_comm, rx, fence_tx))?;
         Ok(Self {
-            rank,
-            jobs: Some(tx),
-            thread: Some(thread),
+            thread: RankThread::new(tx, thread, comm),
             layout,
-            comm,
             mirror: mirror_regions,
             arch,
         })
@@ -176,7 +170,7 @@ impl CudaRankExecutor {
 
     /// This rank's index.
     pub fn rank(&self) -> usize {
-        self.rank
+        self.thread.rank()
     }
 
     /// This rank's KV layout (the CPU backend's, byte for byte).
@@ -202,7 +196,7 @@ impl CudaRankExecutor {
         hook: Option<LayerHook>,
         done: StepCallback,
     ) -> Result<()> {
-        self.send(Job::Forward { batch, hook, done })
+        self.thread.send(Job::Forward { batch, hook, done })
     }
 
     /// Queues the copy of `blocks` (all layers) from the mirror to the device, after a
@@ -212,7 +206,7 @@ impl CudaRankExecutor {
     /// # Errors
     /// [`ModelError::RankFailed`] when the queue is full or the thread is gone.
     pub fn upload_kv(&self, blocks: Vec<u32>, done: UploadCallback) -> Result<()> {
-        self.send(Job::Upload { blocks, done })
+        self.thread.send(Job::Upload { blocks, done })
     }
 
     /// Reads a span of this rank's device KV (between steps; tests and tools).
@@ -221,8 +215,9 @@ impl CudaRankExecutor {
     /// [`ModelError::RankFailed`] when the thread is gone; device errors.
     pub fn read_kv_span(&self, span: KvSpan) -> Result<Vec<u8>> {
         let (tx, rx) = sync_channel(1);
-        self.send(Job::ReadSpan { span, reply: tx })?;
-        rx.recv().map_err(|_| self.gone("rank thread is gone"))?
+        self.thread.send(Job::ReadSpan { span, reply: tx })?;
+        rx.recv()
+            .map_err(|_| self.thread.gone("rank thread is gone"))?
     }
 
     /// CUDA IPC handles of this rank's device KV regions (for a process on the same GPU).
@@ -231,8 +226,9 @@ impl CudaRankExecutor {
     /// [`ModelError::RankFailed`] when the thread is gone; device errors.
     pub fn export_ipc(&self) -> Result<Vec<IpcRegionHandle>> {
         let (tx, rx) = sync_channel(1);
-        self.send(Job::ExportIpc { reply: tx })?;
-        rx.recv().map_err(|_| self.gone("rank thread is gone"))?
+        self.thread.send(Job::ExportIpc { reply: tx })?;
+        rx.recv()
+            .map_err(|_| self.thread.gone("rank thread is gone"))?
     }
 
     /// Copies `pairs` of `(peer block, own block)` from a peer process's device KV on the same
@@ -248,50 +244,24 @@ impl CudaRankExecutor {
         pairs: Vec<(u32, u32)>,
     ) -> Result<()> {
         let (tx, rx) = sync_channel(1);
-        self.send(Job::CopyFromPeer {
+        self.thread.send(Job::CopyFromPeer {
             layout,
             handles,
             pairs,
             reply: tx,
         })?;
-        rx.recv().map_err(|_| self.gone("rank thread is gone"))?
+        rx.recv()
+            .map_err(|_| self.thread.gone("rank thread is gone"))?
     }
 
     /// Fails every collective this group is waiting in (a peer rank died).
     pub fn poison(&self, reason: &str) {
-        self.comm.poison(reason);
+        self.thread.poison(reason);
     }
 
     /// Clears a poisoned collective once no rank is inside a step.
     pub fn reset(&self) {
-        self.comm.reset();
-    }
-
-    fn gone(&self, reason: &str) -> ModelError {
-        ModelError::RankFailed {
-            rank: self.rank,
-            reason: reason.into(),
-        }
-    }
-
-    fn send(&self, job: Job) -> Result<()> {
-        let tx = self
-            .jobs
-            .as_ref()
-            .ok_or_else(|| self.gone("rank is shutting down"))?;
-        tx.try_send(job).map_err(|e| match e {
-            std::sync::mpsc::TrySendError::Full(_) => self.gone("rank queue is full"),
-            std::sync::mpsc::TrySendError::Disconnected(_) => self.gone("rank thread is gone"),
-        })
-    }
-}
-
-impl Drop for CudaRankExecutor {
-    fn drop(&mut self) {
-        // As the CPU executor: closing the queue ends the loop after the job in hand; the
-        // thread is not joined (a dying owner must not wait on the device).
-        self.jobs = None;
-        drop(self.thread.take());
+        self.thread.reset();
     }
 }
 

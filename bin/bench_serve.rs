@@ -1181,8 +1181,8 @@ async fn resolve_model(client: &reqwest::Client, cfg: &BenchConfig) -> Result<St
 /// given) at the start.
 pub async fn run_bench(cfg: &BenchConfig) -> Result<BenchReport> {
     cfg.validate()?;
-    let client = reqwest::Client::builder()
-        .no_proxy() // measure the server, not a proxy from the environment
+    // No proxy from the environment: measure the server.
+    let client = pdserve_actors::http::http_client()
         .connect_timeout(CONNECT_TIMEOUT)
         .build()
         .context("building the HTTP client")?;

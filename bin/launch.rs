@@ -164,8 +164,7 @@ fn spawn(m: &Member) -> Result<Child> {
 }
 
 async fn wait_ready(url: &str, members: &mut [Member]) -> Result<()> {
-    let client = reqwest::Client::builder()
-        .no_proxy()
+    let client = pdserve_actors::http::http_client()
         .timeout(Duration::from_secs(2))
         .build()?;
     let deadline = Instant::now() + READY_TIMEOUT;
@@ -338,6 +337,7 @@ async fn run_in_process(args: LaunchArgs, threads: usize, creds: &LaunchCredenti
         max_prefill_queue: None,
         api_key: args.api_key.clone(),
         call_timeout: Duration::from_secs(5),
+        tls: Default::default(),
     };
     let control = pdserve_actors::proxy::ProxyControlArgs::new(
         MemberCredentials::load(creds.dir(), "proxy")?,

@@ -211,6 +211,8 @@ struct ServeArgs {
     /// `server.api_key`: require `Authorization: Bearer KEY`.
     #[arg(long)]
     api_key: Option<String>,
+    #[command(flatten)]
+    tls: TlsArgs,
     /// `instance.role`: colocated, prefill or decode.
     #[arg(long)]
     role: Option<String>,
@@ -341,6 +343,34 @@ struct ProxyArgs {
     /// `proxy.control_listen`: control-plane listen address (UDP; default 127.0.0.1:0).
     #[arg(long)]
     control_listen: Option<String>,
+    #[command(flatten)]
+    tls: TlsArgs,
+}
+
+impl TlsArgs {
+    /// These flags, each falling back to the deployment file's value.
+    fn or(self, file: pdserve_runtime::deployment::TlsFiles) -> Self {
+        Self {
+            tls_cert: self.tls_cert.or(file.cert),
+            tls_key: self.tls_key.or(file.key),
+            tls_ca: self.tls_ca.or(file.ca),
+        }
+    }
+}
+
+/// HTTPS of the API (`server.tls_*` for `serve`, `proxy.tls_*` for `proxy`).
+#[derive(Args, Debug, Default, Clone)]
+struct TlsArgs {
+    /// `tls_cert`: PEM certificate chain; with `--tls-key` the API serves HTTPS only.
+    #[arg(long)]
+    tls_cert: Option<String>,
+    /// `tls_key`: PEM private key of `--tls-cert`.
+    #[arg(long)]
+    tls_key: Option<String>,
+    /// `tls_ca`: PEM CA certificate(s) trusted, beside the system's roots, when calling
+    /// instances over `https://`.
+    #[arg(long)]
+    tls_ca: Option<String>,
 }
 
 impl ProxyArgs {
@@ -369,6 +399,9 @@ impl ProxyArgs {
         set("credentials_dir", serde_json::json!(self.credentials_dir));
         set("node", serde_json::json!(self.node));
         set("control_listen", serde_json::json!(self.control_listen));
+        set("tls_cert", serde_json::json!(self.tls.tls_cert));
+        set("tls_key", serde_json::json!(self.tls.tls_key));
+        set("tls_ca", serde_json::json!(self.tls.tls_ca));
         serde_json::json!({ "proxy": p })
     }
 }
@@ -433,7 +466,14 @@ fn proxy(args: ProxyArgs) -> Result<()> {
         max_prefill_queue: p.max_prefill_queue,
         api_key: p.api_key,
         call_timeout: std::time::Duration::from_millis(p.actor_call_timeout_ms),
+        tls: pdserve_actors::http::HttpTls::load(
+            p.tls_cert.as_deref().map(std::path::Path::new),
+            p.tls_key.as_deref().map(std::path::Path::new),
+            p.tls_ca.as_deref().map(std::path::Path::new),
+            ["proxy.tls_cert", "proxy.tls_key", "proxy.tls_ca"],
+        )?,
     };
+    let scheme = pargs.tls.scheme();
     let control = match &p.credentials_dir {
         Some(dir) => {
             let creds = pdserve_transport::control::tls::MemberCredentials::load(
@@ -461,7 +501,7 @@ fn proxy(args: ProxyArgs) -> Result<()> {
     rt.block_on(async move {
         let proxy =
             pdserve_actors::proxy::start_proxy_with_control("proxy", pargs, control).await?;
-        println!("pdserve proxy: http://{}", proxy.addr);
+        println!("pdserve proxy: {scheme}://{}", proxy.addr);
         if let Some(control) = proxy.control_addr().await? {
             println!("pdserve proxy: control plane at {control}");
         }
@@ -687,12 +727,15 @@ fn serve_node(
             credentials_dir: deployment.cluster.credentials_dir.as_ref().map(Into::into),
             node: Some(node.name.clone()),
             control_listen: Some(format!("{}:{}", node.host, node.control_port.unwrap_or(0))),
+            tls: args.tls.clone().or(deployment.tls(&node)),
         });
     }
     let mut flags = deployment.instance_flags(&node);
     flags.log_filter = log;
     flags.log_format = parse_flag("log-format", log_format)?;
     flags.api_key = args.api_key.clone();
+    let tls = args.tls.clone().or(deployment.tls(&node));
+    (flags.tls_cert, flags.tls_key, flags.tls_ca) = (tls.tls_cert, tls.tls_key, tls.tls_ca);
     let threads = args.threads.or(node.threads);
     run_instance(
         pdserve_runtime::config::ServeConfig::load(None, flags)?,
@@ -725,6 +768,9 @@ fn serve(args: ServeArgs, log: Option<String>, log_format: Option<String>) -> Re
         host: args.host,
         port: args.port,
         api_key: args.api_key,
+        tls_cert: args.tls.tls_cert,
+        tls_key: args.tls.tls_key,
+        tls_ca: args.tls.tls_ca,
         role: parse_flag("role", args.role)?,
         name: args.name,
         max_num_seqs: args.max_num_seqs,

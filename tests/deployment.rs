@@ -98,7 +98,7 @@ threads = 1
         .build()
         .unwrap();
     rt.block_on(async {
-        let client = reqwest::Client::new();
+        let client = pdserve_actors::http::http_client().build().unwrap();
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             if let Ok(r) = client.get(format!("{url}/health")).send().await {

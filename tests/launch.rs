@@ -46,7 +46,7 @@ fn launch_serves_a_streamed_chat_and_stops_cleanly_on_sigterm() {
         .build()
         .unwrap();
     let body = rt.block_on(async {
-        let r = reqwest::Client::new()
+        let r = pdserve_actors::http::http_client().build().unwrap()
             .post(format!("{url}/v1/chat/completions"))
             .json(&serde_json::json!({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 6, "ignore_eos": true, "stream": true}))
             .send()
@@ -148,7 +148,7 @@ fn inspect_lists_the_proxy_and_every_launched_instance_and_one_api_key_guards_th
         .build()
         .unwrap();
     rt.block_on(async {
-        let http = reqwest::Client::builder().no_proxy().build().unwrap();
+        let http = pdserve_actors::http::http_client().build().unwrap();
         let body = serde_json::json!({"prompt": "hello", "max_tokens": 4, "ignore_eos": true});
         let r = http
             .post(format!("{url}/v1/completions"))

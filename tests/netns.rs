@@ -623,7 +623,7 @@ fn scenario(net: &Net, mode: &str) {
         .build()
         .unwrap();
     rt.block_on(async {
-        let client = Client(reqwest::Client::builder().no_proxy().build().unwrap());
+        let client = Client(pdserve_actors::http::http_client().build().unwrap());
         wait_routable(&client, &mut cluster, &creds, Duration::from_secs(60)).await;
 
         // Before the cut: the reference tokens, from decode-0; decode-1 agrees.

@@ -84,7 +84,7 @@ impl Node {
 
     async fn ready(&self) {
         let deadline = Instant::now() + Duration::from_secs(60);
-        while !matches!(reqwest::get(format!("{}/health", self.url)).await, Ok(r) if r.status() == 200)
+        while !matches!(pdserve_actors::http::http_client().build().unwrap().get(format!("{}/health", self.url)).send().await, Ok(r) if r.status() == 200)
         {
             assert!(
                 Instant::now() < deadline,
@@ -101,7 +101,11 @@ impl Node {
     }
 
     async fn load(&self) -> Value {
-        reqwest::get(format!("{}/v1/load", self.url))
+        pdserve_actors::http::http_client()
+            .build()
+            .unwrap()
+            .get(format!("{}/v1/load", self.url))
+            .send()
             .await
             .unwrap()
             .json()
@@ -159,7 +163,9 @@ fn request(prompt_tokens: usize, prefill_port: Option<u16>) -> Value {
 }
 
 async fn post(url: &str, body: Value) -> Result<(u16, Value), String> {
-    let r = reqwest::Client::new()
+    let r = pdserve_actors::http::http_client()
+        .build()
+        .unwrap()
         .post(format!("{url}/v1/completions"))
         .timeout(Duration::from_secs(60))
         .json(&body)

@@ -161,7 +161,7 @@ threads = 1
             decode: format!("http://127.0.0.1:{decode}"),
             control: format!("127.0.0.1:{control}"),
             nodes,
-            http: reqwest::Client::builder().no_proxy().build().unwrap(),
+            http: pdserve_actors::http::http_client().build().unwrap(),
             instance_key: key_flag,
         }
     }
@@ -700,7 +700,14 @@ fn forged_kv_transfer_params_are_refused_and_held_blocks_stay_untouched() {
                 .await
                 .unwrap();
             let pool = peer.ranks[0].layout.num_blocks as u32;
-            let client = Peers::new("forger".into(), None, None, None, Duration::from_secs(30));
+            let client = Peers::new(
+                "forger".into(),
+                None,
+                None,
+                None,
+                Duration::from_secs(30),
+                pdserve_actors::http::http_client(),
+            );
             for (what, blocks, needle) in [
                 (
                     "a destination outside the pool",

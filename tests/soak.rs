@@ -107,7 +107,9 @@ fn token_ids(v: &Value) -> Vec<u64> {
 }
 
 async fn post(url: &str, body: &Value) -> (u16, Value) {
-    let r = reqwest::Client::new()
+    let r = pdserve_actors::http::http_client()
+        .build()
+        .unwrap()
         .post(format!("{url}/v1/completions"))
         .json(body)
         .timeout(Duration::from_secs(60))
@@ -141,7 +143,7 @@ fn bad_body(k: usize) -> String {
 }
 
 async fn one(url: String, i: usize) -> Outcome {
-    let client = reqwest::Client::new();
+    let client = pdserve_actors::http::http_client().build().unwrap();
     match i % 8 {
         7 => {
             let r = client

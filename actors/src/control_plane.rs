@@ -104,10 +104,13 @@ impl Registration {
         }
         let url = reqwest::Url::parse(&self.url)
             .map_err(|e| bad("url", format!("url {:?} does not parse: {e}", self.url)))?;
-        if url.scheme() != "http" || url.host().is_none() || url.port_or_known_default().is_none() {
+        if !matches!(url.scheme(), "http" | "https")
+            || url.host().is_none()
+            || url.port_or_known_default().is_none()
+        {
             return Err(bad(
                 "url",
-                format!("url {:?} must be http://host:port", self.url),
+                format!("url {:?} must be http(s)://host:port", self.url),
             ));
         }
         self.control_addr.parse::<SocketAddr>().map_err(|e| {
@@ -733,7 +736,9 @@ mod tests {
             ("on the control connection", |r| r.node = "decode-1".into()),
             ("invalid node name", |r| r.node = "".into()),
             ("does not parse", |r| r.url = "not a url".into()),
-            ("http://host:port", |r| r.url = "https://127.0.0.1:1".into()),
+            ("http(s)://host:port", |r| {
+                r.url = "ftp://127.0.0.1:1".into()
+            }),
             ("control_addr", |r| r.control_addr = "nowhere".into()),
             ("heartbeat_ms", |r| r.heartbeat_ms = 0),
         ];

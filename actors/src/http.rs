@@ -19,10 +19,12 @@ mod openai_api;
 mod peer_api;
 mod server;
 mod state;
+pub mod tls;
 
 pub use error::{bearer_matches, unauthorized, ApiError};
 pub use server::HttpServer;
 pub use state::AppState;
+pub use tls::{http_client, HttpTls, TlsError};
 
 use crate::mailbox::Inbox;
 use axum::extract::State;
@@ -120,7 +122,8 @@ impl Actor for HttpFrontend {
         args: HttpArgs,
     ) -> Result<Self::State, ActorProcessingErr> {
         let app = args.app.clone();
-        let server = HttpServer::start(args.bind, router(args.app), "HTTP frontend").await?;
+        let tls = app.tls.server_config();
+        let server = HttpServer::start(args.bind, router(args.app), tls, "HTTP frontend").await?;
         let _ = app.addr.set(server.addr());
         Ok(HttpState { server })
     }

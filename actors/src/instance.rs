@@ -16,7 +16,7 @@ use crate::handoff::peer::Peers;
 use crate::handoff::pull::PullBounds;
 use crate::handoff::service::PromptLimits;
 use crate::handoff::{KvContext, KvFigures, KvRegistry, KvSettings, PeerService, TransferMode};
-use crate::http::AppState;
+use crate::http::{AppState, HttpTls};
 use crate::mailbox::Mailbox;
 use crate::scheduler::{
     NewRequest, RequestStream, SchedulerConfig, SchedulerHandle, SchedulerStats,
@@ -31,6 +31,7 @@ use pdserve_runtime::config::{KvCacheDtype, ServeConfig};
 use pdserve_runtime::memory::{AnonAllocator, HostMemoryAllocator};
 use pdserve_runtime::supervision::{ActorSnapshot, RestartPolicy};
 use std::net::SocketAddr;
+use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -75,6 +76,8 @@ pub struct InstanceOptions {
     pub drain_timeout: Duration,
     /// Bearer token required by the API.
     pub api_key: Option<String>,
+    /// HTTPS of the API and the trust of outgoing calls (default: plain HTTP, system roots).
+    pub tls: HttpTls,
     /// Worker restart budget.
     pub restart_policy: RestartPolicy,
     /// Where KV regions come from (ignored when `transfer` is set: the engine's allocator is
@@ -131,6 +134,13 @@ impl InstanceOptions {
             call_timeout: Duration::from_millis(cfg.server.actor_call_timeout_ms),
             drain_timeout: Duration::from_secs(cfg.server.drain_timeout_s),
             api_key: cfg.server.api_key.clone(),
+            tls: HttpTls::load(
+                cfg.server.tls_cert.as_deref().map(Path::new),
+                cfg.server.tls_key.as_deref().map(Path::new),
+                cfg.server.tls_ca.as_deref().map(Path::new),
+                ["server.tls_cert", "server.tls_key", "server.tls_ca"],
+            )
+            .map_err(|e| StartError::config("server.tls_*", e))?,
             restart_policy: RestartPolicy::default(),
             alloc: Arc::new(AnonAllocator),
             transfer: transfer_config(cfg)?,
@@ -165,6 +175,7 @@ impl InstanceOptions {
             call_timeout: Duration::from_secs(5),
             drain_timeout: Duration::from_secs(30),
             api_key: None,
+            tls: HttpTls::default(),
             restart_policy: RestartPolicy::default(),
             alloc: Arc::new(AnonAllocator),
             transfer: None,
@@ -232,6 +243,8 @@ pub struct Instance {
     app: Option<Arc<AppState>>,
     drain_timeout: Duration,
     max_concurrent_requests: usize,
+    /// `http` or `https`.
+    scheme: &'static str,
 }
 
 impl Instance {
@@ -289,6 +302,7 @@ impl Instance {
                     opts.api_key.clone(),
                     opts.faults.clone(),
                     opts.kv_timeout,
+                    opts.tls.client(),
                 );
                 let settings = KvSettings {
                     engine_id: opts.name.clone(),
@@ -329,6 +343,7 @@ impl Instance {
             );
             let vocab_size = cfg.vocab_size;
             let kv = kv.clone();
+            let tls = opts.tls.clone();
             move |scheduler, kv_sender| {
                 let scheduler = SchedulerHandle::new(scheduler, call_timeout);
                 let admission = Arc::new(tokio::sync::Semaphore::new(max_concurrent));
@@ -362,6 +377,7 @@ impl Instance {
                     peer,
                     addr: std::sync::OnceLock::new(),
                     ready: std::sync::atomic::AtomicBool::new(true),
+                    tls: tls.clone(),
                 })
             }
         };
@@ -410,7 +426,7 @@ impl Instance {
                     kv: kv.clone(),
                     peer: app.as_ref().and_then(|a| a.peer.clone()),
                 };
-                let url = addr.map(|a| format!("http://{a}"));
+                let url = addr.map(|a| format!("{}://{a}", opts.tls.scheme()));
                 match ControlPlane::start(ctl, endpoint, source, url) {
                     Ok(c) => Some(c),
                     Err(e) => {
@@ -435,6 +451,7 @@ impl Instance {
             app,
             drain_timeout: opts.drain_timeout,
             max_concurrent_requests: opts.max_concurrent_requests,
+            scheme: opts.tls.scheme(),
         })
     }
 
@@ -448,9 +465,11 @@ impl Instance {
         self.addr
     }
 
-    /// `http://host:port` of the API.
+    /// `http://host:port` (`https://` with TLS) of the API.
     pub fn url(&self) -> String {
-        self.addr.map(|a| format!("http://{a}")).unwrap_or_default()
+        self.addr
+            .map(|a| format!("{}://{a}", self.scheme))
+            .unwrap_or_default()
     }
 
     /// The control plane, when the instance has cluster credentials.

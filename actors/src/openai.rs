@@ -469,11 +469,12 @@ pub enum KvDirective {
 }
 
 /// Reads `kv_transfer_params` (vLLM's field names plus pdserve's `transfer_id`,
-/// `first_token_id`, `kv_lease_ms` and `remote_control_addr`).
+/// `first_token_id`, `kv_lease_ms` and `remote_control_addr`). The prefill peer is reached at
+/// `scheme://remote_host:remote_port` (`scheme`: this instance's own, `http` or `https`).
 ///
 /// # Errors
 /// [`RequestError::BadRequest`] naming the first malformed field.
-pub fn kv_directive(params: Option<&Value>) -> Result<KvDirective, RequestError> {
+pub fn kv_directive(params: Option<&Value>, scheme: &str) -> Result<KvDirective, RequestError> {
     use pdserve_runtime::ids::TransferId;
     let Some(p) = params else {
         return Ok(KvDirective::None);
@@ -529,7 +530,7 @@ pub fn kv_directive(params: Option<&Value>) -> Result<KvDirective, RequestError>
         }
     };
     let peer = PeerRef {
-        url: format!("http://{host}:{port}"),
+        url: format!("{scheme}://{host}:{port}"),
         control,
         engine_id,
     };
@@ -586,16 +587,23 @@ mod kv_params_tests {
 
     #[test]
     fn vllm_fields_and_our_extensions_are_read() {
-        let d = kv_directive(Some(&json!({
+        let params = json!({
             "do_remote_prefill": true, "remote_host": "10.0.0.1", "remote_port": 8100,
             "remote_engine_id": "prefill-0", "remote_control_addr": "10.0.0.1:7100",
             "transfer_id": "000000000000000000000000000000ab"
-        })))
-        .unwrap();
+        });
+        let d = kv_directive(Some(&params), "http").unwrap();
         let KvDirective::DriveRemote { peer, transfer } = d else {
             panic!("{d:?}")
         };
         assert_eq!(peer.url, "http://10.0.0.1:8100");
+        // An instance serving HTTPS reaches its peers over HTTPS.
+        let KvDirective::DriveRemote { peer: tls_peer, .. } =
+            kv_directive(Some(&params), "https").unwrap()
+        else {
+            panic!("not a remote prefill")
+        };
+        assert_eq!(tls_peer.url, "https://10.0.0.1:8100");
         assert_eq!(peer.control, Some("10.0.0.1:7100".parse().unwrap()));
         assert_eq!(peer.engine_id.as_deref(), Some("prefill-0"));
         assert_eq!(transfer.0, 0xab);
@@ -617,7 +625,7 @@ mod kv_params_tests {
                 "first_token_id",
             ),
         ] {
-            let e = kv_directive(Some(&params)).unwrap_err();
+            let e = kv_directive(Some(&params), "http").unwrap_err();
             assert!(e.to_string().contains(needle), "{needle}: {e}");
         }
     }

@@ -78,18 +78,13 @@ fn router(state: Arc<ProxyState>) -> Router {
 }
 
 /// Polls the static instances' load until the proxy stops.
-async fn poll_forever(state: Arc<ProxyState>) {
+async fn poll_forever(state: Arc<ProxyState>, client: reqwest::Client) {
     #[derive(serde::Deserialize)]
     struct Load {
         waiting: usize,
         running: usize,
         blocks_free: usize,
     }
-    let client = reqwest::Client::builder()
-        .no_proxy()
-        .timeout(POLL_INTERVAL * 2)
-        .build()
-        .unwrap_or_default();
     let mut tick = tokio::time::interval(POLL_INTERVAL);
     loop {
         tick.tick().await;
@@ -150,7 +145,7 @@ impl Actor for Proxy {
         let state = Arc::new(ProxyState {
             registry: Mutex::new(registry),
             rr: RoundRobin::default(),
-            http: reqwest::Client::builder().no_proxy().build()?,
+            http: args.tls.client().build()?,
             timeout: args.timeout,
             max_prefill_queue: args.max_prefill_queue,
             api_key: args.api_key.clone(),
@@ -167,10 +162,19 @@ impl Actor for Proxy {
             )?)),
             None => None,
         };
-        let server = HttpServer::start(args.bind, router(state.clone()), "proxy").await?;
-        let poller = tokio::spawn(poll_forever(state));
+        let server = HttpServer::start(
+            args.bind,
+            router(state.clone()),
+            args.tls.server_config(),
+            "proxy",
+        )
+        .await?;
+        let poll = args.tls.client().timeout(POLL_INTERVAL * 2).build()?;
+        let poller = tokio::spawn(poll_forever(state, poll));
         let control = control.map(|c| {
-            let _ = c.http_url.set(format!("http://{}", server.addr()));
+            let _ = c
+                .http_url
+                .set(format!("{}://{}", args.tls.scheme(), server.addr()));
             let accept = tokio::spawn(c.clone().accept_forever());
             (c, accept)
         });

@@ -68,15 +68,8 @@ impl Proxy {
 
 /// A proxy with a control plane on `listen` and no static instance.
 async fn proxy_at(name: &str, listen: SocketAddr) -> Result<Proxy, String> {
-    let args = ProxyArgs {
-        bind: "127.0.0.1:0".parse().unwrap(),
-        prefill: Vec::new(),
-        decode: Vec::new(),
-        timeout: Duration::from_secs(30),
-        max_prefill_queue: None,
-        api_key: None,
-        call_timeout: Duration::from_secs(5),
-    };
+    let mut args = ProxyArgs::new("127.0.0.1:0".parse().unwrap(), Vec::new(), Vec::new());
+    args.timeout = Duration::from_secs(30);
     let control = ProxyControlArgs::new(member(name), listen);
     let started = start_proxy_with_control(name, args, Some(control))
         .await
@@ -119,7 +112,7 @@ async fn instance(
 }
 
 async fn complete(url: &str) -> (u16, Value) {
-    let r = reqwest::Client::new()
+    let r = pdserve_actors::http::http_client().build().unwrap()
         .post(format!("{url}/v1/completions"))
         .json(&json!({"prompt": [1, 2, 3, 4, 5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": true}))
         .timeout(Duration::from_secs(30))
@@ -135,7 +128,13 @@ async fn complete(url: &str) -> (u16, Value) {
 }
 
 async fn healthy(url: &str) -> bool {
-    match reqwest::get(format!("{url}/health")).await {
+    match pdserve_actors::http::http_client()
+        .build()
+        .unwrap()
+        .get(format!("{url}/health"))
+        .send()
+        .await
+    {
         Ok(r) => r.status() == 200,
         Err(_) => false,
     }

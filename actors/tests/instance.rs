@@ -32,7 +32,9 @@ async fn assert_pool_full(inst: &Instance) {
 }
 
 async fn post(url: &str, path: &str, body: Value) -> (u16, Value) {
-    let r = reqwest::Client::new()
+    let r = pdserve_actors::http::http_client()
+        .build()
+        .unwrap()
         .post(format!("{url}{path}"))
         .json(&body)
         .send()
@@ -143,7 +145,9 @@ async fn streaming_and_non_streaming_give_the_same_text() {
         let mut sbody = body.clone();
         sbody["stream"] = json!(true);
         sbody["stream_options"] = json!({"include_usage": true});
-        let r = reqwest::Client::new()
+        let r = pdserve_actors::http::http_client()
+            .build()
+            .unwrap()
             .post(format!("{url}{path}"))
             .json(&sbody)
             .send()
@@ -314,7 +318,7 @@ async fn bad_input_gets_a_clear_error_and_the_instance_keeps_serving() {
             "role",
         ),
     ];
-    let client = reqwest::Client::new();
+    let client = pdserve_actors::http::http_client().build().unwrap();
     for (name, path, body, status, needle) in cases {
         let req = client
             .post(format!("{url}{path}"))
@@ -389,7 +393,7 @@ async fn overload_is_refused_with_503_and_disconnects_free_blocks() {
     let inst = start("overload", "tiny", |o| o.max_concurrent_requests = 1).await;
     let url = inst.url();
     // A long streaming request holds the only admission slot...
-    let client = reqwest::Client::new();
+    let client = pdserve_actors::http::http_client().build().unwrap();
     let mut long = client
         .post(format!("{url}/v1/completions"))
         .json(&json!({"prompt": "x", "max_tokens": 900, "ignore_eos": true, "stream": true}))

@@ -90,6 +90,7 @@ fn peer_client() -> std::sync::Arc<Peers> {
         None,
         None,
         Duration::from_secs(30),
+        pdserve_actors::http::http_client(),
     )
 }
 
@@ -108,7 +109,9 @@ async fn peer_call(url: &str, request: PeerRequest) -> PeerAnswer {
 }
 
 async fn post(url: &str, body: &Value) -> (u16, Value) {
-    let r = reqwest::Client::new()
+    let r = pdserve_actors::http::http_client()
+        .build()
+        .unwrap()
         .post(format!("{url}/v1/completions"))
         .json(body)
         .send()
@@ -335,24 +338,27 @@ async fn proxy_for(
     decode: Vec<String>,
     max_prefill_queue: Option<usize>,
 ) -> (StartedProxy, String) {
-    let args = ProxyArgs {
-        bind: "127.0.0.1:0".parse().unwrap(),
-        prefill,
-        decode,
-        timeout: Duration::from_secs(60),
-        max_prefill_queue,
-        api_key: None,
-        call_timeout: Duration::from_secs(5),
-    };
+    let mut args = ProxyArgs::new("127.0.0.1:0".parse().unwrap(), prefill, decode);
+    args.timeout = Duration::from_secs(60);
+    args.max_prefill_queue = max_prefill_queue;
+    proxy_with(name, args).await
+}
+
+async fn proxy_with(name: &str, args: ProxyArgs) -> (StartedProxy, String) {
+    let scheme = args.tls.scheme();
     let proxy = start_proxy(name, args).await.unwrap();
-    let url = format!("http://{}", proxy.addr);
+    let url = format!("{scheme}://{}", proxy.addr);
     (proxy, url)
 }
 
 async fn wait_healthy(url: &str) {
+    wait_healthy_with(&pdserve_actors::http::http_client().build().unwrap(), url).await
+}
+
+async fn wait_healthy_with(client: &reqwest::Client, url: &str) {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        if let Ok(r) = reqwest::get(format!("{url}/health")).await {
+        if let Ok(r) = client.get(format!("{url}/health")).send().await {
             if r.status() == 200 {
                 return;
             }
@@ -412,7 +418,9 @@ async fn proxy_streams_disaggregated_answers_equal_to_colocated() {
                 let mut b = body(i);
                 let stream = i % 2 == 1;
                 b["stream"] = json!(stream);
-                let r = reqwest::Client::new()
+                let r = pdserve_actors::http::http_client()
+                    .build()
+                    .unwrap()
                     .post(format!("{url}/v1/completions"))
                     .json(&b)
                     .send()
@@ -639,7 +647,9 @@ impl Cluster {
 async fn through(url: &str, i: usize, stream: bool) -> Result<Vec<u64>, (u16, String)> {
     let mut b = body(i);
     b["stream"] = json!(stream);
-    let r = reqwest::Client::new()
+    let r = pdserve_actors::http::http_client()
+        .build()
+        .unwrap()
         .post(format!("{url}/v1/completions"))
         .json(&b)
         .send()
@@ -752,7 +762,7 @@ async fn client_disconnects_during_prefill_and_decode_free_every_block() {
             None,
         )
         .await;
-        let client = reqwest::Client::new();
+        let client = pdserve_actors::http::http_client().build().unwrap();
         // During prefill: the client leaves while the prompt's chunks are still computed.
         for _ in 0..3 {
             let send = client
@@ -867,7 +877,11 @@ async fn push_handshake_refuses_mismatched_layouts_and_forged_destinations() {
     assert_error(status, &v, 502, "incompatible");
 
     // Forged push targets sent straight to the prefill instance: refused, nothing held.
-    let info: KvPeerInfo = reqwest::get(format!("{}/v1/kv/info", c.d.url()))
+    let info: KvPeerInfo = pdserve_actors::http::http_client()
+        .build()
+        .unwrap()
+        .get(format!("{}/v1/kv/info", c.d.url()))
+        .send()
         .await
         .unwrap()
         .json()
@@ -940,7 +954,9 @@ async fn short_prompts_and_a_busy_prefill_queue_prefill_on_decode() {
     )
     .await;
     // Keep the prefill instance busy (a long generation) until the proxy's poll sees it.
-    let hog = reqwest::Client::new()
+    let hog = pdserve_actors::http::http_client()
+        .build()
+        .unwrap()
         .post(format!("{}/v1/completions", c.p.url()))
         .json(&long_body(20, 4000))
         .send()
@@ -948,7 +964,11 @@ async fn short_prompts_and_a_busy_prefill_queue_prefill_on_decode() {
         .unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let h: Value = reqwest::get(format!("{}/v1/load", c.p.url()))
+        let h: Value = pdserve_actors::http::http_client()
+            .build()
+            .unwrap()
+            .get(format!("{}/v1/load", c.p.url()))
+            .send()
             .await
             .unwrap()
             .json()
@@ -1227,6 +1247,131 @@ async fn f16_kv_hands_off_exactly_and_a_dtype_mismatch_is_refused() {
         assert_pool_full(inst).await;
     }
     for inst in [p, d, d32] {
+        inst.stop().await;
+    }
+}
+
+/// A CA, and a certificate for 127.0.0.1 it signed, as PEM files in `dir`: returns the paths
+/// of (ca, cert, key).
+fn tls_files(dir: &std::path::Path, what: &str) -> [std::path::PathBuf; 3] {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = ca.self_signed(&ca_key).unwrap();
+    let key = KeyPair::generate().unwrap();
+    let cert = CertificateParams::new(vec!["127.0.0.1".to_string()])
+        .unwrap()
+        .signed_by(&key, &ca, &ca_key)
+        .unwrap();
+    let paths = ["ca", "cert", "key"].map(|f| dir.join(format!("{what}-{f}.pem")));
+    for (path, pem) in paths
+        .iter()
+        .zip([ca.pem(), cert.pem(), key.serialize_pem()])
+    {
+        std::fs::write(path, pem).unwrap();
+    }
+    paths
+}
+
+/// HTTPS end to end: the proxy's front door and the instances' APIs serve TLS with
+/// certificates of a private CA, the proxy and decode verify whom they call against it, and
+/// the disaggregated tokens are the colocated ones. A client that does not trust the CA, one
+/// that trusts another CA, and one speaking plain HTTP to the TLS port get nothing; a wrong
+/// API key over TLS is answered 401.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn https_front_door_and_instance_links_keep_disaggregated_tokens_exact() {
+    use pdserve_actors::http::{http_client, HttpTls};
+    let dir = tempfile::tempdir().unwrap();
+    let [ca, cert, key] = tls_files(dir.path(), "cluster");
+    let [other_ca, ..] = tls_files(dir.path(), "other");
+    let keys = ["tls_cert", "tls_key", "tls_ca"];
+    let tls = HttpTls::load(Some(&cert), Some(&key), Some(&ca), keys).unwrap();
+    let reference = colocated_reference("tiny", 2).await;
+    let mut started = Vec::new();
+    for name in ["p-https", "d-https"] {
+        let tls = tls.clone();
+        let inst = instance_with(
+            name,
+            "tiny",
+            1,
+            Some(BackendKind::Tcp),
+            Duration::from_secs(30),
+            |o| {
+                o.tls = tls;
+                o.api_key = Some("sk-https".into());
+            },
+        )
+        .await;
+        assert!(inst.url().starts_with("https://"), "{}", inst.url());
+        started.push(inst);
+    }
+    let (p, d) = (&started[0], &started[1]);
+    let mut args = ProxyArgs::new("127.0.0.1:0".parse().unwrap(), vec![p.url()], vec![d.url()]);
+    args.timeout = Duration::from_secs(60);
+    args.api_key = Some("sk-https".into());
+    args.tls = tls;
+    let (proxy, url) = proxy_with("proxy-https", args).await;
+    assert!(url.starts_with("https://"), "{url}");
+
+    let trusting = HttpTls::load(None, None, Some(&ca), keys).unwrap();
+    let client = trusting.client().build().unwrap();
+    wait_healthy_with(&client, &url).await;
+    let call = |client: reqwest::Client, url: String, key: &'static str, i: usize| async move {
+        client
+            .post(format!("{url}/v1/completions"))
+            .bearer_auth(key)
+            .json(&body(i))
+            .send()
+            .await
+    };
+    for (i, want) in reference.iter().enumerate() {
+        let r = call(client.clone(), url.clone(), "sk-https", i)
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(&ids(&v), want, "request {i} over https");
+    }
+    // The hand-offs really ran between the instances (decode pulled the prompts' KV).
+    let figures = d.kv_figures().unwrap();
+    assert!(figures.bytes_received > 0, "{figures:?}");
+
+    let r = call(client.clone(), url.clone(), "sk-wrong", 0)
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    // Trusting only the system's roots, or another CA: the handshake fails.
+    let strangers = [
+        http_client().build().unwrap(),
+        HttpTls::load(None, None, Some(&other_ca), keys)
+            .unwrap()
+            .client()
+            .build()
+            .unwrap(),
+    ];
+    for (n, stranger) in strangers.into_iter().enumerate() {
+        let e = call(stranger, url.clone(), "sk-https", 0)
+            .await
+            .unwrap_err();
+        assert!(e.is_connect(), "client {n}: {e:?}");
+    }
+    // Plain HTTP to the TLS port gets no answer.
+    let plain = url.replacen("https://", "http://", 1);
+    let r = call(http_client().build().unwrap(), plain, "sk-https", 0).await;
+    assert!(r.is_err(), "{r:?}");
+
+    // Files that do not hold what they should are refused, naming the key.
+    let e = HttpTls::load(Some(&key), Some(&key), None, keys).unwrap_err();
+    assert!(e.to_string().contains("tls_cert"), "{e}");
+    let e = HttpTls::load(Some(&cert), None, None, keys).unwrap_err();
+    assert!(e.to_string().contains("tls_key"), "{e}");
+
+    for inst in &started {
+        assert_pool_full(inst).await;
+    }
+    proxy.stop().await;
+    for inst in started {
         inst.stop().await;
     }
 }

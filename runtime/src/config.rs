@@ -536,6 +536,16 @@ pub struct ServerConfig {
     /// When the instance stops (SIGTERM, Ctrl-C): how long it lets running requests and
     /// KV hand-offs finish before cutting them off, in seconds.
     pub drain_timeout_s: u64,
+    /// PEM certificate chain (leaf first): with `tls_key`, the API serves HTTPS only.
+    #[serde(deserialize_with = "lenient::opt_string")]
+    pub tls_cert: Option<String>,
+    /// PEM private key of `tls_cert`.
+    #[serde(deserialize_with = "lenient::opt_string")]
+    pub tls_key: Option<String>,
+    /// PEM CA certificate(s) trusted, beside the system's roots, when this instance calls
+    /// other instances over `https://`.
+    #[serde(deserialize_with = "lenient::opt_string")]
+    pub tls_ca: Option<String>,
 }
 
 impl Default for ServerConfig {
@@ -548,6 +558,9 @@ impl Default for ServerConfig {
             request_timeout_s: 600,
             actor_call_timeout_ms: 5_000,
             drain_timeout_s: 30,
+            tls_cert: None,
+            tls_key: None,
+            tls_ca: None,
         }
     }
 }
@@ -670,6 +683,12 @@ pub struct ServeFlags {
     pub port: Option<u16>,
     /// `server.api_key`.
     pub api_key: Option<String>,
+    /// `server.tls_cert`.
+    pub tls_cert: Option<String>,
+    /// `server.tls_key`.
+    pub tls_key: Option<String>,
+    /// `server.tls_ca`.
+    pub tls_ca: Option<String>,
     /// `instance.role`.
     pub role: Option<Role>,
     /// `instance.name`.
@@ -818,6 +837,12 @@ struct FlagsServer<'a> {
     port: Option<u16>,
     #[serde(skip_serializing_if = "Option::is_none")]
     api_key: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tls_cert: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tls_key: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tls_ca: Option<&'a str>,
 }
 
 #[derive(Serialize)]
@@ -865,6 +890,9 @@ impl Serialize for ServeFlags {
                 host: self.host.as_deref(),
                 port: self.port,
                 api_key: self.api_key.as_deref(),
+                tls_cert: self.tls_cert.as_deref(),
+                tls_key: self.tls_key.as_deref(),
+                tls_ca: self.tls_ca.as_deref(),
             },
             scheduler: FlagsScheduler {
                 max_num_seqs: self.max_num_seqs,
@@ -1037,6 +1065,15 @@ pub struct ProxySection {
     pub control_listen: String,
     /// Bound on one call between the proxy's actors, in milliseconds.
     pub actor_call_timeout_ms: u64,
+    /// PEM certificate chain (leaf first): with `tls_key`, the proxy serves HTTPS only.
+    #[serde(deserialize_with = "lenient::opt_string")]
+    pub tls_cert: Option<String>,
+    /// PEM private key of `tls_cert`.
+    #[serde(deserialize_with = "lenient::opt_string")]
+    pub tls_key: Option<String>,
+    /// PEM CA certificate(s) trusted, beside the system's roots, for `https://` instances.
+    #[serde(deserialize_with = "lenient::opt_string")]
+    pub tls_ca: Option<String>,
 }
 
 impl Default for ProxySection {
@@ -1053,6 +1090,9 @@ impl Default for ProxySection {
             node: "proxy".into(),
             control_listen: "127.0.0.1:0".into(),
             actor_call_timeout_ms: 5_000,
+            tls_cert: None,
+            tls_key: None,
+            tls_ca: None,
         }
     }
 }
@@ -1133,6 +1173,7 @@ impl ProxyConfig {
                 "proxy.api_key must not be empty when set".into(),
             );
         }
+        check_tls("proxy", [&p.tls_cert, &p.tls_key, &p.tls_ca])?;
         Ok(())
     }
 }
@@ -1183,6 +1224,34 @@ impl<P: Provider> Provider for NamedLayer<P> {
 
 /// The layered figment of a config whose built-in values are `defaults`: defaults < TOML
 /// `file` < `PDSERVE_<SECTION>__<KEY>` environment < `flags`.
+/// `SECTION.tls_cert` and `SECTION.tls_key` come together, and no TLS path is empty. (Whether
+/// the files hold a certificate and its key is checked when the server starts.)
+fn check_tls(section: &str, [cert, key, ca]: [&Option<String>; 3]) -> Result<(), ConfigError> {
+    let invalid = |name: &str, message: String| {
+        Err(ConfigError::Invalid {
+            key: format!("{section}.{name}"),
+            message,
+            layer: None,
+        })
+    };
+    for (name, value) in [("tls_cert", cert), ("tls_key", key), ("tls_ca", ca)] {
+        if value.as_deref().is_some_and(|v| v.trim().is_empty()) {
+            return invalid(name, format!("{section}.{name} must not be empty when set"));
+        }
+    }
+    match (cert, key) {
+        (Some(_), None) => invalid(
+            "tls_key",
+            format!("{section}.tls_cert is set but {section}.tls_key is not: HTTPS needs both"),
+        ),
+        (None, Some(_)) => invalid(
+            "tls_cert",
+            format!("{section}.tls_key is set but {section}.tls_cert is not: HTTPS needs both"),
+        ),
+        _ => Ok(()),
+    }
+}
+
 fn layered(
     defaults: impl Serialize,
     file: Option<&Path>,
@@ -1445,6 +1514,7 @@ impl ServeConfig {
                 "server.api_key must not be empty when set",
             );
         }
+        check_tls("server", [&s.tls_cert, &s.tls_key, &s.tls_ca])?;
         if s.max_concurrent_requests == 0 {
             return invalid(
                 "server.max_concurrent_requests",
@@ -2295,6 +2365,15 @@ mod tests {
             }),
             ("control.heartbeat_ms", |c| c.control.heartbeat_ms = 0),
             ("control.heartbeat_ms", |c| c.control.heartbeat_ms = 600_000),
+            ("server.tls_key is not", |c| {
+                c.server.tls_cert = Some("cert.pem".into())
+            }),
+            ("server.tls_cert is not", |c| {
+                c.server.tls_key = Some("key.pem".into())
+            }),
+            ("server.tls_ca must not be empty", |c| {
+                c.server.tls_ca = Some(" ".into())
+            }),
         ];
         for (needle, mutate) in cases {
             let mut c = ServeConfig::default();
@@ -2382,6 +2461,15 @@ mod tests {
                     _ => "2048",
                 };
                 jail.set_env(env_var_name(key), value);
+                // HTTPS takes a certificate and its key together.
+                let partner = match key.as_str() {
+                    "server.tls_cert" => Some("server.tls_key"),
+                    "server.tls_key" => Some("server.tls_cert"),
+                    _ => None,
+                };
+                if let Some(partner) = partner {
+                    jail.set_env(env_var_name(partner), "other.pem");
+                }
                 let c =
                     ServeConfig::load(None, no_flags()).unwrap_or_else(|e| panic!("{key}: {e}"));
                 let got = serde_json::to_value(&c).unwrap();
@@ -2437,6 +2525,14 @@ mod tests {
             assert_eq!(c.proxy.timeout_s, 45, "env over file");
             assert_eq!(c.proxy.max_prefill_queue, Some(3), "flags");
             assert_eq!(c.proxy.node, "proxy", "default");
+            // HTTPS: a certificate from the environment without its key is refused.
+            let no_flags = serde_json::json!({});
+            jail.set_env("PDSERVE_PROXY__TLS_CERT", "proxy.pem");
+            let e = ProxyConfig::load(None, &no_flags).unwrap_err().to_string();
+            assert!(e.contains("proxy.tls_key is not"), "{e}");
+            jail.set_env("PDSERVE_PROXY__TLS_KEY", "proxy.key");
+            let c = ProxyConfig::load(None, &no_flags).unwrap();
+            assert_eq!(c.proxy.tls_key.as_deref(), Some("proxy.key"));
             jail.set_env("PDSERVE_PROXY__TIMEOUT", "45");
             let e = ProxyConfig::load(None, ProxyConfig::default())
                 .unwrap_err()

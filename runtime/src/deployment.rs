@@ -66,6 +66,10 @@ pub struct ClusterSection {
     /// Conditional disaggregation at the proxy: above this prefill queue, decode prefills.
     #[serde(default)]
     pub max_prefill_queue: Option<usize>,
+    /// PEM CA certificate(s) every node trusts (beside the system's roots) when it calls a
+    /// node that serves HTTPS (`tls_cert` on that node).
+    #[serde(default)]
+    pub tls_ca: Option<String>,
 }
 
 fn default_mode() -> String {
@@ -103,6 +107,24 @@ pub struct NodeSection {
     /// (default: a free port).
     #[serde(default)]
     pub control_port: Option<u16>,
+    /// PEM certificate chain of this node's API (a path on its host): with `tls_key`, the
+    /// node serves HTTPS and the others reach it at `https://host:port`.
+    #[serde(default)]
+    pub tls_cert: Option<String>,
+    /// PEM private key of `tls_cert`.
+    #[serde(default)]
+    pub tls_key: Option<String>,
+}
+
+/// HTTPS files of one node: `server.tls_*` of an instance, `proxy.tls_*` of the proxy.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TlsFiles {
+    /// Certificate chain.
+    pub cert: Option<String>,
+    /// Private key.
+    pub key: Option<String>,
+    /// Extra trusted CA.
+    pub ca: Option<String>,
 }
 
 fn one() -> usize {
@@ -207,6 +229,15 @@ impl Deployment {
             if n.tp == 0 {
                 return invalid("node.tp", format!("node `{}`: tp must be ≥ 1", n.name));
             }
+            if n.tls_cert.is_some() != n.tls_key.is_some() {
+                return invalid(
+                    "node.tls_cert",
+                    format!(
+                        "node `{}`: tls_cert and tls_key go together (HTTPS needs both)",
+                        n.name
+                    ),
+                );
+            }
             if n.host.parse::<std::net::IpAddr>().is_err() {
                 return invalid(
                     "node.host",
@@ -281,13 +312,29 @@ impl Deployment {
             })
     }
 
-    /// `http://host:port` of every node of `role`.
+    /// `http://host:port` of every node of `role` (`https://` for a node with `tls_cert`).
     pub fn urls(&self, role: Role) -> Vec<String> {
         self.nodes
             .iter()
             .filter(|n| n.role == role)
-            .map(|n| format!("http://{}:{}", n.host, n.port))
+            .map(|n| {
+                let scheme = if n.tls_cert.is_some() {
+                    "https"
+                } else {
+                    "http"
+                };
+                format!("{scheme}://{}:{}", n.host, n.port)
+            })
             .collect()
+    }
+
+    /// The HTTPS files of `node`: its own certificate and key, the cluster's CA.
+    pub fn tls(&self, node: &NodeSection) -> TlsFiles {
+        TlsFiles {
+            cert: node.tls_cert.clone(),
+            key: node.tls_key.clone(),
+            ca: self.cluster.tls_ca.clone(),
+        }
     }
 
     /// The proxy's control address (`host:control_port`), when the cluster has credentials
@@ -316,6 +363,9 @@ impl Deployment {
             control_listen: control
                 .then(|| format!("{}:{}", node.host, node.control_port.unwrap_or(0))),
             control_proxy: self.proxy_control_addr(),
+            tls_cert: node.tls_cert.clone(),
+            tls_key: node.tls_key.clone(),
+            tls_ca: self.cluster.tls_ca.clone(),
             ..ServeFlags::default()
         }
     }
@@ -404,6 +454,42 @@ port = 8200
         );
         let e = Deployment::parse(&missing, "test").unwrap_err().to_string();
         assert!(e.contains("control_port"), "{e}");
+    }
+
+    #[test]
+    fn a_node_with_a_certificate_is_reached_over_https_and_every_node_trusts_the_cluster_ca() {
+        let text = GOOD
+            .replace(
+                "transport = \"tcp\"",
+                "transport = \"tcp\"\ntls_ca = \"/tls/ca.pem\"",
+            )
+            .replace(
+                "port = 8200",
+                "port = 8200\ntls_cert = \"/tls/d.pem\"\ntls_key = \"/tls/d.key\"",
+            );
+        let d = Deployment::parse(&text, "test").unwrap();
+        assert_eq!(
+            d.urls(Role::Decode),
+            vec!["https://127.0.0.1:8200".to_string()]
+        );
+        assert_eq!(
+            d.urls(Role::Prefill),
+            vec!["http://127.0.0.1:8100".to_string()]
+        );
+        let flags = d.instance_flags(d.node("decode-0").unwrap());
+        assert_eq!(
+            (flags.tls_cert.as_deref(), flags.tls_key.as_deref()),
+            (Some("/tls/d.pem"), Some("/tls/d.key"))
+        );
+        let proxy = d.tls(d.node("proxy").unwrap());
+        assert_eq!(
+            (proxy.cert, proxy.ca.as_deref()),
+            (None, Some("/tls/ca.pem"))
+        );
+
+        let half = GOOD.replace("port = 8200", "port = 8200\ntls_cert = \"/tls/d.pem\"");
+        let e = Deployment::parse(&half, "test").unwrap_err().to_string();
+        assert!(e.contains("tls_key"), "{e}");
     }
 
     #[test]

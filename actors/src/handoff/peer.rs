@@ -96,21 +96,20 @@ pub struct Peers {
 impl Peers {
     /// A client for instance `engine_id`: `control` reaches peers' control endpoints (when the
     /// instance has cluster credentials), `api_key` goes with HTTP calls, `timeout` bounds
-    /// every call but a Prefill.
+    /// every call but a Prefill; `http` carries the calls to peers without a control plane
+    /// (its TLS trust verifies `https://` peers: [`crate::http::HttpTls::client`]).
     pub fn new(
         engine_id: String,
         control: Option<Arc<ControlEndpoint>>,
         api_key: Option<String>,
         faults: Option<Arc<FaultInjector>>,
         timeout: Duration,
+        http: reqwest::ClientBuilder,
     ) -> Arc<Self> {
         Arc::new(Self {
             engine_id,
             control,
-            http: reqwest::Client::builder()
-                .no_proxy()
-                .build()
-                .unwrap_or_default(),
+            http: http.build().unwrap_or_default(),
             api_key,
             faults,
             timeout,

@@ -73,7 +73,7 @@ async fn serve(app: Arc<AppState>, body: Bytes, chat: bool) -> Result<Response, 
         .validate(app.vocab_size)
         .map_err(|e| RequestError::BadRequest(e.to_string()))?;
 
-    let directive = openai::kv_directive(req.kv_transfer_params.as_ref())?;
+    let directive = openai::kv_directive(req.kv_transfer_params.as_ref(), app.tls.scheme())?;
     if !matches!(directive, KvDirective::None) && app.kv.is_none() {
         return Err(RequestError::BadRequest("kv_transfer_params need an instance with a KV transfer engine (role prefill or decode)".into()).into());
     }

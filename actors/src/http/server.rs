@@ -1,9 +1,12 @@
 //! [`HttpServer`]: an axum server on its own task, shared by an instance's HttpFrontend and
-//! the proxy.
+//! the proxy; plain HTTP or HTTPS ([`super::tls`]).
 
+use super::tls::TlsListener;
+use axum::serve::Listener;
 use axum::Router;
 use ractor::ActorProcessingErr;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// An axum server on its own task, bound before it is returned (so a bad address reaches
@@ -14,14 +17,33 @@ pub struct HttpServer {
     task: tokio::task::JoinHandle<()>,
 }
 
+/// Serves `app` on `listener` until `shutdown`, then lets requests in flight finish.
+async fn serve<L>(
+    listener: L,
+    app: Router,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    what: &'static str,
+) where
+    L: Listener,
+    L::Addr: std::fmt::Debug,
+{
+    if let Err(e) = axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+    {
+        tracing::error!(error = %e, "{what} failed");
+    }
+}
+
 impl HttpServer {
-    /// Binds `bind` and starts serving `app`; `what` names it in logs.
+    /// Binds `bind` and starts serving `app`, over TLS with `tls`; `what` names it in logs.
     ///
     /// # Errors
     /// When the address cannot be bound.
     pub async fn start(
         bind: SocketAddr,
         app: Router,
+        tls: Option<Arc<rustls::ServerConfig>>,
         what: &'static str,
     ) -> Result<Self, ActorProcessingErr> {
         let listener = tokio::net::TcpListener::bind(bind)
@@ -29,15 +51,18 @@ impl HttpServer {
             .map_err(|e| format!("{what}: cannot listen on {bind}: {e}"))?;
         let addr = listener.local_addr()?;
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(async move {
-            let server = axum::serve(listener, app).with_graceful_shutdown(async move {
-                let _ = rx.await;
-            });
-            if let Err(e) = server.await {
-                tracing::error!(error = %e, "{what} failed");
+        let shutdown = async move {
+            let _ = rx.await;
+        };
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let task = match tls {
+            None => tokio::spawn(serve(listener, app, shutdown, what)),
+            Some(config) => {
+                let listener = TlsListener::new(listener, config)?;
+                tokio::spawn(serve(listener, app, shutdown, what))
             }
-        });
-        tracing::info!(%addr, "{what} listening");
+        };
+        tracing::info!(%addr, scheme, "{what} listening");
         Ok(Self {
             addr,
             shutdown: Some(tx),

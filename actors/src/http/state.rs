@@ -40,6 +40,8 @@ pub struct AppState {
     pub peer: Option<Arc<PeerService<SchedulerHandle>>>,
     /// Where this frontend listens (set once bound).
     pub addr: std::sync::OnceLock<SocketAddr>,
+    /// HTTPS of this API, and the scheme of peers named by host and port alone.
+    pub tls: super::HttpTls,
     /// Whether the instance takes new requests (cleared when it stops: `/health` says so).
     pub ready: AtomicBool,
 }

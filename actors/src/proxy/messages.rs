@@ -32,6 +32,8 @@ pub struct ProxyArgs {
     pub api_key: Option<String>,
     /// Bound on one call between the proxy's actors (`proxy.actor_call_timeout_ms`).
     pub call_timeout: Duration,
+    /// HTTPS of the front door, and the trust its calls to `https://` instances use.
+    pub tls: crate::http::HttpTls,
 }
 
 impl ProxyArgs {
@@ -47,6 +49,7 @@ impl ProxyArgs {
             max_prefill_queue: d.max_prefill_queue,
             api_key: None,
             call_timeout: Duration::from_millis(d.actor_call_timeout_ms),
+            tls: crate::http::HttpTls::default(),
         }
     }
 

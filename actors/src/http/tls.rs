@@ -1,0 +1,322 @@
+//! HTTPS for the API: [`HttpTls`] holds what a server serves (`tls_cert` + `tls_key`) and what
+//! its outgoing calls trust (the system's roots plus `tls_ca`); [`TlsListener`] is the axum
+//! listener that hands the server finished TLS streams.
+//!
+//! One type serves an instance's API and the proxy's alike, and gives both their HTTP client,
+//! so the proxy → instance and instance → instance calls verify the certificate of whoever
+//! answers an `https://` URL. rustls with ring, the crypto the control plane already uses.
+
+use axum::serve::Listener;
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::crypto::CryptoProvider;
+use rustls::DigitallySignedStruct;
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::{TcpListener, TcpStream};
+use tokio_rustls::server::TlsStream;
+use tokio_rustls::TlsAcceptor;
+
+/// A client that has not finished its TLS handshake by then is dropped.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Finished handshakes waiting for the server to take them.
+const ACCEPT_QUEUE: usize = 64;
+
+/// Why the TLS settings could not be loaded: names the file and the config key.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    /// A PEM file is missing, unreadable or holds nothing usable.
+    #[error("{key} `{path}`: {message}")]
+    File {
+        key: &'static str,
+        path: PathBuf,
+        message: String,
+    },
+    /// One of certificate and key without the other.
+    #[error("{given} is set but {missing} is not: HTTPS needs both")]
+    Unpaired {
+        given: &'static str,
+        missing: &'static str,
+    },
+    /// rustls refused the certificate, the key or their pairing.
+    #[error("TLS settings: {0}")]
+    Rustls(#[from] rustls::Error),
+}
+
+/// HTTPS settings of one API server and its outgoing calls.
+#[derive(Clone, Default)]
+pub struct HttpTls {
+    server: Option<Arc<rustls::ServerConfig>>,
+    extra_roots: Vec<CertificateDer<'static>>,
+}
+
+impl std::fmt::Debug for HttpTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HttpTls")
+            .field("serves_https", &self.server.is_some())
+            .field("extra_roots", &self.extra_roots.len())
+            .finish()
+    }
+}
+
+fn provider() -> Arc<CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+impl HttpTls {
+    /// Loads PEM files: `cert` (a chain, leaf first) and `key` make the server speak HTTPS;
+    /// `ca` adds roots its outgoing https calls trust beside the system's. `keys` name the
+    /// config keys in errors (e.g. `["server.tls_cert", "server.tls_key", "server.tls_ca"]`).
+    ///
+    /// # Errors
+    /// [`TlsError::File`] naming the key and path of a file that cannot be read or holds no
+    /// certificate / key; [`TlsError::Rustls`] when the key does not match the certificate.
+    pub fn load(
+        cert: Option<&Path>,
+        key: Option<&Path>,
+        ca: Option<&Path>,
+        keys: [&'static str; 3],
+    ) -> Result<Self, TlsError> {
+        let server = match (cert, key) {
+            (Some(cert), Some(key)) => {
+                let chain = certificates(cert, keys[0])?;
+                let key = PrivateKeyDer::from_pem_file(key).map_err(|e| TlsError::File {
+                    key: keys[1],
+                    path: key.to_path_buf(),
+                    message: format!("no private key: {e}"),
+                })?;
+                let mut config = rustls::ServerConfig::builder_with_provider(provider())
+                    .with_safe_default_protocol_versions()?
+                    .with_no_client_auth()
+                    .with_single_cert(chain, key)?;
+                config.alpn_protocols = vec![b"http/1.1".to_vec()];
+                Some(Arc::new(config))
+            }
+            (None, None) => None,
+            (given, _) => {
+                let (given, missing) = if given.is_some() {
+                    (keys[0], keys[1])
+                } else {
+                    (keys[1], keys[0])
+                };
+                return Err(TlsError::Unpaired { given, missing });
+            }
+        };
+        let extra_roots = match ca {
+            Some(ca) => certificates(ca, keys[2])?,
+            None => Vec::new(),
+        };
+        Ok(Self {
+            server,
+            extra_roots,
+        })
+    }
+
+    /// A server speaking HTTPS with `config`; outgoing calls trust the system's roots.
+    pub fn serving(config: Arc<rustls::ServerConfig>) -> Self {
+        Self {
+            server: Some(config),
+            extra_roots: Vec::new(),
+        }
+    }
+
+    /// Whether the server speaks HTTPS.
+    pub fn serves_https(&self) -> bool {
+        self.server.is_some()
+    }
+
+    /// `https` or `http`: the scheme of this server's URL, and of the peers it reaches by
+    /// host and port alone (a cluster serves TLS on every instance or on none).
+    pub fn scheme(&self) -> &'static str {
+        if self.serves_https() {
+            "https"
+        } else {
+            "http"
+        }
+    }
+
+    /// The server side: `None` for plain HTTP.
+    pub fn server_config(&self) -> Option<Arc<rustls::ServerConfig>> {
+        self.server.clone()
+    }
+
+    /// An HTTP client builder whose `https://` calls verify the answering server against the
+    /// system's roots and `tls_ca` (no system proxy; plain `http://` works as before). On a
+    /// machine without system roots and without `tls_ca`, https calls fail saying so.
+    pub fn client(&self) -> reqwest::ClientBuilder {
+        let provider = provider();
+        let verifier: Arc<dyn ServerCertVerifier> =
+            match rustls_platform_verifier::Verifier::new_with_extra_roots(
+                self.extra_roots.iter().cloned(),
+                provider.clone(),
+            ) {
+                Ok(v) => Arc::new(v),
+                Err(e) => Arc::new(NoRoots {
+                    why: e.to_string(),
+                    schemes: provider
+                        .signature_verification_algorithms
+                        .supported_schemes(),
+                }),
+            };
+        let config = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .expect("ring supports rustls' default protocol versions")
+            .dangerous()
+            .with_custom_certificate_verifier(verifier)
+            .with_no_client_auth();
+        reqwest::Client::builder()
+            .no_proxy()
+            .tls_backend_preconfigured(config)
+    }
+}
+
+/// The HTTP client every part of pdserve uses (and tests should): https calls trust the
+/// system's roots, no system proxy. reqwest's own TLS setup is never used: it would look for a
+/// process-wide crypto provider pdserve does not install.
+pub fn http_client() -> reqwest::ClientBuilder {
+    HttpTls::default().client()
+}
+
+/// Trust when there is none to be had: every certificate is refused, naming why.
+#[derive(Debug)]
+struct NoRoots {
+    why: String,
+    schemes: Vec<rustls::SignatureScheme>,
+}
+
+impl NoRoots {
+    fn refuse<T>(&self) -> Result<T, rustls::Error> {
+        Err(rustls::Error::General(format!(
+            "no trusted roots ({}): set tls_ca to the CA that signed the instances' certificates",
+            self.why
+        )))
+    }
+}
+
+impl ServerCertVerifier for NoRoots {
+    fn verify_server_cert(
+        &self,
+        _end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _server_name: &rustls_pki_types::ServerName<'_>,
+        _ocsp_response: &[u8],
+        _now: rustls_pki_types::UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        self.refuse()
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        _message: &[u8],
+        _cert: &CertificateDer<'_>,
+        _dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.refuse()
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        _message: &[u8],
+        _cert: &CertificateDer<'_>,
+        _dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.refuse()
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.schemes.clone()
+    }
+}
+
+fn certificates(path: &Path, key: &'static str) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let file = |message: String| TlsError::File {
+        key,
+        path: path.to_path_buf(),
+        message,
+    };
+    let certs = CertificateDer::pem_file_iter(path)
+        .map_err(|e| file(e.to_string()))?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| file(format!("bad PEM: {e}")))?;
+    if certs.is_empty() {
+        return Err(file("no certificate in the file".into()));
+    }
+    Ok(certs)
+}
+
+/// An axum listener that accepts TCP connections and yields them once their TLS handshake has
+/// finished. Handshakes run on tasks of their own (bounded by [`HANDSHAKE_TIMEOUT`]), so a
+/// slow or silent client never holds up the next one; a failed handshake is logged and
+/// dropped. Dropping the listener stops accepting.
+pub struct TlsListener {
+    addr: SocketAddr,
+    ready: tokio::sync::mpsc::Receiver<(TlsStream<TcpStream>, SocketAddr)>,
+    acceptor: tokio::task::JoinHandle<()>,
+}
+
+impl TlsListener {
+    /// Serves TLS with `config` on `listener`.
+    ///
+    /// # Errors
+    /// When the listener has no local address.
+    pub fn new(listener: TcpListener, config: Arc<rustls::ServerConfig>) -> std::io::Result<Self> {
+        let addr = listener.local_addr()?;
+        let (tx, ready) = tokio::sync::mpsc::channel(ACCEPT_QUEUE);
+        let tls = TlsAcceptor::from(config);
+        let acceptor = tokio::spawn(async move {
+            loop {
+                let (tcp, peer) = match listener.accept().await {
+                    Ok(c) => c,
+                    Err(e) => {
+                        // Out of descriptors and the like: back off instead of spinning.
+                        tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let (tls, tx) = (tls.clone(), tx.clone());
+                tokio::spawn(async move {
+                    match tokio::time::timeout(HANDSHAKE_TIMEOUT, tls.accept(tcp)).await {
+                        Ok(Ok(stream)) => {
+                            let _ = tx.send((stream, peer)).await;
+                        }
+                        Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
+                        Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
+                    }
+                });
+            }
+        });
+        Ok(Self {
+            addr,
+            ready,
+            acceptor,
+        })
+    }
+}
+
+impl Drop for TlsListener {
+    fn drop(&mut self) {
+        self.acceptor.abort();
+    }
+}
+
+impl Listener for TlsListener {
+    type Io = TlsStream<TcpStream>;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        match self.ready.recv().await {
+            Some(conn) => conn,
+            // The acceptor task only ends when aborted, which happens on drop: unreachable
+            // while the server still polls this listener.
+            None => std::future::pending().await,
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        Ok(self.addr)
+    }
+}

@@ -76,6 +76,8 @@ async fn proxy_at(name: &str, listen: SocketAddr) -> Result<Proxy, String> {
         max_prefill_queue: None,
         api_key: None,
         call_timeout: Duration::from_secs(5),
+        migration_limit: 1,
+        prefill_retry: Default::default(),
     };
     let control = ProxyControlArgs::new(member(name), listen);
     let started = start_proxy_with_control(name, args, Some(control))

@@ -343,6 +343,8 @@ async fn proxy_for(
         max_prefill_queue,
         api_key: None,
         call_timeout: Duration::from_secs(5),
+        migration_limit: 1,
+        prefill_retry: Default::default(),
     };
     let proxy = start_proxy(name, args).await.unwrap();
     let url = format!("http://{}", proxy.addr);

@@ -730,6 +730,8 @@ pub struct ServeFlags {
     pub control_listen: Option<String>,
     /// `control.proxy`.
     pub control_proxy: Option<String>,
+    /// `server.drain_timeout_s`.
+    pub drain_timeout_s: Option<u64>,
 }
 
 /// The nested shape [`ServeFlags`] serializes into.
@@ -818,6 +820,8 @@ struct FlagsServer<'a> {
     port: Option<u16>,
     #[serde(skip_serializing_if = "Option::is_none")]
     api_key: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    drain_timeout_s: Option<u64>,
 }
 
 #[derive(Serialize)]
@@ -865,6 +869,7 @@ impl Serialize for ServeFlags {
                 host: self.host.as_deref(),
                 port: self.port,
                 api_key: self.api_key.as_deref(),
+                drain_timeout_s: self.drain_timeout_s,
             },
             scheduler: FlagsScheduler {
                 max_num_seqs: self.max_num_seqs,
@@ -1037,6 +1042,36 @@ pub struct ProxySection {
     pub control_listen: String,
     /// Bound on one call between the proxy's actors, in milliseconds.
     pub actor_call_timeout_ms: u64,
+    /// Times one request may move to another decode instance when the one serving it dies or
+    /// its stream breaks mid-generation (request migration); 0 turns migration off.
+    pub migration_limit: u32,
+    /// What the proxy does when the prefill instance of a request fails before the hand-off.
+    pub prefill_retry: PrefillRetry,
+}
+
+/// What the proxy does when a request's prefill instance fails before the KV hand-off
+/// (`proxy.prefill_retry`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PrefillRetry {
+    /// Another prefill instance; when none is left, the decode instance prefills itself.
+    #[default]
+    Retry,
+    /// The decode instance prefills the request itself.
+    Local,
+    /// The error goes to the client.
+    Fail,
+}
+
+impl PrefillRetry {
+    /// The config spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Retry => "retry",
+            Self::Local => "local",
+            Self::Fail => "fail",
+        }
+    }
 }
 
 impl Default for ProxySection {
@@ -1053,6 +1088,8 @@ impl Default for ProxySection {
             node: "proxy".into(),
             control_listen: "127.0.0.1:0".into(),
             actor_call_timeout_ms: 5_000,
+            migration_limit: 1,
+            prefill_retry: PrefillRetry::Retry,
         }
     }
 }

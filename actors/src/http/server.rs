@@ -30,6 +30,8 @@ impl HttpServer {
         let addr = listener.local_addr()?;
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(async move {
+            // Handlers may ask for the peer's address (`POST /drain` from loopback).
+            let app = app.into_make_service_with_connect_info::<SocketAddr>();
             let server = axum::serve(listener, app).with_graceful_shutdown(async move {
                 let _ = rx.await;
             });

@@ -362,11 +362,18 @@ fn apply_scale(
     if n == 0 {
         bail!("a cluster needs at least one {role} instance");
     }
+    // Instances asked to drain, or that already stopped after a drain of their own
+    // (`pdserve drain`: exit 0), do not count.
     let active: Vec<usize> = members
-        .iter()
+        .iter_mut()
         .enumerate()
-        .filter(|(_, m)| m.role == Some(role) && !m.draining)
-        .map(|(i, _)| i)
+        .filter_map(|(i, m)| {
+            if m.role != Some(role) || m.draining {
+                return None;
+            }
+            let exited = m.child.as_mut().and_then(|c| c.try_wait().ok().flatten());
+            (!exited.is_some_and(|s| s.success())).then_some(i)
+        })
         .collect();
     if n > active.len() {
         let mut started = Vec::new();

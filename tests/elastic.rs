@@ -25,12 +25,12 @@ struct Cluster {
 }
 
 impl Cluster {
-    fn launch(tag_name: &str, extra: &[&str]) -> Self {
+    fn launch(tag_name: &str, model: &str, extra: &[&str]) -> Self {
         let tag = format!("{tag_name}={}", std::process::id());
         let (key, value) = tag.split_once('=').unwrap();
         let mut launcher = Command::new(env!("CARGO_BIN_EXE_pdserve"))
             .args([
-                "launch", "--model", "synthetic:tiny", "--decode", "2", "--port", "0",
+                "launch", "--model", model, "--decode", "2", "--port", "0",
                 "--threads", "1",
             ])
             .args(extra)
@@ -191,8 +191,10 @@ fn body(i: usize, max_tokens: usize) -> Value {
 #[test]
 fn streams_of_a_killed_decode_instance_migrate_and_match_an_uninterrupted_run() {
     const STREAMS: usize = 16;
-    const TOKENS: usize = 400;
-    let cluster = Cluster::launch("PDSERVE_TEST_ELASTIC_KILL", &[]);
+    // Long enough that every stream still runs when decode-0 dies (a deeper synthetic model
+    // than `tiny`, near its context).
+    const TOKENS: usize = 900;
+    let cluster = Cluster::launch("PDSERVE_TEST_ELASTIC_KILL", "synthetic:tiny,layers=8", &[]);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -227,7 +229,12 @@ fn streams_of_a_killed_decode_instance_migrate_and_match_an_uninterrupted_run() 
     unsafe {
         libc::kill(victim as i32, libc::SIGKILL);
     }
+    let killed_at = Instant::now();
     let results: Vec<_> = handles.into_iter().map(|h| rt.block_on(h).unwrap()).collect();
+    eprintln!(
+        "streams ended {:.1} s after the kill",
+        killed_at.elapsed().as_secs_f64()
+    );
     for (i, r) in results.iter().enumerate() {
         let text = r.as_ref().unwrap_or_else(|e| panic!("stream {i} failed: {e}"));
         assert_eq!(text, &reference[i], "stream {i} differs from the uninterrupted run");
@@ -241,7 +248,11 @@ fn streams_of_a_killed_decode_instance_migrate_and_match_an_uninterrupted_run() 
 fn draining_a_decode_instance_under_load_fails_nothing_and_scale_up_gets_traffic() {
     const CONCURRENCY: usize = 8;
     const ROUNDS: usize = 3;
-    let cluster = Cluster::launch("PDSERVE_TEST_ELASTIC_DRAIN", &["--drain-timeout", "20"]);
+    let cluster = Cluster::launch(
+        "PDSERVE_TEST_ELASTIC_DRAIN",
+        "synthetic:tiny",
+        &["--drain-timeout", "20"],
+    );
     let v = cluster.wait_for("both decode instances routable", 30, |v| {
         routable(v, "decode-0") && routable(v, "decode-1")
     });

@@ -69,6 +69,12 @@ impl Generation {
         Ok(g)
     }
 
+    /// Advances the sampler's random stream past `n` samples drawn elsewhere (the first token
+    /// of a disaggregated request is sampled by the prefill instance from the same seed).
+    pub fn skip_samples(&mut self, n: usize) {
+        self.sampler.skip_samples(n);
+    }
+
     /// Tokens generated so far (a stop token included, as the model produced it).
     pub fn output(&self) -> &[u32] {
         &self.output

@@ -318,6 +318,10 @@ impl SchedulerCore {
         }
         s.computed = s.prompt.len();
         s.state = RequestState::Running;
+        // The prefill instance drew the first token's random number from the same seeded
+        // stream: skip it here, so seeded sampling gives what one instance would (and a
+        // request migrated elsewhere continues it exactly).
+        s.gen.skip_samples(1);
         self.running.push(id);
         Ok(self.accept_token(id, first_token))
     }

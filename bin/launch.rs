@@ -264,7 +264,10 @@ async fn reap(members: &mut [Member], deadline: tokio::time::Instant) {
                 .await
                 .is_err()
             {
-                eprintln!("pdserve launch: {} did not stop in time: killing it", m.name);
+                eprintln!(
+                    "pdserve launch: {} did not stop in time: killing it",
+                    m.name
+                );
                 let _ = child.kill().await;
             }
         }
@@ -315,11 +318,29 @@ impl InstanceTemplate {
     fn member(&self, role: &'static str, i: usize) -> Member {
         let name = format!("{role}-{i}");
         let args: Vec<String> = [
-            "serve", "--role", role, "--name", &name, "--model", &self.model, "--port", "0",
-            "--tp", &self.tp.to_string(), "--transfer", &self.transport,
-            "--threads", &self.threads.to_string(), "--credentials-dir", &self.dir,
-            "--control-proxy", &self.control.to_string(), "--transfer-mode", self.mode,
-            "--drain-timeout", &self.drain_timeout.to_string(),
+            "serve",
+            "--role",
+            role,
+            "--name",
+            &name,
+            "--model",
+            &self.model,
+            "--port",
+            "0",
+            "--tp",
+            &self.tp.to_string(),
+            "--transfer",
+            &self.transport,
+            "--threads",
+            &self.threads.to_string(),
+            "--credentials-dir",
+            &self.dir,
+            "--control-proxy",
+            &self.control.to_string(),
+            "--transfer-mode",
+            self.mode,
+            "--drain-timeout",
+            &self.drain_timeout.to_string(),
         ]
         .iter()
         .map(|s| s.to_string())
@@ -351,7 +372,10 @@ fn apply_scale(
 ) -> Result<String> {
     let words: Vec<&str> = line.split_whitespace().collect();
     let (role, n) = match words[..] {
-        ["scale", role, n] => (role, n.parse::<usize>().with_context(|| format!("count `{n}`"))?),
+        ["scale", role, n] => (
+            role,
+            n.parse::<usize>().with_context(|| format!("count `{n}`"))?,
+        ),
         _ => bail!("expected `scale prefill|decode N`, got `{line}`"),
     };
     let role: &'static str = match role {
@@ -423,12 +447,16 @@ async fn serve_scale(
     let mut line = String::new();
     let mut reader = BufReader::new(read);
     let read_line = reader.read_line(&mut line);
-    if tokio::time::timeout(Duration::from_secs(10), read_line).await.is_err() {
+    if tokio::time::timeout(Duration::from_secs(10), read_line)
+        .await
+        .is_err()
+    {
         return;
     }
     let (tx, rx) = tokio::sync::oneshot::channel();
     let answer = if requests.send((line.trim().to_string(), tx)).await.is_ok() {
-        rx.await.unwrap_or_else(|_| "error the launcher is stopping".into())
+        rx.await
+            .unwrap_or_else(|_| "error the launcher is stopping".into())
     } else {
         "error the launcher is stopping".into()
     };

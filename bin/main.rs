@@ -856,9 +856,16 @@ fn issue_joining_member(cfg: &pdserve_runtime::config::ServeConfig) -> Result<()
     let name = &cfg.instance.name;
     let have = dir.join("members").join(format!("{name}.crt")).exists();
     if !have && dir.join("ca.key").exists() {
-        pdserve_transport::control::tls::issue_member(dir, name)
-            .with_context(|| format!("issuing member credentials for `{name}` in {}", dir.display()))?;
-        eprintln!("pdserve: issued member credentials for `{name}` in {}", dir.display());
+        pdserve_transport::control::tls::issue_member(dir, name).with_context(|| {
+            format!(
+                "issuing member credentials for `{name}` in {}",
+                dir.display()
+            )
+        })?;
+        eprintln!(
+            "pdserve: issued member credentials for `{name}` in {}",
+            dir.display()
+        );
     }
     Ok(())
 }
@@ -896,7 +903,12 @@ fn drain(args: DrainArgs) -> Result<()> {
         if let Some(secs) = args.wait {
             let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
             loop {
-                if http.get(format!("{base}/health/live")).send().await.is_err() {
+                if http
+                    .get(format!("{base}/health/live"))
+                    .send()
+                    .await
+                    .is_err()
+                {
                     println!("{base}: stopped");
                     break;
                 }

@@ -303,7 +303,9 @@ pub fn parse_value(v: &Value, chat: bool) -> Result<ParsedRequest, RequestError>
     let return_token_ids = opt_bool(v, "return_token_ids")?;
     let resume_tokens = match v.get("resume_tokens") {
         None | Some(Value::Null) => Vec::new(),
-        Some(x) => token_list(x).ok_or_else(|| bad("`resume_tokens` must be a list of token ids"))?,
+        Some(x) => {
+            token_list(x).ok_or_else(|| bad("`resume_tokens` must be a list of token ids"))?
+        }
     };
     if !resume_tokens.is_empty() && kv_transfer_params.is_some() {
         return Err(bad(

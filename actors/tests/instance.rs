@@ -563,7 +563,10 @@ async fn a_resumed_request_continues_exactly_where_the_original_stopped() {
             let (status, rest) = post(&url, "/v1/completions", b.clone()).await;
             assert_eq!(status, 200, "{rest}");
             assert_eq!(token_ids(&rest), all[cut..], "cut {cut}: {body}");
-            assert_eq!(rest["usage"]["completion_tokens"], 30, "counts the resumed tokens");
+            assert_eq!(
+                rest["usage"]["completion_tokens"], 30,
+                "counts the resumed tokens"
+            );
             // Streamed: the text of the continuation is what the original sent after them.
             b["stream"] = json!(true);
             let r = reqwest::Client::new()
@@ -613,7 +616,12 @@ async fn health_separates_live_from_ready_and_a_drain_finishes_what_runs() {
     let long = {
         let url = url.clone();
         tokio::spawn(async move {
-            post(&url, "/v1/completions", json!({"prompt": "x", "max_tokens": 200, "ignore_eos": true})).await
+            post(
+                &url,
+                "/v1/completions",
+                json!({"prompt": "x", "max_tokens": 200, "ignore_eos": true}),
+            )
+            .await
         })
     };
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -625,10 +633,19 @@ async fn health_separates_live_from_ready_and_a_drain_finishes_what_runs() {
     assert_eq!(r.status(), 202);
     // Draining: live, not ready, new requests refused with 503.
     let (status, v) = get("/health").await;
-    assert_eq!((status, v["status"].clone()), (503, json!("draining")), "{v}");
+    assert_eq!(
+        (status, v["status"].clone()),
+        (503, json!("draining")),
+        "{v}"
+    );
     assert_eq!(get("/health/ready").await.0, 503);
     assert_eq!(get("/health/live").await.0, 200);
-    let (status, v) = post(&url, "/v1/completions", json!({"prompt": "y", "max_tokens": 2})).await;
+    let (status, v) = post(
+        &url,
+        "/v1/completions",
+        json!({"prompt": "y", "max_tokens": 2}),
+    )
+    .await;
     assert_eq!(status, 503, "{v}");
     assert_eq!(v["error"]["type"], "shutting_down", "{v}");
     // The owner hears of it, and the stop lets the running request finish.

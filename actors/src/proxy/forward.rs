@@ -35,8 +35,8 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use pdserve_runtime::telemetry as m;
 use pdserve_runtime::config::PrefillRetry;
+use pdserve_runtime::telemetry as m;
 use pdserve_runtime::Role;
 use serde_json::{json, Value};
 use std::collections::VecDeque;
@@ -434,8 +434,8 @@ impl Job {
                                 .record(arrived.elapsed().as_secs_f64());
                             metrics::histogram!(m::PROXY_REQUEST_SECONDS)
                                 .record(arrived.elapsed().as_secs_f64());
-                            let code = StatusCode::from_u16(status)
-                                .unwrap_or(StatusCode::BAD_GATEWAY);
+                            let code =
+                                StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
                             return (code, [("content-type", ctype)], body).into_response();
                         }
                     }
@@ -637,7 +637,10 @@ impl StreamView {
 /// `(end of the event, length of its separator)` of the first complete SSE event in `buf`.
 fn find_event_end(buf: &[u8]) -> Option<(usize, usize)> {
     let lf = buf.windows(2).position(|w| w == b"\n\n").map(|i| (i, 2));
-    let crlf = buf.windows(4).position(|w| w == b"\r\n\r\n").map(|i| (i, 4));
+    let crlf = buf
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map(|i| (i, 4));
     match (lf, crlf) {
         (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
         (a, b) => a.or(b),
@@ -689,8 +692,7 @@ impl Relay {
                 }
                 Ok(None) | Err(_) if self.view.finished => {
                     // Everything but the trailer arrived: end the stream properly.
-                    self.out
-                        .push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+                    self.out.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
                     self.end = true;
                 }
                 Ok(None) => {
@@ -735,8 +737,7 @@ impl Relay {
     /// Ends the client's stream with `error` (an SSE error event).
     fn fail_with(&mut self, error: Bytes) {
         self.out.push_back(error);
-        self.out
-            .push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+        self.out.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
         self.end = true;
     }
 
@@ -792,7 +793,12 @@ fn stream_response(
         let bytes = relay.next().await?;
         Some((Ok::<Bytes, std::io::Error>(bytes), relay))
     });
-    (StatusCode::OK, [("content-type", ctype)], Body::from_stream(stream)).into_response()
+    (
+        StatusCode::OK,
+        [("content-type", ctype)],
+        Body::from_stream(stream),
+    )
+        .into_response()
 }
 
 #[cfg(test)]
@@ -855,7 +861,11 @@ mod tests {
         };
         let out = relayed(v.feed(role("a").as_bytes()));
         assert_eq!(out[0]["choices"][0]["delta"]["role"], "assistant");
-        assert_eq!(out[0]["choices"][0]["token_ids"], json!([120]), "kept: asked for");
+        assert_eq!(
+            out[0]["choices"][0]["token_ids"],
+            json!([120]),
+            "kept: asked for"
+        );
         let out = relayed(v.feed(role("b").as_bytes()));
         assert!(out[0]["choices"][0]["delta"].get("role").is_none());
         assert_eq!(out[0]["id"], "a");

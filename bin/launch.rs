@@ -401,15 +401,24 @@ fn apply_scale(
         .collect();
     if n > active.len() {
         let mut started = Vec::new();
-        let mut next = members
-            .iter()
-            .filter(|m| m.role == Some(role))
-            .filter_map(|m| m.name.rsplit('-').next()?.parse::<usize>().ok())
+        // Names are never reused within a launch: past the highest index that has
+        // credentials (instances that were drained included).
+        let first = std::fs::read_dir(creds.dir().join("members"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| {
+                let name = e.file_name().to_string_lossy().into_owned();
+                let stem = name.strip_suffix(".crt")?;
+                stem.strip_prefix(role)?
+                    .strip_prefix('-')?
+                    .parse::<usize>()
+                    .ok()
+            })
             .max()
             .map_or(0, |i| i + 1);
-        for _ in active.len()..n {
+        for next in first..first + (n - active.len()) {
             let mut m = template.member(role, next);
-            next += 1;
             pdserve_transport::control::tls::issue_member(creds.dir(), &m.name)
                 .with_context(|| format!("issuing credentials for {}", m.name))?;
             m.child = Some(spawn(&m).with_context(|| format!("starting {}", m.name))?);

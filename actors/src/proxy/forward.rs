@@ -360,7 +360,10 @@ impl Job {
             if status == 200 {
                 return Ok((resp, decode, prefill));
             }
-            if status != 503 && !(status == 502 && !self.stream) {
+            // 503: another decode instance may take it; 502 of a non-streamed request: the
+            // hand-off may have failed (a stream reports that in its body).
+            let decide = status == 503 || (status == 502 && !self.stream);
+            if !decide {
                 return Ok((resp, decode, prefill));
             }
             // Read the refusal to decide; it is small.

@@ -343,8 +343,10 @@ async fn proxy_for(
         max_prefill_queue,
         api_key: None,
         call_timeout: Duration::from_secs(5),
-        migration_limit: 1,
-        prefill_retry: Default::default(),
+        // These tests check how the instances fail: the proxy passes failures on as they
+        // are (no migration, no prefill retry; tests/elastic.rs covers those).
+        migration_limit: 0,
+        prefill_retry: pdserve_runtime::config::PrefillRetry::Fail,
     };
     let proxy = start_proxy(name, args).await.unwrap();
     let url = format!("http://{}", proxy.addr);

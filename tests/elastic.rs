@@ -1,8 +1,9 @@
 //! Processes coming and going under load, against `pdserve launch` clusters (1P2D, the
 //! synthetic model): a decode instance SIGKILLed under 16 greedy streams (every stream
-//! completes with the text of an uninterrupted run: request migration), a decode instance drained under
-//! load (no request fails, the pools end full), and a third decode instance scaled in while
-//! the cluster serves (it receives traffic).
+//! completes with the text of an uninterrupted run: request migration); a decode instance
+//! drained under load (no request fails, the pools end full), a third decode instance scaled
+//! in while the cluster serves (it receives traffic), and the prefill instance SIGKILLed and
+//! restarted under load (no request fails, no block stays stranded).
 
 mod common;
 
@@ -276,7 +277,7 @@ fn streams_of_a_killed_decode_instance_migrate_and_match_an_uninterrupted_run() 
 }
 
 #[test]
-fn draining_a_decode_instance_under_load_fails_nothing_and_scale_up_gets_traffic() {
+fn drain_scale_up_and_a_prefill_restart_under_load_fail_nothing_and_strand_no_block() {
     const CONCURRENCY: usize = 8;
     const ROUNDS: usize = 3;
     let cluster = Cluster::launch(
@@ -399,5 +400,55 @@ fn draining_a_decode_instance_under_load_fails_nothing_and_scale_up_gets_traffic
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum();
     assert!(generated > 0.0, "decode-2 served nothing:\n{metrics}");
-    cluster.wait_for("pools full at the end", 30, pools_full);
+
+    // The prefill instance dies mid-run and is restarted by the launcher: requests whose
+    // hand-off it broke are prefilled elsewhere (the proxy's prefill retry: with no other
+    // prefill instance, on the decode instance), none fails, and no block stays stranded.
+    let started = Arc::new(AtomicUsize::new(0));
+    let handles: Vec<_> = (0..CONCURRENCY)
+        .map(|i| {
+            let (url, started) = (url.clone(), started.clone());
+            rt.spawn(async move {
+                let mut failures = Vec::new();
+                for round in 0..ROUNDS {
+                    if let Err(e) = stream(
+                        &url,
+                        &body(200 + i * ROUNDS + round, 60),
+                        Some(started.clone()),
+                    )
+                    .await
+                    {
+                        failures.push(e);
+                    }
+                }
+                failures
+            })
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while started.load(Ordering::SeqCst) < CONCURRENCY / 2 {
+        assert!(Instant::now() < deadline, "the load did not start");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let prefill = cluster.pid_of("prefill-0");
+    // SAFETY: SIGKILL to a process this test started (through the launcher).
+    unsafe {
+        libc::kill(prefill as i32, libc::SIGKILL);
+    }
+    let failures: Vec<String> = handles
+        .into_iter()
+        .flat_map(|h| rt.block_on(h).unwrap())
+        .collect();
+    assert!(
+        failures.is_empty(),
+        "{} failed: {failures:?}",
+        failures.len()
+    );
+    eprintln!(
+        "prefill retries after the kill: {}",
+        cluster.metric("pdserve_prefill_retries_total")
+    );
+    cluster.wait_for("prefill-0 back and every pool full", 90, |v| {
+        routable(v, "prefill-0") && pools_full(v)
+    });
 }

@@ -36,6 +36,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use pdserve_runtime::config::PrefillRetry;
+use pdserve_runtime::ids::TransferId;
 use pdserve_runtime::telemetry as m;
 use pdserve_runtime::Role;
 use serde_json::{json, Value};
@@ -265,10 +266,16 @@ impl Job {
         least_loaded(&candidates, role, &self.s.rr).cloned()
     }
 
-    /// The body of one attempt: prefilled on `prefill` (else on the decode instance itself),
-    /// continuing after `resume`.
-    fn body(&self, prefill: Option<&Upstream>, resume: &[u32]) -> Result<Vec<u8>, RequestError> {
+    /// The body of one attempt — prefilled on `prefill` (else on the decode instance itself),
+    /// continuing after `resume` — and the `transfer_id` its hand-off uses (none when the
+    /// decode instance prefills).
+    fn body(
+        &self,
+        prefill: Option<&Upstream>,
+        resume: &[u32],
+    ) -> Result<(Vec<u8>, Option<TransferId>), RequestError> {
         let mut request = self.request.clone();
+        let mut transfer = None;
         if let Some(prefill) = prefill {
             let Some((host, port)) = prefill.host_port.clone() else {
                 return Err(RequestError::Internal(format!(
@@ -286,7 +293,11 @@ impl Job {
                 remote_engine_id: prefill.control.as_ref().map(|(_, node)| node.clone()),
                 remote_control_addr: prefill.control.as_ref().map(|(a, _)| a.to_string()),
                 remote_block_ids: None,
-                transfer_id: pdserve_runtime::ids::TransferId::new_random().to_string(),
+                transfer_id: {
+                    let t = TransferId::new_random();
+                    transfer = Some(t);
+                    t.to_string()
+                },
                 first_token_id: None,
                 kv_lease_ms: None,
             };
@@ -300,7 +311,9 @@ impl Job {
             // Migration needs to know which tokens the client has.
             request["return_token_ids"] = json!(true);
         }
-        serde_json::to_vec(&request).map_err(|e| RequestError::Internal(e.to_string()))
+        let body =
+            serde_json::to_vec(&request).map_err(|e| RequestError::Internal(e.to_string()))?;
+        Ok((body, transfer))
     }
 
     /// Sends one attempt; `Err` only when `decode` could not be reached at all.
@@ -310,8 +323,15 @@ impl Job {
         prefill: Option<&Upstream>,
         resume: &[u32],
     ) -> Result<Result<reqwest::Response, String>, RequestError> {
-        let body = self.body(prefill, resume)?;
-        tracing::info!(decode = %decode.url, prefill = ?prefill.map(|p| &p.url), resumed = resume.len(), "routing");
+        let (body, transfer) = self.body(prefill, resume)?;
+        match (transfer, prefill) {
+            (Some(transfer), Some(p)) => {
+                tracing::info!(%transfer, prefill = %p.url, decode = %decode.url, resumed = resume.len(), "routing")
+            }
+            _ => {
+                tracing::info!(decode = %decode.url, resumed = resume.len(), "routing: the decode instance prefills")
+            }
+        }
         Ok(self
             .s
             .upstream(self.s.http.post(format!("{}{}", decode.url, self.path)))

@@ -81,7 +81,13 @@ async fn reference() -> Vec<Vec<u64>> {
         MODEL.trim_start_matches("synthetic:").into(),
     ))
     .unwrap();
-    let inst = Instance::start(InstanceOptions::local("soak-reference", model))
+    // Actor names are per process, and the soak's tests run side by side.
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let name = format!(
+        "soak-reference-{}",
+        N.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+    );
+    let inst = Instance::start(InstanceOptions::local(&name, model))
         .await
         .unwrap();
     let mut out = Vec::new();

@@ -1,8 +1,17 @@
 //! `pdserve launch`: a single-node P/D cluster — a proxy, N prefill and M decode instances,
 //! each a child process this launcher supervises (restart on crash under a budget, then stop
-//! everything), with the proxy URL printed on a line of its own. Ctrl-C or SIGTERM stops every
-//! child (SIGTERM, then SIGKILL after a grace period); children also get SIGTERM if the
-//! launcher itself dies (`PR_SET_PDEATHSIG`), so none is left behind.
+//! everything), with the proxy URL printed on a line of its own. Ctrl-C or SIGTERM **drains**
+//! the cluster: every instance gets SIGTERM first (each leaves the routing set, finishes what
+//! it runs within `--drain-timeout`, and exits), the proxy last, so requests in flight
+//! complete; a child still there after the drain bound plus a grace period is killed.
+//! Children also get SIGTERM if the launcher itself dies (`PR_SET_PDEATHSIG`), so none is left
+//! behind. A child that exits 0 by itself was drained (`pdserve drain`): it is not restarted.
+//!
+//! **Scaling.** The launcher listens on a Unix socket in its credentials directory
+//! (`DIR/launch.sock`, reachable only by its user); `pdserve scale prefill|decode N
+//! --credentials-dir DIR` sends `scale ROLE N` there: the launcher starts new instances
+//! (they register with the proxy and are routed to as soon as they are up) or drains the
+//! newest ones (SIGTERM: they leave routing at once and finish what they run).
 //! `--in-process` runs every actor in this process over the `local` transport instead.
 //!
 //! The launcher makes ephemeral cluster credentials in a private temporary directory (removed
@@ -22,8 +31,10 @@ use tokio::process::{Child, Command};
 
 /// How long an instance may take to load and answer `/health`.
 const READY_TIMEOUT: Duration = Duration::from_secs(300);
-/// Grace period between SIGTERM and SIGKILL at shutdown.
+/// Grace period beyond the drain timeout between SIGTERM and SIGKILL at shutdown.
 const STOP_GRACE: Duration = Duration::from_secs(10);
+/// The launcher's control socket in its credentials directory (`pdserve scale`).
+pub const CONTROL_SOCKET: &str = "launch.sock";
 
 /// `pdserve launch` flags.
 #[derive(Args, Debug, Clone)]
@@ -67,6 +78,50 @@ pub struct LaunchArgs {
     /// lines.
     #[arg(long)]
     api_key: Option<String>,
+    /// How long a stopping (or scaled-down) instance may take to finish what it runs, in
+    /// seconds (each instance's `server.drain_timeout_s`).
+    #[arg(long, default_value_t = 30)]
+    drain_timeout: u64,
+    /// Times one request may move to another decode instance mid-generation (the proxy's
+    /// `proxy.migration_limit`).
+    #[arg(long, default_value_t = 1)]
+    migration_limit: u32,
+}
+
+/// `pdserve scale` flags.
+#[derive(Args, Debug)]
+pub struct ScaleArgs {
+    /// `prefill` or `decode`.
+    role: String,
+    /// The number of instances of that role wanted.
+    count: usize,
+    /// The credentials directory `pdserve launch` printed (its control socket lives there);
+    /// also `$PDSERVE_CREDENTIALS_DIR`.
+    #[arg(long, env = "PDSERVE_CREDENTIALS_DIR")]
+    credentials_dir: PathBuf,
+}
+
+/// `pdserve scale ROLE N --credentials-dir DIR`: asks the launcher for N instances of ROLE.
+///
+/// # Errors
+/// When the launcher cannot be reached or refuses.
+pub fn scale(args: ScaleArgs) -> Result<()> {
+    use std::io::{BufRead, BufReader, Write};
+    let path = args.credentials_dir.join(CONTROL_SOCKET);
+    let mut conn = std::os::unix::net::UnixStream::connect(&path)
+        .with_context(|| format!("cannot reach the launcher at {}", path.display()))?;
+    conn.set_read_timeout(Some(Duration::from_secs(30)))?;
+    writeln!(conn, "scale {} {}", args.role, args.count)?;
+    let mut answer = String::new();
+    BufReader::new(conn).read_line(&mut answer)?;
+    let answer = answer.trim();
+    match answer.strip_prefix("ok ") {
+        Some(rest) => {
+            println!("{rest}");
+            Ok(())
+        }
+        None => bail!("the launcher refused: {answer}"),
+    }
 }
 
 fn free_port() -> Result<u16> {
@@ -136,6 +191,10 @@ impl Drop for LaunchCredentials {
 
 struct Member {
     name: String,
+    /// `prefill` or `decode`; `None` for the proxy.
+    role: Option<&'static str>,
+    /// Asked to drain (SIGTERM sent): its exit is expected.
+    draining: bool,
     args: Vec<String>,
     env: Vec<(&'static str, String)>,
     child: Option<Child>,
@@ -186,27 +245,230 @@ async fn wait_ready(url: &str, members: &mut [Member]) -> Result<()> {
     }
 }
 
-async fn stop_all(members: &mut [Member]) {
-    for m in members.iter() {
-        if let Some(pid) = m.child.as_ref().and_then(Child::id) {
-            // SAFETY: sending a signal to our own child process.
-            unsafe {
-                libc::kill(pid as i32, libc::SIGTERM);
-            }
+/// Sends SIGTERM to a child (a drain, for an instance).
+fn terminate(child: &Child) {
+    if let Some(pid) = child.id() {
+        // SAFETY: sending a signal to our own child process.
+        unsafe {
+            libc::kill(pid as i32, libc::SIGTERM);
         }
     }
-    let deadline = tokio::time::Instant::now() + STOP_GRACE;
+}
+
+/// Waits for `members`' children until `deadline`, then kills what is left.
+async fn reap(members: &mut [Member], deadline: tokio::time::Instant) {
     for m in members.iter_mut() {
         if let Some(child) = m.child.as_mut() {
             if tokio::time::timeout_at(deadline, child.wait())
                 .await
                 .is_err()
             {
+                eprintln!(
+                    "pdserve launch: {} did not stop in time: killing it",
+                    m.name
+                );
                 let _ = child.kill().await;
             }
         }
         m.child = None;
     }
+}
+
+/// Stops the cluster in order: the instances drain (SIGTERM; each finishes what it runs
+/// within `drain`), then the proxy stops, so requests in flight reach their clients.
+async fn stop_all(members: &mut [Member], drain: Duration) {
+    let (mut instances, mut proxy): (Vec<&mut Member>, Vec<&mut Member>) =
+        members.iter_mut().partition(|m| m.role.is_some());
+    for m in instances.iter_mut() {
+        if let Some(c) = &m.child {
+            terminate(c);
+        }
+        m.draining = true;
+    }
+    let deadline = tokio::time::Instant::now() + drain + STOP_GRACE;
+    for m in instances {
+        reap(std::slice::from_mut(m), deadline).await;
+    }
+    for m in proxy.iter_mut() {
+        if let Some(c) = &m.child {
+            terminate(c);
+        }
+    }
+    let deadline = tokio::time::Instant::now() + STOP_GRACE;
+    for m in proxy {
+        reap(std::slice::from_mut(m), deadline).await;
+    }
+}
+
+/// How instances of the launched cluster are started.
+struct InstanceTemplate {
+    model: String,
+    tp: usize,
+    transport: String,
+    threads: usize,
+    dir: String,
+    control: SocketAddr,
+    mode: &'static str,
+    drain_timeout: u64,
+    api_key: Option<String>,
+}
+
+impl InstanceTemplate {
+    fn member(&self, role: &'static str, i: usize) -> Member {
+        let name = format!("{role}-{i}");
+        let args: Vec<String> = [
+            "serve",
+            "--role",
+            role,
+            "--name",
+            &name,
+            "--model",
+            &self.model,
+            "--port",
+            "0",
+            "--tp",
+            &self.tp.to_string(),
+            "--transfer",
+            &self.transport,
+            "--threads",
+            &self.threads.to_string(),
+            "--credentials-dir",
+            &self.dir,
+            "--control-proxy",
+            &self.control.to_string(),
+            "--transfer-mode",
+            self.mode,
+            "--drain-timeout",
+            &self.drain_timeout.to_string(),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let env = self
+            .api_key
+            .iter()
+            .map(|k| ("PDSERVE_SERVER__API_KEY", k.clone()))
+            .collect();
+        Member {
+            name,
+            role: Some(role),
+            draining: false,
+            args,
+            env,
+            child: None,
+            tracker: RestartTracker::new(RestartPolicy::default()),
+        }
+    }
+}
+
+/// Applies `scale ROLE N`: starts instances of `role` up to `n`, or drains the newest ones
+/// down to `n`. Returns what it did, in words.
+fn apply_scale(
+    members: &mut Vec<Member>,
+    template: &InstanceTemplate,
+    creds: &LaunchCredentials,
+    line: &str,
+) -> Result<String> {
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let (role, n) = match words[..] {
+        ["scale", role, n] => (
+            role,
+            n.parse::<usize>().with_context(|| format!("count `{n}`"))?,
+        ),
+        _ => bail!("expected `scale prefill|decode N`, got `{line}`"),
+    };
+    let role: &'static str = match role {
+        "prefill" => "prefill",
+        "decode" => "decode",
+        other => bail!("role `{other}`: expected prefill or decode"),
+    };
+    if n == 0 {
+        bail!("a cluster needs at least one {role} instance");
+    }
+    // Instances asked to drain, or that already stopped after a drain of their own
+    // (`pdserve drain`: exit 0), do not count.
+    let active: Vec<usize> = members
+        .iter_mut()
+        .enumerate()
+        .filter_map(|(i, m)| {
+            if m.role != Some(role) || m.draining {
+                return None;
+            }
+            let exited = m.child.as_mut().and_then(|c| c.try_wait().ok().flatten());
+            (!exited.is_some_and(|s| s.success())).then_some(i)
+        })
+        .collect();
+    if n > active.len() {
+        let mut started = Vec::new();
+        // Names are never reused within a launch: past the highest index that has
+        // credentials (instances that were drained included).
+        let first = std::fs::read_dir(creds.dir().join("members"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| {
+                let name = e.file_name().to_string_lossy().into_owned();
+                let stem = name.strip_suffix(".crt")?;
+                stem.strip_prefix(role)?
+                    .strip_prefix('-')?
+                    .parse::<usize>()
+                    .ok()
+            })
+            .max()
+            .map_or(0, |i| i + 1);
+        for next in first..first + (n - active.len()) {
+            let mut m = template.member(role, next);
+            pdserve_transport::control::tls::issue_member(creds.dir(), &m.name)
+                .with_context(|| format!("issuing credentials for {}", m.name))?;
+            m.child = Some(spawn(&m).with_context(|| format!("starting {}", m.name))?);
+            started.push(m.name.clone());
+            members.push(m);
+        }
+        Ok(format!("started {}", started.join(" ")))
+    } else {
+        let mut drained = Vec::new();
+        // The newest first.
+        for &i in active.iter().rev().take(active.len() - n) {
+            let m = &mut members[i];
+            if let Some(c) = &m.child {
+                terminate(c);
+            }
+            m.draining = true;
+            drained.push(m.name.clone());
+        }
+        Ok(if drained.is_empty() {
+            format!("{n} {role} instance(s) already")
+        } else {
+            format!("draining {}", drained.join(" "))
+        })
+    }
+}
+
+/// Serves one `pdserve scale` connection: reads its line, hands it to the launcher's loop,
+/// writes the answer back.
+async fn serve_scale(
+    stream: tokio::net::UnixStream,
+    requests: tokio::sync::mpsc::Sender<(String, tokio::sync::oneshot::Sender<String>)>,
+) {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+    let (read, mut write) = stream.into_split();
+    let mut line = String::new();
+    let mut reader = BufReader::new(read);
+    let read_line = reader.read_line(&mut line);
+    if tokio::time::timeout(Duration::from_secs(10), read_line)
+        .await
+        .is_err()
+    {
+        return;
+    }
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let answer = if requests.send((line.trim().to_string(), tx)).await.is_ok() {
+        rx.await
+            .unwrap_or_else(|_| "error the launcher is stopping".into())
+    } else {
+        "error the launcher is stopping".into()
+    };
+    let _ = write.write_all(format!("{answer}\n").as_bytes()).await;
 }
 
 /// Runs the launcher until Ctrl-C / SIGTERM or an unrecoverable child failure.
@@ -241,49 +503,60 @@ pub fn run(args: LaunchArgs) -> Result<()> {
         let proxy_port = if args.port == 0 { free_port()? } else { args.port };
         // Instances register with the proxy here; registration is what routes to them.
         let control = SocketAddr::from(([127, 0, 0, 1], free_udp_port()?));
-        let dir = creds.dir().display().to_string();
-        let mut members = Vec::new();
+        let drain = Duration::from_secs(args.drain_timeout);
         // Instances bind a port of the kernel's choosing (`--port 0`) and register their real
         // address with the proxy: no port picked here can be taken by someone else before the
         // child binds it.
+        let template = InstanceTemplate {
+            model: args.model.clone(),
+            tp: args.tp,
+            transport: args.transport.clone(),
+            threads,
+            dir: creds.dir().display().to_string(),
+            control,
+            mode: mode.as_str(),
+            drain_timeout: args.drain_timeout,
+            api_key: args.api_key.clone(),
+        };
+        let mut members = Vec::new();
         for (role, count) in [("prefill", args.prefill), ("decode", args.decode)] {
             for i in 0..count {
-                let name = format!("{role}-{i}");
-                let a: Vec<String> = [
-                    "serve", "--role", role, "--name", &name, "--model", &args.model, "--port", "0",
-                    "--tp", &args.tp.to_string(), "--transfer", &args.transport, "--threads", &threads.to_string(),
-                    "--credentials-dir", &dir, "--control-proxy", &control.to_string(),
-                    "--transfer-mode", mode.as_str(),
-                ]
-                .iter()
-                .map(|s| s.to_string())
-                .collect();
-                let env = args.api_key.iter().map(|k| ("PDSERVE_SERVER__API_KEY", k.clone())).collect();
-                members.push(Member { name, args: a, env, child: None, tracker: RestartTracker::new(RestartPolicy::default()) });
+                members.push(template.member(role, i));
             }
         }
         let proxy_args: Vec<String> = [
             "proxy", "--host", &args.host, "--port", &proxy_port.to_string(),
-            "--credentials-dir", &dir, "--node", "proxy", "--control-listen", &control.to_string(),
+            "--credentials-dir", &template.dir, "--node", "proxy", "--control-listen", &control.to_string(),
+            "--migration-limit", &args.migration_limit.to_string(),
         ]
         .iter()
         .map(|s| s.to_string())
         .collect();
         let env = args.api_key.iter().map(|k| ("PDSERVE_PROXY_API_KEY", k.clone())).collect();
-        members.push(Member { name: "proxy".into(), args: proxy_args, env, child: None, tracker: RestartTracker::new(RestartPolicy::default()) });
+        members.push(Member { name: "proxy".into(), role: None, draining: false, args: proxy_args, env, child: None, tracker: RestartTracker::new(RestartPolicy::default()) });
         for m in &mut members {
             m.child = Some(spawn(m).with_context(|| format!("starting {}", m.name))?);
         }
         let proxy_url = format!("http://{}:{proxy_port}", args.host);
         if let Err(e) = wait_ready(&proxy_url, &mut members).await {
-            stop_all(&mut members).await;
+            stop_all(&mut members, drain).await;
             return Err(e);
         }
+        // `pdserve scale` talks to this loop through the control socket.
+        let socket = creds.dir().join(CONTROL_SOCKET);
+        let listener = tokio::net::UnixListener::bind(&socket)
+            .with_context(|| format!("binding {}", socket.display()))?;
+        let (scale_tx, mut scale_rx) = tokio::sync::mpsc::channel(8);
+        let accept = tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                tokio::spawn(serve_scale(stream, scale_tx.clone()));
+            }
+        });
         println!("{proxy_url}");
         creds.announce(control)?;
         eprintln!(
-            "pdserve launch: {} prefill + {} decode instance(s) of `{}` over {}, proxy at {proxy_url} (Ctrl-C stops)",
-            args.prefill, args.decode, args.model, args.transport
+            "pdserve launch: {} prefill + {} decode instance(s) of `{}` over {}, proxy at {proxy_url} (Ctrl-C drains and stops; `pdserve scale ROLE N --credentials-dir {}` adds or drains instances)",
+            args.prefill, args.decode, args.model, args.transport, template.dir
         );
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         let mut check = tokio::time::interval(Duration::from_millis(500));
@@ -291,11 +564,29 @@ pub fn run(args: LaunchArgs) -> Result<()> {
             tokio::select! {
                 _ = tokio::signal::ctrl_c() => break Ok(()),
                 _ = term.recv() => break Ok(()),
+                Some((line, reply)) = scale_rx.recv() => {
+                    let answer = match apply_scale(&mut members, &template, &creds, &line) {
+                        Ok(done) => {
+                            eprintln!("pdserve launch: {line}: {done}");
+                            format!("ok {done}")
+                        }
+                        Err(e) => format!("error {e:#}"),
+                    };
+                    let _ = reply.send(answer);
+                }
                 _ = check.tick() => {
                     let mut failed = None;
-                    for m in members.iter_mut() {
+                    let mut gone = Vec::new();
+                    for (idx, m) in members.iter_mut().enumerate() {
                         let exited = m.child.as_mut().and_then(|c| c.try_wait().ok().flatten());
                         let Some(status) = exited else { continue };
+                        // An instance that drained (asked to, or `pdserve drain`) exits 0: it
+                        // is gone for good, not restarted.
+                        if m.role.is_some() && (m.draining || status.success()) {
+                            eprintln!("pdserve launch: {} drained and stopped ({status})", m.name);
+                            gone.push(idx);
+                            continue;
+                        }
                         match m.tracker.on_failure(Instant::now()) {
                             RestartDecision::Restart { attempt } => {
                                 eprintln!("pdserve launch: {} exited ({status}); restart {attempt}", m.name);
@@ -310,11 +601,15 @@ pub fn run(args: LaunchArgs) -> Result<()> {
                             }
                         }
                     }
+                    for idx in gone.into_iter().rev() {
+                        members.remove(idx);
+                    }
                     if let Some(f) = failed { break Err(anyhow::anyhow!(f)); }
                 }
             }
         };
-        stop_all(&mut members).await;
+        accept.abort();
+        stop_all(&mut members, drain).await;
         outcome
     })
 }
@@ -338,6 +633,8 @@ async fn run_in_process(args: LaunchArgs, threads: usize, creds: &LaunchCredenti
         api_key: args.api_key.clone(),
         call_timeout: Duration::from_secs(5),
         tls: Default::default(),
+        migration_limit: args.migration_limit,
+        prefill_retry: Default::default(),
     };
     let control = pdserve_actors::proxy::ProxyControlArgs::new(
         MemberCredentials::load(creds.dir(), "proxy")?,
@@ -358,6 +655,7 @@ async fn run_in_process(args: LaunchArgs, threads: usize, creds: &LaunchCredenti
             let mut o = InstanceOptions::local(&name, model);
             o.tp = args.tp;
             o.api_key = args.api_key.clone();
+            o.drain_timeout = Duration::from_secs(args.drain_timeout);
             o.num_blocks = None;
             o.kv_cache_bytes = 256 << 20;
             o.transfer = Some(pdserve_transport::TransferConfig::new(

@@ -60,6 +60,24 @@ enum Command {
     /// The CUDA backend: probe the driver, precompile the kernels, verify on a GPU.
     #[command(subcommand)]
     Cuda(cuda::CudaCommand),
+    /// Drain an instance: it leaves the routing set at once, finishes what it runs (bounded
+    /// by its drain timeout) and exits 0.
+    Drain(DrainArgs),
+    /// Add or drain instances of a running `pdserve launch` cluster.
+    Scale(launch::ScaleArgs),
+}
+
+#[derive(Args, Debug)]
+struct DrainArgs {
+    /// The instance's HTTP API: `http://host:port` or `host:port`.
+    addr: String,
+    /// The cluster's API key (`server.api_key`), when it has one; also
+    /// `$PDSERVE_SERVER__API_KEY`. Without a key the instance takes a drain from loopback only.
+    #[arg(long, env = "PDSERVE_SERVER__API_KEY")]
+    api_key: Option<String>,
+    /// Wait until the instance has stopped answering (at most this many seconds).
+    #[arg(long)]
+    wait: Option<u64>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -295,9 +313,14 @@ struct ServeArgs {
     #[arg(long)]
     control_listen: Option<String>,
     /// `control.proxy`: register with the proxy at this control address (needs
-    /// --credentials-dir).
-    #[arg(long)]
+    /// --credentials-dir); `--join ADDR` says the same. A node without member credentials in
+    /// the directory gets them issued from its CA key when the directory has one.
+    #[arg(long, visible_alias = "join")]
     control_proxy: Option<String>,
+    /// `server.drain_timeout_s`: on SIGTERM or a drain, how long running requests and KV
+    /// hand-offs (and KV held for decode instances) may take to finish, in seconds.
+    #[arg(long)]
+    drain_timeout: Option<u64>,
     /// Compute threads (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
@@ -343,6 +366,14 @@ struct ProxyArgs {
     /// `proxy.control_listen`: control-plane listen address (UDP; default 127.0.0.1:0).
     #[arg(long)]
     control_listen: Option<String>,
+    /// `proxy.migration_limit`: times one request may move to another decode instance when
+    /// the one serving it dies or its stream breaks (default 1; 0: never).
+    #[arg(long)]
+    migration_limit: Option<u32>,
+    /// `proxy.prefill_retry`: when a prefill instance fails before the hand-off — `retry`
+    /// (another prefill instance, else prefill on decode), `local` or `fail`.
+    #[arg(long)]
+    prefill_retry: Option<String>,
     #[command(flatten)]
     tls: TlsArgs,
 }
@@ -402,6 +433,8 @@ impl ProxyArgs {
         set("tls_cert", serde_json::json!(self.tls.tls_cert));
         set("tls_key", serde_json::json!(self.tls.tls_key));
         set("tls_ca", serde_json::json!(self.tls.tls_ca));
+        set("migration_limit", serde_json::json!(self.migration_limit));
+        set("prefill_retry", serde_json::json!(self.prefill_retry));
         serde_json::json!({ "proxy": p })
     }
 }
@@ -472,6 +505,8 @@ fn proxy(args: ProxyArgs) -> Result<()> {
             p.tls_ca.as_deref().map(std::path::Path::new),
             ["proxy.tls_cert", "proxy.tls_key", "proxy.tls_ca"],
         )?,
+        migration_limit: p.migration_limit,
+        prefill_retry: p.prefill_retry,
     };
     let scheme = pargs.tls.scheme();
     let control = match &p.credentials_dir {
@@ -540,6 +575,8 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(BenchCommand::Transfer(args)) => bench_transfer(args),
         Command::Inspect(args) => inspect::run(args),
         Command::Cuda(cmd) => cuda::run(cmd),
+        Command::Drain(args) => drain(args),
+        Command::Scale(args) => launch::scale(args),
         Command::Cluster(ClusterCommand::Init { dir, name, nodes }) => {
             pdserve_transport::control::tls::init_cluster(&dir, &name)?;
             println!("cluster `{name}`: CA written to {}", dir.display());
@@ -728,6 +765,8 @@ fn serve_node(
             node: Some(node.name.clone()),
             control_listen: Some(format!("{}:{}", node.host, node.control_port.unwrap_or(0))),
             tls: args.tls.clone().or(deployment.tls(&node)),
+            migration_limit: None,
+            prefill_retry: None,
         });
     }
     let mut flags = deployment.instance_flags(&node);
@@ -784,6 +823,7 @@ fn serve(args: ServeArgs, log: Option<String>, log_format: Option<String>) -> Re
         credentials_dir: args.credentials_dir,
         control_listen: args.control_listen,
         control_proxy: args.control_proxy,
+        drain_timeout_s: args.drain_timeout,
         transfer_mode: args.transfer_mode,
         min_remote_prompt_tokens: args.min_remote_prompt_tokens,
         transfer_listen: args.transfer_listen,
@@ -803,6 +843,7 @@ fn serve(args: ServeArgs, log: Option<String>, log_format: Option<String>) -> Re
         rdma_cq_depth: args.rdma_cq_depth,
     };
     let cfg = ServeConfig::load(args.config.as_deref(), flags)?;
+    issue_joining_member(&cfg)?;
     run_instance(cfg, args.threads)
 }
 
@@ -824,9 +865,11 @@ fn run_instance(cfg: pdserve_runtime::config::ServeConfig, threads: Option<usize
         }
         tracing::info!(url = %instance.url(), "ready");
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        let drain = instance.drain_requested();
         tokio::select! {
             _ = tokio::signal::ctrl_c() => tracing::info!("interrupt: shutting down"),
             _ = term.recv() => tracing::info!("terminate: shutting down"),
+            _ = drain => tracing::info!("drain requested: shutting down"),
             _ = instance.stopped() => bail!("the instance stopped after an unrecoverable failure (see the log)"),
         }
         let report = instance.stop().await;
@@ -844,6 +887,82 @@ fn run_instance(cfg: pdserve_runtime::config::ServeConfig, threads: Option<usize
                 "some tasks did not end"
             }
         );
+        Ok(())
+    })
+}
+
+/// `serve --join ADDR --credentials-dir DIR`: an instance joining a running cluster whose
+/// directory has no member credentials for it yet gets them issued from the cluster's CA key
+/// (as `pdserve cluster issue DIR NAME` would), when the directory holds that key.
+fn issue_joining_member(cfg: &pdserve_runtime::config::ServeConfig) -> Result<()> {
+    let (Some(dir), Some(_)) = (&cfg.transfer.credentials_dir, &cfg.control.proxy) else {
+        return Ok(());
+    };
+    let dir = std::path::Path::new(dir);
+    let name = &cfg.instance.name;
+    let have = dir.join("members").join(format!("{name}.crt")).exists();
+    if !have && dir.join("ca.key").exists() {
+        pdserve_transport::control::tls::issue_member(dir, name).with_context(|| {
+            format!(
+                "issuing member credentials for `{name}` in {}",
+                dir.display()
+            )
+        })?;
+        eprintln!(
+            "pdserve: issued member credentials for `{name}` in {}",
+            dir.display()
+        );
+    }
+    Ok(())
+}
+
+/// `pdserve drain ADDR`: asks the instance to drain (`POST /drain`), optionally waiting until
+/// it has stopped.
+fn drain(args: DrainArgs) -> Result<()> {
+    let base = if args.addr.starts_with("http://") || args.addr.starts_with("https://") {
+        args.addr.trim_end_matches('/').to_string()
+    } else {
+        format!("http://{}", args.addr)
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let http = pdserve_actors::http::http_client()
+            .timeout(std::time::Duration::from_secs(10))
+            .build()?;
+        let mut req = http.post(format!("{base}/drain"));
+        if let Some(key) = &args.api_key {
+            req = req.bearer_auth(key);
+        }
+        let resp = req
+            .send()
+            .await
+            .with_context(|| format!("cannot reach {base}"))?;
+        let status = resp.status();
+        let body = resp.text().await.unwrap_or_default();
+        if !status.is_success() {
+            bail!("{base} refused the drain: {status} {body}");
+        }
+        println!("{base}: draining");
+        if let Some(secs) = args.wait {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+            loop {
+                if http
+                    .get(format!("{base}/health/live"))
+                    .send()
+                    .await
+                    .is_err()
+                {
+                    println!("{base}: stopped");
+                    break;
+                }
+                if std::time::Instant::now() > deadline {
+                    bail!("{base} still answers after {secs} s");
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
+        }
         Ok(())
     })
 }

@@ -33,6 +33,9 @@ pub enum RequestError {
     /// The proxy could not reach the instance it picked (502).
     #[error("upstream instance unavailable: {0}")]
     Upstream(String),
+    /// The caller may not do this from where it calls (403).
+    #[error("{0}")]
+    Forbidden(String),
     /// The instance is stopping (503).
     #[error("instance is shutting down")]
     ShuttingDown,
@@ -56,6 +59,7 @@ impl RequestError {
             Self::Timeout(_) => 504,
             Self::KvTransfer(_) | Self::Upstream(_) => 502,
             Self::Aborted => 499,
+            Self::Forbidden(_) => 403,
             Self::WorkerFailed(_) | Self::Internal(_) => 500,
         }
     }
@@ -67,6 +71,7 @@ impl RequestError {
             Self::UnknownModel(_) => "model_not_found",
             Self::Overloaded(_) => "overloaded",
             Self::ShuttingDown => "shutting_down",
+            Self::Forbidden(_) => "forbidden",
             Self::Timeout(_) => "timeout",
             Self::Aborted => "aborted",
             Self::WorkerFailed(_) => "worker_failed",

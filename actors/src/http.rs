@@ -4,10 +4,15 @@
 //! |---|---|
 //! | `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models` | [`openai_api`] (OpenAI-compatible, JSON or SSE) |
 //! | `POST /v1/kv/peer`, `GET /v1/kv/info`, `GET /v1/load` | [`peer_api`] (instance to instance) |
-//! | `GET /health`, `GET /metrics` | here |
+//! | `GET /health` (= `/health/ready`), `GET /health/live`, `POST /drain`, `GET /metrics` | here |
 //!
-//! With `server.api_key` set, every `/v1/*` route needs `Authorization: Bearer KEY`; `/health`
-//! and `/metrics` stay open. Errors become responses in one place ([`ApiError`]), shared with
+//! With `server.api_key` set, every `/v1/*` route and `POST /drain` need `Authorization:
+//! Bearer KEY`; without a key `POST /drain` is taken from loopback peers only. `/health*` and
+//! `/metrics` stay open.
+//!
+//! **Health.** *Live*: the process answers and its Scheduler answers its figures within
+//! [`LIVE_TIMEOUT`] (200, else 503 `unresponsive`). *Ready*: live and taking new requests
+//! (200 `ok`; 503 `draining` once a drain or a stop began). Errors become responses in one place ([`ApiError`]), shared with
 //! the proxy.
 //!
 //! The actor owns the listening socket (bound in `pre_start`, so a bad address reaches whoever
@@ -27,15 +32,16 @@ pub use state::AppState;
 pub use tls::{http_client, HttpTls, TlsError};
 
 use crate::mailbox::Inbox;
-use axum::extract::State;
+use axum::extract::{ConnectInfo, State};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use serde_json::json;
 use std::net::SocketAddr;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// The routes of one instance.
 pub fn router(state: Arc<AppState>) -> Router {
@@ -51,7 +57,10 @@ pub fn router(state: Arc<AppState>) -> Router {
             require_key,
         ));
     Router::new()
-        .route("/health", get(health))
+        .route("/health", get(ready))
+        .route("/health/ready", get(ready))
+        .route("/health/live", get(live))
+        .route("/drain", post(drain))
         .route("/metrics", get(metrics))
         .merge(guarded)
         .with_state(state)
@@ -69,16 +78,68 @@ async fn require_key(
     }
 }
 
-async fn health(State(app): State<Arc<AppState>>) -> Response {
-    if app.ready.load(Ordering::SeqCst) {
-        Json(json!({"status": "ok"})).into_response()
+/// Bound on the Scheduler's answer for `/health/live`.
+pub const LIVE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// `GET /health/live`: the Scheduler answers its figures in time.
+async fn live(State(app): State<Arc<AppState>>) -> Response {
+    match tokio::time::timeout(LIVE_TIMEOUT, app.scheduler.stats()).await {
+        Ok(Ok(_)) => Json(json!({"status": "live", "live": true})).into_response(),
+        Ok(Err(e)) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "unresponsive", "live": false, "error": e.to_string()})),
+        )
+            .into_response(),
+        Err(_) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "unresponsive", "live": false,
+                "error": format!("the scheduler did not answer within {LIVE_TIMEOUT:?}")})),
+        )
+            .into_response(),
+    }
+}
+
+/// `GET /health` and `GET /health/ready`: whether new requests are taken.
+async fn ready(State(app): State<Arc<AppState>>) -> Response {
+    if app.is_ready() {
+        Json(json!({"status": "ok", "live": true, "ready": true})).into_response()
     } else {
         (
-            axum::http::StatusCode::SERVICE_UNAVAILABLE,
-            Json(json!({"status": "stopping"})),
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "draining", "live": true, "ready": false})),
         )
             .into_response()
     }
+}
+
+/// `POST /drain`: leave the routing set, finish what runs, stop (the owner of the instance
+/// does the phased stop; `pdserve serve` then exits 0). Answered 202 at once.
+async fn drain(
+    State(app): State<Arc<AppState>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: axum::http::HeaderMap,
+) -> Response {
+    let allowed = match app.api_key.as_deref() {
+        Some(_) => bearer_matches(app.api_key.as_deref(), &headers),
+        None => peer.ip().is_loopback(),
+    };
+    if !allowed {
+        if app.api_key.is_none() {
+            return ApiError(crate::error::RequestError::Forbidden(
+                "POST /drain without server.api_key is taken from loopback peers only".into(),
+            ))
+            .into_response();
+        }
+        return unauthorized();
+    }
+    let already = !app.is_ready();
+    app.start_drain();
+    tracing::warn!(%peer, "drain requested over the API");
+    (
+        StatusCode::ACCEPTED,
+        Json(json!({"status": "draining", "already_draining": already})),
+    )
+        .into_response()
 }
 
 async fn metrics(State(app): State<Arc<AppState>>) -> impl IntoResponse {

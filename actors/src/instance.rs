@@ -210,6 +210,9 @@ pub struct ShutdownReport {
     pub requests_cut_off: usize,
     /// KV hand-offs still in flight when the drain bound passed (they were cancelled).
     pub handoffs_cut_off: u64,
+    /// Hand-offs whose KV was still held for a decode instance when the drain bound passed
+    /// (neither read nor expired; dropped with the instance).
+    pub held_cut_off: usize,
     /// Whether every hand-off task had ended before the actors stopped.
     pub handoff_tasks_ended: bool,
     /// Free blocks when the actors stopped.
@@ -226,6 +229,7 @@ impl ShutdownReport {
     /// Whether nothing was lost: every block back, every task ended.
     pub fn clean(&self) -> bool {
         self.blocks_free == self.blocks_total
+            && self.held_cut_off == 0
             && self.handoff_tasks_ended
             && self.control_tasks_ended
     }
@@ -378,6 +382,7 @@ impl Instance {
                     addr: std::sync::OnceLock::new(),
                     ready: std::sync::atomic::AtomicBool::new(true),
                     tls: tls.clone(),
+                    drain: tokio_util::sync::CancellationToken::new(),
                 })
             }
         };
@@ -519,6 +524,7 @@ impl Instance {
             params,
             hold_for: None,
             push: false,
+            resume: Vec::new(),
         };
         self.scheduler.submit(request)
     }
@@ -535,6 +541,19 @@ impl Instance {
             Err(RequestError::BadRequest(format!(
                 "instance has no {kind} actor (rank {rank})"
             )))
+        }
+    }
+
+    /// Resolves when a drain was asked for over the API (`POST /drain`); never without an
+    /// HTTP frontend. The owner then calls [`Instance::stop`], as on SIGTERM. The future does
+    /// not borrow the instance.
+    pub fn drain_requested(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let token = self.app.as_ref().map(|a| a.drain.clone());
+        async move {
+            match token {
+                Some(t) => t.cancelled().await,
+                None => std::future::pending().await,
+            }
         }
     }
 
@@ -575,6 +594,27 @@ impl Instance {
         };
         if let Some(a) = &admission {
             a.close();
+        }
+        // A prefill instance keeps the KV it holds for decode instances until they have read
+        // it (their `Release`) or its lease ran out, within the same bound: the peer protocol
+        // keeps answering meanwhile.
+        let held_left = loop {
+            match self.scheduler.stats().await {
+                Ok(s) if s.held > 0 => {
+                    if tokio::time::Instant::now() >= deadline {
+                        break s.held;
+                    }
+                }
+                _ => break 0,
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        report.held_cut_off = held_left;
+        if held_left > 0 {
+            tracing::warn!(
+                held = held_left,
+                "drain bound passed with KV still held for decode instances"
+            );
         }
         if !drained {
             let s = self.scheduler.stats().await.unwrap_or_default();

@@ -39,6 +39,10 @@ pub struct ParsedRequest {
     pub kv_transfer_params: Option<Value>,
     /// vLLM's `return_token_ids`: add `token_ids` to each choice (and `prompt_token_ids`).
     pub return_token_ids: bool,
+    /// pdserve's `resume_tokens`: the tokens an earlier attempt already generated and sent
+    /// (request migration, set by the proxy); generation continues after them and their
+    /// text is not sent again. Empty for a new request.
+    pub resume_tokens: Vec<u32>,
 }
 
 fn bad(msg: impl Into<String>) -> RequestError {
@@ -297,6 +301,17 @@ pub fn parse_value(v: &Value, chat: bool) -> Result<ParsedRequest, RequestError>
         .filter(|x| !x.is_null())
         .cloned();
     let return_token_ids = opt_bool(v, "return_token_ids")?;
+    let resume_tokens = match v.get("resume_tokens") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(x) => {
+            token_list(x).ok_or_else(|| bad("`resume_tokens` must be a list of token ids"))?
+        }
+    };
+    if !resume_tokens.is_empty() && kv_transfer_params.is_some() {
+        return Err(bad(
+            "`resume_tokens` cannot be combined with `kv_transfer_params`: a resumed request is prefilled where it continues",
+        ));
+    }
     Ok(ParsedRequest {
         model,
         prompt,
@@ -306,6 +321,7 @@ pub fn parse_value(v: &Value, chat: bool) -> Result<ParsedRequest, RequestError>
         include_usage,
         kv_transfer_params,
         return_token_ids,
+        resume_tokens,
     })
 }
 

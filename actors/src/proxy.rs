@@ -70,6 +70,11 @@ fn router(state: Arc<ProxyState>) -> Router {
         )
         .route("/v1/models", get(forward::models))
         .route("/health", get(forward::health))
+        .route("/health/ready", get(forward::health))
+        .route(
+            "/health/live",
+            get(|| async { axum::Json(serde_json::json!({"status": "live", "live": true})) }),
+        )
         .route(
             "/metrics",
             get(|State(s): State<Arc<ProxyState>>| async move { s.metrics.render() }),
@@ -84,6 +89,12 @@ async fn poll_forever(state: Arc<ProxyState>, client: reqwest::Client) {
         waiting: usize,
         running: usize,
         blocks_free: usize,
+        /// Whether it takes new requests (absent: an older instance, taken as ready).
+        #[serde(default = "yes")]
+        ready: bool,
+    }
+    fn yes() -> bool {
+        true
     }
     let mut tick = tokio::time::interval(POLL_INTERVAL);
     loop {
@@ -95,14 +106,14 @@ async fn poll_forever(state: Arc<ProxyState>, client: reqwest::Client) {
                 .send()
                 .await
             {
-                Ok(r) if r.status().is_success() => r
-                    .json::<Load>()
-                    .await
-                    .ok()
-                    .map(|l| (l.waiting + l.running, l.blocks_free)),
+                Ok(r) if r.status().is_success() => r.json::<Load>().await.ok(),
                 _ => None,
             };
-            state.registry().record(&url, load);
+            let mut registry = state.registry();
+            if let Some(l) = &load {
+                registry.set_ready(&url, l.ready);
+            }
+            registry.record(&url, load.map(|l| (l.waiting + l.running, l.blocks_free)));
         }
         let (p, d) = {
             let r = state.registry();
@@ -149,6 +160,8 @@ impl Actor for Proxy {
             timeout: args.timeout,
             max_prefill_queue: args.max_prefill_queue,
             api_key: args.api_key.clone(),
+            migration_limit: args.migration_limit,
+            prefill_retry: args.prefill_retry,
             metrics: pdserve_runtime::telemetry::install_metrics(),
         });
         // Bind the control endpoint first: if it fails, nothing else is running yet.

@@ -545,3 +545,123 @@ async fn tp2_instance_gives_the_tp1_tokens() {
     }
     assert_eq!(results[0], results[1]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resumed_request_continues_exactly_where_the_original_stopped() {
+    let inst = start("resume", "tiny", |_| {}).await;
+    let url = inst.url();
+    // Greedy, and seeded sampling with penalties: the continuation replays the random stream.
+    let bodies = [
+        json!({"prompt": "Once upon a time", "max_tokens": 30, "temperature": 0, "ignore_eos": true, "return_token_ids": true}),
+        json!({"prompt": "Once upon a time", "max_tokens": 30, "temperature": 0.9, "seed": 11,
+               "frequency_penalty": 0.4, "ignore_eos": true, "return_token_ids": true}),
+    ];
+    for body in bodies {
+        let (status, whole) = post(&url, "/v1/completions", body.clone()).await;
+        assert_eq!(status, 200, "{whole}");
+        let all = token_ids(&whole);
+        assert_eq!(all.len(), 30);
+        for cut in [1, 12, 29] {
+            let mut b = body.clone();
+            b["resume_tokens"] = json!(all[..cut]);
+            let (status, rest) = post(&url, "/v1/completions", b.clone()).await;
+            assert_eq!(status, 200, "{rest}");
+            assert_eq!(token_ids(&rest), all[cut..], "cut {cut}: {body}");
+            assert_eq!(
+                rest["usage"]["completion_tokens"], 30,
+                "counts the resumed tokens"
+            );
+            // Streamed: the text of the continuation is what the original sent after them.
+            b["stream"] = json!(true);
+            let r = pdserve_actors::http::http_client()
+                .build()
+                .unwrap()
+                .post(format!("{url}/v1/completions"))
+                .json(&b)
+                .send()
+                .await
+                .unwrap();
+            let events = sse_events(&r.text().await.unwrap());
+            let text: String = events
+                .iter()
+                .map(|e| e["choices"][0]["text"].as_str().unwrap_or(""))
+                .collect();
+            assert_eq!(text, rest["choices"][0]["text"].as_str().unwrap());
+        }
+        // Resumed tokens that already end the request are refused, as is a foreign token.
+        let mut b = body.clone();
+        b["resume_tokens"] = json!(all);
+        let (status, v) = post(&url, "/v1/completions", b).await;
+        assert_eq!(status, 400, "{v}");
+        let mut b = body.clone();
+        b["resume_tokens"] = json!([1_000_000]);
+        let (status, v) = post(&url, "/v1/completions", b).await;
+        assert_eq!(status, 400, "{v}");
+    }
+    assert_pool_full(&inst).await;
+    inst.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_separates_live_from_ready_and_a_drain_finishes_what_runs() {
+    let inst = start("drain", "tiny", |_| {}).await;
+    let url = inst.url();
+    let http = pdserve_actors::http::http_client().build().unwrap();
+    let get = |path: &'static str| {
+        let (http, url) = (http.clone(), url.clone());
+        async move {
+            let r = http.get(format!("{url}{path}")).send().await.unwrap();
+            let status = r.status().as_u16();
+            (status, r.json::<Value>().await.unwrap())
+        }
+    };
+    let (status, v) = get("/health").await;
+    assert_eq!((status, v["ready"].clone()), (200, json!(true)), "{v}");
+    assert_eq!(get("/health/live").await.0, 200);
+    // A long request runs while the drain starts.
+    let long = {
+        let url = url.clone();
+        tokio::spawn(async move {
+            post(
+                &url,
+                "/v1/completions",
+                json!({"prompt": "x", "max_tokens": 200, "ignore_eos": true}),
+            )
+            .await
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while inst.stats().await.unwrap().running == 0 {
+        assert!(Instant::now() < deadline, "the long request never ran");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let r = http.post(format!("{url}/drain")).send().await.unwrap();
+    assert_eq!(r.status(), 202);
+    // Draining: live, not ready, new requests refused with 503.
+    let (status, v) = get("/health").await;
+    assert_eq!(
+        (status, v["status"].clone()),
+        (503, json!("draining")),
+        "{v}"
+    );
+    assert_eq!(get("/health/ready").await.0, 503);
+    assert_eq!(get("/health/live").await.0, 200);
+    let (status, v) = post(
+        &url,
+        "/v1/completions",
+        json!({"prompt": "y", "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(status, 503, "{v}");
+    assert_eq!(v["error"]["type"], "shutting_down", "{v}");
+    // The owner hears of it, and the stop lets the running request finish.
+    tokio::time::timeout(Duration::from_secs(5), inst.drain_requested())
+        .await
+        .expect("the drain reaches the owner");
+    let report = inst.stop().await;
+    let (status, v) = long.await.unwrap();
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 200);
+    assert_eq!(report.requests_cut_off, 0, "{report:?}");
+    assert!(report.clean(), "{report:?}");
+}

@@ -341,6 +341,10 @@ async fn proxy_for(
     let mut args = ProxyArgs::new("127.0.0.1:0".parse().unwrap(), prefill, decode);
     args.timeout = Duration::from_secs(60);
     args.max_prefill_queue = max_prefill_queue;
+    // These tests check how the instances fail: the proxy passes failures on as they are
+    // (no migration, no prefill retry; tests/elastic.rs covers those).
+    args.migration_limit = 0;
+    args.prefill_retry = pdserve_runtime::config::PrefillRetry::Fail;
     proxy_with(name, args).await
 }
 

@@ -45,6 +45,36 @@ impl Generation {
         }
     }
 
+    /// A sequence continued from `prior`, the tokens an earlier attempt already generated
+    /// (request migration): they go through the detokenizer and the stop conditions as if
+    /// sampled here (their text is not emitted again), and the sampler's random stream skips
+    /// their draws, so greedy and seeded sampling go on exactly as the original would have.
+    ///
+    /// # Errors
+    /// A detokenizer failure; [`crate::ModelError::InvalidSampling`] when `prior`
+    /// already ends the sequence (a stop token, a stop string or `max_tokens`).
+    pub fn resume(params: &SamplingParams, tokenizer: &Tokenizer, prior: &[u32]) -> Result<Self> {
+        let mut g = Self::new(params, tokenizer);
+        for (i, &token) in prior.iter().enumerate() {
+            if let TokenOutcome::Finished { reason, .. } = g.accept(token)? {
+                return Err(crate::ModelError::InvalidSampling(format!(
+                    "the {} resumed token(s) already end the sequence at token {} ({})",
+                    prior.len(),
+                    i + 1,
+                    reason.as_openai()
+                )));
+            }
+        }
+        g.sampler.skip_samples(prior.len());
+        Ok(g)
+    }
+
+    /// Advances the sampler's random stream past `n` samples drawn elsewhere (the first token
+    /// of a disaggregated request is sampled by the prefill instance from the same seed).
+    pub fn skip_samples(&mut self, n: usize) {
+        self.sampler.skip_samples(n);
+    }
+
     /// Tokens generated so far (a stop token included, as the model produced it).
     pub fn output(&self) -> &[u32] {
         &self.output
@@ -85,5 +115,65 @@ impl Generation {
                 }
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// Runs `steps` samples over seeded random logits from `gen`, starting at step `from`.
+    fn run(gen: &mut Generation, from: usize, steps: usize) -> (Vec<u32>, String) {
+        let prompt = [1u32, 2, 3];
+        let (mut tokens, mut text) = (Vec::new(), String::new());
+        for step in from..from + steps {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(1000 + step as u64);
+            let mut logits: Vec<f32> = (0..256).map(|_| rng.random::<f32>() * 8.0 - 4.0).collect();
+            let t = gen.sample(&mut logits, &prompt);
+            tokens.push(t);
+            match gen.accept(t).unwrap() {
+                TokenOutcome::Continue { text: piece } => text.push_str(&piece),
+                TokenOutcome::Finished { text: piece, .. } => {
+                    text.push_str(&piece);
+                    break;
+                }
+            }
+        }
+        (tokens, text)
+    }
+
+    #[test]
+    fn a_resumed_sequence_continues_exactly_as_the_original() {
+        let tok = Tokenizer::byte_level_synthetic();
+        for (temperature, seed) in [(0.0, None), (0.9, Some(7)), (1.3, Some(42))] {
+            let params = SamplingParams {
+                max_tokens: 40,
+                temperature,
+                top_p: 0.95,
+                seed,
+                frequency_penalty: 0.3,
+                ..SamplingParams::default()
+            };
+            let mut whole = Generation::new(&params, &tok);
+            let (all, all_text) = run(&mut whole, 0, 40);
+            assert_eq!(all.len(), 40);
+            for cut in [1, 17, 39] {
+                let mut first = Generation::new(&params, &tok);
+                let (head, head_text) = run(&mut first, 0, cut);
+                let mut resumed = Generation::resume(&params, &tok, &head).unwrap();
+                assert_eq!(resumed.output(), &head[..]);
+                let (tail, tail_text) = run(&mut resumed, cut, 40);
+                assert_eq!([head, tail].concat(), all, "t={temperature} cut={cut}");
+                assert_eq!(
+                    format!("{head_text}{tail_text}"),
+                    all_text,
+                    "t={temperature} cut={cut}"
+                );
+            }
+            // Tokens that already end the sequence cannot be continued.
+            let e = Generation::resume(&params, &tok, &all).unwrap_err();
+            assert!(e.to_string().contains("already end the sequence"), "{e}");
+        }
     }
 }

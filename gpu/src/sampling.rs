@@ -284,6 +284,18 @@ impl Sampler {
         &self.params
     }
 
+    /// Advances the random stream past `n` samples, as if they had been drawn: a sequence
+    /// continued on another instance (request migration) then samples exactly what the
+    /// original would have. Greedy sampling draws nothing.
+    pub fn skip_samples(&mut self, n: usize) {
+        if self.params.is_greedy() {
+            return;
+        }
+        for _ in 0..n {
+            let _ = self.rng.random::<f32>();
+        }
+    }
+
     /// Picks the next token from `logits` (modified in place by penalties and temperature).
     /// `prompt_tokens` and `output_tokens` feed the penalties.
     ///
@@ -331,6 +343,10 @@ impl Sampler {
             .map(|c| c.0)
             .filter(|v| !v.is_nan())
             .fold(f32::NEG_INFINITY, f32::max);
+        // Exactly one draw per non-greedy sample, taken here (before any early return), so a
+        // sequence's random stream is a function of (seed, tokens sampled so far): a request
+        // continued elsewhere replays it with `Sampler::skip_samples`.
+        let draw = self.rng.random::<f32>();
         if max == f32::NEG_INFINITY {
             return argmax(logits);
         }
@@ -372,7 +388,7 @@ impl Sampler {
             total = self.probs.iter().sum();
         }
 
-        let mut u = self.rng.random::<f32>() * total;
+        let mut u = draw * total;
         let mut last_nonzero = 0;
         for (i, &pr) in self.probs.iter().enumerate() {
             if pr > 0.0 {

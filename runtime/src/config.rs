@@ -749,6 +749,8 @@ pub struct ServeFlags {
     pub control_listen: Option<String>,
     /// `control.proxy`.
     pub control_proxy: Option<String>,
+    /// `server.drain_timeout_s`.
+    pub drain_timeout_s: Option<u64>,
 }
 
 /// The nested shape [`ServeFlags`] serializes into.
@@ -843,6 +845,7 @@ struct FlagsServer<'a> {
     tls_key: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     tls_ca: Option<&'a str>,
+    drain_timeout_s: Option<u64>,
 }
 
 #[derive(Serialize)]
@@ -893,6 +896,7 @@ impl Serialize for ServeFlags {
                 tls_cert: self.tls_cert.as_deref(),
                 tls_key: self.tls_key.as_deref(),
                 tls_ca: self.tls_ca.as_deref(),
+                drain_timeout_s: self.drain_timeout_s,
             },
             scheduler: FlagsScheduler {
                 max_num_seqs: self.max_num_seqs,
@@ -1074,6 +1078,36 @@ pub struct ProxySection {
     /// PEM CA certificate(s) trusted, beside the system's roots, for `https://` instances.
     #[serde(deserialize_with = "lenient::opt_string")]
     pub tls_ca: Option<String>,
+    /// Times one request may move to another decode instance when the one serving it dies or
+    /// its stream breaks mid-generation (request migration); 0 turns migration off.
+    pub migration_limit: u32,
+    /// What the proxy does when the prefill instance of a request fails before the hand-off.
+    pub prefill_retry: PrefillRetry,
+}
+
+/// What the proxy does when a request's prefill instance fails before the KV hand-off
+/// (`proxy.prefill_retry`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PrefillRetry {
+    /// Another prefill instance; when none is left, the decode instance prefills itself.
+    #[default]
+    Retry,
+    /// The decode instance prefills the request itself.
+    Local,
+    /// The error goes to the client.
+    Fail,
+}
+
+impl PrefillRetry {
+    /// The config spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Retry => "retry",
+            Self::Local => "local",
+            Self::Fail => "fail",
+        }
+    }
 }
 
 impl Default for ProxySection {
@@ -1093,6 +1127,8 @@ impl Default for ProxySection {
             tls_cert: None,
             tls_key: None,
             tls_ca: None,
+            migration_limit: 1,
+            prefill_retry: PrefillRetry::Retry,
         }
     }
 }

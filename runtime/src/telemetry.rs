@@ -80,6 +80,14 @@ pub const PROXY_REQUESTS_TOTAL: &str = "pdserve_proxy_requests_total";
 pub const PROXY_TIME_TO_FIRST_BYTE_SECONDS: &str = "pdserve_proxy_time_to_first_byte_seconds";
 /// Histogram (proxy): seconds from a request's arrival to the end of its answer.
 pub const PROXY_REQUEST_SECONDS: &str = "pdserve_proxy_request_seconds";
+/// Counter (proxy): requests moved to another decode instance mid-generation (request
+/// migration), labelled [`LABEL_REASON`] (`stream_broken`, `instance_failed`, `unreachable`).
+pub const MIGRATIONS_TOTAL: &str = "pdserve_migrations_total";
+/// Counter (proxy): requests whose prefill instance failed before the hand-off, labelled
+/// [`LABEL_ACTION`] (`retry`: another prefill instance, `local`: prefilled on decode, `fail`).
+pub const PREFILL_RETRIES_TOTAL: &str = "pdserve_prefill_retries_total";
+/// Label of [`PREFILL_RETRIES_TOTAL`].
+pub const LABEL_ACTION: &str = "action";
 /// Gauge (proxy): instances routed to, labelled `role` (`prefill`, `decode`).
 pub const PROXY_INSTANCES: &str = "pdserve_proxy_instances";
 
@@ -286,6 +294,14 @@ fn describe_and_register() {
         "Proxy: arrival to the end of the answer."
     );
     describe_gauge!(PROXY_INSTANCES, "Proxy: live instances by role.");
+    describe_counter!(
+        MIGRATIONS_TOTAL,
+        "Proxy: requests moved to another decode instance mid-generation, by reason."
+    );
+    describe_counter!(
+        PREFILL_RETRIES_TOTAL,
+        "Proxy: requests whose prefill instance failed before the hand-off, by action."
+    );
     for name in [
         KV_TRANSFER_SECONDS,
         KV_HANDOFF_GAP_SECONDS,

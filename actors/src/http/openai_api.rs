@@ -73,6 +73,17 @@ async fn serve(app: Arc<AppState>, body: Bytes, chat: bool) -> Result<Response, 
         .validate(app.vocab_size)
         .map_err(|e| RequestError::BadRequest(e.to_string()))?;
 
+    if let Some(bad) = req
+        .resume_tokens
+        .iter()
+        .find(|&&t| t as usize >= app.vocab_size)
+    {
+        return Err(RequestError::BadRequest(format!(
+            "resume_tokens: token id {bad} is outside the vocabulary of {}",
+            app.vocab_size
+        ))
+        .into());
+    }
     let directive = openai::kv_directive(req.kv_transfer_params.as_ref(), app.tls.scheme())?;
     if !matches!(directive, KvDirective::None) && app.kv.is_none() {
         return Err(RequestError::BadRequest("kv_transfer_params need an instance with a KV transfer engine (role prefill or decode)".into()).into());
@@ -86,6 +97,7 @@ async fn serve(app: Arc<AppState>, body: Bytes, chat: bool) -> Result<Response, 
         params,
         hold_for: None,
         push: false,
+        resume: req.resume_tokens.clone(),
     };
     let scheduler = &app.scheduler;
     let events = match (directive, app.kv.as_ref()) {
@@ -149,6 +161,7 @@ async fn serve(app: Arc<AppState>, body: Bytes, chat: bool) -> Result<Response, 
         model: app.model_name.clone(),
         chat,
         include_usage: req.include_usage,
+        resumed: !req.resume_tokens.is_empty(),
         token_ids,
         lease_ms: app
             .kv
@@ -213,6 +226,9 @@ struct ResponseMeta {
     model: String,
     chat: bool,
     include_usage: bool,
+    /// A migrated request continuing an earlier attempt: its stream carries on the one the
+    /// client already has (no second `role` delta in chat).
+    resumed: bool,
     /// `Some(prompt ids)` when the client asked for token ids.
     token_ids: Option<Vec<u32>>,
     hand_off: Option<HandOff>,
@@ -368,10 +384,10 @@ fn sse_stream(
         pending: Vec<Event>,
     }
     let state = S {
+        first: !meta.resumed,
         running,
         meta,
         done: false,
-        first: true,
         pending: Vec::new(),
     };
     stream::unfold(state, move |mut s| async move {

@@ -49,7 +49,15 @@ pub(super) async fn kv_info(State(app): State<Arc<AppState>>) -> Response {
 
 pub(super) async fn load(State(app): State<Arc<AppState>>) -> Response {
     match app.scheduler.stats().await {
-        Ok(s) => Json(s).into_response(),
+        Ok(s) => {
+            // The figures, and whether new requests are taken (a proxy polling a static
+            // instance stops routing to it at once when it drains).
+            let mut v = serde_json::to_value(s).unwrap_or_default();
+            if let Some(o) = v.as_object_mut() {
+                o.insert("ready".into(), app.is_ready().into());
+            }
+            Json(v).into_response()
+        }
         Err(e) => ApiError(e).into_response(),
     }
 }

@@ -2,7 +2,7 @@
 //! the proxy; plain HTTP or HTTPS ([`super::tls`]).
 
 use super::tls::TlsListener;
-use axum::serve::Listener;
+use axum::serve::{Listener, ListenerExt};
 use axum::Router;
 use ractor::ActorProcessingErr;
 use std::net::SocketAddr;
@@ -18,16 +18,18 @@ pub struct HttpServer {
 }
 
 /// Serves `app` on `listener` until `shutdown`, then lets requests in flight finish.
+/// Handlers may ask for the peer's address (`POST /drain` from loopback): `tap_io` makes any
+/// listener's address axum's `ConnectInfo`.
 async fn serve<L>(
     listener: L,
     app: Router,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     what: &'static str,
 ) where
-    L: Listener,
-    L::Addr: std::fmt::Debug,
+    L: Listener<Addr = SocketAddr>,
 {
-    if let Err(e) = axum::serve(listener, app)
+    let app = app.into_make_service_with_connect_info::<SocketAddr>();
+    if let Err(e) = axum::serve(listener.tap_io(|_| {}), app)
         .with_graceful_shutdown(shutdown)
         .await
     {

@@ -10,6 +10,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::CancellationToken;
 
 /// What every handler shares.
 pub struct AppState {
@@ -42,8 +43,12 @@ pub struct AppState {
     pub addr: std::sync::OnceLock<SocketAddr>,
     /// HTTPS of this API, and the scheme of peers named by host and port alone.
     pub tls: super::HttpTls,
-    /// Whether the instance takes new requests (cleared when it stops: `/health` says so).
+    /// Whether the instance takes new requests (cleared when it drains or stops: `/health`
+    /// says so, and new requests get 503 `instance is shutting down`).
     pub ready: AtomicBool,
+    /// Cancelled when a drain is asked for over the API (`POST /drain`); whoever owns the
+    /// instance (`pdserve serve`) then stops it in phases, as on SIGTERM.
+    pub drain: CancellationToken,
 }
 
 impl AppState {
@@ -53,6 +58,9 @@ impl AppState {
     /// [`RequestError::Overloaded`] when every slot is taken; [`RequestError::ShuttingDown`]
     /// once the instance stopped admitting.
     pub fn admit(&self) -> Result<OwnedSemaphorePermit, RequestError> {
+        if !self.is_ready() {
+            return Err(RequestError::ShuttingDown);
+        }
         self.admission
             .clone()
             .try_acquire_owned()
@@ -63,6 +71,18 @@ impl AppState {
                     self.admission.available_permits()
                 )),
             })
+    }
+
+    /// Whether the instance takes new requests (not draining, not stopping).
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Starts a drain: new requests are refused from now on (`/health` answers 503
+    /// `draining`), and the owner is told to stop the instance in phases.
+    pub fn start_drain(&self) {
+        self.ready.store(false, std::sync::atomic::Ordering::SeqCst);
+        self.drain.cancel();
     }
 
     /// The instance's control-plane address (published in `kv_transfer_params` so a decode

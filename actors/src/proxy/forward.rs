@@ -6,8 +6,26 @@
 //! `remote_host`, `remote_port`, and for a registered instance `remote_engine_id` and
 //! `remote_control_addr`, so the decode instance reaches it over the control plane) and a
 //! `transfer_id`, and sent as is.
+//!
+//! **Keeping a request alive when instances come and go** ([`Job`]):
+//! - *Reroute before it starts*: a decode instance that cannot be reached, or that answers
+//!   503 (draining, stopping, overloaded) before anything was sent, is skipped and the next
+//!   least-loaded one is tried (each at most once).
+//! - *Prefill failure before the hand-off* (the decode instance answers `kv_transfer_failed`
+//!   before any token): `proxy.prefill_retry` — `retry` another prefill instance (or, with
+//!   none left, prefill on the decode instance), `local`, or `fail`; once per request.
+//! - *Migration mid-generation*: a stream that breaks (connection lost, instance killed) or
+//!   ends with a `shutting_down` / `worker_failed` error is re-issued to another decode
+//!   instance with `resume_tokens` = the tokens the client already has (the proxy asks for
+//!   `return_token_ids` upstream and strips them unless the client asked too); the instance
+//!   prefills prompt + those tokens and continues, sending only new text, so greedy and
+//!   seeded sampling continue exactly. Chunks keep the first attempt's `id` and `created`;
+//!   a repeated `role` delta is dropped. Up to `proxy.migration_limit` times per request.
+//!   A non-streaming request that fails the same way is re-issued whole (the client has
+//!   seen nothing), within the same limit.
 
-use super::routing::{route, Route};
+use super::registry::Upstream;
+use super::routing::{least_loaded, route, Route};
 use super::state::ProxyState;
 use crate::error::RequestError;
 use crate::http::{bearer_matches, unauthorized, ApiError};
@@ -17,9 +35,12 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use pdserve_runtime::config::PrefillRetry;
+use pdserve_runtime::ids::TransferId;
 use pdserve_runtime::telemetry as m;
 use pdserve_runtime::Role;
-use serde_json::json;
+use serde_json::{json, Value};
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -33,7 +54,8 @@ pub(super) async fn health(State(s): State<Arc<ProxyState>>) -> Response {
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
-    (status, Json(json!({"status": if status == StatusCode::OK { "ok" } else { "degraded" }, "prefill": p, "decode": d}))).into_response()
+    let ready = status == StatusCode::OK;
+    (status, Json(json!({"status": if ready { "ok" } else { "degraded" }, "live": true, "ready": ready, "prefill": p, "decode": d}))).into_response()
 }
 
 pub(super) async fn models(State(s): State<Arc<ProxyState>>, headers: HeaderMap) -> Response {
@@ -144,9 +166,15 @@ pub(super) async fn forward(
     } else {
         "/v1/completions"
     };
+    // The proxy owns these fields: client-supplied ones have no effect.
+    if let Some(o) = request.as_object_mut() {
+        o.remove("kv_transfer_params");
+        o.remove("resume_tokens");
+    }
+    let stream = request.get("stream").and_then(Value::as_bool) == Some(true);
+    let client_token_ids = request.get("return_token_ids").and_then(Value::as_bool) == Some(true);
     let picked = route(&s.registry(), &s.rr, s.max_prefill_queue, Instant::now());
-    let transfer = pdserve_runtime::ids::TransferId::new_random();
-    let decode = match picked {
+    let (decode, prefill) = match picked {
         Err(e) => {
             outcome("unavailable");
             return ApiError(e).into_response();
@@ -155,25 +183,106 @@ pub(super) async fn forward(
             decode,
             prefill_queue,
         }) => {
-            tracing::info!(%transfer, decode = %decode.url, prefill_queue, "prefilling on decode: the prefill queue is over the threshold");
+            tracing::info!(decode = %decode.url, prefill_queue, "prefilling on decode: the prefill queue is over the threshold");
             metrics::counter!(m::LOCAL_PREFILLS_TOTAL, m::LABEL_REASON => "prefill_queue")
                 .increment(1);
-            if let Some(o) = request.as_object_mut() {
-                o.remove("kv_transfer_params");
-            }
             outcome("local_prefill");
-            decode
+            (decode, None)
         }
         Ok(Route::Disaggregated { prefill, decode }) => {
+            outcome("disaggregated");
+            (decode, Some(prefill))
+        }
+    };
+    let mut job = Job {
+        s,
+        path,
+        request,
+        stream,
+        client_token_ids,
+        tried_decode: Vec::new(),
+        tried_prefill: Vec::new(),
+        migrations: 0,
+        prefill_retried: false,
+    };
+    let started = job.start(decode, prefill, &[]).await;
+    let (resp, decode, prefill) = match started {
+        Ok(ok) => ok,
+        Err(r) => return r,
+    };
+    if stream {
+        stream_response(job, resp, decode, prefill, arrived)
+    } else {
+        job.whole(resp, decode, arrived).await
+    }
+}
+
+/// One client request as the proxy carries it across attempts.
+struct Job {
+    s: Arc<ProxyState>,
+    path: &'static str,
+    /// The client's request (validated; without `kv_transfer_params` and `resume_tokens`).
+    request: Value,
+    stream: bool,
+    /// The client asked for `return_token_ids` itself (else they are stripped).
+    client_token_ids: bool,
+    /// Decode instances that failed this request (not picked again).
+    tried_decode: Vec<String>,
+    /// Prefill instances that failed this request.
+    tried_prefill: Vec<String>,
+    /// Migrations so far (bounded by `migration_limit`).
+    migrations: u32,
+    /// Whether the prefill retry was used.
+    prefill_retried: bool,
+}
+
+/// The `type` of an OpenAI error body, if `body` is one.
+fn error_kind(body: &[u8]) -> Option<String> {
+    let v: Value = serde_json::from_slice(body).ok()?;
+    v.get("error")?.get("type")?.as_str().map(str::to_string)
+}
+
+/// An error kind after which the same request may go on elsewhere: the instance is stopping
+/// or its worker failed (nothing about the request itself is wrong).
+fn migratable(kind: &str) -> bool {
+    matches!(kind, "shutting_down" | "worker_failed")
+}
+
+impl Job {
+    /// The least-loaded routable instance of `role` not tried yet.
+    fn pick(&self, role: Role) -> Option<Upstream> {
+        let tried = if role == Role::Decode {
+            &self.tried_decode
+        } else {
+            &self.tried_prefill
+        };
+        let candidates: Vec<Upstream> = self
+            .s
+            .registry()
+            .routable_at(role, Instant::now())
+            .into_iter()
+            .filter(|u| !tried.contains(&u.url))
+            .collect();
+        least_loaded(&candidates, role, &self.s.rr).cloned()
+    }
+
+    /// The body of one attempt — prefilled on `prefill` (else on the decode instance itself),
+    /// continuing after `resume` — and the `transfer_id` its hand-off uses (none when the
+    /// decode instance prefills).
+    fn body(
+        &self,
+        prefill: Option<&Upstream>,
+        resume: &[u32],
+    ) -> Result<(Vec<u8>, Option<TransferId>), RequestError> {
+        let mut request = self.request.clone();
+        let mut transfer = None;
+        if let Some(prefill) = prefill {
             let Some((host, port)) = prefill.host_port.clone() else {
-                return ApiError(RequestError::Internal(format!(
+                return Err(RequestError::Internal(format!(
                     "prefill instance URL `{}` has no host:port",
                     prefill.url
-                )))
-                .into_response();
+                )));
             };
-            tracing::info!(%transfer, prefill = %prefill.url, decode = %decode.url, "routing");
-            outcome("disaggregated");
             // One hop: the decode instance allocates its blocks, asks the prefill instance for
             // the prompt's KV (push or pull, its `transfer.mode`) and streams the answer.
             let params = openai::KvTransferParams {
@@ -184,38 +293,614 @@ pub(super) async fn forward(
                 remote_engine_id: prefill.control.as_ref().map(|(_, node)| node.clone()),
                 remote_control_addr: prefill.control.as_ref().map(|(a, _)| a.to_string()),
                 remote_block_ids: None,
-                transfer_id: transfer.to_string(),
+                transfer_id: {
+                    let t = TransferId::new_random();
+                    transfer = Some(t);
+                    t.to_string()
+                },
                 first_token_id: None,
                 kv_lease_ms: None,
             };
-            match serde_json::to_value(params) {
-                Ok(v) => request["kv_transfer_params"] = v,
-                Err(e) => return ApiError(RequestError::Internal(e.to_string())).into_response(),
+            request["kv_transfer_params"] =
+                serde_json::to_value(params).map_err(|e| RequestError::Internal(e.to_string()))?;
+        }
+        if !resume.is_empty() {
+            request["resume_tokens"] = json!(resume);
+        }
+        if self.stream {
+            // Migration needs to know which tokens the client has.
+            request["return_token_ids"] = json!(true);
+        }
+        let body =
+            serde_json::to_vec(&request).map_err(|e| RequestError::Internal(e.to_string()))?;
+        Ok((body, transfer))
+    }
+
+    /// Sends one attempt; `Err` only when `decode` could not be reached at all.
+    async fn send(
+        &self,
+        decode: &Upstream,
+        prefill: Option<&Upstream>,
+        resume: &[u32],
+    ) -> Result<Result<reqwest::Response, String>, RequestError> {
+        let (body, transfer) = self.body(prefill, resume)?;
+        match (transfer, prefill) {
+            (Some(transfer), Some(p)) => {
+                tracing::info!(%transfer, prefill = %p.url, decode = %decode.url, resumed = resume.len(), "routing")
             }
-            decode
+            _ => {
+                tracing::info!(decode = %decode.url, resumed = resume.len(), "routing: the decode instance prefills")
+            }
         }
-    };
-    let body = match serde_json::to_vec(&request) {
-        Ok(b) => b,
-        Err(e) => return ApiError(RequestError::Internal(e.to_string())).into_response(),
-    };
-    match s
-        .upstream(s.http.post(format!("{}{path}", decode.url)))
-        .header("content-type", "application/json")
-        .body(body)
-        .timeout(s.timeout)
-        .send()
-        .await
-    {
-        Ok(r) => relay(r, Some(arrived)).await,
-        Err(e) => {
-            outcome("upstream_error");
-            tracing::warn!(%transfer, decode = %decode.url, error = %e, "decode instance unreachable");
-            ApiError(RequestError::Upstream(format!(
-                "decode instance {}: {e}",
-                decode.url
-            )))
-            .into_response()
+        Ok(self
+            .s
+            .upstream(self.s.http.post(format!("{}{}", decode.url, self.path)))
+            .header("content-type", "application/json")
+            .body(body)
+            .timeout(self.s.timeout)
+            .send()
+            .await
+            .map_err(|e| e.to_string()))
+    }
+
+    /// Starts the request on `decode` (prefilled on `prefill`): reroutes while a decode
+    /// instance cannot be reached or answers 503 before starting, applies the prefill retry
+    /// policy to a non-streamed hand-off failure. Returns the answer to relay (status 200, or
+    /// an error to pass on), with the instances it came from; `Err`: the answer to send.
+    async fn start(
+        &mut self,
+        mut decode: Upstream,
+        mut prefill: Option<Upstream>,
+        resume: &[u32],
+    ) -> Result<(reqwest::Response, Upstream, Option<Upstream>), Response> {
+        loop {
+            let resp = match self.send(&decode, prefill.as_ref(), resume).await {
+                Err(e) => return Err(ApiError(e).into_response()),
+                Ok(Err(e)) => {
+                    tracing::warn!(decode = %decode.url, error = %e, "decode instance unreachable: trying another");
+                    self.tried_decode.push(decode.url.clone());
+                    match self.pick(Role::Decode) {
+                        Some(next) => {
+                            decode = next;
+                            continue;
+                        }
+                        None => {
+                            outcome("upstream_error");
+                            return Err(ApiError(RequestError::Upstream(format!(
+                                "decode instance {}: {e}",
+                                decode.url
+                            )))
+                            .into_response());
+                        }
+                    }
+                }
+                Ok(Ok(r)) => r,
+            };
+            let status = resp.status().as_u16();
+            if status == 200 {
+                return Ok((resp, decode, prefill));
+            }
+            // 503: another decode instance may take it; 502 of a non-streamed request: the
+            // hand-off may have failed (a stream reports that in its body).
+            let decide = status == 503 || (status == 502 && !self.stream);
+            if !decide {
+                return Ok((resp, decode, prefill));
+            }
+            // Read the refusal to decide; it is small.
+            let body = resp.bytes().await.unwrap_or_default();
+            let kind = error_kind(&body).unwrap_or_default();
+            if status == 503 {
+                // Draining, stopping or full: another decode instance may take it.
+                self.tried_decode.push(decode.url.clone());
+                if let Some(next) = self.pick(Role::Decode) {
+                    tracing::info!(decode = %decode.url, %kind, next = %next.url, "decode instance refused (503): rerouting");
+                    decode = next;
+                    continue;
+                }
+            } else if kind == "kv_transfer_failed" {
+                if let Some(next) = self.prefill_failed(prefill.as_ref()) {
+                    prefill = next;
+                    continue;
+                }
+            }
+            return Err(passthrough(status, body));
         }
+    }
+
+    /// The prefill instance of this request failed before the hand-off: where to prefill now
+    /// (`Some(None)`: on the decode instance), or `None` to pass the failure on.
+    fn prefill_failed(&mut self, prefill: Option<&Upstream>) -> Option<Option<Upstream>> {
+        let failed = prefill?;
+        if self.prefill_retried {
+            return None;
+        }
+        self.prefill_retried = true;
+        self.tried_prefill.push(failed.url.clone());
+        let next = match self.s.prefill_retry {
+            PrefillRetry::Fail => None,
+            PrefillRetry::Local => Some(None),
+            PrefillRetry::Retry => Some(self.pick(Role::Prefill)),
+        };
+        let action = match &next {
+            None => "fail",
+            Some(None) => "local",
+            Some(Some(_)) => "retry",
+        };
+        metrics::counter!(m::PREFILL_RETRIES_TOTAL, m::LABEL_ACTION => action).increment(1);
+        tracing::warn!(prefill = %failed.url, action, "the prefill instance failed before the hand-off");
+        next
+    }
+
+    /// A non-streamed answer: relayed when it completed; re-issued whole to another decode
+    /// instance when the instance died mid-way or failed it for a reason of its own.
+    async fn whole(
+        mut self,
+        mut resp: reqwest::Response,
+        mut decode: Upstream,
+        arrived: Instant,
+    ) -> Response {
+        loop {
+            let status = resp.status().as_u16();
+            let ctype = resp
+                .headers()
+                .get("content-type")
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("application/json")
+                .to_string();
+            let (reason, error) = match resp.bytes().await {
+                Ok(body) => {
+                    let kind = (status >= 500).then(|| error_kind(&body)).flatten();
+                    match kind {
+                        Some(k) if migratable(&k) => ("instance_failed", k),
+                        _ => {
+                            metrics::histogram!(m::PROXY_TIME_TO_FIRST_BYTE_SECONDS)
+                                .record(arrived.elapsed().as_secs_f64());
+                            metrics::histogram!(m::PROXY_REQUEST_SECONDS)
+                                .record(arrived.elapsed().as_secs_f64());
+                            let code =
+                                StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
+                            return (code, [("content-type", ctype)], body).into_response();
+                        }
+                    }
+                }
+                Err(e) => ("stream_broken", e.to_string()),
+            };
+            match self.migrate_from(&decode, reason, &error, &[]).await {
+                Ok((r, d)) => {
+                    resp = r;
+                    decode = d;
+                }
+                Err(e) => return ApiError(e).into_response(),
+            }
+        }
+    }
+
+    /// Moves the request off `failed` to another decode instance, continuing after `resume`:
+    /// the new answer (status 200) and where it comes from.
+    async fn migrate_from(
+        &mut self,
+        failed: &Upstream,
+        reason: &'static str,
+        error: &str,
+        resume: &[u32],
+    ) -> Result<(reqwest::Response, Upstream), RequestError> {
+        self.tried_decode.push(failed.url.clone());
+        loop {
+            if self.migrations >= self.s.migration_limit {
+                outcome("upstream_error");
+                return Err(RequestError::Upstream(format!(
+                    "decode instance {} failed mid-generation ({error}) and the migration limit ({}) is spent",
+                    failed.url, self.s.migration_limit
+                )));
+            }
+            let Some(next) = self.pick(Role::Decode) else {
+                outcome("upstream_error");
+                return Err(RequestError::Upstream(format!(
+                    "decode instance {} failed mid-generation ({error}) and no other decode instance is available",
+                    failed.url
+                )));
+            };
+            self.migrations += 1;
+            metrics::counter!(m::MIGRATIONS_TOTAL, m::LABEL_REASON => reason).increment(1);
+            tracing::warn!(from = %failed.url, to = %next.url, reason, %error, resumed = resume.len(), "migrating a request");
+            match self.send(&next, None, resume).await? {
+                Ok(r) if r.status().is_success() => return Ok((r, next)),
+                Ok(r) => {
+                    let status = r.status();
+                    let body = r.bytes().await.unwrap_or_default();
+                    tracing::warn!(decode = %next.url, %status, body = %String::from_utf8_lossy(&body), "migration target refused");
+                    self.tried_decode.push(next.url.clone());
+                }
+                Err(e) => {
+                    tracing::warn!(decode = %next.url, error = %e, "migration target unreachable");
+                    self.tried_decode.push(next.url.clone());
+                }
+            }
+        }
+    }
+}
+
+/// An upstream refusal passed to the client as it came.
+fn passthrough(status: u16, body: Bytes) -> Response {
+    let code = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
+    (code, [("content-type", "application/json")], body).into_response()
+}
+
+/// What the relay of one stream knows: the SSE parser, the tokens the client has, the ids
+/// the client saw first. Pure (no I/O), so it is unit-tested.
+#[derive(Debug, Default)]
+struct StreamView {
+    buf: Vec<u8>,
+    /// Tokens whose text the client has.
+    generated: Vec<u32>,
+    /// `id` and `created` of the first attempt's chunks.
+    first_id: Option<(Value, Value)>,
+    /// A chunk carried a `role` delta (chat): later ones drop theirs.
+    role_sent: bool,
+    /// A chunk carried a `finish_reason`.
+    finished: bool,
+    /// `data: [DONE]` went out.
+    done: bool,
+    /// Any chunk went out.
+    started: bool,
+    client_token_ids: bool,
+}
+
+/// What one upstream SSE event means for the relay.
+#[derive(Debug, PartialEq)]
+enum Seen {
+    /// Send these bytes to the client.
+    Relay(Bytes),
+    /// An error event of this kind (its bytes, to relay if nothing better can be done).
+    Error(String, Bytes),
+}
+
+impl StreamView {
+    fn new(client_token_ids: bool) -> Self {
+        Self {
+            client_token_ids,
+            ..Self::default()
+        }
+    }
+
+    /// A new upstream (after a migration): drop what was half-read from the old one.
+    fn reset_upstream(&mut self) {
+        self.buf.clear();
+    }
+
+    /// Feeds upstream bytes; returns the complete events they finished.
+    fn feed(&mut self, bytes: &[u8]) -> Vec<Seen> {
+        self.buf.extend_from_slice(bytes);
+        let mut out = Vec::new();
+        while let Some(end) = find_event_end(&self.buf) {
+            let event: Vec<u8> = self.buf.drain(..end.0).collect();
+            self.buf.drain(..end.1);
+            if let Some(seen) = self.event(&event) {
+                out.push(seen);
+            }
+        }
+        out
+    }
+
+    fn event(&mut self, event: &[u8]) -> Option<Seen> {
+        let text = String::from_utf8_lossy(event);
+        let data: String = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("data:"))
+            .map(|d| d.strip_prefix(' ').unwrap_or(d))
+            .collect::<Vec<_>>()
+            .join("\n");
+        if data.is_empty() {
+            // A comment or keep-alive: pass it on as is.
+            return Some(Seen::Relay(Bytes::from(format!("{text}\n\n"))));
+        }
+        if data.trim() == "[DONE]" {
+            self.done = true;
+            return Some(Seen::Relay(Bytes::from_static(b"data: [DONE]\n\n")));
+        }
+        let Ok(mut v) = serde_json::from_str::<Value>(&data) else {
+            return Some(Seen::Relay(Bytes::from(format!("data: {data}\n\n"))));
+        };
+        if let Some(kind) = v
+            .get("error")
+            .and_then(|e| e.get("type"))
+            .and_then(Value::as_str)
+        {
+            return Some(Seen::Error(
+                kind.to_string(),
+                Bytes::from(format!("data: {data}\n\n")),
+            ));
+        }
+        if let Some(choice) = v
+            .get_mut("choices")
+            .and_then(|c| c.get_mut(0))
+            .and_then(Value::as_object_mut)
+        {
+            if let Some(ids) = choice.get("token_ids").and_then(Value::as_array) {
+                self.generated
+                    .extend(ids.iter().filter_map(|t| t.as_u64()).map(|t| t as u32));
+            }
+            if !self.client_token_ids {
+                choice.remove("token_ids");
+            }
+            if choice.get("finish_reason").is_some_and(|f| !f.is_null()) {
+                self.finished = true;
+            }
+            if let Some(delta) = choice.get_mut("delta").and_then(Value::as_object_mut) {
+                if delta.contains_key("role") {
+                    if self.role_sent {
+                        delta.remove("role");
+                    }
+                    self.role_sent = true;
+                }
+            }
+        }
+        if let Some(o) = v.as_object_mut() {
+            if !self.client_token_ids {
+                o.remove("prompt_token_ids");
+            }
+            match &self.first_id {
+                None => {
+                    self.first_id = Some((
+                        o.get("id").cloned().unwrap_or(Value::Null),
+                        o.get("created").cloned().unwrap_or(Value::Null),
+                    ))
+                }
+                Some((id, created)) => {
+                    o.insert("id".into(), id.clone());
+                    o.insert("created".into(), created.clone());
+                }
+            }
+        }
+        self.started = true;
+        Some(Seen::Relay(Bytes::from(format!("data: {v}\n\n"))))
+    }
+}
+
+/// `(end of the event, length of its separator)` of the first complete SSE event in `buf`.
+fn find_event_end(buf: &[u8]) -> Option<(usize, usize)> {
+    let lf = buf.windows(2).position(|w| w == b"\n\n").map(|i| (i, 2));
+    let crlf = buf
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map(|i| (i, 4));
+    match (lf, crlf) {
+        (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
+        (a, b) => a.or(b),
+    }
+}
+
+/// The state of one relayed stream.
+struct Relay {
+    job: Job,
+    resp: Option<reqwest::Response>,
+    decode: Upstream,
+    prefill: Option<Upstream>,
+    view: StreamView,
+    out: VecDeque<Bytes>,
+    end: bool,
+    first_byte: Option<Instant>,
+    _timer: EndTimer,
+}
+
+impl Relay {
+    /// The next bytes for the client.
+    async fn next(&mut self) -> Option<Bytes> {
+        loop {
+            if let Some(b) = self.out.pop_front() {
+                if let Some(t) = self.first_byte.take() {
+                    metrics::histogram!(m::PROXY_TIME_TO_FIRST_BYTE_SECONDS)
+                        .record(t.elapsed().as_secs_f64());
+                }
+                return Some(b);
+            }
+            if self.end || self.view.done {
+                return None;
+            }
+            let chunk = match self.resp.as_mut() {
+                Some(r) => r.chunk().await,
+                None => return None,
+            };
+            match chunk {
+                Ok(Some(bytes)) => {
+                    for seen in self.view.feed(&bytes) {
+                        match seen {
+                            Seen::Relay(b) => self.out.push_back(b),
+                            Seen::Error(kind, bytes) => self.on_error(kind, bytes).await,
+                        }
+                        if self.end {
+                            break;
+                        }
+                    }
+                }
+                Ok(None) | Err(_) if self.view.finished => {
+                    // Everything but the trailer arrived: end the stream properly.
+                    self.out.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+                    self.end = true;
+                }
+                Ok(None) => {
+                    self.migrate("stream_broken", "the stream ended early".into())
+                        .await
+                }
+                Err(e) => self.migrate("stream_broken", e.to_string()).await,
+            }
+        }
+    }
+
+    async fn on_error(&mut self, kind: String, bytes: Bytes) {
+        if kind == "kv_transfer_failed" && !self.view.started {
+            if let Some(next) = self.job.prefill_failed(self.prefill.as_ref()) {
+                let decode = self.decode.clone();
+                match self.job.start(decode, next, &[]).await {
+                    Ok((resp, d, p)) if resp.status().is_success() => {
+                        self.view.reset_upstream();
+                        self.resp = Some(resp);
+                        self.decode = d;
+                        self.prefill = p;
+                        return;
+                    }
+                    Ok((resp, _, _)) => {
+                        let body = resp.bytes().await.unwrap_or_default();
+                        self.fail_with(Bytes::from(format!(
+                            "data: {}\n\n",
+                            String::from_utf8_lossy(&body)
+                        )));
+                        return;
+                    }
+                    Err(_) => {}
+                }
+            }
+        } else if migratable(&kind) {
+            self.migrate("instance_failed", kind).await;
+            return;
+        }
+        self.fail_with(bytes);
+    }
+
+    /// Ends the client's stream with `error` (an SSE error event).
+    fn fail_with(&mut self, error: Bytes) {
+        self.out.push_back(error);
+        self.out.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+        self.end = true;
+    }
+
+    async fn migrate(&mut self, reason: &'static str, error: String) {
+        self.resp = None;
+        let failed = self.decode.clone();
+        let resume = self.view.generated.clone();
+        match self
+            .job
+            .migrate_from(&failed, reason, &error, &resume)
+            .await
+        {
+            Ok((resp, decode)) => {
+                self.view.reset_upstream();
+                self.resp = Some(resp);
+                self.decode = decode;
+                self.prefill = None;
+            }
+            Err(e) => {
+                let body = openai::error_body(&e);
+                self.fail_with(Bytes::from(format!("data: {body}\n\n")));
+            }
+        }
+    }
+}
+
+/// Streams `resp` (status 200, `text/event-stream`) to the client through a [`Relay`].
+fn stream_response(
+    job: Job,
+    resp: reqwest::Response,
+    decode: Upstream,
+    prefill: Option<Upstream>,
+    arrived: Instant,
+) -> Response {
+    let ctype = resp
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("text/event-stream")
+        .to_string();
+    let relay = Relay {
+        view: StreamView::new(job.client_token_ids),
+        job,
+        resp: Some(resp),
+        decode,
+        prefill,
+        out: VecDeque::new(),
+        end: false,
+        first_byte: Some(arrived),
+        _timer: EndTimer(arrived),
+    };
+    let stream = futures_util::stream::unfold(relay, |mut relay| async move {
+        let bytes = relay.next().await?;
+        Some((Ok::<Bytes, std::io::Error>(bytes), relay))
+    });
+    (
+        StatusCode::OK,
+        [("content-type", ctype)],
+        Body::from_stream(stream),
+    )
+        .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunk(id: &str, text: &str, ids: &[u32], finish: Option<&str>) -> String {
+        format!(
+            "data: {}\n\n",
+            json!({"id": id, "created": 7, "object": "text_completion",
+                   "choices": [{"index": 0, "text": text, "token_ids": ids, "finish_reason": finish}]})
+        )
+    }
+
+    fn relayed(seen: Vec<Seen>) -> Vec<Value> {
+        seen.into_iter()
+            .map(|s| match s {
+                Seen::Relay(b) => {
+                    let t = String::from_utf8(b.to_vec()).unwrap();
+                    let d = t.trim().strip_prefix("data: ").unwrap().to_string();
+                    serde_json::from_str(&d).unwrap_or(Value::String(d))
+                }
+                other => panic!("{other:?}"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_view_counts_relayed_tokens_and_keeps_the_first_ids_across_upstreams() {
+        let mut v = StreamView::new(false);
+        // Split across reads, and one half event left when the upstream breaks.
+        let a = chunk("cmpl-1", "he", &[104, 101], None);
+        let b = chunk("cmpl-1", "l", &[108], None);
+        let (a1, a2) = a.split_at(10);
+        assert!(v.feed(a1.as_bytes()).is_empty());
+        let out = relayed(v.feed(format!("{a2}{b}data: {{\"id\"").as_bytes()));
+        assert_eq!(out.len(), 2);
+        assert!(out[0]["choices"][0].get("token_ids").is_none(), "stripped");
+        assert_eq!(v.generated, vec![104, 101, 108]);
+        // The new upstream's chunks are re-labelled with the first ids; the half event is
+        // gone with the old upstream.
+        v.reset_upstream();
+        let c = chunk("cmpl-9", "lo", &[108, 111], Some("length"));
+        let out = relayed(v.feed(format!("{c}data: [DONE]\n\n").as_bytes()));
+        assert_eq!(out[0]["id"], "cmpl-1");
+        assert_eq!(out[0]["created"], 7);
+        assert_eq!(out[1], Value::String("[DONE]".into()));
+        assert_eq!(v.generated, vec![104, 101, 108, 108, 111]);
+        assert!(v.finished && v.done);
+    }
+
+    #[test]
+    fn the_view_reports_errors_and_drops_a_repeated_role() {
+        let mut v = StreamView::new(true);
+        let role = |id: &str| {
+            format!(
+                "data: {}\n\n",
+                json!({"id": id, "created": 1, "choices": [{"index": 0, "delta": {"role": "assistant", "content": "x"}, "token_ids": [120], "finish_reason": null}]})
+            )
+        };
+        let out = relayed(v.feed(role("a").as_bytes()));
+        assert_eq!(out[0]["choices"][0]["delta"]["role"], "assistant");
+        assert_eq!(
+            out[0]["choices"][0]["token_ids"],
+            json!([120]),
+            "kept: asked for"
+        );
+        let out = relayed(v.feed(role("b").as_bytes()));
+        assert!(out[0]["choices"][0]["delta"].get("role").is_none());
+        assert_eq!(out[0]["id"], "a");
+        let err = format!(
+            "data: {}\n\n",
+            openai::error_body(&RequestError::ShuttingDown)
+        );
+        match &v.feed(err.as_bytes())[..] {
+            [Seen::Error(kind, _)] => assert_eq!(kind, "shutting_down"),
+            other => panic!("{other:?}"),
+        }
+        assert!(migratable("shutting_down") && migratable("worker_failed"));
+        assert!(!migratable("invalid_request_error"));
     }
 }

@@ -34,11 +34,17 @@ pub struct ProxyArgs {
     pub call_timeout: Duration,
     /// HTTPS of the front door, and the trust its calls to `https://` instances use.
     pub tls: crate::http::HttpTls,
+    /// Times one request may move to another decode instance when the one serving it dies or
+    /// its stream breaks (`proxy.migration_limit`; 0: never).
+    pub migration_limit: u32,
+    /// What happens when a prefill instance fails before the hand-off (`proxy.prefill_retry`).
+    pub prefill_retry: pdserve_runtime::config::PrefillRetry,
 }
 
 impl ProxyArgs {
     /// A proxy on `bind` in front of these instances, with the config's defaults for the rest
-    /// (upstream calls bounded at 600 s, no conditional disaggregation, no API key).
+    /// (upstream calls bounded at 600 s, no conditional disaggregation, no API key, one
+    /// migration per request, prefill retry `retry`).
     pub fn new(bind: SocketAddr, prefill: Vec<String>, decode: Vec<String>) -> Self {
         let d = pdserve_runtime::config::ProxySection::default();
         Self {
@@ -50,6 +56,8 @@ impl ProxyArgs {
             api_key: None,
             call_timeout: Duration::from_millis(d.actor_call_timeout_ms),
             tls: crate::http::HttpTls::default(),
+            migration_limit: d.migration_limit,
+            prefill_retry: d.prefill_retry,
         }
     }
 

@@ -38,12 +38,18 @@ struct Entry {
     upstream: Upstream,
     /// Polls missed in a row (static entries only).
     missed: u32,
+    /// It said it is draining (static entries: its load poll answered `ready: false`); not
+    /// routed to until it says it is ready again. Registered entries leave by deregistering.
+    draining: bool,
     /// `Some` for an entry that registered over the control plane.
     registered: Option<Registered>,
 }
 
 impl Entry {
     fn live(&self, now: Instant) -> bool {
+        if self.draining {
+            return false;
+        }
         match &self.registered {
             None => self.missed < MISSED_POLLS_TO_DROP,
             Some(r) => {
@@ -101,6 +107,7 @@ impl Registry {
                 control: None,
             },
             missed: MISSED_POLLS_TO_DROP,
+            draining: false,
             registered: None,
         });
     }
@@ -131,6 +138,7 @@ impl Registry {
                 control: control_addr.parse().ok().map(|a| (a, node.to_string())),
             },
             missed: 0,
+            draining: false,
             registered: Some(Registered {
                 node: node.to_string(),
                 control_addr: control_addr.to_string(),
@@ -198,6 +206,18 @@ impl Registry {
                 }
                 None => u.missed = u.missed.saturating_add(1),
             }
+        }
+    }
+
+    /// Records whether the static entry `url` takes new requests (its poll's `ready`): a
+    /// draining instance leaves routing at once and comes back when it is ready again.
+    pub fn set_ready(&mut self, url: &str, ready: bool) {
+        if let Some(u) = self
+            .entries
+            .iter_mut()
+            .find(|u| u.upstream.url == url && u.registered.is_none())
+        {
+            u.draining = !ready;
         }
     }
 
@@ -361,6 +381,11 @@ mod tests {
         assert!(r.alive(Role::Decode).is_empty());
         r.record("http://a:1", Some((0, 100)));
         assert_eq!(r.load_of("http://a:1"), Some((0, 100)));
+        // A draining instance leaves routing at once, and comes back when ready again.
+        r.set_ready("http://a:1", false);
+        assert!(r.alive(Role::Decode).is_empty(), "draining");
+        r.set_ready("http://a:1", true);
+        assert_eq!(r.alive(Role::Decode).len(), 1);
         assert_eq!(
             r.routable_at(Role::Decode, Instant::now())[0].host_port,
             Some(("a".to_string(), 1))

@@ -13,6 +13,10 @@ pub struct ProxyState {
     pub(super) timeout: Duration,
     pub(super) max_prefill_queue: Option<usize>,
     pub(super) api_key: Option<String>,
+    /// Times one request may move to another decode instance mid-generation.
+    pub(super) migration_limit: u32,
+    /// What happens when a prefill instance fails before the hand-off.
+    pub(super) prefill_retry: pdserve_runtime::config::PrefillRetry,
     pub(super) metrics: pdserve_runtime::telemetry::MetricsHandle,
 }
 

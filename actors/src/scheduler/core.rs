@@ -47,6 +47,10 @@ pub struct NewRequest {
     /// Push mode of P/D: the KvSender writes each chunk's KV to a decode instance as the
     /// forward pass computes it (see [`SchedulerCore::push_chunks`]). Needs `hold_for`.
     pub push: bool,
+    /// Tokens an earlier attempt of this request already generated (request migration): the
+    /// request is computed over prompt + these and continues after them (see
+    /// [`Generation::resume`]); empty for a new request.
+    pub resume: Vec<u32>,
 }
 
 /// What the scheduler tells a request's owner.
@@ -98,6 +102,8 @@ pub struct SchedulerStats {
     pub blocks_total: usize,
     /// Preemptions so far.
     pub preemptions: u64,
+    /// Hand-offs whose blocks are held for a decode instance to read (prefill, pull mode).
+    pub held: usize,
 }
 
 /// One planned forward step.
@@ -185,6 +191,7 @@ impl SchedulerCore {
             blocks_free: self.blocks.num_free(),
             blocks_total: self.blocks.total(),
             preemptions: self.preemptions,
+            held: self.held.len(),
         }
     }
 
@@ -224,11 +231,17 @@ impl SchedulerCore {
                 req.id
             )));
         }
+        let gen = if req.resume.is_empty() {
+            Generation::new(&req.params, &self.tokenizer)
+        } else {
+            Generation::resume(&req.params, &self.tokenizer, &req.resume)
+                .map_err(|e| RequestError::BadRequest(format!("resume_tokens: {e}")))?
+        };
         let seq = Seq {
             hold_for: req.hold_for,
             push: req.push && req.hold_for.is_some(),
             state: RequestState::Waiting,
-            gen: Generation::new(&req.params, &self.tokenizer),
+            gen,
             prompt: req.prompt,
             blocks: self.blocks.empty(),
             computed: 0,
@@ -305,6 +318,10 @@ impl SchedulerCore {
         }
         s.computed = s.prompt.len();
         s.state = RequestState::Running;
+        // The prefill instance drew the first token's random number from the same seeded
+        // stream: skip it here, so seeded sampling gives what one instance would (and a
+        // request migrated elsewhere continues it exactly).
+        s.gen.skip_samples(1);
         self.running.push(id);
         Ok(self.accept_token(id, first_token))
     }
@@ -671,6 +688,7 @@ mod tests {
             params,
             hold_for: None,
             push: false,
+            resume: Vec::new(),
         }
     }
 
@@ -776,7 +794,8 @@ mod tests {
                 running: 0,
                 blocks_free: 16,
                 blocks_total: 16,
-                preemptions: 0
+                preemptions: 0,
+                held: 0
             }
         );
     }

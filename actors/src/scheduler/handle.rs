@@ -242,6 +242,7 @@ impl PrefillHost for SchedulerHandle {
             params: job.params,
             hold_for: Some(job.transfer),
             push: job.push,
+            resume: Vec::new(),
         };
         let mut events = self.submit(request).map_err(interrupted)?;
         let mut first = None;

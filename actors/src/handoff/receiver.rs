@@ -125,8 +125,11 @@ pub struct Fetch {
     pub id: RequestId,
     /// Where it comes from.
     pub source: KvSource,
-    /// Our destination blocks (a share, kept until no byte can land any more).
+    /// Our destination blocks (a share, kept until no byte can land any more): the whole
+    /// prompt's, the first `cached_blocks` of them from our prefix cache.
     pub blocks: BlockAllocation,
+    /// Leading blocks we already hold (prefix cache): only the others move.
+    pub cached_blocks: usize,
     /// Prompt tokens.
     pub prompt: Vec<u32>,
     /// The request's sampling (the prefill side samples T0 with it).
@@ -208,6 +211,7 @@ impl Driver {
             id,
             source,
             blocks,
+            cached_blocks,
             prompt,
             params,
             reply,
@@ -254,6 +258,7 @@ impl Driver {
                         prompt.clone(),
                         params.clone(),
                         local.clone(),
+                        cached_blocks,
                         mode,
                         write_scope.clone(),
                     ))),
@@ -265,6 +270,7 @@ impl Driver {
                             transfer,
                             block_ids,
                             local.clone(),
+                            cached_blocks,
                             prompt.len(),
                         )));
                     }
@@ -405,6 +411,7 @@ impl Driver {
         prompt: Vec<u32>,
         mut sampling: SamplingParams,
         local: Vec<u32>,
+        cached_blocks: usize,
         mode: super::context::TransferMode,
         write_scope: WriteScope,
     ) -> PullEvent {
@@ -422,21 +429,23 @@ impl Driver {
                     Err(e) => return not_sent(e),
                 };
                 let n = prompt.len().div_ceil(self.kv.settings.block_size);
-                if local.len() < n {
+                if local.len() < n || cached_blocks >= n {
                     return not_sent(HandoffError::InvalidBlocks(format!(
-                        "{} tokens need {n} destination blocks, the request owns {}",
+                        "{} tokens need {n} destination blocks, the request owns {} ({cached_blocks} cached)",
                         prompt.len(),
                         local.len()
                     )));
                 }
-                let session = match self.grant_writes(&theirs, transfer, &local[..n], &write_scope)
-                {
+                // Only the blocks we lack are written (and granted): cached ones are shared
+                // with other requests and never written.
+                let dest = &local[cached_blocks..n];
+                let session = match self.grant_writes(&theirs, transfer, dest, &write_scope) {
                     Ok(s) => s,
                     Err(e) => return not_sent(e),
                 };
                 PrefillMode::Push {
                     peer: ours,
-                    block_ids: local[..n].to_vec(),
+                    block_ids: dest.to_vec(),
                     session,
                 }
             }
@@ -446,6 +455,7 @@ impl Driver {
             prompt,
             sampling,
             mode,
+            cached_blocks: cached_blocks as u32,
         });
         let within = self.kv.bounds().prefill;
         match self.kv.peers.call(&peer, &request, within).await {
@@ -488,6 +498,7 @@ impl Driver {
         transfer: TransferId,
         remote: Vec<u32>,
         local: Vec<u32>,
+        cached_blocks: usize,
         prompt_len: usize,
     ) -> PullEvent {
         // Everything before the first batch is submitted can refuse the hand-off without any
@@ -496,7 +507,23 @@ impl Driver {
             let kv = &self.kv;
             let ours = kv.info();
             let theirs = kv.peers.info(&peer, &ours).await?;
-            let per_rank = plan_pull(&ours, &theirs, &local, &remote, prompt_len)?;
+            // Delta transfer: the blocks we hold from our prefix cache are not read.
+            let bs = kv.settings.block_size;
+            let skip = cached_blocks.min(local.len());
+            if remote.len() != prompt_len.div_ceil(bs) || skip >= remote.len() {
+                return Err(HandoffError::InvalidBlocks(format!(
+                    "{prompt_len} tokens need {} held blocks, the prefill instance named {} ({skip} cached here)",
+                    prompt_len.div_ceil(bs),
+                    remote.len()
+                )));
+            }
+            let per_rank = plan_pull(
+                &ours,
+                &theirs,
+                &local[skip..],
+                &remote[skip..],
+                prompt_len - skip * bs,
+            )?;
             let session = kv
                 .peers
                 .session_for(kv.registry.engine(), &peer, &theirs)

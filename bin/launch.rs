@@ -67,6 +67,9 @@ pub struct LaunchArgs {
     /// lines.
     #[arg(long)]
     api_key: Option<String>,
+    /// Turn the prefix cache off in every instance (`scheduler.prefix_cache = false`).
+    #[arg(long)]
+    no_prefix_cache: bool,
 }
 
 fn free_port() -> Result<u16> {
@@ -258,6 +261,7 @@ pub fn run(args: LaunchArgs) -> Result<()> {
                 ]
                 .iter()
                 .map(|s| s.to_string())
+                .chain(args.no_prefix_cache.then(|| "--no-prefix-cache".to_string()))
                 .collect();
                 let env = args.api_key.iter().map(|k| ("PDSERVE_SERVER__API_KEY", k.clone())).collect();
                 members.push(Member { name, args: a, env, child: None, tracker: RestartTracker::new(RestartPolicy::default()) });
@@ -357,6 +361,7 @@ async fn run_in_process(args: LaunchArgs, threads: usize, creds: &LaunchCredenti
             let name = format!("{role}-{i}");
             let mut o = InstanceOptions::local(&name, model);
             o.tp = args.tp;
+            o.prefix_cache = !args.no_prefix_cache;
             o.api_key = args.api_key.clone();
             o.num_blocks = None;
             o.kv_cache_bytes = 256 << 20;

@@ -34,6 +34,8 @@ use std::sync::{Arc, Mutex};
 /// The chained hash of one full block of tokens (see the module docs).
 pub type BlockHash = u64;
 
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+
 /// FNV-1a 64 folded over `words`, starting from `seed`.
 fn fnv(seed: u64, words: impl IntoIterator<Item = u64>) -> u64 {
     let mut h = seed;
@@ -49,7 +51,7 @@ fn fnv(seed: u64, words: impl IntoIterator<Item = u64>) -> u64 {
 /// The salt of an instance's block hashes: FNV-1a 64 of its compatibility key (stable across
 /// builds and processes).
 pub fn cache_salt(compat_key: &str) -> u64 {
-    fnv(0xcbf2_9ce4_8422_2325, compat_key.bytes().map(u64::from))
+    fnv(FNV_OFFSET, compat_key.bytes().map(u64::from))
 }
 
 /// The chained hashes of the full blocks of `tokens` (a trailing partial block has none).
@@ -65,7 +67,10 @@ pub fn extend_hashes(salt: u64, hashes: &mut Vec<BlockHash>, tokens: &[u32], blo
     let bs = block_size.max(1);
     let mut parent = hashes.last().copied().unwrap_or(salt);
     for block in tokens.chunks_exact(bs).skip(hashes.len()) {
-        parent = fnv(parent ^ salt, block.iter().map(|&t| u64::from(t)));
+        let words = [parent, salt]
+            .into_iter()
+            .chain(block.iter().map(|&t| u64::from(t)));
+        parent = fnv(FNV_OFFSET, words);
         hashes.push(parent);
     }
 }

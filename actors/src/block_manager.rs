@@ -139,7 +139,10 @@ impl Pool {
         let r = &mut self.refs[b as usize];
         *r += 1;
         if *r == 1 {
-            if let Some(s) = self.entries[b as usize].as_mut().and_then(|e| e.stamp.take()) {
+            if let Some(s) = self.entries[b as usize]
+                .as_mut()
+                .and_then(|e| e.stamp.take())
+            {
                 self.lru.remove(&s);
             }
         }
@@ -301,7 +304,9 @@ impl BlockManager {
             let Some(&b) = pool.by_hash.get(h) else {
                 break;
             };
-            let e = pool.entries[b as usize].as_ref().expect("indexed blocks have entries");
+            let e = pool.entries[b as usize]
+                .as_ref()
+                .expect("indexed blocks have entries");
             let want = tokens.get(i * bs..(i + 1) * bs);
             let parent = i.checked_sub(1).map(|p| hashes[p]);
             if want != Some(&e.tokens[..]) || e.parent != parent {
@@ -474,8 +479,15 @@ mod tests {
         let mut other = t.clone();
         other[0] += 1;
         let h2 = block_hashes(7, &other, BS);
-        assert_ne!(h[1], h2[1], "a different first block changes every later hash");
-        assert_ne!(block_hashes(8, &t, BS)[0], h[0], "another layout never matches");
+        assert_ne!(
+            h[1], h2[1],
+            "a different first block changes every later hash"
+        );
+        assert_ne!(
+            block_hashes(8, &t, BS)[0],
+            h[0],
+            "another layout never matches"
+        );
         assert_eq!(block_hashes(7, &t[..8], BS), h, "stable");
     }
 
@@ -529,8 +541,16 @@ mod tests {
         assert!(!bm.grow(&mut big, 3), "only 2 are available");
         assert!(bm.grow(&mut big, 2));
         assert!(big.blocks().iter().all(|b| !holder.blocks().contains(b)));
-        assert_eq!(bm.lookup(&h2, &t2, BS), 0, "the unheld cached block was evicted");
-        assert_eq!(bm.lookup(&h1, &t1, BS), 2, "the held prefix is still cached");
+        assert_eq!(
+            bm.lookup(&h2, &t2, BS),
+            0,
+            "the unheld cached block was evicted"
+        );
+        assert_eq!(
+            bm.lookup(&h1, &t1, BS),
+            2,
+            "the held prefix is still cached"
+        );
         assert_eq!(bm.cache_figures().evictions, 1);
         drop(big);
         drop(holder);

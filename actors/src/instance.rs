@@ -13,6 +13,7 @@ use crate::control_plane::{ControlPlane, InspectSource, InstanceControl};
 use crate::error::{RequestError, StartError};
 use crate::handoff::aggregator::Epochs;
 use crate::handoff::peer::Peers;
+use crate::handoff::protocol::compat_key;
 use crate::handoff::pull::PullBounds;
 use crate::handoff::service::PromptLimits;
 use crate::handoff::{KvContext, KvFigures, KvRegistry, KvSettings, PeerService, TransferMode};
@@ -23,7 +24,6 @@ use crate::scheduler::{
 };
 use crate::supervisor::{InstanceArgs, InstanceSupervisor, SupervisorHandle};
 use crate::worker::WorkerSpec;
-use crate::handoff::protocol::compat_key;
 use pdserve_gpu::kv::KvDtype;
 use pdserve_gpu::loader::LoadedModel;
 use pdserve_gpu::tp::TpOptions;

@@ -290,7 +290,10 @@ fn describe_and_register() {
         Unit::Count,
         "Prompt tokens looked up in the prefix cache."
     );
-    describe_gauge!(KV_BLOCKS_CACHED, "Cached KV blocks nobody holds (evictable).");
+    describe_gauge!(
+        KV_BLOCKS_CACHED,
+        "Cached KV blocks nobody holds (evictable)."
+    );
     describe_counter!(
         PREFIX_CACHE_EVICTIONS_TOTAL,
         Unit::Count,

@@ -285,8 +285,7 @@ impl Driver {
                         if r.is_ok() {
                             let n = prompt.len().div_ceil(self.kv.settings.block_size);
                             let skipped = cached_blocks.min(n);
-                            self.kv
-                                .handoff_moved((n - skipped) as u64, skipped as u64);
+                            self.kv.handoff_moved((n - skipped) as u64, skipped as u64);
                         }
                         result = Some(r.as_ref().map(|_| ()).map_err(Clone::clone));
                         if let Err(e) = &r {

@@ -1102,6 +1102,67 @@ mod tests {
     }
 
     #[test]
+    fn prefix_hits_skip_compute_and_pinned_blocks_survive_eviction_pressure() {
+        // 12 blocks of 4. Request 1 computes a 9-token prompt: its 2 full blocks get cached.
+        let mut c = core(12, 64);
+        c.add(req(1, 9, 1)).unwrap();
+        let mut other = req(10, 8, 1);
+        other.prompt = (0..8).map(|t| 150 + t).collect();
+        c.add(other).unwrap();
+        drive(&mut c);
+        assert_eq!(c.stats().blocks_cached, 4, "the full prompt blocks of both");
+        // The same prompt again computes only its last block's tokens.
+        c.add(req(2, 9, 1)).unwrap();
+        let p = c.schedule().unwrap();
+        assert_eq!(
+            (p.batch.seqs[0].start_pos, p.batch.seqs[0].tokens.len()),
+            (8, 1)
+        );
+        let l = logits(&p);
+        c.complete(p, l);
+        assert_eq!(c.stats().prompt_tokens_cached, 8);
+        // A decode-side request takes the cached prefix and waits for the rest; others then
+        // need every unpinned block: the pinned prefix is never handed out.
+        let RemoteAdmission::Remote {
+            blocks: dest,
+            cached_blocks: 2,
+        } = c.add_remote(req(3, 9, 1), false).unwrap()
+        else {
+            panic!("the prefix is cached")
+        };
+        for id in 4..7 {
+            let mut r = req(id, 12, 1);
+            r.prompt = (0..12).map(|t| 200 + id as u32 * 13 + t).collect();
+            c.add(r).unwrap();
+        }
+        let p = c.schedule().unwrap();
+        for s in &p.batch.seqs {
+            assert!(
+                s.block_table.iter().all(|b| !dest.contains(b)),
+                "{:?} reuses a pinned block of {dest:?}",
+                s.block_table
+            );
+        }
+        assert!(c.stats().cache_evictions > 0, "{:?}", c.stats());
+        let l = logits(&p);
+        c.complete(p, l);
+        drive(&mut c);
+        assert_eq!(
+            c.block_manager().lookup(
+                &crate::block_manager::block_hashes(1, &req(3, 9, 1).prompt, 4),
+                &req(3, 9, 1).prompt,
+                4
+            ),
+            2,
+            "the pinned prefix is still cached"
+        );
+        assert!(c.remote_kv_ready(RequestId(3), 97).is_ok());
+        drive(&mut c);
+        assert_eq!(c.stats().blocks_in_use, 0, "{:?}", c.stats());
+        assert_eq!(c.stats().blocks_free, 12);
+    }
+
+    #[test]
     fn oversized_requests_are_refused_up_front() {
         let mut c = core(4, 64);
         assert!(matches!(

@@ -19,7 +19,7 @@
 use super::aggregator::{next_attempt, AggregatorMsg, RankReport, Tag};
 use super::context::KvContext;
 use super::peer::{PeerAddr, RenewGuard};
-use super::plan::plan_pull;
+use super::plan::{check_blocks, plan_pull};
 use super::protocol::{
     HandoffError, KvPeerInfo, PeerAnswer, PeerRequest, PrefillMode, PrefillRequest, SessionOffer,
 };
@@ -512,16 +512,12 @@ impl Driver {
             let kv = &self.kv;
             let ours = kv.info();
             let theirs = kv.peers.info(&peer, &ours).await?;
-            // Delta transfer: the blocks we hold from our prefix cache are not read.
+            // Every block id the peer named is checked, cached or not: forged metadata is
+            // refused whatever our prefix cache holds.
+            let n = check_blocks(&ours, &theirs, &local, &remote, prompt_len)?;
+            // Delta transfer: the leading blocks we hold from our prefix cache are not read.
+            let skip = cached_blocks.min(n.saturating_sub(1));
             let bs = kv.settings.block_size;
-            let skip = cached_blocks.min(local.len());
-            if remote.len() != prompt_len.div_ceil(bs) || skip >= remote.len() {
-                return Err(HandoffError::InvalidBlocks(format!(
-                    "{prompt_len} tokens need {} held blocks, the prefill instance named {} ({skip} cached here)",
-                    prompt_len.div_ceil(bs),
-                    remote.len()
-                )));
-            }
             let per_rank = plan_pull(
                 &ours,
                 &theirs,

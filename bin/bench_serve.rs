@@ -1588,8 +1588,9 @@ mod tests {
 
     #[test]
     fn multi_turn_prompts_share_the_system_prompt_and_extend_each_turn() {
-        let args = parse("--url http://h:1 --multi-turn-sessions 3 --system-prompt-len 40 --turn-len 5")
-            .unwrap();
+        let args =
+            parse("--url http://h:1 --multi-turn-sessions 3 --system-prompt-len 40 --turn-len 5")
+                .unwrap();
         let cfg = BenchConfig::from_args(&args).unwrap();
         let specs: Vec<RequestSpec> = RequestGenerator::new(&cfg).take(9).collect();
         let system = multi_turn_prompt(cfg.seed, 40, 0, 0, 0);
@@ -1600,7 +1601,10 @@ mod tests {
         // Request 3 is turn 2 of session 0: it extends request 0 (turn 1 of session 0).
         assert!(specs[3].prompt.starts_with(&specs[0].prompt));
         assert!(specs[6].prompt.starts_with(&specs[3].prompt));
-        assert_ne!(specs[0].prompt, specs[1].prompt, "sessions differ after the system prompt");
+        assert_ne!(
+            specs[0].prompt, specs[1].prompt,
+            "sessions differ after the system prompt"
+        );
         assert_eq!(specs[4].approx_prompt_tokens, 40 + 2 * 5);
         assert!(parse("--url http://h:1 --multi-turn-sessions 2 --input-len 5").is_err());
         assert!(parse("--url http://h:1 --turn-len 5").is_err());

@@ -803,6 +803,7 @@ cluster demo proxy=proxy http=http://127.0.0.1:8000 control=127.0.0.1:7000 regis
 proxy [Proxy] running restarts=0 mailbox=0 up 12.3s
 ├── decode-0 (decode) routable heartbeat 0.2s ago http=http://127.0.0.1:8200 control=127.0.0.1:7002
 │   decode-0 role=decode model=smollm2-135m tp=2 waiting=4 running=7 kv_blocks=300/512 free preemptions=1 transfers_in_flight=2 sent=3.0MiB received=0B transfer_failures=0
+│     prefix_cache hit_rate=25.0% prompt_tokens=1000 computed=750 cached=250 cached_blocks=40 evictions=3 local_prefills=0
 │   decode-0 [InstanceSupervisor] running restarts=0 mailbox=0 up 12.3s
 └── prefill-0 (prefill) not routable heartbeat 1m15s ago http=http://127.0.0.1:8100 control=127.0.0.1:7001
     unreachable: control connection closed by peer

@@ -190,6 +190,18 @@ pub struct BenchServeArgs {
     /// than requests.
     #[arg(long)]
     pub dataset: Option<PathBuf>,
+    /// Multi-turn workload: this many chat sessions sharing one system prompt; request `i`
+    /// is turn `i / N + 1` of session `i % N`, its prompt the system prompt plus that
+    /// session's user turns so far (the answers are not replayed: each turn extends the
+    /// previous turn's prompt, which is what prefix caching reuses).
+    #[arg(long, conflicts_with_all = ["dataset", "input_len", "input_len_range"])]
+    pub multi_turn_sessions: Option<usize>,
+    /// Multi-turn: tokens of the shared system prompt (approximate). Default 1024.
+    #[arg(long, requires = "multi_turn_sessions")]
+    pub system_prompt_len: Option<usize>,
+    /// Multi-turn: tokens of each user turn (approximate). Default 64.
+    #[arg(long, requires = "multi_turn_sessions")]
+    pub turn_len: Option<usize>,
     /// SLO on time to first token (ms) for goodput.
     #[arg(long)]
     pub slo_ttft_ms: Option<f64>,
@@ -232,6 +244,15 @@ pub enum PromptSource {
     Synthetic(LenSpec),
     /// Prompts of a dataset, in order, cycling.
     Dataset(Vec<DatasetEntry>),
+    /// Chat sessions sharing a system prompt (see [`BenchServeArgs::multi_turn_sessions`]).
+    MultiTurn {
+        /// Sessions.
+        sessions: usize,
+        /// Tokens of the shared system prompt.
+        system_len: usize,
+        /// Tokens per user turn.
+        turn_len: usize,
+    },
 }
 
 /// A validated benchmark configuration (what [`BenchServeArgs`] becomes).
@@ -272,6 +293,11 @@ impl BenchConfig {
     /// An unreadable or malformed dataset, or an invalid value (see [`BenchConfig::validate`]).
     pub fn from_args(args: &BenchServeArgs) -> Result<BenchConfig> {
         let prompts = match &args.dataset {
+            None if args.multi_turn_sessions.is_some() => PromptSource::MultiTurn {
+                sessions: args.multi_turn_sessions.unwrap_or(1),
+                system_len: args.system_prompt_len.unwrap_or(1024),
+                turn_len: args.turn_len.unwrap_or(64),
+            },
             Some(path) => {
                 let text = std::fs::read_to_string(path)
                     .with_context(|| format!("reading dataset {}", path.display()))?;
@@ -351,6 +377,13 @@ impl BenchConfig {
             PromptSource::Dataset(entries) if entries.iter().any(|e| e.output_len == Some(0)) => {
                 bail!("dataset output_len must be at least 1")
             }
+            PromptSource::MultiTurn {
+                sessions,
+                system_len,
+                turn_len,
+            } if *sessions == 0 || *system_len + *turn_len == 0 => {
+                bail!("--multi-turn-sessions and the prompt lengths must be at least 1")
+            }
             _ => {}
         }
         for (name, v) in [
@@ -414,6 +447,30 @@ pub fn synthetic_prompt(rng: &mut StdRng, tokens: usize) -> String {
     s
 }
 
+/// The prompt of turn `turns` (from 1) of chat `session`: the shared system prompt, then the
+/// session's first `turns` user turns, each its own seeded synthetic words. Turn `t + 1`
+/// extends turn `t`'s prompt, so a prefix cache can reuse all of it.
+pub fn multi_turn_prompt(
+    seed: u64,
+    system_len: usize,
+    turn_len: usize,
+    session: usize,
+    turns: usize,
+) -> String {
+    let mut rng = StdRng::seed_from_u64(seed ^ PROMPT_SEED_SALT ^ 0x5157_u64);
+    let mut s = synthetic_prompt(&mut rng, system_len);
+    for t in 0..turns {
+        let mut rng = StdRng::seed_from_u64(
+            (seed ^ PROMPT_SEED_SALT)
+                .wrapping_add((session as u64) << 32)
+                .wrapping_add(t as u64 + 1),
+        );
+        s.push_str("\nUser: ");
+        s.push_str(&synthetic_prompt(&mut rng, turn_len));
+    }
+    s
+}
+
 /// One request to send.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RequestSpec {
@@ -431,6 +488,7 @@ pub struct RequestSpec {
 #[derive(Debug)]
 pub struct RequestGenerator {
     rng: StdRng,
+    seed: u64,
     prompts: PromptSource,
     output_len: LenSpec,
     next: usize,
@@ -441,6 +499,7 @@ impl RequestGenerator {
     pub fn new(cfg: &BenchConfig) -> Self {
         RequestGenerator {
             rng: StdRng::seed_from_u64(cfg.seed ^ PROMPT_SEED_SALT),
+            seed: cfg.seed,
             prompts: cfg.prompts.clone(),
             output_len: cfg.output_len,
             next: 0,
@@ -464,6 +523,18 @@ impl Iterator for RequestGenerator {
                     e.prompt.clone(),
                     e.prompt.split_whitespace().count(),
                     e.output_len,
+                )
+            }
+            PromptSource::MultiTurn {
+                sessions,
+                system_len,
+                turn_len,
+            } => {
+                let (session, turns) = (index % sessions, index / sessions + 1);
+                (
+                    multi_turn_prompt(self.seed, *system_len, *turn_len, session, turns),
+                    system_len + turns * turn_len,
+                    None,
                 )
             }
         };
@@ -1513,6 +1584,32 @@ mod tests {
         let again: Vec<f64> = PoissonArrivals::new(rate, 7).take(100).collect();
         assert_eq!(&times[..100], &again[..]);
         assert_ne!(PoissonArrivals::new(rate, 8).next(), Some(times[0]));
+    }
+
+    #[test]
+    fn multi_turn_prompts_share_the_system_prompt_and_extend_each_turn() {
+        let args =
+            parse("--url http://h:1 --multi-turn-sessions 3 --system-prompt-len 40 --turn-len 5")
+                .unwrap();
+        let cfg = BenchConfig::from_args(&args).unwrap();
+        let specs: Vec<RequestSpec> = RequestGenerator::new(&cfg).take(9).collect();
+        let system = multi_turn_prompt(cfg.seed, 40, 0, 0, 0);
+        assert_eq!(system.split_whitespace().count(), 40);
+        for s in &specs {
+            assert!(s.prompt.starts_with(&system), "{}", s.prompt);
+        }
+        // Request 3 is turn 2 of session 0: it extends request 0 (turn 1 of session 0).
+        assert!(specs[3].prompt.starts_with(&specs[0].prompt));
+        assert!(specs[6].prompt.starts_with(&specs[3].prompt));
+        assert_ne!(
+            specs[0].prompt, specs[1].prompt,
+            "sessions differ after the system prompt"
+        );
+        assert_eq!(specs[4].approx_prompt_tokens, 40 + 2 * 5);
+        assert!(parse("--url http://h:1 --multi-turn-sessions 2 --input-len 5").is_err());
+        assert!(parse("--url http://h:1 --turn-len 5").is_err());
+        let zero = parse("--url http://h:1 --multi-turn-sessions 0").unwrap();
+        assert!(BenchConfig::from_args(&zero).is_err());
     }
 
     #[test]

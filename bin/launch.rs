@@ -86,6 +86,9 @@ pub struct LaunchArgs {
     /// `proxy.migration_limit`).
     #[arg(long, default_value_t = 1)]
     migration_limit: u32,
+    /// Turn the prefix cache off in every instance (`scheduler.prefix_cache = false`).
+    #[arg(long)]
+    no_prefix_cache: bool,
 }
 
 /// `pdserve scale` flags.
@@ -311,6 +314,8 @@ struct InstanceTemplate {
     mode: &'static str,
     drain_timeout: u64,
     api_key: Option<String>,
+    /// `--no-prefix-cache` on every instance.
+    no_prefix_cache: bool,
 }
 
 impl InstanceTemplate {
@@ -343,6 +348,10 @@ impl InstanceTemplate {
         ]
         .iter()
         .map(|s| s.to_string())
+        .chain(
+            self.no_prefix_cache
+                .then(|| "--no-prefix-cache".to_string()),
+        )
         .collect();
         let env = self
             .api_key
@@ -517,6 +526,7 @@ pub fn run(args: LaunchArgs) -> Result<()> {
             mode: mode.as_str(),
             drain_timeout: args.drain_timeout,
             api_key: args.api_key.clone(),
+            no_prefix_cache: args.no_prefix_cache,
         };
         let mut members = Vec::new();
         for (role, count) in [("prefill", args.prefill), ("decode", args.decode)] {
@@ -654,6 +664,7 @@ async fn run_in_process(args: LaunchArgs, threads: usize, creds: &LaunchCredenti
             let name = format!("{role}-{i}");
             let mut o = InstanceOptions::local(&name, model);
             o.tp = args.tp;
+            o.prefix_cache = !args.no_prefix_cache;
             o.api_key = args.api_key.clone();
             o.drain_timeout = Duration::from_secs(args.drain_timeout);
             o.num_blocks = None;

@@ -261,6 +261,10 @@ struct ServeArgs {
     /// `scheduler.kv_cache_dtype`: f32, f16 or bf16.
     #[arg(long)]
     kv_cache_dtype: Option<String>,
+    /// `scheduler.prefix_cache = false`: no prefix cache (every prompt computed and moved
+    /// whole).
+    #[arg(long)]
+    no_prefix_cache: bool,
     /// `transfer.credentials_dir`: cluster credentials (quic transfers, the control plane).
     #[arg(long)]
     credentials_dir: Option<String>,
@@ -817,6 +821,7 @@ fn serve(args: ServeArgs, log: Option<String>, log_format: Option<String>) -> Re
         block_size: args.block_size,
         num_blocks: args.num_blocks,
         kv_cache_dtype: args.kv_cache_dtype,
+        prefix_cache: args.no_prefix_cache.then_some(false),
         log_filter: log,
         log_format: parse_flag("log-format", log_format)?,
         transfer: args.transfer,

@@ -731,6 +731,7 @@ fn forged_kv_transfer_params_are_refused_and_held_blocks_stay_untouched() {
                         block_ids: blocks,
                         session: None,
                     },
+                    cached_blocks: 0,
                 });
                 let answer = client
                     .call(

@@ -1,17 +1,168 @@
-//! The KV block pool of one instance: allocation, reference counts, the free list and a
-//! watermark kept free for running sequences.
+//! The KV block pool of one instance: allocation, reference counts, the free list, a
+//! watermark kept free for running sequences, and the prefix cache.
 //!
 //! Every allocation is a [`BlockAllocation`] guard that returns its blocks when dropped, so a
 //! request that ends by any path — finished, aborted, failed, its owner crashed — cannot leak
-//! blocks. Blocks can be shared ([`BlockAllocation::share`]): a block returns to the free list
-//! when its last holder drops it.
+//! blocks. Blocks can be shared ([`BlockAllocation::share`]): a block returns to the pool when
+//! its last holder drops it.
+//!
+//! # Prefix cache
+//!
+//! A full block whose KV is computed (or has landed from a prefill instance) can be
+//! *registered* under its [`BlockHash`]: a hash chained over the parent block's hash, the
+//! block's token ids and the instance's compatibility salt (model, KV dtype, layout, block
+//! size), so instances with different KV layouts never match. A registered block whose last
+//! holder drops it is not freed but kept as *cached*: evictable, in LRU order. A new request
+//! takes the longest run of its leading blocks that are cached ([`BlockManager::take_prefix`])
+//! by reference: the block's reference count goes up, and a block with holders is never
+//! evicted. Allocation takes never-registered free blocks first, then evicts the least
+//! recently used cached block (its hash is forgotten before it is reused).
+//!
+//! Only blocks that nobody writes any more are registered (the caller registers a block once
+//! its KV is final: computed by a finished step, or landed and fenced by a finished transfer),
+//! so a block being written is never handed to another request. Each cache entry keeps the
+//! block's token ids and a hit is checked against them, so a hash collision cannot serve the
+//! wrong KV.
+//!
+//! "Available" blocks ([`BlockManager::num_free`]) are the free ones plus the cached ones
+//! nobody holds: after every request ended, `num_free() == total()` proves nothing leaked;
+//! [`BlockManager::num_in_use`] counts blocks with holders.
 
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
+
+/// The chained hash of one full block of tokens (see the module docs).
+pub type BlockHash = u64;
+
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+
+/// FNV-1a 64 folded over `words`, starting from `seed`.
+fn fnv(seed: u64, words: impl IntoIterator<Item = u64>) -> u64 {
+    let mut h = seed;
+    for w in words {
+        for b in w.to_le_bytes() {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    h
+}
+
+/// The salt of an instance's block hashes: FNV-1a 64 of its compatibility key (stable across
+/// builds and processes).
+pub fn cache_salt(compat_key: &str) -> u64 {
+    fnv(FNV_OFFSET, compat_key.bytes().map(u64::from))
+}
+
+/// The chained hashes of the full blocks of `tokens` (a trailing partial block has none).
+pub fn block_hashes(salt: u64, tokens: &[u32], block_size: usize) -> Vec<BlockHash> {
+    let mut out = Vec::new();
+    extend_hashes(salt, &mut out, tokens, block_size);
+    out
+}
+
+/// Appends to `hashes` (those of the first `hashes.len()` blocks of `tokens`) the hashes of
+/// the following full blocks of `tokens`.
+pub fn extend_hashes(salt: u64, hashes: &mut Vec<BlockHash>, tokens: &[u32], block_size: usize) {
+    let bs = block_size.max(1);
+    let mut parent = hashes.last().copied().unwrap_or(salt);
+    for block in tokens.chunks_exact(bs).skip(hashes.len()) {
+        let words = [parent, salt]
+            .into_iter()
+            .chain(block.iter().map(|&t| u64::from(t)));
+        parent = fnv(FNV_OFFSET, words);
+        hashes.push(parent);
+    }
+}
+
+#[derive(Debug)]
+struct Entry {
+    hash: BlockHash,
+    parent: Option<BlockHash>,
+    tokens: Vec<u32>,
+    /// LRU stamp while evictable (no holder).
+    stamp: Option<u64>,
+}
 
 #[derive(Debug)]
 struct Pool {
+    /// Never-registered (or forgotten) blocks nobody holds.
     free: Vec<u32>,
     refs: Vec<u32>,
+    /// Registered blocks: their cache entry.
+    entries: Vec<Option<Entry>>,
+    /// Hash → the block registered under it.
+    by_hash: HashMap<BlockHash, u32>,
+    /// Cached blocks nobody holds, oldest first: LRU stamp → block.
+    lru: BTreeMap<u64, u32>,
+    clock: u64,
+    /// Blocks taken from the cache by reference (hits), counted in blocks.
+    hit_blocks: u64,
+    /// Evictions of cached blocks.
+    evictions: u64,
+}
+
+impl Pool {
+    fn available(&self) -> usize {
+        self.free.len() + self.lru.len()
+    }
+
+    /// One block for a new holder: a free one, else the least recently used cached one
+    /// (forgotten first).
+    fn take_one(&mut self) -> Option<u32> {
+        let b = match self.free.pop() {
+            Some(b) => b,
+            None => {
+                let (_, b) = self.lru.pop_first()?;
+                self.forget(b);
+                self.evictions += 1;
+                b
+            }
+        };
+        self.refs[b as usize] = 1;
+        Some(b)
+    }
+
+    /// Removes `b`'s cache entry (it stays wherever it is held).
+    fn forget(&mut self, b: u32) {
+        if let Some(e) = self.entries[b as usize].take() {
+            if self.by_hash.get(&e.hash) == Some(&b) {
+                self.by_hash.remove(&e.hash);
+            }
+            if let Some(s) = e.stamp {
+                self.lru.remove(&s);
+            }
+        }
+    }
+
+    fn hold(&mut self, b: u32) {
+        let r = &mut self.refs[b as usize];
+        *r += 1;
+        if *r == 1 {
+            if let Some(s) = self.entries[b as usize]
+                .as_mut()
+                .and_then(|e| e.stamp.take())
+            {
+                self.lru.remove(&s);
+            }
+        }
+    }
+
+    fn unhold(&mut self, b: u32) {
+        let r = &mut self.refs[b as usize];
+        *r = r.saturating_sub(1);
+        if *r > 0 {
+            return;
+        }
+        match self.entries[b as usize].as_mut() {
+            Some(e) => {
+                self.clock += 1;
+                e.stamp = Some(self.clock);
+                self.lru.insert(self.clock, b);
+            }
+            None => self.free.push(b),
+        }
+    }
 }
 
 /// A pool of KV block ids `0..total`.
@@ -20,6 +171,7 @@ pub struct BlockManager {
     pool: Arc<Mutex<Pool>>,
     total: usize,
     watermark: usize,
+    caching: bool,
 }
 
 /// Blocks held by one owner; freed on drop.
@@ -29,22 +181,53 @@ pub struct BlockAllocation {
     pool: Arc<Mutex<Pool>>,
 }
 
+/// Prefix-cache figures.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CacheFigures {
+    /// Cached blocks nobody holds (evictable).
+    pub cached_blocks: usize,
+    /// Registered blocks (held or not).
+    pub registered_blocks: usize,
+    /// Blocks taken from the cache by reference so far.
+    pub hit_blocks: u64,
+    /// Cached blocks evicted so far.
+    pub evictions: u64,
+}
+
+fn lock(pool: &Mutex<Pool>) -> std::sync::MutexGuard<'_, Pool> {
+    pool.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 impl BlockManager {
-    /// A pool of `total` blocks of which `watermark` are kept back from new admissions.
+    /// A pool of `total` blocks of which `watermark` are kept back from new admissions, with
+    /// the prefix cache on.
     pub fn new(total: usize, watermark: usize) -> Self {
+        Self::with_cache(total, watermark, true)
+    }
+
+    /// A pool of `total` blocks; `caching` turns the prefix cache on or off (off: nothing is
+    /// ever registered, every lookup misses).
+    pub fn with_cache(total: usize, watermark: usize, caching: bool) -> Self {
         let pool = Pool {
             free: (0..total as u32).rev().collect(),
             refs: vec![0; total],
+            entries: (0..total).map(|_| None).collect(),
+            by_hash: HashMap::new(),
+            lru: BTreeMap::new(),
+            clock: 0,
+            hit_blocks: 0,
+            evictions: 0,
         };
         Self {
             pool: Arc::new(Mutex::new(pool)),
             total,
             watermark: watermark.min(total),
+            caching,
         }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Pool> {
-        self.pool.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.pool)
     }
 
     /// Blocks in the pool.
@@ -52,9 +235,30 @@ impl BlockManager {
         self.total
     }
 
-    /// Free blocks.
+    /// Whether the prefix cache is on.
+    pub fn caching(&self) -> bool {
+        self.caching
+    }
+
+    /// Blocks available to new holders: free plus cached-evictable.
     pub fn num_free(&self) -> usize {
-        self.lock().free.len()
+        self.lock().available()
+    }
+
+    /// Blocks with at least one holder (`total - num_free`).
+    pub fn num_in_use(&self) -> usize {
+        self.total - self.num_free()
+    }
+
+    /// Prefix-cache figures.
+    pub fn cache_figures(&self) -> CacheFigures {
+        let p = self.lock();
+        CacheFigures {
+            cached_blocks: p.lru.len(),
+            registered_blocks: p.by_hash.len(),
+            hit_blocks: p.hit_blocks,
+            evictions: p.evictions,
+        }
     }
 
     /// Whether a new sequence needing `n` blocks may be admitted (keeps the watermark free).
@@ -70,18 +274,118 @@ impl BlockManager {
         }
     }
 
-    /// Appends `n` blocks to `alloc`; takes nothing and returns `false` when fewer are free.
+    /// Appends `n` blocks to `alloc` (free ones first, then evicting the least recently used
+    /// cached ones); takes nothing and returns `false` when fewer are available.
     pub fn grow(&self, alloc: &mut BlockAllocation, n: usize) -> bool {
         let mut pool = self.lock();
-        if pool.free.len() < n {
+        if pool.available() < n {
             return false;
         }
         for _ in 0..n {
-            let b = pool.free.pop().expect("checked above");
-            pool.refs[b as usize] = 1;
+            let b = pool.take_one().expect("checked above");
             alloc.blocks.push(b);
         }
         true
+    }
+
+    /// How many leading blocks of `hashes` (with the token ids of `tokens`, block by block)
+    /// are cached, without taking them.
+    pub fn lookup(&self, hashes: &[BlockHash], tokens: &[u32], block_size: usize) -> usize {
+        if !self.caching {
+            return 0;
+        }
+        let pool = self.lock();
+        Self::matching(&pool, hashes, tokens, block_size).len()
+    }
+
+    fn matching(pool: &Pool, hashes: &[BlockHash], tokens: &[u32], bs: usize) -> Vec<u32> {
+        let mut out = Vec::new();
+        for (i, h) in hashes.iter().enumerate() {
+            let Some(&b) = pool.by_hash.get(h) else {
+                break;
+            };
+            let e = pool.entries[b as usize]
+                .as_ref()
+                .expect("indexed blocks have entries");
+            let want = tokens.get(i * bs..(i + 1) * bs);
+            let parent = i.checked_sub(1).map(|p| hashes[p]);
+            if want != Some(&e.tokens[..]) || e.parent != parent {
+                break; // a hash collision: not this prefix
+            }
+            out.push(b);
+        }
+        out
+    }
+
+    /// Appends to the empty `alloc` the longest run of cached blocks matching the leading
+    /// `hashes` (and `tokens`), by reference; returns how many. They are never evicted while
+    /// `alloc` (or a share of it) holds them.
+    pub fn take_prefix(
+        &self,
+        alloc: &mut BlockAllocation,
+        hashes: &[BlockHash],
+        tokens: &[u32],
+        block_size: usize,
+    ) -> usize {
+        debug_assert!(alloc.blocks.is_empty(), "a prefix starts an allocation");
+        if !self.caching {
+            return 0;
+        }
+        let mut pool = self.lock();
+        let hit = Self::matching(&pool, hashes, tokens, block_size);
+        for &b in &hit {
+            pool.hold(b);
+        }
+        pool.hit_blocks += hit.len() as u64;
+        alloc.blocks.extend_from_slice(&hit);
+        hit.len()
+    }
+
+    /// Registers the blocks of `alloc` at indices `from..hashes.len()` (full, final KV) under
+    /// their hashes. A hash already registered to another block keeps that block (this one
+    /// is freed normally when dropped). Returns how many were registered.
+    pub fn register(
+        &self,
+        alloc: &BlockAllocation,
+        from: usize,
+        hashes: &[BlockHash],
+        tokens: &[u32],
+        block_size: usize,
+    ) -> usize {
+        if !self.caching {
+            return 0;
+        }
+        let mut pool = self.lock();
+        let mut n = 0;
+        for i in from..hashes.len().min(alloc.blocks.len()) {
+            let (b, h) = (alloc.blocks[i], hashes[i]);
+            if pool.entries[b as usize].is_some() || pool.by_hash.contains_key(&h) {
+                continue;
+            }
+            let Some(t) = tokens.get(i * block_size..(i + 1) * block_size) else {
+                break;
+            };
+            pool.entries[b as usize] = Some(Entry {
+                hash: h,
+                parent: i.checked_sub(1).map(|p| hashes[p]),
+                tokens: t.to_vec(),
+                stamp: None,
+            });
+            pool.by_hash.insert(h, b);
+            n += 1;
+        }
+        n
+    }
+
+    /// Forgets every cache entry (the KV memory behind them is gone, e.g. a worker restarted
+    /// with a fresh cache). Held blocks stay held and are freed normally.
+    pub fn clear_cache(&self) {
+        let mut pool = self.lock();
+        let cached: Vec<u32> = pool.lru.values().copied().collect();
+        for b in 0..self.total as u32 {
+            pool.forget(b);
+        }
+        pool.free.extend(cached);
     }
 }
 
@@ -103,9 +407,9 @@ impl BlockAllocation {
 
     /// A second holder of the same blocks (reference counts go up).
     pub fn share(&self) -> BlockAllocation {
-        let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
+        let mut pool = lock(&self.pool);
         for &b in &self.blocks {
-            pool.refs[b as usize] += 1;
+            pool.hold(b);
         }
         BlockAllocation {
             blocks: self.blocks.clone(),
@@ -113,15 +417,12 @@ impl BlockAllocation {
         }
     }
 
-    /// Returns every block now (the allocation stays usable, empty).
+    /// Returns every block now (the allocation stays usable, empty). Registered blocks stay
+    /// cached until their space is needed.
     pub fn release(&mut self) {
-        let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
+        let mut pool = lock(&self.pool);
         for b in self.blocks.drain(..).rev() {
-            let r = &mut pool.refs[b as usize];
-            *r = r.saturating_sub(1);
-            if *r == 0 {
-                pool.free.push(b);
-            }
+            pool.unhold(b);
         }
     }
 }
@@ -162,5 +463,132 @@ mod tests {
         assert_eq!(bm.num_free(), 0);
         a.release();
         assert_eq!(bm.num_free(), 4);
+    }
+
+    const BS: usize = 4;
+
+    fn toks(n: usize, seed: u32) -> Vec<u32> {
+        (0..n as u32).map(|i| seed * 1000 + i).collect()
+    }
+
+    #[test]
+    fn hashes_chain_over_the_prefix_and_the_salt() {
+        let t = toks(10, 1);
+        let h = block_hashes(7, &t, BS);
+        assert_eq!(h.len(), 2, "the partial third block has no hash");
+        let mut other = t.clone();
+        other[0] += 1;
+        let h2 = block_hashes(7, &other, BS);
+        assert_ne!(
+            h[1], h2[1],
+            "a different first block changes every later hash"
+        );
+        assert_ne!(
+            block_hashes(8, &t, BS)[0],
+            h[0],
+            "another layout never matches"
+        );
+        assert_eq!(block_hashes(7, &t[..8], BS), h, "stable");
+    }
+
+    #[test]
+    fn freed_registered_blocks_stay_cached_and_are_taken_by_reference() {
+        let bm = BlockManager::new(8, 0);
+        let t = toks(12, 1);
+        let h = block_hashes(1, &t, BS);
+        let mut a = bm.empty();
+        assert!(bm.grow(&mut a, 3));
+        assert_eq!(bm.register(&a, 0, &h, &t, BS), 3);
+        let ids = a.blocks().to_vec();
+        drop(a);
+        assert_eq!(bm.num_free(), 8, "cached blocks count as available");
+        assert_eq!(bm.num_in_use(), 0);
+        assert_eq!(bm.cache_figures().cached_blocks, 3);
+        // A prompt sharing the first two blocks, then diverging, hits two.
+        let mut t2 = t.clone();
+        t2[9] = 5;
+        let h2 = block_hashes(1, &t2, BS);
+        assert_eq!(bm.lookup(&h2, &t2, BS), 2);
+        let mut b = bm.empty();
+        assert_eq!(bm.take_prefix(&mut b, &h2, &t2, BS), 2);
+        assert_eq!(b.blocks(), &ids[..2]);
+        assert_eq!(bm.num_in_use(), 2);
+        let c = b.share();
+        drop(b);
+        assert_eq!(bm.num_in_use(), 2, "still shared");
+        drop(c);
+        assert_eq!(bm.num_in_use(), 0);
+        assert_eq!(bm.cache_figures().hit_blocks, 2);
+    }
+
+    #[test]
+    fn held_cached_blocks_are_never_evicted_and_lru_goes_first() {
+        let bm = BlockManager::new(4, 0);
+        let (t1, t2) = (toks(8, 1), toks(4, 2));
+        let (h1, h2) = (block_hashes(0, &t1, BS), block_hashes(0, &t2, BS));
+        let mut a = bm.empty();
+        assert!(bm.grow(&mut a, 2));
+        bm.register(&a, 0, &h1, &t1, BS);
+        let mut b = bm.empty();
+        assert!(bm.grow(&mut b, 1));
+        bm.register(&b, 0, &h2, &t2, BS);
+        drop(b); // cached first: oldest
+        drop(a);
+        // Someone holds t1's prefix: those blocks must survive any pressure.
+        let mut holder = bm.empty();
+        assert_eq!(bm.take_prefix(&mut holder, &h1, &t1, BS), 2);
+        let mut big = bm.empty();
+        assert!(!bm.grow(&mut big, 3), "only 2 are available");
+        assert!(bm.grow(&mut big, 2));
+        assert!(big.blocks().iter().all(|b| !holder.blocks().contains(b)));
+        assert_eq!(
+            bm.lookup(&h2, &t2, BS),
+            0,
+            "the unheld cached block was evicted"
+        );
+        assert_eq!(
+            bm.lookup(&h1, &t1, BS),
+            2,
+            "the held prefix is still cached"
+        );
+        assert_eq!(bm.cache_figures().evictions, 1);
+        drop(big);
+        drop(holder);
+        assert_eq!(bm.num_free(), 4);
+    }
+
+    #[test]
+    fn collisions_and_duplicates_never_serve_wrong_blocks() {
+        let bm = BlockManager::new(8, 0);
+        let t = toks(4, 1);
+        let h = block_hashes(0, &t, BS);
+        let mut a = bm.empty();
+        assert!(bm.grow(&mut a, 1));
+        bm.register(&a, 0, &h, &t, BS);
+        // Same hash, different tokens (a forced collision): a miss.
+        assert_eq!(bm.lookup(&h, &toks(4, 2), BS), 0);
+        // A second block computed for the same prefix is not registered twice.
+        let mut b = bm.empty();
+        assert!(bm.grow(&mut b, 1));
+        assert_eq!(bm.register(&b, 0, &h, &t, BS), 0);
+        drop(b);
+        assert_eq!(bm.cache_figures().registered_blocks, 1);
+        bm.clear_cache();
+        assert_eq!(bm.lookup(&h, &t, BS), 0, "a lost cache forgets everything");
+        drop(a);
+        assert_eq!(bm.num_free(), 8);
+        assert_eq!(bm.cache_figures().cached_blocks, 0);
+    }
+
+    #[test]
+    fn caching_off_registers_nothing() {
+        let bm = BlockManager::with_cache(4, 0, false);
+        let t = toks(4, 1);
+        let h = block_hashes(0, &t, BS);
+        let mut a = bm.empty();
+        assert!(bm.grow(&mut a, 1));
+        assert_eq!(bm.register(&a, 0, &h, &t, BS), 0);
+        drop(a);
+        assert_eq!(bm.lookup(&h, &t, BS), 0);
     }
 }

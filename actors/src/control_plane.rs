@@ -264,6 +264,14 @@ impl InspectSource {
             bytes_sent: kv.bytes_sent,
             bytes_received: kv.bytes_received,
             transfer_failures: kv.failures,
+            kv_blocks_cached: stats.blocks_cached,
+            prompt_tokens: stats.prompt_tokens,
+            prompt_tokens_cached: stats.prompt_tokens_cached,
+            cache_evictions: stats.cache_evictions,
+            local_prefills: stats.local_prefills,
+            handoffs_done: kv.handoffs_done,
+            handoff_bytes: kv.blocks_moved * kv.block_bytes,
+            handoff_bytes_skipped: kv.blocks_skipped * kv.block_bytes,
             actors,
         })
     }

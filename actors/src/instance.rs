@@ -13,6 +13,7 @@ use crate::control_plane::{ControlPlane, InspectSource, InstanceControl};
 use crate::error::{RequestError, StartError};
 use crate::handoff::aggregator::Epochs;
 use crate::handoff::peer::Peers;
+use crate::handoff::protocol::compat_key;
 use crate::handoff::pull::PullBounds;
 use crate::handoff::service::PromptLimits;
 use crate::handoff::{KvContext, KvFigures, KvRegistry, KvSettings, PeerService, TransferMode};
@@ -91,6 +92,8 @@ pub struct InstanceOptions {
     pub transfer_mode: TransferMode,
     /// As decode: prompts shorter than this are prefilled here (conditional disaggregation).
     pub min_remote_prompt_tokens: usize,
+    /// The prefix cache (`scheduler.prefix_cache`).
+    pub prefix_cache: bool,
     /// Bound on each step of a KV hand-off (handshake, connect, a batch, a lease call).
     pub kv_timeout: Duration,
     /// Test-only fault injection (`[faults]`).
@@ -147,6 +150,7 @@ impl InstanceOptions {
             kv_lease: Duration::from_secs(cfg.transfer.kv_lease_s),
             transfer_mode: cfg.transfer.mode,
             min_remote_prompt_tokens: cfg.transfer.min_remote_prompt_tokens,
+            prefix_cache: cfg.scheduler.prefix_cache,
             kv_timeout: Duration::from_secs(cfg.transfer.timeout_s),
             faults: pdserve_runtime::faults::FaultInjector::new(&cfg.faults),
             control: InstanceControl::from_config(cfg)?,
@@ -182,6 +186,7 @@ impl InstanceOptions {
             kv_lease: Duration::from_secs(30),
             transfer_mode: TransferMode::Pull,
             min_remote_prompt_tokens: 0,
+            prefix_cache: true,
             kv_timeout: Duration::from_secs(30),
             faults: None,
             control: None,
@@ -397,6 +402,20 @@ impl Instance {
                 watermark_blocks: (num_blocks as f64 * opts.watermark) as usize,
                 max_model_len,
                 kv_lease: opts.kv_lease,
+                prefix_cache: opts.prefix_cache,
+                cache_salt: crate::block_manager::cache_salt(&compat_key(
+                    &cfg,
+                    opts.block_size,
+                    &pdserve_gpu::kv::KvLayout {
+                        num_layers: cfg.num_layers,
+                        num_blocks,
+                        block_size: opts.block_size,
+                        num_kv_heads: cfg.num_kv_heads / opts.tp,
+                        head_dim: cfg.head_dim,
+                        dtype: opts.kv_dtype,
+                    },
+                )),
+                min_remote_prompt_tokens: opts.min_remote_prompt_tokens,
             },
             tokenizer: model.tokenizer.clone(),
             app: Box::new(app_factory),

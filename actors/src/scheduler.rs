@@ -14,7 +14,8 @@ mod core;
 mod handle;
 
 pub use self::core::{
-    NewRequest, Output, RequestState, SchedulerConfig, SchedulerCore, SchedulerStats, StepPlan,
+    NewRequest, Output, RemoteAdmission, RequestState, SchedulerConfig, SchedulerCore,
+    SchedulerStats, StepPlan,
 };
 pub use self::handle::{RequestStream, SchedulerHandle};
 
@@ -428,8 +429,18 @@ impl SchedulerState {
             }
         }
         let (prompt, params) = (request.prompt.clone(), request.params.clone());
-        match self.core.add_remote(request) {
-            Ok(_) => {
+        let may_prefill_here = matches!(source, KvSource::Drive { .. });
+        match self.core.add_remote(request, may_prefill_here) {
+            Ok(RemoteAdmission::Local { cached_blocks }) => {
+                // Prefix-aware conditional disaggregation: the uncached suffix is cheaper here
+                // than a hand-off.
+                tracing::info!(request = %id, transfer = %source.transfer(), cached_blocks, prompt_tokens = prompt.len(), "prefilling locally: the prefix cache holds the prompt");
+                metrics::counter!(pdserve_runtime::telemetry::LOCAL_PREFILLS_TOTAL, pdserve_runtime::telemetry::LABEL_REASON => "prefix_hit").increment(1);
+                metrics::counter!(pdserve_runtime::telemetry::PROMPT_TOKENS_TOTAL)
+                    .increment(prompt.len() as u64);
+                self.owners.insert(id, Owner::new(sink, None, None));
+            }
+            Ok(RemoteAdmission::Remote { cached_blocks, .. }) => {
                 let blocks = self.core.share_blocks(id).expect("just added");
                 let _ = self.core.remote_kv_transferring(id);
                 let remote = Remote {
@@ -448,6 +459,7 @@ impl SchedulerState {
                     id,
                     source,
                     blocks,
+                    cached_blocks,
                     prompt,
                     params,
                     reply: FetchReply::new(move |outcome| {
@@ -755,5 +767,9 @@ impl SchedulerState {
         metrics::gauge!(m::KV_BLOCKS_FREE).set(s.blocks_free as f64);
         metrics::gauge!(m::KV_BLOCKS_USED).set((s.blocks_total - s.blocks_free) as f64);
         metrics::counter!(m::PREEMPTIONS_TOTAL).absolute(s.preemptions);
+        metrics::gauge!(m::KV_BLOCKS_CACHED).set(s.blocks_cached as f64);
+        metrics::counter!(m::PREFIX_CACHE_EVICTIONS_TOTAL).absolute(s.cache_evictions);
+        metrics::counter!(m::PREFIX_CACHE_QUERY_TOKENS_TOTAL).absolute(s.prompt_tokens);
+        metrics::counter!(m::PREFIX_CACHE_HIT_TOKENS_TOTAL).absolute(s.prompt_tokens_cached);
     }
 }

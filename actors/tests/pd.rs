@@ -908,6 +908,7 @@ async fn push_handshake_refuses_mismatched_layouts_and_forged_destinations() {
                 block_ids,
                 session: None,
             },
+            cached_blocks: 0,
         });
         match peer_call(&c.p.url(), request).await {
             PeerAnswer::Failed(e) => assert!(e.to_string().contains(expect), "{expect}: {e}"),

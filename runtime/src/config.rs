@@ -587,6 +587,10 @@ pub struct SchedulerConfig {
     pub watermark: f64,
     /// Longest prompt + output; `None` uses the model's context length.
     pub max_model_len: Option<usize>,
+    /// Keep computed KV blocks in a prefix cache and reuse them for requests sharing a
+    /// prompt prefix; on a decode instance, only the blocks it lacks are transferred
+    /// (`--no-prefix-cache` turns it off).
+    pub prefix_cache: bool,
 }
 
 impl Default for SchedulerConfig {
@@ -600,6 +604,7 @@ impl Default for SchedulerConfig {
             kv_cache_dtype: KvCacheDtype::F32,
             watermark: 0.01,
             max_model_len: None,
+            prefix_cache: true,
         }
     }
 }
@@ -703,6 +708,8 @@ pub struct ServeFlags {
     pub num_blocks: Option<usize>,
     /// `scheduler.kv_cache_dtype`.
     pub kv_cache_dtype: Option<String>,
+    /// `scheduler.prefix_cache`.
+    pub prefix_cache: Option<bool>,
     /// `logging.filter`.
     pub log_filter: Option<String>,
     /// `logging.format`.
@@ -860,6 +867,8 @@ struct FlagsScheduler<'a> {
     num_blocks: Option<usize>,
     #[serde(skip_serializing_if = "Option::is_none")]
     kv_cache_dtype: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    prefix_cache: Option<bool>,
 }
 
 #[derive(Serialize)]
@@ -904,6 +913,7 @@ impl Serialize for ServeFlags {
                 block_size: self.block_size,
                 num_blocks: self.num_blocks,
                 kv_cache_dtype: self.kv_cache_dtype.as_deref(),
+                prefix_cache: self.prefix_cache,
             },
             instance: FlagsInstance {
                 role: self.role,
@@ -2470,7 +2480,7 @@ mod tests {
                     "transfer.io_threads" | "transfer.tcp_connections" => "8",
                     "transfer.piece_bytes" | "transfer.registration_chunk_bytes" => "8192",
                     // The default is `true`: the variable must change it.
-                    "transfer.require_auth" => "false",
+                    "transfer.require_auth" | "scheduler.prefix_cache" => "false",
                     "transfer.tcp_integrity" => "mac",
                     "transfer.rdma_devices" => "mlx5_0,mlx5_1",
                     "transfer.rdma_port" => "2",

@@ -258,6 +258,30 @@ pub struct InstanceSnapshot {
     /// KV hand-offs that failed since the instance started.
     #[serde(default)]
     pub transfer_failures: u64,
+    /// Cached KV blocks nobody holds (prefix cache; counted in `kv_blocks_free`).
+    #[serde(default)]
+    pub kv_blocks_cached: usize,
+    /// Prompt tokens of admitted requests.
+    #[serde(default)]
+    pub prompt_tokens: u64,
+    /// Of those, tokens served from the prefix cache (not computed, not transferred).
+    #[serde(default)]
+    pub prompt_tokens_cached: u64,
+    /// Cached blocks evicted to make room.
+    #[serde(default)]
+    pub cache_evictions: u64,
+    /// Decode: requests prefilled here because the prefix cache held all but a short suffix.
+    #[serde(default)]
+    pub local_prefills: u64,
+    /// Decode: completed hand-offs.
+    #[serde(default)]
+    pub handoffs_done: u64,
+    /// Decode: KV bytes those hand-offs moved in (blocks moved × bytes per block).
+    #[serde(default)]
+    pub handoff_bytes: u64,
+    /// Decode: KV bytes those hand-offs did not move: the prefix cache held them.
+    #[serde(default)]
+    pub handoff_bytes_skipped: u64,
     /// The root of the supervision tree.
     pub actors: ActorSnapshot,
 }
@@ -358,6 +382,37 @@ pub fn render_tree(snap: &InstanceSnapshot, color: bool) -> String {
         format_bytes(snap.bytes_received),
         snap.transfer_failures,
     );
+    let pct = |a: u64, b: u64| {
+        if b == 0 {
+            0.0
+        } else {
+            100.0 * a as f64 / b as f64
+        }
+    };
+    let _ = write!(
+        out,
+        "  prefix_cache hit_rate={:.1}% prompt_tokens={} computed={} cached={} cached_blocks={} evictions={} local_prefills={}",
+        pct(snap.prompt_tokens_cached, snap.prompt_tokens),
+        snap.prompt_tokens,
+        snap.prompt_tokens.saturating_sub(snap.prompt_tokens_cached),
+        snap.prompt_tokens_cached,
+        snap.kv_blocks_cached,
+        snap.cache_evictions,
+        snap.local_prefills,
+    );
+    if snap.handoffs_done > 0 {
+        let _ = write!(
+            out,
+            " handoffs={} kv_per_handoff={} skipped={:.1}%",
+            snap.handoffs_done,
+            format_bytes(snap.handoff_bytes / snap.handoffs_done),
+            pct(
+                snap.handoff_bytes_skipped,
+                snap.handoff_bytes + snap.handoff_bytes_skipped
+            ),
+        );
+    }
+    out.push('\n');
     render_actor(&mut out, &snap.actors, "", None, color);
     out
 }
@@ -684,6 +739,14 @@ mod tests {
             bytes_sent: 3 << 20,
             bytes_received: 0,
             transfer_failures: 0,
+            kv_blocks_cached: 40,
+            prompt_tokens: 1000,
+            prompt_tokens_cached: 250,
+            cache_evictions: 3,
+            local_prefills: 0,
+            handoffs_done: 0,
+            handoff_bytes: 0,
+            handoff_bytes_skipped: 0,
             actors: root,
         }
     }
@@ -740,6 +803,7 @@ cluster demo proxy=proxy http=http://127.0.0.1:8000 control=127.0.0.1:7000 regis
 proxy [Proxy] running restarts=0 mailbox=0 up 12.3s
 ├── decode-0 (decode) routable heartbeat 0.2s ago http=http://127.0.0.1:8200 control=127.0.0.1:7002
 │   decode-0 role=decode model=smollm2-135m tp=2 waiting=4 running=7 kv_blocks=300/512 free preemptions=1 transfers_in_flight=2 sent=3.0MiB received=0B transfer_failures=0
+│     prefix_cache hit_rate=25.0% prompt_tokens=1000 computed=750 cached=250 cached_blocks=40 evictions=3 local_prefills=0
 │   decode-0 [InstanceSupervisor] running restarts=0 mailbox=0 up 12.3s
 └── prefill-0 (prefill) not routable heartbeat 1m15s ago http=http://127.0.0.1:8100 control=127.0.0.1:7001
     unreachable: control connection closed by peer
@@ -803,6 +867,7 @@ proxy [Proxy] running restarts=0 mailbox=0 up 12.3s
     fn render_tree_golden_without_color() {
         let expected = "\
 instance-0 role=prefill model=smollm2-135m tp=2 waiting=4 running=7 kv_blocks=300/512 free preemptions=1 transfers_in_flight=2 sent=3.0MiB received=0B transfer_failures=0
+  prefix_cache hit_rate=25.0% prompt_tokens=1000 computed=750 cached=250 cached_blocks=40 evictions=3 local_prefills=0
 instance-0 [InstanceSupervisor] running restarts=0 mailbox=0 up 12.3s
 ├── scheduler [Scheduler] running restarts=0 mailbox=3 up 12.3s
 │   ├── tp-worker-0 [TpWorker] running restarts=0 mailbox=0 up 12.3s

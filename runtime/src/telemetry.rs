@@ -40,6 +40,17 @@ pub const REQUESTS_TOTAL: &str = "pdserve_requests_total";
 pub const GENERATED_TOKENS_TOTAL: &str = "pdserve_generated_tokens_total";
 /// Counter: prompt tokens processed.
 pub const PROMPT_TOKENS_TOTAL: &str = "pdserve_prompt_tokens_total";
+/// Counter: prompt tokens of admitted requests served from the prefix cache (neither computed
+/// nor transferred).
+pub const PREFIX_CACHE_HIT_TOKENS_TOTAL: &str = "pdserve_prefix_cache_hit_tokens_total";
+/// Counter: prompt tokens of admitted requests looked up in the prefix cache.
+pub const PREFIX_CACHE_QUERY_TOKENS_TOTAL: &str = "pdserve_prefix_cache_query_tokens_total";
+/// Gauge: cached KV blocks nobody holds (evictable; counted as free).
+pub const KV_BLOCKS_CACHED: &str = "pdserve_kv_blocks_cached";
+/// Counter: cached KV blocks evicted to make room.
+pub const PREFIX_CACHE_EVICTIONS_TOTAL: &str = "pdserve_prefix_cache_evictions_total";
+/// Histogram: KV bytes one decode-side hand-off moved (after the prefix-cache delta).
+pub const KV_TRANSFER_BYTES_PER_REQUEST: &str = "pdserve_kv_transfer_bytes_per_request";
 /// Counter: actor restarts by supervisors, labelled [`LABEL_ACTOR`].
 pub const ACTOR_RESTARTS_TOTAL: &str = "pdserve_actor_restarts_total";
 
@@ -277,6 +288,30 @@ fn describe_and_register() {
     );
     describe_counter!(GENERATED_TOKENS_TOTAL, "Output tokens generated.");
     describe_counter!(PROMPT_TOKENS_TOTAL, "Prompt tokens processed.");
+    describe_counter!(
+        PREFIX_CACHE_HIT_TOKENS_TOTAL,
+        Unit::Count,
+        "Prompt tokens served from the prefix cache."
+    );
+    describe_counter!(
+        PREFIX_CACHE_QUERY_TOKENS_TOTAL,
+        Unit::Count,
+        "Prompt tokens looked up in the prefix cache."
+    );
+    describe_gauge!(
+        KV_BLOCKS_CACHED,
+        "Cached KV blocks nobody holds (evictable)."
+    );
+    describe_counter!(
+        PREFIX_CACHE_EVICTIONS_TOTAL,
+        Unit::Count,
+        "Cached KV blocks evicted to make room."
+    );
+    describe_histogram!(
+        KV_TRANSFER_BYTES_PER_REQUEST,
+        Unit::Bytes,
+        "KV bytes one hand-off moved into a decode instance."
+    );
     describe_counter!(
         ACTOR_RESTARTS_TOTAL,
         "Actor restarts by supervisors, by actor kind."

@@ -117,6 +117,19 @@ pub struct KvFigures {
     pub stale_reports: u64,
     /// Rank reports the Aggregator dropped as duplicates.
     pub duplicate_reports: u64,
+    /// Decode side: hand-offs that completed.
+    #[serde(default)]
+    pub handoffs_done: u64,
+    /// Decode side: prompt blocks those hand-offs moved in (all TP ranks' heads each).
+    #[serde(default)]
+    pub blocks_moved: u64,
+    /// Decode side: prompt blocks those hand-offs did not move because this instance's
+    /// prefix cache held them (delta transfer).
+    #[serde(default)]
+    pub blocks_skipped: u64,
+    /// KV bytes of one block over all TP ranks (K and V, every layer).
+    #[serde(default)]
+    pub block_bytes: u64,
 }
 
 /// How an instance takes part in KV hand-offs ([`KvContext::new`]).
@@ -174,6 +187,9 @@ pub struct KvContext {
     bytes_sent: AtomicU64,
     bytes_received: AtomicU64,
     failures: AtomicU64,
+    handoffs_done: AtomicU64,
+    blocks_moved: AtomicU64,
+    blocks_skipped: AtomicU64,
 }
 
 impl KvContext {
@@ -201,6 +217,9 @@ impl KvContext {
             bytes_sent: AtomicU64::new(0),
             bytes_received: AtomicU64::new(0),
             failures: AtomicU64::new(0),
+            handoffs_done: AtomicU64::new(0),
+            blocks_moved: AtomicU64::new(0),
+            blocks_skipped: AtomicU64::new(0),
         }
     }
 
@@ -218,7 +237,29 @@ impl KvContext {
             failures: self.failures.load(Ordering::Relaxed),
             stale_reports: self.dropped.stale.load(Ordering::Relaxed),
             duplicate_reports: self.dropped.duplicate.load(Ordering::Relaxed),
+            handoffs_done: self.handoffs_done.load(Ordering::Relaxed),
+            blocks_moved: self.blocks_moved.load(Ordering::Relaxed),
+            blocks_skipped: self.blocks_skipped.load(Ordering::Relaxed),
+            block_bytes: self.block_bytes(),
         }
+    }
+
+    /// KV bytes of one block over all TP ranks (K and V, every layer).
+    pub fn block_bytes(&self) -> u64 {
+        let s = &self.settings;
+        (2 * s.model.num_layers * s.model.num_kv_heads * s.block_size * s.model.head_dim) as u64
+            * s.dtype.size() as u64
+    }
+
+    /// Decode side: a hand-off completed, moving `moved` blocks and skipping `skipped` that
+    /// the prefix cache held.
+    pub(crate) fn handoff_moved(&self, moved: u64, skipped: u64) {
+        use pdserve_runtime::telemetry as m;
+        self.handoffs_done.fetch_add(1, Ordering::Relaxed);
+        self.blocks_moved.fetch_add(moved, Ordering::Relaxed);
+        self.blocks_skipped.fetch_add(skipped, Ordering::Relaxed);
+        metrics::histogram!(m::KV_TRANSFER_BYTES_PER_REQUEST)
+            .record((moved * self.block_bytes()) as f64);
     }
 
     /// What this instance's transfer backend offers the hand-off (keys, fences).

@@ -166,6 +166,11 @@ pub struct PrefillRequest {
     pub sampling: SamplingParams,
     /// Pull or push.
     pub mode: PrefillMode,
+    /// Leading blocks of the prompt the decode instance already holds (its prefix cache):
+    /// a push writes only the others (its `block_ids` are theirs, in order), a pull reads
+    /// only the others. The prefill instance still needs their KV to compute the rest (its
+    /// own prefix cache may hold it).
+    pub cached_blocks: u32,
 }
 
 /// Blocks a prefill instance holds for a pull.
@@ -519,6 +524,7 @@ mod tests {
                 prompt: vec![1, 2, 3],
                 sampling: SamplingParams::greedy(1),
                 mode: PrefillMode::Pull,
+                cached_blocks: 0,
             }),
             PeerRequest::Prefill(PrefillRequest {
                 transfer: t,
@@ -537,6 +543,7 @@ mod tests {
                         transfer_addr: "127.0.0.1:9".into(),
                     }),
                 },
+                cached_blocks: 0,
             }),
             PeerRequest::Renew(vec![t, TransferId(1)]),
             PeerRequest::Release(t),

@@ -35,8 +35,12 @@ pub struct PushTarget {
     pub transfer: TransferId,
     /// The decode instance's published KV memory (validated).
     pub peer: KvPeerInfo,
-    /// Its destination blocks for the prompt (checked against the prompt length).
+    /// Its destination blocks for the prompt's blocks `skip_blocks..` (checked against the
+    /// prompt length).
     pub blocks: Vec<u32>,
+    /// Leading blocks of the prompt the decode instance already holds (its prefix cache):
+    /// never written.
+    pub skip_blocks: usize,
     /// Prompt tokens.
     pub prompt_len: usize,
     /// The key the decode instance granted for the writes (`None`: unkeyed, `local`).
@@ -384,16 +388,21 @@ impl PushTracker {
                 continue;
             }
             let prompt_len = push.target.prompt_len;
+            // Blocks the decode side holds already are skipped: block `i` of the prompt goes
+            // to destination `i - skip`.
+            let skip = push.target.skip_blocks;
+            let blocks = final_blocks(*start, *end, prompt_len, bs);
+            let blocks = blocks.start.max(skip) - skip..blocks.end.max(skip) - skip;
             let slice = Slice {
                 rank,
                 layers: layer..layer + 1,
-                blocks: final_blocks(*start, *end, prompt_len, bs),
+                blocks,
             };
-            if !slice.blocks.is_empty() {
+            if !slice.blocks.is_empty() && local.len() >= skip {
                 let ops = plan_slice(
                     &push.ours,
                     &push.target.peer,
-                    local,
+                    &local[skip..],
                     &push.target.blocks,
                     &slice,
                     Direction::Write,
@@ -539,6 +548,7 @@ mod tests {
                     transfer,
                     peer: info(1, "decode"),
                     blocks: (0..n as u32).collect(),
+                    skip_blocks: 0,
                     prompt_len,
                     session: None,
                 }),

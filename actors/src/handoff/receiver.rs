@@ -19,7 +19,7 @@
 use super::aggregator::{next_attempt, AggregatorMsg, RankReport, Tag};
 use super::context::KvContext;
 use super::peer::{PeerAddr, RenewGuard};
-use super::plan::plan_pull;
+use super::plan::{check_blocks, plan_pull};
 use super::protocol::{
     HandoffError, KvPeerInfo, PeerAnswer, PeerRequest, PrefillMode, PrefillRequest, SessionOffer,
 };
@@ -125,8 +125,11 @@ pub struct Fetch {
     pub id: RequestId,
     /// Where it comes from.
     pub source: KvSource,
-    /// Our destination blocks (a share, kept until no byte can land any more).
+    /// Our destination blocks (a share, kept until no byte can land any more): the whole
+    /// prompt's, the first `cached_blocks` of them from our prefix cache.
     pub blocks: BlockAllocation,
+    /// Leading blocks we already hold (prefix cache): only the others move.
+    pub cached_blocks: usize,
     /// Prompt tokens.
     pub prompt: Vec<u32>,
     /// The request's sampling (the prefill side samples T0 with it).
@@ -208,6 +211,7 @@ impl Driver {
             id,
             source,
             blocks,
+            cached_blocks,
             prompt,
             params,
             reply,
@@ -254,6 +258,7 @@ impl Driver {
                         prompt.clone(),
                         params.clone(),
                         local.clone(),
+                        cached_blocks,
                         mode,
                         write_scope.clone(),
                     ))),
@@ -265,6 +270,7 @@ impl Driver {
                             transfer,
                             block_ids,
                             local.clone(),
+                            cached_blocks,
                             prompt.len(),
                         )));
                     }
@@ -276,6 +282,11 @@ impl Driver {
                     }
                     PullAction::Finish(r) => {
                         self.finished(id, transfer, &r, mode, started);
+                        if r.is_ok() {
+                            let n = prompt.len().div_ceil(self.kv.settings.block_size);
+                            let skipped = cached_blocks.min(n);
+                            self.kv.handoff_moved((n - skipped) as u64, skipped as u64);
+                        }
                         result = Some(r.as_ref().map(|_| ()).map_err(Clone::clone));
                         if let Err(e) = &r {
                             self.kv.peers.forget(&peer);
@@ -405,6 +416,7 @@ impl Driver {
         prompt: Vec<u32>,
         mut sampling: SamplingParams,
         local: Vec<u32>,
+        cached_blocks: usize,
         mode: super::context::TransferMode,
         write_scope: WriteScope,
     ) -> PullEvent {
@@ -422,21 +434,23 @@ impl Driver {
                     Err(e) => return not_sent(e),
                 };
                 let n = prompt.len().div_ceil(self.kv.settings.block_size);
-                if local.len() < n {
+                if local.len() < n || cached_blocks >= n {
                     return not_sent(HandoffError::InvalidBlocks(format!(
-                        "{} tokens need {n} destination blocks, the request owns {}",
+                        "{} tokens need {n} destination blocks, the request owns {} ({cached_blocks} cached)",
                         prompt.len(),
                         local.len()
                     )));
                 }
-                let session = match self.grant_writes(&theirs, transfer, &local[..n], &write_scope)
-                {
+                // Only the blocks we lack are written (and granted): cached ones are shared
+                // with other requests and never written.
+                let dest = &local[cached_blocks..n];
+                let session = match self.grant_writes(&theirs, transfer, dest, &write_scope) {
                     Ok(s) => s,
                     Err(e) => return not_sent(e),
                 };
                 PrefillMode::Push {
                     peer: ours,
-                    block_ids: local[..n].to_vec(),
+                    block_ids: dest.to_vec(),
                     session,
                 }
             }
@@ -446,6 +460,7 @@ impl Driver {
             prompt,
             sampling,
             mode,
+            cached_blocks: cached_blocks as u32,
         });
         let within = self.kv.bounds().prefill;
         match self.kv.peers.call(&peer, &request, within).await {
@@ -488,6 +503,7 @@ impl Driver {
         transfer: TransferId,
         remote: Vec<u32>,
         local: Vec<u32>,
+        cached_blocks: usize,
         prompt_len: usize,
     ) -> PullEvent {
         // Everything before the first batch is submitted can refuse the hand-off without any
@@ -496,7 +512,19 @@ impl Driver {
             let kv = &self.kv;
             let ours = kv.info();
             let theirs = kv.peers.info(&peer, &ours).await?;
-            let per_rank = plan_pull(&ours, &theirs, &local, &remote, prompt_len)?;
+            // Every block id the peer named is checked, cached or not: forged metadata is
+            // refused whatever our prefix cache holds.
+            let n = check_blocks(&ours, &theirs, &local, &remote, prompt_len)?;
+            // Delta transfer: the leading blocks we hold from our prefix cache are not read.
+            let skip = cached_blocks.min(n.saturating_sub(1));
+            let bs = kv.settings.block_size;
+            let per_rank = plan_pull(
+                &ours,
+                &theirs,
+                &local[skip..],
+                &remote[skip..],
+                prompt_len - skip * bs,
+            )?;
             let session = kv
                 .peers
                 .session_for(kv.registry.engine(), &peer, &theirs)

@@ -145,6 +145,13 @@ pub fn validate_prefill(
     params
         .validate(limits.vocab_size)
         .map_err(|e| bad(e.to_string()))?;
+    let total_blocks = prompt.len().div_ceil(block_size);
+    let skip = req.cached_blocks as usize;
+    if skip >= total_blocks {
+        return Err(HandoffError::InvalidBlocks(format!(
+            "the decode instance claims {skip} cached blocks of a {total_blocks}-block prompt: at least the last block moves"
+        )));
+    }
     let target = match req.mode {
         PrefillMode::Pull => None,
         PrefillMode::Push {
@@ -153,10 +160,10 @@ pub fn validate_prefill(
             session,
         } => {
             validate_peer(ours, &peer)?;
-            let n = prompt.len().div_ceil(block_size);
+            let n = total_blocks - skip;
             if block_ids.len() != n {
                 return Err(HandoffError::InvalidBlocks(format!(
-                    "{} tokens need {n} destination blocks, got {}",
+                    "{} tokens ({skip} blocks cached) need {n} destination blocks, got {}",
                     prompt.len(),
                     block_ids.len()
                 )));
@@ -171,6 +178,7 @@ pub fn validate_prefill(
                 transfer: req.transfer,
                 peer,
                 blocks: block_ids,
+                skip_blocks: skip,
                 prompt_len: prompt.len(),
                 session,
             })
@@ -608,6 +616,7 @@ mod tests {
             prompt,
             sampling: SamplingParams::greedy(50),
             mode,
+            cached_blocks: 0,
         }
     }
 

@@ -2,7 +2,7 @@
 //! batching with chunked prefill under a token budget, preemption by recompute, sampling and
 //! stop conditions. The [`Scheduler`](super::Scheduler) actor feeds it messages.
 
-use crate::block_manager::{BlockAllocation, BlockManager};
+use crate::block_manager::{extend_hashes, BlockAllocation, BlockHash, BlockManager};
 use crate::error::RequestError;
 use pdserve_gpu::generation::{Generation, TokenOutcome};
 use pdserve_gpu::model::{Batch, SeqChunk};
@@ -30,6 +30,16 @@ pub struct SchedulerConfig {
     /// How long a prefill instance keeps a finished request's blocks for a decode instance to
     /// read, unless released or renewed first.
     pub kv_lease: Duration,
+    /// Keep computed full blocks in a prefix cache and reuse them (`--no-prefix-cache` turns
+    /// it off).
+    pub prefix_cache: bool,
+    /// Salt of the block hashes: the instance's compatibility key hashed (model, KV dtype,
+    /// layout, block size), so instances with different KV layouts never match.
+    pub cache_salt: u64,
+    /// Decode side of P/D: a request whose uncached prompt suffix is shorter than this is
+    /// prefilled here instead of remotely (`transfer.min_remote_prompt_tokens`). A request
+    /// whose whole prompt is cached (all but the last partial block) always is.
+    pub min_remote_prompt_tokens: usize,
 }
 
 /// A request entering the scheduler.
@@ -104,6 +114,19 @@ pub struct SchedulerStats {
     pub preemptions: u64,
     /// Hand-offs whose blocks are held for a decode instance to read (prefill, pull mode).
     pub held: usize,
+    /// Blocks held by requests or hand-offs (`blocks_total - blocks_free`).
+    pub blocks_in_use: usize,
+    /// Cached blocks nobody holds (counted in `blocks_free`: evicted when space is needed).
+    pub blocks_cached: usize,
+    /// Cached blocks evicted so far.
+    pub cache_evictions: u64,
+    /// Prompt tokens of admitted requests (each counted once, at first admission).
+    pub prompt_tokens: u64,
+    /// Of those, tokens served from the prefix cache (not computed, not transferred).
+    pub prompt_tokens_cached: u64,
+    /// Decode side: requests prefilled here rather than remotely because their uncached
+    /// suffix was short (prefix-aware conditional disaggregation).
+    pub local_prefills: u64,
 }
 
 /// One planned forward step.
@@ -140,12 +163,65 @@ struct Seq {
     gen: Generation,
     blocks: BlockAllocation,
     computed: usize,
+    /// Chained hashes of the sequence's full blocks computed so far (extended lazily).
+    hashes: Vec<BlockHash>,
+    /// Leading blocks registered in (or taken from) the prefix cache.
+    registered: usize,
+    /// Tokens taken from the prefix cache at the last admission.
+    cached_tokens: usize,
+    /// Decode side: leading blocks of the prompt this instance already had (push: the
+    /// prefill side writes only the others).
+    skip_blocks: usize,
+    /// Counted in the prompt figures.
+    counted: bool,
 }
 
 impl Seq {
     fn len(&self) -> usize {
         self.prompt.len() + self.gen.output().len()
     }
+
+    /// Hashes of the first `n` full blocks of the sequence (fewer when it has fewer).
+    fn hashes_upto(&mut self, salt: u64, bs: usize, n: usize) -> &[BlockHash] {
+        if self.hashes.len() < n {
+            let tokens: Vec<u32> = self
+                .prompt
+                .iter()
+                .chain(self.gen.output())
+                .take(n * bs)
+                .copied()
+                .collect();
+            extend_hashes(salt, &mut self.hashes, &tokens, bs);
+        }
+        &self.hashes[..n.min(self.hashes.len())]
+    }
+
+    fn tokens(&self, n: usize) -> Vec<u32> {
+        self.prompt
+            .iter()
+            .chain(self.gen.output())
+            .take(n)
+            .copied()
+            .collect()
+    }
+}
+
+/// Where a decode-side request's prompt KV comes from ([`SchedulerCore::add_remote`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RemoteAdmission {
+    /// From the prefill instance into `blocks`; the first `cached_blocks` of them were
+    /// already here (prefix cache): only the others move.
+    Remote {
+        /// Destination blocks, the whole prompt's.
+        blocks: Vec<u32>,
+        /// Leading blocks taken from the prefix cache.
+        cached_blocks: usize,
+    },
+    /// Prefilled here: the prefix cache holds all but a suffix shorter than the threshold.
+    Local {
+        /// Leading blocks taken from the prefix cache.
+        cached_blocks: usize,
+    },
 }
 
 /// The scheduler state machine.
@@ -159,12 +235,16 @@ pub struct SchedulerCore {
     next_step: u64,
     preemptions: u64,
     held: HashMap<TransferId, (BlockAllocation, Instant)>,
+    prompt_tokens: u64,
+    prompt_tokens_cached: u64,
+    local_prefills: u64,
 }
 
 impl SchedulerCore {
     /// An idle scheduler over a fresh block pool.
     pub fn new(cfg: SchedulerConfig, tokenizer: Tokenizer) -> Self {
-        let blocks = BlockManager::new(cfg.num_blocks, cfg.watermark_blocks);
+        let blocks =
+            BlockManager::with_cache(cfg.num_blocks, cfg.watermark_blocks, cfg.prefix_cache);
         Self {
             cfg,
             blocks,
@@ -175,6 +255,9 @@ impl SchedulerCore {
             next_step: 0,
             preemptions: 0,
             held: HashMap::new(),
+            prompt_tokens: 0,
+            prompt_tokens_cached: 0,
+            local_prefills: 0,
         }
     }
 
@@ -192,7 +275,70 @@ impl SchedulerCore {
             blocks_total: self.blocks.total(),
             preemptions: self.preemptions,
             held: self.held.len(),
+            blocks_in_use: self.blocks.num_in_use(),
+            blocks_cached: self.blocks.cache_figures().cached_blocks,
+            cache_evictions: self.blocks.cache_figures().evictions,
+            prompt_tokens: self.prompt_tokens,
+            prompt_tokens_cached: self.prompt_tokens_cached,
+            local_prefills: self.local_prefills,
         }
+    }
+
+    /// The block pool (tests and figures).
+    pub fn block_manager(&self) -> &BlockManager {
+        &self.blocks
+    }
+
+    /// Takes the longest cached prefix of a waiting request with no blocks: all but at least
+    /// its last token (whose logits must be computed), in whole blocks. Returns the blocks
+    /// taken.
+    fn take_cached_prefix(&mut self, id: RequestId, keep_last: bool) -> usize {
+        let (bs, salt) = (self.cfg.block_size, self.cfg.cache_salt);
+        let Some(s) = self.seqs.get_mut(&id) else {
+            return 0;
+        };
+        if !s.blocks.is_empty() || s.computed != 0 {
+            return 0;
+        }
+        let len = s.len();
+        let max = if keep_last { (len - 1) / bs } else { len / bs };
+        let hit = if self.blocks.caching() && max > 0 {
+            let tokens = s.tokens(max * bs);
+            let hashes = s.hashes_upto(salt, bs, max).to_vec();
+            self.blocks.take_prefix(&mut s.blocks, &hashes, &tokens, bs)
+        } else {
+            0
+        };
+        s.computed = hit * bs;
+        s.cached_tokens = hit * bs;
+        s.registered = hit;
+        if !s.counted {
+            s.counted = true;
+            self.prompt_tokens += s.prompt.len() as u64;
+            self.prompt_tokens_cached += (hit * bs).min(s.prompt.len()) as u64;
+        }
+        hit
+    }
+
+    /// Registers the request's full blocks whose KV is final (computed, or landed) in the
+    /// prefix cache.
+    fn register_computed(&mut self, id: RequestId) {
+        let (bs, salt) = (self.cfg.block_size, self.cfg.cache_salt);
+        if !self.blocks.caching() {
+            return;
+        }
+        let Some(s) = self.seqs.get_mut(&id) else {
+            return;
+        };
+        let full = (s.computed / bs).min(s.blocks.len());
+        if full <= s.registered {
+            return;
+        }
+        let tokens = s.tokens(full * bs);
+        let hashes = s.hashes_upto(salt, bs, full).to_vec();
+        self.blocks
+            .register(&s.blocks, s.registered, &hashes, &tokens, bs);
+        s.registered = full;
     }
 
     /// Whether any request is queued or running.
@@ -245,33 +391,66 @@ impl SchedulerCore {
             prompt: req.prompt,
             blocks: self.blocks.empty(),
             computed: 0,
+            hashes: Vec::new(),
+            registered: 0,
+            cached_tokens: 0,
+            skip_blocks: 0,
+            counted: false,
         };
         self.seqs.insert(req.id, seq);
         self.waiting.push_back(req.id);
         Ok(())
     }
 
-    /// Accepts a request whose prompt KV will come from a prefill instance: its blocks for the
-    /// whole prompt are allocated now (the transfer's destination) and it waits in
-    /// [`RequestState::WaitingForRemoteKv`]. Returns the destination block ids.
+    /// Accepts a request whose prompt KV will come from a prefill instance: the longest
+    /// prefix of its prompt in the prefix cache is taken by reference, blocks for the rest are
+    /// allocated now (the transfer's destination) and it waits in
+    /// [`RequestState::WaitingForRemoteKv`]. With `may_prefill_here` (decode drives the
+    /// hand-off), a request whose uncached suffix is shorter than
+    /// [`SchedulerConfig::min_remote_prompt_tokens`], or whose whole prompt is cached, is
+    /// queued to be prefilled here instead ([`RemoteAdmission::Local`]).
+    ///
+    /// At most all but the prompt's last token are taken from the cache, in whole blocks: at
+    /// least one block always moves (the prefill side computes the last token's logits).
     ///
     /// # Errors
     /// As [`SchedulerCore::add`], plus [`RequestError::Overloaded`] when the pool cannot hold
     /// the prompt now (nothing is kept).
-    pub fn add_remote(&mut self, req: NewRequest) -> Result<Vec<u32>, RequestError> {
+    pub fn add_remote(
+        &mut self,
+        req: NewRequest,
+        may_prefill_here: bool,
+    ) -> Result<RemoteAdmission, RequestError> {
         let id = req.id;
-        let blocks = req.prompt.len().div_ceil(self.cfg.block_size);
+        let bs = self.cfg.block_size;
+        let prompt_len = req.prompt.len();
+        let blocks = prompt_len.div_ceil(bs);
         self.add(req)?;
         self.waiting.retain(|&w| w != id);
+        let hit = self.take_cached_prefix(id, true);
+        let suffix = prompt_len - hit * bs;
+        let whole = hit > 0 && hit == (prompt_len - 1) / bs;
+        if may_prefill_here && (whole || suffix < self.cfg.min_remote_prompt_tokens) {
+            self.waiting.push_back(id);
+            self.local_prefills += 1;
+            return Ok(RemoteAdmission::Local { cached_blocks: hit });
+        }
         let s = self.seqs.get_mut(&id).expect("just added");
-        if !self.blocks.can_admit(blocks) || !self.blocks.grow(&mut s.blocks, blocks) {
+        // The cached prefix is not computed here: the transfer lands after it.
+        s.computed = 0;
+        let need = blocks - hit;
+        if !self.blocks.can_admit(need) || !self.blocks.grow(&mut s.blocks, need) {
             self.seqs.remove(&id);
             return Err(RequestError::Overloaded(
                 "no KV blocks free for a remote prefill".into(),
             ));
         }
+        s.skip_blocks = hit;
         s.state = RequestState::WaitingForRemoteKv;
-        Ok(s.blocks.blocks().to_vec())
+        Ok(RemoteAdmission::Remote {
+            blocks: s.blocks.blocks().to_vec(),
+            cached_blocks: hit,
+        })
     }
 
     /// The transfer into a remote request's blocks has started.
@@ -323,6 +502,8 @@ impl SchedulerCore {
         // request migrated elsewhere continues it exactly).
         s.gen.skip_samples(1);
         self.running.push(id);
+        // The landed KV is final: later requests may share its full blocks.
+        self.register_computed(id);
         Ok(self.accept_token(id, first_token))
     }
 
@@ -388,7 +569,14 @@ impl SchedulerCore {
                 let s = self.seqs.get(&id)?;
                 let transfer = s.hold_for.filter(|_| s.push)?;
                 let end = (s.computed + n).min(s.prompt.len());
-                (s.computed < end).then(|| (transfer, s.blocks.share(), s.computed, end))
+                // The first chunk after a prefix-cache hit also carries the cached blocks
+                // (the decode side may lack them; the writer skips those it has).
+                let start = if s.computed == s.cached_tokens {
+                    0
+                } else {
+                    s.computed
+                };
+                (s.computed < end).then(|| (transfer, s.blocks.share(), start, end))
             })
             .collect()
     }
@@ -414,6 +602,16 @@ impl SchedulerCore {
     pub fn cache_lost(&mut self) {
         for id in self.running.clone().into_iter().rev() {
             self.preempt(id);
+        }
+        // Cached blocks name KV that is gone; blocks taken from it by waiting requests too.
+        self.blocks.clear_cache();
+        for s in self.seqs.values_mut() {
+            if s.state == RequestState::Waiting {
+                s.blocks.release();
+                s.computed = 0;
+                s.registered = 0;
+                s.cached_tokens = 0;
+            }
         }
         let dropped = self.held.len();
         self.held.clear();
@@ -454,6 +652,8 @@ impl SchedulerCore {
         if let Some(s) = self.seqs.get_mut(&id) {
             s.blocks.release();
             s.computed = 0;
+            s.registered = 0;
+            s.cached_tokens = 0;
             s.state = RequestState::Waiting;
         }
         self.waiting.push_front(id);
@@ -506,10 +706,19 @@ impl SchedulerCore {
             let Some(&id) = self.waiting.front() else {
                 break;
             };
+            let hit = self.take_cached_prefix(id, true);
             let s = &self.seqs[&id];
             let n = (s.len() - s.computed).min(budget);
             let need = (s.computed + n).div_ceil(bs).saturating_sub(s.blocks.len());
             if !self.blocks.can_admit(need) || !self.grow(id, need) {
+                if hit > 0 {
+                    // Not admitted: give the prefix back (it stays cached).
+                    let s = self.seqs.get_mut(&id).expect("queued");
+                    s.blocks.release();
+                    s.computed = 0;
+                    s.registered = 0;
+                    s.cached_tokens = 0;
+                }
                 break;
             }
             self.waiting.pop_front();
@@ -572,6 +781,10 @@ impl SchedulerCore {
                 continue; // preempted and rescheduled meanwhile: stale
             }
             s.computed += n;
+            self.register_computed(id);
+            let Some(s) = self.seqs.get_mut(&id) else {
+                continue;
+            };
             if !samples {
                 continue;
             }
@@ -674,6 +887,9 @@ mod tests {
                 watermark_blocks: 0,
                 max_model_len: 64,
                 kv_lease: Duration::from_secs(30),
+                prefix_cache: true,
+                cache_salt: 1,
+                min_remote_prompt_tokens: 0,
             },
             Tokenizer::byte_level_synthetic(),
         )
@@ -795,15 +1011,28 @@ mod tests {
                 blocks_free: 16,
                 blocks_total: 16,
                 preemptions: 0,
-                held: 0
-            }
+                held: 0,
+                blocks_in_use: 0,
+                blocks_cached: 0,
+                cache_evictions: 0,
+                prompt_tokens: 16,
+                prompt_tokens_cached: 0,
+                local_prefills: 0,
+            },
+            "a step that never completed registers nothing"
         );
     }
 
     #[test]
     fn remote_kv_requests_wait_for_their_kv_then_decode_from_the_first_token() {
         let mut c = core(16, 64);
-        let dest = c.add_remote(req(1, 9, 3)).unwrap();
+        let RemoteAdmission::Remote {
+            blocks: dest,
+            cached_blocks: 0,
+        } = c.add_remote(req(1, 9, 3), true).unwrap()
+        else {
+            panic!("a cold cache moves the whole prompt")
+        };
         assert_eq!(dest.len(), 3, "9 prompt tokens in blocks of 4");
         assert_eq!(
             c.state(RequestId(1)),
@@ -841,7 +1070,18 @@ mod tests {
         ));
         assert_eq!(c.stats().blocks_free, 16);
         // Aborting one that waits for KV frees its destination blocks.
-        c.add_remote(req(2, 9, 3)).unwrap();
+        // The same prompt again: its two full blocks are cached here, the request is
+        // prefilled locally (its whole prompt but the partial block is cached).
+        assert_eq!(
+            c.add_remote(req(2, 9, 3), true).unwrap(),
+            RemoteAdmission::Local { cached_blocks: 2 }
+        );
+        assert!(c.abort(RequestId(2)));
+        // Held-KV hand-offs (vLLM's proxy prefilled already) move only the missing block.
+        assert!(matches!(
+            c.add_remote(req(2, 9, 3), false).unwrap(),
+            RemoteAdmission::Remote { cached_blocks: 2, ref blocks } if blocks.len() == 3
+        ));
         assert!(c.remote_kv_ready(RequestId(3), 1).is_err());
         assert!(c.abort(RequestId(2)));
         assert_eq!(c.stats().blocks_free, 16);
@@ -878,6 +1118,67 @@ mod tests {
         assert_eq!(c.expire_held(Instant::now() + Duration::from_secs(31)), 1);
         assert_eq!(c.stats().blocks_free, 16);
         assert!(!c.release_held(TransferId(8)));
+    }
+
+    #[test]
+    fn prefix_hits_skip_compute_and_pinned_blocks_survive_eviction_pressure() {
+        // 12 blocks of 4. Request 1 computes a 9-token prompt: its 2 full blocks get cached.
+        let mut c = core(12, 64);
+        c.add(req(1, 9, 1)).unwrap();
+        let mut other = req(10, 8, 1);
+        other.prompt = (0..8).map(|t| 150 + t).collect();
+        c.add(other).unwrap();
+        drive(&mut c);
+        assert_eq!(c.stats().blocks_cached, 4, "the full prompt blocks of both");
+        // The same prompt again computes only its last block's tokens.
+        c.add(req(2, 9, 1)).unwrap();
+        let p = c.schedule().unwrap();
+        assert_eq!(
+            (p.batch.seqs[0].start_pos, p.batch.seqs[0].tokens.len()),
+            (8, 1)
+        );
+        let l = logits(&p);
+        c.complete(p, l);
+        assert_eq!(c.stats().prompt_tokens_cached, 8);
+        // A decode-side request takes the cached prefix and waits for the rest; others then
+        // need every unpinned block: the pinned prefix is never handed out.
+        let RemoteAdmission::Remote {
+            blocks: dest,
+            cached_blocks: 2,
+        } = c.add_remote(req(3, 9, 1), false).unwrap()
+        else {
+            panic!("the prefix is cached")
+        };
+        for id in 4..7 {
+            let mut r = req(id, 12, 1);
+            r.prompt = (0..12).map(|t| 200 + id as u32 * 13 + t).collect();
+            c.add(r).unwrap();
+        }
+        let p = c.schedule().unwrap();
+        for s in &p.batch.seqs {
+            assert!(
+                s.block_table.iter().all(|b| !dest.contains(b)),
+                "{:?} reuses a pinned block of {dest:?}",
+                s.block_table
+            );
+        }
+        assert!(c.stats().cache_evictions > 0, "{:?}", c.stats());
+        let l = logits(&p);
+        c.complete(p, l);
+        drive(&mut c);
+        assert_eq!(
+            c.block_manager().lookup(
+                &crate::block_manager::block_hashes(1, &req(3, 9, 1).prompt, 4),
+                &req(3, 9, 1).prompt,
+                4
+            ),
+            2,
+            "the pinned prefix is still cached"
+        );
+        assert!(c.remote_kv_ready(RequestId(3), 97).is_ok());
+        drive(&mut c);
+        assert_eq!(c.stats().blocks_in_use, 0, "{:?}", c.stats());
+        assert_eq!(c.stats().blocks_free, 12);
     }
 
     #[test]

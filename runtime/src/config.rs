@@ -852,6 +852,7 @@ struct FlagsServer<'a> {
     tls_key: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     tls_ca: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     drain_timeout_s: Option<u64>,
 }
 

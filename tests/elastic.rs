@@ -215,7 +215,7 @@ fn body(i: usize, max_tokens: usize) -> Value {
 #[test]
 fn streams_of_a_killed_decode_instance_migrate_and_match_an_uninterrupted_run() {
     const STREAMS: usize = 16;
-    // Long enough that every stream still runs when decode-0 dies (a deeper synthetic model
+    // Long enough that every stream still runs when its decode instance dies (a deeper synthetic model
     // than `tiny`, near its context).
     const TOKENS: usize = 900;
     let cluster = Cluster::launch("PDSERVE_TEST_ELASTIC_KILL", "synthetic:tiny,layers=8", &[]);
@@ -238,8 +238,8 @@ fn streams_of_a_killed_decode_instance_migrate_and_match_an_uninterrupted_run() 
         out
     });
     let migrations_before = cluster.metric("pdserve_migrations_total");
-    // The same streams at once; decode-0 is killed once every stream has produced text (the
-    // proxy spreads them over both decode instances).
+    // The same streams at once; a decode instance serving them is killed once every stream
+    // has produced text.
     let started = Arc::new(AtomicUsize::new(0));
     let handles: Vec<_> = (0..STREAMS)
         .map(|i| {
@@ -252,7 +252,29 @@ fn streams_of_a_killed_decode_instance_migrate_and_match_an_uninterrupted_run() 
         assert!(Instant::now() < deadline, "the streams did not all start");
         std::thread::sleep(Duration::from_millis(5));
     }
-    let victim = cluster.pid_of("decode-0");
+    // The decode instance running the most of them dies (the proxy may have put all of
+    // them on either one: it routes a burst on loads up to one heartbeat old).
+    let decode_running = |v: &Value| {
+        v["instances"].as_array().unwrap().iter().any(|m| {
+            m["node"].as_str().is_some_and(|n| n.starts_with("decode-"))
+                && m["snapshot"]["running"].as_u64() > Some(0)
+        })
+    };
+    let snap = cluster.wait_for("streams running on a decode instance", 10, decode_running);
+    let (victim_name, running) = snap["instances"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["node"].as_str().is_some_and(|n| n.starts_with("decode-")))
+        .map(|m| {
+            let n = m["node"].as_str().unwrap().to_string();
+            (n, m["snapshot"]["running"].as_u64().unwrap_or(0))
+        })
+        .max_by_key(|(_, running)| *running)
+        .expect("two decode instances");
+    assert!(running > 0, "no stream runs on a decode instance: {snap:#}");
+    eprintln!("killing {victim_name}, running {running} stream(s)");
+    let victim = cluster.pid_of(&victim_name);
     // SAFETY: SIGKILL to a process this test started (through the launcher).
     unsafe {
         libc::kill(victim as i32, libc::SIGKILL);

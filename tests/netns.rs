@@ -526,6 +526,11 @@ async fn idle_in_proxy(client: &Client, creds: &Path, addr: &'static str) {
 
 /// Requests `addr` finished since it started (`pdserve_requests_total{outcome="finished"}`).
 async fn finished(client: &Client, addr: &str) -> u64 {
+    metric_sum(client, addr, "pdserve_requests_total{", "outcome=\"finished\"").await
+}
+
+/// The sum of the `addr`'s metric lines that start with `name` and contain `label`.
+async fn metric_sum(client: &Client, addr: &str, name: &str, label: &str) -> u64 {
     let text = client
         .0
         .get(format!("{}/metrics", url(addr)))
@@ -537,7 +542,7 @@ async fn finished(client: &Client, addr: &str) -> u64 {
         .await
         .unwrap();
     text.lines()
-        .filter(|l| l.starts_with("pdserve_requests_total{") && l.contains("outcome=\"finished\""))
+        .filter(|l| l.starts_with(name) && l.contains(label))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .map(|v| v as u64)
         .sum()
@@ -641,6 +646,12 @@ fn scenario(net: &Net, mode: &str) {
             reference.push(a.tokens());
         }
         let ref_short = reference.pop().unwrap();
+        // A prompt decode-1 has never seen (its prefix cache holds `short` by now, and a
+        // prompt whose KV is cached on decode is prefilled there, needing no prefill link).
+        let fresh = prompt(SHORT, 8);
+        let a = client.complete(DECODE0_IP, &fresh, MAX_TOKENS).await;
+        assert_eq!(a.status, 200, "{}", a.body);
+        let ref_fresh = a.tokens();
         let a = client.complete(DECODE1_IP, &short, MAX_TOKENS).await;
         assert_eq!(
             (a.status, a.tokens()),
@@ -682,7 +693,7 @@ fn scenario(net: &Net, mode: &str) {
         net.set_cut(true);
         let cut_at = Instant::now();
         // New requests after the cut, on both paths.
-        let cut_fresh = spawn(DECODE1_IP, short.clone());
+        let cut_fresh = spawn(DECODE1_IP, fresh.clone());
         let kept_fresh = spawn(DECODE0_IP, short.clone());
 
         // Everything ends within its bounds: the request (and remote prefill) timeout, plus
@@ -740,15 +751,20 @@ fn scenario(net: &Net, mode: &str) {
         }
         println!("{mode}: through the proxy during the cut: {ok} served, {failed} failed clearly");
 
-        // Still cut, through the proxy: what lands on decode-1 fails clearly, what lands on
-        // decode-0 is served with the same tokens.
-        let (a, _) = through_proxy_to(&client, &creds, DECODE1_IP, DECODE0_IP, &short).await;
+        // Still cut, through the proxy: what lands on decode-1 has its hand-off fail, and the
+        // proxy's prefill retry (`proxy.prefill_retry = retry`, no other prefill instance) has
+        // decode-1 prefill it itself: served with the same tokens. What lands on decode-0 is
+        // served as before.
+        let retries = || metric_sum(&client, PROXY_IP, "pdserve_prefill_retries_total", "");
+        let retries_before = retries().await;
+        let (a, _) = through_proxy_to(&client, &creds, DECODE1_IP, DECODE0_IP, &fresh).await;
         println!(
             "{mode}: proxy → decode-1 during the cut: {} {:?}",
             a.status,
             a.message()
         );
-        assert!(a.is_clear_failure(), "{} {}", a.status, a.body);
+        assert_eq!((a.status, a.tokens()), (200, ref_fresh), "{}", a.body);
+        assert!(retries().await > retries_before, "no prefill retry counted");
         let (a, served) = through_proxy_to(&client, &creds, DECODE0_IP, DECODE1_IP, &long[1]).await;
         assert_eq!(
             (a.status, a.tokens()),

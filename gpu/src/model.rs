@@ -11,6 +11,7 @@
 use crate::collective::Collective;
 use crate::config::{ModelConfig, RopeStyle};
 use crate::kv::{HeadBlock, KvCache, KvKind};
+use crate::quant::{self, QMatrix, QType, QK};
 use crate::weights::{concat_rows, convert, slice_cols, slice_rows, TensorStore, WeightFormat};
 use crate::{ModelError, Result};
 use candle_core::quantized::{QMatMul, QTensor};
@@ -45,12 +46,21 @@ impl Batch {
     }
 }
 
+/// A matmul weight: on this crate's own kernels ([`crate::quant`]) for the block formats they
+/// run, natively; on candle's otherwise (f32, f16, k-quants).
+enum LinearWeight {
+    Quant(QMatrix),
+    Candle {
+        weight: QMatMul,
+        /// Input width the weight was zero-padded to (see [`pad_q8_0_rows`]), if any.
+        padded_in: Option<usize>,
+    },
+}
+
 struct Linear {
-    weight: QMatMul,
+    weight: LinearWeight,
     bias: Option<Vec<f32>>,
     out_features: usize,
-    /// Input width the weight was zero-padded to (see [`pad_q8_0_rows`]), if any.
-    padded_in: Option<usize>,
 }
 
 /// candle's VNNI-packed Q8_0 kernels (several times faster than its generic Q8_0 dot
@@ -91,9 +101,25 @@ fn pad_q8_0_rows(w: &QTensor, k: usize) -> Result<QTensor> {
     Ok(QTensor::new(storage, (rows, k))?)
 }
 
+/// The weight in this crate's per-row layout, when its format is one [`crate::quant`] runs.
+fn own_kernel_weight(w: &QTensor) -> Result<Option<QMatrix>> {
+    let (rows, cols) = w.shape().dims2()?;
+    let Some(qt) = QType::from_ggml(w.dtype()) else {
+        return Ok(None);
+    };
+    Ok(QMatrix::from_gguf(qt, rows, cols, &w.data()?))
+}
+
 impl Linear {
     fn new(w: QTensor, bias: Option<Vec<f32>>) -> Result<Self> {
         let (out_features, cols) = w.shape().dims2()?;
+        if let Some(q) = own_kernel_weight(&w)? {
+            return Ok(Self {
+                weight: LinearWeight::Quant(q),
+                bias,
+                out_features,
+            });
+        }
         let (w, padded_in) = if w.dtype() == candle_core::quantized::GgmlDType::Q8_0
             && !cols.is_multiple_of(PACKED_K)
             && out_features.is_multiple_of(16)
@@ -105,32 +131,92 @@ impl Linear {
             (w, None)
         };
         Ok(Self {
-            weight: QMatMul::from_qtensor(w)?,
+            weight: LinearWeight::Candle {
+                weight: QMatMul::from_qtensor(w)?,
+                padded_in,
+            },
             bias,
             out_features,
-            padded_in,
         })
     }
 
-    /// `x` is `[rows, in]` row-major; returns `[rows, out]`.
-    fn forward(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
-        let inp = x.len() / rows;
-        let xt = match self.padded_in {
-            Some(k) => {
-                let mut padded = vec![0f32; rows * k];
-                for (dst, src) in padded.chunks_mut(k).zip(x.chunks(inp)) {
-                    dst[..inp].copy_from_slice(src);
-                }
-                Tensor::from_vec(padded, (rows, k), &Device::Cpu)?
-            }
-            None => Tensor::from_slice(x, (rows, inp), &Device::Cpu)?,
-        };
-        let mut y = self.weight.forward(&xt)?.flatten_all()?.to_vec1::<f32>()?;
+    fn add_bias(&self, y: &mut [f32]) {
         if let Some(b) = &self.bias {
             for row in y.chunks_mut(self.out_features) {
                 row.iter_mut().zip(b).for_each(|(v, b)| *v += b);
             }
         }
+    }
+
+    /// `x` is `[rows, in]` row-major; returns `[rows, out]`.
+    fn forward(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
+        let inp = x.len() / rows;
+        let mut y = match &self.weight {
+            LinearWeight::Quant(q) => quant::matmul(q, x, rows),
+            LinearWeight::Candle { weight, padded_in } => {
+                let xt = match padded_in {
+                    Some(k) => {
+                        let k = *k;
+                        let mut padded = vec![0f32; rows * k];
+                        for (dst, src) in padded.chunks_mut(k).zip(x.chunks(inp)) {
+                            dst[..inp].copy_from_slice(src);
+                        }
+                        Tensor::from_vec(padded, (rows, k), &Device::Cpu)?
+                    }
+                    None => Tensor::from_slice(x, (rows, inp), &Device::Cpu)?,
+                };
+                weight.forward(&xt)?.flatten_all()?.to_vec1::<f32>()?
+            }
+        };
+        self.add_bias(&mut y);
+        Ok(y)
+    }
+
+    /// A row-parallel layer's output, joined across the ranks: `[rows, out]` on every rank.
+    ///
+    /// With this crate's kernels every output value is the sum, in column order, of partial
+    /// dot products over fixed chunks of `chunk` input columns (the shard width at the largest
+    /// tensor-parallel size the model allows), gathered from all ranks: the same additions in
+    /// the same order whatever the TP size, so sharding does not change the rounding. Other
+    /// weights use a plain all-reduce of the per-rank products.
+    fn forward_row_parallel(
+        &self,
+        x: &[f32],
+        rows: usize,
+        chunk: usize,
+        comm: &dyn Collective,
+    ) -> Result<Vec<f32>> {
+        let q = match &self.weight {
+            LinearWeight::Quant(q) if chunk.is_multiple_of(QK) && q.cols().is_multiple_of(chunk) => q,
+            _ => {
+                let mut y = self.forward(x, rows)?;
+                comm.all_reduce_sum(&mut y)?;
+                return Ok(y);
+            }
+        };
+        let per_rank = q.cols() / chunk;
+        let parts = quant::matmul_chunked(q, x, rows, chunk / QK);
+        let gathered = if comm.size() > 1 {
+            comm.all_gather(&parts)?
+        } else {
+            parts
+        };
+        // `gathered` is [rank][row][out][chunk]: add every chunk of a value in global order.
+        let n = self.out_features;
+        let rank_len = rows * n * per_rank;
+        let mut y = vec![0f32; rows * n];
+        for (i, y) in y.iter_mut().enumerate() {
+            let mut acc = gathered[i * per_rank];
+            for r in 0..comm.size() {
+                let base = r * rank_len + i * per_rank;
+                let start = if r == 0 { 1 } else { 0 };
+                for c in start..per_rank {
+                    acc += gathered[base + c];
+                }
+            }
+            *y = acc;
+        }
+        self.add_bias(&mut y);
         Ok(y)
     }
 }
@@ -269,6 +355,9 @@ pub struct ModelShard {
     final_norm: Vec<f32>,
     lm_head: Linear,
     rope: RopeTable,
+    /// Input columns per reduction chunk of the attention output and down projections (see
+    /// [`Linear::forward_row_parallel`]).
+    reduce_chunks: (usize, usize),
 }
 
 impl std::fmt::Debug for ModelShard {
@@ -305,6 +394,12 @@ impl ModelShard {
             cfg.intermediate_size,
             cfg.vocab_size,
         );
+        // The largest TP size the model allows: its shard widths are the reduction chunks of
+        // the row-parallel layers at every TP size (each valid size divides it).
+        let max_tp = (1..=kvh)
+            .filter(|&t| cfg.check_tp(t).is_ok())
+            .max()
+            .unwrap_or(1);
         let heads = split(h, rank, tp);
         let kv_heads = split(kvh, rank, tp);
         let ffn = split(f, rank, tp);
@@ -370,6 +465,7 @@ impl ModelShard {
             final_norm: store.vector("output_norm.weight", d)?,
             lm_head,
             rope: RopeTable::new(cfg),
+            reduce_chunks: (h * hd / max_tp, f / max_tp),
         })
     }
 
@@ -515,8 +611,9 @@ impl ModelShard {
             }
             on_layer(li);
             let attn = attention(li, batch, &offsets, &qkv, qkv_w, nh, nkv, hd, kv);
-            let mut o = layer.out.forward(&attn, t)?;
-            comm.all_reduce_sum(&mut o)?;
+            let o = layer
+                .out
+                .forward_row_parallel(&attn, t, self.reduce_chunks.0, comm)?;
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
 
             rms_norm(&x, &layer.ffn_norm, cfg.rms_norm_eps, d, &mut h);
@@ -530,8 +627,9 @@ impl ModelShard {
                     *a = g / (1.0 + (-g).exp()) * u;
                 }
             }
-            let mut down = layer.down.forward(&act, t)?;
-            comm.all_reduce_sum(&mut down)?;
+            let down = layer
+                .down
+                .forward_row_parallel(&act, t, self.reduce_chunks.1, comm)?;
             x.iter_mut().zip(&down).for_each(|(a, b)| *a += b);
         }
 
@@ -570,10 +668,13 @@ impl ModelShard {
     }
 }
 
+/// RMSNorm as llama.cpp computes it: squares in f32 summed in f64, `1 / sqrt(mean + eps)` in
+/// f32, then `x · scale · w`.
 fn rms_norm(x: &[f32], w: &[f32], eps: f32, d: usize, out: &mut [f32]) {
     for (xr, or) in x.chunks(d).zip(out.chunks_mut(d)) {
-        let ss: f32 = xr.iter().map(|v| v * v).sum::<f32>() / d as f32;
-        let scale = 1.0 / (ss + eps).sqrt();
+        let ss: f64 = xr.iter().map(|v| (v * v) as f64).sum();
+        let mean = (ss / d as f64) as f32;
+        let scale = 1.0 / (mean + eps).sqrt();
         for ((o, &v), &g) in or.iter_mut().zip(xr).zip(w) {
             *o = v * scale * g;
         }
@@ -611,7 +712,7 @@ fn attention(
         }
     }
     let scale = 1.0 / (hd as f32).sqrt();
-    // One pool for all compute: candle's matmul workers also run attention, so no second pool
+    // One pool for all compute: the matmul workers also run attention, so no second pool
     // spins against them on a small machine.
     let slots: Vec<std::sync::OnceLock<Vec<f32>>> =
         items.iter().map(|_| std::sync::OnceLock::new()).collect();
@@ -664,10 +765,8 @@ fn attention(
             )
         }
     };
-    candle_core::utils::barrier_pool().execute_chunked(items.len(), |range| {
-        for i in range {
-            let _ = slots[i].set(work(&items[i]));
-        }
+    quant::pool::global().run(items.len(), &|i| {
+        let _ = slots[i].set(work(&items[i]));
     });
     let results = slots
         .into_iter()

@@ -164,8 +164,8 @@ config_enum! {
 config_enum! {
     /// `model.weights`: the in-memory weight format of the CPU backend.
     pub enum WeightFormat for "model.weights" {
-        /// Sub-8-bit quantized weights are requantized to Q8_0 at load (candle's fast CPU
-        /// path); everything else stays as stored.
+        /// Q4_0, Q4_1 and Q8_0 weights stay as stored (pdserve's own kernels run them);
+        /// other sub-8-bit formats (Q5_*, k-quants) are requantized to Q8_0 at load.
         #[default]
         Auto = "auto",
         /// Exactly as stored in the file.

@@ -187,7 +187,11 @@ impl Linear {
         comm: &dyn Collective,
     ) -> Result<Vec<f32>> {
         let q = match &self.weight {
-            LinearWeight::Quant(q) if chunk.is_multiple_of(QK) && q.cols().is_multiple_of(chunk) => q,
+            LinearWeight::Quant(q)
+                if chunk.is_multiple_of(QK) && q.cols().is_multiple_of(chunk) =>
+            {
+                q
+            }
             _ => {
                 let mut y = self.forward(x, rows)?;
                 comm.all_reduce_sum(&mut y)?;

@@ -23,6 +23,6 @@ mod kernels;
 mod matmul;
 pub mod pool;
 
-pub use format::{dequantize_row, QK, quantize_acts, ActType, QActs, QMatrix, QType};
+pub use format::{dequantize_row, quantize_acts, ActType, QActs, QMatrix, QType, QK};
 pub use kernels::{detect_isa, dot_chunks, Isa};
 pub use matmul::{matmul, matmul_chunked};

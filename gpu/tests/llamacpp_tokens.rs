@@ -28,8 +28,8 @@ struct Case {
 
 #[test]
 fn greedy_tokens_follow_llama_cpp_for_32_tokens() {
-    let fixture: Fixture = serde_json::from_str(include_str!("data/llamacpp_greedy.json"))
-        .expect("fixture parses");
+    let fixture: Fixture =
+        serde_json::from_str(include_str!("data/llamacpp_greedy.json")).expect("fixture parses");
     assert_eq!(fixture.prompts.len(), 3);
     let path = pull_default_model(Progress::Hide).expect("default model");
     let mut engine = Engine::new(

@@ -131,7 +131,8 @@ impl QMatrix {
     #[inline]
     pub(crate) fn row(&self, r: usize) -> RowRef<'_> {
         let nb = self.blocks();
-        let row = &self.data[r * nb * self.qtype.block_bytes()..(r + 1) * nb * self.qtype.block_bytes()];
+        let row =
+            &self.data[r * nb * self.qtype.block_bytes()..(r + 1) * nb * self.qtype.block_bytes()];
         let (qs, rest) = row.split_at(nb * self.qtype.quant_bytes());
         let (d, m) = rest.split_at(nb * 2);
         RowRef { qs, d, m }

@@ -35,8 +35,7 @@ fn best_isa() -> Isa {
         let avx2 = is_x86_feature_detected!("avx2")
             && is_x86_feature_detected!("fma")
             && is_x86_feature_detected!("f16c");
-        if avx2 && is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl")
-        {
+        if avx2 && is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl") {
             return Isa::Avx512Vnni;
         }
         if avx2 {
@@ -163,33 +162,12 @@ mod x86 {
     use std::arch::x86_64::*;
     use std::ops::Range;
 
-    /// Scales of a block range as f32 (F16C, eight at a time).
+    /// Scale `b` (f16, little-endian bytes) as f32, by F16C.
     #[inline]
     #[target_feature(enable = "avx2,f16c")]
-    fn widen(src: &[u8], blocks: Range<usize>, dst: &mut [f32]) {
-        let n = blocks.len();
-        let mut i = 0;
-        while i + 8 <= n {
-            let b = blocks.start + i;
-            // SAFETY: 16 bytes at 2·b lie in `src` (b + 8 ≤ blocks.end) and `dst` has room.
-            unsafe {
-                let h = _mm_loadu_si128(src.as_ptr().add(2 * b) as *const __m128i);
-                _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
-            }
-            i += 8;
-        }
-        if i < n {
-            let mut tmp = [0u8; 16];
-            let b = blocks.start + i;
-            tmp[..2 * (n - i)].copy_from_slice(&src[2 * b..2 * blocks.end]);
-            let mut wide = [0f32; 8];
-            // SAFETY: 16-byte stack buffers.
-            unsafe {
-                let h = _mm_loadu_si128(tmp.as_ptr() as *const __m128i);
-                _mm256_storeu_ps(wide.as_mut_ptr(), _mm256_cvtph_ps(h));
-            }
-            dst[i..n].copy_from_slice(&wide[..n - i]);
-        }
+    fn half_to_f32(src: &[u8], b: usize) -> f32 {
+        let bits = u16::from_le_bytes([src[2 * b], src[2 * b + 1]]);
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
     }
 
     #[inline]
@@ -234,22 +212,24 @@ mod x86 {
                     a: &QActs,
                     tok0: usize,
                     blocks: Range<usize>,
-                    wd: &[f32],
-                    wm: &[f32],
                     out: &mut [f32; MAX_TOKENS],
                 ) {
                     let nb = a.blocks();
                     let mut acc = [_mm256_setzero_ps(); NT];
                     let mut summs = [0f32; NT];
                     let qb = qt.quant_bytes();
-                    for (i, b) in blocks.enumerate() {
+                    for b in blocks {
+                        let wd = half_to_f32(row.d, b);
+                        let wm = if qt == QType::Q4_1 {
+                            half_to_f32(row.m, b)
+                        } else {
+                            0.0
+                        };
                         // SAFETY: `b` is a block of this row, so its quants are in `row.qs`.
                         let qp = unsafe { row.qs.as_ptr().add(b * qb) };
                         let qx = match qt {
                             QType::Q4_1 => nibbles(qp),
-                            QType::Q4_0 => {
-                                _mm256_sub_epi8(nibbles(qp), _mm256_set1_epi8(8))
-                            }
+                            QType::Q4_0 => _mm256_sub_epi8(nibbles(qp), _mm256_set1_epi8(8)),
                             // SAFETY: 32 bytes of quants.
                             QType::Q8_0 => unsafe { _mm256_loadu_si256(qp as *const __m256i) },
                         };
@@ -263,10 +243,10 @@ mod x86 {
                                 QType::Q4_1 => _mm256_cvtepi32_ps($us8(qx, qy)),
                                 _ => mul_i8(qx, qy),
                             };
-                            let dd = _mm256_set1_ps(wd[i] * a.d[ab]);
+                            let dd = _mm256_set1_ps(wd * a.d[ab]);
                             acc[t] = _mm256_fmadd_ps(dd, xy, acc[t]);
                             if qt == QType::Q4_1 {
-                                summs[t] = wm[i].mul_add(a.s[ab], summs[t]);
+                                summs[t] = wm.mul_add(a.s[ab], summs[t]);
                             }
                         }
                     }
@@ -307,30 +287,15 @@ mod x86 {
         blocks: Range<usize>,
         out: &mut [f32; MAX_TOKENS],
     ) {
-        const MAX_BLOCKS: usize = 256;
-        let mut wd = [0f32; MAX_BLOCKS];
-        let mut wm = [0f32; MAX_BLOCKS];
-        // Chunks longer than MAX_BLOCKS blocks (rows over 8192 columns reduced whole) take
-        // the scalar path, which gives the same bits.
-        if blocks.len() > MAX_BLOCKS {
-            super::scalar(qt, row, a, tok0, n, blocks, out);
-            return;
-        }
-        let len = blocks.len();
         // SAFETY (all calls below): the caller checked the features.
         unsafe {
-            widen(row.d, blocks.clone(), &mut wd[..len]);
-            if qt == QType::Q4_1 {
-                widen(row.m, blocks.clone(), &mut wm[..len]);
-            }
-            let (wd, wm) = (&wd[..len], &wm[..len]);
             macro_rules! go {
                 ($m:ident) => {
                     match n {
-                        1 => $m::run::<1>(qt, row, a, tok0, blocks, wd, wm, out),
-                        2 => $m::run::<2>(qt, row, a, tok0, blocks, wd, wm, out),
-                        3 => $m::run::<3>(qt, row, a, tok0, blocks, wd, wm, out),
-                        _ => $m::run::<4>(qt, row, a, tok0, blocks, wd, wm, out),
+                        1 => $m::run::<1>(qt, row, a, tok0, blocks, out),
+                        2 => $m::run::<2>(qt, row, a, tok0, blocks, out),
+                        3 => $m::run::<3>(qt, row, a, tok0, blocks, out),
+                        _ => $m::run::<4>(qt, row, a, tok0, blocks, out),
                     }
                 };
             }
@@ -369,7 +334,16 @@ mod tests {
             while t0 < toks {
                 let n = (toks - t0).min(MAX_TOKENS);
                 let base = (r * toks + t0) * chunks;
-                dot_chunks(isa, w, r, a, t0, n, chunk, &mut out[base..base + n * chunks]);
+                dot_chunks(
+                    isa,
+                    w,
+                    r,
+                    a,
+                    t0,
+                    n,
+                    chunk,
+                    &mut out[base..base + n * chunks],
+                );
                 t0 += n;
             }
         }
@@ -394,7 +368,10 @@ mod tests {
                 let want = all(Isa::Scalar, &w, &a, chunk);
                 for &isa in &isas {
                     let got = all(isa, &w, &a, chunk);
-                    let same = want.iter().zip(&got).all(|(x, y)| x.to_bits() == y.to_bits());
+                    let same = want
+                        .iter()
+                        .zip(&got)
+                        .all(|(x, y)| x.to_bits() == y.to_bits());
                     assert!(same, "{qt:?} {isa:?} chunk {chunk}: {want:?} != {got:?}");
                 }
             }
@@ -442,7 +419,11 @@ mod tests {
                         .map(|(&w, &x)| w as f64 * x as f64)
                         .sum();
                     // …and the product with the unquantized activations.
-                    let f32_ref: f64 = wrow.iter().zip(xr).map(|(&w, &x)| w as f64 * x as f64).sum();
+                    let f32_ref: f64 = wrow
+                        .iter()
+                        .zip(xr)
+                        .map(|(&w, &x)| w as f64 * x as f64)
+                        .sum();
                     let scale: f64 = wrow
                         .iter()
                         .zip(xr)
@@ -452,7 +433,10 @@ mod tests {
                     // Q4_1's minimum term uses s in f16: allow for that rounding.
                     let tight = if qt == QType::Q4_1 { 2e-3 } else { 1e-5 };
                     assert!((v - exact).abs() <= tight * scale, "{qt:?} {v} vs {exact}");
-                    assert!((v - f32_ref).abs() <= 2e-2 * scale, "{qt:?} {v} vs {f32_ref}");
+                    assert!(
+                        (v - f32_ref).abs() <= 2e-2 * scale,
+                        "{qt:?} {v} vs {f32_ref}"
+                    );
                 }
             }
         }

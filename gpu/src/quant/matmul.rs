@@ -86,7 +86,9 @@ mod tests {
         let (rows, cols) = (40, 192);
         let bytes = super::super::format::tests::gguf_bytes(QType::Q4_1, rows, cols, 5);
         let w = QMatrix::from_gguf(QType::Q4_1, rows, cols, &bytes).unwrap();
-        let x: Vec<f32> = (0..7 * cols).map(|i| ((i * 31 % 97) as f32 - 48.0) / 20.0).collect();
+        let x: Vec<f32> = (0..7 * cols)
+            .map(|i| ((i * 31 % 97) as f32 - 48.0) / 20.0)
+            .collect();
         let all = matmul(&w, &x, 7);
         for t in 0..7 {
             let one = matmul(&w, &x[t * cols..(t + 1) * cols], 1);
@@ -98,9 +100,15 @@ mod tests {
         for r in 0..rows {
             dequantize_row(&w, r, &mut wr);
             for t in 0..7 {
-                let sum: f32 = parts[(t * rows + r) * 3..(t * rows + r) * 3 + 3].iter().sum();
+                let sum: f32 = parts[(t * rows + r) * 3..(t * rows + r) * 3 + 3]
+                    .iter()
+                    .sum();
                 let f: f32 = wr.iter().zip(&x[t * cols..]).map(|(a, b)| a * b).sum();
-                let mag: f32 = wr.iter().zip(&x[t * cols..]).map(|(a, b)| (a * b).abs()).sum();
+                let mag: f32 = wr
+                    .iter()
+                    .zip(&x[t * cols..])
+                    .map(|(a, b)| (a * b).abs())
+                    .sum();
                 assert!((sum - all[t * rows + r]).abs() <= 1e-5 * mag);
                 assert!((f - all[t * rows + r]).abs() <= 2e-2 * mag);
             }

@@ -57,7 +57,9 @@ pub struct Pool {
 
 impl std::fmt::Debug for Pool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Pool").field("workers", &self.workers).finish()
+        f.debug_struct("Pool")
+            .field("workers", &self.workers)
+            .finish()
     }
 }
 

@@ -332,8 +332,8 @@ pub(crate) mod tests {
             assert_eq!(a.d[b], f16::from_f32(amax / 127.0).to_f32());
             let sum: i32 = a.qs[b * 32..(b + 1) * 32].iter().map(|&q| q as i32).sum();
             assert_eq!(a.s[b], f16::from_f32(amax / 127.0 * sum as f32).to_f32());
-            for j in 0..32 {
-                let err = (a.qs[b * 32 + j] as f32 * amax / 127.0 - blk[j]).abs();
+            for (&q, &v) in a.qs[b * 32..(b + 1) * 32].iter().zip(blk) {
+                let err = (q as f32 * amax / 127.0 - v).abs();
                 assert!(err <= amax / 127.0 * 0.5 + 1e-6);
             }
         }

@@ -46,8 +46,10 @@ impl Batch {
     }
 }
 
-/// A matmul weight: on this crate's own kernels ([`crate::quant`]) for the block formats they
-/// run, natively; on candle's otherwise (f32, f16, k-quants).
+/// A matmul weight. In [`WeightFormat::Native`] the block formats [`crate::quant`] runs (Q4_0,
+/// Q4_1, Q8_0) are on this crate's llama.cpp-exact kernels; everything else, and every weight
+/// in the other formats (the default requantizes to Q8_0), is on candle's kernels (VNNI-packed
+/// for Q8_0, the fastest CPU path).
 enum LinearWeight {
     Quant(QMatrix),
     Candle {
@@ -111,14 +113,18 @@ fn own_kernel_weight(w: &QTensor) -> Result<Option<QMatrix>> {
 }
 
 impl Linear {
-    fn new(w: QTensor, bias: Option<Vec<f32>>) -> Result<Self> {
+    /// `own_kernels`: run the weight on [`crate::quant`] when its format allows (only in
+    /// [`WeightFormat::Native`]); otherwise on candle's kernels.
+    fn new(w: QTensor, bias: Option<Vec<f32>>, own_kernels: bool) -> Result<Self> {
         let (out_features, cols) = w.shape().dims2()?;
-        if let Some(q) = own_kernel_weight(&w)? {
-            return Ok(Self {
-                weight: LinearWeight::Quant(q),
-                bias,
-                out_features,
-            });
+        if own_kernels {
+            if let Some(q) = own_kernel_weight(&w)? {
+                return Ok(Self {
+                    weight: LinearWeight::Quant(q),
+                    bias,
+                    out_features,
+                });
+            }
         }
         let (w, padded_in) = if w.dtype() == candle_core::quantized::GgmlDType::Q8_0
             && !cols.is_multiple_of(PACKED_K)
@@ -226,8 +232,8 @@ impl Linear {
 }
 
 /// Projections whose outputs are concatenated per row (Q|K|V, gate|up). With converted
-/// weights they are fused into one matmul; in [`WeightFormat::Native`] they stay separate so
-/// candle picks the same quantized kernels, shape for shape, as the file's own layout.
+/// weights they are fused into one matmul; in [`WeightFormat::Native`] they stay separate, as
+/// the file's own layout (and llama.cpp) has them.
 struct Stacked {
     parts: Vec<Linear>,
 }
@@ -242,7 +248,7 @@ impl Stacked {
             let parts = parts
                 .into_iter()
                 .zip(biases)
-                .map(|(p, b)| Linear::new(p, b))
+                .map(|(p, b)| Linear::new(p, b, true))
                 .collect::<Result<Vec<_>>>()?;
             return Ok(Self { parts });
         }
@@ -257,7 +263,11 @@ impl Stacked {
             Some(all)
         };
         Ok(Self {
-            parts: vec![Linear::new(convert(concat_rows(&parts)?, format)?, bias)?],
+            parts: vec![Linear::new(
+                convert(concat_rows(&parts)?, format)?,
+                bias,
+                false,
+            )?],
         })
     }
 
@@ -362,6 +372,9 @@ pub struct ModelShard {
     /// Input columns per reduction chunk of the attention output and down projections (see
     /// [`Linear::forward_row_parallel`]).
     reduce_chunks: (usize, usize),
+    /// [`WeightFormat::Native`]: the weights (Q4_0/Q4_1/Q8_0) are on [`crate::quant`]'s
+    /// kernels, and so is attention's thread pool; otherwise both are candle's.
+    native: bool,
 }
 
 impl std::fmt::Debug for ModelShard {
@@ -400,6 +413,7 @@ impl ModelShard {
         );
         // The largest TP size the model allows: its shard widths are the reduction chunks of
         // the row-parallel layers at every TP size (each valid size divides it).
+        let native = format == WeightFormat::Native;
         let max_tp = (1..=kvh)
             .filter(|&t| cfg.check_tp(t).is_ok())
             .max()
@@ -440,10 +454,14 @@ impl ModelShard {
             layers.push(Layer {
                 attn_norm: store.vector(&name("attn_norm.weight"), d)?,
                 qkv: Stacked::new(qkv, qkv_bias, format)?,
-                out: Linear::new(convert(slice_cols(o, rows(&heads))?, format)?, None)?,
+                out: Linear::new(convert(slice_cols(o, rows(&heads))?, format)?, None, native)?,
                 ffn_norm: store.vector(&name("ffn_norm.weight"), d)?,
                 gate_up: Stacked::new(gate_up, vec![None, None], format)?,
-                down: Linear::new(convert(slice_cols(down, ffn.clone())?, format)?, None)?,
+                down: Linear::new(
+                    convert(slice_cols(down, ffn.clone())?, format)?,
+                    None,
+                    native,
+                )?,
             });
         }
         let embed_full = store.get_shaped("token_embd.weight", &[v, d])?;
@@ -456,6 +474,7 @@ impl ModelShard {
         let lm_head = Linear::new(
             convert(slice_rows(head_full, vocab.clone())?, format)?,
             None,
+            native,
         )?;
         Ok(Self {
             config: cfg.clone(),
@@ -470,6 +489,7 @@ impl ModelShard {
             lm_head,
             rope: RopeTable::new(cfg),
             reduce_chunks: (h * hd / max_tp, f / max_tp),
+            native,
         })
     }
 
@@ -593,7 +613,14 @@ impl ModelShard {
 
         let mut h = vec![0f32; t * d];
         for (li, layer) in self.layers.iter().enumerate() {
-            rms_norm(&x, &layer.attn_norm, cfg.rms_norm_eps, d, &mut h);
+            rms_norm(
+                &x,
+                &layer.attn_norm,
+                cfg.rms_norm_eps,
+                d,
+                self.native,
+                &mut h,
+            );
             let mut qkv = layer.qkv.forward(&h, t)?;
             // RoPE on Q and K, then K/V into the cache.
             for (s, &off) in batch.seqs.iter().zip(&offsets) {
@@ -614,13 +641,31 @@ impl ModelShard {
                 }
             }
             on_layer(li);
-            let attn = attention(li, batch, &offsets, &qkv, qkv_w, nh, nkv, hd, kv);
+            let attn = attention(
+                li,
+                batch,
+                &offsets,
+                &qkv,
+                qkv_w,
+                nh,
+                nkv,
+                hd,
+                kv,
+                self.native,
+            );
             let o = layer
                 .out
                 .forward_row_parallel(&attn, t, self.reduce_chunks.0, comm)?;
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
 
-            rms_norm(&x, &layer.ffn_norm, cfg.rms_norm_eps, d, &mut h);
+            rms_norm(
+                &x,
+                &layer.ffn_norm,
+                cfg.rms_norm_eps,
+                d,
+                self.native,
+                &mut h,
+            );
             let gu = layer.gate_up.forward(&h, t)?;
             let f = gu.len() / t / 2;
             let mut act = vec![0f32; t * f];
@@ -653,7 +698,14 @@ impl ModelShard {
             sel.extend_from_slice(&x[r * d..(r + 1) * d]);
         }
         let mut normed = vec![0f32; sel.len()];
-        rms_norm(&sel, &self.final_norm, cfg.rms_norm_eps, d, &mut normed);
+        rms_norm(
+            &sel,
+            &self.final_norm,
+            cfg.rms_norm_eps,
+            d,
+            self.native,
+            &mut normed,
+        );
         let local_logits = self.lm_head.forward(&normed, last_rows.len())?;
         let gathered = comm.all_gather(&local_logits)?;
         // `gathered` is rank-major: [rank][seq][vocab/tp]; rebuild [seq][vocab].
@@ -672,12 +724,17 @@ impl ModelShard {
     }
 }
 
-/// RMSNorm as llama.cpp computes it: squares in f32 summed in f64, `1 / sqrt(mean + eps)` in
-/// f32, then `x · scale · w`.
-fn rms_norm(x: &[f32], w: &[f32], eps: f32, d: usize, out: &mut [f32]) {
+/// RMSNorm, `x · scale · w` with `scale = 1 / sqrt(mean(x²) + eps)`. With `llama` (native
+/// weights) as llama.cpp computes it: squares in f32 summed in f64, the rest in f32; otherwise
+/// summed in f32, as the default path always has.
+fn rms_norm(x: &[f32], w: &[f32], eps: f32, d: usize, llama: bool, out: &mut [f32]) {
     for (xr, or) in x.chunks(d).zip(out.chunks_mut(d)) {
-        let ss: f64 = xr.iter().map(|v| (v * v) as f64).sum();
-        let mean = (ss / d as f64) as f32;
+        let mean = if llama {
+            let ss: f64 = xr.iter().map(|v| (v * v) as f64).sum();
+            (ss / d as f64) as f32
+        } else {
+            xr.iter().map(|v| v * v).sum::<f32>() / d as f32
+        };
         let scale = 1.0 / (mean + eps).sqrt();
         for ((o, &v), &g) in or.iter_mut().zip(xr).zip(w) {
             *o = v * scale * g;
@@ -701,6 +758,7 @@ fn attention(
     nkv: usize,
     hd: usize,
     kv: &KvCache,
+    own_pool: bool,
 ) -> Vec<f32> {
     let group = nh / nkv;
     let t = batch.num_tokens();
@@ -716,8 +774,8 @@ fn attention(
         }
     }
     let scale = 1.0 / (hd as f32).sqrt();
-    // One pool for all compute: the matmul workers also run attention, so no second pool
-    // spins against them on a small machine.
+    // One pool for all compute: the matmul workers (this crate's with `own_pool`, candle's
+    // otherwise) also run attention, so no second pool spins against them on a small machine.
     let slots: Vec<std::sync::OnceLock<Vec<f32>>> =
         items.iter().map(|_| std::sync::OnceLock::new()).collect();
     let work = |&(si, g, i0, i1): &(usize, usize, usize, usize)| -> Vec<f32> {
@@ -769,9 +827,17 @@ fn attention(
             )
         }
     };
-    quant::pool::global().run(items.len(), &|i| {
-        let _ = slots[i].set(work(&items[i]));
-    });
+    if own_pool {
+        quant::pool::global().run(items.len(), &|i| {
+            let _ = slots[i].set(work(&items[i]));
+        });
+    } else {
+        candle_core::utils::barrier_pool().execute_chunked(items.len(), |range| {
+            for i in range {
+                let _ = slots[i].set(work(&items[i]));
+            }
+        });
+    }
     let results = slots
         .into_iter()
         .map(|s| s.into_inner().unwrap_or_default());

@@ -326,10 +326,10 @@ pub fn convert(t: QTensor, format: WeightFormat) -> Result<QTensor> {
         WeightFormat::Native => return Ok(t),
         WeightFormat::F32 => GgmlDType::F32,
         WeightFormat::Q8_0 => GgmlDType::Q8_0,
-        // Q4_0, Q4_1 and Q8_0 run natively on `crate::quant`'s kernels; the other sub-8-bit
-        // formats go to Q8_0, which those kernels also run.
         WeightFormat::Auto => match t.dtype() {
-            GgmlDType::Q5_0
+            GgmlDType::Q4_0
+            | GgmlDType::Q4_1
+            | GgmlDType::Q5_0
             | GgmlDType::Q5_1
             | GgmlDType::Q4K
             | GgmlDType::Q5K

@@ -2,13 +2,16 @@
 //!
 //! `data/llamacpp_greedy.json` holds, per prompt, the prompt ids from `llama-tokenize` and 40
 //! greedy ids from llama.cpp (made by `data/gen_llamacpp_fixture.py`, whose commands the
-//! fixture records). pdserve runs the file's Q4_1 weights natively with activations quantized
-//! to Q8_1 as llama.cpp does, so its tokens must follow llama.cpp's for at least 32 tokens.
+//! fixture records). With `model.weights = native` pdserve runs the file's Q4_1 weights as
+//! stored on its llama.cpp-exact kernels, activations quantized to Q8_1 as llama.cpp does, so
+//! its tokens must follow llama.cpp's for at least 32 tokens. (The default, `auto`,
+//! requantizes to Q8_0 for speed and is not held to this.)
 
 use pdserve_gpu::engine::{Engine, EngineOptions, GenRequest};
 use pdserve_gpu::fetch::{pull_default_model, Progress};
 use pdserve_gpu::loader::load_gguf;
 use pdserve_gpu::sampling::SamplingParams;
+use pdserve_gpu::weights::WeightFormat;
 use serde::Deserialize;
 
 /// Tokens that must agree with llama.cpp's, per prompt.
@@ -36,6 +39,7 @@ fn greedy_tokens_follow_llama_cpp_for_32_tokens() {
         load_gguf(&path).unwrap(),
         EngineOptions {
             num_blocks: Some(64),
+            format: WeightFormat::Native,
             ..Default::default()
         },
     )

@@ -72,9 +72,11 @@ fn synthetic_tp_1_2_4_give_identical_greedy_tokens() {
     }
 }
 
-/// The file's Q4_1 weights as they are (the default format): the row-parallel layers reduce
-/// fixed column chunks in a fixed order, so 3 ranks give exactly the tokens of 1 (before that,
-/// the all-reduce of per-rank partial sums changed the rounding and flipped near-ties).
+/// `model.weights = native`: the file's Q4_1 weights as stored, on pdserve's llama.cpp-exact
+/// kernels, whose row-parallel layers reduce fixed column chunks in a fixed order, so 3 ranks
+/// give exactly the logits and tokens of 1. (The default, `auto`, runs candle's Q8_0 kernels
+/// with a plain all-reduce of per-rank partial sums, which changes the rounding and may flip
+/// near-ties: it is not held to this.)
 #[test]
 fn default_model_tp_1_and_3_give_identical_greedy_tokens() {
     let model = || load_model(&ModelSource::Default).unwrap();
@@ -84,6 +86,7 @@ fn default_model_tp_1_and_3_give_identical_greedy_tokens() {
             EngineOptions {
                 tp,
                 num_blocks: Some(64),
+                format: WeightFormat::Native,
                 ..Default::default()
             },
         )

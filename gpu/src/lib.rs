@@ -25,6 +25,7 @@ pub mod generation;
 pub mod kv;
 pub mod loader;
 pub mod model;
+pub mod quant;
 pub mod synthetic;
 pub mod tp;
 pub mod weights;

@@ -11,6 +11,7 @@
 use crate::collective::Collective;
 use crate::config::{ModelConfig, RopeStyle};
 use crate::kv::{HeadBlock, KvCache, KvKind};
+use crate::quant::{self, QMatrix, QType, QK};
 use crate::weights::{concat_rows, convert, slice_cols, slice_rows, TensorStore, WeightFormat};
 use crate::{ModelError, Result};
 use candle_core::quantized::{QMatMul, QTensor};
@@ -45,12 +46,23 @@ impl Batch {
     }
 }
 
+/// A matmul weight. In [`WeightFormat::Native`] the block formats [`crate::quant`] runs (Q4_0,
+/// Q4_1, Q8_0) are on this crate's llama.cpp-exact kernels; everything else, and every weight
+/// in the other formats (the default requantizes to Q8_0), is on candle's kernels (VNNI-packed
+/// for Q8_0, the fastest CPU path).
+enum LinearWeight {
+    Quant(QMatrix),
+    Candle {
+        weight: QMatMul,
+        /// Input width the weight was zero-padded to (see [`pad_q8_0_rows`]), if any.
+        padded_in: Option<usize>,
+    },
+}
+
 struct Linear {
-    weight: QMatMul,
+    weight: LinearWeight,
     bias: Option<Vec<f32>>,
     out_features: usize,
-    /// Input width the weight was zero-padded to (see [`pad_q8_0_rows`]), if any.
-    padded_in: Option<usize>,
 }
 
 /// candle's VNNI-packed Q8_0 kernels (several times faster than its generic Q8_0 dot
@@ -91,9 +103,29 @@ fn pad_q8_0_rows(w: &QTensor, k: usize) -> Result<QTensor> {
     Ok(QTensor::new(storage, (rows, k))?)
 }
 
+/// The weight in this crate's per-row layout, when its format is one [`crate::quant`] runs.
+fn own_kernel_weight(w: &QTensor) -> Result<Option<QMatrix>> {
+    let (rows, cols) = w.shape().dims2()?;
+    let Some(qt) = QType::from_ggml(w.dtype()) else {
+        return Ok(None);
+    };
+    Ok(QMatrix::from_gguf(qt, rows, cols, &w.data()?))
+}
+
 impl Linear {
-    fn new(w: QTensor, bias: Option<Vec<f32>>) -> Result<Self> {
+    /// `own_kernels`: run the weight on [`crate::quant`] when its format allows (only in
+    /// [`WeightFormat::Native`]); otherwise on candle's kernels.
+    fn new(w: QTensor, bias: Option<Vec<f32>>, own_kernels: bool) -> Result<Self> {
         let (out_features, cols) = w.shape().dims2()?;
+        if own_kernels {
+            if let Some(q) = own_kernel_weight(&w)? {
+                return Ok(Self {
+                    weight: LinearWeight::Quant(q),
+                    bias,
+                    out_features,
+                });
+            }
+        }
         let (w, padded_in) = if w.dtype() == candle_core::quantized::GgmlDType::Q8_0
             && !cols.is_multiple_of(PACKED_K)
             && out_features.is_multiple_of(16)
@@ -105,39 +137,103 @@ impl Linear {
             (w, None)
         };
         Ok(Self {
-            weight: QMatMul::from_qtensor(w)?,
+            weight: LinearWeight::Candle {
+                weight: QMatMul::from_qtensor(w)?,
+                padded_in,
+            },
             bias,
             out_features,
-            padded_in,
         })
     }
 
-    /// `x` is `[rows, in]` row-major; returns `[rows, out]`.
-    fn forward(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
-        let inp = x.len() / rows;
-        let xt = match self.padded_in {
-            Some(k) => {
-                let mut padded = vec![0f32; rows * k];
-                for (dst, src) in padded.chunks_mut(k).zip(x.chunks(inp)) {
-                    dst[..inp].copy_from_slice(src);
-                }
-                Tensor::from_vec(padded, (rows, k), &Device::Cpu)?
-            }
-            None => Tensor::from_slice(x, (rows, inp), &Device::Cpu)?,
-        };
-        let mut y = self.weight.forward(&xt)?.flatten_all()?.to_vec1::<f32>()?;
+    fn add_bias(&self, y: &mut [f32]) {
         if let Some(b) = &self.bias {
             for row in y.chunks_mut(self.out_features) {
                 row.iter_mut().zip(b).for_each(|(v, b)| *v += b);
             }
         }
+    }
+
+    /// `x` is `[rows, in]` row-major; returns `[rows, out]`.
+    fn forward(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
+        let inp = x.len() / rows;
+        let mut y = match &self.weight {
+            LinearWeight::Quant(q) => quant::matmul(q, x, rows),
+            LinearWeight::Candle { weight, padded_in } => {
+                let xt = match padded_in {
+                    Some(k) => {
+                        let k = *k;
+                        let mut padded = vec![0f32; rows * k];
+                        for (dst, src) in padded.chunks_mut(k).zip(x.chunks(inp)) {
+                            dst[..inp].copy_from_slice(src);
+                        }
+                        Tensor::from_vec(padded, (rows, k), &Device::Cpu)?
+                    }
+                    None => Tensor::from_slice(x, (rows, inp), &Device::Cpu)?,
+                };
+                weight.forward(&xt)?.flatten_all()?.to_vec1::<f32>()?
+            }
+        };
+        self.add_bias(&mut y);
+        Ok(y)
+    }
+
+    /// A row-parallel layer's output, joined across the ranks: `[rows, out]` on every rank.
+    ///
+    /// With this crate's kernels every output value is the sum, in column order, of partial
+    /// dot products over fixed chunks of `chunk` input columns (the shard width at the largest
+    /// tensor-parallel size the model allows), gathered from all ranks: the same additions in
+    /// the same order whatever the TP size, so sharding does not change the rounding. Other
+    /// weights use a plain all-reduce of the per-rank products.
+    fn forward_row_parallel(
+        &self,
+        x: &[f32],
+        rows: usize,
+        chunk: usize,
+        comm: &dyn Collective,
+    ) -> Result<Vec<f32>> {
+        let q = match &self.weight {
+            LinearWeight::Quant(q)
+                if chunk.is_multiple_of(QK) && q.cols().is_multiple_of(chunk) =>
+            {
+                q
+            }
+            _ => {
+                let mut y = self.forward(x, rows)?;
+                comm.all_reduce_sum(&mut y)?;
+                return Ok(y);
+            }
+        };
+        let per_rank = q.cols() / chunk;
+        let parts = quant::matmul_chunked(q, x, rows, chunk / QK);
+        let gathered = if comm.size() > 1 {
+            comm.all_gather(&parts)?
+        } else {
+            parts
+        };
+        // `gathered` is [rank][row][out][chunk]: add every chunk of a value in global order.
+        let n = self.out_features;
+        let rank_len = rows * n * per_rank;
+        let mut y = vec![0f32; rows * n];
+        for (i, y) in y.iter_mut().enumerate() {
+            let mut acc = gathered[i * per_rank];
+            for r in 0..comm.size() {
+                let base = r * rank_len + i * per_rank;
+                let start = if r == 0 { 1 } else { 0 };
+                for c in start..per_rank {
+                    acc += gathered[base + c];
+                }
+            }
+            *y = acc;
+        }
+        self.add_bias(&mut y);
         Ok(y)
     }
 }
 
 /// Projections whose outputs are concatenated per row (Q|K|V, gate|up). With converted
-/// weights they are fused into one matmul; in [`WeightFormat::Native`] they stay separate so
-/// candle picks the same quantized kernels, shape for shape, as the file's own layout.
+/// weights they are fused into one matmul; in [`WeightFormat::Native`] they stay separate, as
+/// the file's own layout (and llama.cpp) has them.
 struct Stacked {
     parts: Vec<Linear>,
 }
@@ -152,7 +248,7 @@ impl Stacked {
             let parts = parts
                 .into_iter()
                 .zip(biases)
-                .map(|(p, b)| Linear::new(p, b))
+                .map(|(p, b)| Linear::new(p, b, true))
                 .collect::<Result<Vec<_>>>()?;
             return Ok(Self { parts });
         }
@@ -167,7 +263,11 @@ impl Stacked {
             Some(all)
         };
         Ok(Self {
-            parts: vec![Linear::new(convert(concat_rows(&parts)?, format)?, bias)?],
+            parts: vec![Linear::new(
+                convert(concat_rows(&parts)?, format)?,
+                bias,
+                false,
+            )?],
         })
     }
 
@@ -269,6 +369,12 @@ pub struct ModelShard {
     final_norm: Vec<f32>,
     lm_head: Linear,
     rope: RopeTable,
+    /// Input columns per reduction chunk of the attention output and down projections (see
+    /// [`Linear::forward_row_parallel`]).
+    reduce_chunks: (usize, usize),
+    /// [`WeightFormat::Native`]: the weights (Q4_0/Q4_1/Q8_0) are on [`crate::quant`]'s
+    /// kernels, and so is attention's thread pool; otherwise both are candle's.
+    native: bool,
 }
 
 impl std::fmt::Debug for ModelShard {
@@ -305,6 +411,13 @@ impl ModelShard {
             cfg.intermediate_size,
             cfg.vocab_size,
         );
+        // The largest TP size the model allows: its shard widths are the reduction chunks of
+        // the row-parallel layers at every TP size (each valid size divides it).
+        let native = format == WeightFormat::Native;
+        let max_tp = (1..=kvh)
+            .filter(|&t| cfg.check_tp(t).is_ok())
+            .max()
+            .unwrap_or(1);
         let heads = split(h, rank, tp);
         let kv_heads = split(kvh, rank, tp);
         let ffn = split(f, rank, tp);
@@ -341,10 +454,14 @@ impl ModelShard {
             layers.push(Layer {
                 attn_norm: store.vector(&name("attn_norm.weight"), d)?,
                 qkv: Stacked::new(qkv, qkv_bias, format)?,
-                out: Linear::new(convert(slice_cols(o, rows(&heads))?, format)?, None)?,
+                out: Linear::new(convert(slice_cols(o, rows(&heads))?, format)?, None, native)?,
                 ffn_norm: store.vector(&name("ffn_norm.weight"), d)?,
                 gate_up: Stacked::new(gate_up, vec![None, None], format)?,
-                down: Linear::new(convert(slice_cols(down, ffn.clone())?, format)?, None)?,
+                down: Linear::new(
+                    convert(slice_cols(down, ffn.clone())?, format)?,
+                    None,
+                    native,
+                )?,
             });
         }
         let embed_full = store.get_shaped("token_embd.weight", &[v, d])?;
@@ -357,6 +474,7 @@ impl ModelShard {
         let lm_head = Linear::new(
             convert(slice_rows(head_full, vocab.clone())?, format)?,
             None,
+            native,
         )?;
         Ok(Self {
             config: cfg.clone(),
@@ -370,6 +488,8 @@ impl ModelShard {
             final_norm: store.vector("output_norm.weight", d)?,
             lm_head,
             rope: RopeTable::new(cfg),
+            reduce_chunks: (h * hd / max_tp, f / max_tp),
+            native,
         })
     }
 
@@ -493,7 +613,14 @@ impl ModelShard {
 
         let mut h = vec![0f32; t * d];
         for (li, layer) in self.layers.iter().enumerate() {
-            rms_norm(&x, &layer.attn_norm, cfg.rms_norm_eps, d, &mut h);
+            rms_norm(
+                &x,
+                &layer.attn_norm,
+                cfg.rms_norm_eps,
+                d,
+                self.native,
+                &mut h,
+            );
             let mut qkv = layer.qkv.forward(&h, t)?;
             // RoPE on Q and K, then K/V into the cache.
             for (s, &off) in batch.seqs.iter().zip(&offsets) {
@@ -514,12 +641,31 @@ impl ModelShard {
                 }
             }
             on_layer(li);
-            let attn = attention(li, batch, &offsets, &qkv, qkv_w, nh, nkv, hd, kv);
-            let mut o = layer.out.forward(&attn, t)?;
-            comm.all_reduce_sum(&mut o)?;
+            let attn = attention(
+                li,
+                batch,
+                &offsets,
+                &qkv,
+                qkv_w,
+                nh,
+                nkv,
+                hd,
+                kv,
+                self.native,
+            );
+            let o = layer
+                .out
+                .forward_row_parallel(&attn, t, self.reduce_chunks.0, comm)?;
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
 
-            rms_norm(&x, &layer.ffn_norm, cfg.rms_norm_eps, d, &mut h);
+            rms_norm(
+                &x,
+                &layer.ffn_norm,
+                cfg.rms_norm_eps,
+                d,
+                self.native,
+                &mut h,
+            );
             let gu = layer.gate_up.forward(&h, t)?;
             let f = gu.len() / t / 2;
             let mut act = vec![0f32; t * f];
@@ -530,8 +676,9 @@ impl ModelShard {
                     *a = g / (1.0 + (-g).exp()) * u;
                 }
             }
-            let mut down = layer.down.forward(&act, t)?;
-            comm.all_reduce_sum(&mut down)?;
+            let down = layer
+                .down
+                .forward_row_parallel(&act, t, self.reduce_chunks.1, comm)?;
             x.iter_mut().zip(&down).for_each(|(a, b)| *a += b);
         }
 
@@ -551,7 +698,14 @@ impl ModelShard {
             sel.extend_from_slice(&x[r * d..(r + 1) * d]);
         }
         let mut normed = vec![0f32; sel.len()];
-        rms_norm(&sel, &self.final_norm, cfg.rms_norm_eps, d, &mut normed);
+        rms_norm(
+            &sel,
+            &self.final_norm,
+            cfg.rms_norm_eps,
+            d,
+            self.native,
+            &mut normed,
+        );
         let local_logits = self.lm_head.forward(&normed, last_rows.len())?;
         let gathered = comm.all_gather(&local_logits)?;
         // `gathered` is rank-major: [rank][seq][vocab/tp]; rebuild [seq][vocab].
@@ -570,10 +724,18 @@ impl ModelShard {
     }
 }
 
-fn rms_norm(x: &[f32], w: &[f32], eps: f32, d: usize, out: &mut [f32]) {
+/// RMSNorm, `x · scale · w` with `scale = 1 / sqrt(mean(x²) + eps)`. With `llama` (native
+/// weights) as llama.cpp computes it: squares in f32 summed in f64, the rest in f32; otherwise
+/// summed in f32, as the default path always has.
+fn rms_norm(x: &[f32], w: &[f32], eps: f32, d: usize, llama: bool, out: &mut [f32]) {
     for (xr, or) in x.chunks(d).zip(out.chunks_mut(d)) {
-        let ss: f32 = xr.iter().map(|v| v * v).sum::<f32>() / d as f32;
-        let scale = 1.0 / (ss + eps).sqrt();
+        let mean = if llama {
+            let ss: f64 = xr.iter().map(|v| (v * v) as f64).sum();
+            (ss / d as f64) as f32
+        } else {
+            xr.iter().map(|v| v * v).sum::<f32>() / d as f32
+        };
+        let scale = 1.0 / (mean + eps).sqrt();
         for ((o, &v), &g) in or.iter_mut().zip(xr).zip(w) {
             *o = v * scale * g;
         }
@@ -596,6 +758,7 @@ fn attention(
     nkv: usize,
     hd: usize,
     kv: &KvCache,
+    own_pool: bool,
 ) -> Vec<f32> {
     let group = nh / nkv;
     let t = batch.num_tokens();
@@ -611,8 +774,8 @@ fn attention(
         }
     }
     let scale = 1.0 / (hd as f32).sqrt();
-    // One pool for all compute: candle's matmul workers also run attention, so no second pool
-    // spins against them on a small machine.
+    // One pool for all compute: the matmul workers (this crate's with `own_pool`, candle's
+    // otherwise) also run attention, so no second pool spins against them on a small machine.
     let slots: Vec<std::sync::OnceLock<Vec<f32>>> =
         items.iter().map(|_| std::sync::OnceLock::new()).collect();
     let work = |&(si, g, i0, i1): &(usize, usize, usize, usize)| -> Vec<f32> {
@@ -664,11 +827,17 @@ fn attention(
             )
         }
     };
-    candle_core::utils::barrier_pool().execute_chunked(items.len(), |range| {
-        for i in range {
+    if own_pool {
+        quant::pool::global().run(items.len(), &|i| {
             let _ = slots[i].set(work(&items[i]));
-        }
-    });
+        });
+    } else {
+        candle_core::utils::barrier_pool().execute_chunked(items.len(), |range| {
+            for i in range {
+                let _ = slots[i].set(work(&items[i]));
+            }
+        });
+    }
     let results = slots
         .into_iter()
         .map(|s| s.into_inner().unwrap_or_default());

@@ -164,11 +164,14 @@ config_enum! {
 config_enum! {
     /// `model.weights`: the in-memory weight format of the CPU backend.
     pub enum WeightFormat for "model.weights" {
-        /// Sub-8-bit quantized weights are requantized to Q8_0 at load (candle's fast CPU
-        /// path); everything else stays as stored.
+        /// Sub-8-bit quantized weights (Q4_*, Q5_*, k-quants) are requantized to Q8_0 at load
+        /// and run on candle's VNNI-packed Q8_0 kernels: the fastest CPU path. Everything else
+        /// stays as stored.
         #[default]
         Auto = "auto",
-        /// Exactly as stored in the file.
+        /// Exactly as stored in the file. Q4_0, Q4_1 and Q8_0 run on pdserve's own
+        /// llama.cpp-exact kernels (llama.cpp's numerics and greedy tokens; tensor-parallel
+        /// runs give tp=1's logits bit for bit), slower than `auto`; other formats on candle's.
         Native = "native",
         /// Q8_0 wherever the row length allows it (`q8` is accepted as an alias).
         Q8_0 = "q8_0" | "q8",

@@ -1,0 +1,28 @@
+//! Quantized CPU matmul kernels on GGUF's own block formats, with llama.cpp's numerics.
+//!
+//! Weights stay in the file's format (Q4_0, Q4_1, Q8_0: no requantization); only their layout
+//! changes at load, from GGUF's array of blocks to one structure of arrays per row (all the
+//! quants of a row, then its f16 scales, then its f16 minimums), the same bytes. Activations
+//! are quantized once per token row to the type llama.cpp pairs with the weight type (Q8_1 for
+//! Q4_1, Q8_0 for Q4_0 and Q8_0), exactly as llama.cpp's AVX2 `quantize_row_q8_*` does.
+//!
+//! A dot product follows llama.cpp's AVX2 `ggml_vec_dot_*` operation for operation: per
+//! 32-element block, eight integer lanes of four products each, converted to f32 and
+//! accumulated with one fused multiply-add by `d_w · d_a` per lane; at the end the lanes are
+//! summed in `hsum_float_8`'s order and (Q4_1) the block minimums' term `Σ m_w · s_a` is added.
+//! The [`Isa::Scalar`] path does exactly those float operations lane by lane, so the AVX2 and
+//! AVX-512 VNNI paths (which differ only in how they form the exact integer lane sums) equal
+//! it bit for bit.
+//!
+//! Matmuls run on one process-wide [`pool`] whose workers claim rows through a shared cursor:
+//! a worker that is descheduled leaves its rows to the others instead of holding everybody at
+//! a barrier.
+
+mod format;
+mod kernels;
+mod matmul;
+pub mod pool;
+
+pub use format::{dequantize_row, quantize_acts, ActType, QActs, QMatrix, QType, QK};
+pub use kernels::{detect_isa, dot_chunks, Isa};
+pub use matmul::{matmul, matmul_chunked};

@@ -1,0 +1,444 @@
+//! Dot products of weight rows with quantized activation rows: a scalar reference and x86
+//! AVX2 / AVX-512 VNNI paths that equal it bit for bit (module docs of `quant`).
+
+use super::format::{QActs, QMatrix, QType, RowRef, QK};
+use std::sync::OnceLock;
+
+/// Which instruction set the kernels use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    /// Plain Rust, lane by lane: the reference.
+    Scalar,
+    /// AVX2 + FMA + F16C (`vpmaddubsw` + `vpmaddwd` for the integer lanes).
+    Avx2,
+    /// As AVX2, with AVX-512 VNNI's `vpdpbusd` on 256-bit vectors for the integer lanes.
+    Avx512Vnni,
+}
+
+/// The best path this CPU runs (detected once). `PDSERVE_QUANT_ISA=scalar|avx2|vnni` caps it
+/// (for measuring the paths against each other).
+pub fn detect_isa() -> Isa {
+    static ISA: OnceLock<Isa> = OnceLock::new();
+    *ISA.get_or_init(|| {
+        let best = best_isa();
+        match std::env::var("PDSERVE_QUANT_ISA").as_deref() {
+            Ok("scalar") => Isa::Scalar,
+            Ok("avx2") if best != Isa::Scalar => Isa::Avx2,
+            _ => best,
+        }
+    })
+}
+
+fn best_isa() -> Isa {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let avx2 = is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c");
+        if avx2 && is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl") {
+            return Isa::Avx512Vnni;
+        }
+        if avx2 {
+            return Isa::Avx2;
+        }
+    }
+    Isa::Scalar
+}
+
+/// Most activation rows one call of a micro-kernel takes.
+pub(crate) const MAX_TOKENS: usize = 4;
+
+/// Weight row `r` against activation rows `tok0 .. tok0 + n` (`n ≤ 4`), block range split in
+/// chunks of `chunk` blocks: `out[t * chunks + c]` is token `t`'s partial dot product over
+/// chunk `c` (each chunk accumulated and summed as one llama.cpp `vec_dot`).
+///
+/// # Panics
+/// When `n` is 0 or above 4, `chunk` does not divide the row's blocks, or `isa` is not
+/// supported by this CPU.
+#[allow(clippy::too_many_arguments)]
+pub fn dot_chunks(
+    isa: Isa,
+    w: &QMatrix,
+    r: usize,
+    a: &QActs,
+    tok0: usize,
+    n: usize,
+    chunk: usize,
+    out: &mut [f32],
+) {
+    let nb = w.blocks();
+    assert!((1..=MAX_TOKENS).contains(&n) && chunk > 0 && nb.is_multiple_of(chunk));
+    assert_eq!(a.blocks(), nb);
+    assert_eq!(a.act_type(), w.qtype().act_type());
+    let chunks = nb / chunk;
+    let row = w.row(r);
+    for c in 0..chunks {
+        let blocks = c * chunk..(c + 1) * chunk;
+        let mut res = [0f32; MAX_TOKENS];
+        match isa {
+            Isa::Scalar => scalar(w.qtype(), row, a, tok0, n, blocks, &mut res),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 | Isa::Avx512Vnni => {
+                assert!(best_isa() != Isa::Scalar && (isa == Isa::Avx2 || best_isa() == isa));
+                // SAFETY: the features each path needs were detected above.
+                unsafe { x86::dispatch(isa, w.qtype(), row, a, tok0, n, blocks, &mut res) }
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => scalar(w.qtype(), row, a, tok0, n, blocks, &mut res),
+        }
+        for t in 0..n {
+            out[t * chunks + c] = res[t];
+        }
+    }
+}
+
+/// llama.cpp's `hsum_float_8`: `((x4+x0)+(x6+x2)) + ((x5+x1)+(x7+x3))`.
+#[inline]
+fn hsum8(x: [f32; 8]) -> f32 {
+    let r = [x[4] + x[0], x[5] + x[1], x[6] + x[2], x[7] + x[3]];
+    (r[0] + r[2]) + (r[1] + r[3])
+}
+
+/// Weight block `b` as 32 signed integers in activation order.
+#[inline]
+fn unpack(qt: QType, row: RowRef<'_>, b: usize) -> [i32; QK] {
+    let mut x = [0i32; QK];
+    match qt {
+        QType::Q8_0 => {
+            for (j, x) in x.iter_mut().enumerate() {
+                *x = row.qs[b * 32 + j] as i8 as i32;
+            }
+        }
+        QType::Q4_0 | QType::Q4_1 => {
+            let off = if qt == QType::Q4_0 { 8 } else { 0 };
+            for j in 0..16 {
+                let q = row.qs[b * 16 + j];
+                x[j] = (q & 0x0f) as i32 - off;
+                x[j + 16] = (q >> 4) as i32 - off;
+            }
+        }
+    }
+    x
+}
+
+fn scalar(
+    qt: QType,
+    row: RowRef<'_>,
+    a: &QActs,
+    tok0: usize,
+    n: usize,
+    blocks: std::ops::Range<usize>,
+    out: &mut [f32; MAX_TOKENS],
+) {
+    let nb = a.blocks();
+    for (t, out) in out.iter_mut().enumerate().take(n) {
+        let tok = tok0 + t;
+        let mut acc = [0f32; 8];
+        let mut summs = 0f32;
+        for b in blocks.clone() {
+            let ab = tok * nb + b;
+            let x = unpack(qt, row, b);
+            let y = &a.qs[ab * QK..(ab + 1) * QK];
+            let dd = row.d(b) * a.d[ab];
+            for (l, acc) in acc.iter_mut().enumerate() {
+                let lane: i32 = (4 * l..4 * l + 4).map(|j| x[j] * y[j] as i32).sum();
+                *acc = dd.mul_add(lane as f32, *acc);
+            }
+            if qt == QType::Q4_1 {
+                summs = row.m(b).mul_add(a.s[ab], summs);
+            }
+        }
+        *out = if qt == QType::Q4_1 {
+            hsum8(acc) + summs
+        } else {
+            hsum8(acc)
+        };
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{Isa, QActs, QType, RowRef, MAX_TOKENS, QK};
+    use std::arch::x86_64::*;
+    use std::ops::Range;
+
+    /// Scale `b` (f16, little-endian bytes) as f32, by F16C.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    fn half_to_f32(src: &[u8], b: usize) -> f32 {
+        let bits = u16::from_le_bytes([src[2 * b], src[2 * b + 1]]);
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn hsum(x: __m256) -> f32 {
+        let r = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
+        let r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+        let r = _mm_add_ss(r, _mm_movehdup_ps(r));
+        _mm_cvtss_f32(r)
+    }
+
+    /// Generates the three block-format kernels for one way of forming the integer lanes
+    /// (`$us8(ax, sy)`: eight i32 lanes of four u8 × i8 products each).
+    macro_rules! kernels {
+        ($name:ident, $features:literal, $us8:ident) => {
+            mod $name {
+                use super::*;
+
+                #[inline]
+                #[target_feature(enable = $features)]
+                fn nibbles(qs: *const u8) -> __m256i {
+                    // SAFETY: callers pass a pointer to 16 readable bytes.
+                    let tmp = unsafe { _mm_loadu_si128(qs as *const __m128i) };
+                    let both = _mm256_set_m128i(_mm_srli_epi16(tmp, 4), tmp);
+                    _mm256_and_si256(both, _mm256_set1_epi8(0x0f))
+                }
+
+                /// Signed × signed through the unsigned-by-signed product: `|x| · sign(y, x)`.
+                #[inline]
+                #[target_feature(enable = $features)]
+                fn mul_i8(x: __m256i, y: __m256i) -> __m256 {
+                    let ax = _mm256_sign_epi8(x, x);
+                    let sy = _mm256_sign_epi8(y, x);
+                    _mm256_cvtepi32_ps($us8(ax, sy))
+                }
+
+                #[allow(clippy::too_many_arguments)]
+                #[target_feature(enable = $features)]
+                pub(super) fn run<const NT: usize>(
+                    qt: QType,
+                    row: RowRef<'_>,
+                    a: &QActs,
+                    tok0: usize,
+                    blocks: Range<usize>,
+                    out: &mut [f32; MAX_TOKENS],
+                ) {
+                    let nb = a.blocks();
+                    let mut acc = [_mm256_setzero_ps(); NT];
+                    let mut summs = [0f32; NT];
+                    let qb = qt.quant_bytes();
+                    for b in blocks {
+                        let wd = half_to_f32(row.d, b);
+                        let wm = if qt == QType::Q4_1 {
+                            half_to_f32(row.m, b)
+                        } else {
+                            0.0
+                        };
+                        // SAFETY: `b` is a block of this row, so its quants are in `row.qs`.
+                        let qp = unsafe { row.qs.as_ptr().add(b * qb) };
+                        let qx = match qt {
+                            QType::Q4_1 => nibbles(qp),
+                            QType::Q4_0 => _mm256_sub_epi8(nibbles(qp), _mm256_set1_epi8(8)),
+                            // SAFETY: 32 bytes of quants.
+                            QType::Q8_0 => unsafe { _mm256_loadu_si256(qp as *const __m256i) },
+                        };
+                        for t in 0..NT {
+                            let ab = (tok0 + t) * nb + b;
+                            // SAFETY: `ab` indexes an activation block of 32 quants.
+                            let qy = unsafe {
+                                _mm256_loadu_si256(a.qs.as_ptr().add(ab * QK) as *const __m256i)
+                            };
+                            let xy = match qt {
+                                QType::Q4_1 => _mm256_cvtepi32_ps($us8(qx, qy)),
+                                _ => mul_i8(qx, qy),
+                            };
+                            let dd = _mm256_set1_ps(wd * a.d[ab]);
+                            acc[t] = _mm256_fmadd_ps(dd, xy, acc[t]);
+                            if qt == QType::Q4_1 {
+                                summs[t] = wm.mul_add(a.s[ab], summs[t]);
+                            }
+                        }
+                    }
+                    for t in 0..NT {
+                        let h = hsum(acc[t]);
+                        out[t] = if qt == QType::Q4_1 { h + summs[t] } else { h };
+                    }
+                }
+            }
+        };
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn us8_avx2(ax: __m256i, sy: __m256i) -> __m256i {
+        _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), _mm256_set1_epi16(1))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    fn us8_vnni(ax: __m256i, sy: __m256i) -> __m256i {
+        _mm256_dpbusd_epi32(_mm256_setzero_si256(), ax, sy)
+    }
+
+    kernels!(avx2, "avx2,fma,f16c", us8_avx2);
+    kernels!(vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", us8_vnni);
+
+    /// # Safety
+    /// The CPU must support `isa`'s features.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn dispatch(
+        isa: Isa,
+        qt: QType,
+        row: RowRef<'_>,
+        a: &QActs,
+        tok0: usize,
+        n: usize,
+        blocks: Range<usize>,
+        out: &mut [f32; MAX_TOKENS],
+    ) {
+        // SAFETY (all calls below): the caller checked the features.
+        unsafe {
+            macro_rules! go {
+                ($m:ident) => {
+                    match n {
+                        1 => $m::run::<1>(qt, row, a, tok0, blocks, out),
+                        2 => $m::run::<2>(qt, row, a, tok0, blocks, out),
+                        3 => $m::run::<3>(qt, row, a, tok0, blocks, out),
+                        _ => $m::run::<4>(qt, row, a, tok0, blocks, out),
+                    }
+                };
+            }
+            match isa {
+                Isa::Avx512Vnni => go!(vnni),
+                _ => go!(avx2),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::format::{dequantize_row, quantize_acts, QMatrix, QType};
+    use super::*;
+
+    fn gguf(qt: QType, rows: usize, cols: usize, seed: u32) -> QMatrix {
+        let bytes = super::super::format::tests::gguf_bytes(qt, rows, cols, seed);
+        QMatrix::from_gguf(qt, rows, cols, &bytes).unwrap()
+    }
+
+    fn acts(rows: usize, cols: usize) -> Vec<f32> {
+        (0..rows * cols)
+            .map(|i| (((i * 7919 + 13) % 2003) as f32 - 1001.0) / 333.0)
+            .collect()
+    }
+
+    const TYPES: [QType; 3] = [QType::Q4_0, QType::Q4_1, QType::Q8_0];
+
+    fn all(isa: Isa, w: &QMatrix, a: &super::super::format::QActs, chunk: usize) -> Vec<f32> {
+        let chunks = w.blocks() / chunk;
+        let toks = a.rows();
+        let mut out = vec![0f32; w.rows() * toks * chunks];
+        for r in 0..w.rows() {
+            let mut t0 = 0;
+            while t0 < toks {
+                let n = (toks - t0).min(MAX_TOKENS);
+                let base = (r * toks + t0) * chunks;
+                dot_chunks(
+                    isa,
+                    w,
+                    r,
+                    a,
+                    t0,
+                    n,
+                    chunk,
+                    &mut out[base..base + n * chunks],
+                );
+                t0 += n;
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn simd_paths_equal_the_scalar_reference_bit_for_bit() {
+        let best = detect_isa();
+        let isas: Vec<Isa> = match best {
+            Isa::Scalar => vec![],
+            Isa::Avx2 => vec![Isa::Avx2],
+            Isa::Avx512Vnni => vec![Isa::Avx2, Isa::Avx512Vnni],
+        };
+        if isas.is_empty() {
+            eprintln!("no SIMD path on this CPU: nothing to compare");
+        }
+        for qt in TYPES {
+            let w = gguf(qt, 5, 576, 3);
+            let a = quantize_acts(&acts(7, 576), 576, qt.act_type());
+            for chunk in [18, 6, 1] {
+                let want = all(Isa::Scalar, &w, &a, chunk);
+                for &isa in &isas {
+                    let got = all(isa, &w, &a, chunk);
+                    let same = want
+                        .iter()
+                        .zip(&got)
+                        .all(|(x, y)| x.to_bits() == y.to_bits());
+                    assert!(same, "{qt:?} {isa:?} chunk {chunk}: {want:?} != {got:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn token_grouping_does_not_change_a_result() {
+        // One token at a time and four at a time give the same bits (batch invariance).
+        let isa = detect_isa();
+        for qt in TYPES {
+            let w = gguf(qt, 3, 256, 9);
+            let a = quantize_acts(&acts(4, 256), 256, qt.act_type());
+            let grouped = all(isa, &w, &a, 8);
+            for r in 0..3 {
+                for t in 0..4 {
+                    let mut one = [0f32; 1];
+                    dot_chunks(isa, &w, r, &a, t, 1, 8, &mut one);
+                    assert_eq!(one[0].to_bits(), grouped[r * 4 + t].to_bits());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn scalar_reference_is_close_to_dequantize_then_f32() {
+        for qt in TYPES {
+            let (rows, cols) = (4, 320);
+            let w = gguf(qt, rows, cols, 11);
+            let x = acts(2, cols);
+            let a = quantize_acts(&x, cols, qt.act_type());
+            let got = all(Isa::Scalar, &w, &a, w.blocks());
+            let mut wrow = vec![0f32; cols];
+            for r in 0..rows {
+                dequantize_row(&w, r, &mut wrow);
+                for t in 0..2 {
+                    let xr = &x[t * cols..(t + 1) * cols];
+                    // The exact product of the dequantized weights and activations…
+                    let deq_a: Vec<f32> = (0..cols)
+                        .map(|j| a.qs[t * cols + j] as f32 * a.d[t * cols / 32 + j / 32])
+                        .collect();
+                    let exact: f64 = wrow
+                        .iter()
+                        .zip(&deq_a)
+                        .map(|(&w, &x)| w as f64 * x as f64)
+                        .sum();
+                    // …and the product with the unquantized activations.
+                    let f32_ref: f64 = wrow
+                        .iter()
+                        .zip(xr)
+                        .map(|(&w, &x)| w as f64 * x as f64)
+                        .sum();
+                    let scale: f64 = wrow
+                        .iter()
+                        .zip(xr)
+                        .map(|(&w, &x)| (w as f64 * x as f64).abs())
+                        .sum();
+                    let v = got[r * 2 + t] as f64;
+                    // Q4_1's minimum term uses s in f16: allow for that rounding.
+                    let tight = if qt == QType::Q4_1 { 2e-3 } else { 1e-5 };
+                    assert!((v - exact).abs() <= tight * scale, "{qt:?} {v} vs {exact}");
+                    assert!(
+                        (v - f32_ref).abs() <= 2e-2 * scale,
+                        "{qt:?} {v} vs {f32_ref}"
+                    );
+                }
+            }
+        }
+    }
+}

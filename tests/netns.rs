@@ -238,6 +238,10 @@ impl Cluster {
                 .env("PDSERVE_TRANSFER__KV_LEASE_S", KV_LEASE_S.to_string())
                 .env("PDSERVE_SCHEDULER__MAX_NUM_BATCHED_TOKENS", "32")
                 .env("PDSERVE_SCHEDULER__MAX_NUM_SEQS", "32")
+                // Without the prefix cache: with it, the prefill instance keeps every
+                // reference prompt's KV and a hand-off across the cut would finish before it
+                // (the cache's own P/D behaviour is tested in actors/tests/prefix_cache.rs).
+                .env("PDSERVE_SCHEDULER__PREFIX_CACHE", "false")
                 .env("PDSERVE_LOGGING__FILTER", "warn")
                 .env("PDSERVE_LOG", "warn")
                 .stdin(Stdio::null())
@@ -526,7 +530,13 @@ async fn idle_in_proxy(client: &Client, creds: &Path, addr: &'static str) {
 
 /// Requests `addr` finished since it started (`pdserve_requests_total{outcome="finished"}`).
 async fn finished(client: &Client, addr: &str) -> u64 {
-    metric_sum(client, addr, "pdserve_requests_total{", "outcome=\"finished\"").await
+    metric_sum(
+        client,
+        addr,
+        "pdserve_requests_total{",
+        "outcome=\"finished\"",
+    )
+    .await
 }
 
 /// The sum of the `addr`'s metric lines that start with `name` and contain `label`.
@@ -646,8 +656,8 @@ fn scenario(net: &Net, mode: &str) {
             reference.push(a.tokens());
         }
         let ref_short = reference.pop().unwrap();
-        // A prompt decode-1 has never seen (its prefix cache holds `short` by now, and a
-        // prompt whose KV is cached on decode is prefilled there, needing no prefill link).
+        // A prompt decode-1 has never seen, for the checks across the cut (with a prefix
+        // cache, decode prefills a prompt it holds by itself, needing no prefill link).
         let fresh = prompt(SHORT, 8);
         let a = client.complete(DECODE0_IP, &fresh, MAX_TOKENS).await;
         assert_eq!(a.status, 200, "{}", a.body);

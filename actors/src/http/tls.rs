@@ -148,19 +148,14 @@ impl HttpTls {
     /// machine without system roots and without `tls_ca`, https calls fail saying so.
     pub fn client(&self) -> reqwest::ClientBuilder {
         let provider = provider();
-        let verifier: Arc<dyn ServerCertVerifier> =
-            match rustls_platform_verifier::Verifier::new_with_extra_roots(
-                self.extra_roots.iter().cloned(),
-                provider.clone(),
-            ) {
-                Ok(v) => Arc::new(v),
-                Err(e) => Arc::new(NoRoots {
-                    why: e.to_string(),
-                    schemes: provider
-                        .signature_verification_algorithms
-                        .supported_schemes(),
-                }),
-            };
+        // The system's roots are read from disk once per process, not per client.
+        static SYSTEM_ONLY: std::sync::OnceLock<Arc<dyn ServerCertVerifier>> =
+            std::sync::OnceLock::new();
+        let verifier = if self.extra_roots.is_empty() {
+            SYSTEM_ONLY.get_or_init(|| verifier(&[], &provider)).clone()
+        } else {
+            verifier(&self.extra_roots, &provider)
+        };
         let config = rustls::ClientConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
             .expect("ring supports rustls' default protocol versions")
@@ -170,6 +165,26 @@ impl HttpTls {
         reqwest::Client::builder()
             .no_proxy()
             .tls_backend_preconfigured(config)
+    }
+}
+
+/// The system's roots plus `extra`; a verifier that refuses everything, saying why, when
+/// there are none.
+fn verifier(
+    extra: &[CertificateDer<'static>],
+    provider: &Arc<CryptoProvider>,
+) -> Arc<dyn ServerCertVerifier> {
+    match rustls_platform_verifier::Verifier::new_with_extra_roots(
+        extra.iter().cloned(),
+        provider.clone(),
+    ) {
+        Ok(v) => Arc::new(v),
+        Err(e) => Arc::new(NoRoots {
+            why: e.to_string(),
+            schemes: provider
+                .signature_verification_algorithms
+                .supported_schemes(),
+        }),
     }
 }
 

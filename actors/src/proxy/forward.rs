@@ -84,17 +84,21 @@ pub(super) async fn models(State(s): State<Arc<ProxyState>>, headers: HeaderMap)
     }
 }
 
+/// The upstream answer's content type, `default` when it names none.
+fn content_type(resp: &reqwest::Response, default: &str) -> String {
+    resp.headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or(default)
+        .to_string()
+}
+
 /// Copies an upstream answer (status, content type, body as it arrives) to the client; with
 /// `arrived`, records the time to the first body chunk and to the end of the body (the
 /// proxy's view of TTFT and end-to-end latency).
 async fn relay(resp: reqwest::Response, arrived: Option<Instant>) -> Response {
     let status = StatusCode::from_u16(resp.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
-    let ctype = resp
-        .headers()
-        .get("content-type")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("application/json")
-        .to_string();
+    let ctype = content_type(&resp, "application/json");
     let mut first = arrived;
     let done = arrived.map(EndTimer);
     let stream = futures_util::stream::unfold(Some((resp, done)), move |state| {
@@ -441,12 +445,7 @@ impl Job {
     ) -> Response {
         loop {
             let status = resp.status().as_u16();
-            let ctype = resp
-                .headers()
-                .get("content-type")
-                .and_then(|v| v.to_str().ok())
-                .unwrap_or("application/json")
-                .to_string();
+            let ctype = content_type(&resp, "application/json");
             let (reason, error) = match resp.bytes().await {
                 Ok(body) => {
                     let kind = (status >= 500).then(|| error_kind(&body)).flatten();
@@ -795,12 +794,7 @@ fn stream_response(
     prefill: Option<Upstream>,
     arrived: Instant,
 ) -> Response {
-    let ctype = resp
-        .headers()
-        .get("content-type")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("text/event-stream")
-        .to_string();
+    let ctype = content_type(&resp, "text/event-stream");
     let relay = Relay {
         view: StreamView::new(job.client_token_ids),
         job,

@@ -52,6 +52,13 @@ pub const TOPIC_INSPECT: &str = "inspect";
 pub const TOPIC_REGISTER: &str = "register";
 /// `Opaque` topic of the proxy's answer to a registration.
 pub const TOPIC_REGISTERED: &str = "registered";
+/// `Opaque` topic of a registered instance telling the proxy it is draining (empty body): the
+/// proxy stops routing to it at once, keeps its entry (shown `draining` by `pdserve inspect`)
+/// and answers with the same topic.
+pub const TOPIC_DRAINING: &str = "draining";
+/// Bound on the proxy's answer to [`TOPIC_DRAINING`]; without one in time the instance
+/// deregisters (closes its control connection) instead.
+pub const DRAINING_ANSWER_TIMEOUT: Duration = Duration::from_secs(1);
 /// Heartbeat intervals an instance may miss before the proxy stops routing to it.
 pub const MISSED_HEARTBEATS_TO_DROP: u32 = 3;
 /// Bound on building one inspect answer (supervisor and scheduler queries).
@@ -386,6 +393,9 @@ struct Shared {
     registrations: AtomicU64,
     heartbeats: AtomicU64,
     paused: AtomicBool,
+    /// Set once the instance began draining: the registration loop no longer registers again
+    /// after a lost connection.
+    draining: AtomicBool,
     /// The connection to the proxy while registered.
     proxy_conn: std::sync::Mutex<Option<Arc<ControlConnection>>>,
 }
@@ -514,6 +524,33 @@ impl ControlPlane {
         self.shared.paused.store(paused, Ordering::SeqCst);
     }
 
+    /// Tells the proxy this instance is draining: it stops routing here at once but keeps the
+    /// registration (and the control connection, so `pdserve inspect` still shows the instance,
+    /// `draining`, with its requests finishing) until the instance stops. Returns whether the
+    /// proxy acknowledged within [`DRAINING_ANSWER_TIMEOUT`]; when it did not (no proxy,
+    /// not registered, an older proxy), the caller should [`ControlPlane::deregister`]. Either
+    /// way the instance does not register again.
+    pub async fn announce_draining(&self) -> bool {
+        self.shared.draining.store(true, Ordering::SeqCst);
+        let conn = self
+            .shared
+            .proxy_conn
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let Some(conn) = conn else {
+            return false;
+        };
+        let ask = conn.request(ControlMessage::Opaque {
+            topic: TOPIC_DRAINING.into(),
+            body: Vec::new(),
+        });
+        matches!(
+            tokio::time::timeout(DRAINING_ANSWER_TIMEOUT, ask).await,
+            Ok(Ok(ControlMessage::Opaque { topic, .. })) if topic == TOPIC_DRAINING
+        )
+    }
+
     /// Leaves the proxy's routing set: ends the registration and closes its connection (the
     /// proxy stops routing here at once). Peer requests keep being answered.
     pub fn deregister(&mut self) {
@@ -596,6 +633,10 @@ async fn register_and_heartbeat(
     let mut last_error: Option<String> = None;
     let mut seq = 0u64;
     loop {
+        if shared.draining.load(Ordering::SeqCst) {
+            tracing::info!(%proxy, "draining: not registering again");
+            return;
+        }
         let attempt = async {
             let conn = Arc::new(endpoint.connect(proxy).await.map_err(|e| e.to_string())?);
             // Answer the proxy's requests (inspect) on this connection, from before we register.

@@ -591,9 +591,13 @@ impl Instance {
             app.ready.store(false, Ordering::SeqCst);
         }
         let admission = self.app.as_ref().map(|a| a.admission.clone());
-        // 2. Leave the cluster: the proxy stops routing here at once.
+        // 2. Leave the routing set: the proxy stops routing here at once. It keeps the entry
+        //    (shown `draining` by inspect) until the control plane closes at the end; a proxy
+        //    that does not acknowledge gets the registration closed instead.
         if let Some(control) = &mut self.control {
-            control.deregister();
+            if !control.announce_draining().await {
+                control.deregister();
+            }
         }
         // 3. Drain: every admitted request returns its slot when it ends.
         let mut _every_slot = None;

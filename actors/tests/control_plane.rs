@@ -542,3 +542,110 @@ async fn inspect_through_the_proxy_shows_every_tree_restarts_and_unreachable_ins
     px.stop().await;
     p.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_instance_leaves_routing_at_once_and_inspect_shows_it_draining() {
+    let px = proxy("cp-drain-proxy").await;
+    let d = instance(
+        "cp-drain-d",
+        Role::Decode,
+        px.control,
+        member("cp-drain-d"),
+        1,
+    )
+    .await;
+    let url = d.url();
+    wait_for("the instance routable", Duration::from_secs(10), || async {
+        inspect_cluster(&px).await.proxy.routable_decode == 1
+    })
+    .await;
+    // A long request runs on the instance itself while it drains.
+    let long = tokio::spawn(async move {
+        let r = pdserve_actors::http::http_client()
+            .build()
+            .unwrap()
+            .post(format!("{url}/v1/completions"))
+            .json(&json!({"prompt": [1, 2, 3], "max_tokens": 1000, "temperature": 0, "ignore_eos": true}))
+            .timeout(Duration::from_secs(120))
+            .send()
+            .await
+            .unwrap();
+        let status = r.status().as_u16();
+        (status, r.json::<Value>().await.unwrap_or_default())
+    });
+    wait_for(
+        "the long request running",
+        Duration::from_secs(10),
+        || async { snapshot_of(&inspect_cluster(&px).await, "cp-drain-d").running == 1 },
+    )
+    .await;
+    let stopping = tokio::spawn(d.stop());
+    // While its request finishes: not routable, listed as draining, still inspectable.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let seen = loop {
+        let snap = inspect_cluster(&px).await;
+        let m = snap
+            .instances
+            .iter()
+            .find(|m| m.node == "cp-drain-d")
+            .unwrap()
+            .clone();
+        if m.draining {
+            break (snap, m);
+        }
+        assert!(Instant::now() < deadline, "never shown draining: {m:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let (snap, m) = seen;
+    assert!(!m.routable, "{m:?}");
+    assert_eq!(snap.proxy.routable_decode, 0, "{:?}", snap.proxy);
+    match &m.status {
+        MemberStatus::Snapshot(s) => assert_eq!(s.running, 1, "observed mid-drain: {s:?}"),
+        other => panic!("a draining instance stays inspectable: {other:?}"),
+    }
+    let p = instance(
+        "cp-drain-p",
+        Role::Prefill,
+        px.control,
+        member("cp-drain-p"),
+        1,
+    )
+    .await;
+    wait_for(
+        "the prefill instance routable",
+        Duration::from_secs(10),
+        || async { inspect_cluster(&px).await.proxy.routable_prefill == 1 },
+    )
+    .await;
+    let (status, v) = complete(&px.url).await;
+    assert_eq!(status, 503, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("no decode instance is available")),
+        "nothing to decode on while it drains: {v}"
+    );
+    // The request it ran completes; the instance stops clean; the proxy forgets it.
+    let (status, v) = long.await.unwrap();
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 1000, "{v}");
+    let report = stopping.await.unwrap();
+    assert!(report.clean(), "{report:?}");
+    assert_eq!(report.blocks_free, report.blocks_total, "{report:?}");
+    wait_for(
+        "the entry to stop draining",
+        Duration::from_secs(10),
+        || async {
+            let snap = inspect_cluster(&px).await;
+            let m = snap
+                .instances
+                .iter()
+                .find(|m| m.node == "cp-drain-d")
+                .unwrap();
+            !m.routable && matches!(m.status, MemberStatus::Unreachable(_))
+        },
+    )
+    .await;
+    px.stop().await;
+    p.stop().await;
+}

@@ -331,8 +331,12 @@ pub struct ClusterMember {
     pub url: String,
     /// Its control-plane address.
     pub control_addr: String,
-    /// Whether the proxy routes requests to it now (connected, heartbeats on time).
+    /// Whether the proxy routes requests to it now (connected, heartbeats on time, not
+    /// draining).
     pub routable: bool,
+    /// It is draining: finishing what it runs, taking nothing new (older proxies omit it).
+    #[serde(default)]
+    pub draining: bool,
     /// Seconds since its last heartbeat (or registration).
     pub last_heartbeat_s: f64,
     /// Its snapshot, or why there is none.
@@ -353,6 +357,7 @@ const ANSI_RESET: &str = "\x1b[0m";
 const ANSI_BOLD: &str = "\x1b[1m";
 const ANSI_RED: &str = "\x1b[31m";
 const ANSI_GREEN: &str = "\x1b[32m";
+const ANSI_YELLOW: &str = "\x1b[33m";
 
 /// Draws `snap` as a pstree-like tree: a header line with the instance's figures, then one
 /// line per actor (`name [kind] state restarts=N mailbox=N up T`, plus `error: ...` when it
@@ -422,10 +427,10 @@ pub fn render_tree(snap: &InstanceSnapshot, color: bool) -> String {
 /// its snapshot, or `unreachable: <reason>`). With `color`, routing state, actor states and
 /// errors get ANSI colours.
 pub fn render_cluster(snap: &ClusterSnapshot, color: bool) -> String {
-    let (bold, reset, green, red) = if color {
-        (ANSI_BOLD, ANSI_RESET, ANSI_GREEN, ANSI_RED)
+    let (bold, reset, green, red, yellow) = if color {
+        (ANSI_BOLD, ANSI_RESET, ANSI_GREEN, ANSI_RED, ANSI_YELLOW)
     } else {
-        ("", "", "", "")
+        ("", "", "", "", "")
     };
     let p = &snap.proxy;
     let mut out = String::new();
@@ -453,6 +458,8 @@ pub fn render_cluster(snap: &ClusterSnapshot, color: bool) -> String {
         };
         let routing = if m.routable {
             format!("{green}routable{reset}")
+        } else if m.draining {
+            format!("{yellow}draining{reset}")
         } else {
             format!("{red}not routable{reset}")
         };
@@ -780,6 +787,7 @@ mod tests {
                     url: "http://127.0.0.1:8200".into(),
                     control_addr: "127.0.0.1:7002".into(),
                     routable: true,
+                    draining: false,
                     last_heartbeat_s: 0.2,
                     status: MemberStatus::Snapshot(Box::new(decode)),
                 },
@@ -789,6 +797,7 @@ mod tests {
                     url: "http://127.0.0.1:8100".into(),
                     control_addr: "127.0.0.1:7001".into(),
                     routable: false,
+                    draining: false,
                     last_heartbeat_s: 75.0,
                     status: MemberStatus::Unreachable("control connection closed\nby peer".into()),
                 },
@@ -817,6 +826,16 @@ proxy [Proxy] running restarts=0 mailbox=0 up 12.3s
             colored.contains("\x1b[31munreachable: control"),
             "{colored}"
         );
+        // A draining instance says so instead of "not routable".
+        let mut draining = cluster();
+        draining.instances[0].routable = false;
+        draining.instances[0].draining = true;
+        let got = render_cluster(&draining, false);
+        assert!(
+            got.contains("├── decode-0 (decode) draining heartbeat 0.2s ago"),
+            "{got}"
+        );
+        assert!(render_cluster(&draining, true).contains("\x1b[33mdraining\x1b[0m"));
     }
 
     #[test]

@@ -17,7 +17,8 @@ use super::messages::{ProxyControlArgs, ProxyMsg, SupervisedFigures};
 use super::registry::Registry;
 use super::state::ProxyState;
 use crate::control_plane::{
-    message_name, Registration, RegistrationError, TOPIC_INSPECT, TOPIC_REGISTER, TOPIC_REGISTERED,
+    message_name, Registration, RegistrationError, TOPIC_DRAINING, TOPIC_INSPECT, TOPIC_REGISTER,
+    TOPIC_REGISTERED,
 };
 use crate::error::StartError;
 use pdserve_runtime::supervision::{
@@ -151,6 +152,26 @@ impl ProxyControl {
                             tracing::warn!(peer = %conn.peer().node, error = %e, "registration refused");
                             control_error("bad_registration", e.to_string())
                         }
+                    };
+                    self.tasks.spawn(async move {
+                        let _ = responder.respond(answer).await;
+                    });
+                }
+                (ControlMessage::Opaque { topic, .. }, Some(responder))
+                    if topic == TOPIC_DRAINING =>
+                {
+                    let answer = match &registered {
+                        Some((node, generation)) if self.registry().draining(node, *generation) => {
+                            tracing::info!(%node, "instance draining: no longer routed to");
+                            ControlMessage::Opaque {
+                                topic: TOPIC_DRAINING.into(),
+                                body: Vec::new(),
+                            }
+                        }
+                        _ => control_error(
+                            "not_registered",
+                            "draining announced on a connection without a current registration",
+                        ),
                     };
                     self.tasks.spawn(async move {
                         let _ = responder.respond(answer).await;
@@ -304,6 +325,7 @@ impl ProxyControl {
                     url: m.url,
                     control_addr: m.control_addr,
                     routable: m.routable,
+                    draining: m.draining,
                     last_heartbeat_s: m.since_seen.as_secs_f64(),
                     status,
                 }

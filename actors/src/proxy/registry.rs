@@ -78,6 +78,8 @@ pub struct RegisteredInstance {
     pub since_seen: Duration,
     /// Which registration this is (increases with every registration).
     pub generation: u64,
+    /// It said it is draining: finishing what it runs, taking nothing new.
+    pub draining: bool,
 }
 
 /// `(host, port)` of an `http://host:port` URL.
@@ -175,6 +177,17 @@ impl Registry {
         if let Some(r) = u.registered.as_mut() {
             r.last_seen = now;
         }
+        true
+    }
+
+    /// Registration `generation` of `node` said it is draining: it is not routed to any more,
+    /// and stays listed (`draining`) until its connection closes. Returns whether that
+    /// registration was the current one.
+    pub fn draining(&mut self, node: &str, generation: u64) -> bool {
+        let Some(u) = self.registered_mut(node, generation) else {
+            return false;
+        };
+        u.draining = true;
         true
     }
 
@@ -283,6 +296,7 @@ impl Registry {
                     routable: u.live(now),
                     since_seen: now.saturating_duration_since(r.last_seen),
                     generation: r.generation,
+                    draining: u.draining,
                 })
             })
             .collect()
@@ -319,6 +333,11 @@ mod tests {
         // A heartbeat brings it back.
         assert!(r.heartbeat("d0", g1, (0, 10), t0 + hb * 5));
         assert!(!r.alive_at(Role::Decode, t0 + hb * 5).is_empty());
+        // A draining instance is not routed to, and is listed as draining.
+        assert!(r.draining("d0", g1));
+        assert!(r.alive_at(Role::Decode, t0 + hb * 5).is_empty(), "draining");
+        assert!(r.registered_at(t0 + hb * 5)[0].draining);
+        assert!(!r.draining("d0", g1 + 1), "not that registration");
         // A closed connection drops it at once.
         assert!(r.disconnect("d0", g1));
         assert!(r.alive_at(Role::Decode, t0 + hb * 5).is_empty());

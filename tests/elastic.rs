@@ -1,7 +1,7 @@
 //! Processes coming and going under load, against `pdserve launch` clusters (1P2D, the
-//! synthetic model): a decode instance SIGKILLed under 16 greedy streams (every stream
-//! completes with the text of an uninterrupted run: request migration); a decode instance
-//! drained under load (no request fails, the pools end full), a third decode instance scaled
+//! synthetic model): a decode instance SIGKILLed under 16 greedy streams and 4 non-streamed
+//! requests (every one completes with the text of an uninterrupted run: request migration); a
+//! decode instance drained under load (no request fails, the pools end full), a third decode instance scaled
 //! in while the cluster serves (it receives traffic), and the prefill instance SIGKILLed and
 //! restarted under load (no request fails, no block stays stranded).
 
@@ -205,6 +205,27 @@ async fn stream(
     Ok(text)
 }
 
+/// The text of one non-streamed completion, or why it failed.
+async fn complete_text(url: &str, body: &Value) -> Result<String, String> {
+    let r = pdserve_actors::http::http_client()
+        .build()
+        .unwrap()
+        .post(format!("{url}/v1/completions"))
+        .json(body)
+        .send()
+        .await
+        .map_err(|e| e.to_string())?;
+    let status = r.status();
+    let v: Value = r.json().await.map_err(|e| e.to_string())?;
+    if status != 200 {
+        return Err(format!("{status}: {v}"));
+    }
+    Ok(v["choices"][0]["text"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string())
+}
+
 /// A greedy streamed completion (greedy output is the same wherever it is computed; seeded
 /// continuation is checked on one instance, `actors/tests/instance.rs`).
 fn body(i: usize, max_tokens: usize) -> Value {
@@ -215,6 +236,7 @@ fn body(i: usize, max_tokens: usize) -> Value {
 #[test]
 fn streams_of_a_killed_decode_instance_migrate_and_match_an_uninterrupted_run() {
     const STREAMS: usize = 16;
+    const WHOLE: usize = 4;
     // Long enough that every stream still runs when its decode instance dies (a deeper synthetic model
     // than `tiny`, near its context).
     const TOKENS: usize = 900;
@@ -245,6 +267,15 @@ fn streams_of_a_killed_decode_instance_migrate_and_match_an_uninterrupted_run() 
         .map(|i| {
             let (url, started) = (url.clone(), started.clone());
             rt.spawn(async move { stream(&url, &body(i, TOKENS), Some(started)).await })
+        })
+        .collect();
+    // Non-streamed requests beside them: one that breaks is re-issued whole.
+    let whole: Vec<_> = (0..WHOLE)
+        .map(|i| {
+            let url = url.clone();
+            let mut b = body(i, TOKENS);
+            b["stream"] = json!(false);
+            rt.spawn(async move { complete_text(&url, &b).await })
         })
         .collect();
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -297,10 +328,20 @@ fn streams_of_a_killed_decode_instance_migrate_and_match_an_uninterrupted_run() 
             "stream {i} differs from the uninterrupted run"
         );
     }
+    for (i, h) in whole.into_iter().enumerate() {
+        let text = rt
+            .block_on(h)
+            .unwrap()
+            .unwrap_or_else(|e| panic!("non-streamed request {i} failed: {e}"));
+        assert_eq!(
+            text, reference[i],
+            "non-streamed request {i} differs from the uninterrupted run"
+        );
+    }
     let migrated = cluster.metric("pdserve_migrations_total") - migrations_before;
-    eprintln!("{migrated} stream(s) migrated");
+    eprintln!("{migrated} request(s) migrated");
     assert!(migrated >= 1.0, "no migration counted ({migrated})");
-    assert!(migrated <= STREAMS as f64, "{migrated}");
+    assert!(migrated <= (STREAMS + WHOLE) as f64, "{migrated}");
 }
 
 #[test]

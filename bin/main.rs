@@ -78,6 +78,9 @@ struct DrainArgs {
     /// Wait until the instance has stopped answering (at most this many seconds).
     #[arg(long)]
     wait: Option<u64>,
+    /// PEM CA certificate(s) trusted, beside the system's roots, for an `https://` instance.
+    #[arg(long)]
+    tls_ca: Option<std::path::PathBuf>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -933,7 +936,14 @@ fn drain(args: DrainArgs) -> Result<()> {
         .enable_all()
         .build()?;
     rt.block_on(async move {
-        let http = pdserve_actors::http::http_client()
+        let tls = pdserve_actors::http::HttpTls::load(
+            None,
+            None,
+            args.tls_ca.as_deref(),
+            ["--tls-cert", "--tls-key", "--tls-ca"],
+        )?;
+        let http = tls
+            .client()
             .timeout(std::time::Duration::from_secs(10))
             .build()?;
         let mut req = http.post(format!("{base}/drain"));

@@ -1,9 +1,10 @@
 //! Processes coming and going under load, against `pdserve launch` clusters (1P2D, the
 //! synthetic model): a decode instance SIGKILLed under 16 greedy streams and 4 non-streamed
 //! requests (every one completes with the text of an uninterrupted run: request migration); a
-//! decode instance drained under load (no request fails, the pools end full), a third decode instance scaled
-//! in while the cluster serves (it receives traffic), and the prefill instance SIGKILLed and
-//! restarted under load (no request fails, no block stays stranded).
+//! decode instance drained under load (no request fails, the pools end full), a third decode
+//! instance scaled in while the cluster serves (it receives traffic), one joining by hand
+//! (`serve --join`), and the prefill instance SIGKILLed and restarted under load (no request
+//! fails, no block stays stranded).
 
 mod common;
 
@@ -468,6 +469,63 @@ fn drain_scale_up_and_a_prefill_restart_under_load_fail_nothing_and_strand_no_bl
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum();
     assert!(generated > 0.0, "decode-2 served nothing:\n{metrics}");
+
+    // An instance started by hand joins the running cluster (`serve --join`, its member
+    // credentials issued from the launch directory's CA), is routed to, and leaves on SIGTERM.
+    let mut joined = Command::new(env!("CARGO_BIN_EXE_pdserve"))
+        .args(["serve", "--role", "decode", "--name", "decode-9"])
+        .args(["--model", "synthetic:tiny", "--port", "0", "--threads", "1"])
+        .args(["--transfer", "shm", "--credentials-dir", &cluster.dir])
+        .args(["--join", &cluster.control])
+        .env("PDSERVE_LOGGING__FILTER", "error")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    cluster.wait_for("decode-9 routable", 60, |v| routable(v, "decode-9"));
+    let decode9_url = cluster.inspect()["instances"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["node"] == "decode-9")
+        .unwrap()["url"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut i = 0;
+    loop {
+        // Bursts of concurrent requests until one lands on decode-9 (bounded).
+        rt.block_on(async {
+            let all: Vec<_> = (0..4)
+                .map(|k| {
+                    let url = url.clone();
+                    tokio::spawn(
+                        async move { stream(&url, &body(300 + i * 4 + k, 20), None).await },
+                    )
+                })
+                .collect();
+            for h in all {
+                h.await.unwrap().expect("request while decode-9 serves");
+            }
+        });
+        i += 1;
+        let served: f64 = http_get(&format!("{decode9_url}/metrics"))
+            .lines()
+            .filter(|l| l.starts_with("pdserve_generated_tokens_total"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum();
+        if served > 0.0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "decode-9 joined but was never routed to"
+        );
+    }
+    let status = sigterm_and_wait(&mut joined);
+    assert!(status.success(), "decode-9 after SIGTERM: {status}");
+    cluster.wait_for("decode-9 gone", 30, |v| !routable(v, "decode-9"));
 
     // The prefill instance dies mid-run and is restarted by the launcher: requests whose
     // hand-off it broke are prefilled elsewhere (the proxy's prefill retry: with no other

@@ -950,6 +950,13 @@ pub struct BenchReport {
     pub slo: Slo,
     /// Time to first token, ms.
     pub ttft_ms: LatencyStats,
+    /// Multi-turn workload only: time to first token of each session's first turn, ms.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ttft_ms_first_turn: Option<LatencyStats>,
+    /// Multi-turn workload only: time to first token of turns 2 and later (the turns a prefix
+    /// cache can serve), ms.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ttft_ms_later_turns: Option<LatencyStats>,
     /// Time per output token after the first, ms.
     pub tpot_ms: LatencyStats,
     /// Inter-token latency (gaps between content chunks), ms.
@@ -975,6 +982,8 @@ pub struct RunInfo {
     pub request_rate: Option<f64>,
     /// Wall time of the run, s.
     pub duration_s: f64,
+    /// Sessions of a multi-turn workload (request `i` is turn `i / sessions + 1`).
+    pub sessions: Option<usize>,
 }
 
 /// Builds the report from the records of a run (records in completion order).
@@ -982,6 +991,16 @@ pub fn summarize(records: &[RequestRecord], info: RunInfo, slo: &Slo) -> BenchRe
     let ok: Vec<&RequestRecord> = records.iter().filter(|r| r.error.is_none()).collect();
     let ms = |secs: Vec<f64>| secs.into_iter().map(|s| s * 1000.0).collect::<Vec<_>>();
     let ttft = ms(ok.iter().filter_map(|r| r.ttft).collect());
+    let turns = |later: bool| {
+        info.sessions.map(|n| {
+            let t = ms(ok
+                .iter()
+                .filter(|r| (r.index >= n) == later)
+                .filter_map(|r| r.ttft)
+                .collect());
+            LatencyStats::from_samples(&t)
+        })
+    };
     let tpot = ms(ok.iter().filter_map(|r| r.tpot()).collect());
     let itl = ms(ok.iter().flat_map(|r| r.itl.iter().copied()).collect());
     let e2e = ms(ok.iter().map(|r| r.e2e).collect());
@@ -1007,6 +1026,8 @@ pub fn summarize(records: &[RequestRecord], info: RunInfo, slo: &Slo) -> BenchRe
         goodput: goodput(records, slo, d),
         slo: *slo,
         ttft_ms: LatencyStats::from_samples(&ttft),
+        ttft_ms_first_turn: turns(false),
+        ttft_ms_later_turns: turns(true),
         tpot_ms: LatencyStats::from_samples(&tpot),
         itl_ms: LatencyStats::from_samples(&itl),
         e2e_ms: LatencyStats::from_samples(&e2e),
@@ -1108,6 +1129,12 @@ pub fn format_report(r: &BenchReport) -> String {
         row(&mut s, &format!("P50 {short} (ms)"), &num(st.p50));
         row(&mut s, &format!("P90 {short} (ms)"), &num(st.p90));
         row(&mut s, &format!("P99 {short} (ms)"), &num(st.p99));
+    }
+    if let (Some(first), Some(later)) = (&r.ttft_ms_first_turn, &r.ttft_ms_later_turns) {
+        let _ = writeln!(s, "{:-^W$}", " TTFT by turn (multi-turn) ");
+        row(&mut s, "P50 TTFT, first turns (ms)", &num(first.p50));
+        row(&mut s, "P50 TTFT, turns 2+ (ms)", &num(later.p50));
+        row(&mut s, "P99 TTFT, turns 2+ (ms)", &num(later.p99));
     }
     let _ = writeln!(s, "{:=^W$}", "");
     if !r.errors.is_empty() {
@@ -1322,6 +1349,10 @@ pub async fn run_bench(cfg: &BenchConfig) -> Result<BenchReport> {
         concurrency: cfg.concurrency,
         request_rate: cfg.request_rate,
         duration_s: start.elapsed().as_secs_f64(),
+        sessions: match &cfg.prompts {
+            PromptSource::MultiTurn { sessions, .. } => Some(*sessions),
+            _ => None,
+        },
     };
     Ok(summarize(&records, info, &cfg.slo))
 }
@@ -1870,6 +1901,39 @@ mod tests {
     }
 
     #[test]
+    fn multi_turn_reports_split_ttft_by_turn() {
+        let records: Vec<RequestRecord> = [(0, 0.4), (1, 0.6), (2, 0.1), (3, 0.3)]
+            .into_iter()
+            .map(|(index, ttft)| RequestRecord {
+                index,
+                ..rec(ttft, 1.0, 4)
+            })
+            .collect();
+        let info = |sessions| RunInfo {
+            url: "http://h/v1/chat/completions".into(),
+            endpoint: Endpoint::Chat,
+            model: "m".into(),
+            concurrency: Some(2),
+            request_rate: None,
+            duration_s: 2.0,
+            sessions,
+        };
+        // Two sessions: requests 0 and 1 are first turns, 2 and 3 second turns.
+        let r = summarize(&records, info(Some(2)), &Slo::default());
+        let (first, later) = (
+            r.ttft_ms_first_turn.unwrap(),
+            r.ttft_ms_later_turns.unwrap(),
+        );
+        assert_eq!(first.mean.map(f64::round), Some(500.0));
+        assert_eq!(later.mean.map(f64::round), Some(200.0));
+        assert!(format_report(&r).contains("P50 TTFT, turns 2+ (ms)"));
+        let plain = summarize(&records, info(None), &Slo::default());
+        assert!(plain.ttft_ms_later_turns.is_none());
+        let v = serde_json::to_value(&plain).unwrap();
+        assert!(v.get("ttft_ms_later_turns").is_none(), "{v}");
+    }
+
+    #[test]
     fn report_summarises_records_and_formats() {
         let mut records = vec![rec(0.1, 1.0, 10), rec(0.2, 2.0, 10)];
         records[0].itl = vec![0.1, 0.1];
@@ -1887,6 +1951,7 @@ mod tests {
             concurrency: Some(2),
             request_rate: None,
             duration_s: 2.0,
+            sessions: None,
         };
         let r = summarize(
             &records,

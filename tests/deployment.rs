@@ -37,45 +37,18 @@ fn nodes_started_from_one_file_serve_through_the_proxy() {
         free_tcp_port(),
     );
     let file = tempfile::NamedTempFile::new().unwrap();
-    std::fs::write(
+    common::write_deployment(
         file.path(),
-        format!(
-            r#"
-[cluster]
-name = "test"
-model = "synthetic:tiny"
-transport = "tcp"
-
-[[node]]
-name = "proxy"
-role = "proxy"
-host = "127.0.0.1"
-port = {proxy}
-
-[[node]]
-name = "prefill-0"
-role = "prefill"
-host = "127.0.0.1"
-port = {prefill}
-threads = 1
-
-[[node]]
-name = "decode-0"
-role = "decode"
-host = "127.0.0.1"
-port = {d0}
-threads = 1
-
-[[node]]
-name = "decode-1"
-role = "decode"
-host = "127.0.0.1"
-port = {d1}
-threads = 1
-"#
-        ),
-    )
-    .unwrap();
+        "test",
+        "synthetic:tiny",
+        None,
+        proxy,
+        &[
+            ("prefill-0", "prefill", prefill),
+            ("decode-0", "decode", d0),
+            ("decode-1", "decode", d1),
+        ],
+    );
     let mut nodes = Nodes(Vec::new());
     for node in ["prefill-0", "decode-0", "decode-1", "proxy"] {
         let child = Command::new(env!("CARGO_BIN_EXE_pdserve"))
@@ -196,41 +169,17 @@ fn a_killed_proxy_fails_its_streams_clearly_and_its_restart_gets_every_instance_
     let (proxy, prefill, decode) = (free_tcp_port(), free_tcp_port(), free_tcp_port());
     let control = common::free_udp_port();
     let file = dir.path().join("cluster.toml");
-    std::fs::write(
+    common::write_deployment(
         &file,
-        format!(
-            r#"
-[cluster]
-name = "{name}"
-model = "synthetic:tiny"
-transport = "tcp"
-credentials_dir = "{creds}"
-
-[[node]]
-name = "proxy"
-role = "proxy"
-host = "127.0.0.1"
-port = {proxy}
-control_port = {control}
-
-[[node]]
-name = "prefill-0"
-role = "prefill"
-host = "127.0.0.1"
-port = {prefill}
-threads = 1
-
-[[node]]
-name = "decode-0"
-role = "decode"
-host = "127.0.0.1"
-port = {decode}
-threads = 1
-"#,
-            creds = creds.display()
-        ),
-    )
-    .unwrap();
+        &name,
+        "synthetic:tiny",
+        Some((&creds, control)),
+        proxy,
+        &[
+            ("prefill-0", "prefill", prefill),
+            ("decode-0", "decode", decode),
+        ],
+    );
     let start = |node: &str| {
         Command::new(env!("CARGO_BIN_EXE_pdserve"))
             .args(["serve", "--config"])

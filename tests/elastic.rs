@@ -157,14 +157,7 @@ async fn stream(
     body: &Value,
     started: Option<Arc<AtomicUsize>>,
 ) -> Result<String, String> {
-    let mut r = pdserve_actors::http::http_client()
-        .build()
-        .unwrap()
-        .post(format!("{url}/v1/completions"))
-        .json(body)
-        .send()
-        .await
-        .map_err(|e| e.to_string())?;
+    let mut r = post_completion(url, body).await?;
     if r.status() != 200 {
         return Err(format!(
             "{}: {}",
@@ -206,16 +199,21 @@ async fn stream(
     Ok(text)
 }
 
-/// The text of one non-streamed completion, or why it failed.
-async fn complete_text(url: &str, body: &Value) -> Result<String, String> {
-    let r = pdserve_actors::http::http_client()
+/// `POST {url}/v1/completions` with `body`.
+async fn post_completion(url: &str, body: &Value) -> Result<reqwest::Response, String> {
+    pdserve_actors::http::http_client()
         .build()
         .unwrap()
         .post(format!("{url}/v1/completions"))
         .json(body)
         .send()
         .await
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| e.to_string())
+}
+
+/// The text of one non-streamed completion, or why it failed.
+async fn complete_text(url: &str, body: &Value) -> Result<String, String> {
+    let r = post_completion(url, body).await?;
     let status = r.status();
     let v: Value = r.json().await.map_err(|e| e.to_string())?;
     if status != 200 {

@@ -95,41 +95,17 @@ impl Cluster {
         let (proxy, prefill, decode) = (free_tcp_port(), free_tcp_port(), free_tcp_port());
         let control = free_udp_port();
         let file = dir.path().join("cluster.toml");
-        std::fs::write(
+        common::write_deployment(
             &file,
-            format!(
-                r#"
-[cluster]
-name = "{name}"
-model = "{MODEL}"
-transport = "tcp"
-credentials_dir = "{creds}"
-
-[[node]]
-name = "proxy"
-role = "proxy"
-host = "127.0.0.1"
-port = {proxy}
-control_port = {control}
-
-[[node]]
-name = "prefill-0"
-role = "prefill"
-host = "127.0.0.1"
-port = {prefill}
-threads = 1
-
-[[node]]
-name = "decode-0"
-role = "decode"
-host = "127.0.0.1"
-port = {decode}
-threads = 1
-"#,
-                creds = creds.display()
-            ),
-        )
-        .unwrap();
+            &name,
+            MODEL,
+            Some((&creds, control)),
+            proxy,
+            &[
+                ("prefill-0", "prefill", prefill),
+                ("decode-0", "decode", decode),
+            ],
+        );
         let mut nodes = Vec::new();
         for node in ["prefill-0", "decode-0", "proxy"] {
             let log = dir.path().join(format!("{node}.log"));

@@ -116,3 +116,35 @@ pub fn assert_none_left(tag: &str) {
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
 }
+
+/// Writes a deployment file at `path`: cluster `name` serving `model` over tcp, a proxy on
+/// 127.0.0.1:`proxy` (with its control plane on UDP `control` and `credentials_dir = creds`
+/// when given), and one instance per `(name, role, port)` of `instances`, one thread each.
+pub fn write_deployment(
+    path: &std::path::Path,
+    name: &str,
+    model: &str,
+    creds: Option<(&std::path::Path, u16)>,
+    proxy: u16,
+    instances: &[(&str, &str, u16)],
+) {
+    use std::fmt::Write as _;
+    let mut s = format!("[cluster]\nname = \"{name}\"\nmodel = \"{model}\"\ntransport = \"tcp\"\n");
+    if let Some((dir, _)) = creds {
+        let _ = writeln!(s, "credentials_dir = \"{}\"", dir.display());
+    }
+    let _ = write!(
+        s,
+        "\n[[node]]\nname = \"proxy\"\nrole = \"proxy\"\nhost = \"127.0.0.1\"\nport = {proxy}\n"
+    );
+    if let Some((_, control)) = creds {
+        let _ = writeln!(s, "control_port = {control}");
+    }
+    for (node, role, port) in instances {
+        let _ = write!(
+            s,
+            "\n[[node]]\nname = \"{node}\"\nrole = \"{role}\"\nhost = \"127.0.0.1\"\nport = {port}\nthreads = 1\n"
+        );
+    }
+    std::fs::write(path, s).unwrap();
+}

@@ -200,6 +200,9 @@ pub struct SchedulerState {
     needs_reset: bool,
     kv_receiver: Option<Mailbox<KvReceiverMsg>>,
     kv_sender: Option<Mailbox<KvSenderMsg>>,
+    /// Hand-offs aborted before their prompt arrived (the decode side's Abort can overtake
+    /// its Prefill): a later prompt for one is refused, not computed for nobody.
+    aborted_transfers: HashMap<TransferId, Instant>,
     me: Mailbox<SchedulerMsg>,
     vocab_size: usize,
 }
@@ -238,6 +241,7 @@ impl Actor for Scheduler {
             needs_reset: false,
             kv_receiver: args.kv_receiver,
             kv_sender: args.kv_sender,
+            aborted_transfers: HashMap::new(),
             vocab_size: args.vocab_size,
         })
     }
@@ -313,7 +317,13 @@ impl Actor for Scheduler {
                         }
                         true
                     }
-                    None => st.core.release_held(transfer),
+                    None => {
+                        let held = st.core.release_held(transfer);
+                        if !held {
+                            st.aborted_transfers.insert(transfer, Instant::now());
+                        }
+                        held
+                    }
                 };
                 if !reply.is_closed() {
                     let _ = reply.send(found);
@@ -326,10 +336,19 @@ impl Actor for Scheduler {
                 }
             }
             SchedulerMsg::Tick => {
-                st.core.expire_held(Instant::now());
+                let now = Instant::now();
+                st.core.expire_held(now);
+                st.aborted_transfers.retain(|_, at| {
+                    now.duration_since(*at) < crate::handoff::service::ABORT_MEMORY
+                });
             }
             SchedulerMsg::Submit { request, sink } => {
                 let (id, hold_for) = (request.id, request.hold_for);
+                if let Some(transfer) = hold_for.filter(|t| st.aborted_transfers.contains_key(t)) {
+                    tracing::info!(request = %id, %transfer, "hand-off aborted before its prompt arrived");
+                    let _ = sink.try_send(RequestEvent::Failed(RequestError::Aborted));
+                    return Ok(());
+                }
                 let prompt_tokens = request.prompt.len();
                 match st.core.add(request) {
                     Ok(()) => {

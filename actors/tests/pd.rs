@@ -784,13 +784,15 @@ async fn client_disconnects_during_prefill_and_decode_free_every_block() {
             .unwrap();
         assert_eq!(r.status(), 200);
         let mut seen = 0;
+        let mut text = String::new();
         while seen < 3 {
             let chunk = tokio::time::timeout(Duration::from_secs(10), r.chunk())
                 .await
-                .expect("tokens keep coming")
+                .unwrap_or_else(|_| panic!("{tag}: no token for 10 s after: {text:?}"))
                 .unwrap()
-                .expect("the stream is not over yet");
-            seen += String::from_utf8_lossy(&chunk).matches("data: ").count();
+                .unwrap_or_else(|| panic!("{tag}: the stream ended early: {text:?}"));
+            text.push_str(&String::from_utf8_lossy(&chunk));
+            seen = text.matches("data: ").count();
         }
         drop(r);
         assert_no_hand_off_in_flight(&c.p).await;
@@ -851,6 +853,45 @@ async fn an_abort_racing_prefill_completion_ends_in_one_clear_outcome() {
         assert_no_hand_off_in_flight(&c.p).await;
         c.stop().await;
     }
+}
+
+/// The decode side's Abort can reach the prefill Scheduler before the Prefill it cancels
+/// (the client left at once): the prompt that arrives later is refused, not computed and held
+/// for nobody.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abort_that_overtakes_its_prompt_refuses_the_prompt() {
+    use pdserve_actors::handoff::service::{PrefillHost, PrefillJob};
+    use pdserve_actors::handoff::HandoffError;
+    let c = Cluster::start(
+        "overtake",
+        "small",
+        BackendKind::Shm,
+        (1, 1),
+        TransferMode::Pull,
+    )
+    .await;
+    let host = c.p.scheduler();
+    let job = |transfer| PrefillJob {
+        transfer,
+        prompt: (1..40).collect(),
+        params: pdserve_gpu::sampling::SamplingParams::greedy(1),
+        push: false,
+    };
+    let gone = pdserve_runtime::ids::TransferId::new_random();
+    assert!(
+        !host.abort_transfer(gone).await.unwrap(),
+        "nothing to abort yet"
+    );
+    let late = host.prefill(job(gone)).await;
+    assert!(matches!(late, Err(HandoffError::Aborted)), "{late:?}");
+    assert_pool_full(&c.p).await;
+    // Other hand-offs still run, and their held blocks come back when released.
+    let live = pdserve_runtime::ids::TransferId::new_random();
+    let done = host.prefill(job(live)).await.unwrap();
+    assert!(!done.held_blocks.is_empty());
+    assert!(host.release(live).await.unwrap());
+    assert_pool_full(&c.p).await;
+    c.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -455,9 +455,40 @@ impl<H: PrefillHost> PeerService<H> {
             settled: false,
         };
         let prefill_bound = self.kv.bounds().prefill;
-        let done = tokio::time::timeout(prefill_bound, self.host.prefill(valid.job))
-            .await
-            .unwrap_or_else(|_| Err(HandoffError::timeout("the prompt's prefill", prefill_bound)));
+        let mut compute = Box::pin(tokio::time::timeout(
+            prefill_bound,
+            self.host.prefill(valid.job),
+        ));
+        let timed_out = |_| Err(HandoffError::timeout("the prompt's prefill", prefill_bound));
+        // A push that ends before the prompt does has failed (its last write follows the last
+        // layer): the prompt is not worth finishing, and dropping its future aborts it.
+        let mut early_outcome = None;
+        let mut pushed = pushed;
+        let done = match pushed.as_mut() {
+            None => (&mut compute).await.unwrap_or_else(timed_out),
+            Some((_, outcome)) => tokio::select! {
+                d = &mut compute => d.unwrap_or_else(timed_out),
+                o = outcome => match o {
+                    Ok(Ok(())) => {
+                        early_outcome = Some(Ok(Ok(())));
+                        (&mut compute).await.unwrap_or_else(timed_out)
+                    }
+                    Ok(Err(e)) => {
+                        tracing::info!(%transfer, error = %e, "the push failed: prefill abandoned");
+                        early_outcome = Some(Ok(Err(e.clone())));
+                        Err(e)
+                    }
+                    Err(closed) => {
+                        early_outcome = Some(Err(closed));
+                        Err(HandoffError::Interrupted(
+                            "the KV sender failed during the hand-off".into(),
+                        ))
+                    }
+                },
+            },
+        };
+        // Finished, or abandoned: an abandoned prompt is aborted here, not when we return.
+        drop(compute);
         let computed_at_unix_us = unix_now_us();
         let Some((sender, pushed)) = pushed else {
             // Pull: the blocks stay held under the lease until the decode side releases them.
@@ -483,7 +514,11 @@ impl<H: PrefillHost> PeerService<H> {
         // Wait for the last write (or, after a failure, for the writes in flight to drain):
         // the decode side frees its blocks when it gets this answer. Every write was
         // submitted before the prompt's last layer, and each ends within the transfer bound.
-        let written = match tokio::time::timeout(bound, pushed).await {
+        let outcome = match early_outcome {
+            Some(o) => Ok(o),
+            None => tokio::time::timeout(bound, pushed).await,
+        };
+        let written = match outcome {
             Ok(Ok(r)) => r,
             Ok(Err(_)) => {
                 // The KvSender (or the Aggregator) failed with the hand-off open: nobody can

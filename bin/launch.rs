@@ -89,6 +89,10 @@ pub struct LaunchArgs {
     /// Turn the prefix cache off in every instance (`scheduler.prefix_cache = false`).
     #[arg(long)]
     no_prefix_cache: bool,
+    /// How the proxy picks instances: `kv` (cached-prefix overlap and load), `least-loaded`
+    /// or `round-robin` (the proxy's `proxy.router`).
+    #[arg(long, default_value = "kv")]
+    router: pdserve_runtime::config::RouterKind,
 }
 
 /// `pdserve scale` flags.
@@ -538,6 +542,7 @@ pub fn run(args: LaunchArgs) -> Result<()> {
             "proxy", "--host", &args.host, "--port", &proxy_port.to_string(),
             "--credentials-dir", &template.dir, "--node", "proxy", "--control-listen", &control.to_string(),
             "--migration-limit", &args.migration_limit.to_string(),
+            "--router", args.router.as_str(), "--model", &args.model,
         ]
         .iter()
         .map(|s| s.to_string())
@@ -645,6 +650,19 @@ async fn run_in_process(args: LaunchArgs, threads: usize, creds: &LaunchCredenti
         tls: Default::default(),
         migration_limit: args.migration_limit,
         prefill_retry: Default::default(),
+        router: args.router,
+        prefill_load_scale: 1.0,
+        kv_index_max_blocks: pdserve_actors::kv_events::DEFAULT_INDEX_MAX_BLOCKS,
+        tokenizer: {
+            let (tokenizer, template) =
+                tokio::task::block_in_place(|| pdserve_gpu::loader::load_tokenizer(&source))?;
+            Some(std::sync::Arc::new(
+                pdserve_actors::proxy::PromptTokenizer {
+                    tokenizer,
+                    template,
+                },
+            ))
+        },
     };
     let control = pdserve_actors::proxy::ProxyControlArgs::new(
         MemberCredentials::load(creds.dir(), "proxy")?,

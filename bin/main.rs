@@ -381,6 +381,18 @@ struct ProxyArgs {
     /// (another prefill instance, else prefill on decode), `local` or `fail`.
     #[arg(long)]
     prefill_retry: Option<String>,
+    /// `proxy.router`: how instances are picked — `kv` (cached-prefix overlap and load; the
+    /// default), `least-loaded` or `round-robin`.
+    #[arg(long)]
+    router: Option<String>,
+    /// `proxy.model`: the model whose tokenizer the KV router hashes text and chat prompts
+    /// with (GGUF path, HF directory, `default`, `synthetic:...`).
+    #[arg(long)]
+    model: Option<String>,
+    /// `proxy.prefill_load_scale`: weight of prefill work against decode load in the KV
+    /// router's cost (default 1).
+    #[arg(long)]
+    prefill_load_scale: Option<f64>,
     #[command(flatten)]
     tls: TlsArgs,
 }
@@ -442,6 +454,12 @@ impl ProxyArgs {
         set("tls_ca", serde_json::json!(self.tls.tls_ca));
         set("migration_limit", serde_json::json!(self.migration_limit));
         set("prefill_retry", serde_json::json!(self.prefill_retry));
+        set("router", serde_json::json!(self.router));
+        set("model", serde_json::json!(self.model));
+        set(
+            "prefill_load_scale",
+            serde_json::json!(self.prefill_load_scale),
+        );
         serde_json::json!({ "proxy": p })
     }
 }
@@ -492,6 +510,17 @@ fn init_logging(filter: Option<&str>, format: Option<&str>) -> Result<()> {
     Ok(())
 }
 
+/// The tokenizer and chat template of `model` (`proxy.model`), for the KV router.
+fn proxy_tokenizer(model: &str) -> Result<pdserve_actors::proxy::PromptTokenizer> {
+    let source: pdserve_gpu::loader::ModelSource = model.parse().expect("infallible");
+    let (tokenizer, template) = pdserve_gpu::loader::load_tokenizer(&source)
+        .with_context(|| format!("proxy.model {model}: loading its tokenizer"))?;
+    Ok(pdserve_actors::proxy::PromptTokenizer {
+        tokenizer,
+        template,
+    })
+}
+
 fn proxy(args: ProxyArgs) -> Result<()> {
     let cfg = pdserve_runtime::config::ProxyConfig::load(args.config.as_deref(), args.flags())?;
     let p = cfg.proxy;
@@ -514,6 +543,13 @@ fn proxy(args: ProxyArgs) -> Result<()> {
         )?,
         migration_limit: p.migration_limit,
         prefill_retry: p.prefill_retry,
+        router: p.router,
+        prefill_load_scale: p.prefill_load_scale,
+        kv_index_max_blocks: p.kv_index_max_blocks,
+        tokenizer: match &p.model {
+            Some(m) => Some(std::sync::Arc::new(proxy_tokenizer(m)?)),
+            None => None,
+        },
     };
     let scheme = pargs.tls.scheme();
     let control = match &p.credentials_dir {
@@ -774,6 +810,10 @@ fn serve_node(
             tls: args.tls.clone().or(deployment.tls(&node)),
             migration_limit: None,
             prefill_retry: None,
+            router: None,
+            // The KV router hashes prompts with the model's own tokenizer.
+            model: Some(deployment.cluster.model.clone()),
+            prefill_load_scale: None,
         });
     }
     let mut flags = deployment.instance_flags(&node);

@@ -893,6 +893,8 @@ fn garbage_and_malformed_control_frames_are_refused_and_the_proxy_keeps_its_regi
                     url: "http://127.0.0.1:1".into(),
                     control_addr: "127.0.0.1:1".into(),
                     heartbeat_ms,
+                    block_size: None,
+                    cache_salt: None,
                 })
                 .unwrap()
             };
@@ -1019,6 +1021,8 @@ fn a_member_cannot_claim_another_members_node_name() {
                         url: "http://127.0.0.1:1".into(),
                         control_addr: "127.0.0.1:1".into(),
                         heartbeat_ms: 500,
+                        block_size: None,
+                        cache_salt: None,
                     })
                     .unwrap();
                     let answer = conn

@@ -100,6 +100,8 @@ struct Pool {
     hit_blocks: u64,
     /// Evictions of cached blocks.
     evictions: u64,
+    /// Registered/forgotten hashes since the last drain (told to the proxy).
+    events: crate::kv_events::KvEventLog,
 }
 
 impl Pool {
@@ -128,6 +130,7 @@ impl Pool {
         if let Some(e) = self.entries[b as usize].take() {
             if self.by_hash.get(&e.hash) == Some(&b) {
                 self.by_hash.remove(&e.hash);
+                self.events.removed(e.hash);
             }
             if let Some(s) = e.stamp {
                 self.lru.remove(&s);
@@ -217,6 +220,7 @@ impl BlockManager {
             clock: 0,
             hit_blocks: 0,
             evictions: 0,
+            events: crate::kv_events::KvEventLog::default(),
         };
         Self {
             pool: Arc::new(Mutex::new(pool)),
@@ -372,6 +376,7 @@ impl BlockManager {
                 stamp: None,
             });
             pool.by_hash.insert(h, b);
+            pool.events.stored(h);
             n += 1;
         }
         n
@@ -386,6 +391,18 @@ impl BlockManager {
             pool.forget(b);
         }
         pool.free.extend(cached);
+        pool.events.lost();
+    }
+
+    /// The prefix-cache events since the last call (see [`crate::kv_events`]): a snapshot of
+    /// every registered hash when `snapshot` asks for one or events were lost, else the
+    /// stored/removed hashes in order.
+    pub fn kv_events(&self, snapshot: bool) -> crate::kv_events::KvEventBatch {
+        let mut pool = self.lock();
+        let pool = &mut *pool;
+        let by_hash = &pool.by_hash;
+        pool.events
+            .drain(snapshot, || by_hash.keys().copied().collect())
     }
 }
 
@@ -555,6 +572,52 @@ mod tests {
         drop(big);
         drop(holder);
         assert_eq!(bm.num_free(), 4);
+    }
+
+    #[test]
+    fn kv_events_follow_registrations_and_evictions() {
+        use crate::kv_events::KvOp;
+        let bm = BlockManager::new(2, 0);
+        assert_eq!(
+            bm.kv_events(false).snapshot,
+            Some(vec![]),
+            "a new pool resyncs"
+        );
+        let (t1, t2) = (toks(8, 1), toks(4, 2));
+        let (h1, h2) = (block_hashes(0, &t1, BS), block_hashes(0, &t2, BS));
+        let mut a = bm.empty();
+        assert!(bm.grow(&mut a, 2));
+        bm.register(&a, 0, &h1, &t1, BS);
+        drop(a);
+        let b = bm.kv_events(false);
+        assert_eq!(b.ops, vec![KvOp::Stored(h1.clone())]);
+        // Pressure evicts the LRU block; the new registration follows its removal.
+        let mut c = bm.empty();
+        assert!(bm.grow(&mut c, 1));
+        bm.register(&c, 0, &h2, &t2, BS);
+        let b = bm.kv_events(false);
+        assert_eq!(b.ops.len(), 2, "{b:?}");
+        assert!(matches!(&b.ops[0], KvOp::Removed(v) if v.len() == 1));
+        assert_eq!(b.ops[1], KvOp::Stored(h2.clone()));
+        let mut all = bm.kv_events(true).snapshot.unwrap();
+        all.sort_unstable();
+        let mut want = vec![
+            h2[0],
+            if matches!(&b.ops[0], KvOp::Removed(v) if v[0] == h1[0]) {
+                h1[1]
+            } else {
+                h1[0]
+            },
+        ];
+        want.sort_unstable();
+        assert_eq!(all, want, "a snapshot is what is registered now");
+        bm.clear_cache();
+        assert_eq!(
+            bm.kv_events(false).snapshot,
+            Some(vec![]),
+            "a cleared cache resyncs"
+        );
+        drop(c);
     }
 
     #[test]

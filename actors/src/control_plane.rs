@@ -79,6 +79,12 @@ pub struct Registration {
     pub control_addr: String,
     /// Milliseconds between its heartbeats.
     pub heartbeat_ms: u64,
+    /// Tokens per KV block, when its prefix cache is on and it sends KV events.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_size: Option<usize>,
+    /// The salt its block hashes start from (model and KV layout), with `block_size`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_salt: Option<u64>,
 }
 
 impl Registration {
@@ -137,6 +143,22 @@ impl Registration {
                     range.end()
                 ),
             ));
+        }
+        match (self.block_size, self.cache_salt) {
+            (None, None) => {}
+            (Some(bs), Some(_)) if (1..=4096).contains(&bs) => {}
+            (Some(bs), Some(_)) => {
+                return Err(bad(
+                    "block_size",
+                    format!("block_size {bs} is outside 1..=4096"),
+                ))
+            }
+            _ => {
+                return Err(bad(
+                    "block_size",
+                    "block_size and cache_salt come together".into(),
+                ))
+            }
         }
         Ok(())
     }
@@ -242,6 +264,8 @@ pub(crate) struct InspectSource {
     pub(crate) scheduler: SchedulerHandle,
     pub(crate) kv: Option<Arc<KvContext>>,
     pub(crate) peer: Option<Arc<PeerService<SchedulerHandle>>>,
+    /// How its prefix cache hashes blocks; `None` with the cache off (no KV events).
+    pub(crate) kv_scheme: Option<crate::kv_events::HashScheme>,
 }
 
 /// KV hand-off figures of an instance (zeros without a transfer engine).
@@ -481,6 +505,8 @@ impl ControlPlane {
                 url,
                 control_addr: addr.to_string(),
                 heartbeat_ms: ctl.heartbeat.as_millis() as u64,
+                block_size: source.kv_scheme.map(|k| k.block_size),
+                cache_salt: source.kv_scheme.map(|k| k.salt),
             };
             registration = Some(tokio::spawn(register_and_heartbeat(
                 endpoint.clone(),
@@ -618,6 +644,32 @@ async fn register(
     }
 }
 
+/// Drains the scheduler's prefix-cache events and sends them to the proxy (one-way).
+async fn send_kv_events(
+    conn: &ControlConnection,
+    source: &InspectSource,
+    snapshot: bool,
+    within: Duration,
+) -> Result<(), String> {
+    let batch = tokio::time::timeout(within, source.scheduler.kv_events(snapshot))
+        .await
+        .map_err(|_| format!("the scheduler did not answer within {within:?}"))?
+        .map_err(|e| e.to_string())?;
+    if batch.is_empty() {
+        return Ok(());
+    }
+    let body = serde_json::to_vec(&batch).map_err(|e| e.to_string())?;
+    let send = conn.send(ControlMessage::Opaque {
+        topic: crate::kv_events::TOPIC_KV_EVENTS.into(),
+        body,
+    });
+    match tokio::time::timeout(within, send).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err("not sent in time".into()),
+    }
+}
+
 /// Connect, register, heartbeat until the connection breaks; then again, with backoff.
 async fn register_and_heartbeat(
     endpoint: Arc<ControlEndpoint>,
@@ -672,6 +724,8 @@ async fn register_and_heartbeat(
         last_error = None;
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // The proxy's view of our prefix cache starts over with each registration.
+        let mut kv_snapshot_due = true;
         while conn.is_alive() {
             tick.tick().await;
             if shared.paused.load(Ordering::SeqCst) {
@@ -714,6 +768,17 @@ async fn register_and_heartbeat(
                 Ok(Err(e)) => tracing::debug!(%proxy, error = %e, "heartbeat not sent"),
                 Err(_) => tracing::debug!(%proxy, "heartbeat not sent in time"),
             }
+            if source.kv_scheme.is_some() {
+                let within = interval.max(Duration::from_millis(200));
+                match send_kv_events(&conn, &source, kv_snapshot_due, within).await {
+                    Ok(()) => kv_snapshot_due = false,
+                    // Whatever was drained is lost: the next batch is a snapshot.
+                    Err(e) => {
+                        tracing::debug!(%proxy, error = %e, "KV events not sent");
+                        kv_snapshot_due = true;
+                    }
+                }
+            }
         }
         server.abort();
         tracing::warn!(%proxy, "control connection to the proxy lost; reconnecting");
@@ -731,6 +796,8 @@ mod tests {
             url: "http://127.0.0.1:8200".into(),
             control_addr: "127.0.0.1:7200".into(),
             heartbeat_ms: 500,
+            block_size: Some(16),
+            cache_salt: Some(u64::MAX),
         }
     }
 
@@ -790,6 +857,8 @@ mod tests {
             }),
             ("control_addr", |r| r.control_addr = "nowhere".into()),
             ("heartbeat_ms", |r| r.heartbeat_ms = 0),
+            ("outside 1..=4096", |r| r.block_size = Some(0)),
+            ("come together", |r| r.cache_salt = None),
         ];
         for (needle, mutate) in cases {
             let mut r = registration();

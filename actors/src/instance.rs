@@ -391,6 +391,18 @@ impl Instance {
                 })
             }
         };
+        let cache_salt = crate::block_manager::cache_salt(&compat_key(
+            &cfg,
+            opts.block_size,
+            &pdserve_gpu::kv::KvLayout {
+                num_layers: cfg.num_layers,
+                num_blocks,
+                block_size: opts.block_size,
+                num_kv_heads: cfg.num_kv_heads / opts.tp,
+                head_dim: cfg.head_dim,
+                dtype: opts.kv_dtype,
+            },
+        ));
         let args = InstanceArgs {
             name: opts.name.clone(),
             worker,
@@ -403,18 +415,7 @@ impl Instance {
                 max_model_len,
                 kv_lease: opts.kv_lease,
                 prefix_cache: opts.prefix_cache,
-                cache_salt: crate::block_manager::cache_salt(&compat_key(
-                    &cfg,
-                    opts.block_size,
-                    &pdserve_gpu::kv::KvLayout {
-                        num_layers: cfg.num_layers,
-                        num_blocks,
-                        block_size: opts.block_size,
-                        num_kv_heads: cfg.num_kv_heads / opts.tp,
-                        head_dim: cfg.head_dim,
-                        dtype: opts.kv_dtype,
-                    },
-                )),
+                cache_salt,
                 min_remote_prompt_tokens: opts.min_remote_prompt_tokens,
             },
             tokenizer: model.tokenizer.clone(),
@@ -449,6 +450,10 @@ impl Instance {
                     scheduler: scheduler.clone(),
                     kv: kv.clone(),
                     peer: app.as_ref().and_then(|a| a.peer.clone()),
+                    kv_scheme: opts.prefix_cache.then_some(crate::kv_events::HashScheme {
+                        block_size: opts.block_size,
+                        salt: cache_salt,
+                    }),
                 };
                 let url = addr.map(|a| format!("{}://{a}", opts.tls.scheme()));
                 match ControlPlane::start(ctl, endpoint, source, url) {

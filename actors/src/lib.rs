@@ -20,6 +20,7 @@ pub mod error;
 pub mod handoff;
 pub mod http;
 pub mod instance;
+pub mod kv_events;
 pub mod mailbox;
 pub mod openai;
 pub mod proxy;

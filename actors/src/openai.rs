@@ -20,6 +20,28 @@ pub enum PromptInput {
     Chat(Vec<ChatMessage>),
 }
 
+impl PromptInput {
+    /// The token ids an instance serving this tokenizer and chat template computes for the
+    /// prompt (text with special tokens, chat rendered then encoded without them).
+    ///
+    /// # Errors
+    /// The tokenizer's or the template's message.
+    pub fn token_ids(
+        &self,
+        tokenizer: &pdserve_gpu::Tokenizer,
+        template: &pdserve_gpu::ChatTemplate,
+    ) -> Result<Vec<u32>, String> {
+        match self {
+            Self::Text(t) => tokenizer.encode(t, true),
+            Self::Tokens(t) => Ok(t.clone()),
+            Self::Chat(messages) => template
+                .render(messages, true)
+                .and_then(|text| tokenizer.encode(&text, false)),
+        }
+        .map_err(|e| e.to_string())
+    }
+}
+
 /// A validated request.
 #[derive(Debug, Clone)]
 pub struct ParsedRequest {

@@ -34,7 +34,7 @@ use self::control::ProxyControl;
 pub use self::messages::{ProxyArgs, ProxyControlArgs, ProxyMsg, ProxyStart, SupervisedFigures};
 use self::registry::Registry;
 use self::routing::RoundRobin;
-pub use self::state::ProxyState;
+pub use self::state::{PromptTokenizer, ProxyState};
 use crate::error::StartError;
 use crate::http::HttpServer;
 use crate::mailbox::{Inbox, Mailbox, PanicHook};
@@ -163,6 +163,12 @@ impl Actor for Proxy {
             migration_limit: args.migration_limit,
             prefill_retry: args.prefill_retry,
             metrics: pdserve_runtime::telemetry::install_metrics(),
+            router: args.router,
+            prefill_load_scale: args.prefill_load_scale,
+            kv_index: Mutex::new(crate::kv_events::KvIndex::new(args.kv_index_max_blocks)),
+            tokenizer: args.tokenizer.clone(),
+            outstanding: Mutex::new(Default::default()),
+            decisions: Mutex::new(Default::default()),
         });
         // Bind the control endpoint first: if it fails, nothing else is running yet.
         let control = match start.control {

@@ -119,6 +119,8 @@ pub enum SchedulerMsg {
     },
     /// Queue and pool figures.
     Stats(RpcReplyPort<SchedulerStats>),
+    /// The prefix cache's events since the last drain (a snapshot when asked or due).
+    KvEvents(bool, RpcReplyPort<crate::kv_events::KvEventBatch>),
 }
 
 /// The Scheduler actor (its mailbox count; state lives in [`SchedulerState`]).
@@ -416,6 +418,12 @@ impl Actor for Scheduler {
                 }
                 st.core.cache_lost();
                 st.dispatch(out);
+            }
+            SchedulerMsg::KvEvents(snapshot, reply) => {
+                let batch = st.core.block_manager().kv_events(snapshot);
+                if !reply.is_closed() {
+                    let _ = reply.send(batch);
+                }
             }
             SchedulerMsg::Stats(reply) => {
                 if !reply.is_closed() {

@@ -86,6 +86,23 @@ async fn proxy_at(name: &str, listen: SocketAddr) -> Result<Proxy, String> {
     })
 }
 
+/// Stops `px` and starts `name` on the same control address.
+async fn restart(px: Proxy, name: &str) -> Proxy {
+    let control = px.control;
+    px.stop().await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        // The old endpoint's socket is released once its connections have drained.
+        match proxy_at(name, control).await {
+            Ok(p) => return p,
+            Err(e) => {
+                assert!(Instant::now() < deadline, "cannot rebind {control}: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
 async fn proxy(name: &str) -> Proxy {
     proxy_at(name, "127.0.0.1:0".parse().unwrap())
         .await
@@ -112,9 +129,13 @@ async fn instance(
 }
 
 async fn complete(url: &str) -> (u16, Value) {
+    complete_tokens(url, &[1, 2, 3, 4, 5, 6, 7], 4).await
+}
+
+async fn complete_tokens(url: &str, prompt: &[u32], max_tokens: usize) -> (u16, Value) {
     let r = pdserve_actors::http::http_client().build().unwrap()
         .post(format!("{url}/v1/completions"))
-        .json(&json!({"prompt": [1, 2, 3, 4, 5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": true}))
+        .json(&json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true}))
         .timeout(Duration::from_secs(30))
         .send()
         .await
@@ -320,19 +341,7 @@ async fn silent_instances_are_dropped_and_a_restarted_proxy_gets_everyone_back()
     .await;
 
     // The proxy restarts on the same control address: both instances register again.
-    let control = px.control;
-    px.stop().await;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let px2 = loop {
-        // The old endpoint's socket is released once its connections have drained.
-        match proxy_at("cp-hb-proxy-2", control).await {
-            Ok(p) => break p,
-            Err(e) => {
-                assert!(Instant::now() < deadline, "cannot rebind {control}: {e}");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        }
-    };
+    let px2 = restart(px, "cp-hb-proxy-2").await;
     wait_for(
         "re-registration with the new proxy",
         Duration::from_secs(15),
@@ -648,4 +657,173 @@ async fn a_draining_instance_leaves_routing_at_once_and_inspect_shows_it_drainin
     .await;
     px.stop().await;
     p.stop().await;
+}
+
+/// Prompt tokens each instance has admitted so far (which one served a request).
+async fn prompt_tokens(instances: &[&Instance]) -> Vec<u64> {
+    let mut v = Vec::new();
+    for i in instances {
+        v.push(i.stats().await.unwrap().prompt_tokens);
+    }
+    v
+}
+
+/// The one instance whose admitted prompt tokens grew.
+fn served_by(before: &[u64], after: &[u64]) -> usize {
+    let grew: Vec<usize> = (0..before.len())
+        .filter(|&i| after[i] > before[i])
+        .collect();
+    assert_eq!(grew.len(), 1, "{before:?} -> {after:?}");
+    grew[0]
+}
+
+/// Blocks the proxy's KV index holds for each of `urls`.
+async fn indexed_blocks(px: &Proxy, urls: &[String]) -> Vec<usize> {
+    let snap = inspect_cluster(px).await;
+    let router = snap.proxy.router.expect("the proxy reports its router");
+    urls.iter()
+        .map(|u| {
+            router
+                .kv_index
+                .iter()
+                .find(|ix| &ix.url == u)
+                .map_or(0, |ix| ix.blocks)
+        })
+        .collect()
+}
+
+/// A session's long prefix: 5 blocks of 16 tokens, different for each session.
+fn session(i: u32, len: u32) -> Vec<u32> {
+    (0..len).map(|t| (i * 61 + t * 7) % 300 + 1).collect()
+}
+
+/// The KV router (the proxy's default) learns every instance's prefix cache from its KV
+/// events: a session's later turns go to the decode instance that holds its prefix; a hot
+/// prefix spreads once the holder is busier than its credit; a restarted proxy rebuilds the
+/// index from the instances' snapshots and routes by prefix again; inspect shows the router.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_kv_router_follows_cached_prefixes_spreads_a_hot_one_and_rebuilds_after_a_restart() {
+    let px = proxy("kvr-proxy").await;
+    let p = instance(
+        "kvr-prefill",
+        Role::Prefill,
+        px.control,
+        member("kvr-prefill"),
+        1,
+    )
+    .await;
+    let d0 = instance(
+        "kvr-decode-0",
+        Role::Decode,
+        px.control,
+        member("kvr-decode-0"),
+        1,
+    )
+    .await;
+    let d1 = instance(
+        "kvr-decode-1",
+        Role::Decode,
+        px.control,
+        member("kvr-decode-1"),
+        1,
+    )
+    .await;
+    wait_for("all three routable", Duration::from_secs(10), || async {
+        let s = inspect_cluster(&px).await.proxy;
+        (s.routable_prefill, s.routable_decode) == (1, 2)
+    })
+    .await;
+    let decodes = [&d0, &d1];
+    let urls = [d0.url(), d1.url()];
+    // First turns: nothing cached anywhere, the sessions spread over both decodes.
+    let mut home = Vec::new();
+    for i in 0..4 {
+        let before = prompt_tokens(&decodes).await;
+        let (status, v) = complete_tokens(&px.url, &session(i, 80), 2).await;
+        assert_eq!(status, 200, "{v}");
+        home.push(served_by(&before, &prompt_tokens(&decodes).await));
+    }
+    assert!(home.contains(&0) && home.contains(&1), "{home:?}");
+    // The decodes' KV events reach the index: 5 blocks per session.
+    wait_for(
+        "the index holds every session",
+        Duration::from_secs(10),
+        || async { indexed_blocks(&px, &urls).await.iter().sum::<usize>() >= 20 },
+    )
+    .await;
+    // Second turns (the prefix plus a new block) go home, asked in another order than the
+    // first turns (so that taking turns could not pass for following the prefix).
+    for i in [1, 0, 3, 2u32] {
+        let mut prompt = session(i, 80);
+        prompt.extend(session(100 + i, 20));
+        let before = prompt_tokens(&decodes).await;
+        let (status, v) = complete_tokens(&px.url, &prompt, 2).await;
+        assert_eq!(status, 200, "{v}");
+        let got = served_by(&before, &prompt_tokens(&decodes).await);
+        assert_eq!(
+            got, home[i as usize],
+            "session {i} left the instance holding its prefix"
+        );
+    }
+    // A hot prefix: six at once. Each adds 8 blocks of load to its decode; the holder's
+    // credit is 5 blocks, so the second one already goes to the other instance.
+    let before = prompt_tokens(&decodes).await;
+    let hot = (0..6u32).map(|k| {
+        let mut prompt = session(0, 80);
+        prompt.extend(session(200 + k, 16));
+        let url = px.url.clone();
+        tokio::spawn(async move { complete_tokens(&url, &prompt, 24).await })
+    });
+    for r in futures_util::future::join_all(hot).await {
+        let (status, v) = r.unwrap();
+        assert_eq!(status, 200, "{v}");
+    }
+    let after = prompt_tokens(&decodes).await;
+    assert!(
+        after[0] > before[0] && after[1] > before[1],
+        "the hot prefix stayed on one instance: {before:?} -> {after:?}"
+    );
+    let snap = inspect_cluster(&px).await;
+    let router = snap.proxy.router.clone().unwrap();
+    assert_eq!(router.kind, "kv");
+    let count = |role: &str, reason: &str| {
+        router
+            .decisions
+            .iter()
+            .find(|d| d.role == role && d.reason == reason)
+            .map_or(0, |d| d.count)
+    };
+    assert!(count("decode", "kv_overlap") >= 5, "{router:?}");
+    assert!(count("decode", "load") >= 1, "{router:?}");
+    let text = pdserve_runtime::supervision::render_cluster(&snap, false);
+    assert!(text.contains("router kv decisions"), "{text}");
+    // A restarted proxy knows nothing until the instances register again with snapshots.
+    let px = restart(px, "kvr-proxy-2").await;
+    wait_for("the index rebuilt", Duration::from_secs(15), || async {
+        indexed_blocks(&px, &urls).await.iter().sum::<usize>() >= 20
+    })
+    .await;
+    for i in 1..4u32 {
+        let mut prompt = session(i, 80);
+        prompt.extend(session(300 + i, 20));
+        let before = prompt_tokens(&decodes).await;
+        let (status, v) = complete_tokens(&px.url, &prompt, 2).await;
+        assert_eq!(status, 200, "{v}");
+        let got = served_by(&before, &prompt_tokens(&decodes).await);
+        assert_eq!(
+            got, home[i as usize],
+            "after the restart, session {i} went elsewhere"
+        );
+    }
+    // Nothing is left held anywhere.
+    for inst in [&p, &d0, &d1] {
+        wait_for("every block released", Duration::from_secs(10), || async {
+            inst.stats().await.unwrap().blocks_in_use == 0
+        })
+        .await;
+    }
+    px.stop().await;
+    for inst in [p, d0, d1] {
+        inst.stop().await;
+    }
 }

@@ -89,6 +89,50 @@ pub fn load_model(source: &ModelSource) -> Result<LoadedModel> {
     }
 }
 
+/// Loads only a model's tokenizer and chat template (no weights): what a proxy needs to turn
+/// prompts into the token ids instances hash. A GGUF file's metadata is read, its tensors
+/// are not; the default model is fetched like [`load_model`] does.
+///
+/// # Errors
+/// As [`load_model`].
+pub fn load_tokenizer(source: &ModelSource) -> Result<(Tokenizer, ChatTemplate)> {
+    let from_gguf = |path: &Path| -> Result<(Tokenizer, ChatTemplate)> {
+        let corrupt = |reason: String| ModelError::Corrupt {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let file = std::fs::File::open(path).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => ModelError::NotFound {
+                path: path.to_path_buf(),
+            },
+            _ => corrupt(e.to_string()),
+        })?;
+        let content = gguf_file::Content::read(&mut std::io::BufReader::new(file))
+            .map_err(|e| corrupt(format!("not a valid GGUF file: {e}")))?;
+        let tokenizer = Tokenizer::from_gguf(&content)?;
+        let template = template_for(&tokenizer)?;
+        Ok((tokenizer, template))
+    };
+    match source {
+        ModelSource::Default => from_gguf(&crate::fetch::pull_default_model(
+            crate::fetch::Progress::Show,
+        )?),
+        ModelSource::Synthetic(spec) => {
+            SyntheticSpec::parse(spec)?;
+            Ok((
+                Tokenizer::byte_level_synthetic(),
+                ChatTemplate::chatml_default(),
+            ))
+        }
+        ModelSource::Path(p) if p.is_dir() => {
+            let tokenizer = Tokenizer::from_hf_file(&p.join("tokenizer.json"))?;
+            let template = template_for(&tokenizer)?;
+            Ok((tokenizer, template))
+        }
+        ModelSource::Path(p) => from_gguf(p),
+    }
+}
+
 fn template_for(tokenizer: &Tokenizer) -> Result<ChatTemplate> {
     match tokenizer.chat_template() {
         Some(src) => ChatTemplate::new(src, tokenizer.bos_token(), tokenizer.eos_token()),

@@ -275,3 +275,26 @@ fn fetch_corrupt_cache_is_detected_and_refetched() {
         .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
 }
+
+#[test]
+fn load_tokenizer_reads_only_what_the_proxy_needs_and_agrees_with_the_model() {
+    use pdserve_gpu::loader::{load_tokenizer, ModelSource};
+    let (t, template) = load_tokenizer(&ModelSource::Path(model_path())).unwrap();
+    let text = "The quick brown fox costs $3.50.";
+    assert_eq!(
+        t.encode(text, true).unwrap(),
+        smollm().encode(text, true).unwrap()
+    );
+    let msgs = [ChatMessage {
+        role: "user".into(),
+        content: "hi".into(),
+    }];
+    let rendered = template.render(&msgs, true).unwrap();
+    assert!(rendered.contains("hi"), "{rendered}");
+    let missing = load_tokenizer(&ModelSource::Path("/nonexistent/model.gguf".into()));
+    assert!(
+        matches!(missing, Err(pdserve_gpu::ModelError::NotFound { .. })),
+        "{:?}",
+        missing.err()
+    );
+}

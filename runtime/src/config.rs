@@ -1097,6 +1097,57 @@ pub struct ProxySection {
     pub migration_limit: u32,
     /// What the proxy does when the prefill instance of a request fails before the hand-off.
     pub prefill_retry: PrefillRetry,
+    /// How the proxy picks instances: `kv` (prefix overlap and load), `least-loaded` or
+    /// `round-robin`.
+    pub router: RouterKind,
+    /// The model whose tokenizer (and chat template) the KV router uses to hash text and chat
+    /// prompts: a GGUF path, an HF directory, `default` or `synthetic:...`. Without it only
+    /// token-id prompts are matched against the instances' caches.
+    #[serde(deserialize_with = "lenient::opt_string")]
+    pub model: Option<String>,
+    /// Weight of prefill work against decode load in the KV router's cost.
+    pub prefill_load_scale: f64,
+    /// Bound on the block hashes the proxy indexes per instance.
+    pub kv_index_max_blocks: usize,
+}
+
+/// How the proxy picks a request's instances (`proxy.router`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RouterKind {
+    /// Lowest cost: prefill blocks left to compute after the cached-prefix overlap, plus
+    /// load (Dynamo's formula).
+    #[default]
+    Kv,
+    /// Fewest queued + running requests, then most free blocks.
+    LeastLoaded,
+    /// In turn, whatever their load.
+    RoundRobin,
+}
+
+impl RouterKind {
+    /// The config spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Kv => "kv",
+            Self::LeastLoaded => "least-loaded",
+            Self::RoundRobin => "round-robin",
+        }
+    }
+}
+
+impl std::str::FromStr for RouterKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "kv" => Ok(Self::Kv),
+            "least-loaded" => Ok(Self::LeastLoaded),
+            "round-robin" => Ok(Self::RoundRobin),
+            other => Err(format!(
+                "unknown router `{other}` (expected kv, least-loaded or round-robin)"
+            )),
+        }
+    }
 }
 
 /// What the proxy does when a request's prefill instance fails before the KV hand-off
@@ -1143,6 +1194,10 @@ impl Default for ProxySection {
             tls_ca: None,
             migration_limit: 1,
             prefill_retry: PrefillRetry::Retry,
+            router: RouterKind::Kv,
+            model: None,
+            prefill_load_scale: 1.0,
+            kv_index_max_blocks: 1 << 20,
         }
     }
 }
@@ -1193,6 +1248,21 @@ impl ProxyConfig {
         }
         if p.timeout_s == 0 {
             return invalid("proxy.timeout_s", "proxy.timeout_s must be > 0".into());
+        }
+        if !(p.prefill_load_scale.is_finite() && p.prefill_load_scale >= 0.0) {
+            return invalid(
+                "proxy.prefill_load_scale",
+                format!(
+                    "proxy.prefill_load_scale must be a finite number >= 0, got {}",
+                    p.prefill_load_scale
+                ),
+            );
+        }
+        if p.kv_index_max_blocks == 0 {
+            return invalid(
+                "proxy.kv_index_max_blocks",
+                "proxy.kv_index_max_blocks must be > 0".into(),
+            );
         }
         if p.actor_call_timeout_ms == 0 {
             return invalid(
@@ -2590,5 +2660,41 @@ mod tests {
             assert!(e.contains("PDSERVE_PROXY__TIMEOUT"), "{e}");
             Ok(())
         });
+    }
+
+    #[test]
+    fn the_proxy_router_settings_parse_and_bad_ones_are_named() {
+        let load = |flags: serde_json::Value| ProxyConfig::load(None, flags);
+        let c = load(serde_json::json!({})).unwrap();
+        assert_eq!(c.proxy.router, RouterKind::Kv, "kv is the default");
+        let c = load(
+            serde_json::json!({"proxy": {"router": "round-robin", "prefill_load_scale": 2.5}}),
+        )
+        .unwrap();
+        assert_eq!(
+            (c.proxy.router, c.proxy.prefill_load_scale),
+            (RouterKind::RoundRobin, 2.5)
+        );
+        assert_eq!(
+            "least-loaded".parse::<RouterKind>().unwrap().as_str(),
+            "least-loaded"
+        );
+        assert!("random"
+            .parse::<RouterKind>()
+            .unwrap_err()
+            .contains("kv, least-loaded"));
+        let e = load(serde_json::json!({"proxy": {"router": "random"}}))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("random"), "{e}");
+        for (key, bad) in [
+            ("prefill_load_scale", serde_json::json!(-1.0)),
+            ("kv_index_max_blocks", serde_json::json!(0)),
+        ] {
+            let e = load(serde_json::json!({"proxy": {key: bad}}))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(&format!("proxy.{key}")), "{key}: {e}");
+        }
     }
 }

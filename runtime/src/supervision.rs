@@ -305,8 +305,44 @@ pub struct ProxySnapshot {
     pub routable_decode: usize,
     /// Control connections refused since the proxy started (no or foreign credentials).
     pub refused_connections: u64,
+    /// The router: its kind, decisions so far and what its KV index holds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub router: Option<RouterSnapshot>,
     /// The proxy's actors.
     pub actors: ActorSnapshot,
+}
+
+/// The proxy's router as `pdserve inspect` shows it.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Default)]
+pub struct RouterSnapshot {
+    /// `kv`, `least-loaded` or `round-robin`.
+    pub kind: String,
+    /// Picks so far by role and reason (`kv_overlap`, `load`, `no_overlap`, ...).
+    pub decisions: Vec<RouterDecisions>,
+    /// Cached block hashes indexed per instance URL (from its KV events).
+    pub kv_index: Vec<IndexedInstance>,
+}
+
+/// Router picks of one role for one reason.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct RouterDecisions {
+    /// `prefill` or `decode`.
+    pub role: String,
+    /// Why.
+    pub reason: String,
+    /// How many.
+    pub count: u64,
+}
+
+/// What the router's KV index holds of one instance.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct IndexedInstance {
+    /// The instance's URL.
+    pub url: String,
+    /// Block hashes indexed.
+    pub blocks: usize,
+    /// Hashes not indexed because of `proxy.kv_index_max_blocks`.
+    pub dropped: u64,
 }
 
 /// What the proxy could learn of one registered instance.
@@ -447,6 +483,25 @@ pub fn render_cluster(snap: &ClusterSnapshot, color: bool) -> String {
         p.routable_decode,
         p.refused_connections,
     );
+    if let Some(r) = &p.router {
+        let mut line = format!("router {bold}{}{reset}", r.kind);
+        if !r.decisions.is_empty() {
+            line.push_str(" decisions");
+            for d in &r.decisions {
+                let _ = write!(line, " {}:{}={}", d.role, d.reason, d.count);
+            }
+        }
+        if !r.kv_index.is_empty() {
+            line.push_str(" kv_index_blocks");
+            for ix in &r.kv_index {
+                let _ = write!(line, " {}={}", ix.url, ix.blocks);
+                if ix.dropped > 0 {
+                    let _ = write!(line, "(+{} over the bound)", ix.dropped);
+                }
+            }
+        }
+        let _ = writeln!(out, "{line}");
+    }
     render_actor(&mut out, &p.actors, "", None, color);
     let n = snap.instances.len();
     for (i, m) in snap.instances.iter().enumerate() {
@@ -778,6 +833,26 @@ mod tests {
                 routable_prefill: 0,
                 routable_decode: 1,
                 refused_connections: 3,
+                router: Some(RouterSnapshot {
+                    kind: "kv".into(),
+                    decisions: vec![
+                        RouterDecisions {
+                            role: "decode".into(),
+                            reason: "kv_overlap".into(),
+                            count: 12,
+                        },
+                        RouterDecisions {
+                            role: "decode".into(),
+                            reason: "no_overlap".into(),
+                            count: 3,
+                        },
+                    ],
+                    kv_index: vec![IndexedInstance {
+                        url: "http://127.0.0.1:8200".into(),
+                        blocks: 40,
+                        dropped: 0,
+                    }],
+                }),
                 actors: actor("proxy", "Proxy", ActorState::Running, vec![]),
             },
             instances: vec![
@@ -809,6 +884,7 @@ mod tests {
     fn render_cluster_golden_without_color() {
         let expected = "\
 cluster demo proxy=proxy http=http://127.0.0.1:8000 control=127.0.0.1:7000 registered=2 routable_prefill=0 routable_decode=1 refused_connections=3
+router kv decisions decode:kv_overlap=12 decode:no_overlap=3 kv_index_blocks http://127.0.0.1:8200=40
 proxy [Proxy] running restarts=0 mailbox=0 up 12.3s
 ├── decode-0 (decode) routable heartbeat 0.2s ago http=http://127.0.0.1:8200 control=127.0.0.1:7002
 │   decode-0 role=decode model=smollm2-135m tp=2 waiting=4 running=7 kv_blocks=300/512 free preemptions=1 transfers_in_flight=2 sent=3.0MiB received=0B transfer_failures=0

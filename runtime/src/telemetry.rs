@@ -101,6 +101,11 @@ pub const PREFILL_RETRIES_TOTAL: &str = "pdserve_prefill_retries_total";
 pub const LABEL_ACTION: &str = "action";
 /// Gauge (proxy): instances routed to, labelled `role` (`prefill`, `decode`).
 pub const PROXY_INSTANCES: &str = "pdserve_proxy_instances";
+/// Counter (proxy): instance picks, labelled `role` and [`LABEL_REASON`] (`kv_overlap`,
+/// `load`, `no_overlap`, `untokenized`, `least_loaded`, `round_robin`).
+pub const ROUTER_DECISIONS_TOTAL: &str = "pdserve_router_decisions_total";
+/// Gauge (proxy): block hashes the KV router indexes, labelled `instance` (its URL).
+pub const ROUTER_KV_INDEX_BLOCKS: &str = "pdserve_router_kv_index_blocks";
 
 /// Label of [`LOCAL_PREFILLS_TOTAL`]: why (`short_prompt`, `prefill_queue`).
 pub const LABEL_REASON: &str = "reason";
@@ -318,6 +323,14 @@ fn describe_and_register() {
     );
 
     describe_counter!(PROXY_REQUESTS_TOTAL, "Proxy: requests by outcome.");
+    describe_counter!(
+        ROUTER_DECISIONS_TOTAL,
+        "Proxy: instance picks by role and reason."
+    );
+    describe_gauge!(
+        ROUTER_KV_INDEX_BLOCKS,
+        "Proxy: cached block hashes indexed per instance (from its KV events)."
+    );
     describe_histogram!(
         PROXY_TIME_TO_FIRST_BYTE_SECONDS,
         Unit::Seconds,

@@ -191,15 +191,9 @@ async fn serve(app: Arc<AppState>, body: Bytes, chat: bool) -> Result<Response, 
 }
 
 fn tokenize(app: &AppState, prompt: &PromptInput) -> Result<Vec<u32>, RequestError> {
-    let ids = match prompt {
-        PromptInput::Text(t) => app.tokenizer.encode(t, true),
-        PromptInput::Tokens(t) => Ok(t.clone()),
-        PromptInput::Chat(messages) => app
-            .chat_template
-            .render(messages, true)
-            .and_then(|text| app.tokenizer.encode(&text, false)),
-    }
-    .map_err(|e| RequestError::BadRequest(e.to_string()))?;
+    let ids = prompt
+        .token_ids(&app.tokenizer, &app.chat_template)
+        .map_err(RequestError::BadRequest)?;
     if ids.is_empty() {
         return Err(RequestError::BadRequest("the prompt is empty".into()));
     }

@@ -21,9 +21,10 @@ use crate::control_plane::{
     TOPIC_REGISTERED,
 };
 use crate::error::StartError;
+use crate::kv_events::{KvEventBatch, KvIndex, TOPIC_KV_EVENTS};
 use pdserve_runtime::supervision::{
-    ActorSnapshot, ActorState, ClusterMember, ClusterSnapshot, InstanceSnapshot, MemberStatus,
-    ProxySnapshot,
+    ActorSnapshot, ActorState, ClusterMember, ClusterSnapshot, IndexedInstance, InstanceSnapshot,
+    MemberStatus, ProxySnapshot, RouterDecisions, RouterSnapshot,
 };
 use pdserve_runtime::wire::{ControlMessage, ErrorMessage};
 use pdserve_runtime::Role;
@@ -49,6 +50,14 @@ pub(super) struct ProxyControl {
     inspect_timeout: Duration,
     pub(super) tasks: TaskTracker,
     figures: Arc<Mutex<SupervisedFigures>>,
+}
+
+/// `pdserve_router_kv_index_blocks{instance}` from the index.
+fn publish_index_sizes(index: &KvIndex) {
+    for (url, blocks, _) in index.sizes() {
+        metrics::gauge!(pdserve_runtime::telemetry::ROUTER_KV_INDEX_BLOCKS, "instance" => url)
+            .set(blocks as f64);
+    }
 }
 
 fn control_error(kind: &str, message: impl Into<String>) -> ControlMessage {
@@ -117,6 +126,8 @@ impl ProxyControl {
     /// until it closes; then the registration made on it stops being routed to.
     async fn serve_member(self: Arc<Self>, conn: Arc<ControlConnection>) {
         let mut registered: Option<(String, u64)> = None;
+        // The registered instance's URL: its KV events index under it.
+        let mut registered_url: Option<String> = None;
         while let Some(incoming) = conn.recv().await {
             match (incoming.message, incoming.responder) {
                 (ControlMessage::Heartbeat(hb), _) => match &registered {
@@ -138,8 +149,9 @@ impl ProxyControl {
                     if topic == TOPIC_REGISTER =>
                 {
                     let answer = match self.register(&conn, &body) {
-                        Ok((node, generation)) => {
+                        Ok((node, generation, url)) => {
                             registered = Some((node, generation));
+                            registered_url = Some(url);
                             ControlMessage::Opaque {
                                 topic: TOPIC_REGISTERED.into(),
                                 body: serde_json::to_vec(
@@ -156,6 +168,25 @@ impl ProxyControl {
                     self.tasks.spawn(async move {
                         let _ = responder.respond(answer).await;
                     });
+                }
+                (ControlMessage::Opaque { topic, body }, None) if topic == TOPIC_KV_EVENTS => {
+                    match (
+                        &registered_url,
+                        serde_json::from_slice::<KvEventBatch>(&body),
+                    ) {
+                        (Some(url), Ok(batch)) => {
+                            let mut index = self.state.kv_index();
+                            index.apply(url, batch);
+                            publish_index_sizes(&index);
+                        }
+                        (None, _) => tracing::debug!(
+                            peer = %conn.peer().node,
+                            "KV events from an unregistered connection ignored"
+                        ),
+                        (Some(url), Err(e)) => {
+                            tracing::warn!(instance = %url, error = %e, "malformed KV events ignored")
+                        }
+                    }
                 }
                 (ControlMessage::Opaque { topic, .. }, Some(responder))
                     if topic == TOPIC_DRAINING =>
@@ -208,6 +239,12 @@ impl ProxyControl {
         if let Some((node, generation)) = registered {
             if self.registry().disconnect(&node, generation) {
                 tracing::warn!(%node, "control connection closed: no longer routed to");
+                if let Some(url) = &registered_url {
+                    let mut index = self.state.kv_index();
+                    index.forget(url);
+                    metrics::gauge!(pdserve_runtime::telemetry::ROUTER_KV_INDEX_BLOCKS, "instance" => url.clone())
+                        .set(0.0);
+                }
             }
             let mut conns = self.conns.lock().unwrap_or_else(|e| e.into_inner());
             if conns.get(&node).is_some_and(|(g, _)| *g == generation) {
@@ -221,7 +258,7 @@ impl ProxyControl {
         &self,
         conn: &Arc<ControlConnection>,
         body: &[u8],
-    ) -> Result<(String, u64), RegistrationError> {
+    ) -> Result<(String, u64, String), RegistrationError> {
         let bad = |field: &'static str, message: String| RegistrationError { field, message };
         let reg: Registration = serde_json::from_slice(body)
             .map_err(|e| bad("registration", format!("malformed registration: {e}")))?;
@@ -265,8 +302,50 @@ impl ProxyControl {
                 old.close();
             }
         }
+        {
+            // What the index knew of this instance is stale: its snapshot follows.
+            let mut index = self.state.kv_index();
+            match (reg.block_size, reg.cache_salt) {
+                (Some(block_size), Some(salt)) => {
+                    index.register(&url, crate::kv_events::HashScheme { block_size, salt })
+                }
+                _ => {
+                    index.forget(&url);
+                    metrics::gauge!(pdserve_runtime::telemetry::ROUTER_KV_INDEX_BLOCKS, "instance" => url.clone())
+                        .set(0.0);
+                }
+            }
+            publish_index_sizes(&index);
+        }
         tracing::info!(node = %reg.node, role = role.as_str(), %url, "instance registered");
-        Ok((reg.node, generation))
+        Ok((reg.node, generation, url))
+    }
+
+    fn router_snapshot(&self) -> RouterSnapshot {
+        RouterSnapshot {
+            kind: self.state.router.as_str().into(),
+            decisions: self
+                .state
+                .decisions()
+                .into_iter()
+                .map(|(role, reason, count)| RouterDecisions {
+                    role: role.as_str().into(),
+                    reason: reason.into(),
+                    count,
+                })
+                .collect(),
+            kv_index: self
+                .state
+                .kv_index()
+                .sizes()
+                .into_iter()
+                .map(|(url, blocks, dropped)| IndexedInstance {
+                    url,
+                    blocks,
+                    dropped,
+                })
+                .collect(),
+        }
     }
 
     fn proxy_actor(&self) -> ActorSnapshot {
@@ -343,6 +422,7 @@ impl ProxyControl {
                 routable_prefill,
                 routable_decode,
                 refused_connections: self.endpoint.refused_connections(),
+                router: Some(self.router_snapshot()),
                 actors: self.proxy_actor(),
             },
             instances,

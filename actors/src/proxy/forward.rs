@@ -25,8 +25,9 @@
 //!   seen nothing), within the same limit.
 
 use super::registry::Upstream;
-use super::routing::{least_loaded, route, Route};
+use super::routing::{route, route_with, Route};
 use super::state::ProxyState;
+use super::state::{Charge, PromptInfo};
 use crate::error::RequestError;
 use crate::http::{bearer_matches, unauthorized, ApiError};
 use crate::openai;
@@ -155,9 +156,9 @@ pub(super) async fn forward(
         return refused();
     }
     // Parsed once, validated like an instance would, forwarded as is.
-    let mut request = match openai::parse_json(&body).and_then(|v| {
-        openai::parse_value(&v, chat)?;
-        Ok(v)
+    let (mut request, parsed) = match openai::parse_json(&body).and_then(|v| {
+        let parsed = openai::parse_value(&v, chat)?;
+        Ok((v, parsed))
     }) {
         Ok(v) => v,
         Err(e) => {
@@ -177,7 +178,13 @@ pub(super) async fn forward(
     }
     let stream = request.get("stream").and_then(Value::as_bool) == Some(true);
     let client_token_ids = request.get("return_token_ids").and_then(Value::as_bool) == Some(true);
-    let picked = route(&s.registry(), &s.rr, s.max_prefill_queue, Instant::now());
+    let prompt = prompt_info(&s, parsed).await;
+    let picked = route_with(
+        &s.registry(),
+        s.max_prefill_queue,
+        Instant::now(),
+        |role, c| s.choose(role, c, &prompt),
+    );
     let (decode, prefill) = match picked {
         Err(e) => {
             outcome("unavailable");
@@ -198,8 +205,14 @@ pub(super) async fn forward(
             (decode, Some(prefill))
         }
     };
+    let mut charges = vec![s.charge(&decode.url, Role::Decode, &prompt)];
+    if let Some(p) = &prefill {
+        charges.push(s.charge(&p.url, Role::Prefill, &prompt));
+    }
     let mut job = Job {
         s,
+        prompt,
+        charges,
         path,
         request,
         stream,
@@ -221,9 +234,39 @@ pub(super) async fn forward(
     }
 }
 
+/// What the router needs of a request: its token ids (when the proxy can compute them:
+/// token-id prompts, or text and chat with `proxy.model`'s tokenizer, off the async threads)
+/// and `max_tokens`.
+async fn prompt_info(s: &ProxyState, parsed: openai::ParsedRequest) -> PromptInfo {
+    let max_tokens = parsed
+        .max_tokens
+        .unwrap_or(openai::DEFAULT_COMPLETION_MAX_TOKENS);
+    let tokens = match (&parsed.prompt, &s.tokenizer) {
+        (openai::PromptInput::Tokens(t), _) => Some(t.clone()),
+        (_, None) => None,
+        (_, Some(tok)) => {
+            let tok = tok.clone();
+            let prompt = parsed.prompt;
+            // An error here is the instance's to report: the router just goes without.
+            tokio::task::spawn_blocking(move || prompt.token_ids(&tok.tokenizer, &tok.template))
+                .await
+                .ok()
+                .and_then(Result::ok)
+        }
+    };
+    PromptInfo {
+        tokens: tokens.map(Arc::new),
+        max_tokens,
+    }
+}
+
 /// One client request as the proxy carries it across attempts.
 struct Job {
     s: Arc<ProxyState>,
+    /// What the router knows of the prompt.
+    prompt: PromptInfo,
+    /// The load this request puts on the instances it was sent to (given back at its end).
+    charges: Vec<Charge>,
     path: &'static str,
     /// The client's request (validated; without `kv_transfer_params` and `resume_tokens`).
     request: Value,
@@ -253,8 +296,8 @@ fn migratable(kind: &str) -> bool {
 }
 
 impl Job {
-    /// The least-loaded routable instance of `role` not tried yet.
-    fn pick(&self, role: Role) -> Option<Upstream> {
+    /// The router's pick among the routable instances of `role` not tried yet.
+    fn pick(&mut self, role: Role) -> Option<Upstream> {
         let tried = if role == Role::Decode {
             &self.tried_decode
         } else {
@@ -267,7 +310,10 @@ impl Job {
             .into_iter()
             .filter(|u| !tried.contains(&u.url))
             .collect();
-        least_loaded(&candidates, role, &self.s.rr).cloned()
+        let picked = self.s.choose(role, &candidates, &self.prompt)?;
+        self.charges
+            .push(self.s.charge(&picked.url, role, &self.prompt));
+        Some(picked)
     }
 
     /// The body of one attempt — prefilled on `prefill` (else on the decode instance itself),

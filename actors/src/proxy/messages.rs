@@ -39,6 +39,15 @@ pub struct ProxyArgs {
     pub migration_limit: u32,
     /// What happens when a prefill instance fails before the hand-off (`proxy.prefill_retry`).
     pub prefill_retry: pdserve_runtime::config::PrefillRetry,
+    /// How instances are picked (`proxy.router`).
+    pub router: pdserve_runtime::config::RouterKind,
+    /// Weight of prefill work in the KV router's cost (`proxy.prefill_load_scale`).
+    pub prefill_load_scale: f64,
+    /// Bound on the hashes indexed per instance (`proxy.kv_index_max_blocks`).
+    pub kv_index_max_blocks: usize,
+    /// The tokenizer of `proxy.model`: text and chat prompts become token ids for the KV
+    /// router (without it, only token-id prompts are matched).
+    pub tokenizer: Option<std::sync::Arc<super::state::PromptTokenizer>>,
 }
 
 impl ProxyArgs {
@@ -58,6 +67,10 @@ impl ProxyArgs {
             tls: crate::http::HttpTls::default(),
             migration_limit: d.migration_limit,
             prefill_retry: d.prefill_retry,
+            router: d.router,
+            prefill_load_scale: d.prefill_load_scale,
+            kv_index_max_blocks: d.kv_index_max_blocks,
+            tokenizer: None,
         }
     }
 

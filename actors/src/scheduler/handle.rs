@@ -117,6 +117,24 @@ impl SchedulerHandle {
         ractor::call_t!(self.mailbox, SchedulerMsg::Stats, self.call_ms()).map_err(gone)
     }
 
+    /// The prefix cache's stored/removed block hashes since the last call, or a snapshot of
+    /// all of them (when `snapshot`, or when events were lost).
+    ///
+    /// # Errors
+    /// [`RequestError::Internal`] when the Scheduler is gone or does not answer in time.
+    pub async fn kv_events(
+        &self,
+        snapshot: bool,
+    ) -> Result<crate::kv_events::KvEventBatch, RequestError> {
+        ractor::call_t!(
+            self.mailbox,
+            SchedulerMsg::KvEvents,
+            self.call_ms(),
+            snapshot
+        )
+        .map_err(gone)
+    }
+
     fn channel(&self, request: &NewRequest) -> (super::EventSink, mpsc::Receiver<RequestEvent>) {
         // Every event the request can produce: a token per output token, T0 of a remote
         // request, and the final event.

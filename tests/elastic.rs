@@ -178,7 +178,13 @@ async fn stream(
     }
     let mut text = String::new();
     let mut done = false;
-    for event in raw.split("\n\n").filter(|e| !e.trim().is_empty()) {
+    // SSE comments (`:` lines: keep-alives sent after 15 s without an event, which a slow
+    // debug build can reach while the byte-level tokenizer holds back partial characters)
+    // carry nothing.
+    for event in raw
+        .split("\n\n")
+        .filter(|e| !e.trim().is_empty() && !e.trim_start().starts_with(':'))
+    {
         let data = event
             .trim()
             .strip_prefix("data: ")

@@ -63,6 +63,9 @@ pub const DRAINING_ANSWER_TIMEOUT: Duration = Duration::from_secs(1);
 pub const MISSED_HEARTBEATS_TO_DROP: u32 = 3;
 /// Bound on building one inspect answer (supervisor and scheduler queries).
 pub const INSPECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// How often an instance sends its prefix cache's new events to the proxy (at most; the
+/// heartbeat interval when that is shorter).
+pub const KV_EVENTS_INTERVAL: Duration = Duration::from_millis(100);
 /// Longest pause between reconnect attempts to the proxy.
 pub const MAX_RECONNECT_DELAY: Duration = Duration::from_secs(2);
 
@@ -644,7 +647,8 @@ async fn register(
     }
 }
 
-/// Drains the scheduler's prefix-cache events and sends them to the proxy (one-way).
+/// Drains the scheduler's prefix-cache events and sends them to the proxy (one-way). On an
+/// error whatever was drained is lost, and the next batch must be a snapshot.
 async fn send_kv_events(
     conn: &ControlConnection,
     source: &InspectSource,
@@ -726,8 +730,22 @@ async fn register_and_heartbeat(
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // The proxy's view of our prefix cache starts over with each registration.
         let mut kv_snapshot_due = true;
+        let mut events_tick = tokio::time::interval(KV_EVENTS_INTERVAL.min(interval));
+        events_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         while conn.is_alive() {
-            tick.tick().await;
+            tokio::select! {
+                _ = tick.tick() => {}
+                // Between heartbeats: KV events only, so the router learns of new blocks fast.
+                _ = events_tick.tick() => {
+                    if source.kv_scheme.is_some() && !shared.paused.load(Ordering::SeqCst) {
+                        kv_snapshot_due = send_kv_events(&conn, &source, kv_snapshot_due, interval.max(Duration::from_millis(200)))
+                            .await
+                            .map_err(|e| tracing::debug!(%proxy, error = %e, "KV events not sent"))
+                            .is_err();
+                    }
+                    continue;
+                }
+            }
             if shared.paused.load(Ordering::SeqCst) {
                 continue;
             }
@@ -767,17 +785,6 @@ async fn register_and_heartbeat(
                 }
                 Ok(Err(e)) => tracing::debug!(%proxy, error = %e, "heartbeat not sent"),
                 Err(_) => tracing::debug!(%proxy, "heartbeat not sent in time"),
-            }
-            if source.kv_scheme.is_some() {
-                let within = interval.max(Duration::from_millis(200));
-                match send_kv_events(&conn, &source, kv_snapshot_due, within).await {
-                    Ok(()) => kv_snapshot_due = false,
-                    // Whatever was drained is lost: the next batch is a snapshot.
-                    Err(e) => {
-                        tracing::debug!(%proxy, error = %e, "KV events not sent");
-                        kv_snapshot_due = true;
-                    }
-                }
             }
         }
         server.abort();

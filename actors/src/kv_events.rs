@@ -3,12 +3,12 @@
 //!
 //! An instance's [`BlockManager`](crate::block_manager::BlockManager) logs every block hash it
 //! registers (*stored*) and every one it forgets (*removed*: evicted, or the cache cleared),
-//! in order, in a bounded [`KvEventLog`]. Its control plane drains the log on every heartbeat
-//! and sends the batch to the proxy (`Opaque` topic [`TOPIC_KV_EVENTS`], JSON
+//! in order, in a bounded [`KvEventLog`]. Its control plane drains the log every
+//! [`KV_EVENTS_INTERVAL`](crate::control_plane::KV_EVENTS_INTERVAL) and sends the batch to the proxy (`Opaque` topic [`TOPIC_KV_EVENTS`], JSON
 //! [`KvEventBatch`]). Right after each (re)registration, and whenever the log overflowed or
 //! the cache was cleared, the batch is a *snapshot*: every hash the instance holds, which
-//! replaces what the proxy knew. A restarted proxy or instance therefore converges within a
-//! heartbeat of its registration.
+//! replaces what the proxy knew. A restarted proxy or instance therefore converges within
+//! 100 ms of its registration.
 //!
 //! The proxy keeps a [`KvIndex`]: per instance URL, the set of hashes it holds, bounded by
 //! `proxy.kv_index_max_blocks` per instance (hashes past the bound are not indexed and

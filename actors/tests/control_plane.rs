@@ -704,30 +704,10 @@ fn session(i: u32, len: u32) -> Vec<u32> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_kv_router_follows_cached_prefixes_spreads_a_hot_one_and_rebuilds_after_a_restart() {
     let px = proxy("kvr-proxy").await;
-    let p = instance(
-        "kvr-prefill",
-        Role::Prefill,
-        px.control,
-        member("kvr-prefill"),
-        1,
-    )
-    .await;
-    let d0 = instance(
-        "kvr-decode-0",
-        Role::Decode,
-        px.control,
-        member("kvr-decode-0"),
-        1,
-    )
-    .await;
-    let d1 = instance(
-        "kvr-decode-1",
-        Role::Decode,
-        px.control,
-        member("kvr-decode-1"),
-        1,
-    )
-    .await;
+    let joined = |name: &'static str, role| instance(name, role, px.control, member(name), 1);
+    let p = joined("kvr-prefill", Role::Prefill).await;
+    let d0 = joined("kvr-decode-0", Role::Decode).await;
+    let d1 = joined("kvr-decode-1", Role::Decode).await;
     wait_for("all three routable", Duration::from_secs(10), || async {
         let s = inspect_cluster(&px).await.proxy;
         (s.routable_prefill, s.routable_decode) == (1, 2)
@@ -799,9 +779,15 @@ async fn the_kv_router_follows_cached_prefixes_spreads_a_hot_one_and_rebuilds_af
     assert!(text.contains("router kv decisions"), "{text}");
     // A restarted proxy knows nothing until the instances register again with snapshots.
     let px = restart(px, "kvr-proxy-2").await;
-    wait_for("the index rebuilt", Duration::from_secs(15), || async {
-        indexed_blocks(&px, &urls).await.iter().sum::<usize>() >= 20
-    })
+    wait_for(
+        "all three back and the index rebuilt",
+        Duration::from_secs(15),
+        || async {
+            let s = inspect_cluster(&px).await.proxy;
+            (s.routable_prefill, s.routable_decode) == (1, 2)
+                && indexed_blocks(&px, &urls).await.iter().sum::<usize>() >= 20
+        },
+    )
     .await;
     for i in 1..4u32 {
         let mut prompt = session(i, 80);

@@ -97,18 +97,7 @@ pub fn load_model(source: &ModelSource) -> Result<LoadedModel> {
 /// As [`load_model`].
 pub fn load_tokenizer(source: &ModelSource) -> Result<(Tokenizer, ChatTemplate)> {
     let from_gguf = |path: &Path| -> Result<(Tokenizer, ChatTemplate)> {
-        let corrupt = |reason: String| ModelError::Corrupt {
-            path: path.to_path_buf(),
-            reason,
-        };
-        let file = std::fs::File::open(path).map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => ModelError::NotFound {
-                path: path.to_path_buf(),
-            },
-            _ => corrupt(e.to_string()),
-        })?;
-        let content = gguf_file::Content::read(&mut std::io::BufReader::new(file))
-            .map_err(|e| corrupt(format!("not a valid GGUF file: {e}")))?;
+        let (content, _) = open_gguf(path)?;
         let tokenizer = Tokenizer::from_gguf(&content)?;
         let template = template_for(&tokenizer)?;
         Ok((tokenizer, template))
@@ -147,11 +136,8 @@ fn name_of(path: &Path) -> String {
         .unwrap_or_default()
 }
 
-/// Loads a GGUF file.
-///
-/// # Errors
-/// As [`load_model`].
-pub fn load_gguf(path: &Path) -> Result<LoadedModel> {
+/// A GGUF file's metadata and tensor table, and the reader positioned for its tensors.
+fn open_gguf(path: &Path) -> Result<(gguf_file::Content, std::io::BufReader<std::fs::File>)> {
     let corrupt = |reason: String| ModelError::Corrupt {
         path: path.to_path_buf(),
         reason,
@@ -165,6 +151,15 @@ pub fn load_gguf(path: &Path) -> Result<LoadedModel> {
     let mut reader = std::io::BufReader::new(file);
     let content = gguf_file::Content::read(&mut reader)
         .map_err(|e| corrupt(format!("not a valid GGUF file: {e}")))?;
+    Ok((content, reader))
+}
+
+/// Loads a GGUF file.
+///
+/// # Errors
+/// As [`load_model`].
+pub fn load_gguf(path: &Path) -> Result<LoadedModel> {
+    let (content, mut reader) = open_gguf(path)?;
     let config = gguf_config(&content)?;
     let store = TensorStore::from_gguf(&content, &mut reader, path)?;
     let config = with_rope_factors(config, &store)?;

@@ -2664,37 +2664,41 @@ mod tests {
 
     #[test]
     fn the_proxy_router_settings_parse_and_bad_ones_are_named() {
-        let load = |flags: serde_json::Value| ProxyConfig::load(None, flags);
-        let c = load(serde_json::json!({})).unwrap();
-        assert_eq!(c.proxy.router, RouterKind::Kv, "kv is the default");
-        let c = load(
-            serde_json::json!({"proxy": {"router": "round-robin", "prefill_load_scale": 2.5}}),
-        )
-        .unwrap();
-        assert_eq!(
-            (c.proxy.router, c.proxy.prefill_load_scale),
-            (RouterKind::RoundRobin, 2.5)
-        );
-        assert_eq!(
-            "least-loaded".parse::<RouterKind>().unwrap().as_str(),
-            "least-loaded"
-        );
-        assert!("random"
-            .parse::<RouterKind>()
-            .unwrap_err()
-            .contains("kv, least-loaded"));
-        let e = load(serde_json::json!({"proxy": {"router": "random"}}))
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("random"), "{e}");
-        for (key, bad) in [
-            ("prefill_load_scale", serde_json::json!(-1.0)),
-            ("kv_index_max_blocks", serde_json::json!(0)),
-        ] {
-            let e = load(serde_json::json!({"proxy": {key: bad}}))
+        // In a jail: the loader reads PDSERVE_PROXY__* variables other tests set.
+        figment::Jail::expect_with(|_jail| {
+            let load = |flags: serde_json::Value| ProxyConfig::load(None, flags);
+            let c = load(serde_json::json!({})).unwrap();
+            assert_eq!(c.proxy.router, RouterKind::Kv, "kv is the default");
+            let c = load(
+                serde_json::json!({"proxy": {"router": "round-robin", "prefill_load_scale": 2.5}}),
+            )
+            .unwrap();
+            assert_eq!(
+                (c.proxy.router, c.proxy.prefill_load_scale),
+                (RouterKind::RoundRobin, 2.5)
+            );
+            assert_eq!(
+                "least-loaded".parse::<RouterKind>().unwrap().as_str(),
+                "least-loaded"
+            );
+            assert!("random"
+                .parse::<RouterKind>()
+                .unwrap_err()
+                .contains("kv, least-loaded"));
+            let e = load(serde_json::json!({"proxy": {"router": "random"}}))
                 .unwrap_err()
                 .to_string();
-            assert!(e.contains(&format!("proxy.{key}")), "{key}: {e}");
-        }
+            assert!(e.contains("random"), "{e}");
+            for (key, bad) in [
+                ("prefill_load_scale", serde_json::json!(-1.0)),
+                ("kv_index_max_blocks", serde_json::json!(0)),
+            ] {
+                let e = load(serde_json::json!({"proxy": {key: bad}}))
+                    .unwrap_err()
+                    .to_string();
+                assert!(e.contains(&format!("proxy.{key}")), "{key}: {e}");
+            }
+            Ok(())
+        });
     }
 }

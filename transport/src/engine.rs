@@ -1052,7 +1052,8 @@ impl TransferEngine {
             link,
             core,
             handle,
-            remote: RwLock::new(Default::default()),
+            remote: RwLock::new(RemoteView::default()),
+            refreshes: std::sync::atomic::AtomicU64::new(0),
         };
         session.refresh_regions().await?;
         Ok(session)
@@ -1107,7 +1108,16 @@ pub struct Session {
     link: Arc<dyn Link>,
     core: Arc<EngineCore>,
     handle: tokio::runtime::Handle,
-    remote: RwLock<Arc<std::collections::HashMap<RegionId, RegionDescriptor>>>,
+    remote: RwLock<RemoteView>,
+    /// Tickets of [`Session::refresh_regions`] calls, in the order they were issued.
+    refreshes: std::sync::atomic::AtomicU64,
+}
+
+/// The peer's descriptors as last fetched, and the ticket of the fetch they came from.
+#[derive(Default)]
+struct RemoteView {
+    ticket: u64,
+    regions: Arc<std::collections::HashMap<RegionId, RegionDescriptor>>,
 }
 
 impl std::fmt::Debug for Session {
@@ -1137,17 +1147,30 @@ impl Session {
     }
 
     /// Fetches the peer's registered-memory descriptors again (`GetRegisteredMemory`),
-    /// validates them and makes them the ones later batches are checked against.
+    /// validates them and makes them the ones later batches are checked against — unless a
+    /// refresh issued after this one has already answered (answers of concurrent refreshes
+    /// are applied in the order the refreshes were issued, never older over newer).
     ///
     /// # Errors
     /// [`TransportError::LayoutMismatch`] for inconsistent descriptors;
     /// [`TransportError::PeerGone`] when the peer does not answer.
     pub async fn refresh_regions(&self) -> Result<Vec<RegionDescriptor>> {
+        let ticket = self
+            .refreshes
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+            + 1;
         let link = self.link.clone();
         let regions = run_on(&self.handle, async move { link.fetch_regions().await }).await?;
         validate_descriptors(&regions)?;
-        *self.remote.write().expect("session poisoned") =
-            Arc::new(regions.iter().map(|d| (d.id, d.clone())).collect());
+        let mut view = self.remote.write().expect("session poisoned");
+        // Concurrent refreshes may complete out of order: an answer older than the view (it
+        // may predate a scope the target opened since) never replaces a newer one.
+        if ticket > view.ticket {
+            *view = RemoteView {
+                ticket,
+                regions: Arc::new(regions.iter().map(|d| (d.id, d.clone())).collect()),
+            };
+        }
         Ok(regions)
     }
 
@@ -1157,6 +1180,7 @@ impl Session {
             .remote
             .read()
             .expect("session poisoned")
+            .regions
             .values()
             .cloned()
             .collect();
@@ -1170,7 +1194,12 @@ impl Session {
     /// # Errors
     /// [`TransportError::LayoutMismatch`] naming the first difference.
     pub fn expect_layout(&self, expected: &[(RegionId, u64)]) -> Result<()> {
-        let remote = self.remote.read().expect("session poisoned").clone();
+        let remote = self
+            .remote
+            .read()
+            .expect("session poisoned")
+            .regions
+            .clone();
         for &(id, len) in expected {
             match remote.get(&id) {
                 None => {
@@ -1211,7 +1240,12 @@ impl Session {
             return Err(TransportError::peer_gone(self.peer(), "session closed"));
         }
         let ops = coalesce(ops);
-        let remote = self.remote.read().expect("session poisoned").clone();
+        let remote = self
+            .remote
+            .read()
+            .expect("session poisoned")
+            .regions
+            .clone();
         let piece = self.core.config.piece_bytes;
         let mut pieces = Vec::new();
         let mut bytes = 0u64;

@@ -24,7 +24,7 @@ use super::protocol::{
     HandoffError, KvPeerInfo, PeerAnswer, PeerRequest, PrefillMode, PrefillRequest, SessionOffer,
 };
 use super::pull::{PullAction, PullCore, PullEvent, Shape};
-use super::session::{block_grants, fence_id, Grant, Security};
+use super::session::{block_grants, fence_id, submit_ops, Grant, Security};
 use crate::block_manager::BlockAllocation;
 use crate::mailbox::{Inbox, Mailbox};
 use futures_util::stream::{FuturesUnordered, StreamExt};
@@ -577,13 +577,11 @@ impl Driver {
             let session = session.clone();
             let epoch = epochs[rank];
             async move {
-                let report = match kv.transfer_fault(&mut ops).await.and_then(|()| {
-                    match fence {
-                        Some(f) => session.submit_fenced(f, &ops),
-                        None => session.submit(&ops),
-                    }
-                    .map_err(|e| HandoffError::transfer(&e))
-                }) {
+                let submitted = match kv.transfer_fault(&mut ops).await {
+                    Ok(()) => submit_ops(&session, fence, &ops).await,
+                    Err(e) => Err(e),
+                };
+                let report = match submitted {
                     Ok(batch) => match batch.wait(bound).await {
                         Ok(()) => {
                             kv.received(batch.bytes());

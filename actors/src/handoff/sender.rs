@@ -22,7 +22,7 @@ use super::aggregator::{AggregatorMsg, HandoffOutcome, Tag};
 use super::context::KvContext;
 use super::protocol::HandoffError;
 use super::push::{PushAction, PushEvent, PushShape, PushTarget, PushTracker};
-use super::session::fence_id;
+use super::session::{fence_id, submit_ops};
 use crate::mailbox::{Inbox, Mailbox};
 use pdserve_runtime::ids::TransferId;
 use pdserve_runtime::telemetry as m;
@@ -227,17 +227,16 @@ impl SenderState {
                             (None, Ok(())) => Err(HandoffError::Interrupted(
                                 "no transfer session for the hand-off".into(),
                             )),
-                            (Some((session, fence)), Ok(())) => match match fence {
-                                Some(f) => session.submit_fenced(f, &ops),
-                                None => session.submit(&ops),
-                            } {
-                                Ok(batch) => batch
-                                    .wait(bound)
-                                    .await
-                                    .map(|()| batch.bytes())
-                                    .map_err(|e| HandoffError::transfer(&e)),
-                                Err(e) => Err(HandoffError::transfer(&e)),
-                            },
+                            (Some((session, fence)), Ok(())) => {
+                                match submit_ops(&session, fence, &ops).await {
+                                    Ok(batch) => batch
+                                        .wait(bound)
+                                        .await
+                                        .map(|()| batch.bytes())
+                                        .map_err(|e| HandoffError::transfer(&e)),
+                                    Err(e) => Err(e),
+                                }
+                            }
                         };
                         let _ = me.cast(KvSenderMsg::Event(PushEvent::WriteDone {
                             transfer,

@@ -24,8 +24,8 @@ use super::protocol::HandoffError;
 use pdserve_gpu::kv::{KvKind, KvLayout};
 use pdserve_runtime::ids::TransferId;
 use pdserve_transport::{
-    Access, BackendKind, FenceId, FenceScope, RegionGrant, SessionGrant, SessionGrantGuard,
-    SessionKey, TransferEngine,
+    Access, BackendKind, BatchHandle, FenceId, FenceScope, RegionGrant, Session, SessionGrant,
+    SessionGrantGuard, SessionKey, Side, TransferEngine, TransferOp, TransportError,
 };
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -55,6 +55,38 @@ impl Security {
     /// the hand-off was abandoned can never land).
     pub fn fenced(self) -> bool {
         self == Self::Fenced
+    }
+}
+
+/// Submits a hand-off's `ops` on `session`, in scope `fence` when given. A session shared by
+/// concurrent hand-offs may hold a view of the target's regions fetched before this
+/// hand-off's scope was opened (on fenced backends a session sees only the regions of open
+/// scopes); when the view lacks a region the ops name, the view is refreshed once — a fetch
+/// issued now sees the scope, which stays open until the hand-off ends — and the ops are
+/// submitted again.
+///
+/// # Errors
+/// The transport's refusal, or the refresh's failure, as [`HandoffError::Transfer`].
+pub async fn submit_ops(
+    session: &Session,
+    fence: Option<FenceId>,
+    ops: &[TransferOp],
+) -> Result<BatchHandle, HandoffError> {
+    let submit = || match fence {
+        Some(f) => session.submit_fenced(f, ops),
+        None => session.submit(ops),
+    };
+    match submit() {
+        Err(TransportError::UnknownRegion {
+            side: Side::Remote, ..
+        }) => {
+            session
+                .refresh_regions()
+                .await
+                .map_err(|e| HandoffError::transfer(&e))?;
+            submit().map_err(|e| HandoffError::transfer(&e))
+        }
+        r => r.map_err(|e| HandoffError::transfer(&e)),
     }
 }
 
@@ -265,6 +297,64 @@ mod tests {
         assert_ne!(fence_id(TransferId(7)), fence_id(TransferId(8)));
         assert_eq!(fence_id(TransferId(0)), 1);
         assert_eq!(fence_id(TransferId((5u128 << 64) | 5)), 1);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_session_whose_view_predates_the_scope_refreshes_once_and_submits() {
+        use pdserve_transport::{SessionCredentials, TransferConfig};
+        let mut cfg = TransferConfig::new(BackendKind::Tcp, "target");
+        cfg.require_auth = true;
+        let target = TransferEngine::new(cfg).unwrap();
+        let region = target.allocate_and_register(4096).unwrap();
+        let initiator =
+            TransferEngine::new(TransferConfig::new(BackendKind::Tcp, "initiator")).unwrap();
+        let local = initiator.allocate_and_register(4096).unwrap();
+        local.write_at(0, &[0x5a; 4096]).unwrap();
+        let key = SessionKey::generate().unwrap();
+        let grant = target
+            .grant_session(SessionGrant {
+                key: key.clone(),
+                peer: "initiator".into(),
+                regions: Vec::new(),
+            })
+            .unwrap();
+        // Connected before any scope is open: the session sees no region of the target.
+        let session = initiator
+            .connect_with(&target.address(), SessionCredentials { key })
+            .await
+            .unwrap();
+        assert!(session.remote_regions().is_empty());
+        let scope = grant
+            .allow(
+                7,
+                &[RegionGrant::range(region.id(), 0, 4096, Access::Write)],
+            )
+            .unwrap();
+        let ops = [TransferOp::write(local.id(), 0, region.id(), 0, 4096)];
+        // A plain submit is refused on the stale view; `submit_ops` refreshes and lands it.
+        assert!(matches!(
+            session.submit_fenced(7, &ops),
+            Err(TransportError::UnknownRegion {
+                side: Side::Remote,
+                ..
+            })
+        ));
+        let batch = submit_ops(&session, Some(7), &ops).await.unwrap();
+        batch
+            .wait(std::time::Duration::from_secs(10))
+            .await
+            .unwrap();
+        assert_eq!(region.read_at(0, 4096).unwrap(), vec![0x5a; 4096]);
+        // Once the scope is fenced, the target refuses the ops and nothing lands.
+        drop(scope);
+        local.write_at(0, &[0xa5; 4096]).unwrap();
+        let batch = submit_ops(&session, Some(7), &ops).await.unwrap();
+        let err = batch
+            .wait(std::time::Duration::from_secs(10))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, TransportError::Fenced { .. }), "{err:?}");
+        assert_eq!(region.read_at(0, 4096).unwrap(), vec![0x5a; 4096]);
     }
 
     #[test]

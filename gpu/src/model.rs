@@ -275,11 +275,31 @@ impl Stacked {
         if self.parts.len() == 1 {
             return self.parts[0].forward(x, rows);
         }
-        let outs = self
+        let quants: Vec<&QMatrix> = self
             .parts
             .iter()
-            .map(|p| p.forward(x, rows))
-            .collect::<Result<Vec<_>>>()?;
+            .filter_map(|p| match &p.weight {
+                LinearWeight::Quant(q) => Some(q),
+                LinearWeight::Candle { .. } => None,
+            })
+            .collect();
+        let same_input = quants.len() == self.parts.len()
+            && quants.iter().all(|q| {
+                q.cols() == quants[0].cols() && q.qtype().act_type() == quants[0].qtype().act_type()
+            });
+        let outs = if same_input {
+            // One activation quantization and one pool job for all the parts.
+            let mut outs = quant::matmul_many(&quants, x, rows);
+            for (o, p) in outs.iter_mut().zip(&self.parts) {
+                p.add_bias(o);
+            }
+            outs
+        } else {
+            self.parts
+                .iter()
+                .map(|p| p.forward(x, rows))
+                .collect::<Result<Vec<_>>>()?
+        };
         let width: usize = self.parts.iter().map(|p| p.out_features).sum();
         let mut y = Vec::with_capacity(rows * width);
         for r in 0..rows {

@@ -14,9 +14,14 @@
 //! AVX-512 VNNI paths (which differ only in how they form the exact integer lane sums) equal
 //! it bit for bit.
 //!
-//! Matmuls run on one process-wide [`pool`] whose workers claim rows through a shared cursor:
-//! a worker that is descheduled leaves its rows to the others instead of holding everybody at
-//! a barrier.
+//! Decode's single-token matmuls (GEMV) run four weight rows per kernel call, sharing each
+//! activation block, with software prefetch of the next rows (a row of the default model is
+//! 360–612 bytes, too short for the hardware prefetcher to learn), and Q/K/V and gate/up run
+//! as one job on one quantization of their shared input ([`matmul_many`]).
+//!
+//! Matmuls run on one process-wide [`pool`] whose workers claim tiles of rows through a shared
+//! cursor: a worker that is descheduled leaves its tiles to the others instead of holding
+//! everybody at a barrier.
 
 mod format;
 mod kernels;
@@ -25,4 +30,4 @@ pub mod pool;
 
 pub use format::{dequantize_row, quantize_acts, ActType, QActs, QMatrix, QType, QK};
 pub use kernels::{detect_isa, dot_chunks, Isa};
-pub use matmul::{matmul, matmul_chunked};
+pub use matmul::{matmul, matmul_chunked, matmul_many};

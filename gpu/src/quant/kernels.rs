@@ -92,6 +92,55 @@ pub fn dot_chunks(
     }
 }
 
+/// Rows that one call of the single-token kernel ([`dot_rows`]) takes.
+pub(crate) const GEMV_ROWS: usize = 4;
+
+/// Decode's GEMV: weight rows `r0 .. r0 + GEMV_ROWS` against activation row `tok`, block
+/// range split in chunks of `chunk` blocks: `out[i * chunks + c]` is row `r0 + i`'s partial
+/// dot product over chunk `c`, with the same bits as [`dot_chunks`] gives that row.
+///
+/// # Panics
+/// When the rows or the token are out of range, `chunk` does not divide the row's blocks, or
+/// `isa` is not supported by this CPU.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn dot_rows(
+    isa: Isa,
+    w: &QMatrix,
+    r0: usize,
+    a: &QActs,
+    tok: usize,
+    chunk: usize,
+    out: &mut [f32],
+) {
+    let nb = w.blocks();
+    assert!(chunk > 0 && nb.is_multiple_of(chunk) && r0 + GEMV_ROWS <= w.rows());
+    assert!(a.blocks() == nb && tok < a.rows() && a.act_type() == w.qtype().act_type());
+    let chunks = nb / chunk;
+    let rows: [RowRef<'_>; GEMV_ROWS] = std::array::from_fn(|i| w.row(r0 + i));
+    for c in 0..chunks {
+        let blocks = c * chunk..(c + 1) * chunk;
+        let mut res = [0f32; GEMV_ROWS];
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 | Isa::Avx512Vnni => {
+                assert!(best_isa() != Isa::Scalar && (isa == Isa::Avx2 || best_isa() == isa));
+                // SAFETY: the features each path needs were detected above.
+                unsafe { x86::dispatch_rows(isa, w.qtype(), w, r0, a, tok, blocks, &mut res) }
+            }
+            _ => {
+                for (row, res) in rows.iter().zip(&mut res) {
+                    let mut one = [0f32; MAX_TOKENS];
+                    scalar(w.qtype(), *row, a, tok, 1, blocks.clone(), &mut one);
+                    *res = one[0];
+                }
+            }
+        }
+        for (i, v) in res.iter().enumerate() {
+            out[i * chunks + c] = *v;
+        }
+    }
+}
+
 /// llama.cpp's `hsum_float_8`: `((x4+x0)+(x6+x2)) + ((x5+x1)+(x7+x3))`.
 #[inline]
 fn hsum8(x: [f32; 8]) -> f32 {
@@ -158,7 +207,7 @@ fn scalar(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{Isa, QActs, QType, RowRef, MAX_TOKENS, QK};
+    use super::{Isa, QActs, QMatrix, QType, RowRef, MAX_TOKENS, QK};
     use std::arch::x86_64::*;
     use std::ops::Range;
 
@@ -167,6 +216,18 @@ mod x86 {
     #[target_feature(enable = "avx2,f16c")]
     fn half_to_f32(src: &[u8], b: usize) -> f32 {
         let bits = u16::from_le_bytes([src[2 * b], src[2 * b + 1]]);
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+    }
+
+    /// The f16 at `p` (little-endian) as f32, by F16C.
+    ///
+    /// # Safety
+    /// `p` points at two readable bytes.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn half_at(p: *const u8) -> f32 {
+        // SAFETY: by the function's contract.
+        let bits = unsafe { std::ptr::read_unaligned(p as *const u16) };
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
     }
 
@@ -255,6 +316,79 @@ mod x86 {
                         out[t] = if qt == QType::Q4_1 { h + summs[t] } else { h };
                     }
                 }
+
+                /// `R` consecutive weight rows (starting at `w`, `row_bytes` apart) against
+                /// one activation row, blocks `b0..b1` (decode's GEMV), specialized per format
+                /// (`Q`: 0 Q4_0, 1 Q4_1, 2 Q8_0). The activation block is loaded once for all
+                /// rows; each row does exactly the operations of `run::<1>` in the same order,
+                /// so its result has the same bits.
+                ///
+                /// # Safety
+                /// `w` points at `R` rows of `nb` blocks in [`QMatrix`]'s layout, `aq`/`ad`/
+                /// `asum` at an activation row of `nb` blocks (`asum` read only for Q4_1), and
+                /// `b1 <= nb`.
+                #[allow(clippy::too_many_arguments)]
+                #[target_feature(enable = $features)]
+                pub(super) unsafe fn gemv<const Q: u8, const R: usize>(
+                    w: *const u8,
+                    row_bytes: usize,
+                    nb: usize,
+                    b0: usize,
+                    b1: usize,
+                    aq: *const i8,
+                    ad: *const f32,
+                    asum: *const f32,
+                    out: &mut [f32; R],
+                ) {
+                    let qb = if Q == 2 { 32 } else { 16 };
+                    let d_off = nb * qb;
+                    let m_off = d_off + 2 * nb;
+                    let mut acc = [_mm256_setzero_ps(); R];
+                    let mut summs = [0f32; R];
+                    // SAFETY (all pointer reads): in bounds by the function's contract.
+                    unsafe {
+                        for b in b0..b1 {
+                            let qy = _mm256_loadu_si256(aq.add(b * QK) as *const __m256i);
+                            let da = *ad.add(b);
+                            let sa = if Q == 1 { *asum.add(b) } else { 0.0 };
+                            for i in 0..R {
+                                let row = w.add(i * row_bytes);
+                                // The rows after these (the next call's) stream in meanwhile:
+                                // each row is too short for the hardware prefetcher to learn.
+                                let ahead = row.wrapping_add(R * row_bytes);
+                                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(b * qb) as *const i8);
+                                if b == b0 {
+                                    _mm_prefetch::<_MM_HINT_T0>(
+                                        ahead.wrapping_add(d_off + 2 * b) as *const i8,
+                                    );
+                                    if Q == 1 {
+                                        _mm_prefetch::<_MM_HINT_T0>(
+                                            ahead.wrapping_add(m_off + 2 * b) as *const i8,
+                                        );
+                                    }
+                                }
+                                let wd = half_at(row.add(d_off + 2 * b));
+                                let qp = row.add(b * qb);
+                                let xy = match Q {
+                                    1 => _mm256_cvtepi32_ps($us8(nibbles(qp), qy)),
+                                    0 => mul_i8(
+                                        _mm256_sub_epi8(nibbles(qp), _mm256_set1_epi8(8)),
+                                        qy,
+                                    ),
+                                    _ => mul_i8(_mm256_loadu_si256(qp as *const __m256i), qy),
+                                };
+                                acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(wd * da), xy, acc[i]);
+                                if Q == 1 {
+                                    summs[i] = half_at(row.add(m_off + 2 * b)).mul_add(sa, summs[i]);
+                                }
+                            }
+                        }
+                    }
+                    for i in 0..R {
+                        let h = hsum(acc[i]);
+                        out[i] = if Q == 1 { h + summs[i] } else { h };
+                    }
+                }
             }
         };
     }
@@ -273,6 +407,57 @@ mod x86 {
 
     kernels!(avx2, "avx2,fma,f16c", us8_avx2);
     kernels!(vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", us8_vnni);
+
+    /// # Safety
+    /// The CPU must support `isa`'s features.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn dispatch_rows<const R: usize>(
+        isa: Isa,
+        qt: QType,
+        w: &QMatrix,
+        r0: usize,
+        a: &QActs,
+        tok: usize,
+        blocks: Range<usize>,
+        out: &mut [f32; R],
+    ) {
+        let nb = w.blocks();
+        assert!(r0 + R <= w.rows() && blocks.end <= nb && (tok + 1) * nb <= a.d.len());
+        assert!(qt != QType::Q4_1 || (tok + 1) * nb <= a.s.len());
+        let row_bytes = nb * qt.block_bytes();
+        let base = w.row(r0).qs.as_ptr();
+        let aq = a.qs[tok * nb * QK..].as_ptr();
+        let ad = a.d[tok * nb..].as_ptr();
+        let asum = if qt == QType::Q4_1 {
+            a.s[tok * nb..].as_ptr()
+        } else {
+            ad
+        };
+        let (b0, b1) = (blocks.start, blocks.end);
+        // SAFETY: the caller checked the features; the rows and blocks are in bounds
+        // (asserted above).
+        unsafe {
+            macro_rules! go {
+                ($m:ident) => {
+                    match qt {
+                        QType::Q4_0 => {
+                            $m::gemv::<0, R>(base, row_bytes, nb, b0, b1, aq, ad, asum, out)
+                        }
+                        QType::Q4_1 => {
+                            $m::gemv::<1, R>(base, row_bytes, nb, b0, b1, aq, ad, asum, out)
+                        }
+                        QType::Q8_0 => {
+                            $m::gemv::<2, R>(base, row_bytes, nb, b0, b1, aq, ad, asum, out)
+                        }
+                    }
+                };
+            }
+            match isa {
+                Isa::Avx512Vnni => go!(vnni),
+                _ => go!(avx2),
+            }
+        }
+    }
 
     /// # Safety
     /// The CPU must support `isa`'s features.
@@ -373,6 +558,41 @@ mod tests {
                         .zip(&got)
                         .all(|(x, y)| x.to_bits() == y.to_bits());
                     assert!(same, "{qt:?} {isa:?} chunk {chunk}: {want:?} != {got:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_multi_row_gemv_equals_one_row_at_a_time_bit_for_bit() {
+        let mut isas = vec![Isa::Scalar];
+        match detect_isa() {
+            Isa::Scalar => {}
+            Isa::Avx2 => isas.push(Isa::Avx2),
+            Isa::Avx512Vnni => isas.extend([Isa::Avx2, Isa::Avx512Vnni]),
+        }
+        for qt in TYPES {
+            let w = gguf(qt, 2 * GEMV_ROWS + 1, 576, 21);
+            let a = quantize_acts(&acts(3, 576), 576, qt.act_type());
+            for chunk in [18, 6, 1] {
+                let chunks = 18 / chunk;
+                for &isa in &isas {
+                    for tok in 0..3 {
+                        for r0 in [0, GEMV_ROWS + 1] {
+                            let mut got = vec![0f32; GEMV_ROWS * chunks];
+                            dot_rows(isa, &w, r0, &a, tok, chunk, &mut got);
+                            for i in 0..GEMV_ROWS {
+                                let mut want = vec![0f32; chunks];
+                                dot_chunks(isa, &w, r0 + i, &a, tok, 1, chunk, &mut want);
+                                let got = &got[i * chunks..(i + 1) * chunks];
+                                assert!(
+                                    want.iter().zip(got).all(|(x, y)| x.to_bits() == y.to_bits()),
+                                    "{qt:?} {isa:?} chunk {chunk} row {} tok {tok}: {want:?} != {got:?}",
+                                    r0 + i
+                                );
+                            }
+                        }
+                    }
                 }
             }
         }

@@ -1174,16 +1174,18 @@ impl Session {
         Ok(regions)
     }
 
-    /// The peer's descriptors as last fetched, sorted by id.
-    pub fn remote_regions(&self) -> Vec<RegionDescriptor> {
-        let mut all: Vec<_> = self
-            .remote
+    /// The peer's descriptors as last fetched, by id.
+    fn view(&self) -> Arc<std::collections::HashMap<RegionId, RegionDescriptor>> {
+        self.remote
             .read()
             .expect("session poisoned")
             .regions
-            .values()
-            .cloned()
-            .collect();
+            .clone()
+    }
+
+    /// The peer's descriptors as last fetched, sorted by id.
+    pub fn remote_regions(&self) -> Vec<RegionDescriptor> {
+        let mut all: Vec<_> = self.view().values().cloned().collect();
         all.sort_by_key(|d| d.id);
         all
     }
@@ -1194,12 +1196,7 @@ impl Session {
     /// # Errors
     /// [`TransportError::LayoutMismatch`] naming the first difference.
     pub fn expect_layout(&self, expected: &[(RegionId, u64)]) -> Result<()> {
-        let remote = self
-            .remote
-            .read()
-            .expect("session poisoned")
-            .regions
-            .clone();
+        let remote = self.view();
         for &(id, len) in expected {
             match remote.get(&id) {
                 None => {
@@ -1240,12 +1237,7 @@ impl Session {
             return Err(TransportError::peer_gone(self.peer(), "session closed"));
         }
         let ops = coalesce(ops);
-        let remote = self
-            .remote
-            .read()
-            .expect("session poisoned")
-            .regions
-            .clone();
+        let remote = self.view();
         let piece = self.core.config.piece_bytes;
         let mut pieces = Vec::new();
         let mut bytes = 0u64;

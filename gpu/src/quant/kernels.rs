@@ -141,6 +141,68 @@ pub(crate) fn dot_rows(
     }
 }
 
+/// Weight rows and tokens per call of the multi-token kernel ([`dot_tile`]).
+pub(crate) const TILE_ROWS: usize = 4;
+/// See [`TILE_ROWS`].
+pub(crate) const TILE_TOKENS: usize = 4;
+
+/// Prefill's GEMM tile: weight rows `r0 .. r0 + TILE_ROWS` against activation rows
+/// `tok0 .. tok0 + TILE_TOKENS`, block range split in chunks of `chunk` blocks:
+/// `out[(t * TILE_ROWS + i) * chunks + c]` is token `t`'s partial dot product with row
+/// `r0 + i` over chunk `c`, with the same bits as [`dot_chunks`] gives it.
+///
+/// # Panics
+/// When the rows or tokens are out of range, `chunk` does not divide the row's blocks, or
+/// `isa` is not supported by this CPU.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn dot_tile(
+    isa: Isa,
+    w: &QMatrix,
+    r0: usize,
+    a: &QActs,
+    tok0: usize,
+    chunk: usize,
+    out: &mut [f32],
+) {
+    let nb = w.blocks();
+    assert!(chunk > 0 && nb.is_multiple_of(chunk) && r0 + TILE_ROWS <= w.rows());
+    assert!(a.blocks() == nb && tok0 + TILE_TOKENS <= a.rows());
+    assert!(a.act_type() == w.qtype().act_type());
+    let chunks = nb / chunk;
+    for c in 0..chunks {
+        let blocks = c * chunk..(c + 1) * chunk;
+        let mut res = [[0f32; TILE_TOKENS]; TILE_ROWS];
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 | Isa::Avx512Vnni => {
+                assert!(best_isa() != Isa::Scalar && (isa == Isa::Avx2 || best_isa() == isa));
+                // SAFETY: the features each path needs were detected above.
+                unsafe { x86::dispatch_tile(isa, w, r0, a, tok0, blocks, &mut res) }
+            }
+            _ => {
+                for (i, res) in res.iter_mut().enumerate() {
+                    let mut four = [0f32; MAX_TOKENS];
+                    scalar(
+                        w.qtype(),
+                        w.row(r0 + i),
+                        a,
+                        tok0,
+                        TILE_TOKENS,
+                        blocks.clone(),
+                        &mut four,
+                    );
+                    res.copy_from_slice(&four[..TILE_TOKENS]);
+                }
+            }
+        }
+        for (i, res) in res.iter().enumerate() {
+            for (t, v) in res.iter().enumerate() {
+                out[(t * TILE_ROWS + i) * chunks + c] = *v;
+            }
+        }
+    }
+}
+
 /// llama.cpp's `hsum_float_8`: `((x4+x0)+(x6+x2)) + ((x5+x1)+(x7+x3))`.
 #[inline]
 fn hsum8(x: [f32; 8]) -> f32 {
@@ -207,7 +269,7 @@ fn scalar(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{Isa, QActs, QMatrix, QType, RowRef, MAX_TOKENS, QK};
+    use super::{Isa, QActs, QMatrix, QType, RowRef, MAX_TOKENS, QK, TILE_ROWS, TILE_TOKENS};
     use std::arch::x86_64::*;
     use std::ops::Range;
 
@@ -389,6 +451,83 @@ mod x86 {
                         out[i] = if Q == 1 { h + summs[i] } else { h };
                     }
                 }
+
+                /// `R` consecutive weight rows against `NT` consecutive activation rows,
+                /// blocks `b0..b1` (prefill's GEMM tile): per block each row's weights are
+                /// unpacked once and each token's activations loaded once. Every (row, token)
+                /// does exactly `run::<1>`'s float operations in the same order, so its result
+                /// has the same bits. `out[i][t]`: row `i`, token `t`.
+                ///
+                /// # Safety
+                /// As [`gemv`], with `aq`/`ad`/`asum` at the first of `NT` consecutive
+                /// activation rows of `nb` blocks each.
+                #[allow(clippy::too_many_arguments)]
+                #[target_feature(enable = $features)]
+                pub(super) unsafe fn gemm<const Q: u8, const R: usize, const NT: usize>(
+                    w: *const u8,
+                    row_bytes: usize,
+                    nb: usize,
+                    b0: usize,
+                    b1: usize,
+                    aq: *const i8,
+                    ad: *const f32,
+                    asum: *const f32,
+                    out: &mut [[f32; NT]; R],
+                ) {
+                    let qb = if Q == 2 { 32 } else { 16 };
+                    let d_off = nb * qb;
+                    let m_off = d_off + 2 * nb;
+                    let mut acc = [[_mm256_setzero_ps(); NT]; R];
+                    let mut summs = [[0f32; NT]; R];
+                    // SAFETY (all pointer reads): in bounds by the function's contract.
+                    unsafe {
+                        for b in b0..b1 {
+                            let mut qy = [_mm256_setzero_si256(); NT];
+                            let mut da = [0f32; NT];
+                            let mut sa = [0f32; NT];
+                            for t in 0..NT {
+                                let ab = t * nb + b;
+                                qy[t] = _mm256_loadu_si256(aq.add(ab * QK) as *const __m256i);
+                                da[t] = *ad.add(ab);
+                                if Q == 1 {
+                                    sa[t] = *asum.add(ab);
+                                }
+                            }
+                            for i in 0..R {
+                                let row = w.add(i * row_bytes);
+                                let wd = half_at(row.add(d_off + 2 * b));
+                                let wm = if Q == 1 {
+                                    half_at(row.add(m_off + 2 * b))
+                                } else {
+                                    0.0
+                                };
+                                let qp = row.add(b * qb);
+                                let qx = match Q {
+                                    1 => nibbles(qp),
+                                    0 => _mm256_sub_epi8(nibbles(qp), _mm256_set1_epi8(8)),
+                                    _ => _mm256_loadu_si256(qp as *const __m256i),
+                                };
+                                for t in 0..NT {
+                                    let xy = match Q {
+                                        1 => _mm256_cvtepi32_ps($us8(qx, qy[t])),
+                                        _ => mul_i8(qx, qy[t]),
+                                    };
+                                    acc[i][t] =
+                                        _mm256_fmadd_ps(_mm256_set1_ps(wd * da[t]), xy, acc[i][t]);
+                                    if Q == 1 {
+                                        summs[i][t] = wm.mul_add(sa[t], summs[i][t]);
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    for i in 0..R {
+                        for t in 0..NT {
+                            let h = hsum(acc[i][t]);
+                            out[i][t] = if Q == 1 { h + summs[i][t] } else { h };
+                        }
+                    }
+                }
             }
         };
     }
@@ -407,6 +546,60 @@ mod x86 {
 
     kernels!(avx2, "avx2,fma,f16c", us8_avx2);
     kernels!(vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", us8_vnni);
+
+    /// # Safety
+    /// The CPU must support `isa`'s features.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn dispatch_tile(
+        isa: Isa,
+        w: &QMatrix,
+        r0: usize,
+        a: &QActs,
+        tok0: usize,
+        blocks: Range<usize>,
+        out: &mut [[f32; TILE_TOKENS]; TILE_ROWS],
+    ) {
+        let qt = w.qtype();
+        let nb = w.blocks();
+        assert!(r0 + TILE_ROWS <= w.rows() && blocks.end <= nb);
+        assert!((tok0 + TILE_TOKENS) * nb <= a.d.len());
+        assert!(qt != QType::Q4_1 || (tok0 + TILE_TOKENS) * nb <= a.s.len());
+        let row_bytes = nb * qt.block_bytes();
+        let base = w.row(r0).qs.as_ptr();
+        let aq = a.qs[tok0 * nb * QK..].as_ptr();
+        let ad = a.d[tok0 * nb..].as_ptr();
+        let asum = if qt == QType::Q4_1 {
+            a.s[tok0 * nb..].as_ptr()
+        } else {
+            ad
+        };
+        let (b0, b1) = (blocks.start, blocks.end);
+        const R: usize = TILE_ROWS;
+        const T: usize = TILE_TOKENS;
+        // SAFETY: the caller checked the features; rows, tokens and blocks are in bounds
+        // (asserted above).
+        unsafe {
+            macro_rules! go {
+                ($m:ident) => {
+                    match qt {
+                        QType::Q4_0 => {
+                            $m::gemm::<0, R, T>(base, row_bytes, nb, b0, b1, aq, ad, asum, out)
+                        }
+                        QType::Q4_1 => {
+                            $m::gemm::<1, R, T>(base, row_bytes, nb, b0, b1, aq, ad, asum, out)
+                        }
+                        QType::Q8_0 => {
+                            $m::gemm::<2, R, T>(base, row_bytes, nb, b0, b1, aq, ad, asum, out)
+                        }
+                    }
+                };
+            }
+            match isa {
+                Isa::Avx512Vnni => go!(vnni),
+                _ => go!(avx2),
+            }
+        }
+    }
 
     /// # Safety
     /// The CPU must support `isa`'s features.
@@ -589,6 +782,43 @@ mod tests {
                                     want.iter().zip(got).all(|(x, y)| x.to_bits() == y.to_bits()),
                                     "{qt:?} {isa:?} chunk {chunk} row {} tok {tok}: {want:?} != {got:?}",
                                     r0 + i
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_gemm_tile_equals_one_row_at_a_time_bit_for_bit() {
+        let mut isas = vec![Isa::Scalar];
+        match detect_isa() {
+            Isa::Scalar => {}
+            Isa::Avx2 => isas.push(Isa::Avx2),
+            Isa::Avx512Vnni => isas.extend([Isa::Avx2, Isa::Avx512Vnni]),
+        }
+        for qt in TYPES {
+            let w = gguf(qt, TILE_ROWS + 3, 576, 33);
+            let a = quantize_acts(&acts(TILE_TOKENS + 2, 576), 576, qt.act_type());
+            for chunk in [18, 6, 1] {
+                let chunks = 18 / chunk;
+                for &isa in &isas {
+                    for (r0, tok0) in [(0, 0), (3, 2), (1, 1)] {
+                        let mut got = vec![0f32; TILE_ROWS * TILE_TOKENS * chunks];
+                        dot_tile(isa, &w, r0, &a, tok0, chunk, &mut got);
+                        for i in 0..TILE_ROWS {
+                            for t in 0..TILE_TOKENS {
+                                let mut want = vec![0f32; chunks];
+                                dot_chunks(isa, &w, r0 + i, &a, tok0 + t, 1, chunk, &mut want);
+                                let at = (t * TILE_ROWS + i) * chunks;
+                                let got = &got[at..at + chunks];
+                                assert!(
+                                    want.iter().zip(got).all(|(x, y)| x.to_bits() == y.to_bits()),
+                                    "{qt:?} {isa:?} chunk {chunk} row {} token {}: {want:?} != {got:?}",
+                                    r0 + i,
+                                    tok0 + t
                                 );
                             }
                         }

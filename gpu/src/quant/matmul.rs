@@ -4,7 +4,9 @@
 //! not depend on batch composition.
 
 use super::format::{quantize_acts, QActs, QMatrix};
-use super::kernels::{detect_isa, dot_chunks, dot_rows, Isa, GEMV_ROWS, MAX_TOKENS};
+use super::kernels::{
+    detect_isa, dot_chunks, dot_rows, dot_tile, Isa, GEMV_ROWS, MAX_TOKENS, TILE_ROWS, TILE_TOKENS,
+};
 use super::pool;
 
 /// Weight rows per work item: small enough for the two threads to balance a 576-row matrix,
@@ -126,12 +128,12 @@ fn run_tile(
     let chunks = w.blocks() / chunk;
     let end = ((tile + 1) * tile_rows).min(rows);
     let mut r = tile * tile_rows;
-    let mut stack = [0f32; MAX_TOKENS * STACK_CHUNKS];
+    let mut stack = [0f32; TILE_ROWS * TILE_TOKENS * STACK_CHUNKS];
     let mut heap = Vec::new();
     let res: &mut [f32] = if chunks <= STACK_CHUNKS {
         &mut stack
     } else {
-        heap.resize(MAX_TOKENS.max(GEMV_ROWS) * chunks, 0.0);
+        heap.resize((TILE_ROWS * TILE_TOKENS).max(GEMV_ROWS) * chunks, 0.0);
         &mut heap
     };
     if tokens == 1 {
@@ -146,24 +148,59 @@ fn run_tile(
             r += GEMV_ROWS;
         }
     }
-    for r in r..end {
-        let mut t0 = 0;
-        while t0 < tokens {
-            let n = (tokens - t0).min(MAX_TOKENS);
-            dot_chunks(isa, w, r, a, t0, n, chunk, &mut res[..n * chunks]);
-            for t in 0..n {
-                let dst = ((t0 + t) * rows + r) * chunks;
-                // SAFETY: (token, row r, every chunk) belongs to this tile only.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        res[t * chunks..].as_ptr(),
-                        out.0.add(dst),
-                        chunks,
-                    )
-                };
+    if tokens >= TILE_TOKENS {
+        // Prefill: tiles of rows × tokens, each row's weights unpacked once per block for
+        // all the tile's tokens.
+        let full = tokens - tokens % TILE_TOKENS;
+        while r + TILE_ROWS <= end {
+            for t0 in (0..full).step_by(TILE_TOKENS) {
+                let n = TILE_ROWS * TILE_TOKENS * chunks;
+                dot_tile(isa, w, r, a, t0, chunk, &mut res[..n]);
+                for (k, part) in res[..n].chunks(chunks).enumerate() {
+                    let (t, i) = (k / TILE_ROWS, k % TILE_ROWS);
+                    let dst = ((t0 + t) * rows + r + i) * chunks;
+                    // SAFETY: (token t0 + t, row r + i, every chunk) belongs to this tile only.
+                    unsafe { std::ptr::copy_nonoverlapping(part.as_ptr(), out.0.add(dst), chunks) };
+                }
             }
-            t0 += n;
+            for rr in r..r + TILE_ROWS {
+                rows_by_tokens(isa, w, chunk, a, full, tokens, rr, res, out);
+            }
+            r += TILE_ROWS;
         }
+    }
+    for r in r..end {
+        rows_by_tokens(isa, w, chunk, a, 0, tokens, r, res, out);
+    }
+}
+
+/// Row `r` against tokens `from..tokens`, up to four tokens per kernel call.
+#[allow(clippy::too_many_arguments)]
+fn rows_by_tokens(
+    isa: Isa,
+    w: &QMatrix,
+    chunk: usize,
+    a: &QActs,
+    from: usize,
+    tokens: usize,
+    r: usize,
+    res: &mut [f32],
+    out: &OutPtr,
+) {
+    let rows = w.rows();
+    let chunks = w.blocks() / chunk;
+    let mut t0 = from;
+    while t0 < tokens {
+        let n = (tokens - t0).min(MAX_TOKENS);
+        dot_chunks(isa, w, r, a, t0, n, chunk, &mut res[..n * chunks]);
+        for t in 0..n {
+            let dst = ((t0 + t) * rows + r) * chunks;
+            // SAFETY: (token, row r, every chunk) belongs to this tile only.
+            unsafe {
+                std::ptr::copy_nonoverlapping(res[t * chunks..].as_ptr(), out.0.add(dst), chunks)
+            };
+        }
+        t0 += n;
     }
 }
 

@@ -379,29 +379,29 @@ mod x86 {
                     }
                 }
 
-                /// `R` consecutive weight rows (starting at `w`, `row_bytes` apart) against
-                /// one activation row, blocks `b0..b1` (decode's GEMV), specialized per format
+                /// `R` consecutive weight rows against one activation row, blocks `b0..b1` of
+                /// [`Operands`] (decode's GEMV), specialized per format
                 /// (`Q`: 0 Q4_0, 1 Q4_1, 2 Q8_0). The activation block is loaded once for all
                 /// rows; each row does exactly the operations of `run::<1>` in the same order,
                 /// so its result has the same bits.
                 ///
                 /// # Safety
-                /// `w` points at `R` rows of `nb` blocks in [`QMatrix`]'s layout, `aq`/`ad`/
-                /// `asum` at an activation row of `nb` blocks (`asum` read only for Q4_1), and
-                /// `b1 <= nb`.
-                #[allow(clippy::too_many_arguments)]
+                /// `o` was built by [`Operands::new`] for `R` rows and one token.
                 #[target_feature(enable = $features)]
                 pub(super) unsafe fn gemv<const Q: u8, const R: usize>(
-                    w: *const u8,
-                    row_bytes: usize,
-                    nb: usize,
-                    b0: usize,
-                    b1: usize,
-                    aq: *const i8,
-                    ad: *const f32,
-                    asum: *const f32,
+                    o: &Operands,
                     out: &mut [f32; R],
                 ) {
+                    let Operands {
+                        base: w,
+                        row_bytes,
+                        nb,
+                        b0,
+                        b1,
+                        aq,
+                        ad,
+                        asum,
+                    } = *o;
                     let qb = if Q == 2 { 32 } else { 16 };
                     let d_off = nb * qb;
                     let m_off = d_off + 2 * nb;
@@ -459,21 +459,22 @@ mod x86 {
                 /// has the same bits. `out[i][t]`: row `i`, token `t`.
                 ///
                 /// # Safety
-                /// As [`gemv`], with `aq`/`ad`/`asum` at the first of `NT` consecutive
-                /// activation rows of `nb` blocks each.
-                #[allow(clippy::too_many_arguments)]
+                /// `o` was built by [`Operands::new`] for `R` rows and `NT` tokens.
                 #[target_feature(enable = $features)]
                 pub(super) unsafe fn gemm<const Q: u8, const R: usize, const NT: usize>(
-                    w: *const u8,
-                    row_bytes: usize,
-                    nb: usize,
-                    b0: usize,
-                    b1: usize,
-                    aq: *const i8,
-                    ad: *const f32,
-                    asum: *const f32,
+                    o: &Operands,
                     out: &mut [[f32; NT]; R],
                 ) {
+                    let Operands {
+                        base: w,
+                        row_bytes,
+                        nb,
+                        b0,
+                        b1,
+                        aq,
+                        ad,
+                        asum,
+                    } = *o;
                     let qb = if Q == 2 { 32 } else { 16 };
                     let d_off = nb * qb;
                     let m_off = d_off + 2 * nb;
@@ -547,6 +548,52 @@ mod x86 {
     kernels!(avx2, "avx2,fma,f16c", us8_avx2);
     kernels!(vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", us8_vnni);
 
+    /// Raw operands of a kernel call on rows `r0 .. r0 + rows` and activation rows
+    /// `tok0 .. tok0 + toks`, after checking that they are all in bounds.
+    #[derive(Clone, Copy)]
+    pub(super) struct Operands {
+        base: *const u8,
+        row_bytes: usize,
+        nb: usize,
+        b0: usize,
+        b1: usize,
+        aq: *const i8,
+        ad: *const f32,
+        asum: *const f32,
+    }
+
+    impl Operands {
+        fn new(
+            w: &QMatrix,
+            r0: usize,
+            rows: usize,
+            a: &QActs,
+            tok0: usize,
+            toks: usize,
+            blocks: &Range<usize>,
+        ) -> Self {
+            let (qt, nb) = (w.qtype(), w.blocks());
+            assert!(r0 + rows <= w.rows() && blocks.end <= nb);
+            assert!((tok0 + toks) * nb <= a.d.len());
+            assert!(qt != QType::Q4_1 || (tok0 + toks) * nb <= a.s.len());
+            let ad = a.d[tok0 * nb..].as_ptr();
+            Self {
+                base: w.row(r0).qs.as_ptr(),
+                row_bytes: nb * qt.block_bytes(),
+                nb,
+                b0: blocks.start,
+                b1: blocks.end,
+                aq: a.qs[tok0 * nb * QK..].as_ptr(),
+                ad,
+                asum: if qt == QType::Q4_1 {
+                    a.s[tok0 * nb..].as_ptr()
+                } else {
+                    ad
+                },
+            }
+        }
+    }
+
     /// # Safety
     /// The CPU must support `isa`'s features.
     #[allow(clippy::too_many_arguments)]
@@ -560,20 +607,7 @@ mod x86 {
         out: &mut [[f32; TILE_TOKENS]; TILE_ROWS],
     ) {
         let qt = w.qtype();
-        let nb = w.blocks();
-        assert!(r0 + TILE_ROWS <= w.rows() && blocks.end <= nb);
-        assert!((tok0 + TILE_TOKENS) * nb <= a.d.len());
-        assert!(qt != QType::Q4_1 || (tok0 + TILE_TOKENS) * nb <= a.s.len());
-        let row_bytes = nb * qt.block_bytes();
-        let base = w.row(r0).qs.as_ptr();
-        let aq = a.qs[tok0 * nb * QK..].as_ptr();
-        let ad = a.d[tok0 * nb..].as_ptr();
-        let asum = if qt == QType::Q4_1 {
-            a.s[tok0 * nb..].as_ptr()
-        } else {
-            ad
-        };
-        let (b0, b1) = (blocks.start, blocks.end);
+        let o = Operands::new(w, r0, TILE_ROWS, a, tok0, TILE_TOKENS, &blocks);
         const R: usize = TILE_ROWS;
         const T: usize = TILE_TOKENS;
         // SAFETY: the caller checked the features; rows, tokens and blocks are in bounds
@@ -582,15 +616,9 @@ mod x86 {
             macro_rules! go {
                 ($m:ident) => {
                     match qt {
-                        QType::Q4_0 => {
-                            $m::gemm::<0, R, T>(base, row_bytes, nb, b0, b1, aq, ad, asum, out)
-                        }
-                        QType::Q4_1 => {
-                            $m::gemm::<1, R, T>(base, row_bytes, nb, b0, b1, aq, ad, asum, out)
-                        }
-                        QType::Q8_0 => {
-                            $m::gemm::<2, R, T>(base, row_bytes, nb, b0, b1, aq, ad, asum, out)
-                        }
+                        QType::Q4_0 => $m::gemm::<0, R, T>(&o, out),
+                        QType::Q4_1 => $m::gemm::<1, R, T>(&o, out),
+                        QType::Q8_0 => $m::gemm::<2, R, T>(&o, out),
                     }
                 };
             }
@@ -614,34 +642,16 @@ mod x86 {
         blocks: Range<usize>,
         out: &mut [f32; R],
     ) {
-        let nb = w.blocks();
-        assert!(r0 + R <= w.rows() && blocks.end <= nb && (tok + 1) * nb <= a.d.len());
-        assert!(qt != QType::Q4_1 || (tok + 1) * nb <= a.s.len());
-        let row_bytes = nb * qt.block_bytes();
-        let base = w.row(r0).qs.as_ptr();
-        let aq = a.qs[tok * nb * QK..].as_ptr();
-        let ad = a.d[tok * nb..].as_ptr();
-        let asum = if qt == QType::Q4_1 {
-            a.s[tok * nb..].as_ptr()
-        } else {
-            ad
-        };
-        let (b0, b1) = (blocks.start, blocks.end);
+        let o = Operands::new(w, r0, R, a, tok, 1, &blocks);
         // SAFETY: the caller checked the features; the rows and blocks are in bounds
         // (asserted above).
         unsafe {
             macro_rules! go {
                 ($m:ident) => {
                     match qt {
-                        QType::Q4_0 => {
-                            $m::gemv::<0, R>(base, row_bytes, nb, b0, b1, aq, ad, asum, out)
-                        }
-                        QType::Q4_1 => {
-                            $m::gemv::<1, R>(base, row_bytes, nb, b0, b1, aq, ad, asum, out)
-                        }
-                        QType::Q8_0 => {
-                            $m::gemv::<2, R>(base, row_bytes, nb, b0, b1, aq, ad, asum, out)
-                        }
+                        QType::Q4_0 => $m::gemv::<0, R>(&o, out),
+                        QType::Q4_1 => $m::gemv::<1, R>(&o, out),
+                        QType::Q8_0 => $m::gemv::<2, R>(&o, out),
                     }
                 };
             }
@@ -756,14 +766,18 @@ mod tests {
         }
     }
 
+    /// The scalar reference and every SIMD path this CPU runs.
+    fn every_isa() -> Vec<Isa> {
+        match detect_isa() {
+            Isa::Scalar => vec![Isa::Scalar],
+            Isa::Avx2 => vec![Isa::Scalar, Isa::Avx2],
+            Isa::Avx512Vnni => vec![Isa::Scalar, Isa::Avx2, Isa::Avx512Vnni],
+        }
+    }
+
     #[test]
     fn the_multi_row_gemv_equals_one_row_at_a_time_bit_for_bit() {
-        let mut isas = vec![Isa::Scalar];
-        match detect_isa() {
-            Isa::Scalar => {}
-            Isa::Avx2 => isas.push(Isa::Avx2),
-            Isa::Avx512Vnni => isas.extend([Isa::Avx2, Isa::Avx512Vnni]),
-        }
+        let isas = every_isa();
         for qt in TYPES {
             let w = gguf(qt, 2 * GEMV_ROWS + 1, 576, 21);
             let a = quantize_acts(&acts(3, 576), 576, qt.act_type());
@@ -793,12 +807,7 @@ mod tests {
 
     #[test]
     fn the_gemm_tile_equals_one_row_at_a_time_bit_for_bit() {
-        let mut isas = vec![Isa::Scalar];
-        match detect_isa() {
-            Isa::Scalar => {}
-            Isa::Avx2 => isas.push(Isa::Avx2),
-            Isa::Avx512Vnni => isas.extend([Isa::Avx2, Isa::Avx512Vnni]),
-        }
+        let isas = every_isa();
         for qt in TYPES {
             let w = gguf(qt, TILE_ROWS + 3, 576, 33);
             let a = quantize_acts(&acts(TILE_TOKENS + 2, 576), 576, qt.act_type());

@@ -116,10 +116,9 @@ pub(crate) fn dot_rows(
     assert!(chunk > 0 && nb.is_multiple_of(chunk) && r0 + GEMV_ROWS <= w.rows());
     assert!(a.blocks() == nb && tok < a.rows() && a.act_type() == w.qtype().act_type());
     let chunks = nb / chunk;
-    let rows: [RowRef<'_>; GEMV_ROWS] = std::array::from_fn(|i| w.row(r0 + i));
     for c in 0..chunks {
         let blocks = c * chunk..(c + 1) * chunk;
-        let mut res = [0f32; GEMV_ROWS];
+        let mut res = [[0f32; 1]; GEMV_ROWS];
         match isa {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 | Isa::Avx512Vnni => {
@@ -128,15 +127,23 @@ pub(crate) fn dot_rows(
                 unsafe { x86::dispatch_rows(isa, w.qtype(), w, r0, a, tok, blocks, &mut res) }
             }
             _ => {
-                for (row, res) in rows.iter().zip(&mut res) {
+                for (i, res) in res.iter_mut().enumerate() {
                     let mut one = [0f32; MAX_TOKENS];
-                    scalar(w.qtype(), *row, a, tok, 1, blocks.clone(), &mut one);
-                    *res = one[0];
+                    scalar(
+                        w.qtype(),
+                        w.row(r0 + i),
+                        a,
+                        tok,
+                        1,
+                        blocks.clone(),
+                        &mut one,
+                    );
+                    res[0] = one[0];
                 }
             }
         }
         for (i, v) in res.iter().enumerate() {
-            out[i * chunks + c] = *v;
+            out[i * chunks + c] = v[0];
         }
     }
 }
@@ -379,81 +386,9 @@ mod x86 {
                     }
                 }
 
-                /// `R` consecutive weight rows against one activation row, blocks `b0..b1` of
-                /// [`Operands`] (decode's GEMV), specialized per format
-                /// (`Q`: 0 Q4_0, 1 Q4_1, 2 Q8_0). The activation block is loaded once for all
-                /// rows; each row does exactly the operations of `run::<1>` in the same order,
-                /// so its result has the same bits.
-                ///
-                /// # Safety
-                /// `o` was built by [`Operands::new`] for `R` rows and one token.
-                #[target_feature(enable = $features)]
-                pub(super) unsafe fn gemv<const Q: u8, const R: usize>(
-                    o: &Operands,
-                    out: &mut [f32; R],
-                ) {
-                    let Operands {
-                        base: w,
-                        row_bytes,
-                        nb,
-                        b0,
-                        b1,
-                        aq,
-                        ad,
-                        asum,
-                    } = *o;
-                    let qb = if Q == 2 { 32 } else { 16 };
-                    let d_off = nb * qb;
-                    let m_off = d_off + 2 * nb;
-                    let mut acc = [_mm256_setzero_ps(); R];
-                    let mut summs = [0f32; R];
-                    // SAFETY (all pointer reads): in bounds by the function's contract.
-                    unsafe {
-                        for b in b0..b1 {
-                            let qy = _mm256_loadu_si256(aq.add(b * QK) as *const __m256i);
-                            let da = *ad.add(b);
-                            let sa = if Q == 1 { *asum.add(b) } else { 0.0 };
-                            for i in 0..R {
-                                let row = w.add(i * row_bytes);
-                                // The rows after these (the next call's) stream in meanwhile:
-                                // each row is too short for the hardware prefetcher to learn.
-                                let ahead = row.wrapping_add(R * row_bytes);
-                                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(b * qb) as *const i8);
-                                if b == b0 {
-                                    _mm_prefetch::<_MM_HINT_T0>(
-                                        ahead.wrapping_add(d_off + 2 * b) as *const i8,
-                                    );
-                                    if Q == 1 {
-                                        _mm_prefetch::<_MM_HINT_T0>(
-                                            ahead.wrapping_add(m_off + 2 * b) as *const i8,
-                                        );
-                                    }
-                                }
-                                let wd = half_at(row.add(d_off + 2 * b));
-                                let qp = row.add(b * qb);
-                                let xy = match Q {
-                                    1 => _mm256_cvtepi32_ps($us8(nibbles(qp), qy)),
-                                    0 => mul_i8(
-                                        _mm256_sub_epi8(nibbles(qp), _mm256_set1_epi8(8)),
-                                        qy,
-                                    ),
-                                    _ => mul_i8(_mm256_loadu_si256(qp as *const __m256i), qy),
-                                };
-                                acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(wd * da), xy, acc[i]);
-                                if Q == 1 {
-                                    summs[i] = half_at(row.add(m_off + 2 * b)).mul_add(sa, summs[i]);
-                                }
-                            }
-                        }
-                    }
-                    for i in 0..R {
-                        let h = hsum(acc[i]);
-                        out[i] = if Q == 1 { h + summs[i] } else { h };
-                    }
-                }
-
                 /// `R` consecutive weight rows against `NT` consecutive activation rows,
-                /// blocks `b0..b1` (prefill's GEMM tile): per block each row's weights are
+                /// blocks `b0..b1` of [`Operands`] (prefill's GEMM tile; decode's GEMV with
+                /// `NT = 1`), specialized per format (`Q`: 0 Q4_0, 1 Q4_1, 2 Q8_0): per block each row's weights are
                 /// unpacked once and each token's activations loaded once. Every (row, token)
                 /// does exactly `run::<1>`'s float operations in the same order, so its result
                 /// has the same bits. `out[i][t]`: row `i`, token `t`.
@@ -496,6 +431,25 @@ mod x86 {
                             }
                             for i in 0..R {
                                 let row = w.add(i * row_bytes);
+                                if NT == 1 {
+                                    // Decode streams each row once: the rows after these (the
+                                    // next call's) come in meanwhile, as each row is too short
+                                    // for the hardware prefetcher to learn.
+                                    let ahead = row.wrapping_add(R * row_bytes);
+                                    _mm_prefetch::<_MM_HINT_T0>(
+                                        ahead.wrapping_add(b * qb) as *const i8
+                                    );
+                                    if b == b0 {
+                                        _mm_prefetch::<_MM_HINT_T0>(
+                                            ahead.wrapping_add(d_off + 2 * b) as *const i8,
+                                        );
+                                        if Q == 1 {
+                                            _mm_prefetch::<_MM_HINT_T0>(
+                                                ahead.wrapping_add(m_off + 2 * b) as *const i8,
+                                            );
+                                        }
+                                    }
+                                }
                                 let wd = half_at(row.add(d_off + 2 * b));
                                 let wm = if Q == 1 {
                                     half_at(row.add(m_off + 2 * b))
@@ -640,7 +594,7 @@ mod x86 {
         a: &QActs,
         tok: usize,
         blocks: Range<usize>,
-        out: &mut [f32; R],
+        out: &mut [[f32; 1]; R],
     ) {
         let o = Operands::new(w, r0, R, a, tok, 1, &blocks);
         // SAFETY: the caller checked the features; the rows and blocks are in bounds
@@ -649,9 +603,9 @@ mod x86 {
             macro_rules! go {
                 ($m:ident) => {
                     match qt {
-                        QType::Q4_0 => $m::gemv::<0, R>(&o, out),
-                        QType::Q4_1 => $m::gemv::<1, R>(&o, out),
-                        QType::Q8_0 => $m::gemv::<2, R>(&o, out),
+                        QType::Q4_0 => $m::gemm::<0, R, 1>(&o, out),
+                        QType::Q4_1 => $m::gemm::<1, R, 1>(&o, out),
+                        QType::Q8_0 => $m::gemm::<2, R, 1>(&o, out),
                     }
                 };
             }

@@ -153,14 +153,15 @@ pub(crate) const TILE_ROWS: usize = 4;
 /// See [`TILE_ROWS`].
 pub(crate) const TILE_TOKENS: usize = 4;
 
-/// Prefill's GEMM tile: weight rows `r0 .. r0 + TILE_ROWS` against activation rows
-/// `tok0 .. tok0 + TILE_TOKENS`, block range split in chunks of `chunk` blocks:
-/// `out[(t * TILE_ROWS + i) * chunks + c]` is token `t`'s partial dot product with row
-/// `r0 + i` over chunk `c`, with the same bits as [`dot_chunks`] gives it.
+/// Prefill's GEMM tiles: weight rows `r0 .. r0 + TILE_ROWS` against `groups` groups of
+/// [`TILE_TOKENS`] activation rows from `tok0`, block range split in chunks of `chunk` blocks:
+/// `out[((g * TILE_TOKENS + t) * TILE_ROWS + i) * chunks + c]` is token
+/// `tok0 + g · TILE_TOKENS + t`'s partial dot product with row `r0 + i` over chunk `c`, with
+/// the same bits as [`dot_chunks`] gives it.
 ///
 /// # Panics
-/// When the rows or tokens are out of range, `chunk` does not divide the row's blocks, or
-/// `isa` is not supported by this CPU.
+/// When the rows or tokens are out of range, `chunk` does not divide the row's blocks, `out`
+/// is too short, or `isa` is not supported by this CPU.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn dot_tile(
     isa: Isa,
@@ -168,47 +169,55 @@ pub(crate) fn dot_tile(
     r0: usize,
     a: &QActs,
     tok0: usize,
+    groups: usize,
     chunk: usize,
     out: &mut [f32],
 ) {
+    const TILE: usize = TILE_ROWS * TILE_TOKENS;
     let nb = w.blocks();
     assert!(chunk > 0 && nb.is_multiple_of(chunk) && r0 + TILE_ROWS <= w.rows());
-    assert!(a.blocks() == nb && tok0 + TILE_TOKENS <= a.rows());
+    assert!(a.blocks() == nb && tok0 + groups * TILE_TOKENS <= a.rows());
     assert!(a.act_type() == w.qtype().act_type());
     let chunks = nb / chunk;
+    assert!(out.len() >= groups * TILE * chunks);
+    let mut res = [[[0f32; TILE_TOKENS]; TILE_ROWS]; MAX_GROUPS];
     for c in 0..chunks {
         let blocks = c * chunk..(c + 1) * chunk;
-        let mut res = [[0f32; TILE_TOKENS]; TILE_ROWS];
-        match isa {
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 | Isa::Avx512Vnni => {
-                assert!(best_isa() != Isa::Scalar && (isa == Isa::Avx2 || best_isa() == isa));
-                // SAFETY: the features each path needs were detected above.
-                unsafe { x86::dispatch_tile(isa, w, r0, a, tok0, blocks, &mut res) }
-            }
-            _ => {
-                for (i, res) in res.iter_mut().enumerate() {
-                    let mut four = [0f32; MAX_TOKENS];
-                    scalar(
-                        w.qtype(),
-                        w.row(r0 + i),
-                        a,
-                        tok0,
-                        TILE_TOKENS,
-                        blocks.clone(),
-                        &mut four,
-                    );
-                    res.copy_from_slice(&four[..TILE_TOKENS]);
+        for g0 in (0..groups).step_by(MAX_GROUPS) {
+            let n = (groups - g0).min(MAX_GROUPS);
+            let t0 = tok0 + g0 * TILE_TOKENS;
+            match isa {
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx2 | Isa::Avx512Vnni => {
+                    assert!(best_isa() != Isa::Scalar && (isa == Isa::Avx2 || best_isa() == isa));
+                    // SAFETY: the features each path needs were detected above.
+                    unsafe { x86::dispatch_tile(isa, w, r0, a, t0, blocks.clone(), &mut res[..n]) }
+                }
+                _ => {
+                    for (g, res) in res[..n].iter_mut().enumerate() {
+                        for (i, res) in res.iter_mut().enumerate() {
+                            let mut four = [0f32; MAX_TOKENS];
+                            let row = w.row(r0 + i);
+                            let (qt, tok) = (w.qtype(), t0 + g * TILE_TOKENS);
+                            scalar(qt, row, a, tok, TILE_TOKENS, blocks.clone(), &mut four);
+                            res.copy_from_slice(&four[..TILE_TOKENS]);
+                        }
+                    }
                 }
             }
-        }
-        for (i, res) in res.iter().enumerate() {
-            for (t, v) in res.iter().enumerate() {
-                out[(t * TILE_ROWS + i) * chunks + c] = *v;
+            for (g, res) in res[..n].iter().enumerate() {
+                for (i, res) in res.iter().enumerate() {
+                    for (t, v) in res.iter().enumerate() {
+                        out[(((g0 + g) * TILE_TOKENS + t) * TILE_ROWS + i) * chunks + c] = *v;
+                    }
+                }
             }
         }
     }
 }
+
+/// Token groups one call of the x86 tile kernel runs.
+const MAX_GROUPS: usize = 16;
 
 /// llama.cpp's `hsum_float_8`: `((x4+x0)+(x6+x2)) + ((x5+x1)+(x7+x3))`.
 #[inline]
@@ -386,6 +395,196 @@ mod x86 {
                     }
                 }
 
+                /// [`tile`] for each group of [`TILE_TOKENS`] tokens in turn (one call: the
+                /// groups share the rows, which stay in L1).
+                ///
+                /// # Safety
+                /// `o` was built by [`Operands::new`] for `TILE_ROWS` rows and
+                /// `out.len() · TILE_TOKENS` tokens.
+                #[target_feature(enable = $features)]
+                pub(super) unsafe fn tiles<const Q: u8>(
+                    o: &Operands,
+                    out: &mut [[[f32; TILE_TOKENS]; TILE_ROWS]],
+                ) {
+                    for (g, out) in out.iter_mut().enumerate() {
+                        // SAFETY: group `g`'s tokens are among the operands'.
+                        unsafe { tile::<Q>(&o.tokens(g * TILE_TOKENS), out) }
+                    }
+                }
+
+                /// Prefill's GEMM tile: [`TILE_ROWS`] weight rows against [`TILE_TOKENS`]
+                /// activation rows, blocks `b0..b1` of [`Operands`]. Each (row, token) does
+                /// `run::<1>`'s float operations in the same order, so its result has the same
+                /// bits, but the scalar work of a block is taken out of the integer loop: the
+                /// scale products `d_w · d_a` of a span of blocks are formed eight blocks per
+                /// instruction beforehand (the inner loop broadcasts each from memory), and
+                /// the minimums' terms `Σ m_w · s_a` run as a separate pass in block order.
+                /// `out[i][t]`: row `i`, token `t`.
+                ///
+                /// # Safety
+                /// `o` was built by [`Operands::new`] for `TILE_ROWS` rows and `TILE_TOKENS`
+                /// tokens.
+                #[target_feature(enable = $features)]
+                pub(super) unsafe fn tile<const Q: u8>(
+                    o: &Operands,
+                    out: &mut [[f32; TILE_TOKENS]; TILE_ROWS],
+                ) {
+                    const R: usize = TILE_ROWS;
+                    const T: usize = TILE_TOKENS;
+                    /// Blocks whose scale products are formed per pass.
+                    const SPAN: usize = 64;
+                    let Operands {
+                        base: w,
+                        row_bytes,
+                        nb,
+                        b0,
+                        b1,
+                        aq,
+                        ad,
+                        asum,
+                    } = *o;
+                    let qb = if Q == 2 { 32 } else { 16 };
+                    let d_off = nb * qb;
+                    let m_off = d_off + 2 * nb;
+                    let mut acc = [[_mm256_setzero_ps(); T]; R];
+                    let mut dd = [[[0f32; SPAN]; T]; R];
+                    // The minimums of the span, block by block: `wm[k][i]` is row `i`'s.
+                    let mut wm = [[0f32; R]; SPAN];
+                    // The minimums' terms, one vector of the rows per token.
+                    let mut sm = [_mm_setzero_ps(); T];
+                    // SAFETY (all pointer reads): in bounds by the function's contract; the
+                    // stack arrays are indexed below `e - b ≤ SPAN`.
+                    unsafe {
+                        let mut b = b0;
+                        while b < b1 {
+                            let e = (b + SPAN).min(b1);
+                            let mut k = b;
+                            while k + 8 <= e {
+                                let mut m = [_mm256_setzero_ps(); R];
+                                for i in 0..R {
+                                    let row = w.add(i * row_bytes);
+                                    let wd = _mm256_cvtph_ps(_mm_loadu_si128(
+                                        row.add(d_off + 2 * k) as *const __m128i,
+                                    ));
+                                    for t in 0..T {
+                                        let da = _mm256_loadu_ps(ad.add(t * nb + k));
+                                        _mm256_storeu_ps(
+                                            dd[i][t].as_mut_ptr().add(k - b),
+                                            _mm256_mul_ps(wd, da),
+                                        );
+                                    }
+                                    if Q == 1 {
+                                        m[i] = _mm256_cvtph_ps(_mm_loadu_si128(
+                                            row.add(m_off + 2 * k) as *const __m128i,
+                                        ));
+                                    }
+                                }
+                                if Q == 1 {
+                                    // Rows × blocks to blocks × rows.
+                                    let t0 = _mm256_unpacklo_ps(m[0], m[1]);
+                                    let t1 = _mm256_unpackhi_ps(m[0], m[1]);
+                                    let t2 = _mm256_unpacklo_ps(m[2], m[3]);
+                                    let t3 = _mm256_unpackhi_ps(m[2], m[3]);
+                                    let c = [
+                                        _mm256_castpd_ps(_mm256_unpacklo_pd(
+                                            _mm256_castps_pd(t0),
+                                            _mm256_castps_pd(t2),
+                                        )),
+                                        _mm256_castpd_ps(_mm256_unpackhi_pd(
+                                            _mm256_castps_pd(t0),
+                                            _mm256_castps_pd(t2),
+                                        )),
+                                        _mm256_castpd_ps(_mm256_unpacklo_pd(
+                                            _mm256_castps_pd(t1),
+                                            _mm256_castps_pd(t3),
+                                        )),
+                                        _mm256_castpd_ps(_mm256_unpackhi_pd(
+                                            _mm256_castps_pd(t1),
+                                            _mm256_castps_pd(t3),
+                                        )),
+                                    ];
+                                    // `c[j]` holds blocks `k + j` (low half) and `k + 4 + j`.
+                                    for (j, c) in c.iter().enumerate() {
+                                        let at = k - b + j;
+                                        _mm_storeu_ps(
+                                            wm[at].as_mut_ptr(),
+                                            _mm256_castps256_ps128(*c),
+                                        );
+                                        _mm_storeu_ps(
+                                            wm[at + 4].as_mut_ptr(),
+                                            _mm256_extractf128_ps(*c, 1),
+                                        );
+                                    }
+                                }
+                                k += 8;
+                            }
+                            for k in k..e {
+                                for i in 0..R {
+                                    let row = w.add(i * row_bytes);
+                                    let wd = half_at(row.add(d_off + 2 * k));
+                                    for t in 0..T {
+                                        dd[i][t][k - b] = wd * *ad.add(t * nb + k);
+                                    }
+                                    if Q == 1 {
+                                        wm[k - b][i] = half_at(row.add(m_off + 2 * k));
+                                    }
+                                }
+                            }
+                            if Q == 1 {
+                                for k in b..e {
+                                    let m = _mm_loadu_ps(wm.get_unchecked(k - b).as_ptr());
+                                    for t in 0..T {
+                                        sm[t] = _mm_fmadd_ps(
+                                            m,
+                                            _mm_set1_ps(*asum.add(t * nb + k)),
+                                            sm[t],
+                                        );
+                                    }
+                                }
+                            }
+                            for k in b..e {
+                                let mut qy = [_mm256_setzero_si256(); T];
+                                for t in 0..T {
+                                    qy[t] = _mm256_loadu_si256(
+                                        aq.add((t * nb + k) * QK) as *const __m256i
+                                    );
+                                }
+                                for i in 0..R {
+                                    let qp = w.add(i * row_bytes + k * qb);
+                                    let qx = match Q {
+                                        1 => nibbles(qp),
+                                        0 => _mm256_sub_epi8(nibbles(qp), _mm256_set1_epi8(8)),
+                                        _ => _mm256_loadu_si256(qp as *const __m256i),
+                                    };
+                                    for t in 0..T {
+                                        let xy = match Q {
+                                            1 => _mm256_cvtepi32_ps($us8(qx, qy[t])),
+                                            _ => mul_i8(qx, qy[t]),
+                                        };
+                                        acc[i][t] = _mm256_fmadd_ps(
+                                            _mm256_set1_ps(*dd[i][t].get_unchecked(k - b)),
+                                            xy,
+                                            acc[i][t],
+                                        );
+                                    }
+                                }
+                            }
+                            b = e;
+                        }
+                    }
+                    let mut summs = [[0f32; R]; T];
+                    for t in 0..T {
+                        // SAFETY: four floats into four.
+                        unsafe { _mm_storeu_ps(summs[t].as_mut_ptr(), sm[t]) };
+                    }
+                    for i in 0..R {
+                        for t in 0..T {
+                            let h = hsum(acc[i][t]);
+                            out[i][t] = if Q == 1 { h + summs[t][i] } else { h };
+                        }
+                    }
+                }
+
                 /// `R` consecutive weight rows against `NT` consecutive activation rows,
                 /// blocks `b0..b1` of [`Operands`] (prefill's GEMM tile; decode's GEMV with
                 /// `NT = 1`), specialized per format (`Q`: 0 Q4_0, 1 Q4_1, 2 Q8_0): per block each row's weights are
@@ -517,6 +716,17 @@ mod x86 {
     }
 
     impl Operands {
+        /// The same operands from their `t`-th token on.
+        fn tokens(&self, t: usize) -> Self {
+            let ab = t * self.nb;
+            Self {
+                aq: self.aq.wrapping_add(ab * QK),
+                ad: self.ad.wrapping_add(ab),
+                asum: self.asum.wrapping_add(ab),
+                ..*self
+            }
+        }
+
         fn new(
             w: &QMatrix,
             r0: usize,
@@ -558,21 +768,20 @@ mod x86 {
         a: &QActs,
         tok0: usize,
         blocks: Range<usize>,
-        out: &mut [[f32; TILE_TOKENS]; TILE_ROWS],
+        out: &mut [[[f32; TILE_TOKENS]; TILE_ROWS]],
     ) {
         let qt = w.qtype();
-        let o = Operands::new(w, r0, TILE_ROWS, a, tok0, TILE_TOKENS, &blocks);
-        const R: usize = TILE_ROWS;
-        const T: usize = TILE_TOKENS;
+        let toks = out.len() * TILE_TOKENS;
+        let o = Operands::new(w, r0, TILE_ROWS, a, tok0, toks, &blocks);
         // SAFETY: the caller checked the features; rows, tokens and blocks are in bounds
         // (asserted above).
         unsafe {
             macro_rules! go {
                 ($m:ident) => {
                     match qt {
-                        QType::Q4_0 => $m::gemm::<0, R, T>(&o, out),
-                        QType::Q4_1 => $m::gemm::<1, R, T>(&o, out),
-                        QType::Q8_0 => $m::gemm::<2, R, T>(&o, out),
+                        QType::Q4_0 => $m::tiles::<0>(&o, out),
+                        QType::Q4_1 => $m::tiles::<1>(&o, out),
+                        QType::Q8_0 => $m::tiles::<2>(&o, out),
                     }
                 };
             }
@@ -762,28 +971,34 @@ mod tests {
     #[test]
     fn the_gemm_tile_equals_one_row_at_a_time_bit_for_bit() {
         let isas = every_isa();
-        for qt in TYPES {
-            let w = gguf(qt, TILE_ROWS + 3, 576, 33);
-            let a = quantize_acts(&acts(TILE_TOKENS + 2, 576), 576, qt.act_type());
-            for chunk in [18, 6, 1] {
-                let chunks = 18 / chunk;
-                for &isa in &isas {
-                    for (r0, tok0) in [(0, 0), (3, 2), (1, 1)] {
-                        let mut got = vec![0f32; TILE_ROWS * TILE_TOKENS * chunks];
-                        dot_tile(isa, &w, r0, &a, tok0, chunk, &mut got);
-                        for i in 0..TILE_ROWS {
-                            for t in 0..TILE_TOKENS {
-                                let mut want = vec![0f32; chunks];
-                                dot_chunks(isa, &w, r0 + i, &a, tok0 + t, 1, chunk, &mut want);
-                                let at = (t * TILE_ROWS + i) * chunks;
-                                let got = &got[at..at + chunks];
-                                assert!(
-                                    want.iter().zip(got).all(|(x, y)| x.to_bits() == y.to_bits()),
-                                    "{qt:?} {isa:?} chunk {chunk} row {} token {}: {want:?} != {got:?}",
-                                    r0 + i,
-                                    tok0 + t
-                                );
-                            }
+        // 18 blocks: one span of scale products with a tail of 2; 139 blocks: spans of
+        // 64, 64 and 11. 17 token groups: more than one x86 call takes.
+        for (qt, nb, chunk) in TYPES
+            .iter()
+            .flat_map(|&qt| [(18, 18), (18, 6), (18, 1), (139, 139)].map(|(nb, c)| (qt, nb, c)))
+        {
+            let cols = nb * QK;
+            let w = gguf(qt, TILE_ROWS + 3, cols, 33);
+            let a = quantize_acts(&acts(TILE_TOKENS * 17 + 2, cols), cols, qt.act_type());
+            let chunks = nb / chunk;
+            for &isa in &isas {
+                for (r0, tok0, groups) in [(0, 0, 1), (3, 2, 3), (1, 1, 17)] {
+                    let mut got = vec![0f32; groups * TILE_ROWS * TILE_TOKENS * chunks];
+                    dot_tile(isa, &w, r0, &a, tok0, groups, chunk, &mut got);
+                    for i in 0..TILE_ROWS {
+                        for t in 0..groups * TILE_TOKENS {
+                            let mut want = vec![0f32; chunks];
+                            dot_chunks(isa, &w, r0 + i, &a, tok0 + t, 1, chunk, &mut want);
+                            let at = (t * TILE_ROWS + i) * chunks;
+                            let got = &got[at..at + chunks];
+                            assert!(
+                                want.iter()
+                                    .zip(got)
+                                    .all(|(x, y)| x.to_bits() == y.to_bits()),
+                                "{qt:?} {isa:?} chunk {chunk} row {} token {}: {want:?} != {got:?}",
+                                r0 + i,
+                                tok0 + t
+                            );
                         }
                     }
                 }

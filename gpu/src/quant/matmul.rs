@@ -25,7 +25,11 @@ fn gemv_tile(rows: usize, threads: usize) -> usize {
 }
 
 /// Most chunks per row a work item keeps on its stack.
-const STACK_CHUNKS: usize = 64;
+const STACK_CHUNKS: usize = 16;
+
+/// Token groups of [`TILE_TOKENS`] per prefill kernel call (the call's rows stay in L1 while
+/// it runs them all).
+const TILE_GROUPS: usize = 8;
 
 struct OutPtr(*mut f32);
 // SAFETY: items write disjoint index sets of the output (see `run_tile`).
@@ -128,12 +132,12 @@ fn run_tile(
     let chunks = w.blocks() / chunk;
     let end = ((tile + 1) * tile_rows).min(rows);
     let mut r = tile * tile_rows;
-    let mut stack = [0f32; TILE_ROWS * TILE_TOKENS * STACK_CHUNKS];
+    let mut stack = [0f32; TILE_ROWS * TILE_TOKENS * TILE_GROUPS * STACK_CHUNKS];
     let mut heap = Vec::new();
     let res: &mut [f32] = if chunks <= STACK_CHUNKS {
         &mut stack
     } else {
-        heap.resize((TILE_ROWS * TILE_TOKENS).max(GEMV_ROWS) * chunks, 0.0);
+        heap.resize(TILE_ROWS * TILE_TOKENS * TILE_GROUPS * chunks, 0.0);
         &mut heap
     };
     if tokens == 1 {
@@ -153,9 +157,10 @@ fn run_tile(
         // all the tile's tokens.
         let full = tokens - tokens % TILE_TOKENS;
         while r + TILE_ROWS <= end {
-            for t0 in (0..full).step_by(TILE_TOKENS) {
-                let n = TILE_ROWS * TILE_TOKENS * chunks;
-                dot_tile(isa, w, r, a, t0, chunk, &mut res[..n]);
+            for t0 in (0..full).step_by(TILE_TOKENS * TILE_GROUPS) {
+                let groups = ((full - t0) / TILE_TOKENS).min(TILE_GROUPS);
+                let n = groups * TILE_ROWS * TILE_TOKENS * chunks;
+                dot_tile(isa, w, r, a, t0, groups, chunk, &mut res[..n]);
                 for (k, part) in res[..n].chunks(chunks).enumerate() {
                     let (t, i) = (k / TILE_ROWS, k % TILE_ROWS);
                     let dst = ((t0 + t) * rows + r + i) * chunks;

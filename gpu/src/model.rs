@@ -11,7 +11,7 @@
 use crate::collective::Collective;
 use crate::config::{ModelConfig, RopeStyle};
 use crate::kv::{HeadBlock, KvCache, KvKind};
-use crate::quant::{self, QMatrix, QType, QK};
+use crate::quant::{self, QMatrix, QType};
 use crate::weights::{concat_rows, convert, slice_cols, slice_rows, TensorStore, WeightFormat};
 use crate::{ModelError, Result};
 use candle_core::quantized::{QMatMul, QTensor};
@@ -47,7 +47,7 @@ impl Batch {
 }
 
 /// A matmul weight. In [`WeightFormat::Native`] the block formats [`crate::quant`] runs (Q4_0,
-/// Q4_1, Q8_0) are on this crate's llama.cpp-exact kernels; everything else, and every weight
+/// Q4_1, Q8_0, Q4_K, Q6_K) are on this crate's llama.cpp-exact kernels; everything else, and every weight
 /// in the other formats (the default requantizes to Q8_0), is on candle's kernels (VNNI-packed
 /// for Q8_0, the fastest CPU path).
 enum LinearWeight {
@@ -194,7 +194,8 @@ impl Linear {
     ) -> Result<Vec<f32>> {
         let q = match &self.weight {
             LinearWeight::Quant(q)
-                if chunk.is_multiple_of(QK) && q.cols().is_multiple_of(chunk) =>
+                if chunk.is_multiple_of(q.qtype().block_elems())
+                    && q.cols().is_multiple_of(chunk) =>
             {
                 q
             }
@@ -205,7 +206,7 @@ impl Linear {
             }
         };
         let per_rank = q.cols() / chunk;
-        let parts = quant::matmul_chunked(q, x, rows, chunk / QK);
+        let parts = quant::matmul_chunked(q, x, rows, chunk / q.qtype().block_elems());
         let gathered = if comm.size() > 1 {
             comm.all_gather(&parts)?
         } else {
@@ -392,7 +393,7 @@ pub struct ModelShard {
     /// Input columns per reduction chunk of the attention output and down projections (see
     /// [`Linear::forward_row_parallel`]).
     reduce_chunks: (usize, usize),
-    /// [`WeightFormat::Native`]: the weights (Q4_0/Q4_1/Q8_0) are on [`crate::quant`]'s
+    /// [`WeightFormat::Native`]: the weights (Q4_0/Q4_1/Q8_0/Q4_K/Q6_K) are on [`crate::quant`]'s
     /// kernels, and so is attention's thread pool; otherwise both are candle's.
     native: bool,
 }

@@ -1,10 +1,12 @@
 //! Quantized CPU matmul kernels on GGUF's own block formats, with llama.cpp's numerics.
 //!
-//! Weights stay in the file's format (Q4_0, Q4_1, Q8_0: no requantization); only their layout
-//! changes at load, from GGUF's array of blocks to one structure of arrays per row (all the
-//! quants of a row, then its f16 scales, then its f16 minimums), the same bytes. Activations
-//! are quantized once per token row to the type llama.cpp pairs with the weight type (Q8_1 for
-//! Q4_1, Q8_0 for Q4_0 and Q8_0), exactly as llama.cpp's AVX2 `quantize_row_q8_*` does.
+//! Weights stay in the file's format (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K: no requantization). The
+//! 32-element formats change layout at load, from GGUF's array of blocks to one structure of
+//! arrays per row (all the quants of a row, then its f16 scales, then its f16 minimums), the
+//! same bytes; the k-quants keep GGUF's 256-element super-blocks as they are. Activations are
+//! quantized once per token row to the type llama.cpp pairs with the weight type (Q8_1 for
+//! Q4_1, Q8_0 for Q4_0 and Q8_0, Q8_K for Q4_K and Q6_K), exactly as llama.cpp's AVX2
+//! `quantize_row_q8_*` (Q8_K: `quantize_row_q8_K_ref`, what its x86 build runs) does.
 //!
 //! A dot product follows llama.cpp's AVX2 `ggml_vec_dot_*` operation for operation: per
 //! 32-element block, eight integer lanes of four products each, converted to f32 and
@@ -13,6 +15,15 @@
 //! The [`Isa::Scalar`] path does exactly those float operations lane by lane, so the AVX2 and
 //! AVX-512 VNNI paths (which differ only in how they form the exact integer lane sums) equal
 //! it bit for bit.
+//!
+//! Q4_K and Q6_K follow `ggml_vec_dot_q4_K_q8_K` / `ggml_vec_dot_q6_K_q8_K` the same way, per
+//! 256-element super-block: eight i32 lanes of scale-weighted sub-block sums (Q6_K's `−32`
+//! offset taken out with the activation `bsums`), one fused multiply-add by `d_w · d_a` per
+//! lane, and (Q4_K) four lanes of the minimums' term `Σ mins · bsums`, fused-multiply-added by
+//! `−d_a · dmin_w` and summed after the main lanes (`kquants` module docs). Their reduction
+//! chunks (the `chunk` of [`matmul_chunked`]) count whole super-blocks. (llama.cpp itself
+//! repacks Q4_K into 8-row interleaved blocks on AVX2 CPUs unless run with `--no-repack`; that
+//! kernel's float order differs.)
 //!
 //! Decode's single-token matmuls (GEMV) run four weight rows per kernel call, sharing each
 //! activation block, with software prefetch of the next rows (a row of the default model is
@@ -25,9 +36,10 @@
 
 mod format;
 mod kernels;
+mod kquants;
 mod matmul;
 pub mod pool;
 
-pub use format::{dequantize_row, quantize_acts, ActType, QActs, QMatrix, QType, QK};
+pub use format::{dequantize_row, quantize_acts, ActType, QActs, QMatrix, QType, QK, QK_K};
 pub use kernels::{detect_isa, dot_chunks, Isa};
 pub use matmul::{matmul, matmul_chunked, matmul_many};

@@ -128,6 +128,71 @@ fn default_model_tp_1_and_3_give_identical_greedy_tokens() {
     assert!(!a[0].text.trim().is_empty());
 }
 
+/// `model.weights = native` on a GGUF of Q4_K (or Q6_K) weights: pdserve's k-quant kernels,
+/// whose row-parallel reduction chunks (here 256 and 512 columns: whole super-blocks) make 2
+/// ranks give exactly the logits and tokens of 1, and stay close to the f32 model.
+#[test]
+fn native_k_quants_give_identical_logits_at_tp_1_and_2() {
+    let shape = "tiny,layers=2,heads=4,kv_heads=2,head_dim=128,hidden=512,ffn=1024";
+    let spec = SyntheticSpec::parse(shape).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let ps = prompts(259);
+    let reference = run(&mut engine(synthetic(shape), 1), &ps, 8);
+    for dtype in [GgmlDType::Q4K, GgmlDType::Q6K] {
+        let path = dir.path().join(format!("m-{dtype:?}.gguf"));
+        write_gguf(&spec, &path, dtype).unwrap();
+        let native = |tp| {
+            Engine::new(
+                load_model(&ModelSource::Path(path.clone())).unwrap(),
+                EngineOptions {
+                    tp,
+                    num_blocks: Some(256),
+                    format: WeightFormat::Native,
+                    ..Default::default()
+                },
+            )
+            .unwrap()
+        };
+        let logits = |e: &Engine, p: &[u32]| {
+            let batch = Batch {
+                seqs: vec![SeqChunk {
+                    tokens: p.to_vec(),
+                    start_pos: 0,
+                    block_table: (0..p.len().div_ceil(16) as u32).collect(),
+                    want_logits: true,
+                }],
+            };
+            e.group().step(batch).unwrap().remove(0)
+        };
+        let mut one = native(1);
+        let l1: Vec<Vec<f32>> = ps.iter().map(|p| logits(&one, p)).collect();
+        let a = run(&mut one, &ps, 8);
+        drop(one);
+        let mut two = native(2);
+        for (p, l1) in ps.iter().zip(&l1) {
+            let l2 = logits(&two, p);
+            assert!(
+                l1.iter().zip(&l2).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{dtype:?}"
+            );
+        }
+        let b = run(&mut two, &ps, 8);
+        for (x, y) in a.iter().zip(&b) {
+            assert_eq!(x.tokens, y.tokens, "{dtype:?}");
+        }
+        let agree = reference
+            .iter()
+            .zip(&a)
+            .filter(|(r, x)| r.tokens[0] == x.tokens[0])
+            .count();
+        assert!(
+            agree >= ps.len() / 2,
+            "{dtype:?}: {agree}/{} agree",
+            ps.len()
+        );
+    }
+}
+
 #[test]
 fn tp_must_divide_kv_heads() {
     let err = Engine::new(

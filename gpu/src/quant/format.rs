@@ -1,10 +1,13 @@
-//! Block formats: weights (Q4_0, Q4_1, Q8_0) in a per-row structure of arrays, activations
-//! quantized per row to Q8_0 / Q8_1.
+//! Block formats: weights (Q4_0, Q4_1, Q8_0 in a per-row structure of arrays; Q4_K, Q6_K in
+//! GGUF's own super-blocks), activations quantized per row to Q8_0 / Q8_1 / Q8_K.
 
 use half::f16;
 
-/// Elements per quantization block (all the formats here).
+/// Elements per quantization block of Q4_0, Q4_1, Q8_0 and their activations.
 pub const QK: usize = 32;
+
+/// Elements per super-block of the k-quants (Q4_K, Q6_K) and their activations (Q8_K).
+pub const QK_K: usize = 256;
 
 /// A weight block format this module runs natively.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -15,6 +18,14 @@ pub enum QType {
     Q4_1,
     /// `d: f16, qs: [i8; 32]`, value `q · d`.
     Q8_0,
+    /// 256-element super-block `d: f16, dmin: f16, scales: [u8; 12], qs: [u8; 128]`: eight
+    /// 32-element sub-blocks with 6-bit scales `sc` and minimums `m` packed in `scales`, value
+    /// `d · sc · q − dmin · m` (sub-blocks 2j and 2j+1 are the low and high nibbles of
+    /// `qs[32j..32j + 32]`).
+    Q4K,
+    /// 256-element super-block `ql: [u8; 128], qh: [u8; 64], scales: [i8; 16], d: f16`:
+    /// sixteen 16-element sub-blocks with 8-bit scales, 6-bit quants, value `d · sc · (q − 32)`.
+    Q6K,
 }
 
 impl QType {
@@ -24,14 +35,32 @@ impl QType {
             QType::Q4_0 => 18,
             QType::Q4_1 => 20,
             QType::Q8_0 => 34,
+            QType::Q4K => 144,
+            QType::Q6K => 210,
         }
     }
 
-    /// Bytes of quants in one block.
+    /// Elements per block: [`QK`], or [`QK_K`] for the k-quants.
+    pub fn block_elems(self) -> usize {
+        if self.is_k_quant() {
+            QK_K
+        } else {
+            QK
+        }
+    }
+
+    /// Whether this is a 256-element super-block format (Q4_K, Q6_K).
+    pub fn is_k_quant(self) -> bool {
+        matches!(self, QType::Q4K | QType::Q6K)
+    }
+
+    /// Bytes of quants in one block (Q6_K: `ql` and `qh`).
     pub fn quant_bytes(self) -> usize {
         match self {
             QType::Q4_0 | QType::Q4_1 => 16,
             QType::Q8_0 => 32,
+            QType::Q4K => 128,
+            QType::Q6K => 192,
         }
     }
 
@@ -40,6 +69,7 @@ impl QType {
         match self {
             QType::Q4_1 => ActType::Q8_1,
             QType::Q4_0 | QType::Q8_0 => ActType::Q8_0,
+            QType::Q4K | QType::Q6K => ActType::Q8K,
         }
     }
 
@@ -50,13 +80,17 @@ impl QType {
             G::Q4_0 => Some(QType::Q4_0),
             G::Q4_1 => Some(QType::Q4_1),
             G::Q8_0 => Some(QType::Q8_0),
+            G::Q4K => Some(QType::Q4K),
+            G::Q6K => Some(QType::Q6K),
             _ => None,
         }
     }
 }
 
-/// A quantized weight matrix `[rows, cols]`, each row laid out as: all its quants
-/// (`blocks × quant_bytes`), then its scales (`blocks × f16`), then (Q4_1) its minimums.
+/// A quantized weight matrix `[rows, cols]`. Each row of Q4_0 / Q4_1 / Q8_0 is laid out as:
+/// all its quants (`blocks × quant_bytes`), then its scales (`blocks × f16`), then (Q4_1) its
+/// minimums. A k-quant row keeps GGUF's own array of super-blocks (a super-block is 144 or
+/// 210 bytes, read whole by a kernel, so there is nothing to gain by splitting it).
 #[derive(Clone, Debug)]
 pub struct QMatrix {
     qtype: QType,
@@ -66,12 +100,21 @@ pub struct QMatrix {
 }
 
 impl QMatrix {
-    /// Rebuilds GGUF's row-major array of blocks (`rows · cols / 32` blocks) into the per-row
-    /// layout. Returns `None` when `cols` is not a whole number of blocks or the byte count
-    /// does not match.
+    /// Rebuilds GGUF's row-major array of blocks (`rows · cols / block_elems` blocks) into the
+    /// per-row layout (the same bytes). Returns `None` when `cols` is not a whole number of
+    /// blocks (for the k-quants: of 256-element super-blocks) or the byte count does not match.
     pub fn from_gguf(qtype: QType, rows: usize, cols: usize, bytes: &[u8]) -> Option<Self> {
-        if !cols.is_multiple_of(QK) || bytes.len() != rows * cols / QK * qtype.block_bytes() {
+        let be = qtype.block_elems();
+        if !cols.is_multiple_of(be) || bytes.len() != rows * cols / be * qtype.block_bytes() {
             return None;
+        }
+        if qtype.is_k_quant() {
+            return Some(Self {
+                qtype,
+                rows,
+                cols,
+                data: bytes.to_vec(),
+            });
         }
         let nb = cols / QK;
         let (bb, qb) = (qtype.block_bytes(), qtype.quant_bytes());
@@ -122,17 +165,27 @@ impl QMatrix {
         self.data.len()
     }
 
-    /// Blocks per row.
+    /// Blocks per row (super-blocks for the k-quants).
     pub fn blocks(&self) -> usize {
-        self.cols / QK
+        self.cols / self.qtype.block_elems()
+    }
+
+    /// Bytes of one row.
+    pub(crate) fn row_bytes(&self) -> usize {
+        self.blocks() * self.qtype.block_bytes()
+    }
+
+    /// Row `r`'s bytes (for the k-quants: its super-blocks).
+    #[inline]
+    pub(crate) fn row_data(&self, r: usize) -> &[u8] {
+        &self.data[r * self.row_bytes()..(r + 1) * self.row_bytes()]
     }
 
     /// Row `r`'s quants, scales (f16 bits) and minimums (f16 bits; empty unless Q4_1).
     #[inline]
     pub(crate) fn row(&self, r: usize) -> RowRef<'_> {
         let nb = self.blocks();
-        let row =
-            &self.data[r * nb * self.qtype.block_bytes()..(r + 1) * nb * self.qtype.block_bytes()];
+        let row = self.row_data(r);
         let (qs, rest) = row.split_at(nb * self.qtype.quant_bytes());
         let (d, m) = rest.split_at(nb * 2);
         RowRef { qs, d, m }
@@ -160,8 +213,30 @@ impl RowRef<'_> {
     }
 }
 
-/// Row `r` of a weight matrix as f32 (embedding lookups, tests).
+/// Q4_K's eight 6-bit scales and eight 6-bit minimums from its 12 packed bytes, unpacked as
+/// llama.cpp's AVX2 `ggml_vec_dot_q4_K_q8_K` does (the same values as `get_scale_min_k4`).
+#[inline]
+pub(crate) fn q4k_scales_mins(packed: &[u8]) -> ([u8; 8], [u8; 8]) {
+    const KMASK1: u32 = 0x3f3f3f3f;
+    const KMASK2: u32 = 0x0f0f0f0f;
+    const KMASK3: u32 = 0x03030303;
+    let word = |i: usize| u32::from_le_bytes(packed[4 * i..4 * i + 4].try_into().unwrap());
+    let (u0, u1, u2) = (word(0), word(1), word(2));
+    let u3 = ((u2 >> 4) & KMASK2) | (((u1 >> 6) & KMASK3) << 4);
+    let scales =
+        ((u0 & KMASK1) as u64) | (((u2 & KMASK2) | (((u0 >> 6) & KMASK3) << 4)) as u64) << 32;
+    let mins = ((u1 & KMASK1) as u64) | (u3 as u64) << 32;
+    (scales.to_le_bytes(), mins.to_le_bytes())
+}
+
+/// Row `r` of a weight matrix as f32 (embedding lookups, tests). The k-quants are expanded
+/// with llama.cpp's `dequantize_row_q4_K` / `dequantize_row_q6_K` float operations.
 pub fn dequantize_row(w: &QMatrix, r: usize, out: &mut [f32]) {
+    match w.qtype {
+        QType::Q4K => return dequantize_q4k(w.row_data(r), out),
+        QType::Q6K => return dequantize_q6k(w.row_data(r), out),
+        _ => {}
+    }
     let row = w.row(r);
     for b in 0..w.blocks() {
         let d = row.d(b);
@@ -185,6 +260,47 @@ pub fn dequantize_row(w: &QMatrix, r: usize, out: &mut [f32]) {
                     o[j + 16] = hi as f32 * d + m;
                 }
             }
+            QType::Q4K | QType::Q6K => unreachable!("handled above"),
+        }
+    }
+}
+
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+}
+
+fn dequantize_q4k(row: &[u8], out: &mut [f32]) {
+    for (blk, y) in row.chunks_exact(144).zip(out.chunks_exact_mut(QK_K)) {
+        let (d, dmin) = (f16_at(blk, 0), f16_at(blk, 2));
+        let (sc, mn) = q4k_scales_mins(&blk[4..16]);
+        for j in 0..4 {
+            let qs = &blk[16 + 32 * j..16 + 32 * j + 32];
+            let (d1, m1) = (d * sc[2 * j] as f32, dmin * mn[2 * j] as f32);
+            let (d2, m2) = (d * sc[2 * j + 1] as f32, dmin * mn[2 * j + 1] as f32);
+            for (l, &q) in qs.iter().enumerate() {
+                y[64 * j + l] = d1 * (q & 0x0f) as f32 - m1;
+                y[64 * j + 32 + l] = d2 * (q >> 4) as f32 - m2;
+            }
+        }
+    }
+}
+
+/// Q6_K super-block element `e`'s 6-bit quant (0..64), from `ql` (128 bytes) and `qh` (64).
+#[inline]
+pub(crate) fn q6k_quant(ql: &[u8], qh: &[u8], e: usize) -> u8 {
+    let (half, group, l) = (e / 128, e % 128 / 32, e % 32);
+    let lo = ql[64 * half + 32 * (group & 1) + l] >> (4 * (group >> 1)) & 0x0f;
+    let hi = qh[32 * half + l] >> (2 * group) & 3;
+    lo | hi << 4
+}
+
+fn dequantize_q6k(row: &[u8], out: &mut [f32]) {
+    for (blk, y) in row.chunks_exact(210).zip(out.chunks_exact_mut(QK_K)) {
+        let (ql, qh) = (&blk[..128], &blk[128..192]);
+        let d = f16_at(blk, 208);
+        for (e, y) in y.iter_mut().enumerate() {
+            let sc = blk[192 + e / 16] as i8;
+            *y = d * sc as f32 * (q6k_quant(ql, qh, e) as i32 - 32) as f32;
         }
     }
 }
@@ -196,16 +312,30 @@ pub enum ActType {
     Q8_0,
     /// `d`, `s = d · Σq`, 32 × i8.
     Q8_1,
+    /// 256-element super-block: `d` (f32), 256 × i8, and `bsums`: the sums of each 16 quants.
+    Q8K,
 }
 
-/// Token rows of activations quantized to [`ActType`]: per block a scale `d` and (Q8_1) the
-/// sum term `s`, both already rounded through f16 as llama.cpp stores them, and 32 quants.
+impl ActType {
+    /// Elements per block.
+    pub fn block_elems(self) -> usize {
+        match self {
+            ActType::Q8K => QK_K,
+            ActType::Q8_0 | ActType::Q8_1 => QK,
+        }
+    }
+}
+
+/// Token rows of activations quantized to [`ActType`]: per block a scale `d` (Q8_0, Q8_1:
+/// already rounded through f16 as llama.cpp stores it), (Q8_1) the sum term `s`, (Q8_K) the
+/// 16 `bsums`, and the quants.
 #[derive(Clone, Debug)]
 pub struct QActs {
     act: ActType,
     cols: usize,
     pub(crate) d: Vec<f32>,
     pub(crate) s: Vec<f32>,
+    pub(crate) bsums: Vec<i16>,
     pub(crate) qs: Vec<i8>,
 }
 
@@ -220,19 +350,25 @@ impl QActs {
     }
     /// Blocks per row.
     pub fn blocks(&self) -> usize {
-        self.cols / QK
+        self.cols / self.act.block_elems()
     }
 }
 
-/// Quantizes `x` (`rows × cols`, row-major; `cols` a multiple of 32) block by block as
+/// Quantizes `x` (`rows × cols`, row-major; `cols` a whole number of blocks) block by block as
 /// llama.cpp's AVX2 `quantize_row_q8_0` / `quantize_row_q8_1` do: `amax = max |x|`,
 /// `d = amax / 127`, `q = round_half_even(x · (127 / amax))`, `s = d · Σq`, with `d` and `s`
-/// stored as f16.
+/// stored as f16. Q8_K follows llama.cpp's `quantize_row_q8_K_ref` (what its x86 build
+/// runs): per 256 elements `iscale = −127 / max` (`max` the first element of largest
+/// magnitude), `q = min(127, round_half_even(iscale · x))`, `d = 1 / iscale` kept in f32, and
+/// `bsums` the sums of each 16 quants.
 ///
 /// # Panics
-/// When `cols` is not a multiple of 32 or `x.len()` of `cols`.
+/// When `cols` is not a multiple of the block size or `x.len()` of `cols`.
 pub fn quantize_acts(x: &[f32], cols: usize, act: ActType) -> QActs {
-    assert!(cols.is_multiple_of(QK) && x.len().is_multiple_of(cols.max(1)));
+    assert!(cols.is_multiple_of(act.block_elems()) && x.len().is_multiple_of(cols.max(1)));
+    if act == ActType::Q8K {
+        return quantize_q8k(x, cols);
+    }
     let nblocks = x.len() / QK;
     let mut d = Vec::with_capacity(nblocks);
     let mut s = Vec::with_capacity(if act == ActType::Q8_1 { nblocks } else { 0 });
@@ -258,6 +394,45 @@ pub fn quantize_acts(x: &[f32], cols: usize, act: ActType) -> QActs {
         cols,
         d,
         s,
+        bsums: Vec::new(),
+        qs,
+    }
+}
+
+/// Q8_K as [`quantize_acts`] describes it; an all-zero super-block is all zeros.
+fn quantize_q8k(x: &[f32], cols: usize) -> QActs {
+    let nblocks = x.len() / QK_K;
+    let mut d = Vec::with_capacity(nblocks);
+    let mut bsums = Vec::with_capacity(nblocks * QK_K / 16);
+    let mut qs = vec![0i8; x.len()];
+    for (blk, q) in x.chunks_exact(QK_K).zip(qs.chunks_exact_mut(QK_K)) {
+        let (mut max, mut amax) = (0f32, 0f32);
+        for &v in blk {
+            if v.abs() > amax {
+                (amax, max) = (v.abs(), v);
+            }
+        }
+        if amax == 0.0 {
+            d.push(0.0);
+            bsums.extend([0i16; QK_K / 16]);
+            continue;
+        }
+        let iscale = -127.0 / max;
+        for (q, &v) in q.iter_mut().zip(blk) {
+            *q = ((iscale * v).round_ties_even() as i32).min(127) as i8;
+        }
+        bsums.extend(
+            q.chunks_exact(16)
+                .map(|g| g.iter().map(|&q| q as i16).sum::<i16>()),
+        );
+        d.push(1.0 / iscale);
+    }
+    QActs {
+        act: ActType::Q8K,
+        cols,
+        d,
+        s: Vec::new(),
+        bsums,
         qs,
     }
 }
@@ -276,6 +451,21 @@ pub(crate) mod tests {
             state
         };
         let mut out = Vec::new();
+        if qtype.is_k_quant() {
+            // Every byte random but the f16 scales: all scales, minimums and quants occur.
+            for _ in 0..rows * cols / QK_K {
+                let d = f16::from_f32((next() % 1000) as f32 / 500_000.0 + 1e-5);
+                let dmin = f16::from_f32((next() % 1000) as f32 / 1_000_000.0);
+                let at = out.len();
+                out.extend((0..qtype.block_bytes()).map(|_| next() as u8));
+                let d_at = if qtype == QType::Q4K { at } else { at + 208 };
+                out[d_at..d_at + 2].copy_from_slice(&d.to_le_bytes());
+                if qtype == QType::Q4K {
+                    out[at + 2..at + 4].copy_from_slice(&dmin.to_le_bytes());
+                }
+            }
+            return out;
+        }
         for _ in 0..rows * cols / QK {
             let d = f16::from_f32((next() % 1000) as f32 / 50_000.0 + 1e-4);
             out.extend_from_slice(&d.to_le_bytes());
@@ -298,8 +488,10 @@ pub(crate) mod tests {
             (QType::Q4_0, GgmlDType::Q4_0),
             (QType::Q4_1, GgmlDType::Q4_1),
             (QType::Q8_0, GgmlDType::Q8_0),
+            (QType::Q4K, GgmlDType::Q4K),
+            (QType::Q6K, GgmlDType::Q6K),
         ] {
-            let (rows, cols) = (3, 96);
+            let (rows, cols) = (3, 96 * qt.block_elems() / QK);
             let bytes = gguf_bytes(qt, rows, cols, 7);
             let storage =
                 QStorage::from_data(std::borrow::Cow::Owned(bytes.clone()), &Device::Cpu, g)
@@ -340,5 +532,73 @@ pub(crate) mod tests {
         let z = quantize_acts(&[0.0; 32], 32, ActType::Q8_0);
         assert_eq!(z.d[0], 0.0);
         assert!(z.qs.iter().all(|&q| q == 0));
+    }
+
+    /// llama.cpp's `quantize_row_q8_K_ref`, transcribed line by line (its `nearest_int` adds
+    /// 1.5 · 2²³ and reads the low mantissa bits).
+    fn quantize_row_q8_k_ref(x: &[f32]) -> (Vec<f32>, Vec<i8>, Vec<i16>) {
+        fn nearest_int(fval: f32) -> i32 {
+            assert!(fval.abs() <= 4_194_303.0);
+            let val = fval + 12_582_912.0;
+            (val.to_bits() as i32 & 0x007f_ffff) - 0x0040_0000
+        }
+        let (mut ds, mut qs, mut bsums) = (vec![], vec![], vec![]);
+        for x in x.chunks(QK_K) {
+            let mut max = 0f32;
+            let mut amax = 0f32;
+            for &v in x {
+                let ax = v.abs();
+                if ax > amax {
+                    amax = ax;
+                    max = v;
+                }
+            }
+            if amax == 0.0 {
+                ds.push(0.0);
+                qs.extend([0i8; QK_K]);
+                bsums.extend([0i16; QK_K / 16]);
+                continue;
+            }
+            let iscale = -127.0 / max;
+            let q: Vec<i8> = x
+                .iter()
+                .map(|&v| nearest_int(iscale * v).min(127) as i8)
+                .collect();
+            for j in 0..QK_K / 16 {
+                let mut sum = 0i32;
+                for ii in 0..16 {
+                    sum += q[j * 16 + ii] as i32;
+                }
+                bsums.push(sum as i16);
+            }
+            qs.extend(q);
+            ds.push(1.0 / iscale);
+        }
+        (ds, qs, bsums)
+    }
+
+    #[test]
+    fn q8k_activations_match_llama_cpps_reference_quantizer() {
+        let cols = 3 * QK_K;
+        // Halves (ties to even), a negative largest element, a positive one, and a zero block.
+        let mut x: Vec<f32> = (0..2 * cols)
+            .map(|i| ((i * 7919 % 2003) as f32 - 1001.0) / 333.0)
+            .collect();
+        x[5] = -9.0;
+        x[QK_K + 7] = 12.7;
+        x[QK_K + 8] = 0.05;
+        x[QK_K + 9] = -0.15;
+        x[2 * QK_K..3 * QK_K].fill(0.0);
+        let a = quantize_acts(&x, cols, ActType::Q8K);
+        let (d, qs, bsums) = quantize_row_q8_k_ref(&x);
+        assert_eq!(a.blocks(), 3);
+        assert_eq!(a.rows(), 2);
+        assert_eq!(a.qs, qs);
+        assert_eq!(a.bsums, bsums);
+        let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&a.d), bits(&d));
+        // The largest magnitude maps to −127 whatever its sign: `d` carries the sign.
+        assert_eq!((a.qs[5], a.qs[QK_K + 7]), (-127, -127));
+        assert!(a.d[0] > 0.0 && a.d[1] < 0.0 && a.d[2] == 0.0);
     }
 }

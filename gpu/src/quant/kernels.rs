@@ -2,6 +2,7 @@
 //! AVX2 / AVX-512 VNNI paths that equal it bit for bit (module docs of `quant`).
 
 use super::format::{QActs, QMatrix, QType, RowRef, QK};
+use super::kquants;
 use std::sync::OnceLock;
 
 /// Which instruction set the kernels use.
@@ -27,6 +28,15 @@ pub fn detect_isa() -> Isa {
             _ => best,
         }
     })
+}
+
+/// Checks, before a SIMD kernel is called, that this CPU has `isa`'s features.
+///
+/// # Panics
+/// When this CPU does not run `isa`.
+pub(super) fn assert_supported(isa: Isa) {
+    let best = best_isa();
+    assert!(isa == Isa::Scalar || isa == best || (isa == Isa::Avx2 && best != Isa::Scalar));
 }
 
 fn best_isa() -> Isa {
@@ -76,10 +86,11 @@ pub fn dot_chunks(
         let blocks = c * chunk..(c + 1) * chunk;
         let mut res = [0f32; MAX_TOKENS];
         match isa {
+            _ if w.qtype().is_k_quant() => kquants::dot(isa, w, r, a, tok0, n, blocks, &mut res),
             Isa::Scalar => scalar(w.qtype(), row, a, tok0, n, blocks, &mut res),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 | Isa::Avx512Vnni => {
-                assert!(best_isa() != Isa::Scalar && (isa == Isa::Avx2 || best_isa() == isa));
+                assert_supported(isa);
                 // SAFETY: the features each path needs were detected above.
                 unsafe { x86::dispatch(isa, w.qtype(), row, a, tok0, n, blocks, &mut res) }
             }
@@ -120,9 +131,10 @@ pub(crate) fn dot_rows(
         let blocks = c * chunk..(c + 1) * chunk;
         let mut res = [[0f32; 1]; GEMV_ROWS];
         match isa {
+            _ if w.qtype().is_k_quant() => kquants::tile(isa, w, r0, a, tok, blocks, &mut res),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 | Isa::Avx512Vnni => {
-                assert!(best_isa() != Isa::Scalar && (isa == Isa::Avx2 || best_isa() == isa));
+                assert_supported(isa);
                 // SAFETY: the features each path needs were detected above.
                 unsafe { x86::dispatch_rows(isa, w.qtype(), w, r0, a, tok, blocks, &mut res) }
             }
@@ -187,9 +199,15 @@ pub(crate) fn dot_tile(
             let n = (groups - g0).min(MAX_GROUPS);
             let t0 = tok0 + g0 * TILE_TOKENS;
             match isa {
+                _ if w.qtype().is_k_quant() => {
+                    for (g, res) in res[..n].iter_mut().enumerate() {
+                        let tok = t0 + g * TILE_TOKENS;
+                        kquants::tile(isa, w, r0, a, tok, blocks.clone(), res);
+                    }
+                }
                 #[cfg(target_arch = "x86_64")]
                 Isa::Avx2 | Isa::Avx512Vnni => {
-                    assert!(best_isa() != Isa::Scalar && (isa == Isa::Avx2 || best_isa() == isa));
+                    assert_supported(isa);
                     // SAFETY: the features each path needs were detected above.
                     unsafe { x86::dispatch_tile(isa, w, r0, a, t0, blocks.clone(), &mut res[..n]) }
                 }
@@ -221,7 +239,7 @@ const MAX_GROUPS: usize = 16;
 
 /// llama.cpp's `hsum_float_8`: `((x4+x0)+(x6+x2)) + ((x5+x1)+(x7+x3))`.
 #[inline]
-fn hsum8(x: [f32; 8]) -> f32 {
+pub(super) fn hsum8(x: [f32; 8]) -> f32 {
     let r = [x[4] + x[0], x[5] + x[1], x[6] + x[2], x[7] + x[3]];
     (r[0] + r[2]) + (r[1] + r[3])
 }
@@ -244,6 +262,7 @@ fn unpack(qt: QType, row: RowRef<'_>, b: usize) -> [i32; QK] {
                 x[j + 16] = (q >> 4) as i32 - off;
             }
         }
+        QType::Q4K | QType::Q6K => unreachable!("the k-quants run in `kquants`"),
     }
     x
 }
@@ -284,7 +303,7 @@ fn scalar(
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(super) mod x86 {
     use super::{Isa, QActs, QMatrix, QType, RowRef, MAX_TOKENS, QK, TILE_ROWS, TILE_TOKENS};
     use std::arch::x86_64::*;
     use std::ops::Range;
@@ -303,7 +322,7 @@ mod x86 {
     /// `p` points at two readable bytes.
     #[inline]
     #[target_feature(enable = "avx2,f16c")]
-    unsafe fn half_at(p: *const u8) -> f32 {
+    pub(crate) unsafe fn half_at(p: *const u8) -> f32 {
         // SAFETY: by the function's contract.
         let bits = unsafe { std::ptr::read_unaligned(p as *const u16) };
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
@@ -311,7 +330,7 @@ mod x86 {
 
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    fn hsum(x: __m256) -> f32 {
+    pub(crate) fn hsum(x: __m256) -> f32 {
         let r = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
         let r = _mm_add_ps(r, _mm_movehl_ps(r, r));
         let r = _mm_add_ss(r, _mm_movehdup_ps(r));
@@ -371,6 +390,7 @@ mod x86 {
                             QType::Q4_0 => _mm256_sub_epi8(nibbles(qp), _mm256_set1_epi8(8)),
                             // SAFETY: 32 bytes of quants.
                             QType::Q8_0 => unsafe { _mm256_loadu_si256(qp as *const __m256i) },
+                            QType::Q4K | QType::Q6K => unreachable!("run in `kquants`"),
                         };
                         for t in 0..NT {
                             let ab = (tok0 + t) * nb + b;
@@ -782,6 +802,7 @@ mod x86 {
                         QType::Q4_0 => $m::tiles::<0>(&o, out),
                         QType::Q4_1 => $m::tiles::<1>(&o, out),
                         QType::Q8_0 => $m::tiles::<2>(&o, out),
+                        QType::Q4K | QType::Q6K => unreachable!("run in `kquants`"),
                     }
                 };
             }
@@ -815,6 +836,7 @@ mod x86 {
                         QType::Q4_0 => $m::gemm::<0, R, 1>(&o, out),
                         QType::Q4_1 => $m::gemm::<1, R, 1>(&o, out),
                         QType::Q8_0 => $m::gemm::<2, R, 1>(&o, out),
+                        QType::Q4K | QType::Q6K => unreachable!("run in `kquants`"),
                     }
                 };
             }
@@ -876,6 +898,13 @@ mod tests {
 
     const TYPES: [QType; 3] = [QType::Q4_0, QType::Q4_1, QType::Q8_0];
 
+    /// Every format with a row width (whole blocks) and the chunk sizes (in blocks) to try.
+    fn cases() -> Vec<(QType, usize, [usize; 3])> {
+        let mut cases: Vec<_> = TYPES.iter().map(|&qt| (qt, 576, [18, 6, 1])).collect();
+        cases.extend([QType::Q4K, QType::Q6K].map(|qt| (qt, 1024, [4, 2, 1])));
+        cases
+    }
+
     fn all(isa: Isa, w: &QMatrix, a: &super::super::format::QActs, chunk: usize) -> Vec<f32> {
         let chunks = w.blocks() / chunk;
         let toks = a.rows();
@@ -912,10 +941,10 @@ mod tests {
         if isas.is_empty() {
             eprintln!("no SIMD path on this CPU: nothing to compare");
         }
-        for qt in TYPES {
-            let w = gguf(qt, 5, 576, 3);
-            let a = quantize_acts(&acts(7, 576), 576, qt.act_type());
-            for chunk in [18, 6, 1] {
+        for (qt, cols, chunks) in cases() {
+            let w = gguf(qt, 5, cols, 3);
+            let a = quantize_acts(&acts(7, cols), cols, qt.act_type());
+            for chunk in chunks {
                 let want = all(Isa::Scalar, &w, &a, chunk);
                 for &isa in &isas {
                     let got = all(isa, &w, &a, chunk);
@@ -941,11 +970,11 @@ mod tests {
     #[test]
     fn the_multi_row_gemv_equals_one_row_at_a_time_bit_for_bit() {
         let isas = every_isa();
-        for qt in TYPES {
-            let w = gguf(qt, 2 * GEMV_ROWS + 1, 576, 21);
-            let a = quantize_acts(&acts(3, 576), 576, qt.act_type());
-            for chunk in [18, 6, 1] {
-                let chunks = 18 / chunk;
+        for (qt, cols, chunk_sizes) in cases() {
+            let w = gguf(qt, 2 * GEMV_ROWS + 1, cols, 21);
+            let a = quantize_acts(&acts(3, cols), cols, qt.act_type());
+            for chunk in chunk_sizes {
+                let chunks = w.blocks() / chunk;
                 for &isa in &isas {
                     for tok in 0..3 {
                         for r0 in [0, GEMV_ROWS + 1] {
@@ -973,14 +1002,15 @@ mod tests {
         let isas = every_isa();
         // 18 blocks: one span of scale products with a tail of 2; 139 blocks: spans of
         // 64, 64 and 11. 17 token groups: more than one x86 call takes.
-        for (qt, nb, chunk) in TYPES
-            .iter()
-            .flat_map(|&qt| [(18, 18), (18, 6), (18, 1), (139, 139)].map(|(nb, c)| (qt, nb, c)))
-        {
-            let cols = nb * QK;
+        let mut cases: Vec<(QType, usize, usize)> = cases()
+            .into_iter()
+            .flat_map(|(qt, cols, chunks)| chunks.map(|c| (qt, cols, c)))
+            .collect();
+        cases.extend(TYPES.iter().map(|&qt| (qt, 139 * QK, 139)));
+        for (qt, cols, chunk) in cases {
             let w = gguf(qt, TILE_ROWS + 3, cols, 33);
             let a = quantize_acts(&acts(TILE_TOKENS * 17 + 2, cols), cols, qt.act_type());
-            let chunks = nb / chunk;
+            let chunks = w.blocks() / chunk;
             for &isa in &isas {
                 for (r0, tok0, groups) in [(0, 0, 1), (3, 2, 3), (1, 1, 17)] {
                     let mut got = vec![0f32; groups * TILE_ROWS * TILE_TOKENS * chunks];
@@ -1010,14 +1040,14 @@ mod tests {
     fn token_grouping_does_not_change_a_result() {
         // One token at a time and four at a time give the same bits (batch invariance).
         let isa = detect_isa();
-        for qt in TYPES {
-            let w = gguf(qt, 3, 256, 9);
-            let a = quantize_acts(&acts(4, 256), 256, qt.act_type());
-            let grouped = all(isa, &w, &a, 8);
+        for (qt, _, _) in cases() {
+            let w = gguf(qt, 3, 512, 9);
+            let a = quantize_acts(&acts(4, 512), 512, qt.act_type());
+            let grouped = all(isa, &w, &a, w.blocks());
             for r in 0..3 {
                 for t in 0..4 {
                     let mut one = [0f32; 1];
-                    dot_chunks(isa, &w, r, &a, t, 1, 8, &mut one);
+                    dot_chunks(isa, &w, r, &a, t, 1, w.blocks(), &mut one);
                     assert_eq!(one[0].to_bits(), grouped[r * 4 + t].to_bits());
                 }
             }

@@ -44,9 +44,9 @@ pub fn matmul(w: &QMatrix, x: &[f32], tokens: usize) -> Vec<f32> {
     matmul_chunked(w, x, tokens, w.blocks())
 }
 
-/// As [`matmul`], with each row's blocks reduced in chunks of `chunk` blocks: returns
-/// `[tokens, rows, blocks / chunk]` partial sums (row-parallel layers add them in a fixed
-/// order, so the result does not depend on how the columns were sharded).
+/// As [`matmul`], with each row's blocks (super-blocks for the k-quants) reduced in chunks of
+/// `chunk` blocks: returns `[tokens, rows, blocks / chunk]` partial sums (row-parallel layers
+/// add them in a fixed order, so the result does not depend on how the columns were sharded).
 ///
 /// # Panics
 /// When `x.len()` is not `tokens · w.cols()` or `chunk` does not divide the row's blocks.
@@ -255,6 +255,77 @@ mod tests {
                 assert!((sum - all[t * rows + r]).abs() <= 1e-5 * mag);
                 assert!((f - all[t * rows + r]).abs() <= 2e-2 * mag);
             }
+        }
+    }
+
+    #[test]
+    fn k_quant_matmuls_match_candle_for_one_token_and_a_batch() {
+        use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+        use candle_core::{Device, Module, Tensor};
+        // 66 rows: whole 16-row tiles, 4-row GEMV and GEMM tiles, and two single rows.
+        let (rows, cols) = (66, 512);
+        let f: Vec<f32> = (0..rows * cols)
+            .map(|i| (((i * 7919 + 11) % 1009) as f32 - 504.0) / 2000.0)
+            .collect();
+        let ft = Tensor::from_vec(f, (rows, cols), &Device::Cpu).unwrap();
+        let x: Vec<f32> = (0..7 * cols)
+            .map(|i| ((i * 31 % 97) as f32 - 48.0) / 20.0)
+            .collect();
+        let mut ws = Vec::new();
+        for (qt, g) in [(QType::Q4K, GgmlDType::Q4K), (QType::Q6K, GgmlDType::Q6K)] {
+            let qtensor = QTensor::quantize(&ft, g).unwrap();
+            let w = QMatrix::from_gguf(qt, rows, cols, &qtensor.data().unwrap()).unwrap();
+            assert_eq!(w.bytes(), qtensor.data().unwrap().len());
+            let candle = QMatMul::from_qtensor(qtensor).unwrap();
+            let all = matmul(&w, &x, 7);
+            let xt = Tensor::from_slice(&x, (7, cols), &Device::Cpu).unwrap();
+            let want: Vec<f32> = candle
+                .forward(&xt)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let mut wr = vec![0f32; cols];
+            for r in 0..rows {
+                dequantize_row(&w, r, &mut wr);
+                for t in 0..7 {
+                    let xr = &x[t * cols..(t + 1) * cols];
+                    let f: f32 = wr.iter().zip(xr).map(|(a, b)| a * b).sum();
+                    let mag: f32 = wr.iter().zip(xr).map(|(a, b)| (a * b).abs()).sum();
+                    let got = all[t * rows + r];
+                    // Both quantize the activations to Q8_K (≲ 1/127 of Σ|w·x| each; candle
+                    // rounds halves away from zero, llama.cpp to even).
+                    assert!(
+                        (got - want[t * rows + r]).abs() <= 2e-2 * mag,
+                        "{qt:?} {r} {t}"
+                    );
+                    assert!((got - f).abs() <= 2e-2 * mag, "{qt:?} {r} {t}");
+                }
+            }
+            // One token at a time (decode's GEMV) gives the batch's bits (the GEMM tile).
+            for t in 0..7 {
+                let one = matmul(&w, &x[t * cols..(t + 1) * cols], 1);
+                assert_eq!(
+                    one,
+                    all[t * rows..(t + 1) * rows].to_vec(),
+                    "{qt:?} token {t}"
+                );
+            }
+            // Per-super-block partials (the TP reduction chunks) add up to the whole row.
+            let parts = matmul_chunked(&w, &x, 7, 1);
+            for (i, v) in all.iter().enumerate() {
+                let sum = parts[2 * i] + parts[2 * i + 1];
+                assert!((sum - v).abs() <= 1e-5 * v.abs().max(1.0), "{qt:?} {i}");
+            }
+            ws.push(w);
+        }
+        // Q4_K and Q6_K share Q8_K activations: one quantization for both, each its own bits.
+        for tokens in [1, 7] {
+            let xs = &x[..tokens * cols];
+            let many = matmul_many(&[&ws[0], &ws[1]], xs, tokens);
+            assert_eq!(many[0], matmul(&ws[0], xs, tokens));
+            assert_eq!(many[1], matmul(&ws[1], xs, tokens));
         }
     }
 }

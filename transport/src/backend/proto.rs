@@ -22,7 +22,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use crate::auth::{self, ConnAuth, FenceId, Handshake, Scope, NONCE_BYTES, SESSION_SCOPE};
 use crate::engine::{BackendKind, EngineCore, OpKind, TcpIntegrity};
 use crate::error::{Result, Side, TransportError};
-use crate::integrity::{FrameSealer, Framing, TAG};
+use crate::integrity::{check_tag, FrameOpener, FrameSealer, Framing, Gmac, TAG};
 
 pub(crate) const REQ_HEADER: usize = 48;
 /// Most bytes one non-blocking read lands under a scope's gate (bounds how long `fence` waits).
@@ -307,17 +307,72 @@ async fn respond<W: AsyncWrite + Unpin>(
         w.write_all(&head).await?;
         return Ok(());
     }
-    let (bytes, tag) = fr.seal_payload(payload);
-    if bytes.len() <= 16 << 10 {
+    if payload.len() <= 16 << 10 {
+        let (bytes, tag) = fr.seal_payload(payload);
         head.extend_from_slice(bytes);
         head.extend_from_slice(&tag);
         w.write_all(&head).await?;
     } else {
         w.write_all(&head).await?;
-        w.write_all(bytes).await?;
-        w.write_all(&tag).await?;
+        write_sealed_payload(w, fr, payload).await?;
     }
     Ok(())
+}
+
+/// Bytes of a `mac` payload hashed per step as it is sent or lands: the GMAC reads each
+/// chunk while it is in cache for the socket copy, instead of a second pass over memory.
+pub(crate) const MAC_CHUNK: usize = LAND_CHUNK;
+
+/// Sends a payload and its tag on a protected connection: with `mac`, straight from
+/// `payload`, hashing each chunk just before the socket copies it; with `encrypt`, an
+/// encrypted copy.
+pub(crate) async fn write_sealed_payload<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    sealer: &mut FrameSealer,
+    payload: &[u8],
+) -> Result<()> {
+    match sealer.payload_mac() {
+        Some(mut mac) => {
+            for chunk in payload.chunks(MAC_CHUNK) {
+                mac.update(chunk);
+                w.write_all(chunk).await?;
+            }
+            w.write_all(&mac.finalize()).await?;
+        }
+        None => {
+            let (bytes, tag) = sealer.seal_payload(payload);
+            w.write_all(bytes).await?;
+            w.write_all(&tag).await?;
+        }
+    }
+    Ok(())
+}
+
+/// Reads a payload and its tag from a protected connection into `buf` and checks it (with
+/// `encrypt`, decrypting it in place); with `mac`, each chunk is hashed as it arrives.
+///
+/// # Errors
+/// I/O errors; `Protocol` when the tag does not match.
+pub(crate) async fn read_opened_payload<R: AsyncRead + Unpin>(
+    r: &mut R,
+    buf: &mut [u8],
+    opener: &mut FrameOpener,
+) -> Result<()> {
+    match opener.payload_mac() {
+        Some(mut mac) => {
+            for chunk in buf.chunks_mut(MAC_CHUNK) {
+                r.read_exact(chunk).await?;
+                mac.update(chunk);
+            }
+            let tag = read_tag(r).await?;
+            check_tag(mac, &tag)
+        }
+        None => {
+            r.read_exact(buf).await?;
+            let tag = read_tag(r).await?;
+            opener.open_payload(buf, &tag)
+        }
+    }
 }
 
 /// The sending half of a connection's frame protection, if it has one.
@@ -339,10 +394,11 @@ async fn read_payload<R: AsyncRead + Unpin>(
     len: u64,
 ) -> Result<Vec<u8>> {
     let mut payload = vec![0u8; len as usize];
-    r.read_exact(&mut payload).await?;
-    if let Some(f) = fr {
-        let tag = read_tag(r).await?;
-        f.opener.open_payload(&mut payload, &tag)?;
+    match fr {
+        Some(f) => read_opened_payload(r, &mut payload, &mut f.opener).await?,
+        None => {
+            r.read_exact(&mut payload).await?;
+        }
     }
     Ok(payload)
 }
@@ -388,13 +444,22 @@ async fn read_gated<R: AsyncRead + Unpin>(
     r: &mut R,
     dst: &mut [u8],
     scope: &Scope,
+    mut mac: Option<&mut Gmac>,
 ) -> Result<bool> {
     let mut got = 0;
     while got < dst.len() {
         let end = (got + LAND_CHUNK).min(dst.len());
         let step = std::future::poll_fn(|cx| {
             let mut buf = ReadBuf::new(&mut dst[got..end]);
-            match scope.land(|| Pin::new(&mut *r).poll_read(cx, &mut buf)) {
+            // A `mac` payload is hashed as it lands, under the gate and while in cache.
+            let land = || {
+                let polled = Pin::new(&mut *r).poll_read(cx, &mut buf);
+                if let (Poll::Ready(Ok(())), Some(m)) = (&polled, mac.as_deref_mut()) {
+                    m.update(buf.filled());
+                }
+                polled
+            };
+            match scope.land(land) {
                 None => Poll::Ready(Ok(None)),
                 Some(Poll::Pending) => Poll::Pending,
                 Some(Poll::Ready(Ok(()))) => Poll::Ready(Ok(Some(buf.filled().len()))),
@@ -528,23 +593,32 @@ where
                         let dst = unsafe {
                             std::slice::from_raw_parts_mut(entry.ptr_at(h.offset), h.len as usize)
                         };
+                        // `mac`: hashed chunk by chunk as it lands (the nonce is spent now).
+                        let mut mac = fr.as_mut().and_then(|f| f.opener.payload_mac());
+                        let hashed = mac.is_some();
                         let mut landed = match &scope {
-                            Some(scope) => read_gated(r, dst, scope).await?,
+                            Some(scope) => read_gated(r, dst, scope, mac.as_mut()).await?,
                             None => {
-                                r.read_exact(dst).await?;
+                                for chunk in dst.chunks_mut(MAC_CHUNK) {
+                                    r.read_exact(chunk).await?;
+                                    if let Some(m) = &mut mac {
+                                        m.update(chunk);
+                                    }
+                                }
                                 true
                             }
                         };
                         if let Some(f) = &mut fr {
-                            // Checked (decrypted) in place, under the gate: a scope fenced
-                            // meanwhile is not touched again.
+                            // `encrypt`: checked and decrypted in place, under the gate: a
+                            // scope fenced meanwhile is not touched again.
                             let tag = read_tag(r).await?;
-                            let opened = match (&scope, landed) {
-                                (_, false) => None,
-                                (Some(scope), true) => {
+                            let opened = match (mac, &scope, landed) {
+                                (_, _, false) => None,
+                                (Some(mac), _, true) => Some(check_tag(mac, &tag)),
+                                (None, Some(scope), true) => {
                                     scope.land(|| f.opener.open_payload(dst, &tag))
                                 }
-                                (None, true) => Some(f.opener.open_payload(dst, &tag)),
+                                (None, None, true) => Some(f.opener.open_payload(dst, &tag)),
                             };
                             match opened {
                                 Some(Ok(())) => {}
@@ -554,7 +628,9 @@ where
                                     return Err(e);
                                 }
                                 None => {
-                                    f.opener.skip_payload();
+                                    if !hashed {
+                                        f.opener.skip_payload();
+                                    }
                                     landed = false;
                                 }
                             }

@@ -274,11 +274,7 @@ impl TcpConn {
                     if scratch.len() < len {
                         scratch.resize(len, 0);
                     }
-                    let read = async {
-                        r.read_exact(&mut scratch[..len]).await?;
-                        let tag = proto::read_tag(&mut r).await?;
-                        o.open_payload(&mut scratch[..len], &tag)
-                    };
+                    let read = proto::read_opened_payload(&mut r, &mut scratch[..len], o);
                     if let Err(e) = read.await {
                         let reason = e.to_string();
                         fail_pending(p, &r_peer, &reason);
@@ -467,9 +463,7 @@ async fn write_request(
             // SAFETY: range checked at submit; `entry` keeps the region alive.
             let src = unsafe { std::slice::from_raw_parts(entry.ptr_at(offset), len as usize) };
             // `mac`: straight from registered memory; `encrypt`: from the sealer's buffer.
-            let (bytes, tag) = s.seal_payload(src);
-            w.write_all(bytes).await?;
-            w.write_all(&tag).await?;
+            proto::write_sealed_payload(w, s, src).await?;
         }
         return Ok(());
     }

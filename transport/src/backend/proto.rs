@@ -319,13 +319,19 @@ async fn respond<W: AsyncWrite + Unpin>(
     Ok(())
 }
 
-/// Bytes of a `mac` payload hashed per step as it is sent or lands: the GMAC reads each
-/// chunk while it is in cache for the socket copy, instead of a second pass over memory.
+/// Bytes of a `mac` payload hashed per step as it lands: the GMAC reads each chunk while it
+/// is in cache from the socket copy, instead of a second pass over memory.
 pub(crate) const MAC_CHUNK: usize = LAND_CHUNK;
 
+/// Bytes of a `mac` payload hashed per write as it is sent (a 1 MiB piece in one write, its
+/// tag in the same write). Sending in `MAC_CHUNK` steps cost more in write calls than it
+/// saved in cache misses: `mac` / plain tcp went from 0.73–0.80 to 0.85–0.88 at 1–64 MiB
+/// (idle machine, same runs; 64 KiB steps: 0.40–0.61).
+const MAC_SEND_CHUNK: usize = 1 << 20;
+
 /// Sends a payload and its tag on a protected connection: with `mac`, straight from
-/// `payload`, hashing each chunk just before the socket copies it; with `encrypt`, an
-/// encrypted copy.
+/// `payload`, hashing each [`MAC_SEND_CHUNK`] just before the socket copies it; with
+/// `encrypt`, an encrypted copy. The tag goes out in the same write as the last bytes.
 pub(crate) async fn write_sealed_payload<W: AsyncWrite + Unpin>(
     w: &mut W,
     sealer: &mut FrameSealer,
@@ -333,16 +339,26 @@ pub(crate) async fn write_sealed_payload<W: AsyncWrite + Unpin>(
 ) -> Result<()> {
     match sealer.payload_mac() {
         Some(mut mac) => {
-            for chunk in payload.chunks(MAC_CHUNK) {
+            let mut chunks = payload.chunks(MAC_SEND_CHUNK).peekable();
+            while let Some(chunk) = chunks.next() {
                 mac.update(chunk);
-                w.write_all(chunk).await?;
+                if chunks.peek().is_some() {
+                    w.write_all(chunk).await?;
+                } else {
+                    // The tag leaves with the last chunk (one write, not a 16-byte segment of
+                    // its own).
+                    let tag = mac.finalize();
+                    let mut last = bytes::Buf::chain(chunk, &tag[..]);
+                    w.write_all_buf(&mut last).await?;
+                    return Ok(());
+                }
             }
             w.write_all(&mac.finalize()).await?;
         }
         None => {
             let (bytes, tag) = sealer.seal_payload(payload);
-            w.write_all(bytes).await?;
-            w.write_all(&tag).await?;
+            w.write_all_buf(&mut bytes::Buf::chain(bytes, &tag[..]))
+                .await?;
         }
     }
     Ok(())

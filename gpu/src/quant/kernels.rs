@@ -306,6 +306,7 @@ fn scalar(
 pub(super) mod x86 {
     use super::{Isa, QActs, QMatrix, QType, RowRef, MAX_TOKENS, QK, TILE_ROWS, TILE_TOKENS};
     use std::arch::x86_64::*;
+    use std::mem::MaybeUninit;
     use std::ops::Range;
 
     /// Scale `b` (f16, little-endian bytes) as f32, by F16C.
@@ -467,13 +468,16 @@ pub(super) mod x86 {
                     let d_off = nb * qb;
                     let m_off = d_off + 2 * nb;
                     let mut acc = [[_mm256_setzero_ps(); T]; R];
-                    let mut dd = [[[0f32; SPAN]; T]; R];
+                    // Written before read, block by block (no zeroing: it cost 13 % of a
+                    // prefill as a memset per tile).
+                    let mut dd = [[[MaybeUninit::<f32>::uninit(); SPAN]; T]; R];
                     // The minimums of the span, block by block: `wm[k][i]` is row `i`'s.
-                    let mut wm = [[0f32; R]; SPAN];
+                    let mut wm = [[MaybeUninit::<f32>::uninit(); R]; SPAN];
                     // The minimums' terms, one vector of the rows per token.
                     let mut sm = [_mm_setzero_ps(); T];
                     // SAFETY (all pointer reads): in bounds by the function's contract; the
-                    // stack arrays are indexed below `e - b ≤ SPAN`.
+                    // stack arrays are indexed below `e - b ≤ SPAN`, and a span's entries are
+                    // all written (eight at a time, then the tail) before any is read.
                     unsafe {
                         let mut b = b0;
                         while b < b1 {
@@ -489,7 +493,7 @@ pub(super) mod x86 {
                                     for t in 0..T {
                                         let da = _mm256_loadu_ps(ad.add(t * nb + k));
                                         _mm256_storeu_ps(
-                                            dd[i][t].as_mut_ptr().add(k - b),
+                                            dd[i][t].as_mut_ptr().add(k - b) as *mut f32,
                                             _mm256_mul_ps(wd, da),
                                         );
                                     }
@@ -527,11 +531,11 @@ pub(super) mod x86 {
                                     for (j, c) in c.iter().enumerate() {
                                         let at = k - b + j;
                                         _mm_storeu_ps(
-                                            wm[at].as_mut_ptr(),
+                                            wm[at].as_mut_ptr() as *mut f32,
                                             _mm256_castps256_ps128(*c),
                                         );
                                         _mm_storeu_ps(
-                                            wm[at + 4].as_mut_ptr(),
+                                            wm[at + 4].as_mut_ptr() as *mut f32,
                                             _mm256_extractf128_ps(*c, 1),
                                         );
                                     }
@@ -543,16 +547,18 @@ pub(super) mod x86 {
                                     let row = w.add(i * row_bytes);
                                     let wd = half_at(row.add(d_off + 2 * k));
                                     for t in 0..T {
-                                        dd[i][t][k - b] = wd * *ad.add(t * nb + k);
+                                        dd[i][t][k - b].write(wd * *ad.add(t * nb + k));
                                     }
                                     if Q == 1 {
-                                        wm[k - b][i] = half_at(row.add(m_off + 2 * k));
+                                        wm[k - b][i].write(half_at(row.add(m_off + 2 * k)));
                                     }
                                 }
                             }
                             if Q == 1 {
                                 for k in b..e {
-                                    let m = _mm_loadu_ps(wm.get_unchecked(k - b).as_ptr());
+                                    let m = _mm_loadu_ps(
+                                        wm.get_unchecked(k - b).as_ptr() as *const f32
+                                    );
                                     for t in 0..T {
                                         sm[t] = _mm_fmadd_ps(
                                             m,
@@ -582,7 +588,9 @@ pub(super) mod x86 {
                                             _ => mul_i8(qx, qy[t]),
                                         };
                                         acc[i][t] = _mm256_fmadd_ps(
-                                            _mm256_set1_ps(*dd[i][t].get_unchecked(k - b)),
+                                            _mm256_set1_ps(
+                                                dd[i][t].get_unchecked(k - b).assume_init(),
+                                            ),
                                             xy,
                                             acc[i][t],
                                         );

@@ -60,6 +60,19 @@ fn prompts(vocab: u32) -> Vec<Vec<u32>> {
         .collect()
 }
 
+/// The logits of a whole prompt run as one prefill chunk from position 0.
+fn prompt_logits(e: &Engine, p: &[u32]) -> Vec<f32> {
+    let batch = Batch {
+        seqs: vec![SeqChunk {
+            tokens: p.to_vec(),
+            start_pos: 0,
+            block_table: (0..p.len().div_ceil(16) as u32).collect(),
+            want_logits: true,
+        }],
+    };
+    e.group().step(batch).unwrap().remove(0)
+}
+
 #[test]
 fn synthetic_tp_1_2_4_give_identical_greedy_tokens() {
     let ps = prompts(259);
@@ -101,24 +114,13 @@ fn default_model_tp_1_and_3_give_identical_greedy_tokens() {
     .iter()
     .map(|p| one.encode_prompt(p).unwrap())
     .collect();
-    let logits = |e: &Engine, p: &[u32]| {
-        let batch = Batch {
-            seqs: vec![SeqChunk {
-                tokens: p.to_vec(),
-                start_pos: 0,
-                block_table: (0..p.len().div_ceil(16) as u32).collect(),
-                want_logits: true,
-            }],
-        };
-        e.group().step(batch).unwrap().remove(0)
-    };
-    let l1: Vec<Vec<f32>> = ps.iter().map(|p| logits(&one, p)).collect();
+    let l1: Vec<Vec<f32>> = ps.iter().map(|p| prompt_logits(&one, p)).collect();
     let a = run(&mut one, &ps, 40);
     drop(one);
     let mut three = engine(model(), 3);
     // Not only the same argmax: the same bits in every logit.
     for (p, l1) in ps.iter().zip(&l1) {
-        let l3 = logits(&three, p);
+        let l3 = prompt_logits(&three, p);
         assert!(l1.iter().zip(&l3).all(|(a, b)| a.to_bits() == b.to_bits()));
     }
     let b = run(&mut three, &ps, 40);
@@ -153,24 +155,13 @@ fn native_k_quants_give_identical_logits_at_tp_1_and_2() {
             )
             .unwrap()
         };
-        let logits = |e: &Engine, p: &[u32]| {
-            let batch = Batch {
-                seqs: vec![SeqChunk {
-                    tokens: p.to_vec(),
-                    start_pos: 0,
-                    block_table: (0..p.len().div_ceil(16) as u32).collect(),
-                    want_logits: true,
-                }],
-            };
-            e.group().step(batch).unwrap().remove(0)
-        };
         let mut one = native(1);
-        let l1: Vec<Vec<f32>> = ps.iter().map(|p| logits(&one, p)).collect();
+        let l1: Vec<Vec<f32>> = ps.iter().map(|p| prompt_logits(&one, p)).collect();
         let a = run(&mut one, &ps, 8);
         drop(one);
         let mut two = native(2);
         for (p, l1) in ps.iter().zip(&l1) {
-            let l2 = logits(&two, p);
+            let l2 = prompt_logits(&two, p);
             assert!(
                 l1.iter().zip(&l2).all(|(a, b)| a.to_bits() == b.to_bits()),
                 "{dtype:?}"

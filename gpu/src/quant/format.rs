@@ -354,6 +354,20 @@ impl QActs {
     }
 }
 
+/// The largest `|v|` of a block, in eight independent lanes so that it compiles to vector
+/// maxima (`f32::max`'s NaN rule kept the fold scalar; a maximum is exact in any order).
+#[inline]
+fn abs_max(blk: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    for part in blk.chunks_exact(8) {
+        for (m, v) in lanes.iter_mut().zip(part) {
+            let a = v.abs();
+            *m = if a > *m { a } else { *m };
+        }
+    }
+    lanes.into_iter().fold(0f32, f32::max)
+}
+
 /// Quantizes `x` (`rows × cols`, row-major; `cols` a whole number of blocks) block by block as
 /// llama.cpp's AVX2 `quantize_row_q8_0` / `quantize_row_q8_1` do: `amax = max |x|`,
 /// `d = amax / 127`, `q = round_half_even(x · (127 / amax))`, `s = d · Σq`, with `d` and `s`
@@ -374,7 +388,7 @@ pub fn quantize_acts(x: &[f32], cols: usize, act: ActType) -> QActs {
     let mut s = Vec::with_capacity(if act == ActType::Q8_1 { nblocks } else { 0 });
     let mut qs = vec![0i8; x.len()];
     for (blk, q) in x.chunks_exact(QK).zip(qs.chunks_exact_mut(QK)) {
-        let amax = blk.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let amax = abs_max(blk);
         let db = amax / 127.0;
         let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
         let mut sum = 0i32;

@@ -2,6 +2,7 @@
 //! GGUF's own super-blocks), activations quantized per row to Q8_0 / Q8_1 / Q8_K.
 
 use half::f16;
+use std::sync::Mutex;
 
 /// Elements per quantization block of Q4_0, Q4_1, Q8_0 and their activations.
 pub const QK: usize = 32;
@@ -354,6 +355,32 @@ impl QActs {
     }
 }
 
+/// Blocks of activations one compute-pool item quantizes.
+const ITEM_BLOCKS: usize = 256;
+
+/// Q8_0 / Q8_1 quantization of whole blocks (`d`, `s` and `qs` sized for `x`'s blocks).
+fn quantize_blocks(x: &[f32], d: &mut [f32], s: &mut [f32], qs: &mut [i8]) {
+    for (((blk, q), d), s) in x
+        .chunks_exact(QK)
+        .zip(qs.chunks_exact_mut(QK))
+        .zip(d)
+        .zip(s)
+    {
+        let amax = abs_max(blk);
+        let db = amax / 127.0;
+        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+        let mut sum = 0i32;
+        for (q, &v) in q.iter_mut().zip(blk) {
+            let r = (v * id).round_ties_even() as i32;
+            let r = r.clamp(-128, 127);
+            sum += r;
+            *q = r as i8;
+        }
+        *d = f16::from_f32(db).to_f32();
+        *s = f16::from_f32(db * sum as f32).to_f32();
+    }
+}
+
 /// The largest `|v|` of a block, in eight independent lanes so that it compiles to vector
 /// maxima (`f32::max`'s NaN rule kept the fold scalar; a maximum is exact in any order).
 #[inline]
@@ -384,24 +411,29 @@ pub fn quantize_acts(x: &[f32], cols: usize, act: ActType) -> QActs {
         return quantize_q8k(x, cols);
     }
     let nblocks = x.len() / QK;
-    let mut d = Vec::with_capacity(nblocks);
-    let mut s = Vec::with_capacity(if act == ActType::Q8_1 { nblocks } else { 0 });
+    let mut d = vec![0f32; nblocks];
+    let mut s = vec![0f32; nblocks];
     let mut qs = vec![0i8; x.len()];
-    for (blk, q) in x.chunks_exact(QK).zip(qs.chunks_exact_mut(QK)) {
-        let amax = abs_max(blk);
-        let db = amax / 127.0;
-        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
-        let mut sum = 0i32;
-        for (q, &v) in q.iter_mut().zip(blk) {
-            let r = (v * id).round_ties_even() as i32;
-            let r = r.clamp(-128, 127);
-            sum += r;
-            *q = r as i8;
-        }
-        d.push(f16::from_f32(db).to_f32());
-        if act == ActType::Q8_1 {
-            s.push(f16::from_f32(db * sum as f32).to_f32());
-        }
+    if nblocks <= ITEM_BLOCKS {
+        quantize_blocks(x, &mut d, &mut s, &mut qs);
+    } else {
+        // Blocks are independent: a prefill's rows are quantized on the compute pool.
+        type Part<'a> = (&'a [f32], &'a mut [f32], &'a mut [f32], &'a mut [i8]);
+        let parts: Vec<Mutex<Part<'_>>> = x
+            .chunks(ITEM_BLOCKS * QK)
+            .zip(d.chunks_mut(ITEM_BLOCKS))
+            .zip(s.chunks_mut(ITEM_BLOCKS))
+            .zip(qs.chunks_mut(ITEM_BLOCKS * QK))
+            .map(|(((x, d), s), q)| Mutex::new((x, d, s, q)))
+            .collect();
+        super::pool::global().run(parts.len(), &|k| {
+            let mut part = parts[k].lock().expect("each part is run once");
+            let (x, d, s, q) = &mut *part;
+            quantize_blocks(x, d, s, q);
+        });
+    }
+    if act != ActType::Q8_1 {
+        s = Vec::new();
     }
     QActs {
         act,
@@ -517,6 +549,25 @@ pub(crate) mod tests {
                 let mut got = vec![0f32; cols];
                 dequantize_row(&w, r, &mut got);
                 assert_eq!(&got, want, "{qt:?} row {r}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_prefill_quantized_on_the_pool_equals_its_rows_one_by_one() {
+        // 40 rows of 576: 720 blocks, three pool items (the last one short).
+        let cols = 576;
+        let x: Vec<f32> = (0..40 * cols)
+            .map(|i| ((i * 7919 % 2003) as f32 - 1001.0) / 97.0)
+            .collect();
+        for act in [ActType::Q8_0, ActType::Q8_1] {
+            let all = quantize_acts(&x, cols, act);
+            for (r, row) in x.chunks(cols).enumerate() {
+                let one = quantize_acts(row, cols, act);
+                let nb = cols / QK;
+                assert_eq!(one.qs, all.qs[r * cols..(r + 1) * cols]);
+                assert_eq!(one.d, all.d[r * nb..(r + 1) * nb]);
+                assert_eq!(one.s, all.s.get(r * nb..(r + 1) * nb).unwrap_or(&[]));
             }
         }
     }

@@ -358,8 +358,9 @@ impl QActs {
 /// Blocks of activations one compute-pool item quantizes.
 const ITEM_BLOCKS: usize = 256;
 
-/// Q8_0 / Q8_1 quantization of whole blocks (`d`, `s` and `qs` sized for `x`'s blocks).
-fn quantize_blocks(x: &[f32], d: &mut [f32], s: &mut [f32], qs: &mut [i8]) {
+/// Q8_0 / Q8_1 quantization of whole blocks (`d`, `s` and `qs` sized for `x`'s blocks; `s`
+/// is left as it is for Q8_0).
+fn quantize_blocks(x: &[f32], act: ActType, d: &mut [f32], s: &mut [f32], qs: &mut [i8]) {
     for (((blk, q), d), s) in x
         .chunks_exact(QK)
         .zip(qs.chunks_exact_mut(QK))
@@ -377,7 +378,9 @@ fn quantize_blocks(x: &[f32], d: &mut [f32], s: &mut [f32], qs: &mut [i8]) {
             *q = r as i8;
         }
         *d = f16::from_f32(db).to_f32();
-        *s = f16::from_f32(db * sum as f32).to_f32();
+        if act == ActType::Q8_1 {
+            *s = f16::from_f32(db * sum as f32).to_f32();
+        }
     }
 }
 
@@ -415,7 +418,7 @@ pub fn quantize_acts(x: &[f32], cols: usize, act: ActType) -> QActs {
     let mut s = vec![0f32; nblocks];
     let mut qs = vec![0i8; x.len()];
     if nblocks <= ITEM_BLOCKS {
-        quantize_blocks(x, &mut d, &mut s, &mut qs);
+        quantize_blocks(x, act, &mut d, &mut s, &mut qs);
     } else {
         // Blocks are independent: a prefill's rows are quantized on the compute pool.
         type Part<'a> = (&'a [f32], &'a mut [f32], &'a mut [f32], &'a mut [i8]);
@@ -429,7 +432,7 @@ pub fn quantize_acts(x: &[f32], cols: usize, act: ActType) -> QActs {
         super::pool::global().run(parts.len(), &|k| {
             let mut part = parts[k].lock().expect("each part is run once");
             let (x, d, s, q) = &mut *part;
-            quantize_blocks(x, d, s, q);
+            quantize_blocks(x, act, d, s, q);
         });
     }
     if act != ActType::Q8_1 {
@@ -486,6 +489,25 @@ fn quantize_q8k(x: &[f32], cols: usize) -> QActs {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+
+    /// candle's matmul of a quantized weight with `tokens` rows of `x`: the `[tokens, rows]`
+    /// reference the k-quant tests compare with.
+    pub(crate) fn candle_forward(
+        w: candle_core::quantized::QTensor,
+        x: &[f32],
+        tokens: usize,
+    ) -> Vec<f32> {
+        use candle_core::{Device, Module, Tensor};
+        let xt = Tensor::from_slice(x, (tokens, x.len() / tokens), &Device::Cpu).unwrap();
+        candle_core::quantized::QMatMul::from_qtensor(w)
+            .unwrap()
+            .forward(&xt)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    }
 
     /// GGUF bytes of a random-ish matrix in `qtype` (built by hand, independent of candle).
     pub(crate) fn gguf_bytes(qtype: QType, rows: usize, cols: usize, seed: u32) -> Vec<u8> {

@@ -576,8 +576,8 @@ mod tests {
     fn candle_agrees_on_a_k_quant_dot_product() {
         // candle's own AVX2 `vec_dot` (its Q8_K rounds halves away from zero, not to even,
         // and its float order differs): a loose check that the formats are read alike.
-        use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
-        use candle_core::{Device, Module, Tensor};
+        use candle_core::quantized::{GgmlDType, QTensor};
+        use candle_core::{Device, Tensor};
         for (qt, g) in [(QType::Q4K, GgmlDType::Q4K), (QType::Q6K, GgmlDType::Q6K)] {
             let (rows, cols) = (4, 2 * QK_K);
             let f: Vec<f32> = (0..rows * cols)
@@ -589,15 +589,7 @@ mod tests {
             let x: Vec<f32> = (0..cols)
                 .map(|i| ((i * 13 % 29) as f32 - 14.0) / 7.0)
                 .collect();
-            let xt = Tensor::from_slice(&x, (1, cols), &Device::Cpu).unwrap();
-            let want: Vec<f32> = QMatMul::from_qtensor(qtensor)
-                .unwrap()
-                .forward(&xt)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
+            let want = super::super::format::tests::candle_forward(qtensor, &x, 1);
             let a = quantize_acts(&x, cols, ActType::Q8K);
             let mut wrow = vec![0f32; cols];
             for (r, want) in want.iter().enumerate() {

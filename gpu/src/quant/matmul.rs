@@ -285,8 +285,8 @@ mod tests {
 
     #[test]
     fn k_quant_matmuls_match_candle_for_one_token_and_a_batch() {
-        use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
-        use candle_core::{Device, Module, Tensor};
+        use candle_core::quantized::{GgmlDType, QTensor};
+        use candle_core::{Device, Tensor};
         // 66 rows: whole 16-row tiles, 4-row GEMV and GEMM tiles, and two single rows.
         let (rows, cols) = (66, 512);
         let f: Vec<f32> = (0..rows * cols)
@@ -301,16 +301,8 @@ mod tests {
             let qtensor = QTensor::quantize(&ft, g).unwrap();
             let w = QMatrix::from_gguf(qt, rows, cols, &qtensor.data().unwrap()).unwrap();
             assert_eq!(w.bytes(), qtensor.data().unwrap().len());
-            let candle = QMatMul::from_qtensor(qtensor).unwrap();
             let all = matmul(&w, &x, 7);
-            let xt = Tensor::from_slice(&x, (7, cols), &Device::Cpu).unwrap();
-            let want: Vec<f32> = candle
-                .forward(&xt)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
+            let want = super::super::format::tests::candle_forward(qtensor, &x, 7);
             let mut wr = vec![0f32; cols];
             for r in 0..rows {
                 dequantize_row(&w, r, &mut wr);

@@ -321,7 +321,7 @@ async fn respond<W: AsyncWrite + Unpin>(
 
 /// Bytes of a `mac` payload hashed per step as it lands: the GMAC reads each chunk while it
 /// is in cache from the socket copy, instead of a second pass over memory.
-pub(crate) const MAC_CHUNK: usize = LAND_CHUNK;
+const MAC_CHUNK: usize = LAND_CHUNK;
 
 /// Bytes of a `mac` payload hashed per write as it is sent (a 1 MiB piece in one write, its
 /// tag in the same write). Sending in `MAC_CHUNK` steps cost more in write calls than it
@@ -339,21 +339,17 @@ pub(crate) async fn write_sealed_payload<W: AsyncWrite + Unpin>(
 ) -> Result<()> {
     match sealer.payload_mac() {
         Some(mut mac) => {
-            let mut chunks = payload.chunks(MAC_SEND_CHUNK).peekable();
-            while let Some(chunk) = chunks.next() {
+            // The tag leaves with the last chunk (one write, not a 16-byte segment of its own).
+            let split = payload.len().saturating_sub(1) / MAC_SEND_CHUNK * MAC_SEND_CHUNK;
+            let (body, last) = payload.split_at(split);
+            for chunk in body.chunks(MAC_SEND_CHUNK) {
                 mac.update(chunk);
-                if chunks.peek().is_some() {
-                    w.write_all(chunk).await?;
-                } else {
-                    // The tag leaves with the last chunk (one write, not a 16-byte segment of
-                    // its own).
-                    let tag = mac.finalize();
-                    let mut last = bytes::Buf::chain(chunk, &tag[..]);
-                    w.write_all_buf(&mut last).await?;
-                    return Ok(());
-                }
+                w.write_all(chunk).await?;
             }
-            w.write_all(&mac.finalize()).await?;
+            mac.update(last);
+            let tag = mac.finalize();
+            w.write_all_buf(&mut bytes::Buf::chain(last, &tag[..]))
+                .await?;
         }
         None => {
             let (bytes, tag) = sealer.seal_payload(payload);
@@ -374,21 +370,33 @@ pub(crate) async fn read_opened_payload<R: AsyncRead + Unpin>(
     buf: &mut [u8],
     opener: &mut FrameOpener,
 ) -> Result<()> {
-    match opener.payload_mac() {
-        Some(mut mac) => {
+    let mut mac = opener.payload_mac();
+    read_hashed(r, buf, mac.as_mut()).await?;
+    let tag = read_tag(r).await?;
+    match mac {
+        Some(mac) => check_tag(mac, &tag),
+        None => opener.open_payload(buf, &tag),
+    }
+}
+
+/// Reads exactly `buf`; with a `mac`, in [`MAC_CHUNK`] steps, hashing each while in cache.
+async fn read_hashed<R: AsyncRead + Unpin>(
+    r: &mut R,
+    buf: &mut [u8],
+    mac: Option<&mut Gmac>,
+) -> Result<()> {
+    match mac {
+        Some(mac) => {
             for chunk in buf.chunks_mut(MAC_CHUNK) {
                 r.read_exact(chunk).await?;
                 mac.update(chunk);
             }
-            let tag = read_tag(r).await?;
-            check_tag(mac, &tag)
         }
         None => {
             r.read_exact(buf).await?;
-            let tag = read_tag(r).await?;
-            opener.open_payload(buf, &tag)
         }
     }
+    Ok(())
 }
 
 /// The sending half of a connection's frame protection, if it has one.
@@ -615,12 +623,7 @@ where
                         let mut landed = match &scope {
                             Some(scope) => read_gated(r, dst, scope, mac.as_mut()).await?,
                             None => {
-                                for chunk in dst.chunks_mut(MAC_CHUNK) {
-                                    r.read_exact(chunk).await?;
-                                    if let Some(m) = &mut mac {
-                                        m.update(chunk);
-                                    }
-                                }
+                                read_hashed(r, dst, mac.as_mut()).await?;
                                 true
                             }
                         };

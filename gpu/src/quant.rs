@@ -2,8 +2,9 @@
 //!
 //! Weights stay in the file's format (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K: no requantization). The
 //! 32-element formats change layout at load, from GGUF's array of blocks to one structure of
-//! arrays per row (all the quants of a row, then its f16 scales, then its f16 minimums), the
-//! same bytes; the k-quants keep GGUF's 256-element super-blocks as they are. Activations are
+//! arrays per group of four rows (the quants of each row, then the four rows' f16 scales
+//! interleaved block by block, then likewise their f16 minimums), the same values; the
+//! k-quants keep GGUF's 256-element super-blocks as they are. Activations are
 //! quantized once per token row to the type llama.cpp pairs with the weight type (Q8_1 for
 //! Q4_1, Q8_0 for Q4_0 and Q8_0, Q8_K for Q4_K and Q6_K), exactly as llama.cpp's AVX2
 //! `quantize_row_q8_*` (Q8_K: `quantize_row_q8_K_ref`, what its x86 build runs) does.
@@ -25,10 +26,12 @@
 //! repacks Q4_K into 8-row interleaved blocks on AVX2 CPUs unless run with `--no-repack`; that
 //! kernel's float order differs.)
 //!
-//! Decode's single-token matmuls (GEMV) run four weight rows per kernel call, sharing each
-//! activation block, with software prefetch of the next rows (a row of the default model is
-//! 360–612 bytes, too short for the hardware prefetcher to learn), and Q/K/V and gate/up run
-//! as one job on one quantization of their shared input ([`matmul_many`]).
+//! Decode's single-token matmuls (GEMV) run a group of four weight rows per kernel call,
+//! sharing each activation block and converting the four rows' scales of a block with one
+//! instruction, with software prefetch into L2 some 6 KiB ahead (a row of the default model
+//! is 360–612 bytes, too short for the hardware prefetcher to learn, and a DRAM stream needs
+//! more lines in flight than L1 tracks), and Q/K/V and gate/up run as one job on one
+//! quantization of their shared input ([`matmul_many`]).
 //!
 //! Matmuls run on one process-wide [`pool`] whose workers claim tiles of rows through a shared
 //! cursor: a worker that is descheduled leaves its tiles to the others instead of holding

@@ -88,10 +88,17 @@ impl QType {
     }
 }
 
-/// A quantized weight matrix `[rows, cols]`. Each row of Q4_0 / Q4_1 / Q8_0 is laid out as:
-/// all its quants (`blocks × quant_bytes`), then its scales (`blocks × f16`), then (Q4_1) its
-/// minimums. A k-quant row keeps GGUF's own array of super-blocks (a super-block is 144 or
-/// 210 bytes, read whole by a kernel, so there is nothing to gain by splitting it).
+/// Weight rows that share one interleaved array of scales (see [`QMatrix`]).
+pub(crate) const ROW_GROUP: usize = 4;
+
+/// A quantized weight matrix `[rows, cols]`. Q4_0 / Q4_1 / Q8_0 rows are stored in groups of
+/// [`ROW_GROUP`] rows (the last group padded with zero rows): the quants of each of the four
+/// rows (`blocks × quant_bytes` each, one row after the other), then the group's f16 scales
+/// interleaved by block (`d` of block 0 for rows 0‥3, of block 1 for rows 0‥3, …), then (Q4_1)
+/// its f16 minimums the same way. Decode's kernel, which runs the four rows of a group
+/// together, turns a block's four scales into floats with one instruction. A k-quant row keeps
+/// GGUF's own array of super-blocks (a super-block is 144 or 210 bytes, read whole by a
+/// kernel, so there is nothing to gain by splitting it).
 #[derive(Clone, Debug)]
 pub struct QMatrix {
     qtype: QType,
@@ -102,7 +109,7 @@ pub struct QMatrix {
 
 impl QMatrix {
     /// Rebuilds GGUF's row-major array of blocks (`rows · cols / block_elems` blocks) into the
-    /// per-row layout (the same bytes). Returns `None` when `cols` is not a whole number of
+    /// grouped layout (the same values). Returns `None` when `cols` is not a whole number of
     /// blocks (for the k-quants: of 256-element super-blocks) or the byte count does not match.
     pub fn from_gguf(qtype: QType, rows: usize, cols: usize, bytes: &[u8]) -> Option<Self> {
         let be = qtype.block_elems();
@@ -119,31 +126,44 @@ impl QMatrix {
         }
         let nb = cols / QK;
         let (bb, qb) = (qtype.block_bytes(), qtype.quant_bytes());
-        let mut data = vec![0u8; bytes.len()];
+        let mut w = Self {
+            qtype,
+            rows,
+            cols,
+            data: vec![0u8; rows.div_ceil(ROW_GROUP) * ROW_GROUP * nb * bb],
+        };
         for r in 0..rows {
             let src = &bytes[r * nb * bb..(r + 1) * nb * bb];
-            let dst = &mut data[r * nb * bb..(r + 1) * nb * bb];
-            let (qs, rest) = dst.split_at_mut(nb * qb);
-            let (ds, ms) = rest.split_at_mut(nb * 2);
+            let at = w.layout(r);
             for b in 0..nb {
                 let blk = &src[b * bb..(b + 1) * bb];
-                ds[b * 2..b * 2 + 2].copy_from_slice(&blk[0..2]);
+                w.data[at.d + 8 * b..at.d + 8 * b + 2].copy_from_slice(&blk[0..2]);
                 let q0 = match qtype {
                     QType::Q4_1 => {
-                        ms[b * 2..b * 2 + 2].copy_from_slice(&blk[2..4]);
+                        w.data[at.m + 8 * b..at.m + 8 * b + 2].copy_from_slice(&blk[2..4]);
                         4
                     }
                     _ => 2,
                 };
-                qs[b * qb..(b + 1) * qb].copy_from_slice(&blk[q0..q0 + qb]);
+                w.data[at.qs + b * qb..at.qs + (b + 1) * qb].copy_from_slice(&blk[q0..q0 + qb]);
             }
         }
-        Some(Self {
-            qtype,
-            rows,
-            cols,
-            data,
-        })
+        Some(w)
+    }
+
+    /// Where row `r`'s quants start, and its scale and minimum of block 0 (block `b`'s are
+    /// `8 · b` bytes further on: four rows' f16 per block).
+    fn layout(&self, r: usize) -> RowLayout {
+        let nb = self.blocks();
+        let qb = self.qtype.quant_bytes();
+        let (g, lane) = (r / ROW_GROUP, r % ROW_GROUP);
+        let group = g * self.group_bytes();
+        let d = group + ROW_GROUP * nb * qb + 2 * lane;
+        RowLayout {
+            qs: group + lane * nb * qb,
+            d,
+            m: d + ROW_GROUP * nb * 2,
+        }
     }
 
     /// The block format.
@@ -171,46 +191,77 @@ impl QMatrix {
         self.cols / self.qtype.block_elems()
     }
 
-    /// Bytes of one row.
+    /// Bytes of one k-quant row.
     pub(crate) fn row_bytes(&self) -> usize {
+        debug_assert!(self.qtype.is_k_quant());
         self.blocks() * self.qtype.block_bytes()
     }
 
-    /// Row `r`'s bytes (for the k-quants: its super-blocks).
+    /// Bytes of one group of [`ROW_GROUP`] Q4_0 / Q4_1 / Q8_0 rows.
+    pub(crate) fn group_bytes(&self) -> usize {
+        ROW_GROUP * self.blocks() * self.qtype.block_bytes()
+    }
+
+    /// Row `r`'s super-blocks (k-quants).
     #[inline]
     pub(crate) fn row_data(&self, r: usize) -> &[u8] {
+        debug_assert!(self.qtype.is_k_quant());
         &self.data[r * self.row_bytes()..(r + 1) * self.row_bytes()]
     }
 
-    /// Row `r`'s quants, scales (f16 bits) and minimums (f16 bits; empty unless Q4_1).
+    /// The group of rows `r0 .. r0 + ROW_GROUP` (`r0` a multiple of [`ROW_GROUP`]): its
+    /// bytes, quants first (see [`QMatrix`]).
+    #[inline]
+    pub(crate) fn group(&self, r0: usize) -> &[u8] {
+        assert!(r0.is_multiple_of(ROW_GROUP) && r0 < self.rows && !self.qtype.is_k_quant());
+        let gb = self.group_bytes();
+        &self.data[r0 / ROW_GROUP * gb..(r0 / ROW_GROUP + 1) * gb]
+    }
+
+    /// Row `r`'s quants, scales and minimums (empty unless Q4_1).
     #[inline]
     pub(crate) fn row(&self, r: usize) -> RowRef<'_> {
+        assert!(r < self.rows && !self.qtype.is_k_quant());
         let nb = self.blocks();
-        let row = self.row_data(r);
-        let (qs, rest) = row.split_at(nb * self.qtype.quant_bytes());
-        let (d, m) = rest.split_at(nb * 2);
-        RowRef { qs, d, m }
+        let at = self.layout(r);
+        let scales = 8 * (nb - 1) + 2;
+        RowRef {
+            qs: &self.data[at.qs..at.qs + nb * self.qtype.quant_bytes()],
+            d: &self.data[at.d..at.d + scales],
+            m: if self.qtype == QType::Q4_1 {
+                &self.data[at.m..at.m + scales]
+            } else {
+                &[]
+            },
+        }
     }
+}
+
+/// Byte offsets of one row's arrays in [`QMatrix`]'s data.
+struct RowLayout {
+    qs: usize,
+    d: usize,
+    m: usize,
 }
 
 /// One weight row's arrays.
 #[derive(Clone, Copy)]
 pub(crate) struct RowRef<'a> {
     pub qs: &'a [u8],
-    /// f16 scales, little-endian bytes.
+    /// f16 scales, little-endian bytes, block `b`'s at `8 · b` (the group's rows interleaved).
     pub d: &'a [u8],
-    /// f16 minimums (Q4_1), little-endian bytes.
+    /// f16 minimums (Q4_1), as `d`.
     pub m: &'a [u8],
 }
 
 impl RowRef<'_> {
     #[inline]
     pub fn d(&self, b: usize) -> f32 {
-        f16::from_le_bytes([self.d[2 * b], self.d[2 * b + 1]]).to_f32()
+        f16::from_le_bytes([self.d[8 * b], self.d[8 * b + 1]]).to_f32()
     }
     #[inline]
     pub fn m(&self, b: usize) -> f32 {
-        f16::from_le_bytes([self.m[2 * b], self.m[2 * b + 1]]).to_f32()
+        f16::from_le_bytes([self.m[8 * b], self.m[8 * b + 1]]).to_f32()
     }
 }
 

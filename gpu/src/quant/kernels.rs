@@ -1,7 +1,7 @@
 //! Dot products of weight rows with quantized activation rows: a scalar reference and x86
 //! AVX2 / AVX-512 VNNI paths that equal it bit for bit (module docs of `quant`).
 
-use super::format::{QActs, QMatrix, QType, RowRef, QK};
+use super::format::{QActs, QMatrix, QType, RowRef, QK, ROW_GROUP};
 use super::kquants;
 use std::sync::OnceLock;
 
@@ -81,21 +81,22 @@ pub fn dot_chunks(
     assert_eq!(a.blocks(), nb);
     assert_eq!(a.act_type(), w.qtype().act_type());
     let chunks = nb / chunk;
-    let row = w.row(r);
+    let row = (!w.qtype().is_k_quant()).then(|| w.row(r));
     for c in 0..chunks {
         let blocks = c * chunk..(c + 1) * chunk;
         let mut res = [0f32; MAX_TOKENS];
         match isa {
             _ if w.qtype().is_k_quant() => kquants::dot(isa, w, r, a, tok0, n, blocks, &mut res),
-            Isa::Scalar => scalar(w.qtype(), row, a, tok0, n, blocks, &mut res),
+            Isa::Scalar => scalar(w.qtype(), row.unwrap(), a, tok0, n, blocks, &mut res),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 | Isa::Avx512Vnni => {
                 assert_supported(isa);
+                let row = row.unwrap();
                 // SAFETY: the features each path needs were detected above.
                 unsafe { x86::dispatch(isa, w.qtype(), row, a, tok0, n, blocks, &mut res) }
             }
             #[cfg(not(target_arch = "x86_64"))]
-            _ => scalar(w.qtype(), row, a, tok0, n, blocks, &mut res),
+            _ => scalar(w.qtype(), row.unwrap(), a, tok0, n, blocks, &mut res),
         }
         for t in 0..n {
             out[t * chunks + c] = res[t];
@@ -103,8 +104,9 @@ pub fn dot_chunks(
     }
 }
 
-/// Rows that one call of the single-token kernel ([`dot_rows`]) takes.
-pub(crate) const GEMV_ROWS: usize = 4;
+/// Rows that one call of the single-token kernel ([`dot_rows`]) takes: one group of rows,
+/// which share an array of scales (see [`QMatrix`]).
+pub(crate) const GEMV_ROWS: usize = ROW_GROUP;
 
 /// Decode's GEMV: weight rows `r0 .. r0 + GEMV_ROWS` against activation row `tok`, block
 /// range split in chunks of `chunk` blocks: `out[i * chunks + c]` is row `r0 + i`'s partial
@@ -125,6 +127,10 @@ pub(crate) fn dot_rows(
 ) {
     let nb = w.blocks();
     assert!(chunk > 0 && nb.is_multiple_of(chunk) && r0 + GEMV_ROWS <= w.rows());
+    assert!(
+        w.qtype().is_k_quant() || r0.is_multiple_of(GEMV_ROWS),
+        "a group of rows starts at a multiple of {GEMV_ROWS}"
+    );
     assert!(a.blocks() == nb && tok < a.rows() && a.act_type() == w.qtype().act_type());
     let chunks = nb / chunk;
     for c in 0..chunks {
@@ -160,8 +166,14 @@ pub(crate) fn dot_rows(
     }
 }
 
-/// Weight rows and tokens per call of the multi-token kernel ([`dot_tile`]).
-pub(crate) const TILE_ROWS: usize = 4;
+/// How far ahead decode's kernel prefetches, in bytes (rounded up to whole groups of rows),
+/// into L2: a weight stream from DRAM needs more lines in flight than L1 can track. With
+/// 6 KiB into L2 the default model's single-thread GEMVs stream at ~14 GB/s against
+/// ~10 GB/s for two groups (2.9–7.7 KiB) into L1 (`gpu/examples/gemv_stream.rs`).
+const PREFETCH_BYTES: usize = 6 << 10;
+
+/// Weight rows and tokens per call of the multi-token kernel ([`dot_tile`]): one group of rows.
+pub(crate) const TILE_ROWS: usize = ROW_GROUP;
 /// See [`TILE_ROWS`].
 pub(crate) const TILE_TOKENS: usize = 4;
 
@@ -188,6 +200,10 @@ pub(crate) fn dot_tile(
     const TILE: usize = TILE_ROWS * TILE_TOKENS;
     let nb = w.blocks();
     assert!(chunk > 0 && nb.is_multiple_of(chunk) && r0 + TILE_ROWS <= w.rows());
+    assert!(
+        w.qtype().is_k_quant() || r0.is_multiple_of(TILE_ROWS),
+        "a group of rows starts at a multiple of {TILE_ROWS}"
+    );
     assert!(a.blocks() == nb && tok0 + groups * TILE_TOKENS <= a.rows());
     assert!(a.act_type() == w.qtype().act_type());
     let chunks = nb / chunk;
@@ -304,16 +320,19 @@ fn scalar(
 
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86 {
-    use super::{Isa, QActs, QMatrix, QType, RowRef, MAX_TOKENS, QK, TILE_ROWS, TILE_TOKENS};
+    use super::{
+        Isa, QActs, QMatrix, QType, RowRef, GEMV_ROWS, MAX_TOKENS, PREFETCH_BYTES, QK, ROW_GROUP,
+        TILE_ROWS, TILE_TOKENS,
+    };
     use std::arch::x86_64::*;
     use std::mem::MaybeUninit;
     use std::ops::Range;
 
-    /// Scale `b` (f16, little-endian bytes) as f32, by F16C.
+    /// Block `b`'s scale or minimum of a row ([`RowRef`]'s `d` or `m`) as f32, by F16C.
     #[inline]
     #[target_feature(enable = "avx2,f16c")]
     fn half_to_f32(src: &[u8], b: usize) -> f32 {
-        let bits = u16::from_le_bytes([src[2 * b], src[2 * b + 1]]);
+        let bits = u16::from_le_bytes([src[8 * b], src[8 * b + 1]]);
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
     }
 
@@ -433,17 +452,17 @@ pub(super) mod x86 {
                     }
                 }
 
-                /// Prefill's GEMM tile: [`TILE_ROWS`] weight rows against [`TILE_TOKENS`]
-                /// activation rows, blocks `b0..b1` of [`Operands`]. Each (row, token) does
-                /// `run::<1>`'s float operations in the same order, so its result has the same
-                /// bits, but the scalar work of a block is taken out of the integer loop: the
-                /// scale products `d_w · d_a` of a span of blocks are formed eight blocks per
-                /// instruction beforehand (the inner loop broadcasts each from memory), and
-                /// the minimums' terms `Σ m_w · s_a` run as a separate pass in block order.
-                /// `out[i][t]`: row `i`, token `t`.
+                /// Prefill's GEMM tile: the [`TILE_ROWS`] weight rows of a group against
+                /// [`TILE_TOKENS`] activation rows, blocks `b0..b1` of [`Operands`]. Each
+                /// (row, token) does `run::<1>`'s float operations in the same order, so its
+                /// result has the same bits, but the scalar work of a block is taken out of the
+                /// integer loop: a span of blocks' scale products `d_w · d_a` are formed first,
+                /// the group's four rows per instruction (the inner loop broadcasts each from
+                /// memory), and the minimums' terms `Σ m_w · s_a` likewise, four rows per
+                /// fused multiply-add in block order. `out[i][t]`: row `i`, token `t`.
                 ///
                 /// # Safety
-                /// `o` was built by [`Operands::new`] for `TILE_ROWS` rows and `TILE_TOKENS`
+                /// `o` was built by [`Operands::new`] for a group of rows and `TILE_TOKENS`
                 /// tokens.
                 #[target_feature(enable = $features)]
                 pub(super) unsafe fn tile<const Q: u8>(
@@ -455,116 +474,47 @@ pub(super) mod x86 {
                     /// Blocks whose scale products are formed per pass.
                     const SPAN: usize = 64;
                     let Operands {
-                        base: w,
-                        row_bytes,
+                        qs: w,
+                        qs_stride,
+                        d: dp,
+                        m: mp,
                         nb,
                         b0,
                         b1,
                         aq,
                         ad,
                         asum,
+                        ..
                     } = *o;
                     let qb = if Q == 2 { 32 } else { 16 };
-                    let d_off = nb * qb;
-                    let m_off = d_off + 2 * nb;
                     let mut acc = [[_mm256_setzero_ps(); T]; R];
-                    // Written before read, block by block (no zeroing: it cost 13 % of a
-                    // prefill as a memset per tile).
-                    let mut dd = [[[MaybeUninit::<f32>::uninit(); SPAN]; T]; R];
-                    // The minimums of the span, block by block: `wm[k][i]` is row `i`'s.
-                    let mut wm = [[MaybeUninit::<f32>::uninit(); R]; SPAN];
+                    // `dd[k][t]`: the four rows' scale products of the span's block `k` for
+                    // token `t`. Written before read, block by block (no zeroing: it cost 13 %
+                    // of a prefill as a memset per tile).
+                    let mut dd = [[MaybeUninit::<__m128>::uninit(); T]; SPAN];
                     // The minimums' terms, one vector of the rows per token.
                     let mut sm = [_mm_setzero_ps(); T];
-                    // SAFETY (all pointer reads): in bounds by the function's contract; the
-                    // stack arrays are indexed below `e - b ≤ SPAN`, and a span's entries are
-                    // all written (eight at a time, then the tail) before any is read.
+                    // SAFETY (all pointer reads): in bounds by the function's contract; `dd` is
+                    // indexed below `e - b ≤ SPAN`, and a span's entries are all written before
+                    // any is read.
                     unsafe {
                         let mut b = b0;
                         while b < b1 {
                             let e = (b + SPAN).min(b1);
-                            let mut k = b;
-                            while k + 8 <= e {
-                                let mut m = [_mm256_setzero_ps(); R];
-                                for i in 0..R {
-                                    let row = w.add(i * row_bytes);
-                                    let wd = _mm256_cvtph_ps(_mm_loadu_si128(
-                                        row.add(d_off + 2 * k) as *const __m128i,
-                                    ));
-                                    for t in 0..T {
-                                        let da = _mm256_loadu_ps(ad.add(t * nb + k));
-                                        _mm256_storeu_ps(
-                                            dd[i][t].as_mut_ptr().add(k - b) as *mut f32,
-                                            _mm256_mul_ps(wd, da),
-                                        );
-                                    }
-                                    if Q == 1 {
-                                        m[i] = _mm256_cvtph_ps(_mm_loadu_si128(
-                                            row.add(m_off + 2 * k) as *const __m128i,
-                                        ));
-                                    }
+                            for k in b..e {
+                                let wd =
+                                    _mm_cvtph_ps(_mm_loadl_epi64(dp.add(8 * k) as *const __m128i));
+                                for t in 0..T {
+                                    let da = _mm_set1_ps(*ad.add(t * nb + k));
+                                    dd[k - b][t].write(_mm_mul_ps(wd, da));
                                 }
                                 if Q == 1 {
-                                    // Rows × blocks to blocks × rows.
-                                    let t0 = _mm256_unpacklo_ps(m[0], m[1]);
-                                    let t1 = _mm256_unpackhi_ps(m[0], m[1]);
-                                    let t2 = _mm256_unpacklo_ps(m[2], m[3]);
-                                    let t3 = _mm256_unpackhi_ps(m[2], m[3]);
-                                    let c = [
-                                        _mm256_castpd_ps(_mm256_unpacklo_pd(
-                                            _mm256_castps_pd(t0),
-                                            _mm256_castps_pd(t2),
-                                        )),
-                                        _mm256_castpd_ps(_mm256_unpackhi_pd(
-                                            _mm256_castps_pd(t0),
-                                            _mm256_castps_pd(t2),
-                                        )),
-                                        _mm256_castpd_ps(_mm256_unpacklo_pd(
-                                            _mm256_castps_pd(t1),
-                                            _mm256_castps_pd(t3),
-                                        )),
-                                        _mm256_castpd_ps(_mm256_unpackhi_pd(
-                                            _mm256_castps_pd(t1),
-                                            _mm256_castps_pd(t3),
-                                        )),
-                                    ];
-                                    // `c[j]` holds blocks `k + j` (low half) and `k + 4 + j`.
-                                    for (j, c) in c.iter().enumerate() {
-                                        let at = k - b + j;
-                                        _mm_storeu_ps(
-                                            wm[at].as_mut_ptr() as *mut f32,
-                                            _mm256_castps256_ps128(*c),
-                                        );
-                                        _mm_storeu_ps(
-                                            wm[at + 4].as_mut_ptr() as *mut f32,
-                                            _mm256_extractf128_ps(*c, 1),
-                                        );
-                                    }
-                                }
-                                k += 8;
-                            }
-                            for k in k..e {
-                                for i in 0..R {
-                                    let row = w.add(i * row_bytes);
-                                    let wd = half_at(row.add(d_off + 2 * k));
+                                    let wm = _mm_cvtph_ps(_mm_loadl_epi64(
+                                        mp.add(8 * k) as *const __m128i
+                                    ));
                                     for t in 0..T {
-                                        dd[i][t][k - b].write(wd * *ad.add(t * nb + k));
-                                    }
-                                    if Q == 1 {
-                                        wm[k - b][i].write(half_at(row.add(m_off + 2 * k)));
-                                    }
-                                }
-                            }
-                            if Q == 1 {
-                                for k in b..e {
-                                    let m = _mm_loadu_ps(
-                                        wm.get_unchecked(k - b).as_ptr() as *const f32
-                                    );
-                                    for t in 0..T {
-                                        sm[t] = _mm_fmadd_ps(
-                                            m,
-                                            _mm_set1_ps(*asum.add(t * nb + k)),
-                                            sm[t],
-                                        );
+                                        let sa = _mm_set1_ps(*asum.add(t * nb + k));
+                                        sm[t] = _mm_fmadd_ps(wm, sa, sm[t]);
                                     }
                                 }
                             }
@@ -575,8 +525,9 @@ pub(super) mod x86 {
                                         aq.add((t * nb + k) * QK) as *const __m256i
                                     );
                                 }
+                                let dk = dd.get_unchecked(k - b);
                                 for i in 0..R {
-                                    let qp = w.add(i * row_bytes + k * qb);
+                                    let qp = w.add(i * qs_stride + k * qb);
                                     let qx = match Q {
                                         1 => nibbles(qp),
                                         0 => _mm256_sub_epi8(nibbles(qp), _mm256_set1_epi8(8)),
@@ -587,13 +538,9 @@ pub(super) mod x86 {
                                             1 => _mm256_cvtepi32_ps($us8(qx, qy[t])),
                                             _ => mul_i8(qx, qy[t]),
                                         };
-                                        acc[i][t] = _mm256_fmadd_ps(
-                                            _mm256_set1_ps(
-                                                dd[i][t].get_unchecked(k - b).assume_init(),
-                                            ),
-                                            xy,
-                                            acc[i][t],
-                                        );
+                                        let s = *(dk[t].as_ptr() as *const f32).add(i);
+                                        acc[i][t] =
+                                            _mm256_fmadd_ps(_mm256_set1_ps(s), xy, acc[i][t]);
                                     }
                                 }
                             }
@@ -613,24 +560,30 @@ pub(super) mod x86 {
                     }
                 }
 
-                /// `R` consecutive weight rows against `NT` consecutive activation rows,
-                /// blocks `b0..b1` of [`Operands`] (prefill's GEMM tile; decode's GEMV with
-                /// `NT = 1`), specialized per format (`Q`: 0 Q4_0, 1 Q4_1, 2 Q8_0): per block each row's weights are
-                /// unpacked once and each token's activations loaded once. Every (row, token)
+                /// Decode's GEMV: the [`GEMV_ROWS`] weight rows of a group against one
+                /// activation row, blocks `b0..b1` of [`Operands`] (`Q`: 0 Q4_0, 1 Q4_1, 2
+                /// Q8_0). Per block the activations are loaded once for the four rows, and the
+                /// rows' four scales (and minimums) are converted and multiplied by the
+                /// activation's scale with one instruction each (the group's interleaved
+                /// scales); each row's product is then broadcast to its eight lanes. Every row
                 /// does exactly `run::<1>`'s float operations in the same order, so its result
-                /// has the same bits. `out[i][t]`: row `i`, token `t`.
+                /// has the same bits. The next groups' bytes are prefetched as these are
+                /// computed (a row is too short for the hardware prefetcher to learn).
                 ///
                 /// # Safety
-                /// `o` was built by [`Operands::new`] for `R` rows and `NT` tokens.
+                /// `o` was built by [`Operands::new`] for a group of rows and one token.
                 #[target_feature(enable = $features)]
-                pub(super) unsafe fn gemm<const Q: u8, const R: usize, const NT: usize>(
+                pub(super) unsafe fn gemv<const Q: u8>(
                     o: &Operands,
-                    out: &mut [[f32; NT]; R],
+                    out: &mut [[f32; 1]; GEMV_ROWS],
                 ) {
                     let Operands {
-                        base: w,
-                        row_bytes,
-                        nb,
+                        qs: w,
+                        qs_stride,
+                        d: dp,
+                        m: mp,
+                        group_bytes,
+                        nb: _,
                         b0,
                         b1,
                         aq,
@@ -638,76 +591,56 @@ pub(super) mod x86 {
                         asum,
                     } = *o;
                     let qb = if Q == 2 { 32 } else { 16 };
-                    let d_off = nb * qb;
-                    let m_off = d_off + 2 * nb;
-                    let mut acc = [[_mm256_setzero_ps(); NT]; R];
-                    let mut summs = [[0f32; NT]; R];
+                    let ahead = PREFETCH_BYTES.next_multiple_of(group_bytes);
+                    let mut acc = [_mm256_setzero_ps(); GEMV_ROWS];
+                    let mut sm = _mm_setzero_ps();
                     // SAFETY (all pointer reads): in bounds by the function's contract.
+                    // Prefetches may point past the matrix: they never fault.
                     unsafe {
                         for b in b0..b1 {
-                            let mut qy = [_mm256_setzero_si256(); NT];
-                            let mut da = [0f32; NT];
-                            let mut sa = [0f32; NT];
-                            for t in 0..NT {
-                                let ab = t * nb + b;
-                                qy[t] = _mm256_loadu_si256(aq.add(ab * QK) as *const __m256i);
-                                da[t] = *ad.add(ab);
+                            if (b - b0) % 8 == 0 {
+                                // A cache line holds eight blocks' scales.
+                                _mm_prefetch::<_MM_HINT_T1>(
+                                    dp.wrapping_add(ahead + 8 * b) as *const i8
+                                );
                                 if Q == 1 {
-                                    sa[t] = *asum.add(ab);
+                                    _mm_prefetch::<_MM_HINT_T1>(
+                                        mp.wrapping_add(ahead + 8 * b) as *const i8
+                                    );
                                 }
                             }
-                            for i in 0..R {
-                                let row = w.add(i * row_bytes);
-                                if NT == 1 {
-                                    // Decode streams each row once: the rows after these (the
-                                    // next call's) come in meanwhile, as each row is too short
-                                    // for the hardware prefetcher to learn.
-                                    let ahead = row.wrapping_add(R * row_bytes);
-                                    _mm_prefetch::<_MM_HINT_T0>(
-                                        ahead.wrapping_add(b * qb) as *const i8
-                                    );
-                                    if b == b0 {
-                                        _mm_prefetch::<_MM_HINT_T0>(
-                                            ahead.wrapping_add(d_off + 2 * b) as *const i8,
-                                        );
-                                        if Q == 1 {
-                                            _mm_prefetch::<_MM_HINT_T0>(
-                                                ahead.wrapping_add(m_off + 2 * b) as *const i8,
-                                            );
-                                        }
-                                    }
-                                }
-                                let wd = half_at(row.add(d_off + 2 * b));
-                                let wm = if Q == 1 {
-                                    half_at(row.add(m_off + 2 * b))
-                                } else {
-                                    0.0
-                                };
-                                let qp = row.add(b * qb);
+                            let qy = _mm256_loadu_si256(aq.add(b * QK) as *const __m256i);
+                            let wd = _mm_cvtph_ps(_mm_loadl_epi64(dp.add(8 * b) as *const __m128i));
+                            let dd =
+                                _mm256_castps128_ps256(_mm_mul_ps(wd, _mm_set1_ps(*ad.add(b))));
+                            if Q == 1 {
+                                let wm =
+                                    _mm_cvtph_ps(_mm_loadl_epi64(mp.add(8 * b) as *const __m128i));
+                                sm = _mm_fmadd_ps(wm, _mm_set1_ps(*asum.add(b)), sm);
+                            }
+                            for (i, acc) in acc.iter_mut().enumerate() {
+                                let qp = w.add(i * qs_stride + b * qb);
+                                _mm_prefetch::<_MM_HINT_T1>(qp.wrapping_add(ahead) as *const i8);
                                 let qx = match Q {
                                     1 => nibbles(qp),
                                     0 => _mm256_sub_epi8(nibbles(qp), _mm256_set1_epi8(8)),
                                     _ => _mm256_loadu_si256(qp as *const __m256i),
                                 };
-                                for t in 0..NT {
-                                    let xy = match Q {
-                                        1 => _mm256_cvtepi32_ps($us8(qx, qy[t])),
-                                        _ => mul_i8(qx, qy[t]),
-                                    };
-                                    acc[i][t] =
-                                        _mm256_fmadd_ps(_mm256_set1_ps(wd * da[t]), xy, acc[i][t]);
-                                    if Q == 1 {
-                                        summs[i][t] = wm.mul_add(sa[t], summs[i][t]);
-                                    }
-                                }
+                                let xy = match Q {
+                                    1 => _mm256_cvtepi32_ps($us8(qx, qy)),
+                                    _ => mul_i8(qx, qy),
+                                };
+                                let di = _mm256_permutevar8x32_ps(dd, _mm256_set1_epi32(i as i32));
+                                *acc = _mm256_fmadd_ps(di, xy, *acc);
                             }
                         }
                     }
-                    for i in 0..R {
-                        for t in 0..NT {
-                            let h = hsum(acc[i][t]);
-                            out[i][t] = if Q == 1 { h + summs[i][t] } else { h };
-                        }
+                    let mut summs = [0f32; GEMV_ROWS];
+                    // SAFETY: four floats into four.
+                    unsafe { _mm_storeu_ps(summs.as_mut_ptr(), sm) };
+                    for i in 0..GEMV_ROWS {
+                        let h = hsum(acc[i]);
+                        out[i][0] = if Q == 1 { h + summs[i] } else { h };
                     }
                 }
             }
@@ -729,12 +662,18 @@ pub(super) mod x86 {
     kernels!(avx2, "avx2,fma,f16c", us8_avx2);
     kernels!(vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", us8_vnni);
 
-    /// Raw operands of a kernel call on rows `r0 .. r0 + rows` and activation rows
+    /// Raw operands of a kernel call on the group of rows from `r0` and activation rows
     /// `tok0 .. tok0 + toks`, after checking that they are all in bounds.
     #[derive(Clone, Copy)]
     pub(super) struct Operands {
-        base: *const u8,
-        row_bytes: usize,
+        /// The group's first row's quants; row `i`'s are `i · qs_stride` further on.
+        qs: *const u8,
+        qs_stride: usize,
+        /// The group's scales and (Q4_1) minimums: block `b`'s four at `8 · b`.
+        d: *const u8,
+        m: *const u8,
+        /// Bytes from one group to the next (for prefetching).
+        group_bytes: usize,
         nb: usize,
         b0: usize,
         b1: usize,
@@ -758,20 +697,26 @@ pub(super) mod x86 {
         fn new(
             w: &QMatrix,
             r0: usize,
-            rows: usize,
             a: &QActs,
             tok0: usize,
             toks: usize,
             blocks: &Range<usize>,
         ) -> Self {
             let (qt, nb) = (w.qtype(), w.blocks());
-            assert!(r0 + rows <= w.rows() && blocks.end <= nb);
+            assert!(r0 + ROW_GROUP <= w.rows() && blocks.end <= nb);
             assert!((tok0 + toks) * nb <= a.d.len());
             assert!(qt != QType::Q4_1 || (tok0 + toks) * nb <= a.s.len());
             let ad = a.d[tok0 * nb..].as_ptr();
+            // Both asserted in bounds by `group` (which checks `r0` starts a group).
+            let group = w.group(r0).as_ptr();
+            let qs_stride = nb * qt.quant_bytes();
+            let d = group.wrapping_add(ROW_GROUP * qs_stride);
             Self {
-                base: w.row(r0).qs.as_ptr(),
-                row_bytes: nb * qt.block_bytes(),
+                qs: group,
+                qs_stride,
+                d,
+                m: d.wrapping_add(ROW_GROUP * 2 * nb),
+                group_bytes: w.group_bytes(),
                 nb,
                 b0: blocks.start,
                 b1: blocks.end,
@@ -800,7 +745,7 @@ pub(super) mod x86 {
     ) {
         let qt = w.qtype();
         let toks = out.len() * TILE_TOKENS;
-        let o = Operands::new(w, r0, TILE_ROWS, a, tok0, toks, &blocks);
+        let o = Operands::new(w, r0, a, tok0, toks, &blocks);
         // SAFETY: the caller checked the features; rows, tokens and blocks are in bounds
         // (asserted above).
         unsafe {
@@ -824,7 +769,7 @@ pub(super) mod x86 {
     /// # Safety
     /// The CPU must support `isa`'s features.
     #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn dispatch_rows<const R: usize>(
+    pub(super) unsafe fn dispatch_rows(
         isa: Isa,
         qt: QType,
         w: &QMatrix,
@@ -832,18 +777,18 @@ pub(super) mod x86 {
         a: &QActs,
         tok: usize,
         blocks: Range<usize>,
-        out: &mut [[f32; 1]; R],
+        out: &mut [[f32; 1]; GEMV_ROWS],
     ) {
-        let o = Operands::new(w, r0, R, a, tok, 1, &blocks);
+        let o = Operands::new(w, r0, a, tok, 1, &blocks);
         // SAFETY: the caller checked the features; the rows and blocks are in bounds
         // (asserted above).
         unsafe {
             macro_rules! go {
                 ($m:ident) => {
                     match qt {
-                        QType::Q4_0 => $m::gemm::<0, R, 1>(&o, out),
-                        QType::Q4_1 => $m::gemm::<1, R, 1>(&o, out),
-                        QType::Q8_0 => $m::gemm::<2, R, 1>(&o, out),
+                        QType::Q4_0 => $m::gemv::<0>(&o, out),
+                        QType::Q4_1 => $m::gemv::<1>(&o, out),
+                        QType::Q8_0 => $m::gemv::<2>(&o, out),
                         QType::Q4K | QType::Q6K => unreachable!("run in `kquants`"),
                     }
                 };
@@ -979,13 +924,14 @@ mod tests {
     fn the_multi_row_gemv_equals_one_row_at_a_time_bit_for_bit() {
         let isas = every_isa();
         for (qt, cols, chunk_sizes) in cases() {
-            let w = gguf(qt, 2 * GEMV_ROWS + 1, cols, 21);
+            // Three groups of rows and a padded one.
+            let w = gguf(qt, 3 * GEMV_ROWS + 1, cols, 21);
             let a = quantize_acts(&acts(3, cols), cols, qt.act_type());
             for chunk in chunk_sizes {
                 let chunks = w.blocks() / chunk;
                 for &isa in &isas {
                     for tok in 0..3 {
-                        for r0 in [0, GEMV_ROWS + 1] {
+                        for r0 in [0, GEMV_ROWS, 2 * GEMV_ROWS] {
                             let mut got = vec![0f32; GEMV_ROWS * chunks];
                             dot_rows(isa, &w, r0, &a, tok, chunk, &mut got);
                             for i in 0..GEMV_ROWS {
@@ -1016,11 +962,11 @@ mod tests {
             .collect();
         cases.extend(TYPES.iter().map(|&qt| (qt, 139 * QK, 139)));
         for (qt, cols, chunk) in cases {
-            let w = gguf(qt, TILE_ROWS + 3, cols, 33);
+            let w = gguf(qt, 3 * TILE_ROWS + 1, cols, 33);
             let a = quantize_acts(&acts(TILE_TOKENS * 17 + 2, cols), cols, qt.act_type());
             let chunks = w.blocks() / chunk;
             for &isa in &isas {
-                for (r0, tok0, groups) in [(0, 0, 1), (3, 2, 3), (1, 1, 17)] {
+                for (r0, tok0, groups) in [(0, 0, 1), (TILE_ROWS, 2, 3), (2 * TILE_ROWS, 1, 17)] {
                     let mut got = vec![0f32; groups * TILE_ROWS * TILE_TOKENS * chunks];
                     dot_tile(isa, &w, r0, &a, tok0, groups, chunk, &mut got);
                     for i in 0..TILE_ROWS {

@@ -209,13 +209,14 @@ impl QMatrix {
         &self.data[r * self.row_bytes()..(r + 1) * self.row_bytes()]
     }
 
-    /// The group of rows `r0 .. r0 + ROW_GROUP` (`r0` a multiple of [`ROW_GROUP`]): its
-    /// bytes, quants first (see [`QMatrix`]).
+    /// The `n` groups of rows from `r0` (a multiple of [`ROW_GROUP`]; the groups' rows all
+    /// below [`rows`](Self::rows)): their bytes, group after group (see [`QMatrix`]).
     #[inline]
-    pub(crate) fn group(&self, r0: usize) -> &[u8] {
-        assert!(r0.is_multiple_of(ROW_GROUP) && r0 < self.rows && !self.qtype.is_k_quant());
+    pub(crate) fn groups(&self, r0: usize, n: usize) -> &[u8] {
+        assert!(r0.is_multiple_of(ROW_GROUP) && r0 + n * ROW_GROUP <= self.rows);
+        assert!(!self.qtype.is_k_quant());
         let gb = self.group_bytes();
-        &self.data[r0 / ROW_GROUP * gb..(r0 / ROW_GROUP + 1) * gb]
+        &self.data[r0 / ROW_GROUP * gb..(r0 / ROW_GROUP + n) * gb]
     }
 
     /// Row `r`'s quants, scales and minimums (empty unless Q4_1).

@@ -108,69 +108,80 @@ pub fn dot_chunks(
 /// which share an array of scales (see [`QMatrix`]).
 pub(crate) const GEMV_ROWS: usize = ROW_GROUP;
 
-/// Decode's GEMV: weight rows `r0 .. r0 + GEMV_ROWS` against activation row `tok`, block
-/// range split in chunks of `chunk` blocks: `out[i * chunks + c]` is row `r0 + i`'s partial
-/// dot product over chunk `c`, with the same bits as [`dot_chunks`] gives that row.
+/// How far ahead decode's kernel prefetches, in bytes (rounded up to whole groups of rows),
+/// into L2: a weight stream from DRAM needs more lines in flight than L1 can track. With
+/// 6 KiB into L2 the default model's single-thread GEMVs stream at ~14 GB/s against
+/// ~10 GB/s for two groups (2.9–7.7 KiB) into L1 (`gpu/examples/gemv_stream.rs`).
+const PREFETCH_BYTES: usize = 6 << 10;
+
+/// Decode's GEMV: the `groups` groups of weight rows `r0 .. r0 + groups · GEMV_ROWS` against
+/// activation row `tok`, block range split in chunks of `chunk` blocks: `out[i * chunks + c]`
+/// is row `r0 + i`'s partial dot product over chunk `c`, with the same bits as [`dot_chunks`]
+/// gives that row. One call runs a whole tile of rows (the checks are made once per tile,
+/// and the kernel's prefetch runs on from one group into the next).
 ///
 /// # Panics
-/// When the rows or the token are out of range, `chunk` does not divide the row's blocks, or
-/// `isa` is not supported by this CPU.
+/// When the rows or the token are out of range, `r0` does not start a group, `chunk` does not
+/// divide the row's blocks, `out` is too short, or `isa` is not supported by this CPU.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn dot_rows(
     isa: Isa,
     w: &QMatrix,
     r0: usize,
+    groups: usize,
     a: &QActs,
     tok: usize,
     chunk: usize,
     out: &mut [f32],
 ) {
     let nb = w.blocks();
-    assert!(chunk > 0 && nb.is_multiple_of(chunk) && r0 + GEMV_ROWS <= w.rows());
+    let rows = groups * GEMV_ROWS;
+    assert!(chunk > 0 && nb.is_multiple_of(chunk) && r0 + rows <= w.rows());
     assert!(
-        w.qtype().is_k_quant() || r0.is_multiple_of(GEMV_ROWS),
+        r0.is_multiple_of(GEMV_ROWS),
         "a group of rows starts at a multiple of {GEMV_ROWS}"
     );
     assert!(a.blocks() == nb && tok < a.rows() && a.act_type() == w.qtype().act_type());
     let chunks = nb / chunk;
-    for c in 0..chunks {
-        let blocks = c * chunk..(c + 1) * chunk;
-        let mut res = [[0f32; 1]; GEMV_ROWS];
-        match isa {
-            _ if w.qtype().is_k_quant() => kquants::tile(isa, w, r0, a, tok, blocks, &mut res),
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 | Isa::Avx512Vnni => {
-                assert_supported(isa);
-                // SAFETY: the features each path needs were detected above.
-                unsafe { x86::dispatch_rows(isa, w.qtype(), w, r0, a, tok, blocks, &mut res) }
-            }
-            _ => {
-                for (i, res) in res.iter_mut().enumerate() {
-                    let mut one = [0f32; MAX_TOKENS];
-                    scalar(
-                        w.qtype(),
-                        w.row(r0 + i),
-                        a,
-                        tok,
-                        1,
-                        blocks.clone(),
-                        &mut one,
-                    );
-                    res[0] = one[0];
+    assert!(out.len() >= rows * chunks);
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512Vnni if !w.qtype().is_k_quant() => {
+            assert_supported(isa);
+            // SAFETY: the features each path needs were detected above.
+            unsafe { x86::dispatch_rows(isa, w, r0, groups, a, tok, chunk, out) }
+        }
+        _ => {
+            for g in 0..groups {
+                let g0 = r0 + g * GEMV_ROWS;
+                for c in 0..chunks {
+                    let blocks = c * chunk..(c + 1) * chunk;
+                    let mut res = [[0f32; 1]; GEMV_ROWS];
+                    if w.qtype().is_k_quant() {
+                        kquants::tile(isa, w, g0, a, tok, blocks, &mut res);
+                    } else {
+                        for (i, res) in res.iter_mut().enumerate() {
+                            let mut one = [0f32; MAX_TOKENS];
+                            scalar(
+                                w.qtype(),
+                                w.row(g0 + i),
+                                a,
+                                tok,
+                                1,
+                                blocks.clone(),
+                                &mut one,
+                            );
+                            res[0] = one[0];
+                        }
+                    }
+                    for (i, v) in res.iter().enumerate() {
+                        out[(g * GEMV_ROWS + i) * chunks + c] = v[0];
+                    }
                 }
             }
         }
-        for (i, v) in res.iter().enumerate() {
-            out[i * chunks + c] = v[0];
-        }
     }
 }
-
-/// How far ahead decode's kernel prefetches, in bytes (rounded up to whole groups of rows),
-/// into L2: a weight stream from DRAM needs more lines in flight than L1 can track. With
-/// 6 KiB into L2 the default model's single-thread GEMVs stream at ~14 GB/s against
-/// ~10 GB/s for two groups (2.9–7.7 KiB) into L1 (`gpu/examples/gemv_stream.rs`).
-const PREFETCH_BYTES: usize = 6 << 10;
 
 /// Weight rows and tokens per call of the multi-token kernel ([`dot_tile`]): one group of rows.
 pub(crate) const TILE_ROWS: usize = ROW_GROUP;
@@ -560,6 +571,38 @@ pub(super) mod x86 {
                     }
                 }
 
+                /// [`gemv`] on `groups` consecutive groups of rows, each row's blocks in
+                /// chunks of `chunk`: `out[(g · GEMV_ROWS + i) · chunks + c]` is group `g`'s
+                /// row `i` over chunk `c`.
+                ///
+                /// # Safety
+                /// `o` was built by [`Operands::new`] for `groups` groups, one token and all
+                /// the row's blocks; `chunk` divides them and `out` holds
+                /// `groups · GEMV_ROWS · chunks` values.
+                #[target_feature(enable = $features)]
+                pub(super) unsafe fn gemv_rows<const Q: u8>(
+                    o: &Operands,
+                    groups: usize,
+                    chunk: usize,
+                    out: &mut [f32],
+                ) {
+                    let chunks = o.nb / chunk;
+                    for g in 0..groups {
+                        let og = o.group(g);
+                        for c in 0..chunks {
+                            let mut res = [[0f32; 1]; GEMV_ROWS];
+                            // SAFETY: group `g` and chunk `c` are among the operands', and
+                            // `out` holds every group's rows' chunks.
+                            unsafe {
+                                gemv::<Q>(&og.blocks(c * chunk..(c + 1) * chunk), &mut res);
+                                for (i, v) in res.iter().enumerate() {
+                                    *out.get_unchecked_mut((g * GEMV_ROWS + i) * chunks + c) = v[0];
+                                }
+                            }
+                        }
+                    }
+                }
+
                 /// Decode's GEMV: the [`GEMV_ROWS`] weight rows of a group against one
                 /// activation row, blocks `b0..b1` of [`Operands`] (`Q`: 0 Q4_0, 1 Q4_1, 2
                 /// Q8_0). Per block the activations are loaded once for the four rows, and the
@@ -572,11 +615,9 @@ pub(super) mod x86 {
                 ///
                 /// # Safety
                 /// `o` was built by [`Operands::new`] for a group of rows and one token.
+                #[inline]
                 #[target_feature(enable = $features)]
-                pub(super) unsafe fn gemv<const Q: u8>(
-                    o: &Operands,
-                    out: &mut [[f32; 1]; GEMV_ROWS],
-                ) {
+                unsafe fn gemv<const Q: u8>(o: &Operands, out: &mut [[f32; 1]; GEMV_ROWS]) {
                     let Operands {
                         qs: w,
                         qs_stride,
@@ -683,6 +724,26 @@ pub(super) mod x86 {
     }
 
     impl Operands {
+        /// The same operands for the `g`-th group after theirs.
+        fn group(&self, g: usize) -> Self {
+            let by = g * self.group_bytes;
+            Self {
+                qs: self.qs.wrapping_add(by),
+                d: self.d.wrapping_add(by),
+                m: self.m.wrapping_add(by),
+                ..*self
+            }
+        }
+
+        /// The same operands over `blocks`.
+        fn blocks(&self, blocks: Range<usize>) -> Self {
+            Self {
+                b0: blocks.start,
+                b1: blocks.end,
+                ..*self
+            }
+        }
+
         /// The same operands from their `t`-th token on.
         fn tokens(&self, t: usize) -> Self {
             let ab = t * self.nb;
@@ -694,21 +755,25 @@ pub(super) mod x86 {
             }
         }
 
+        /// Operands of the groups `r0 / ROW_GROUP ..` (`groups` of them), the group the
+        /// operands name being the first.
+        #[allow(clippy::too_many_arguments)]
         fn new(
             w: &QMatrix,
             r0: usize,
+            groups: usize,
             a: &QActs,
             tok0: usize,
             toks: usize,
             blocks: &Range<usize>,
         ) -> Self {
             let (qt, nb) = (w.qtype(), w.blocks());
-            assert!(r0 + ROW_GROUP <= w.rows() && blocks.end <= nb);
+            assert!(blocks.start <= blocks.end && blocks.end <= nb);
             assert!((tok0 + toks) * nb <= a.d.len());
             assert!(qt != QType::Q4_1 || (tok0 + toks) * nb <= a.s.len());
             let ad = a.d[tok0 * nb..].as_ptr();
-            // Both asserted in bounds by `group` (which checks `r0` starts a group).
-            let group = w.group(r0).as_ptr();
+            // In bounds: `groups` checks that the rows are, and that `r0` starts a group.
+            let group = w.groups(r0, groups).as_ptr();
             let qs_stride = nb * qt.quant_bytes();
             let d = group.wrapping_add(ROW_GROUP * qs_stride);
             Self {
@@ -745,7 +810,7 @@ pub(super) mod x86 {
     ) {
         let qt = w.qtype();
         let toks = out.len() * TILE_TOKENS;
-        let o = Operands::new(w, r0, a, tok0, toks, &blocks);
+        let o = Operands::new(w, r0, 1, a, tok0, toks, &blocks);
         // SAFETY: the caller checked the features; rows, tokens and blocks are in bounds
         // (asserted above).
         unsafe {
@@ -771,24 +836,26 @@ pub(super) mod x86 {
     #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn dispatch_rows(
         isa: Isa,
-        qt: QType,
         w: &QMatrix,
         r0: usize,
+        groups: usize,
         a: &QActs,
         tok: usize,
-        blocks: Range<usize>,
-        out: &mut [[f32; 1]; GEMV_ROWS],
+        chunk: usize,
+        out: &mut [f32],
     ) {
-        let o = Operands::new(w, r0, a, tok, 1, &blocks);
-        // SAFETY: the caller checked the features; the rows and blocks are in bounds
+        let o = Operands::new(w, r0, groups, a, tok, 1, &(0..w.blocks()));
+        assert!(chunk > 0 && w.blocks().is_multiple_of(chunk));
+        assert!(out.len() >= groups * GEMV_ROWS * (w.blocks() / chunk));
+        // SAFETY: the caller checked the features; the rows, blocks and output are in bounds
         // (asserted above).
         unsafe {
             macro_rules! go {
                 ($m:ident) => {
-                    match qt {
-                        QType::Q4_0 => $m::gemv::<0>(&o, out),
-                        QType::Q4_1 => $m::gemv::<1>(&o, out),
-                        QType::Q8_0 => $m::gemv::<2>(&o, out),
+                    match w.qtype() {
+                        QType::Q4_0 => $m::gemv_rows::<0>(&o, groups, chunk, out),
+                        QType::Q4_1 => $m::gemv_rows::<1>(&o, groups, chunk, out),
+                        QType::Q8_0 => $m::gemv_rows::<2>(&o, groups, chunk, out),
                         QType::Q4K | QType::Q6K => unreachable!("run in `kquants`"),
                     }
                 };
@@ -931,10 +998,10 @@ mod tests {
                 let chunks = w.blocks() / chunk;
                 for &isa in &isas {
                     for tok in 0..3 {
-                        for r0 in [0, GEMV_ROWS, 2 * GEMV_ROWS] {
-                            let mut got = vec![0f32; GEMV_ROWS * chunks];
-                            dot_rows(isa, &w, r0, &a, tok, chunk, &mut got);
-                            for i in 0..GEMV_ROWS {
+                        for (r0, groups) in [(0, 1), (GEMV_ROWS, 2), (0, 3)] {
+                            let mut got = vec![0f32; groups * GEMV_ROWS * chunks];
+                            dot_rows(isa, &w, r0, groups, &a, tok, chunk, &mut got);
+                            for i in 0..groups * GEMV_ROWS {
                                 let mut want = vec![0f32; chunks];
                                 dot_chunks(isa, &w, r0 + i, &a, tok, 1, chunk, &mut want);
                                 let got = &got[i * chunks..(i + 1) * chunks];

@@ -163,19 +163,27 @@ fn run_tile(
     let mut r = tile * tile_rows;
     let mut stack = [0f32; TILE_ROWS * TILE_TOKENS * TILE_GROUPS * STACK_CHUNKS];
     let mut heap = Vec::new();
-    let res: &mut [f32] = if chunks <= STACK_CHUNKS {
+    let need = if tokens == 1 {
+        (end - r) * chunks
+    } else {
+        TILE_ROWS * TILE_TOKENS * TILE_GROUPS * chunks
+    };
+    let res: &mut [f32] = if need <= stack.len() {
         &mut stack
     } else {
-        heap.resize(TILE_ROWS * TILE_TOKENS * TILE_GROUPS * chunks, 0.0);
+        heap.resize(need, 0.0);
         &mut heap
     };
     if tokens == 1 {
-        // Decode: several rows per kernel call share each activation block.
-        while r + GEMV_ROWS <= end {
-            dot_rows(isa, w, r, a, 0, chunk, &mut res[..GEMV_ROWS * chunks]);
-            // SAFETY: (token 0, rows r .. r + GEMV_ROWS, every chunk) belong to this tile only.
-            unsafe { out.put(r * chunks, &res[..GEMV_ROWS * chunks]) };
-            r += GEMV_ROWS;
+        // Decode: the tile's whole groups of rows in one call (each group's rows share each
+        // activation block).
+        let groups = (end - r) / GEMV_ROWS;
+        let n = groups * GEMV_ROWS * chunks;
+        if n > 0 {
+            dot_rows(isa, w, r, groups, a, 0, chunk, &mut res[..n]);
+            // SAFETY: (token 0, the groups' rows, every chunk) belong to this tile only.
+            unsafe { out.put(r * chunks, &res[..n]) };
+            r += groups * GEMV_ROWS;
         }
     }
     if tokens >= TILE_TOKENS {

@@ -2,24 +2,34 @@
 //! connection is driven by one task, so several spread the AES-GCM work over the I/O threads),
 //! mutual TLS from the cluster CA. Every piece and control request is its own bidirectional
 //! stream (header, payload, answer), so pieces run in parallel without head-of-line blocking;
-//! a semaphore per connection bounds the streams in flight. Bulk settings: segmentation offload
-//! (GSO) where the kernel has it, 8 MiB socket buffers (capped by `rmem_max`/`wmem_max`),
-//! flow-control windows sized for a window of pieces, no stream fairness; write payloads are
-//! handed to quinn as views of registered memory and read answers land straight from quinn's
-//! buffers (no per-op allocation). Larger UDP payloads (MTU discovery up to 9000 or 64 KiB)
-//! were tried on loopback and made things worse (losses, PTO stalls): quinn's default
-//! discovery (up to 1452 bytes) is kept. See docs/transport.md for what was measured.
-//! Issue 16 profile (`perf record -e cpu-clock -a` over `bench transfer --backend quic`,
-//! load 2.2-2.4 from another engineer's decode benchmark): 0.82 / 0.42 / 0.40 GB/s at
-//! 1 / 16 / 64 MiB against 4.0 / 2.6 / 2.6 for the plain socket in the same run
-//! (0.15-0.20x). Both processes' I/O threads together took 41 % of the two cores' samples,
-//! i.e. under one core for 0.4-0.8 GB/s: the transfer is not CPU-bound. Of their samples,
-//! ring's AES-GCM (seal, open, GHASH) is ~16 %, the kernel's UDP copies ~19 %, and the rest
-//! is spread over quinn's per-packet work (`poll_transmit`, `handle_decode`, the receive
-//! reassembly heap, stream frame writing) with no hot spot. The floor is therefore not
-//! per-byte work but how quinn paces, acknowledges and flow-controls ~1.4 KB packets;
-//! `initial_mtu`/`min_mtu` pinned above 1452 with matching socket buffers, GRO, pacing off,
-//! an ACK-frequency change and fewer larger streams were not tried in the time box.
+//! a semaphore per connection bounds the streams in flight. Bulk settings: MTU discovery up to
+//! [`MAX_UDP_PAYLOAD`] (65507 bytes, also announced as the endpoint's largest datagram), so a
+//! path carries the largest packets it can (over a 1500-byte veth pair the cost stayed what
+//! 1452-byte packets cost; over a 9000-byte one it fell to 1.1 CPU-s/GB, see below);
+//! segmentation offload (GSO) with batches cut at 64 KB ([`BoundedGsoSocket`]); 8 MiB socket
+//! buffers (capped by `rmem_max`/`wmem_max`); flow-control windows sized for a window of
+//! pieces; no stream fairness; write payloads are handed to quinn as views of registered
+//! memory and read answers land straight from quinn's buffers (no per-op allocation).
+//!
+//! Issue 16 measurements (2 vCPUs shared with another engineer's benchmarks; the figures are
+//! CPU-seconds of both processes per GB moved, 16 MiB writes, 8 in flight). The transfer is
+//! CPU-bound: an idle-machine `perf record -e cpu-clock -a` of the bench left 6 % idle. With
+//! quinn's default 1452-byte packets it cost 2.2-3.1 CPU-s/GB, most of it quinn's
+//! per-packet work (`poll_transmit`, `handle_decode`, the reassembly heap, one channel send
+//! per datagram, malloc), so two cores capped it at ~0.65-0.9 GB/s against 2-4.8 GB/s for the
+//! plain socket (0.3-0.6 CPU-s/GB for both ends). With 64 KB packets it costs 0.74-0.93
+//! CPU-s/GB and the profile is per-byte work only: ~23 % memmove (quinn's copy into the
+//! packet; on receipt quinn's copy of the datagram and ours into registered memory), ~28 %
+//! AES-GCM seal + open, ~14 % the kernel's two UDP copies. That is this design's floor
+//! (three user copies at ~0.07, two AES-GCM passes at 0.12-0.14, the kernel's copies at about
+//! what TCP costs), so two cores give at most ~2.5 GB/s; 1.1-2.6 GB/s measured under load.
+//! Larger payloads looked no better in earlier attempts; the likely reasons, from quinn's
+//! source: its default endpoint announces 1472 bytes as its largest datagram (capping the
+//! peer's packets), and a GSO batch of 10 datagrams over ~6.5 KB exceeds what one `sendmsg`
+//! may carry and is dropped whole (`EMSGSIZE`, silenced by quinn-udp). Forcing 64 MiB socket buffers (`SO_RCVBUFFORCE`) removed the receive-buffer
+//! drops (30-80 congestion events per connection in 2 s without) but not measurably the cost
+//! or the rate; 1, 2, 4 or 8 connections, 1-16 MiB pieces and 1-4 I/O threads were within the
+//! noise (the last on the client only). See docs/transport.md.
 //! A peer that goes silent is gone after the idle timeout (`peer_timeout`), which fails every
 //! stream of the connection. Both sides are known by the node name their certificates are
 //! bound to (see `control::tls`): the server's HELLO check refuses a client announcing another
@@ -47,9 +57,84 @@ use crate::memory::{plain_chunks, BackendRegistration};
 const MAX_STREAMS: usize = 64;
 /// Socket send and receive buffers asked for (the kernel caps them at `wmem_max`/`rmem_max`).
 const SOCKET_BUFFER: usize = 8 << 20;
+/// Largest UDP payload MTU discovery may reach: the largest IPv4 UDP datagram. Discovery
+/// (a binary search, probes that are lost mean "too large") stops at what the path carries:
+/// 1452 bytes on 1500-byte Ethernet, about 8950 on jumbo frames, this on loopback.
+const MAX_UDP_PAYLOAD: u16 = 65_507;
+/// Most bytes one segmentation-offload send may carry (one UDP datagram's limit).
+const MAX_GSO_BYTES: usize = MAX_UDP_PAYLOAD as usize;
 
-/// A UDP socket bound to `addr` with large buffers.
-fn bulk_socket(addr: SocketAddr) -> Result<std::net::UdpSocket> {
+/// quinn's UDP socket, with segmentation-offload batches cut to what one `sendmsg` carries.
+///
+/// quinn batches up to 10 datagrams of the current MTU into one send; above ~6.5 KB a batch
+/// exceeds the 64 KB a UDP send may carry and the kernel refuses it (`EMSGSIZE`, which
+/// quinn-udp drops silently: every full batch would be lost). Such a batch goes out as
+/// several sends of as many whole datagrams as fit (one each at a 64 KB MTU).
+#[derive(Debug)]
+struct BoundedGsoSocket(Arc<dyn quinn::AsyncUdpSocket>);
+
+impl quinn::AsyncUdpSocket for BoundedGsoSocket {
+    fn create_io_poller(self: Arc<Self>) -> std::pin::Pin<Box<dyn quinn::UdpPoller>> {
+        self.0.clone().create_io_poller()
+    }
+
+    fn try_send(&self, transmit: &quinn::udp::Transmit) -> std::io::Result<()> {
+        let Some(segment) = transmit
+            .segment_size
+            .filter(|_| transmit.contents.len() > MAX_GSO_BYTES)
+        else {
+            return self.0.try_send(transmit);
+        };
+        let per_send = (MAX_GSO_BYTES / segment).max(1) * segment;
+        for (i, part) in transmit.contents.chunks(per_send).enumerate() {
+            let sent = self.0.try_send(&quinn::udp::Transmit {
+                destination: transmit.destination,
+                ecn: transmit.ecn,
+                contents: part,
+                segment_size: (part.len() > segment).then_some(segment),
+                src_ip: transmit.src_ip,
+            });
+            match sent {
+                Ok(()) => {}
+                // Nothing sent yet: quinn retries the whole batch when the socket is writable.
+                Err(e) if i == 0 => return Err(e),
+                // Part of the batch is out: the rest counts as lost and QUIC resends it, as
+                // quinn-udp treats a datagram the kernel refused.
+                Err(_) => return Ok(()),
+            }
+        }
+        Ok(())
+    }
+
+    fn poll_recv(
+        &self,
+        cx: &mut std::task::Context,
+        bufs: &mut [std::io::IoSliceMut<'_>],
+        meta: &mut [quinn::udp::RecvMeta],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        self.0.poll_recv(cx, bufs, meta)
+    }
+
+    fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.0.local_addr()
+    }
+
+    fn max_transmit_segments(&self) -> usize {
+        self.0.max_transmit_segments()
+    }
+
+    fn max_receive_segments(&self) -> usize {
+        self.0.max_receive_segments()
+    }
+
+    fn may_fragment(&self) -> bool {
+        self.0.may_fragment()
+    }
+}
+
+/// A UDP socket bound to `addr` with large buffers, sending batches through
+/// [`BoundedGsoSocket`].
+fn bulk_socket(addr: SocketAddr) -> Result<Arc<dyn quinn::AsyncUdpSocket>> {
     use std::os::fd::AsRawFd;
     let socket = std::net::UdpSocket::bind(addr)?;
     for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
@@ -68,7 +153,18 @@ fn bulk_socket(addr: SocketAddr) -> Result<std::net::UdpSocket> {
             tracing::debug!(error = %std::io::Error::last_os_error(), "quic socket buffer not raised");
         }
     }
-    Ok(socket)
+    let runtime = quinn::default_runtime()
+        .ok_or_else(|| TransportError::Config("no async runtime for QUIC".into()))?;
+    Ok(Arc::new(BoundedGsoSocket(runtime.wrap_udp_socket(socket)?)))
+}
+
+/// Endpoint settings for bulk transfers: datagrams up to [`MAX_UDP_PAYLOAD`] accepted (and
+/// announced to peers, whose MTU discovery is capped by it).
+fn bulk_endpoint() -> Result<quinn::EndpointConfig> {
+    let mut e = quinn::EndpointConfig::default();
+    e.max_udp_payload_size(MAX_UDP_PAYLOAD)
+        .map_err(|e| TransportError::Config(e.to_string()))?;
+    Ok(e)
 }
 
 /// Transport settings for bulk transfers (on top of the control plane's).
@@ -88,6 +184,11 @@ fn bulk_transport(peer_timeout: std::time::Duration) -> Result<Arc<quinn::Transp
     // Stream data goes out stream by stream, not interleaved: a piece finishes sooner.
     t.send_fairness(false);
     t.enable_segmentation_offload(true);
+    // Per-packet work (framing, encryption calls, acknowledgements, the receive path's
+    // channel hops) dominates at 1452-byte packets: let discovery find the path's largest.
+    let mut mtud = quinn::MtuDiscoveryConfig::default();
+    mtud.upper_bound(MAX_UDP_PAYLOAD);
+    t.mtu_discovery_config(Some(mtud));
     Ok(Arc::new(t))
 }
 
@@ -108,7 +209,7 @@ impl QuicBackend {
             bulk_socket(core.config.listen)?,
             ALPN_TRANSFER,
             bulk_transport(core.config.peer_timeout)?,
-            quinn::EndpointConfig::default(),
+            bulk_endpoint()?,
         )?;
         let addr = endpoint.local_addr()?;
         let ep = endpoint.clone();
@@ -451,5 +552,112 @@ impl Drop for QuicLink {
         for c in &self.conns {
             c.conn.close(quinn::VarInt::from_u32(0), b"session dropped");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io;
+    use std::pin::Pin;
+    use std::sync::Mutex;
+    use std::task::{Context, Poll};
+
+    use quinn::udp::{RecvMeta, Transmit};
+    use quinn::{AsyncUdpSocket, UdpPoller};
+
+    use super::*;
+
+    /// Records each send (length, segment size); refuses the send numbered `refuse`.
+    #[derive(Debug, Default)]
+    struct Recording {
+        sends: Mutex<Vec<(usize, Option<usize>)>>,
+        refuse: Option<usize>,
+    }
+
+    #[derive(Debug)]
+    struct Writable;
+
+    impl UdpPoller for Writable {
+        fn poll_writable(self: Pin<&mut Self>, _: &mut Context) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    impl AsyncUdpSocket for Recording {
+        fn create_io_poller(self: Arc<Self>) -> Pin<Box<dyn UdpPoller>> {
+            Box::pin(Writable)
+        }
+        fn try_send(&self, t: &Transmit) -> io::Result<()> {
+            let mut sends = self.sends.lock().unwrap();
+            if self.refuse == Some(sends.len()) {
+                return Err(io::ErrorKind::WouldBlock.into());
+            }
+            sends.push((t.contents.len(), t.segment_size));
+            Ok(())
+        }
+        fn poll_recv(
+            &self,
+            _: &mut Context,
+            _: &mut [io::IoSliceMut<'_>],
+            _: &mut [RecvMeta],
+        ) -> Poll<io::Result<usize>> {
+            Poll::Pending
+        }
+        fn local_addr(&self) -> io::Result<SocketAddr> {
+            Ok(SocketAddr::from(([127, 0, 0, 1], 1)))
+        }
+    }
+
+    fn send(
+        refuse: Option<usize>,
+        len: usize,
+        segment: usize,
+    ) -> (io::Result<()>, Vec<(usize, Option<usize>)>) {
+        let inner = Arc::new(Recording {
+            refuse,
+            ..Default::default()
+        });
+        let socket = BoundedGsoSocket(inner.clone());
+        let contents = vec![0u8; len];
+        let res = socket.try_send(&Transmit {
+            destination: SocketAddr::from(([127, 0, 0, 1], 2)),
+            ecn: None,
+            contents: &contents,
+            segment_size: Some(segment),
+            src_ip: None,
+        });
+        let sends = inner.sends.lock().unwrap().clone();
+        (res, sends)
+    }
+
+    #[test]
+    fn batches_within_a_datagram_go_out_whole() {
+        let (res, sends) = send(None, 10 * 1452, 1452);
+        assert!(res.is_ok());
+        assert_eq!(sends, vec![(10 * 1452, Some(1452))]);
+    }
+
+    #[test]
+    fn larger_batches_are_cut_at_whole_datagrams() {
+        // 10 × 9000 = 90 000 bytes: 7 datagrams (63 000) fit one send.
+        let (res, sends) = send(None, 10 * 9000 - 100, 9000);
+        assert!(res.is_ok());
+        assert_eq!(sends, vec![(63_000, Some(9000)), (26_900, Some(9000))]);
+        // At the largest MTU each datagram is its own send, the short last one included.
+        let m = MAX_GSO_BYTES;
+        let (res, sends) = send(None, 2 * m + 100, m);
+        assert!(res.is_ok());
+        assert_eq!(sends, vec![(m, None), (m, None), (100, None)]);
+    }
+
+    #[test]
+    fn a_full_socket_is_retried_before_the_first_send_and_lost_after() {
+        let (res, sends) = send(Some(0), 3 * 9000 * 7, 9000);
+        assert_eq!(res.unwrap_err().kind(), io::ErrorKind::WouldBlock);
+        assert!(sends.is_empty());
+        // Once part of the batch is out, the rest is left to loss recovery.
+        let (res, sends) = send(Some(1), 3 * 9000 * 7, 9000);
+        assert!(res.is_ok());
+        assert_eq!(sends, vec![(63_000, Some(9000))]);
     }
 }

@@ -545,18 +545,21 @@ impl MemberCredentials {
         alpn: &[u8],
         transport: Arc<quinn::TransportConfig>,
     ) -> Result<quinn::Endpoint> {
-        let socket = std::net::UdpSocket::bind(addr)?;
+        let socket = quinn::default_runtime()
+            .ok_or_else(|| TransportError::Config("no async runtime for QUIC".into()))?
+            .wrap_udp_socket(std::net::UdpSocket::bind(addr)?)?;
         self.quic_endpoint_on(socket, alpn, transport, quinn::EndpointConfig::default())
     }
 
-    /// As [`MemberCredentials::quic_endpoint`], on a socket the caller prepared (buffer sizes)
+    /// As [`MemberCredentials::quic_endpoint`], on a socket the caller prepared (buffer sizes,
+    /// a wrapper of its own over [`quinn::Runtime::wrap_udp_socket`])
     /// and with its endpoint settings (largest UDP payload).
     ///
     /// # Errors
     /// TLS and I/O errors. Must be called inside a tokio runtime.
     pub fn quic_endpoint_on(
         &self,
-        socket: std::net::UdpSocket,
+        socket: Arc<dyn quinn::AsyncUdpSocket>,
         alpn: &[u8],
         transport: Arc<quinn::TransportConfig>,
         endpoint: quinn::EndpointConfig,
@@ -573,7 +576,8 @@ impl MemberCredentials {
         client.transport_config(transport);
         let runtime = quinn::default_runtime()
             .ok_or_else(|| TransportError::Config("no async runtime for QUIC".into()))?;
-        let mut endpoint = quinn::Endpoint::new(endpoint, Some(server), socket, runtime)?;
+        let mut endpoint =
+            quinn::Endpoint::new_with_abstract_socket(endpoint, Some(server), socket, runtime)?;
         endpoint.set_default_client_config(client);
         Ok(endpoint)
     }

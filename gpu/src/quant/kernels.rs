@@ -188,17 +188,50 @@ pub(crate) const TILE_ROWS: usize = ROW_GROUP;
 /// See [`TILE_ROWS`].
 pub(crate) const TILE_TOKENS: usize = 4;
 
+/// Where the prefill kernel writes: a `[tokens, rows, chunks]` array of partial dot products
+/// (a matmul's output), by raw pointer, so that each result is stored once, in place.
+#[derive(Clone, Copy)]
+pub(crate) struct OutView {
+    ptr: *mut f32,
+    rows: usize,
+    chunks: usize,
+}
+
+impl OutView {
+    /// # Safety
+    /// `ptr` is valid for writes of `tokens · rows · chunks` floats for every token a kernel
+    /// is given, and nothing reads them while kernels write.
+    pub(crate) unsafe fn new(ptr: *mut f32, rows: usize, chunks: usize) -> Self {
+        Self { ptr, rows, chunks }
+    }
+
+    /// # Safety
+    /// As [`new`](Self::new), and `(tok, row, c)` is in the array.
+    #[inline]
+    unsafe fn put(&self, tok: usize, row: usize, c: usize, v: f32) {
+        // SAFETY: by the function's contract.
+        unsafe {
+            self.ptr
+                .add((tok * self.rows + row) * self.chunks + c)
+                .write(v)
+        }
+    }
+}
+
 /// Prefill's GEMM tiles: weight rows `r0 .. r0 + TILE_ROWS` against `groups` groups of
 /// [`TILE_TOKENS`] activation rows from `tok0`, block range split in chunks of `chunk` blocks:
-/// `out[((g * TILE_TOKENS + t) * TILE_ROWS + i) * chunks + c]` is token
-/// `tok0 + g · TILE_TOKENS + t`'s partial dot product with row `r0 + i` over chunk `c`, with
-/// the same bits as [`dot_chunks`] gives it.
+/// writes `out`'s `(tok, r, c)` for those tokens and rows, each token's partial dot product
+/// with the row over chunk `c`, with the same bits as [`dot_chunks`] gives it.
+///
+/// # Safety
+/// `out` was made for `w.rows()` rows and `w.blocks() / chunk` chunks and holds the tokens
+/// up to `tok0 + groups · TILE_TOKENS`; no one else writes or reads those entries meanwhile.
 ///
 /// # Panics
-/// When the rows or tokens are out of range, `chunk` does not divide the row's blocks, `out`
-/// is too short, or `isa` is not supported by this CPU.
+/// When the rows or tokens are out of range, `chunk` does not divide the row's blocks, or
+/// `isa` is not supported by this CPU.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn dot_tile(
+pub(crate) unsafe fn dot_tile(
     isa: Isa,
     w: &QMatrix,
     r0: usize,
@@ -206,9 +239,8 @@ pub(crate) fn dot_tile(
     tok0: usize,
     groups: usize,
     chunk: usize,
-    out: &mut [f32],
+    out: OutView,
 ) {
-    const TILE: usize = TILE_ROWS * TILE_TOKENS;
     let nb = w.blocks();
     assert!(chunk > 0 && nb.is_multiple_of(chunk) && r0 + TILE_ROWS <= w.rows());
     assert!(
@@ -218,42 +250,47 @@ pub(crate) fn dot_tile(
     assert!(a.blocks() == nb && tok0 + groups * TILE_TOKENS <= a.rows());
     assert!(a.act_type() == w.qtype().act_type());
     let chunks = nb / chunk;
-    assert!(out.len() >= groups * TILE * chunks);
-    let mut res = [[[0f32; TILE_TOKENS]; TILE_ROWS]; MAX_GROUPS];
+    assert!(out.rows == w.rows() && out.chunks == chunks);
+    // SAFETY (every `put`): the entries are the caller's (the function's contract).
     for c in 0..chunks {
         let blocks = c * chunk..(c + 1) * chunk;
-        for g0 in (0..groups).step_by(MAX_GROUPS) {
-            let n = (groups - g0).min(MAX_GROUPS);
-            let t0 = tok0 + g0 * TILE_TOKENS;
-            match isa {
-                _ if w.qtype().is_k_quant() => {
-                    for (g, res) in res[..n].iter_mut().enumerate() {
-                        let tok = t0 + g * TILE_TOKENS;
-                        kquants::tile(isa, w, r0, a, tok, blocks.clone(), res);
-                    }
-                }
-                #[cfg(target_arch = "x86_64")]
-                Isa::Avx2 | Isa::Avx512Vnni => {
-                    assert_supported(isa);
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 | Isa::Avx512Vnni if !w.qtype().is_k_quant() => {
+                assert_supported(isa);
+                for g0 in (0..groups).step_by(MAX_GROUPS) {
+                    let n = (groups - g0).min(MAX_GROUPS);
+                    let t0 = tok0 + g0 * TILE_TOKENS;
                     // SAFETY: the features each path needs were detected above.
-                    unsafe { x86::dispatch_tile(isa, w, r0, a, t0, blocks.clone(), &mut res[..n]) }
+                    unsafe { x86::dispatch_tile(isa, w, r0, a, t0, n, blocks.clone(), c, out) }
                 }
-                _ => {
-                    for (g, res) in res[..n].iter_mut().enumerate() {
+            }
+            _ => {
+                for g in 0..groups {
+                    let tok = tok0 + g * TILE_TOKENS;
+                    let mut res = [[0f32; TILE_TOKENS]; TILE_ROWS];
+                    if w.qtype().is_k_quant() {
+                        kquants::tile(isa, w, r0, a, tok, blocks.clone(), &mut res);
+                    } else {
                         for (i, res) in res.iter_mut().enumerate() {
                             let mut four = [0f32; MAX_TOKENS];
                             let row = w.row(r0 + i);
-                            let (qt, tok) = (w.qtype(), t0 + g * TILE_TOKENS);
-                            scalar(qt, row, a, tok, TILE_TOKENS, blocks.clone(), &mut four);
+                            scalar(
+                                w.qtype(),
+                                row,
+                                a,
+                                tok,
+                                TILE_TOKENS,
+                                blocks.clone(),
+                                &mut four,
+                            );
                             res.copy_from_slice(&four[..TILE_TOKENS]);
                         }
                     }
-                }
-            }
-            for (g, res) in res[..n].iter().enumerate() {
-                for (i, res) in res.iter().enumerate() {
-                    for (t, v) in res.iter().enumerate() {
-                        out[(((g0 + g) * TILE_TOKENS + t) * TILE_ROWS + i) * chunks + c] = *v;
+                    for (i, res) in res.iter().enumerate() {
+                        for (t, v) in res.iter().enumerate() {
+                            unsafe { out.put(tok + t, r0 + i, c, *v) };
+                        }
                     }
                 }
             }
@@ -332,8 +369,8 @@ fn scalar(
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86 {
     use super::{
-        Isa, QActs, QMatrix, QType, RowRef, GEMV_ROWS, MAX_TOKENS, PREFETCH_BYTES, QK, ROW_GROUP,
-        TILE_ROWS, TILE_TOKENS,
+        Isa, OutView, QActs, QMatrix, QType, RowRef, GEMV_ROWS, MAX_TOKENS, PREFETCH_BYTES, QK,
+        ROW_GROUP, TILE_ROWS, TILE_TOKENS,
     };
     use std::arch::x86_64::*;
     use std::mem::MaybeUninit;
@@ -446,20 +483,32 @@ pub(super) mod x86 {
                     }
                 }
 
-                /// [`tile`] for each group of [`TILE_TOKENS`] tokens in turn (one call: the
-                /// groups share the rows, which stay in L1).
+                /// [`tile`] for each of `groups` groups of [`TILE_TOKENS`] tokens in turn (one
+                /// call: the groups share the rows, which stay in L1), each result stored in
+                /// `out` at (`tok0 +` its token, `r0 +` its row, chunk `c`).
                 ///
                 /// # Safety
-                /// `o` was built by [`Operands::new`] for `TILE_ROWS` rows and
-                /// `out.len() · TILE_TOKENS` tokens.
+                /// `o` was built by [`Operands::new`] for a group of rows and
+                /// `groups · TILE_TOKENS` tokens; `out`'s entries for those are the caller's.
                 #[target_feature(enable = $features)]
                 pub(super) unsafe fn tiles<const Q: u8>(
                     o: &Operands,
-                    out: &mut [[[f32; TILE_TOKENS]; TILE_ROWS]],
+                    groups: usize,
+                    (tok0, r0, c): (usize, usize, usize),
+                    out: OutView,
                 ) {
-                    for (g, out) in out.iter_mut().enumerate() {
-                        // SAFETY: group `g`'s tokens are among the operands'.
-                        unsafe { tile::<Q>(&o.tokens(g * TILE_TOKENS), out) }
+                    for g in 0..groups {
+                        let mut res = [[0f32; TILE_TOKENS]; TILE_ROWS];
+                        // SAFETY: group `g`'s tokens are among the operands', and their
+                        // entries of `out` the caller's.
+                        unsafe {
+                            tile::<Q>(&o.tokens(g * TILE_TOKENS), &mut res);
+                            for t in 0..TILE_TOKENS {
+                                for (i, res) in res.iter().enumerate() {
+                                    out.put(tok0 + g * TILE_TOKENS + t, r0 + i, c, res[t]);
+                                }
+                            }
+                        }
                     }
                 }
 
@@ -805,21 +854,23 @@ pub(super) mod x86 {
         r0: usize,
         a: &QActs,
         tok0: usize,
+        groups: usize,
         blocks: Range<usize>,
-        out: &mut [[[f32; TILE_TOKENS]; TILE_ROWS]],
+        c: usize,
+        out: OutView,
     ) {
         let qt = w.qtype();
-        let toks = out.len() * TILE_TOKENS;
-        let o = Operands::new(w, r0, 1, a, tok0, toks, &blocks);
+        let o = Operands::new(w, r0, 1, a, tok0, groups * TILE_TOKENS, &blocks);
+        let at = (tok0, r0, c);
         // SAFETY: the caller checked the features; rows, tokens and blocks are in bounds
         // (asserted above).
         unsafe {
             macro_rules! go {
                 ($m:ident) => {
                     match qt {
-                        QType::Q4_0 => $m::tiles::<0>(&o, out),
-                        QType::Q4_1 => $m::tiles::<1>(&o, out),
-                        QType::Q8_0 => $m::tiles::<2>(&o, out),
+                        QType::Q4_0 => $m::tiles::<0>(&o, groups, at, out),
+                        QType::Q4_1 => $m::tiles::<1>(&o, groups, at, out),
+                        QType::Q8_0 => $m::tiles::<2>(&o, groups, at, out),
                         QType::Q4K | QType::Q6K => unreachable!("run in `kquants`"),
                     }
                 };
@@ -1034,21 +1085,31 @@ mod tests {
             let chunks = w.blocks() / chunk;
             for &isa in &isas {
                 for (r0, tok0, groups) in [(0, 0, 1), (TILE_ROWS, 2, 3), (2 * TILE_ROWS, 1, 17)] {
-                    let mut got = vec![0f32; groups * TILE_ROWS * TILE_TOKENS * chunks];
-                    dot_tile(isa, &w, r0, &a, tok0, groups, chunk, &mut got);
+                    // The whole `[tokens, rows, chunks]` output, NaN where nothing may write.
+                    let (toks, rows) = (tok0 + groups * TILE_TOKENS, w.rows());
+                    let mut got = vec![f32::NAN; toks * rows * chunks];
+                    // SAFETY: `got` holds every token up to `toks` for every row and chunk.
+                    unsafe {
+                        let out = OutView::new(got.as_mut_ptr(), rows, chunks);
+                        dot_tile(isa, &w, r0, &a, tok0, groups, chunk, out);
+                    }
+                    for (at, v) in got.iter().enumerate() {
+                        let (t, r) = (at / chunks / rows, at / chunks % rows);
+                        let mine = t >= tok0 && (r0..r0 + TILE_ROWS).contains(&r);
+                        assert_eq!(v.is_nan(), !mine, "entry {at} (token {t}, row {r})");
+                    }
                     for i in 0..TILE_ROWS {
-                        for t in 0..groups * TILE_TOKENS {
+                        for t in tok0..toks {
                             let mut want = vec![0f32; chunks];
-                            dot_chunks(isa, &w, r0 + i, &a, tok0 + t, 1, chunk, &mut want);
-                            let at = (t * TILE_ROWS + i) * chunks;
+                            dot_chunks(isa, &w, r0 + i, &a, t, 1, chunk, &mut want);
+                            let at = (t * rows + r0 + i) * chunks;
                             let got = &got[at..at + chunks];
                             assert!(
                                 want.iter()
                                     .zip(got)
                                     .all(|(x, y)| x.to_bits() == y.to_bits()),
-                                "{qt:?} {isa:?} chunk {chunk} row {} token {}: {want:?} != {got:?}",
+                                "{qt:?} {isa:?} chunk {chunk} row {} token {t}: {want:?} != {got:?}",
                                 r0 + i,
-                                tok0 + t
                             );
                         }
                     }

@@ -5,7 +5,8 @@
 
 use super::format::{quantize_acts, QActs, QMatrix};
 use super::kernels::{
-    detect_isa, dot_chunks, dot_rows, dot_tile, Isa, GEMV_ROWS, MAX_TOKENS, TILE_ROWS, TILE_TOKENS,
+    detect_isa, dot_chunks, dot_rows, dot_tile, Isa, OutView, GEMV_ROWS, MAX_TOKENS, TILE_ROWS,
+    TILE_TOKENS,
 };
 use super::pool;
 
@@ -23,9 +24,6 @@ fn gemv_tile(rows: usize, threads: usize) -> usize {
         .next_multiple_of(GEMV_ROWS)
         .clamp(16, 256)
 }
-
-/// Most chunks per row a work item keeps on its stack.
-const STACK_CHUNKS: usize = 16;
 
 /// Token groups of [`TILE_TOKENS`] per prefill kernel call (the call's rows stay in L1 while
 /// it runs them all).
@@ -161,57 +159,57 @@ fn run_tile(
     let chunks = w.blocks() / chunk;
     let end = ((tile + 1) * tile_rows).min(rows);
     let mut r = tile * tile_rows;
-    let mut stack = [0f32; TILE_ROWS * TILE_TOKENS * TILE_GROUPS * STACK_CHUNKS];
-    let mut heap = Vec::new();
+    // Results on their way to the output: decode's tile of rows, or one row's tokens.
     let need = if tokens == 1 {
         (end - r) * chunks
     } else {
-        TILE_ROWS * TILE_TOKENS * TILE_GROUPS * chunks
+        MAX_TOKENS * chunks
     };
-    let res: &mut [f32] = if need <= stack.len() {
-        &mut stack
-    } else {
-        heap.resize(need, 0.0);
-        &mut heap
-    };
-    if tokens == 1 {
-        // Decode: the tile's whole groups of rows in one call (each group's rows share each
-        // activation block).
-        let groups = (end - r) / GEMV_ROWS;
-        let n = groups * GEMV_ROWS * chunks;
-        if n > 0 {
-            dot_rows(isa, w, r, groups, a, 0, chunk, &mut res[..n]);
-            // SAFETY: (token 0, the groups' rows, every chunk) belong to this tile only.
-            unsafe { out.put(r * chunks, &res[..n]) };
-            r += groups * GEMV_ROWS;
+    SCRATCH.with_borrow_mut(|res| {
+        if res.len() < need {
+            res.resize(need, 0.0);
         }
-    }
-    if tokens >= TILE_TOKENS {
-        // Prefill: tiles of rows × tokens, each row's weights unpacked once per block for
-        // all the tile's tokens.
-        let full = tokens - tokens % TILE_TOKENS;
-        while r + TILE_ROWS <= end {
-            for t0 in (0..full).step_by(TILE_TOKENS * TILE_GROUPS) {
-                let groups = ((full - t0) / TILE_TOKENS).min(TILE_GROUPS);
-                let n = groups * TILE_ROWS * TILE_TOKENS * chunks;
-                dot_tile(isa, w, r, a, t0, groups, chunk, &mut res[..n]);
-                // Each token's results for the tile's rows are consecutive on both sides.
-                for (t, part) in res[..n].chunks(TILE_ROWS * chunks).enumerate() {
-                    let dst = ((t0 + t) * rows + r) * chunks;
-                    // SAFETY: (token t0 + t, rows r .. r + TILE_ROWS, every chunk) belong to
+        if tokens == 1 {
+            // Decode: the tile's whole groups of rows in one call (each group's rows share
+            // each activation block).
+            let groups = (end - r) / GEMV_ROWS;
+            let n = groups * GEMV_ROWS * chunks;
+            if n > 0 {
+                dot_rows(isa, w, r, groups, a, 0, chunk, &mut res[..n]);
+                // SAFETY: (token 0, the groups' rows, every chunk) belong to this tile only.
+                unsafe { out.put(r * chunks, &res[..n]) };
+                r += groups * GEMV_ROWS;
+            }
+        }
+        if tokens >= TILE_TOKENS {
+            // Prefill: tiles of rows × tokens, each row's weights unpacked once per block for
+            // all the tile's tokens; the kernel stores each result in the output itself.
+            let full = tokens - tokens % TILE_TOKENS;
+            // SAFETY: the output holds `tokens` tokens of `rows` rows and `chunks` chunks.
+            let view = unsafe { OutView::new(out.0, rows, chunks) };
+            while r + TILE_ROWS <= end {
+                for t0 in (0..full).step_by(TILE_TOKENS * TILE_GROUPS) {
+                    let groups = ((full - t0) / TILE_TOKENS).min(TILE_GROUPS);
+                    // SAFETY: (tokens t0 .., rows r .. r + TILE_ROWS, every chunk) belong to
                     // this tile only.
-                    unsafe { out.put(dst, part) };
+                    unsafe { dot_tile(isa, w, r, a, t0, groups, chunk, view) };
                 }
+                for rr in r..r + TILE_ROWS {
+                    rows_by_tokens(isa, w, chunk, a, full, tokens, rr, res, out);
+                }
+                r += TILE_ROWS;
             }
-            for rr in r..r + TILE_ROWS {
-                rows_by_tokens(isa, w, chunk, a, full, tokens, rr, res, out);
-            }
-            r += TILE_ROWS;
         }
-    }
-    for r in r..end {
-        rows_by_tokens(isa, w, chunk, a, 0, tokens, r, res, out);
-    }
+        for r in r..end {
+            rows_by_tokens(isa, w, chunk, a, 0, tokens, r, res, out);
+        }
+    });
+}
+
+thread_local! {
+    /// Each compute thread's staging buffer for [`run_tile`] (grown, never zeroed again: a
+    /// zeroed stack array per tile was a visible `memset` in prefill profiles).
+    static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Row `r` against tokens `from..tokens`, up to four tokens per kernel call.

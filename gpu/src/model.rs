@@ -216,17 +216,20 @@ impl Linear {
         let n = self.out_features;
         let rank_len = rows * n * per_rank;
         let mut y = vec![0f32; rows * n];
-        for (i, y) in y.iter_mut().enumerate() {
-            let mut acc = gathered[i * per_rank];
-            for r in 0..comm.size() {
-                let base = r * rank_len + i * per_rank;
-                let start = if r == 0 { 1 } else { 0 };
-                for c in start..per_rank {
-                    acc += gathered[base + c];
+        for_rows(&mut y, n, true, |r0, part| {
+            for (k, y) in part.iter_mut().enumerate() {
+                let i = r0 * n + k;
+                let mut acc = gathered[i * per_rank];
+                for r in 0..comm.size() {
+                    let base = r * rank_len + i * per_rank;
+                    let start = if r == 0 { 1 } else { 0 };
+                    for c in start..per_rank {
+                        acc += gathered[base + c];
+                    }
                 }
+                *y = acc;
             }
-            *y = acc;
-        }
+        });
         self.add_bias(&mut y);
         Ok(y)
     }
@@ -633,15 +636,12 @@ impl ModelShard {
         }
 
         let mut h = vec![0f32; t * d];
+        let native = self.native;
         for (li, layer) in self.layers.iter().enumerate() {
-            rms_norm(
-                &x,
-                &layer.attn_norm,
-                cfg.rms_norm_eps,
-                d,
-                self.native,
-                &mut h,
-            );
+            for_rows(&mut h, d, native, |r0, out| {
+                let x = &x[r0 * d..r0 * d + out.len()];
+                rms_norm(x, &layer.attn_norm, cfg.rms_norm_eps, d, native, out)
+            });
             let mut qkv = layer.qkv.forward(&h, t)?;
             // RoPE on Q and K, then K/V into the cache.
             for (s, &off) in batch.seqs.iter().zip(&offsets) {
@@ -679,24 +679,23 @@ impl ModelShard {
                 .forward_row_parallel(&attn, t, self.reduce_chunks.0, comm)?;
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
 
-            rms_norm(
-                &x,
-                &layer.ffn_norm,
-                cfg.rms_norm_eps,
-                d,
-                self.native,
-                &mut h,
-            );
+            for_rows(&mut h, d, native, |r0, out| {
+                let x = &x[r0 * d..r0 * d + out.len()];
+                rms_norm(x, &layer.ffn_norm, cfg.rms_norm_eps, d, native, out)
+            });
             let gu = layer.gate_up.forward(&h, t)?;
             let f = gu.len() / t / 2;
             let mut act = vec![0f32; t * f];
-            for r in 0..t {
-                let g = &gu[r * 2 * f..r * 2 * f + f];
-                let u = &gu[r * 2 * f + f..(r + 1) * 2 * f];
-                for ((a, &g), &u) in act[r * f..(r + 1) * f].iter_mut().zip(g).zip(u) {
-                    *a = g / (1.0 + (-g).exp()) * u;
+            for_rows(&mut act, f, native, |r0, part| {
+                for (k, act) in part.chunks_mut(f).enumerate() {
+                    let r = r0 + k;
+                    let g = &gu[r * 2 * f..r * 2 * f + f];
+                    let u = &gu[r * 2 * f + f..(r + 1) * 2 * f];
+                    for ((a, &g), &u) in act.iter_mut().zip(g).zip(u) {
+                        *a = g / (1.0 + (-g).exp()) * u;
+                    }
                 }
-            }
+            });
             let down = layer
                 .down
                 .forward_row_parallel(&act, t, self.reduce_chunks.1, comm)?;
@@ -748,6 +747,27 @@ impl ModelShard {
 /// RMSNorm, `x · scale · w` with `scale = 1 / sqrt(mean(x²) + eps)`. With `llama` (native
 /// weights) as llama.cpp computes it: squares in f32 summed in f64, the rest in f32; otherwise
 /// summed in f32, as the default path always has.
+/// Rows of a prefill handed to one compute-pool item by [`for_rows`].
+const ROWS_PER_ITEM: usize = 16;
+
+/// Runs `f(first_row, rows)` over `out`, rows of `row_len` values: in pieces of
+/// [`ROWS_PER_ITEM`] rows on the compute pool when `pool` (the pool is this crate's, as with
+/// native weights) and there is more than one piece, else in one piece on this thread. `f`
+/// computes each row the same way whatever piece it is in, so the split changes no result.
+fn for_rows(out: &mut [f32], row_len: usize, pool: bool, f: impl Fn(usize, &mut [f32]) + Sync) {
+    if !pool || out.len() <= ROWS_PER_ITEM * row_len {
+        return f(0, out);
+    }
+    let parts: Vec<std::sync::Mutex<&mut [f32]>> = out
+        .chunks_mut(ROWS_PER_ITEM * row_len)
+        .map(std::sync::Mutex::new)
+        .collect();
+    quant::pool::global().run(parts.len(), &|k| {
+        let mut part = parts[k].lock().expect("each piece is run once");
+        f(k * ROWS_PER_ITEM, &mut part)
+    });
+}
+
 fn rms_norm(x: &[f32], w: &[f32], eps: f32, d: usize, llama: bool, out: &mut [f32]) {
     for (xr, or) in x.chunks(d).zip(out.chunks_mut(d)) {
         let mean = if llama {

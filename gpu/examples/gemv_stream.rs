@@ -2,7 +2,9 @@
 //! default model's geometry (30 layers of Q4_1 Q, K, V, O, gate, up, down and the Q8_0 output
 //! layer; random weights, 96 MB), timed per step, with the bytes streamed per second. For
 //! tuning the single-token kernel and its prefetching apart from attention and scheduling.
-//! Threads: `RAYON_NUM_THREADS`. `LAYERS` (default 30) shrinks the set, e.g. to fit in cache.
+//! Threads: `RAYON_NUM_THREADS`. `LAYERS` (default 30) shrinks the set, e.g. to fit in cache;
+//! `TOKENS` (default 1) runs every matmul on that many token rows (prefill-shaped; the GB/s
+//! figure then counts the weights once per step).
 //!
 //! `cargo run --release -p pdserve-gpu --example gemv_stream -- [steps]`
 
@@ -71,12 +73,15 @@ fn main() {
             .map(|i| ((i * 37 % 101) as f32 - 50.0) / 30.0)
             .collect()
     };
-    let (x576, x1536) = (input(576), input(1536));
+    let tokens: usize = std::env::var("TOKENS")
+        .map(|v| v.parse().expect("TOKENS"))
+        .unwrap_or(1);
+    let (x576, x1536) = (input(576 * tokens), input(1536 * tokens));
     let step = || {
         let mut sum = 0f32;
         for w in &weights {
             let x = if w.cols() == 576 { &x576 } else { &x1536 };
-            sum += matmul(w, x, 1)[0];
+            sum += matmul(w, x, tokens)[0];
         }
         sum
     };

@@ -19,7 +19,19 @@ fn random_matrix(qt: QType, rows: usize, cols: usize, state: &mut u32) -> QMatri
         *state ^= *state << 5;
         *state
     };
-    let mut bytes = Vec::with_capacity(rows * cols / 32 * qt.block_bytes());
+    let mut bytes = Vec::with_capacity(rows * cols / qt.block_elems() * qt.block_bytes());
+    if qt == QType::Q4K {
+        // Random bytes but for the super-block's f16 scale and minimum scale.
+        for _ in 0..rows * cols / 256 {
+            let at = bytes.len();
+            bytes.extend((0..qt.block_bytes()).map(|_| next() as u8));
+            let d = half::f16::from_f32((next() % 1000) as f32 / 500_000.0 + 1e-5);
+            let dmin = half::f16::from_f32((next() % 1000) as f32 / 1_000_000.0);
+            bytes[at..at + 2].copy_from_slice(&d.to_le_bytes());
+            bytes[at + 2..at + 4].copy_from_slice(&dmin.to_le_bytes());
+        }
+        return QMatrix::from_gguf(qt, rows, cols, &bytes).expect("whole super-blocks");
+    }
     for _ in 0..rows * cols / 32 {
         let d = half::f16::from_f32((next() % 1000) as f32 / 50_000.0 + 1e-4);
         bytes.extend_from_slice(&d.to_le_bytes());
@@ -51,22 +63,40 @@ fn main() {
     let layers: usize = std::env::var("LAYERS")
         .map(|v| v.parse().expect("LAYERS"))
         .unwrap_or(30);
+    // `QTYPE=q4k`: TinyLlama-1.1B's geometry (hidden 2048, 4 KV heads of 64, FFN 5632) in
+    // Q4_K, no output layer — the default model's 576 columns are no whole super-blocks.
+    let k_quant = std::env::var("QTYPE").is_ok_and(|v| v == "q4k");
     // SmolLM2-135M: hidden 576, 9 query and 3 KV heads of 64, FFN 1536, vocabulary 49152.
-    let shapes = [
-        (576, 576),
-        (192, 576),
-        (192, 576),
-        (576, 576),
-        (1536, 576),
-        (1536, 576),
-        (576, 1536),
-    ];
+    let shapes = if k_quant {
+        vec![
+            (2048, 2048),
+            (256, 2048),
+            (256, 2048),
+            (2048, 2048),
+            (5632, 2048),
+            (5632, 2048),
+            (2048, 5632),
+        ]
+    } else {
+        vec![
+            (576, 576),
+            (192, 576),
+            (192, 576),
+            (576, 576),
+            (1536, 576),
+            (1536, 576),
+            (576, 1536),
+        ]
+    };
     let mut state = 12345u32;
+    let qt = if k_quant { QType::Q4K } else { QType::Q4_1 };
     let mut weights: Vec<QMatrix> = (0..layers)
-        .flat_map(|_| shapes)
-        .map(|(r, c)| random_matrix(QType::Q4_1, r, c, &mut state))
+        .flat_map(|_| shapes.iter().copied())
+        .map(|(r, c)| random_matrix(qt, r, c, &mut state))
         .collect();
-    weights.push(random_matrix(QType::Q8_0, 49152, 576, &mut state));
+    if !k_quant {
+        weights.push(random_matrix(QType::Q8_0, 49152, 576, &mut state));
+    }
     let bytes: usize = weights.iter().map(|w| w.bytes()).sum();
     let input = |n: usize| -> Vec<f32> {
         (0..n)
@@ -76,11 +106,14 @@ fn main() {
     let tokens: usize = std::env::var("TOKENS")
         .map(|v| v.parse().expect("TOKENS"))
         .unwrap_or(1);
-    let (x576, x1536) = (input(576 * tokens), input(1536 * tokens));
+    let inputs: std::collections::HashMap<usize, Vec<f32>> = weights
+        .iter()
+        .map(|w| (w.cols(), input(w.cols() * tokens)))
+        .collect();
     let step = || {
         let mut sum = 0f32;
         for w in &weights {
-            let x = if w.cols() == 576 { &x576 } else { &x1536 };
+            let x = &inputs[&w.cols()];
             sum += matmul(w, x, tokens)[0];
         }
         sum

@@ -112,7 +112,7 @@ pub(crate) const GEMV_ROWS: usize = ROW_GROUP;
 /// into L2: a weight stream from DRAM needs more lines in flight than L1 can track. With
 /// 6 KiB into L2 the default model's single-thread GEMVs stream at ~14 GB/s against
 /// ~10 GB/s for two groups (2.9–7.7 KiB) into L1 (`gpu/examples/gemv_stream.rs`).
-const PREFETCH_BYTES: usize = 6 << 10;
+pub(super) const PREFETCH_BYTES: usize = 6 << 10;
 
 /// Decode's GEMV: the `groups` groups of weight rows `r0 .. r0 + groups · GEMV_ROWS` against
 /// activation row `tok`, block range split in chunks of `chunk` blocks: `out[i * chunks + c]`

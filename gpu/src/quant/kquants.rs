@@ -162,6 +162,7 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
 mod x86 {
     use super::super::format::{q4k_scales_mins, ActType, QActs, QMatrix, QType, QK_K};
     use super::super::kernels::x86::{half_at, hsum};
+    use super::super::kernels::PREFETCH_BYTES;
     use super::Isa;
     use std::arch::x86_64::*;
     use std::ops::Range;
@@ -258,11 +259,14 @@ mod x86 {
                             for i in 0..R {
                                 let blk = w.add(i * row_bytes + b * bb);
                                 if NT == 1 {
-                                    // Decode streams each row once: fetch the next call's
-                                    // rows' super-block meanwhile.
-                                    let ahead = blk.wrapping_add(R * row_bytes);
+                                    // Decode streams each row once: fetch the super-block
+                                    // of the rows some 6 KiB on (whole calls) into L2
+                                    // meanwhile, as the 32-element formats' GEMV does.
+                                    let ahead = blk.wrapping_add(
+                                        PREFETCH_BYTES.next_multiple_of(R * row_bytes),
+                                    );
                                     for off in [0, 64, 128, bb - 1] {
-                                        _mm_prefetch::<_MM_HINT_T0>(
+                                        _mm_prefetch::<_MM_HINT_T1>(
                                             ahead.wrapping_add(off) as *const i8
                                         );
                                     }

@@ -430,6 +430,33 @@ pub(super) mod x86 {
                     _mm256_cvtepi32_ps($us8(ax, sy))
                 }
 
+                /// A block's 32 weights as bytes in activation order (`Q`: 0 Q4_0, signed;
+                /// 1 Q4_1, unsigned; 2 Q8_0, signed).
+                ///
+                /// # Safety
+                /// `qp` points at the block's quants (16 bytes, 32 for Q8_0).
+                #[inline]
+                #[target_feature(enable = $features)]
+                unsafe fn quants<const Q: u8>(qp: *const u8) -> __m256i {
+                    match Q {
+                        1 => nibbles(qp),
+                        0 => _mm256_sub_epi8(nibbles(qp), _mm256_set1_epi8(8)),
+                        // SAFETY: by the function's contract.
+                        _ => unsafe { _mm256_loadu_si256(qp as *const __m256i) },
+                    }
+                }
+
+                /// The eight f32 lanes of four products each of weights `qx` ([`quants`])
+                /// and activations `qy`.
+                #[inline]
+                #[target_feature(enable = $features)]
+                fn lanes<const Q: u8>(qx: __m256i, qy: __m256i) -> __m256 {
+                    match Q {
+                        1 => _mm256_cvtepi32_ps($us8(qx, qy)),
+                        _ => mul_i8(qx, qy),
+                    }
+                }
+
                 #[allow(clippy::too_many_arguments)]
                 #[target_feature(enable = $features)]
                 pub(super) fn run<const NT: usize>(
@@ -587,17 +614,9 @@ pub(super) mod x86 {
                                 }
                                 let dk = dd.get_unchecked(k - b);
                                 for i in 0..R {
-                                    let qp = w.add(i * qs_stride + k * qb);
-                                    let qx = match Q {
-                                        1 => nibbles(qp),
-                                        0 => _mm256_sub_epi8(nibbles(qp), _mm256_set1_epi8(8)),
-                                        _ => _mm256_loadu_si256(qp as *const __m256i),
-                                    };
+                                    let qx = quants::<Q>(w.add(i * qs_stride + k * qb));
                                     for t in 0..T {
-                                        let xy = match Q {
-                                            1 => _mm256_cvtepi32_ps($us8(qx, qy[t])),
-                                            _ => mul_i8(qx, qy[t]),
-                                        };
+                                        let xy = lanes::<Q>(qx, qy[t]);
                                         let s = *(dk[t].as_ptr() as *const f32).add(i);
                                         acc[i][t] =
                                             _mm256_fmadd_ps(_mm256_set1_ps(s), xy, acc[i][t]);
@@ -711,15 +730,7 @@ pub(super) mod x86 {
                             for (i, acc) in acc.iter_mut().enumerate() {
                                 let qp = w.add(i * qs_stride + b * qb);
                                 _mm_prefetch::<_MM_HINT_T1>(qp.wrapping_add(ahead) as *const i8);
-                                let qx = match Q {
-                                    1 => nibbles(qp),
-                                    0 => _mm256_sub_epi8(nibbles(qp), _mm256_set1_epi8(8)),
-                                    _ => _mm256_loadu_si256(qp as *const __m256i),
-                                };
-                                let xy = match Q {
-                                    1 => _mm256_cvtepi32_ps($us8(qx, qy)),
-                                    _ => mul_i8(qx, qy),
-                                };
+                                let xy = lanes::<Q>(quants::<Q>(qp), qy);
                                 let di = _mm256_permutevar8x32_ps(dd, _mm256_set1_epi32(i as i32));
                                 *acc = _mm256_fmadd_ps(di, xy, *acc);
                             }

@@ -3,6 +3,10 @@
 //! measurement of this machine's DRAM read bandwidth with 1 and 2 threads — what a decode step,
 //! which streams every weight once, is bounded by. Threads: `RAYON_NUM_THREADS`.
 //!
+//! With `PREFILL=N` it times N-token prefills instead (one per round, the DRAM figures
+//! skipped) and ends with the best and the median round: on a shared VM the best of many
+//! rounds is the steadier figure to compare two builds by.
+//!
 //! `cargo run --release -p pdserve-gpu --example decode_loop -- 10`
 
 use pdserve_gpu::engine::{Engine, EngineOptions};
@@ -32,14 +36,18 @@ fn main() {
         .nth(1)
         .map(|s| s.parse().expect("seconds"))
         .unwrap_or(5.0);
-    let buf: Vec<u64> = (0..(512u64 << 20) / 8).collect();
-    for threads in [1, 2] {
-        println!(
-            "DRAM read, {threads} thread(s): {:.1} GB/s",
-            read_bandwidth(&buf, threads)
-        );
+    let prefill: Option<usize> = std::env::var("PREFILL")
+        .ok()
+        .map(|s| s.parse().expect("PREFILL: a token count"));
+    if prefill.is_none() {
+        let buf: Vec<u64> = (0..(512u64 << 20) / 8).collect();
+        for threads in [1, 2] {
+            println!(
+                "DRAM read, {threads} thread(s): {:.1} GB/s",
+                read_bandwidth(&buf, threads)
+            );
+        }
     }
-    drop(buf);
     let model = load_model(&ModelSource::Default).expect("default model (pdserve model pull)");
     let engine = Engine::new(
         model,
@@ -51,10 +59,20 @@ fn main() {
     )
     .expect("engine");
     let t = Instant::now();
-    let mut round = 0;
+    let mut all = Vec::new();
     while t.elapsed().as_secs_f64() < secs {
-        let tps = pdserve_gpu::bench::decode_tps(engine.group(), 1, 128).expect("decode");
-        round += 1;
-        println!("round {round}: {tps:.1} tokens/s");
+        let tps = match prefill {
+            Some(n) => pdserve_gpu::bench::prefill_tps(engine.group(), n, 1).expect("prefill"),
+            None => pdserve_gpu::bench::decode_tps(engine.group(), 1, 128).expect("decode"),
+        };
+        all.push(tps);
+        println!("round {}: {tps:.1} tokens/s", all.len());
     }
+    all.sort_by(f64::total_cmp);
+    println!(
+        "best {:.1}, median {:.1} tokens/s over {} rounds",
+        all[all.len() - 1],
+        all[all.len() / 2],
+        all.len()
+    );
 }

@@ -28,4 +28,5 @@ pub mod model;
 pub mod quant;
 pub mod synthetic;
 pub mod tp;
+pub mod vecmath;
 pub mod weights;

@@ -291,20 +291,28 @@ impl Stacked {
             && quants.iter().all(|q| {
                 q.cols() == quants[0].cols() && q.qtype().act_type() == quants[0].qtype().act_type()
             });
-        let outs = if same_input {
-            // One activation quantization and one pool job for all the parts.
-            let mut outs = quant::matmul_many(&quants, x, rows);
-            for (o, p) in outs.iter_mut().zip(&self.parts) {
-                p.add_bias(o);
-            }
-            outs
-        } else {
-            self.parts
-                .iter()
-                .map(|p| p.forward(x, rows))
-                .collect::<Result<Vec<_>>>()?
-        };
         let width: usize = self.parts.iter().map(|p| p.out_features).sum();
+        if same_input {
+            // One activation quantization and one pool job for all the parts, each writing its
+            // columns of the joined rows in place.
+            let mut y = quant::matmul_concat(&quants, x, rows);
+            let mut at = 0;
+            for p in &self.parts {
+                if let Some(b) = &p.bias {
+                    for row in y.chunks_mut(width) {
+                        let part = &mut row[at..at + p.out_features];
+                        part.iter_mut().zip(b).for_each(|(v, b)| *v += b);
+                    }
+                }
+                at += p.out_features;
+            }
+            return Ok(y);
+        }
+        let outs = self
+            .parts
+            .iter()
+            .map(|p| p.forward(x, rows))
+            .collect::<Result<Vec<_>>>()?;
         let mut y = Vec::with_capacity(rows * width);
         for r in 0..rows {
             for (o, p) in outs.iter().zip(&self.parts) {
@@ -691,9 +699,7 @@ impl ModelShard {
                     let r = r0 + k;
                     let g = &gu[r * 2 * f..r * 2 * f + f];
                     let u = &gu[r * 2 * f + f..(r + 1) * 2 * f];
-                    for ((a, &g), &u) in act.iter_mut().zip(g).zip(u) {
-                        *a = g / (1.0 + (-g).exp()) * u;
-                    }
+                    crate::vecmath::swiglu(g, u, act);
                 }
             });
             let down = layer
@@ -922,26 +928,19 @@ fn attend_direct<'a>(
     for r in 0..nq {
         let qr = &q[r * hd..(r + 1) * hd];
         let n = limit(r);
-        let mut max = f32::NEG_INFINITY;
         for b in 0..n.div_ceil(bs) {
             let (kb, _) = block(b);
             for slot in 0..bs.min(n - b * bs) {
                 let k = &kb[slot * hd..(slot + 1) * hd];
-                let s = dot(qr, k) * scale;
-                scores[b * bs + slot] = s;
-                max = max.max(s);
+                scores[b * bs + slot] = dot(qr, k) * scale;
             }
         }
-        let mut sum = 0f32;
-        for s in &mut scores[..n] {
-            *s = (*s - max).exp();
-            sum += *s;
-        }
+        crate::vecmath::softmax(&mut scores[..n]);
         let o = &mut out[r * hd..(r + 1) * hd];
         for b in 0..n.div_ceil(bs) {
             let (_, vb) = block(b);
             for slot in 0..bs.min(n - b * bs) {
-                let w = scores[b * bs + slot] / sum;
+                let w = scores[b * bs + slot];
                 let v = &vb[slot * hd..(slot + 1) * hd];
                 o.iter_mut().zip(v).for_each(|(o, v)| *o += w * v);
             }
@@ -999,14 +998,7 @@ fn attend_gemm<'a>(
     for r in 0..nq {
         let n = limit(r);
         let row = &mut s[r * ctx..(r + 1) * ctx];
-        let max = row[..n].iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0f32;
-        for x in &mut row[..n] {
-            *x = (*x - max).exp();
-            sum += *x;
-        }
-        let inv = 1.0 / sum;
-        row[..n].iter_mut().for_each(|x| *x *= inv);
+        crate::vecmath::softmax(&mut row[..n]);
         row[n..].iter_mut().for_each(|x| *x = 0.0);
     }
     let mut out = vec![0f32; nq * hd];

@@ -188,31 +188,39 @@ pub(crate) const TILE_ROWS: usize = ROW_GROUP;
 /// See [`TILE_ROWS`].
 pub(crate) const TILE_TOKENS: usize = 4;
 
-/// Where the prefill kernel writes: a `[tokens, rows, chunks]` array of partial dot products
-/// (a matmul's output), by raw pointer, so that each result is stored once, in place.
+/// Where the prefill kernel writes: a `[tokens, stride, chunks]` array of partial dot products
+/// (a matmul's output, or several matmuls' outputs side by side per token), by raw pointer, so
+/// that each result is stored once, in place. A matrix's row `r` is the array's row
+/// `offset + r`.
 #[derive(Clone, Copy)]
 pub(crate) struct OutView {
     ptr: *mut f32,
-    rows: usize,
+    stride: usize,
+    offset: usize,
     chunks: usize,
 }
 
 impl OutView {
     /// # Safety
-    /// `ptr` is valid for writes of `tokens · rows · chunks` floats for every token a kernel
+    /// `ptr` is valid for writes of `tokens · stride · chunks` floats for every token a kernel
     /// is given, and nothing reads them while kernels write.
-    pub(crate) unsafe fn new(ptr: *mut f32, rows: usize, chunks: usize) -> Self {
-        Self { ptr, rows, chunks }
+    pub(crate) unsafe fn new(ptr: *mut f32, stride: usize, offset: usize, chunks: usize) -> Self {
+        Self {
+            ptr,
+            stride,
+            offset,
+            chunks,
+        }
     }
 
     /// # Safety
-    /// As [`new`](Self::new), and `(tok, row, c)` is in the array.
+    /// As [`new`](Self::new), and `(tok, offset + row, c)` is in the array.
     #[inline]
     unsafe fn put(&self, tok: usize, row: usize, c: usize, v: f32) {
         // SAFETY: by the function's contract.
         unsafe {
             self.ptr
-                .add((tok * self.rows + row) * self.chunks + c)
+                .add((tok * self.stride + self.offset + row) * self.chunks + c)
                 .write(v)
         }
     }
@@ -224,7 +232,7 @@ impl OutView {
 /// with the row over chunk `c`, with the same bits as [`dot_chunks`] gives it.
 ///
 /// # Safety
-/// `out` was made for `w.rows()` rows and `w.blocks() / chunk` chunks and holds the tokens
+/// `out` has room for `w.rows()` rows from its offset and `w.blocks() / chunk` chunks, and holds the tokens
 /// up to `tok0 + groups · TILE_TOKENS`; no one else writes or reads those entries meanwhile.
 ///
 /// # Panics
@@ -250,7 +258,7 @@ pub(crate) unsafe fn dot_tile(
     assert!(a.blocks() == nb && tok0 + groups * TILE_TOKENS <= a.rows());
     assert!(a.act_type() == w.qtype().act_type());
     let chunks = nb / chunk;
-    assert!(out.rows == w.rows() && out.chunks == chunks);
+    assert!(out.offset + w.rows() <= out.stride && out.chunks == chunks);
     // SAFETY (every `put`): the entries are the caller's (the function's contract).
     for c in 0..chunks {
         let blocks = c * chunk..(c + 1) * chunk;
@@ -1101,7 +1109,7 @@ mod tests {
                     let mut got = vec![f32::NAN; toks * rows * chunks];
                     // SAFETY: `got` holds every token up to `toks` for every row and chunk.
                     unsafe {
-                        let out = OutView::new(got.as_mut_ptr(), rows, chunks);
+                        let out = OutView::new(got.as_mut_ptr(), rows, 0, chunks);
                         dot_tile(isa, &w, r0, &a, tok0, groups, chunk, out);
                     }
                     for (at, v) in got.iter().enumerate() {

@@ -29,11 +29,25 @@ fn gemv_tile(rows: usize, threads: usize) -> usize {
 /// it runs them all).
 const TILE_GROUPS: usize = 8;
 
-struct OutPtr(*mut f32);
+/// Where one matrix's results go: a `[tokens, stride, chunks]` array, the matrix's row `r`
+/// at its row `offset + r` (`stride` is the matrix's rows unless several matrices share one
+/// output side by side).
+struct OutPtr {
+    ptr: *mut f32,
+    stride: usize,
+    offset: usize,
+    chunks: usize,
+}
 // SAFETY: items write disjoint index sets of the output (see `run_tile`).
 unsafe impl Sync for OutPtr {}
 
 impl OutPtr {
+    /// Index of `(tok, row, chunk 0)` in the array.
+    #[inline]
+    fn at(&self, tok: usize, row: usize) -> usize {
+        (tok * self.stride + self.offset + row) * self.chunks
+    }
+
     /// Writes `src` at `dst` with plain stores: most copies are 4–16 floats, for which a
     /// `memcpy` call per copy took a fifth of a prefill.
     ///
@@ -44,7 +58,7 @@ impl OutPtr {
         // SAFETY (all writes): by the function's contract. The fixed sizes stay plain
         // stores (a loop would become a `memcpy` call again).
         unsafe {
-            let at = self.0.add(dst);
+            let at = self.ptr.add(dst);
             match src.len() {
                 1 => at.write(src[0]),
                 4 => (at as *mut [f32; 4]).write_unaligned(src.try_into().expect("4")),
@@ -70,7 +84,22 @@ pub fn matmul(w: &QMatrix, x: &[f32], tokens: usize) -> Vec<f32> {
 /// # Panics
 /// When `x.len()` is not `tokens · w.cols()` or `chunk` does not divide the row's blocks.
 pub fn matmul_chunked(w: &QMatrix, x: &[f32], tokens: usize, chunk: usize) -> Vec<f32> {
-    run(&[(w, chunk)], x, tokens).pop().expect("one output")
+    let chunks = w.blocks() / chunk;
+    let n = tokens * w.rows() * chunks;
+    // Filled by the work items before its length is set (not zeroed first: every value is
+    // written once).
+    let mut out = Vec::with_capacity(n);
+    let ptr = OutPtr {
+        ptr: out.as_mut_ptr(),
+        stride: w.rows(),
+        offset: 0,
+        chunks,
+    };
+    run(&[(w, chunk)], x, tokens, &[ptr]);
+    // SAFETY: the tiles cover every (token, row, chunk) and each wrote its values (`run`
+    // returns once every item has run; a panicking item panics there).
+    unsafe { out.set_len(n) };
+    out
 }
 
 /// Several matrices that read the same input (Q, K and V; gate and up): the activations are
@@ -82,25 +111,70 @@ pub fn matmul_chunked(w: &QMatrix, x: &[f32], tokens: usize, chunk: usize) -> Ve
 /// `tokens · cols`.
 pub fn matmul_many(ws: &[&QMatrix], x: &[f32], tokens: usize) -> Vec<Vec<f32>> {
     let jobs: Vec<(&QMatrix, usize)> = ws.iter().map(|w| (*w, w.blocks())).collect();
-    run(&jobs, x, tokens)
+    let mut outs: Vec<Vec<f32>> = ws
+        .iter()
+        .map(|w| Vec::with_capacity(tokens * w.rows()))
+        .collect();
+    let ptrs: Vec<OutPtr> = outs
+        .iter_mut()
+        .zip(ws)
+        .map(|(o, w)| OutPtr {
+            ptr: o.as_mut_ptr(),
+            stride: w.rows(),
+            offset: 0,
+            chunks: 1,
+        })
+        .collect();
+    run(&jobs, x, tokens, &ptrs);
+    for (o, w) in outs.iter_mut().zip(ws) {
+        // SAFETY: `run` wrote every (token, row) of each output (see `run`).
+        unsafe { o.set_len(tokens * w.rows()) };
+    }
+    outs
 }
 
-fn run(jobs: &[(&QMatrix, usize)], x: &[f32], tokens: usize) -> Vec<Vec<f32>> {
+/// As [`matmul_many`], with the outputs side by side: returns `[tokens, Σ rows]`, each token's
+/// row the matrices' results in order (Q|K|V, gate|up), each value with the bits [`matmul`]
+/// gives it. Written in place: no per-token concatenation afterwards.
+///
+/// # Panics
+/// As [`matmul_many`].
+pub fn matmul_concat(ws: &[&QMatrix], x: &[f32], tokens: usize) -> Vec<f32> {
+    let jobs: Vec<(&QMatrix, usize)> = ws.iter().map(|w| (*w, w.blocks())).collect();
+    let width: usize = ws.iter().map(|w| w.rows()).sum();
+    let mut out = Vec::with_capacity(tokens * width);
+    let mut offset = 0;
+    let ptrs: Vec<OutPtr> = ws
+        .iter()
+        .map(|w| {
+            let p = OutPtr {
+                ptr: out.as_mut_ptr(),
+                stride: width,
+                offset,
+                chunks: 1,
+            };
+            offset += w.rows();
+            p
+        })
+        .collect();
+    run(&jobs, x, tokens, &ptrs);
+    // SAFETY: the matrices' rows tile `0..width` and `run` wrote every (token, row) of each.
+    unsafe { out.set_len(tokens * width) };
+    out
+}
+
+/// Runs every job's tiles as one pool job, writing job `j`'s results through `outs[j]`.
+/// Returns once every `(token, row, chunk)` of every job has been written (each exactly once).
+fn run(jobs: &[(&QMatrix, usize)], x: &[f32], tokens: usize, outs: &[OutPtr]) {
     let (w0, _) = jobs[0];
     assert_eq!(x.len(), tokens * w0.cols());
-    for &(w, chunk) in jobs {
+    assert_eq!(jobs.len(), outs.len());
+    for (&(w, chunk), o) in jobs.iter().zip(outs) {
         assert!(w.cols() == w0.cols() && w.qtype().act_type() == w0.qtype().act_type());
         assert!(chunk > 0 && w.blocks().is_multiple_of(chunk));
+        assert!(o.chunks == w.blocks() / chunk && o.offset + w.rows() <= o.stride);
     }
     let a = quantize_acts(x, w0.cols(), w0.qtype().act_type());
-    // Filled by the work items below before their length is set (not zeroed first: every
-    // value is written once).
-    let lens: Vec<usize> = jobs
-        .iter()
-        .map(|&(w, chunk)| tokens * w.rows() * (w.blocks() / chunk))
-        .collect();
-    let mut outs: Vec<Vec<f32>> = lens.iter().map(|&n| Vec::with_capacity(n)).collect();
-    let ptrs: Vec<OutPtr> = outs.iter_mut().map(|o| OutPtr(o.as_mut_ptr())).collect();
     // First global tile of each job.
     let mut firsts = Vec::with_capacity(jobs.len() + 1);
     let mut tiles = 0;
@@ -131,16 +205,10 @@ fn run(jobs: &[(&QMatrix, usize)], x: &[f32], tokens: usize) -> Vec<Vec<f32>> {
             tokens,
             tile_rows[j],
             tile - firsts[j],
-            &ptrs[j],
+            &outs[j],
         );
     };
     pool::global().run(tiles, &item);
-    for (o, n) in outs.iter_mut().zip(lens) {
-        // SAFETY: the tiles cover every (token, row, chunk) of each output, and each wrote
-        // its values (`run` returns once every item has run; a panicking item panics here).
-        unsafe { o.set_len(n) };
-    }
-    outs
 }
 
 /// Rows `tile · tile_rows ..` of `w` into `out` (`[tokens, rows, chunks]`).
@@ -176,8 +244,9 @@ fn run_tile(
             let n = groups * GEMV_ROWS * chunks;
             if n > 0 {
                 dot_rows(isa, w, r, groups, a, 0, chunk, &mut res[..n]);
-                // SAFETY: (token 0, the groups' rows, every chunk) belong to this tile only.
-                unsafe { out.put(r * chunks, &res[..n]) };
+                // SAFETY: (token 0, the groups' rows, every chunk) belong to this tile only
+                // (consecutive in the output: a token's rows are).
+                unsafe { out.put(out.at(0, r), &res[..n]) };
                 r += groups * GEMV_ROWS;
             }
         }
@@ -185,8 +254,9 @@ fn run_tile(
             // Prefill: tiles of rows × tokens, each row's weights unpacked once per block for
             // all the tile's tokens; the kernel stores each result in the output itself.
             let full = tokens - tokens % TILE_TOKENS;
-            // SAFETY: the output holds `tokens` tokens of `rows` rows and `chunks` chunks.
-            let view = unsafe { OutView::new(out.0, rows, chunks) };
+            // SAFETY: the output holds `tokens` tokens of the matrix's rows and `chunks` chunks
+            // from its offset.
+            let view = unsafe { OutView::new(out.ptr, out.stride, out.offset, chunks) };
             while r + TILE_ROWS <= end {
                 for t0 in (0..full).step_by(TILE_TOKENS * TILE_GROUPS) {
                     let groups = ((full - t0) / TILE_TOKENS).min(TILE_GROUPS);
@@ -225,14 +295,13 @@ fn rows_by_tokens(
     res: &mut [f32],
     out: &OutPtr,
 ) {
-    let rows = w.rows();
     let chunks = w.blocks() / chunk;
     let mut t0 = from;
     while t0 < tokens {
         let n = (tokens - t0).min(MAX_TOKENS);
         dot_chunks(isa, w, r, a, t0, n, chunk, &mut res[..n * chunks]);
         for t in 0..n {
-            let dst = ((t0 + t) * rows + r) * chunks;
+            let dst = out.at(t0 + t, r);
             // SAFETY: (token, row r, every chunk) belongs to this tile only.
             unsafe { out.put(dst, &res[t * chunks..(t + 1) * chunks]) };
         }
@@ -267,6 +336,13 @@ mod tests {
             let many = matmul_many(&[&w, &w2], xs, tokens);
             assert_eq!(many[0], matmul(&w, xs, tokens));
             assert_eq!(many[1], matmul(&w2, xs, tokens));
+            // Side by side in one output: each token's row is the two results joined.
+            let joined = matmul_concat(&[&w, &w2], xs, tokens);
+            assert_eq!(joined.len(), tokens * (rows + 19));
+            for (t, row) in joined.chunks(rows + 19).enumerate() {
+                assert_eq!(row[..rows], many[0][t * rows..(t + 1) * rows], "token {t}");
+                assert_eq!(row[rows..], many[1][t * 19..(t + 1) * 19], "token {t}");
+            }
         }
         // Chunk partials add up to about the whole-row value.
         let parts = matmul_chunked(&w, &x, 7, 2);

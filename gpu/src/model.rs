@@ -178,20 +178,23 @@ impl Linear {
         Ok(y)
     }
 
-    /// A row-parallel layer's output, joined across the ranks: `[rows, out]` on every rank.
+    /// Adds a row-parallel layer's output, joined across the ranks, to `acc` (`[rows, out]`,
+    /// the residual stream; the same on every rank).
     ///
     /// With this crate's kernels every output value is the sum, in column order, of partial
     /// dot products over fixed chunks of `chunk` input columns (the shard width at the largest
     /// tensor-parallel size the model allows), gathered from all ranks: the same additions in
-    /// the same order whatever the TP size, so sharding does not change the rounding. Other
-    /// weights use a plain all-reduce of the per-rank products.
-    fn forward_row_parallel(
+    /// the same order whatever the TP size, so sharding does not change the rounding. The sums
+    /// (and the bias) are formed and added to `acc` on the compute pool. Other weights use a
+    /// plain all-reduce of the per-rank products.
+    fn add_row_parallel(
         &self,
         x: &[f32],
         rows: usize,
         chunk: usize,
         comm: &dyn Collective,
-    ) -> Result<Vec<f32>> {
+        acc: &mut [f32],
+    ) -> Result<()> {
         let q = match &self.weight {
             LinearWeight::Quant(q)
                 if chunk.is_multiple_of(q.qtype().block_elems())
@@ -202,7 +205,8 @@ impl Linear {
             _ => {
                 let mut y = self.forward(x, rows)?;
                 comm.all_reduce_sum(&mut y)?;
-                return Ok(y);
+                acc.iter_mut().zip(&y).for_each(|(a, b)| *a += b);
+                return Ok(());
             }
         };
         let per_rank = q.cols() / chunk;
@@ -215,23 +219,25 @@ impl Linear {
         // `gathered` is [rank][row][out][chunk]: add every chunk of a value in global order.
         let n = self.out_features;
         let rank_len = rows * n * per_rank;
-        let mut y = vec![0f32; rows * n];
-        for_rows(&mut y, n, true, |r0, part| {
-            for (k, y) in part.iter_mut().enumerate() {
+        let ranks = comm.size();
+        for_rows(acc, n, true, |r0, part| {
+            for (k, a) in part.iter_mut().enumerate() {
                 let i = r0 * n + k;
-                let mut acc = gathered[i * per_rank];
-                for r in 0..comm.size() {
+                let mut y = gathered[i * per_rank];
+                for r in 0..ranks {
                     let base = r * rank_len + i * per_rank;
                     let start = if r == 0 { 1 } else { 0 };
                     for c in start..per_rank {
-                        acc += gathered[base + c];
+                        y += gathered[base + c];
                     }
                 }
-                *y = acc;
+                if let Some(b) = &self.bias {
+                    y += b[i % n];
+                }
+                *a += y;
             }
         });
-        self.add_bias(&mut y);
-        Ok(y)
+        Ok(())
     }
 }
 
@@ -402,7 +408,7 @@ pub struct ModelShard {
     lm_head: Linear,
     rope: RopeTable,
     /// Input columns per reduction chunk of the attention output and down projections (see
-    /// [`Linear::forward_row_parallel`]).
+    /// [`Linear::add_row_parallel`]).
     reduce_chunks: (usize, usize),
     /// [`WeightFormat::Native`]: the weights (Q4_0/Q4_1/Q8_0/Q4_K/Q6_K) are on [`crate::quant`]'s
     /// kernels, and so is attention's thread pool; otherwise both are candle's.
@@ -643,7 +649,15 @@ impl ModelShard {
             acc += s.tokens.len();
         }
 
+        // Each flattened token's position in its sequence.
+        let positions: Vec<usize> = batch
+            .seqs
+            .iter()
+            .flat_map(|s| s.start_pos..s.start_pos + s.tokens.len())
+            .collect();
         let mut h = vec![0f32; t * d];
+        // The FFN activation, `[t, ffn / tp]`, reused by every layer.
+        let mut act = Vec::new();
         let native = self.native;
         for (li, layer) in self.layers.iter().enumerate() {
             for_rows(&mut h, d, native, |r0, out| {
@@ -651,14 +665,19 @@ impl ModelShard {
                 rms_norm(x, &layer.attn_norm, cfg.rms_norm_eps, d, native, out)
             });
             let mut qkv = layer.qkv.forward(&h, t)?;
-            // RoPE on Q and K, then K/V into the cache.
+            // RoPE on Q and K (on the pool for prefills), then K/V into the cache.
+            for_rows(&mut qkv, qkv_w, native, |r0, part| {
+                for (k, row) in part.chunks_mut(qkv_w).enumerate() {
+                    for head in 0..nh + nkv {
+                        self.rope
+                            .apply(&mut row[head * hd..(head + 1) * hd], positions[r0 + k]);
+                    }
+                }
+            });
             for (s, &off) in batch.seqs.iter().zip(&offsets) {
                 for i in 0..s.tokens.len() {
                     let pos = s.start_pos + i;
-                    let row = &mut qkv[(off + i) * qkv_w..(off + i + 1) * qkv_w];
-                    for head in 0..nh + nkv {
-                        self.rope.apply(&mut row[head * hd..(head + 1) * hd], pos);
-                    }
+                    let row = &qkv[(off + i) * qkv_w..(off + i + 1) * qkv_w];
                     let block = s.block_table[pos / kv.layout().block_size] as usize;
                     let slot = pos % kv.layout().block_size;
                     for g in 0..nkv {
@@ -682,10 +701,9 @@ impl ModelShard {
                 kv,
                 self.native,
             );
-            let o = layer
+            layer
                 .out
-                .forward_row_parallel(&attn, t, self.reduce_chunks.0, comm)?;
-            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+                .add_row_parallel(&attn, t, self.reduce_chunks.0, comm, &mut x)?;
 
             for_rows(&mut h, d, native, |r0, out| {
                 let x = &x[r0 * d..r0 * d + out.len()];
@@ -693,7 +711,7 @@ impl ModelShard {
             });
             let gu = layer.gate_up.forward(&h, t)?;
             let f = gu.len() / t / 2;
-            let mut act = vec![0f32; t * f];
+            act.resize(t * f, 0.0);
             for_rows(&mut act, f, native, |r0, part| {
                 for (k, act) in part.chunks_mut(f).enumerate() {
                     let r = r0 + k;
@@ -702,10 +720,9 @@ impl ModelShard {
                     crate::vecmath::swiglu(g, u, act);
                 }
             });
-            let down = layer
+            layer
                 .down
-                .forward_row_parallel(&act, t, self.reduce_chunks.1, comm)?;
-            x.iter_mut().zip(&down).for_each(|(a, b)| *a += b);
+                .add_row_parallel(&act, t, self.reduce_chunks.1, comm, &mut x)?;
         }
 
         // Logits for the last token of every sequence that wants them.
@@ -820,12 +837,19 @@ fn attention(
             }
         }
     }
+    // Largest first (queries × context): the threads claim items in this order, so the last
+    // ones to finish are small and no thread waits long for another at the end.
+    items.sort_by_key(|&(si, _, i0, i1)| {
+        std::cmp::Reverse((i1 - i0) * (batch.seqs[si].start_pos + i1))
+    });
     let scale = 1.0 / (hd as f32).sqrt();
     // One pool for all compute: the matmul workers (this crate's with `own_pool`, candle's
     // otherwise) also run attention, so no second pool spins against them on a small machine.
-    let slots: Vec<std::sync::OnceLock<Vec<f32>>> =
-        items.iter().map(|_| std::sync::OnceLock::new()).collect();
-    let work = |&(si, g, i0, i1): &(usize, usize, usize, usize)| -> Vec<f32> {
+    // Written by the items in place (each item its tokens' rows of its heads; together they
+    // cover every value) before its length is set.
+    let mut out = Vec::<f32>::with_capacity(t * nh * hd);
+    let dst = SharedOut(out.as_mut_ptr());
+    let work = |&(si, g, i0, i1): &(usize, usize, usize, usize)| {
         let s = &batch.seqs[si];
         let off = offsets[si];
         // Query rows ordered (token, head-in-group).
@@ -840,7 +864,7 @@ fn attention(
         }
         let ctx = s.start_pos + i1;
         let limit = |r: usize| s.start_pos + i0 + r / group + 1;
-        if nq <= 8 {
+        let res = if nq <= 8 {
             attend_direct(
                 &q,
                 nq,
@@ -872,35 +896,40 @@ fn attention(
                 },
                 kv.layout().block_size,
             )
+        };
+        // Rows ordered (token, head-in-group), into the output's (token, head) places.
+        for (ti, i) in (i0..i1).enumerate() {
+            let at = (off + i) * nh * hd + g * group * hd;
+            let src = &res[ti * group * hd..(ti + 1) * group * hd];
+            // SAFETY: token `off + i`'s heads of group `g` are this item's alone (items are
+            // distinct (sequence, group, token range)s), inside `out`'s capacity.
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.at(at), src.len()) };
         }
     };
     if own_pool {
-        quant::pool::global().run(items.len(), &|i| {
-            let _ = slots[i].set(work(&items[i]));
-        });
+        quant::pool::global().run(items.len(), &|i| work(&items[i]));
     } else {
         candle_core::utils::barrier_pool().execute_chunked(items.len(), |range| {
             for i in range {
-                let _ = slots[i].set(work(&items[i]));
+                work(&items[i]);
             }
         });
     }
-    let results = slots
-        .into_iter()
-        .map(|s| s.into_inner().unwrap_or_default());
-    let mut out = vec![0f32; t * nh * hd];
-    for (&(si, g, i0, i1), res) in items.iter().zip(results) {
-        let off = offsets[si];
-        for (ti, i) in (i0..i1).enumerate() {
-            for j in 0..group {
-                let head = g * group + j;
-                let src = &res[(ti * group + j) * hd..(ti * group + j + 1) * hd];
-                out[(off + i) * nh * hd + head * hd..(off + i) * nh * hd + (head + 1) * hd]
-                    .copy_from_slice(src);
-            }
-        }
-    }
+    // SAFETY: the items cover every (sequence, KV group, token) once, so every (token, head)
+    // of `out` was written (a panicking item panics above, before this).
+    unsafe { out.set_len(t * nh * hd) };
     out
+}
+
+/// The attention output, written by the work items at disjoint places.
+struct SharedOut(*mut f32);
+// SAFETY: the items write disjoint ranges (see `attention`), nothing reads while they run.
+unsafe impl Sync for SharedOut {}
+
+impl SharedOut {
+    fn at(&self, i: usize) -> *mut f32 {
+        self.0.wrapping_add(i)
+    }
 }
 
 /// Few queries (decode): read K and V straight from the blocks.

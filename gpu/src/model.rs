@@ -792,18 +792,59 @@ fn for_rows(out: &mut [f32], row_len: usize, pool: bool, f: impl Fn(usize, &mut 
 }
 
 fn rms_norm(x: &[f32], w: &[f32], eps: f32, d: usize, llama: bool, out: &mut [f32]) {
-    for (xr, or) in x.chunks(d).zip(out.chunks_mut(d)) {
-        let mean = if llama {
+    // Each row's sum of squares is one sequential sum (llama.cpp's order); four rows are
+    // summed side by side so that their additions overlap instead of waiting on each other.
+    let mut means = vec![0f32; x.len() / d];
+    let mut quads = x.chunks_exact(4 * d);
+    for (q, m) in (&mut quads).zip(means.chunks_exact_mut(4)) {
+        let rows: [&[f32]; 4] = std::array::from_fn(|k| &q[k * d..(k + 1) * d]);
+        if llama {
+            let mut ss = [0f64; 4];
+            for v in columns(rows) {
+                for k in 0..4 {
+                    ss[k] += (v[k] * v[k]) as f64;
+                }
+            }
+            for k in 0..4 {
+                m[k] = (ss[k] / d as f64) as f32;
+            }
+        } else {
+            let mut ss = [0f32; 4];
+            for v in columns(rows) {
+                for k in 0..4 {
+                    ss[k] += v[k] * v[k];
+                }
+            }
+            for k in 0..4 {
+                m[k] = ss[k] / d as f32;
+            }
+        }
+    }
+    let done = means.len() - quads.remainder().len() / d;
+    for (xr, m) in quads.remainder().chunks(d).zip(&mut means[done..]) {
+        *m = if llama {
             let ss: f64 = xr.iter().map(|v| (v * v) as f64).sum();
             (ss / d as f64) as f32
         } else {
             xr.iter().map(|v| v * v).sum::<f32>() / d as f32
         };
+    }
+    for ((xr, or), mean) in x.chunks(d).zip(out.chunks_mut(d)).zip(means) {
         let scale = 1.0 / (mean + eps).sqrt();
         for ((o, &v), &g) in or.iter_mut().zip(xr).zip(w) {
             *o = v * scale * g;
         }
     }
+}
+
+/// The four rows' values column by column.
+fn columns(rows: [&[f32]; 4]) -> impl Iterator<Item = [f32; 4]> + '_ {
+    let [a, b, c, d] = rows;
+    a.iter()
+        .zip(b)
+        .zip(c)
+        .zip(d)
+        .map(|(((a, b), c), d)| [*a, *b, *c, *d])
 }
 
 /// Queries per attention work item, bounding the score matrix of long prefills.
@@ -1074,4 +1115,39 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
         s += a[i] * b[i];
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rms_norm;
+
+    #[test]
+    fn rms_norm_of_many_rows_gives_each_rows_own_bits() {
+        // Seven rows: one group of four summed side by side, three on their own.
+        let d = 40;
+        let x: Vec<f32> = (0..7 * d)
+            .map(|i| ((i * 7919 % 2003) as f32 - 1001.0) / 97.0)
+            .collect();
+        let w: Vec<f32> = (0..d).map(|i| 0.5 + i as f32 / 64.0).collect();
+        for llama in [false, true] {
+            let mut all = vec![0f32; x.len()];
+            rms_norm(&x, &w, 1e-5, d, llama, &mut all);
+            for (r, row) in x.chunks(d).enumerate() {
+                let mut one = vec![0f32; d];
+                rms_norm(row, &w, 1e-5, d, llama, &mut one);
+                assert_eq!(one, all[r * d..(r + 1) * d], "row {r}, llama {llama}");
+                // Against the definition, in f64.
+                let ms = row
+                    .iter()
+                    .map(|&v| f64::from(v) * f64::from(v))
+                    .sum::<f64>()
+                    / d as f64;
+                let scale = 1.0 / (ms + 1e-5).sqrt();
+                for ((&o, &v), &g) in one.iter().zip(row).zip(&w) {
+                    let want = f64::from(v) * scale * f64::from(g);
+                    assert!((f64::from(o) - want).abs() <= 1e-5 * want.abs().max(1e-3));
+                }
+            }
+        }
+    }
 }

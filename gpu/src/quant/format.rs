@@ -411,8 +411,87 @@ impl QActs {
 const ITEM_BLOCKS: usize = 256;
 
 /// Q8_0 / Q8_1 quantization of whole blocks (`d`, `s` and `qs` sized for `x`'s blocks; `s`
-/// is left as it is for Q8_0).
+/// is left as it is for Q8_0): eight lanes at a time as llama.cpp's AVX2 quantizer where the
+/// CPU has AVX2, else [`quantize_blocks_scalar`]; the same bits either way.
 fn quantize_blocks(x: &[f32], act: ActType, d: &mut [f32], s: &mut [f32], qs: &mut [i8]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 is present (checked above).
+        return unsafe { quantize_blocks_avx2(x, act, d, s, qs) };
+    }
+    quantize_blocks_scalar(x, act, d, s, qs)
+}
+
+/// [`quantize_blocks`] on eight lanes: per block the largest magnitude, `q = round_half_even(x
+/// · id)` converted to i32 (the same values the scalar path clamps: `|x · id| ≤ 127` up to
+/// rounding), their integer sum, and the quants packed to bytes with saturation. It profiled
+/// at ~4 % of a prefill in the auto-vectorised form.
+///
+/// # Safety
+/// The CPU has AVX2; the slices are sized as [`quantize_blocks`] says.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn quantize_blocks_avx2(
+    x: &[f32],
+    act: ActType,
+    d: &mut [f32],
+    s: &mut [f32],
+    qs: &mut [i8],
+) {
+    use std::arch::x86_64::*;
+    let nb = x.len() / QK;
+    assert!(d.len() >= nb && s.len() >= nb && qs.len() >= nb * QK);
+    let sign = _mm256_set1_ps(-0.0);
+    // Packing interleaves 128-bit lanes; this puts the 32 bytes back in element order.
+    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for b in 0..nb {
+        // SAFETY: block `b`'s 32 floats and 32 quants are inside `x` and `qs` (asserted).
+        unsafe {
+            let p = x.as_ptr().add(b * QK);
+            let v = [
+                _mm256_loadu_ps(p),
+                _mm256_loadu_ps(p.add(8)),
+                _mm256_loadu_ps(p.add(16)),
+                _mm256_loadu_ps(p.add(24)),
+            ];
+            let m = _mm256_max_ps(
+                _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])),
+            );
+            let m4 = _mm_max_ps(_mm256_extractf128_ps::<1>(m), _mm256_castps256_ps128(m));
+            let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            let amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_movehdup_ps(m2)));
+            let db = amax / 127.0;
+            let id = _mm256_set1_ps(if amax != 0.0 { 127.0 / amax } else { 0.0 });
+            let q = v.map(|v| {
+                _mm256_cvtps_epi32(_mm256_round_ps::<
+                    { _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC },
+                >(_mm256_mul_ps(v, id)))
+            });
+            let total =
+                _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+            let t4 = _mm_add_epi32(
+                _mm256_extracti128_si256::<1>(total),
+                _mm256_castsi256_si128(total),
+            );
+            let t2 = _mm_add_epi32(t4, _mm_unpackhi_epi64(t4, t4));
+            let sum = _mm_cvtsi128_si32(_mm_add_epi32(t2, _mm_shuffle_epi32::<1>(t2)));
+            let bytes = _mm256_packs_epi16(
+                _mm256_packs_epi32(q[0], q[1]),
+                _mm256_packs_epi32(q[2], q[3]),
+            );
+            let bytes = _mm256_permutevar8x32_epi32(bytes, order);
+            _mm256_storeu_si256(qs.as_mut_ptr().add(b * QK) as *mut __m256i, bytes);
+            d[b] = f16::from_f32(db).to_f32();
+            if act == ActType::Q8_1 {
+                s[b] = f16::from_f32(db * sum as f32).to_f32();
+            }
+        }
+    }
+}
+
+/// [`quantize_blocks`] one value at a time (other CPUs; the reference of the AVX2 path).
+fn quantize_blocks_scalar(x: &[f32], act: ActType, d: &mut [f32], s: &mut [f32], qs: &mut [i8]) {
     for (((blk, q), d), s) in x
         .chunks_exact(QK)
         .zip(qs.chunks_exact_mut(QK))
@@ -643,6 +722,32 @@ pub(crate) mod tests {
                 assert_eq!(one.d, all.d[r * nb..(r + 1) * nb]);
                 assert_eq!(one.s, all.s.get(r * nb..(r + 1) * nb).unwrap_or(&[]));
             }
+        }
+    }
+
+    #[test]
+    fn vector_and_scalar_activation_quantization_agree_bit_for_bit() {
+        // Blocks of every shape: ordinary, all zero, one spike, ties at .5 after scaling,
+        // negative extremes (−128 never occurs: |q| ≤ 127).
+        let mut x: Vec<f32> = (0..64 * QK)
+            .map(|i| ((i * 7919 % 2003) as f32 - 1001.0) / 97.0)
+            .collect();
+        x[QK..2 * QK].fill(0.0);
+        x[2 * QK..3 * QK].fill(1e-3);
+        x[2 * QK + 5] = -1e4;
+        for (i, v) in x[3 * QK..4 * QK].iter_mut().enumerate() {
+            *v = (i as f32 - 16.0) * 0.5 * 127.0 / 8.0;
+        }
+        let nb = x.len() / QK;
+        for act in [ActType::Q8_0, ActType::Q8_1] {
+            let (mut d0, mut s0, mut q0) = (vec![0f32; nb], vec![0f32; nb], vec![0i8; x.len()]);
+            quantize_blocks_scalar(&x, act, &mut d0, &mut s0, &mut q0);
+            let (mut d1, mut s1, mut q1) = (vec![0f32; nb], vec![0f32; nb], vec![0i8; x.len()]);
+            quantize_blocks(&x, act, &mut d1, &mut s1, &mut q1);
+            assert_eq!(q0, q1, "{act:?}");
+            assert!(d0.iter().zip(&d1).all(|(a, b)| a.to_bits() == b.to_bits()));
+            assert!(s0.iter().zip(&s1).all(|(a, b)| a.to_bits() == b.to_bits()));
+            assert_eq!(q0[2 * QK + 5], -127);
         }
     }
 

@@ -2,6 +2,7 @@
 //! GGUF's own super-blocks), activations quantized per row to Q8_0 / Q8_1 / Q8_K.
 
 use half::f16;
+use std::mem::MaybeUninit;
 use std::sync::Mutex;
 
 /// Elements per quantization block of Q4_0, Q4_1, Q8_0 and their activations.
@@ -413,7 +414,13 @@ const ITEM_BLOCKS: usize = 256;
 /// Q8_0 / Q8_1 quantization of whole blocks (`d`, `s` and `qs` sized for `x`'s blocks; `s`
 /// is left as it is for Q8_0): eight lanes at a time as llama.cpp's AVX2 quantizer where the
 /// CPU has AVX2, else [`quantize_blocks_scalar`]; the same bits either way.
-fn quantize_blocks(x: &[f32], act: ActType, d: &mut [f32], s: &mut [f32], qs: &mut [i8]) {
+fn quantize_blocks(
+    x: &[f32],
+    act: ActType,
+    d: &mut [f32],
+    s: &mut [f32],
+    qs: &mut [MaybeUninit<i8>],
+) {
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx2") {
         // SAFETY: AVX2 is present (checked above).
@@ -436,7 +443,7 @@ unsafe fn quantize_blocks_avx2(
     act: ActType,
     d: &mut [f32],
     s: &mut [f32],
-    qs: &mut [i8],
+    qs: &mut [MaybeUninit<i8>],
 ) {
     use std::arch::x86_64::*;
     let nb = x.len() / QK;
@@ -491,7 +498,13 @@ unsafe fn quantize_blocks_avx2(
 }
 
 /// [`quantize_blocks`] one value at a time (other CPUs; the reference of the AVX2 path).
-fn quantize_blocks_scalar(x: &[f32], act: ActType, d: &mut [f32], s: &mut [f32], qs: &mut [i8]) {
+fn quantize_blocks_scalar(
+    x: &[f32],
+    act: ActType,
+    d: &mut [f32],
+    s: &mut [f32],
+    qs: &mut [MaybeUninit<i8>],
+) {
     for (((blk, q), d), s) in x
         .chunks_exact(QK)
         .zip(qs.chunks_exact_mut(QK))
@@ -506,7 +519,7 @@ fn quantize_blocks_scalar(x: &[f32], act: ActType, d: &mut [f32], s: &mut [f32],
             let r = (v * id).round_ties_even() as i32;
             let r = r.clamp(-128, 127);
             sum += r;
-            *q = r as i8;
+            q.write(r as i8);
         }
         *d = f16::from_f32(db).to_f32();
         if act == ActType::Q8_1 {
@@ -547,17 +560,25 @@ pub fn quantize_acts(x: &[f32], cols: usize, act: ActType) -> QActs {
     let nblocks = x.len() / QK;
     let mut d = vec![0f32; nblocks];
     let mut s = vec![0f32; nblocks];
-    let mut qs = vec![0i8; x.len()];
+    // Written block by block below before its length is set (a prefill's zeroing of it was
+    // a serial `memset` beside the pool's work).
+    let mut qs: Vec<i8> = Vec::with_capacity(x.len());
+    let spare = &mut qs.spare_capacity_mut()[..x.len()];
     if nblocks <= ITEM_BLOCKS {
-        quantize_blocks(x, act, &mut d, &mut s, &mut qs);
+        quantize_blocks(x, act, &mut d, &mut s, spare);
     } else {
         // Blocks are independent: a prefill's rows are quantized on the compute pool.
-        type Part<'a> = (&'a [f32], &'a mut [f32], &'a mut [f32], &'a mut [i8]);
+        type Part<'a> = (
+            &'a [f32],
+            &'a mut [f32],
+            &'a mut [f32],
+            &'a mut [MaybeUninit<i8>],
+        );
         let parts: Vec<Mutex<Part<'_>>> = x
             .chunks(ITEM_BLOCKS * QK)
             .zip(d.chunks_mut(ITEM_BLOCKS))
             .zip(s.chunks_mut(ITEM_BLOCKS))
-            .zip(qs.chunks_mut(ITEM_BLOCKS * QK))
+            .zip(spare.chunks_mut(ITEM_BLOCKS * QK))
             .map(|(((x, d), s), q)| Mutex::new((x, d, s, q)))
             .collect();
         super::pool::global().run(parts.len(), &|k| {
@@ -566,6 +587,9 @@ pub fn quantize_acts(x: &[f32], cols: usize, act: ActType) -> QActs {
             quantize_blocks(x, act, d, s, q);
         });
     }
+    // SAFETY: every block's 32 quants were written above (`x` is whole blocks; a panic in a
+    // pool item panics in `run`, before this).
+    unsafe { qs.set_len(x.len()) };
     if act != ActType::Q8_1 {
         s = Vec::new();
     }
@@ -740,10 +764,16 @@ pub(crate) mod tests {
         }
         let nb = x.len() / QK;
         for act in [ActType::Q8_0, ActType::Q8_1] {
-            let (mut d0, mut s0, mut q0) = (vec![0f32; nb], vec![0f32; nb], vec![0i8; x.len()]);
+            let zeros = || vec![MaybeUninit::new(0i8); x.len()];
+            let bytes = |q: Vec<MaybeUninit<i8>>| -> Vec<i8> {
+                // SAFETY: initialised (zeros, then the quantizer's writes).
+                q.into_iter().map(|v| unsafe { v.assume_init() }).collect()
+            };
+            let (mut d0, mut s0, mut q0) = (vec![0f32; nb], vec![0f32; nb], zeros());
             quantize_blocks_scalar(&x, act, &mut d0, &mut s0, &mut q0);
-            let (mut d1, mut s1, mut q1) = (vec![0f32; nb], vec![0f32; nb], vec![0i8; x.len()]);
+            let (mut d1, mut s1, mut q1) = (vec![0f32; nb], vec![0f32; nb], zeros());
             quantize_blocks(&x, act, &mut d1, &mut s1, &mut q1);
+            let (q0, q1) = (bytes(q0), bytes(q1));
             assert_eq!(q0, q1, "{act:?}");
             assert!(d0.iter().zip(&d1).all(|(a, b)| a.to_bits() == b.to_bits()));
             assert!(s0.iter().zip(&s1).all(|(a, b)| a.to_bits() == b.to_bits()));

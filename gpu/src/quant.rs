@@ -31,7 +31,8 @@
 //! instruction, with software prefetch into L2 some 6 KiB ahead (a row of the default model
 //! is 360–612 bytes, too short for the hardware prefetcher to learn, and a DRAM stream needs
 //! more lines in flight than L1 tracks), and Q/K/V and gate/up run as one job on one
-//! quantization of their shared input ([`matmul_many`]).
+//! quantization of their shared input ([`matmul_many`], or [`matmul_concat`] writing the
+//! matrices' results side by side per token).
 //!
 //! Matmuls run on one process-wide [`pool`] whose workers claim tiles of rows through a shared
 //! cursor: a worker that is descheduled leaves its tiles to the others instead of holding

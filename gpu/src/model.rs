@@ -147,9 +147,16 @@ impl Linear {
     }
 
     fn add_bias(&self, y: &mut [f32]) {
+        self.add_bias_at(y, self.out_features, 0);
+    }
+
+    /// Adds the bias to this layer's columns `at .. at + out` of `y`'s rows of `width` values
+    /// (its part of joined Q|K|V or gate|up rows).
+    fn add_bias_at(&self, y: &mut [f32], width: usize, at: usize) {
         if let Some(b) = &self.bias {
-            for row in y.chunks_mut(self.out_features) {
-                row.iter_mut().zip(b).for_each(|(v, b)| *v += b);
+            for row in y.chunks_mut(width) {
+                let part = &mut row[at..at + self.out_features];
+                part.iter_mut().zip(b).for_each(|(v, b)| *v += b);
             }
         }
     }
@@ -304,12 +311,7 @@ impl Stacked {
             let mut y = quant::matmul_concat(&quants, x, rows);
             let mut at = 0;
             for p in &self.parts {
-                if let Some(b) = &p.bias {
-                    for row in y.chunks_mut(width) {
-                        let part = &mut row[at..at + p.out_features];
-                        part.iter_mut().zip(b).for_each(|(v, b)| *v += b);
-                    }
-                }
+                p.add_bias_at(&mut y, width, at);
                 at += p.out_features;
             }
             return Ok(y);

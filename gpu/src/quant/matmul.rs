@@ -104,33 +104,27 @@ pub fn matmul_chunked(w: &QMatrix, x: &[f32], tokens: usize, chunk: usize) -> Ve
 
 /// Several matrices that read the same input (Q, K and V; gate and up): the activations are
 /// quantized once and all the matrices' rows run as one job on the pool. Returns one
-/// `[tokens, rows]` output per matrix, each value with the bits [`matmul`] gives it.
+/// `[tokens, rows]` output per matrix (split from [`matmul_concat`]'s joined rows), each value
+/// with the bits [`matmul`] gives it.
 ///
 /// # Panics
 /// When the matrices differ in columns or activation format, or `x.len()` is not
 /// `tokens · cols`.
 pub fn matmul_many(ws: &[&QMatrix], x: &[f32], tokens: usize) -> Vec<Vec<f32>> {
-    let jobs: Vec<(&QMatrix, usize)> = ws.iter().map(|w| (*w, w.blocks())).collect();
-    let mut outs: Vec<Vec<f32>> = ws
-        .iter()
-        .map(|w| Vec::with_capacity(tokens * w.rows()))
-        .collect();
-    let ptrs: Vec<OutPtr> = outs
-        .iter_mut()
-        .zip(ws)
-        .map(|(o, w)| OutPtr {
-            ptr: o.as_mut_ptr(),
-            stride: w.rows(),
-            offset: 0,
-            chunks: 1,
+    let joined = matmul_concat(ws, x, tokens);
+    let width: usize = ws.iter().map(|w| w.rows()).sum();
+    let mut at = 0;
+    ws.iter()
+        .map(|w| {
+            let cols = at..at + w.rows();
+            at += w.rows();
+            joined
+                .chunks(width)
+                .flat_map(|row| &row[cols.clone()])
+                .copied()
+                .collect()
         })
-        .collect();
-    run(&jobs, x, tokens, &ptrs);
-    for (o, w) in outs.iter_mut().zip(ws) {
-        // SAFETY: `run` wrote every (token, row) of each output (see `run`).
-        unsafe { o.set_len(tokens * w.rows()) };
-    }
-    outs
+        .collect()
 }
 
 /// As [`matmul_many`], with the outputs side by side: returns `[tokens, Σ rows]`, each token's

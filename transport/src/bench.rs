@@ -9,6 +9,12 @@
 //! (`WINDOW` messages of `size` bytes streamed, the receiver answering one byte per message).
 //! Medians make the numbers robust to other processes sharing the cores.
 //!
+//! `cpu_s_per_gb` is the CPU time (user + system) both ends spent per GB over the throughput
+//! phase's timed windows: this process's `getrusage` plus the peer process's `/proc/PID/stat`
+//! (10 ms ticks); `limit_cpu_s_per_gb` the same for the medium's measurement, whose two ends
+//! are both in this process. A backend whose GB/s times its CPU-s/GB is near the machine's
+//! core count is CPU-bound: it can go no faster on this machine whatever its medium allows.
+//!
 //! Placement: the peer engine runs in a second process (`pdserve-transfer-peer`, or this
 //! executable re-run as a peer when its `main` calls [`crate::peer::run_if_requested`]); if
 //! neither can be started, the peer runs in this process and the table says so. The socket
@@ -92,6 +98,15 @@ pub struct TransferBenchRow {
     /// Whether the session proved a session key (and ops were checked against a grant).
     #[serde(default)]
     pub auth: bool,
+    /// CPU-seconds both ends spent per GB moved during the throughput phase (user + system
+    /// time of this process and of the peer process, over the bytes of the windows measured);
+    /// `None` where the peer's time could not be read. Tells a CPU-bound backend from one
+    /// waiting on its medium: divide the cores the machine has by it for the most GB/s it can give.
+    #[serde(default)]
+    pub cpu_s_per_gb: Option<f64>,
+    /// The same for the bare medium's measurement (both ends run in this process).
+    #[serde(default)]
+    pub limit_cpu_s_per_gb: Option<f64>,
 }
 
 fn write_op() -> String {
@@ -115,12 +130,53 @@ struct Timing {
     median_us: f64,
 }
 
+/// CPU time (user + system) this process has used so far.
+fn own_cpu() -> Option<Duration> {
+    let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: `usage` is a valid rusage for the call to fill.
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr()) } != 0 {
+        return None;
+    }
+    // SAFETY: getrusage succeeded and filled it.
+    let usage = unsafe { usage.assume_init() };
+    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+    Some(tv(usage.ru_utime) + tv(usage.ru_stime))
+}
+
+/// CPU time (user + system) process `pid` has used so far, from `/proc/PID/stat`.
+fn process_cpu(pid: u32) -> Option<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the parenthesised command name; utime and stime are the 12th and 13th.
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let ticks = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    (hz > 0).then(|| Duration::from_secs_f64(ticks as f64 / hz as f64))
+}
+
+/// CPU time of both ends of a transfer: this process, plus the peer's when it is another one.
+fn both_ends_cpu(peer: Option<u32>) -> Option<Duration> {
+    Some(own_cpu()? + peer.map_or(Some(Duration::ZERO), process_cpu)?)
+}
+
 fn measure(
     size: u64,
     opts: &TransferBenchOptions,
-    mut once: impl FnMut() -> Result<()>,
+    once: impl FnMut() -> Result<()>,
 ) -> Result<Timing> {
+    measure_cpu(size, opts, None, once).map(|(t, _)| t)
+}
+
+/// As [`measure`], also returning the CPU-seconds per GB both ends spent over the timed
+/// repetitions (`None` where a clock could not be read). `peer`: the peer process, if any.
+fn measure_cpu(
+    size: u64,
+    opts: &TransferBenchOptions,
+    peer: Option<u32>,
+    mut once: impl FnMut() -> Result<()>,
+) -> Result<(Timing, Option<f64>)> {
     once()?; // warm-up
+    let cpu_before = both_ends_cpu(peer);
     let mut samples = Vec::new();
     let start = Instant::now();
     while samples.len() < opts.max_iterations.max(3)
@@ -130,35 +186,44 @@ fn measure(
         once()?;
         samples.push(t.elapsed());
     }
+    let cpu = cpu_before.zip(both_ends_cpu(peer)).map(|(a, b)| {
+        b.saturating_sub(a).as_secs_f64() / (size as f64 * samples.len() as f64 / 1e9)
+    });
     samples.sort();
     let median = samples[samples.len() / 2].as_secs_f64();
     // Median-based: robust to other processes sharing this machine's cores; the limit is
     // measured the same way, so the ratio compares like with like.
-    Ok(Timing {
-        gbps: size as f64 / median / 1e9,
-        median_us: median * 1e6,
-    })
+    Ok((
+        Timing {
+            gbps: size as f64 / median / 1e9,
+            median_us: median * 1e6,
+        },
+        cpu,
+    ))
 }
 
-fn memcpy_limit(size: u64, opts: &TransferBenchOptions) -> Result<f64> {
+/// A medium's limit: GB/s and CPU-seconds per GB.
+type Limit = (f64, Option<f64>);
+
+fn memcpy_limit(size: u64, opts: &TransferBenchOptions) -> Result<Limit> {
     let src = pdserve_runtime::memory::AnonMemory::new(size as usize)?;
     let dst = pdserve_runtime::memory::AnonMemory::new(size as usize)?;
     use pdserve_runtime::memory::HostMemory;
     // SAFETY: both mappings hold `size` bytes (rounded up to a page) and do not overlap.
     let fill = unsafe { std::slice::from_raw_parts_mut(src.as_ptr(), size as usize) };
     fill.iter_mut().enumerate().for_each(|(i, b)| *b = i as u8);
-    Ok(measure(size * WINDOW as u64, opts, || {
+    let (t, cpu) = measure_cpu(size * WINDOW as u64, opts, None, || {
         for _ in 0..WINDOW {
             // SAFETY: as above.
             unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.as_ptr(), size as usize) };
             std::hint::black_box(dst.as_ptr());
         }
         Ok(())
-    })?
-    .gbps)
+    })?;
+    Ok((t.gbps, cpu))
 }
 
-fn socket_limit(size: u64, opts: &TransferBenchOptions) -> Result<f64> {
+fn socket_limit(size: u64, opts: &TransferBenchOptions) -> Result<Limit> {
     let listener = TcpListener::bind("127.0.0.1:0")?;
     let addr = listener.local_addr()?;
     let server = std::thread::spawn(move || -> std::io::Result<()> {
@@ -177,7 +242,7 @@ fn socket_limit(size: u64, opts: &TransferBenchOptions) -> Result<f64> {
     c.set_nodelay(true)?;
     let data = vec![7u8; size as usize];
     let mut ack = [0u8; 1];
-    let t = measure(size * WINDOW as u64, opts, || {
+    let (t, cpu) = measure_cpu(size * WINDOW as u64, opts, None, || {
         for _ in 0..WINDOW {
             c.write_all(&data)?;
         }
@@ -188,7 +253,7 @@ fn socket_limit(size: u64, opts: &TransferBenchOptions) -> Result<f64> {
     })?;
     drop(c);
     let _ = server.join();
-    Ok(t.gbps)
+    Ok((t.gbps, cpu))
 }
 
 /// A scratch cluster directory for the `quic` peer (removed on drop).
@@ -221,6 +286,16 @@ enum BenchPeer {
         crate::memory::RegisteredRegion,
         Option<crate::auth::SessionGrantGuard>,
     ),
+}
+
+impl BenchPeer {
+    /// The peer's process id, when it runs in a process of its own.
+    fn pid(&self) -> Option<u32> {
+        match self {
+            BenchPeer::Process(p) => Some(p.pid()),
+            BenchPeer::InProcess(..) => None,
+        }
+    }
 }
 
 /// How the bench session is secured.
@@ -386,18 +461,18 @@ fn bench_backend(
             wait(vec![session.submit(&[op(0)])?])
         })?;
         // Throughput: WINDOW transfers in flight, as a sender streaming KV blocks keeps them.
-        let t = measure(size * WINDOW as u64, opts, || {
+        let (t, cpu_s_per_gb) = measure_cpu(size * WINDOW as u64, opts, peer.pid(), || {
             wait(
                 (0..WINDOW)
                     .map(|slot| session.submit(&[op(slot)]))
                     .collect::<Result<_>>()?,
             )
         })?;
-        let limit = match backend {
+        let (limit, limit_cpu_s_per_gb) = match backend {
             BackendKind::Local | BackendKind::Shm => memcpy_limit(size, opts)?,
             BackendKind::Tcp | BackendKind::Quic => socket_limit(size, opts)?,
             // No medium baseline is measured for RDMA (no device here); see docs/transport.md.
-            BackendKind::Rdma => f64::NAN,
+            BackendKind::Rdma => (f64::NAN, None),
         };
         rows.push(TransferBenchRow {
             auth,
@@ -407,6 +482,8 @@ fn bench_backend(
             gbps: t.gbps,
             limit_gbps: limit,
             latency_us: lat.median_us,
+            cpu_s_per_gb,
+            limit_cpu_s_per_gb,
         });
     }
     drop(session);
@@ -472,12 +549,22 @@ fn human(size: u64) -> String {
 /// Prints the rows as a table.
 pub fn print_table(rows: &[TransferBenchRow]) {
     println!(
-        "{:<12} {:<5} {:<6} {:>10} {:>10} {:>12} {:>8} {:>12}",
-        "backend", "auth", "op", "size", "GB/s", "limit GB/s", "ratio", "latency µs"
+        "{:<12} {:<5} {:<6} {:>10} {:>10} {:>12} {:>8} {:>12} {:>10} {:>10}",
+        "backend",
+        "auth",
+        "op",
+        "size",
+        "GB/s",
+        "limit GB/s",
+        "ratio",
+        "latency µs",
+        "CPU-s/GB",
+        "limit's"
     );
+    let cpu = |c: Option<f64>| c.map_or("-".to_string(), |c| format!("{c:.3}"));
     for r in rows {
         println!(
-            "{:<12} {:<5} {:<6} {:>10} {:>10.2} {:>12.2} {:>8.2} {:>12.1}",
+            "{:<12} {:<5} {:<6} {:>10} {:>10.2} {:>12.2} {:>8.2} {:>12.1} {:>10} {:>10}",
             r.backend,
             if r.auth { "key" } else { "-" },
             r.op,
@@ -485,7 +572,63 @@ pub fn print_table(rows: &[TransferBenchRow]) {
             r.gbps,
             r.limit_gbps,
             r.gbps / r.limit_gbps,
-            r.latency_us
+            r.latency_us,
+            cpu(r.cpu_s_per_gb),
+            cpu(r.limit_cpu_s_per_gb)
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Burns about `d` of CPU time on this thread.
+    fn burn(d: Duration) {
+        let start = own_cpu().unwrap();
+        let mut x = 1u64;
+        while own_cpu().unwrap() - start < d {
+            for i in 0..100_000u64 {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(i);
+            }
+            std::hint::black_box(x);
+        }
+    }
+
+    #[test]
+    fn both_clocks_read_the_cpu_time_this_process_spends() {
+        let pid = std::process::id();
+        let (own0, proc0) = (own_cpu().unwrap(), process_cpu(pid).unwrap());
+        burn(Duration::from_millis(200));
+        let (own1, proc1) = (own_cpu().unwrap(), process_cpu(pid).unwrap());
+        let own = (own1 - own0).as_secs_f64();
+        let procfs = proc1.as_secs_f64() - proc0.as_secs_f64();
+        assert!(own >= 0.2, "getrusage advanced {own} s");
+        // /proc counts in clock ticks (10 ms here): allow a few of them.
+        assert!(
+            (procfs - own).abs() < 0.05,
+            "/proc {procfs} s vs getrusage {own} s"
+        );
+        assert_eq!(process_cpu(u32::MAX), None, "no such process");
+    }
+
+    #[test]
+    fn rows_carry_the_cpu_both_ends_spent_per_gb() {
+        let opts = TransferBenchOptions {
+            backends: vec![BackendKind::Local],
+            sizes: vec![1 << 20],
+            max_iterations: 200,
+            max_time: Duration::from_millis(200),
+            ..Default::default()
+        };
+        let rows = run_transfer_bench(&opts).unwrap();
+        assert_eq!(rows.len(), 1);
+        let r = &rows[0];
+        // Moving a GB takes at least a memcpy's time and, on any machine, far less than a
+        // minute of CPU.
+        for (what, cpu) in [("backend", r.cpu_s_per_gb), ("limit", r.limit_cpu_s_per_gb)] {
+            let cpu = cpu.unwrap_or_else(|| panic!("{what}: no CPU time"));
+            assert!(cpu > 0.001 && cpu < 60.0, "{what}: {cpu} CPU-s/GB");
+        }
     }
 }

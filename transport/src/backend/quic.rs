@@ -29,7 +29,11 @@
 //! may carry and is dropped whole (`EMSGSIZE`, silenced by quinn-udp). Forcing 64 MiB socket buffers (`SO_RCVBUFFORCE`) removed the receive-buffer
 //! drops (30-80 congestion events per connection in 2 s without) but not measurably the cost
 //! or the rate; 1, 2, 4 or 8 connections, 1-16 MiB pieces and 1-4 I/O threads were within the
-//! noise (the last on the client only). See docs/transport.md.
+//! noise (the last on the client only). Later (idle machine): both ends prefer AES-128-GCM
+//! (`control::tls::provider`, 0.100 against 0.113-0.116 CPU-s/GB per pass), and a quinn
+//! patched to hand received datagrams on without copying them saved ~5 % (not kept). Confined
+//! to one vCPU quic moves about half what it moves on two, while the plain socket it is
+//! compared with is one stream that one vCPU nearly saturates. See docs/transport.md.
 //! A peer that goes silent is gone after the idle timeout (`peer_timeout`), which fails every
 //! stream of the connection. Both sides are known by the node name their certificates are
 //! bound to (see `control::tls`): the server's HELLO check refuses a client announcing another

@@ -10,7 +10,8 @@ buffer, as pdserve keeps `WINDOW` writes in flight. Repetitions stop after `--ma
 through its peer-to-peer handshake (`P2PHANDSHAKE`: no metadata server).
 
 Prints one JSON list of rows like `pdserve bench transfer --json`
-(`backend`, `op`, `size_bytes`, `gbps`, `limit_gbps` (null), `latency_us`).
+(`backend`, `op`, `size_bytes`, `gbps`, `limit_gbps` (null), `latency_us`, `cpu_s_per_gb`:
+user + system seconds of both processes per GB over the timed batches).
 
 Needs: `pip install mooncake-transfer-engine-non-cuda` and Debian's `libibverbs1` (the wheel
 links libibverbs even for tcp).
@@ -18,6 +19,7 @@ links libibverbs even for tcp).
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -46,15 +48,30 @@ def run_target(size: int) -> None:
     sys.stdin.read()  # until the initiator closes our stdin
 
 
-def measure(once, max_time: float, max_iterations: int = 2000) -> float:
+def process_cpu(pid: int) -> float:
+    """User + system seconds process `pid` has used (`/proc/PID/stat`, clock ticks)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def both_ends_cpu(peer_pid: int) -> float:
+    t = os.times()
+    return t.user + t.system + process_cpu(peer_pid)
+
+
+def measure(once, max_time: float, max_iterations: int = 2000, peer_pid=None):
+    """Median seconds of `once`; with `peer_pid`, also both ends' CPU seconds per repetition."""
     once()  # warm-up
+    cpu0 = both_ends_cpu(peer_pid) if peer_pid else None
     samples = []
     start = time.perf_counter()
     while len(samples) < max_iterations and (len(samples) < 3 or time.perf_counter() - start < max_time):
         t = time.perf_counter()
         once()
         samples.append(time.perf_counter() - t)
-    return statistics.median(samples)
+    cpu = (both_ends_cpu(peer_pid) - cpu0) / len(samples) if peer_pid else None
+    return statistics.median(samples), cpu
 
 
 def run_initiator(sizes, max_time: float) -> list:
@@ -89,8 +106,8 @@ def run_initiator(sizes, max_time: float) -> list:
                 if rc != 0:
                     raise RuntimeError("mooncake batch write failed")
 
-            lat = measure(one, max_time / 2)
-            thr = measure(window, max_time)
+            lat, _ = measure(one, max_time / 2)
+            thr, cpu = measure(window, max_time, peer_pid=target.pid)
             rows.append(
                 {
                     "backend": "mooncake-tcp",
@@ -99,6 +116,8 @@ def run_initiator(sizes, max_time: float) -> list:
                     "gbps": WINDOW * size / thr / 1e9,
                     "limit_gbps": None,
                     "latency_us": lat * 1e6,
+                    "cpu_s_per_gb": cpu / (WINDOW * size / 1e9),
+                    "limit_cpu_s_per_gb": None,
                 }
             )
         return rows

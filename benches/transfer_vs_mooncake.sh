@@ -33,7 +33,10 @@ rows = json.load(open(sys.argv[1])) + json.load(open(sys.argv[2]))
 mooncake = {r["size_bytes"]: r["gbps"] for r in rows if r["backend"] == "mooncake-tcp"}
 def human(n):
     return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
-print(f"{'backend':<13} {'auth':<4} {'size':>7} {'GB/s':>7} {'limit':>7} {'×limit':>7} {'×mooncake':>9} {'lat µs':>9}")
+limits = "limit's"
+print(f"{'backend':<13} {'auth':<4} {'size':>7} {'GB/s':>7} {'limit':>7} {'×limit':>7} {'×mooncake':>9} {'lat µs':>9} {'CPU-s/GB':>9} {limits:>8}")
+def cpu(v):
+    return "%.3f" % v if v is not None else "-"
 for r in rows:
     limit = r.get("limit_gbps")
     limit_s = "%.2f" % limit if limit else "-"
@@ -42,7 +45,8 @@ for r in rows:
     vs_mc = "%.2f" % (r["gbps"] / mc) if mc else "-"
     auth = "key" if r.get("auth") else "-"
     print(f"{r['backend']:<13} {auth:<4} {human(r['size_bytes']):>7} {r['gbps']:>7.2f} "
-          f"{limit_s:>7} {ratio:>7} {vs_mc:>9} {r['latency_us']:>9.1f}")
+          f"{limit_s:>7} {ratio:>7} {vs_mc:>9} {r['latency_us']:>9.1f} "
+          f"{cpu(r.get('cpu_s_per_gb')):>9} {cpu(r.get('limit_cpu_s_per_gb')):>8}")
 
 by = {(r["backend"], r["size_bytes"]): r for r in rows}
 print()
@@ -50,6 +54,9 @@ for size in sorted({r["size_bytes"] for r in rows}):
     if size < 1 << 20:
         continue
     q, t, m = by.get(("quic", size)), by.get(("tcp", size)), by.get(("tcp+mac", size))
+    s = by.get(("shm", size))
+    if s:
+        print(f"check {human(size):>7}: shm / memcpy       = {s['gbps'] / s['limit_gbps']:.2f} (goal ≥ 0.9)")
     if q:
         print(f"check {human(size):>7}: quic / plain socket = {q['gbps'] / q['limit_gbps']:.2f} (goal ≥ 0.8)")
     if t and m:

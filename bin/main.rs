@@ -280,6 +280,9 @@ struct ServeArgs {
     /// `transfer.io_threads`: threads of the transfer engine's I/O runtime.
     #[arg(long)]
     transfer_io_threads: Option<usize>,
+    /// `transfer.memcpy_threads`: copy threads of the local and shm backends.
+    #[arg(long)]
+    transfer_memcpy_threads: Option<usize>,
     /// `transfer.queue_depth`: bounded queue depth of the transfer executors.
     #[arg(long)]
     transfer_queue_depth: Option<usize>,
@@ -877,6 +880,7 @@ fn serve(args: ServeArgs, log: Option<String>, log_format: Option<String>) -> Re
         transfer_listen: args.transfer_listen,
         transfer_advertise_addr: args.transfer_advertise_addr,
         transfer_io_threads: args.transfer_io_threads,
+        transfer_memcpy_threads: args.transfer_memcpy_threads,
         transfer_queue_depth: args.transfer_queue_depth,
         transfer_piece_bytes: args.transfer_piece_bytes,
         transfer_tcp_connections: args.transfer_tcp_connections,

@@ -298,6 +298,9 @@ pub struct TransferSection {
     pub advertise_addr: Option<String>,
     /// Threads of the transfer engine's I/O runtime.
     pub io_threads: usize,
+    /// Copy threads of the `local` and `shm` backends: a transfer of several pieces is
+    /// copied by all of them at once, and single-piece transfers spread over them.
+    pub memcpy_threads: usize,
     /// Bounded queue depth of the transfer executors (batches, pieces per connection).
     pub queue_depth: usize,
     /// Largest piece one wire operation or copy moves; larger operations are split.
@@ -347,6 +350,7 @@ impl Default for TransferSection {
             timeout_s: 30,
             advertise_addr: None,
             io_threads: 2,
+            memcpy_threads: 2,
             queue_depth: 256,
             piece_bytes: 1 << 20,
             tcp_connections: 4,
@@ -391,6 +395,15 @@ impl TransferSection {
                 format!(
                     "transfer.io_threads must be 1..=64, got {}",
                     self.io_threads
+                ),
+            ));
+        }
+        if !(1..=64).contains(&self.memcpy_threads) {
+            return Some((
+                "transfer.memcpy_threads",
+                format!(
+                    "transfer.memcpy_threads must be 1..=64, got {}",
+                    self.memcpy_threads
                 ),
             ));
         }
@@ -732,6 +745,8 @@ pub struct ServeFlags {
     pub transfer_advertise_addr: Option<String>,
     /// `transfer.io_threads`.
     pub transfer_io_threads: Option<usize>,
+    /// `transfer.memcpy_threads`.
+    pub transfer_memcpy_threads: Option<usize>,
     /// `transfer.queue_depth`.
     pub transfer_queue_depth: Option<usize>,
     /// `transfer.piece_bytes`.
@@ -800,6 +815,8 @@ struct FlagsTransfer<'a> {
     advertise_addr: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     io_threads: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    memcpy_threads: Option<usize>,
     #[serde(skip_serializing_if = "Option::is_none")]
     queue_depth: Option<usize>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -936,6 +953,7 @@ impl Serialize for ServeFlags {
                 min_remote_prompt_tokens: self.min_remote_prompt_tokens,
                 advertise_addr: self.transfer_advertise_addr.as_deref(),
                 io_threads: self.transfer_io_threads,
+                memcpy_threads: self.transfer_memcpy_threads,
                 queue_depth: self.transfer_queue_depth,
                 piece_bytes: self.transfer_piece_bytes,
                 tcp_connections: self.transfer_tcp_connections,
@@ -1982,6 +2000,14 @@ mod tests {
                 ["3", "4", "5"],
             ),
             (
+                "memcpy_threads",
+                "3",
+                "4",
+                |f| f.transfer_memcpy_threads = Some(5),
+                |t| t.memcpy_threads.to_string(),
+                ["3", "4", "5"],
+            ),
+            (
                 "queue_depth",
                 "30",
                 "40",
@@ -2106,6 +2132,7 @@ mod tests {
                 t.advertise_addr = Some("host.example".into())
             }),
             ("transfer.io_threads", |t| t.io_threads = 0),
+            ("transfer.memcpy_threads", |t| t.memcpy_threads = 65),
             ("transfer.queue_depth", |t| t.queue_depth = 0),
             ("transfer.piece_bytes", |t| t.piece_bytes = 100),
             ("transfer.tcp_connections", |t| t.tcp_connections = 65),
@@ -2552,7 +2579,9 @@ mod tests {
                     "transfer.mode" => "push",
                     "transfer.min_remote_prompt_tokens" => "64",
                     "transfer.advertise_addr" => "10.0.0.7",
-                    "transfer.io_threads" | "transfer.tcp_connections" => "8",
+                    "transfer.io_threads"
+                    | "transfer.memcpy_threads"
+                    | "transfer.tcp_connections" => "8",
                     "transfer.piece_bytes" | "transfer.registration_chunk_bytes" => "8192",
                     // The default is `true`: the variable must change it.
                     "transfer.require_auth" | "scheduler.prefix_cache" => "false",

@@ -207,15 +207,22 @@ type Limit = (f64, Option<f64>);
 
 fn memcpy_limit(size: u64, opts: &TransferBenchOptions) -> Result<Limit> {
     let src = pdserve_runtime::memory::AnonMemory::new(size as usize)?;
-    let dst = pdserve_runtime::memory::AnonMemory::new(size as usize)?;
+    // One destination slot per transfer of the window, as the backends write them.
+    let dst = pdserve_runtime::memory::AnonMemory::new(size as usize * WINDOW)?;
     use pdserve_runtime::memory::HostMemory;
-    // SAFETY: both mappings hold `size` bytes (rounded up to a page) and do not overlap.
+    // SAFETY: `src` holds `size` bytes (rounded up to a page); `dst` WINDOW times that.
     let fill = unsafe { std::slice::from_raw_parts_mut(src.as_ptr(), size as usize) };
     fill.iter_mut().enumerate().for_each(|(i, b)| *b = i as u8);
     let (t, cpu) = measure_cpu(size * WINDOW as u64, opts, None, || {
-        for _ in 0..WINDOW {
-            // SAFETY: as above.
-            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.as_ptr(), size as usize) };
+        for slot in 0..WINDOW {
+            // SAFETY: as above; slot `slot` of `dst` is in bounds and apart from `src`.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    src.as_ptr(),
+                    dst.as_ptr().add(slot * size as usize),
+                    size as usize,
+                )
+            };
             std::hint::black_box(dst.as_ptr());
         }
         Ok(())
@@ -229,14 +236,17 @@ fn socket_limit(size: u64, opts: &TransferBenchOptions) -> Result<Limit> {
     let server = std::thread::spawn(move || -> std::io::Result<()> {
         let (mut s, _) = listener.accept()?;
         s.set_nodelay(true)?;
-        let mut buf = vec![0u8; size as usize];
-        loop {
-            match s.read_exact(&mut buf) {
+        // One slot per message of the window, as the backends' targets land them.
+        let mut buf = vec![0u8; size as usize * WINDOW];
+        for slot in (0..WINDOW).cycle() {
+            let slot = &mut buf[slot * size as usize..][..size as usize];
+            match s.read_exact(slot) {
                 Ok(()) => s.write_all(&[1])?,
                 Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
                 Err(e) => return Err(e),
             }
         }
+        Ok(())
     });
     let mut c = TcpStream::connect(addr)?;
     c.set_nodelay(true)?;

@@ -78,6 +78,9 @@ pub struct TransferConfig {
     pub peer_timeout: Duration,
     /// Threads of the engine's I/O runtime.
     pub io_threads: usize,
+    /// Copy threads of the `local` and `shm` backends (a batch of several pieces is copied
+    /// by all of them at once).
+    pub memcpy_threads: usize,
     /// Bounded queue depth of the executors (batches for memcpy, pieces per connection).
     pub queue_depth: usize,
     /// Largest notification payload.
@@ -214,6 +217,7 @@ impl TransferConfig {
             connect_timeout: Duration::from_secs(5),
             peer_timeout: Duration::from_secs(5),
             io_threads: 2,
+            memcpy_threads: 2,
             queue_depth: 256,
             max_notify_bytes: 64 << 10,
             credentials: None,
@@ -242,6 +246,9 @@ impl TransferConfig {
         if self.io_threads == 0 || self.queue_depth == 0 {
             return bad("io_threads and queue_depth must be positive");
         }
+        if !(1..=64).contains(&self.memcpy_threads) {
+            return bad("memcpy_threads must be 1..=64");
+        }
         if self.backend == BackendKind::Quic && self.credentials.is_none() {
             return bad("the quic backend needs cluster member credentials (mutual TLS)");
         }
@@ -266,6 +273,7 @@ impl TransferConfig {
         c.listen = t.listen.parse().map_err(|e| key_err("listen", &e))?;
         c.advertise_addr = t.advertise_addr.clone();
         c.io_threads = t.io_threads;
+        c.memcpy_threads = t.memcpy_threads;
         c.queue_depth = t.queue_depth;
         c.piece_bytes = t.piece_bytes;
         c.tcp_connections = t.tcp_connections;
@@ -834,6 +842,7 @@ impl TransferEngine {
             alive: AtomicBool::new(true),
             memcpy: crate::backend::memcpy::MemcpyExecutor::start(
                 &config.name,
+                config.memcpy_threads,
                 config.queue_depth,
             )?,
             auth: Arc::new(AuthTable::new(config.require_auth)),
@@ -1353,5 +1362,50 @@ mod tests {
         assert!(matches!(q.validate(), Err(TransportError::Config(_))));
         assert_eq!("shm".parse::<BackendKind>().unwrap(), BackendKind::Shm);
         assert!("nope".parse::<BackendKind>().is_err());
+        let mut m = TransferConfig::new(BackendKind::Shm, "m");
+        for bad in [0, 65] {
+            m.memcpy_threads = bad;
+            assert!(
+                matches!(m.validate(), Err(TransportError::Config(_))),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_batch_of_many_pieces_copied_by_several_threads_lands_byte_exact() {
+        for threads in [1, 3, 4] {
+            let mut cfg = TransferConfig::new(BackendKind::Local, format!("a{threads}"));
+            cfg.memcpy_threads = threads;
+            cfg.piece_bytes = 4096;
+            let a = TransferEngine::new(cfg).unwrap();
+            let b = TransferEngine::new(TransferConfig::new(BackendKind::Local, "b")).unwrap();
+            let len = (1 << 20) + 4096 * 7 + 123;
+            let src = a.allocate_and_register(len).unwrap();
+            let dst = b.allocate_and_register(len + 4096).unwrap();
+            let back = a.allocate_and_register(len).unwrap();
+            let data: Vec<u8> = (0..len).map(|i| (i * 7 + i / 4096) as u8).collect();
+            src.write_at(0, &data).unwrap();
+            let session = a.connect_blocking(&b.address()).unwrap();
+            // Hundreds of pieces in one batch: cut into one run per copy thread.
+            session
+                .submit(&[TransferOp::write(src.id(), 0, dst.id(), 17, len as u64)])
+                .unwrap()
+                .wait_blocking(Duration::from_secs(10))
+                .unwrap();
+            assert!(
+                dst.read_at(17, len).unwrap() == data,
+                "write, {threads} threads"
+            );
+            session
+                .submit(&[TransferOp::read(back.id(), 0, dst.id(), 17, len as u64)])
+                .unwrap()
+                .wait_blocking(Duration::from_secs(10))
+                .unwrap();
+            assert!(
+                back.read_at(0, len).unwrap() == data,
+                "read, {threads} threads"
+            );
+        }
     }
 }

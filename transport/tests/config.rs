@@ -12,6 +12,7 @@ fn every_transfer_key_reaches_the_engine_config() {
         transfer_listen: Some("0.0.0.0:0".into()),
         transfer_advertise_addr: Some("10.1.2.3".into()),
         transfer_io_threads: Some(3),
+        transfer_memcpy_threads: Some(5),
         transfer_queue_depth: Some(77),
         transfer_piece_bytes: Some(256 << 10),
         transfer_tcp_connections: Some(7),
@@ -41,6 +42,7 @@ fn every_transfer_key_reaches_the_engine_config() {
         ),
         (3, 77, 256 << 10, 7)
     );
+    assert_eq!(t.memcpy_threads, 5);
     assert_eq!(t.max_registration_bytes, Some(64 << 20));
     assert!(t.require_auth);
     assert_eq!(t.tcp_integrity, TcpIntegrity::Encrypt);
@@ -56,12 +58,14 @@ fn every_transfer_key_reaches_the_engine_config() {
     assert_eq!(
         (
             d.io_threads,
+            d.memcpy_threads,
             d.queue_depth,
             d.piece_bytes,
             d.tcp_connections
         ),
         (
             n.io_threads,
+            n.memcpy_threads,
             n.queue_depth,
             n.piece_bytes,
             n.tcp_connections

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use pdserve_runtime::memory::{AnonAllocator, HostMemory, HostMemoryAllocator};
 use pdserve_runtime::wire::{RegionChunk, RegionDescriptor, ShmHandle};
 
-use super::memcpy::{run_pieces, KeepAlive, RemotePointers};
+use super::memcpy::{run_batch, KeepAlive, RemotePointers};
 use crate::engine::{Backend, BatchState, BoxFut, EngineCore, Link, PlannedOp};
 use crate::error::{Result, Side, TransportError};
 use crate::memory::{plain_chunks, BackendRegistration};
@@ -154,10 +154,8 @@ impl Link for LocalLink {
     }
     fn execute(self: Arc<Self>, pieces: Vec<PlannedOp>, batch: Arc<BatchState>) -> Result<()> {
         let peer = self.peer_core()?;
-        let remote = LocalRemote(peer, self.addr.clone(), self.clone());
-        self.me
-            .memcpy
-            .submit(move || run_pieces(pieces, batch, &remote))
+        let remote = Arc::new(LocalRemote(peer, self.addr.clone(), self.clone()));
+        run_batch(&self.me.memcpy, pieces, batch, remote)
     }
     fn is_alive(&self) -> bool {
         self.peer_core().is_ok()

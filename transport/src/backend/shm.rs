@@ -17,7 +17,7 @@ use std::sync::{Arc, RwLock};
 use pdserve_runtime::memory::{HostMemory, HostMemoryAllocator};
 use pdserve_runtime::wire::{RegionChunk, RegionDescriptor, ShmHandle};
 
-use super::memcpy::{run_pieces, KeepAlive, RemotePointers};
+use super::memcpy::{run_batch, KeepAlive, RemotePointers};
 use super::proto;
 use super::tcp::{listen, TcpConn};
 use crate::auth::ClientAuth;
@@ -215,13 +215,11 @@ impl Link for ShmLink {
             .iter()
             .map(|(id, m)| (*id, (m.len, m.map.clone())))
             .collect();
-        let remote = ShmRemote {
+        let remote = Arc::new(ShmRemote {
             maps,
             link: self.clone(),
-        };
-        self.me
-            .memcpy
-            .submit(move || run_pieces(pieces, batch, &remote))
+        });
+        run_batch(&self.me.memcpy, pieces, batch, remote)
     }
 
     fn is_alive(&self) -> bool {

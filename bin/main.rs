@@ -138,6 +138,13 @@ struct BenchTransferArgs {
     /// tcp frame protections to measure (comma-separated: none, mac, encrypt).
     #[arg(long, value_delimiter = ',', default_value = "none,mac,encrypt")]
     tcp_integrity: Vec<String>,
+    /// I/O threads of both engines (`transfer.io_threads`; default 2). Raise it on a machine
+    /// with more cores to let tcp and quic connections run in parallel.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=64))]
+    io_threads: Option<u16>,
+    /// Copy threads of both engines for local and shm (`transfer.memcpy_threads`; default 2).
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=64))]
+    memcpy_threads: Option<u16>,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -1036,6 +1043,8 @@ fn bench_transfer(args: BenchTransferArgs) -> Result<()> {
     }
     opts.reads = args.reads;
     opts.auth = !args.no_auth;
+    opts.io_threads = args.io_threads.map(usize::from);
+    opts.memcpy_threads = args.memcpy_threads.map(usize::from);
     opts.tcp_integrity = args
         .tcp_integrity
         .iter()

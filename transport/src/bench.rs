@@ -33,7 +33,8 @@ use crate::engine::{
 };
 use crate::error::{Result, TransportError};
 use crate::peer::{
-    key_to_hex, PeerProcess, ENV_GRANT_PEER, ENV_SESSION_KEY, ENV_TCP_INTEGRITY, PEER_NODE,
+    key_to_hex, PeerProcess, ENV_GRANT_PEER, ENV_IO_THREADS, ENV_MEMCPY_THREADS, ENV_SESSION_KEY,
+    ENV_TCP_INTEGRITY, PEER_NODE,
 };
 
 /// The initiator's engine name in the benchmark (and the node its grant names).
@@ -59,6 +60,11 @@ pub struct TransferBenchOptions {
     pub auth: bool,
     /// Frame protections to measure `tcp` with (one set of rows each; needs `auth`).
     pub tcp_integrity: Vec<TcpIntegrity>,
+    /// I/O threads of both engines (`TransferConfig::io_threads`; `None`: the default). On a
+    /// machine with more cores, more threads let `tcp`/`quic` connections run in parallel.
+    pub io_threads: Option<usize>,
+    /// Copy threads of both engines (`TransferConfig::memcpy_threads`; `None`: the default).
+    pub memcpy_threads: Option<usize>,
 }
 
 impl Default for TransferBenchOptions {
@@ -75,6 +81,8 @@ impl Default for TransferBenchOptions {
             reads: false,
             auth: true,
             tcp_integrity: vec![TcpIntegrity::None, TcpIntegrity::Mac, TcpIntegrity::Encrypt],
+            io_threads: None,
+            memcpy_threads: None,
         }
     }
 }
@@ -117,6 +125,16 @@ fn write_op() -> String {
 pub const WINDOW: usize = 8;
 
 impl TransferBenchOptions {
+    /// The thread counts asked for, on an engine configuration.
+    fn apply_threads(&self, cfg: &mut TransferConfig) {
+        if let Some(n) = self.io_threads {
+            cfg.io_threads = n;
+        }
+        if let Some(n) = self.memcpy_threads {
+            cfg.memcpy_threads = n;
+        }
+    }
+
     fn latency_phase(&self) -> Self {
         Self {
             max_time: self.max_time / 2,
@@ -322,6 +340,12 @@ fn start_peer(
     sec: &Security,
 ) -> Result<(BenchPeer, String, u64, String)> {
     let mut env: Vec<(&str, String)> = vec![(ENV_TCP_INTEGRITY, integrity_name(sec.integrity))];
+    if let Some(n) = opts.io_threads {
+        env.push((ENV_IO_THREADS, n.to_string()));
+    }
+    if let Some(n) = opts.memcpy_threads {
+        env.push((ENV_MEMCPY_THREADS, n.to_string()));
+    }
     if let Some(key) = &sec.key {
         env.push((ENV_SESSION_KEY, key_to_hex(key)));
         env.push((ENV_GRANT_PEER, BENCH_NODE.to_string()));
@@ -362,6 +386,7 @@ fn start_peer(
         }
     }
     let mut cfg = TransferConfig::new(backend, PEER_NODE);
+    opts.apply_threads(&mut cfg);
     if let Some(c) = cluster {
         cfg.credentials = Some(MemberCredentials::load(&c.0, PEER_NODE)?);
     }
@@ -428,6 +453,7 @@ fn bench_backend(
         start_peer(backend, max * WINDOW as u64, opts, cluster.as_ref(), &sec)?;
     placements.push(format!("{label}: {placement}"));
     let mut cfg = TransferConfig::new(backend, BENCH_NODE);
+    opts.apply_threads(&mut cfg);
     cfg.peer_timeout = Duration::from_secs(10);
     cfg.tcp_integrity = integrity;
     if let Some(c) = &cluster {
@@ -629,6 +655,8 @@ mod tests {
             sizes: vec![1 << 20],
             max_iterations: 200,
             max_time: Duration::from_millis(200),
+            io_threads: Some(1),
+            memcpy_threads: Some(3),
             ..Default::default()
         };
         let rows = run_transfer_bench(&opts).unwrap();

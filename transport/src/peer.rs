@@ -38,6 +38,10 @@ pub const ENV_SESSION_KEY: &str = "PDSERVE_TRANSFER_PEER_SESSION_KEY";
 pub const ENV_GRANT_PEER: &str = "PDSERVE_TRANSFER_PEER_GRANT_TO";
 /// Optional `tcp_integrity` of the peer (`none`, `mac`, `encrypt`): the weakest it accepts.
 pub const ENV_TCP_INTEGRITY: &str = "PDSERVE_TRANSFER_PEER_TCP_INTEGRITY";
+/// Optional threads of the peer engine's I/O runtime (`TransferConfig::io_threads`).
+pub const ENV_IO_THREADS: &str = "PDSERVE_TRANSFER_PEER_IO_THREADS";
+/// Optional copy threads of the peer engine (`TransferConfig::memcpy_threads`).
+pub const ENV_MEMCPY_THREADS: &str = "PDSERVE_TRANSFER_PEER_MEMCPY_THREADS";
 
 /// A session key as [`ENV_SESSION_KEY`] carries it.
 pub fn key_to_hex(key: &crate::auth::SessionKey) -> String {
@@ -111,6 +115,19 @@ fn env(name: &str) -> Result<String> {
     std::env::var(name).map_err(|_| TransportError::Config(format!("{name} is not set")))
 }
 
+/// A positive count from environment variable `name`, if set.
+fn env_count(name: &str) -> Result<Option<usize>> {
+    std::env::var(name)
+        .ok()
+        .map(|s| match s.trim().parse::<usize>() {
+            Ok(n) if n > 0 => Ok(n),
+            _ => Err(TransportError::Config(format!(
+                "{name} must be a positive count, got {s:?}"
+            ))),
+        })
+        .transpose()
+}
+
 fn run_from_env() -> Result<()> {
     let backend: BackendKind = env(ENV_BACKEND)?.parse()?;
     let lens: Vec<usize> = env(ENV_REGIONS)?
@@ -133,6 +150,12 @@ fn run_from_env() -> Result<()> {
     }
     if let Ok(mode) = std::env::var(ENV_TCP_INTEGRITY) {
         config.tcp_integrity = mode.parse()?;
+    }
+    if let Some(n) = env_count(ENV_IO_THREADS)? {
+        config.io_threads = n;
+    }
+    if let Some(n) = env_count(ENV_MEMCPY_THREADS)? {
+        config.memcpy_threads = n;
     }
     let engine = TransferEngine::new(config)?;
     let mut regions: Vec<RegisteredRegion> = Vec::new();
@@ -375,5 +398,29 @@ impl PeerProcess {
 impl Drop for PeerProcess {
     fn drop(&mut self) {
         self.kill();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn thread_counts_from_the_environment_are_positive_numbers_or_a_clear_error() {
+        // A variable of this test alone: other tests never read it.
+        const VAR: &str = "PDSERVE_TRANSFER_PEER_TEST_COUNT";
+        std::env::remove_var(VAR);
+        assert_eq!(env_count(VAR).unwrap(), None);
+        std::env::set_var(VAR, " 3 ");
+        assert_eq!(env_count(VAR).unwrap(), Some(3));
+        for bad in ["0", "-1", "two", ""] {
+            std::env::set_var(VAR, bad);
+            let e = env_count(VAR).unwrap_err().to_string();
+            assert!(
+                e.contains(VAR) && e.contains("positive count"),
+                "{bad:?}: {e}"
+            );
+        }
+        std::env::remove_var(VAR);
     }
 }

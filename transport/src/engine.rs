@@ -1387,21 +1387,20 @@ mod tests {
             let data: Vec<u8> = (0..len).map(|i| (i * 7 + i / 4096) as u8).collect();
             src.write_at(0, &data).unwrap();
             let session = a.connect_blocking(&b.address()).unwrap();
+            let run = |op: TransferOp| {
+                session
+                    .submit(&[op])
+                    .unwrap()
+                    .wait_blocking(Duration::from_secs(10))
+                    .unwrap()
+            };
             // Hundreds of pieces in one batch: cut into one run per copy thread.
-            session
-                .submit(&[TransferOp::write(src.id(), 0, dst.id(), 17, len as u64)])
-                .unwrap()
-                .wait_blocking(Duration::from_secs(10))
-                .unwrap();
+            run(TransferOp::write(src.id(), 0, dst.id(), 17, len as u64));
             assert!(
                 dst.read_at(17, len).unwrap() == data,
                 "write, {threads} threads"
             );
-            session
-                .submit(&[TransferOp::read(back.id(), 0, dst.id(), 17, len as u64)])
-                .unwrap()
-                .wait_blocking(Duration::from_secs(10))
-                .unwrap();
+            run(TransferOp::read(back.id(), 0, dst.id(), 17, len as u64));
             assert!(
                 back.read_at(0, len).unwrap() == data,
                 "read, {threads} threads"

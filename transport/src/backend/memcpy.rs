@@ -42,15 +42,20 @@ impl Queue {
         self.jobs.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn try_pop(&self) -> Option<Job> {
-        if self.queued.load(Ordering::Acquire) == 0 {
-            return None;
-        }
-        let job = self.lock().jobs.pop_front();
+    /// The front job of `q` (locked), keeping `queued` in step.
+    fn take_front(&self, q: &mut Jobs) -> Option<Job> {
+        let job = q.jobs.pop_front();
         if job.is_some() {
             self.queued.fetch_sub(1, Ordering::AcqRel);
         }
         job
+    }
+
+    fn try_pop(&self) -> Option<Job> {
+        if self.queued.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        self.take_front(&mut self.lock())
     }
 
     /// The next job, parking until there is one; `None` once the executor is dropped and the
@@ -58,8 +63,7 @@ impl Queue {
     fn pop_or_park(&self) -> Option<Job> {
         let mut q = self.lock();
         loop {
-            if let Some(job) = q.jobs.pop_front() {
-                self.queued.fetch_sub(1, Ordering::AcqRel);
+            if let Some(job) = self.take_front(&mut q) {
                 return Some(job);
             }
             if q.closed {
@@ -112,8 +116,9 @@ impl std::fmt::Debug for MemcpyExecutor {
 impl MemcpyExecutor {
     /// Starts `threads` copy threads sharing a queue of at most `depth` jobs.
     pub(crate) fn start(engine: &str, threads: usize, depth: usize) -> Result<Self> {
+        let threads = threads.max(1);
         let queue = Arc::new(Queue::default());
-        for _ in 0..threads.max(1) {
+        for _ in 0..threads {
             let q = queue.clone();
             std::thread::Builder::new()
                 .name(format!("pdserve-memcpy-{engine}"))
@@ -121,7 +126,7 @@ impl MemcpyExecutor {
         }
         Ok(Self {
             queue,
-            threads: threads.max(1),
+            threads,
             depth,
         })
     }

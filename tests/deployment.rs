@@ -3,39 +3,24 @@
 
 mod common;
 
-use common::free_tcp_port;
-use std::process::{Child, Command, Stdio};
+use common::{free_port, Procs};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-struct Nodes(Vec<Child>);
-
-impl Drop for Nodes {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            // SAFETY: signalling our own children.
-            unsafe {
-                libc::kill(c.id() as i32, libc::SIGTERM);
-            }
-        }
-        for c in &mut self.0 {
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while c.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
+/// `pdserve serve --config FILE --node NODE`.
+fn node_cmd(file: &std::path::Path, node: &str) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_pdserve"));
+    cmd.args(["serve", "--config"])
+        .arg(file)
+        .args(["--node", node]);
+    cmd
 }
 
+/// Nodes start in any order, as pods do: one instance before the proxy, two after it. The
+/// proxy polls the instances it was configured with until each answers.
 #[test]
 fn nodes_started_from_one_file_serve_through_the_proxy() {
-    let (proxy, prefill, d0, d1) = (
-        free_tcp_port(),
-        free_tcp_port(),
-        free_tcp_port(),
-        free_tcp_port(),
-    );
+    let (proxy, prefill, d0, d1) = (free_port(), free_port(), free_port(), free_port());
     let file = tempfile::NamedTempFile::new().unwrap();
     common::write_deployment(
         file.path(),
@@ -49,21 +34,9 @@ fn nodes_started_from_one_file_serve_through_the_proxy() {
             ("decode-1", "decode", d1),
         ],
     );
-    let mut nodes = Nodes(Vec::new());
-    for node in ["prefill-0", "decode-0", "decode-1", "proxy"] {
-        let child = Command::new(env!("CARGO_BIN_EXE_pdserve"))
-            .args([
-                "serve",
-                "--config",
-                file.path().to_str().unwrap(),
-                "--node",
-                node,
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        nodes.0.push(child);
+    let mut procs = Procs::new();
+    for node in ["decode-1", "proxy", "prefill-0", "decode-0"] {
+        procs.spawn(node, &mut node_cmd(file.path(), node));
     }
     let url = format!("http://127.0.0.1:{proxy}");
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -72,20 +45,25 @@ fn nodes_started_from_one_file_serve_through_the_proxy() {
         .unwrap();
     rt.block_on(async {
         let client = pdserve_actors::http::http_client().build().unwrap();
+        // Liveness bound: healthy takes about a second; 60 s only catches a cluster that
+        // never forms. A node that exits fails the test at once, with its log.
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
-            if let Ok(r) = client.get(format!("{url}/health")).send().await {
-                let v: serde_json::Value = r.json().await.unwrap_or_default();
-                if v["prefill"] == 1 && v["decode"] == 2 {
-                    break;
-                }
+            procs.assert_running();
+            let v = get_json(&client, &format!("{url}/health")).await;
+            if v["prefill"] == 1 && v["decode"] == 2 {
+                break;
             }
-            assert!(Instant::now() < deadline, "deployment never became healthy");
+            assert!(
+                Instant::now() < deadline,
+                "deployment never became healthy (last /health: {v}); the nodes' logs follow"
+            );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         for i in 0..4 {
             let r = client
                 .post(format!("{url}/v1/completions"))
+                .timeout(Duration::from_secs(60))
                 .json(&serde_json::json!({"prompt": format!("request {i}"), "max_tokens": 5, "ignore_eos": true}))
                 .send()
                 .await
@@ -96,6 +74,7 @@ fn nodes_started_from_one_file_serve_through_the_proxy() {
             assert_eq!(v["usage"]["completion_tokens"], 5);
         }
     });
+    procs.assert_running();
     // A file that is a deployment needs --node.
     let out = Command::new(env!("CARGO_BIN_EXE_pdserve"))
         .args(["serve", "--config", file.path().to_str().unwrap()])
@@ -109,6 +88,69 @@ fn nodes_started_from_one_file_serve_through_the_proxy() {
     );
 }
 
+/// A node whose address is taken does not wait for a cluster it cannot join: it exits
+/// non-zero and names the address. HTTP ports of the proxy and of an instance (TCP), and the
+/// proxy's control port (UDP), each taken by another socket in turn.
+#[test]
+fn a_node_whose_port_is_taken_exits_naming_the_address() {
+    let dir = tempfile::tempdir().unwrap();
+    let creds = dir.path().join("credentials");
+    let out = Command::new(env!("CARGO_BIN_EXE_pdserve"))
+        .args(["cluster", "init"])
+        .arg(&creds)
+        .args(["--name", "taken", "--node", "proxy", "--node", "prefill-0"])
+        .args(["--node", "decode-0"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let (proxy, prefill, decode, control) = (free_port(), free_port(), free_port(), free_port());
+    let file = dir.path().join("cluster.toml");
+    common::write_deployment(
+        &file,
+        "taken",
+        "synthetic:tiny",
+        Some((&creds, control)),
+        proxy,
+        &[
+            ("prefill-0", "prefill", prefill),
+            ("decode-0", "decode", decode),
+        ],
+    );
+    for (node, port, udp) in [
+        ("proxy", proxy, false),
+        ("prefill-0", prefill, false),
+        ("proxy", control, true),
+    ] {
+        let _tcp = (!udp).then(|| std::net::TcpListener::bind(("127.0.0.1", port)).unwrap());
+        let _udp = udp.then(|| std::net::UdpSocket::bind(("127.0.0.1", port)).unwrap());
+        let mut procs = Procs::new();
+        let child = procs.spawn(node, &mut node_cmd(&file, node));
+        // Liveness bound: the bind fails at start, well within a second; 60 s only catches a
+        // node that keeps running (or hangs) with its port taken.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{node} kept running with 127.0.0.1:{port} ({}) taken",
+                if udp { "UDP" } else { "TCP" }
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let log = procs.log(node);
+        assert!(
+            !status.success(),
+            "{node} exited {status} with its port taken:\n{log}"
+        );
+        assert!(
+            log.contains(&format!("127.0.0.1:{port}")),
+            "{node}'s error does not name 127.0.0.1:{port}:\n{log}"
+        );
+    }
+}
+
 /// GET `url` as JSON (bounded), or `Null` when it does not answer.
 async fn get_json(client: &reqwest::Client, url: &str) -> serde_json::Value {
     match client.get(url).timeout(Duration::from_secs(5)).send().await {
@@ -118,9 +160,11 @@ async fn get_json(client: &reqwest::Client, url: &str) -> serde_json::Value {
 }
 
 /// Waits (bounded) until `url`'s pool is full and nothing runs, waits or is held.
-async fn pool_full(client: &reqwest::Client, url: &str) {
+async fn pool_full(procs: &mut Procs, client: &reqwest::Client, url: &str) {
+    // Liveness bound: blocks come back within a second or two; 30 s only catches a leak.
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
+        procs.assert_running();
         let l = get_json(client, &format!("{url}/v1/load")).await;
         if l["blocks_free"] == l["blocks_total"]
             && l["running"] == 0
@@ -138,16 +182,19 @@ async fn pool_full(client: &reqwest::Client, url: &str) {
 }
 
 /// Waits (bounded) until the proxy at `url` routes to one prefill and one decode instance.
-async fn proxy_ready(client: &reqwest::Client, url: &str, within: Duration) {
-    let deadline = Instant::now() + within;
+async fn proxy_ready(procs: &mut Procs, client: &reqwest::Client, url: &str) {
+    // Liveness bound: registration takes a second or two (reconnects back off to 2 s); 60 s
+    // only catches instances that never register.
+    let deadline = Instant::now() + Duration::from_secs(60);
     loop {
+        procs.assert_running();
         let v = get_json(client, &format!("{url}/health")).await;
         if v["prefill"] == 1 && v["decode"] == 1 {
             return;
         }
         assert!(
             Instant::now() < deadline,
-            "the proxy never became ready: {v}"
+            "the proxy never became ready (last /health: {v}); the nodes' logs follow"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -166,8 +213,7 @@ fn a_killed_proxy_fails_its_streams_clearly_and_its_restart_gets_every_instance_
         .output()
         .unwrap();
     assert!(out.status.success(), "{out:?}");
-    let (proxy, prefill, decode) = (free_tcp_port(), free_tcp_port(), free_tcp_port());
-    let control = common::free_udp_port();
+    let (proxy, prefill, decode, control) = (free_port(), free_port(), free_port(), free_port());
     let file = dir.path().join("cluster.toml");
     common::write_deployment(
         &file,
@@ -180,18 +226,17 @@ fn a_killed_proxy_fails_its_streams_clearly_and_its_restart_gets_every_instance_
             ("decode-0", "decode", decode),
         ],
     );
-    let start = |node: &str| {
-        Command::new(env!("CARGO_BIN_EXE_pdserve"))
-            .args(["serve", "--config"])
-            .arg(&file)
-            .args(["--node", node])
-            .env("PDSERVE_LOGGING__FILTER", "error")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap()
+    let start = |procs: &mut Procs, node: &str| {
+        procs.spawn(
+            node,
+            node_cmd(&file, node).env("PDSERVE_LOGGING__FILTER", "warn"),
+        );
     };
-    let mut nodes = Nodes(vec![start("prefill-0"), start("decode-0"), start("proxy")]);
+    // The instances start before the proxy: they keep trying to register until it is up.
+    let mut procs = Procs::new();
+    for node in ["prefill-0", "decode-0", "proxy"] {
+        start(&mut procs, node);
+    }
     let url = format!("http://127.0.0.1:{proxy}");
     let instances = [
         format!("http://127.0.0.1:{prefill}"),
@@ -208,7 +253,7 @@ fn a_killed_proxy_fails_its_streams_clearly_and_its_restart_gets_every_instance_
                            "ignore_eos": true, "stream": stream})
     };
     let reference = rt.block_on(async {
-        proxy_ready(&client, &url, Duration::from_secs(60)).await;
+        proxy_ready(&mut procs, &client, &url).await;
         let r = client
             .post(format!("{url}/v1/completions"))
             .json(&body(false))
@@ -262,10 +307,11 @@ fn a_killed_proxy_fails_its_streams_clearly_and_its_restart_gets_every_instance_
         });
         handles.push(h);
     }
-    let proxy_child = nodes.0.pop().unwrap();
-    let mut proxy_child = proxy_child;
-    proxy_child.kill().unwrap();
-    proxy_child.wait().unwrap();
+    // Stopped, decode-0 (where every stream's tokens come from) sends nothing more: no
+    // stream can finish before the proxy dies, however fast the machine.
+    common::signal(procs.child("decode-0"), libc::SIGSTOP);
+    procs.kill("proxy");
+    common::signal(procs.child("decode-0"), libc::SIGCONT);
     for h in handles {
         match rt.block_on(h).unwrap() {
             Err(e) => eprintln!("stream through the killed proxy: {e}"),
@@ -278,15 +324,16 @@ fn a_killed_proxy_fails_its_streams_clearly_and_its_restart_gets_every_instance_
     // The instances saw their caller go: both pools return to full, nothing held.
     rt.block_on(async {
         for i in &instances {
-            pool_full(&client, i).await;
+            pool_full(&mut procs, &client, i).await;
         }
     });
 
     // The proxy comes back on the same addresses: both instances register again on their
     // own, and it serves the same greedy text.
-    nodes.0.push(start("proxy"));
+    procs.assert_running();
+    start(&mut procs, "proxy");
     rt.block_on(async {
-        proxy_ready(&client, &url, Duration::from_secs(30)).await;
+        proxy_ready(&mut procs, &client, &url).await;
         let r = client
             .post(format!("{url}/v1/completions"))
             .json(&body(false))
@@ -297,7 +344,7 @@ fn a_killed_proxy_fails_its_streams_clearly_and_its_restart_gets_every_instance_
         let v: serde_json::Value = r.json().await.unwrap();
         assert_eq!(v["choices"][0]["text"].as_str().unwrap(), reference);
         for i in &instances {
-            pool_full(&client, i).await;
+            pool_full(&mut procs, &client, i).await;
         }
     });
 }

@@ -71,7 +71,7 @@ impl Cluster {
     }
 
     /// Waits (bounded) until `pred` holds for the cluster's inspect snapshot.
-    fn wait_for(&self, what: &str, secs: u64, pred: impl Fn(&Value) -> bool) -> Value {
+    fn wait_for(&self, what: &str, secs: u64, mut pred: impl FnMut(&Value) -> bool) -> Value {
         let deadline = Instant::now() + Duration::from_secs(secs);
         loop {
             let v = self.inspect();
@@ -476,17 +476,21 @@ fn drain_scale_up_and_a_prefill_restart_under_load_fail_nothing_and_strand_no_bl
 
     // An instance started by hand joins the running cluster (`serve --join`, its member
     // credentials issued from the launch directory's CA), is routed to, and leaves on SIGTERM.
-    let mut joined = Command::new(env!("CARGO_BIN_EXE_pdserve"))
-        .args(["serve", "--role", "decode", "--name", "decode-9"])
-        .args(["--model", "synthetic:tiny", "--port", "0", "--threads", "1"])
-        .args(["--transfer", "shm", "--credentials-dir", &cluster.dir])
-        .args(["--join", &cluster.control])
-        .env("PDSERVE_LOGGING__FILTER", "error")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    cluster.wait_for("decode-9 routable", 60, |v| routable(v, "decode-9"));
+    // Its stdout and stderr go to a log printed if the test fails.
+    let mut joined = common::Procs::new();
+    joined.spawn(
+        "decode-9",
+        Command::new(env!("CARGO_BIN_EXE_pdserve"))
+            .args(["serve", "--role", "decode", "--name", "decode-9"])
+            .args(["--model", "synthetic:tiny", "--port", "0", "--threads", "1"])
+            .args(["--transfer", "shm", "--credentials-dir", &cluster.dir])
+            .args(["--join", &cluster.control])
+            .env("PDSERVE_LOGGING__FILTER", "warn"),
+    );
+    cluster.wait_for("decode-9 routable", 60, |v| {
+        joined.assert_running();
+        routable(v, "decode-9")
+    });
     let decode9_url = cluster.inspect()["instances"]
         .as_array()
         .unwrap()
@@ -527,7 +531,7 @@ fn drain_scale_up_and_a_prefill_restart_under_load_fail_nothing_and_strand_no_bl
             "decode-9 joined but was never routed to"
         );
     }
-    let status = sigterm_and_wait(&mut joined);
+    let status = sigterm_and_wait(joined.stopping("decode-9"));
     assert!(status.success(), "decode-9 after SIGTERM: {status}");
     cluster.wait_for("decode-9 gone", 30, |v| !routable(v, "decode-9"));
 

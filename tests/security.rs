@@ -17,7 +17,7 @@
 
 mod common;
 
-use common::{free_tcp_port, free_udp_port, inspect};
+use common::{free_port, inspect, Procs};
 use pdserve_actors::control_plane::Registration;
 use pdserve_actors::handoff::peer::{PeerAddr, Peers};
 use pdserve_actors::handoff::protocol::{
@@ -35,7 +35,7 @@ use serde_json::{json, Value};
 use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 const MODEL: &str = "synthetic:tiny";
@@ -54,7 +54,7 @@ fn prompt() -> Vec<u32> {
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// Proxy, prefill and decode as `pdserve serve --config FILE --node NAME` processes, stopped
-/// on drop (their logs are printed after a panic).
+/// on drop (their logs, stdout and stderr, are printed after a panic).
 struct Cluster {
     dir: tempfile::TempDir,
     name: String,
@@ -63,7 +63,7 @@ struct Cluster {
     prefill: String,
     decode: String,
     control: String,
-    nodes: Vec<(&'static str, Child, PathBuf)>,
+    procs: Procs,
     http: reqwest::Client,
     /// Whether the instances have the key too (`--api-key` on every node).
     instance_key: bool,
@@ -92,8 +92,8 @@ impl Cluster {
             .output()
             .unwrap();
         assert!(out.status.success(), "{out:?}");
-        let (proxy, prefill, decode) = (free_tcp_port(), free_tcp_port(), free_tcp_port());
-        let control = free_udp_port();
+        let (proxy, prefill, decode, control) =
+            (free_port(), free_port(), free_port(), free_port());
         let file = dir.path().join("cluster.toml");
         common::write_deployment(
             &file,
@@ -106,9 +106,8 @@ impl Cluster {
                 ("decode-0", "decode", decode),
             ],
         );
-        let mut nodes = Vec::new();
+        let mut procs = Procs::new();
         for node in ["prefill-0", "decode-0", "proxy"] {
-            let log = dir.path().join(format!("{node}.log"));
             let mut cmd = Command::new(env!("CARGO_BIN_EXE_pdserve"));
             cmd.args(["serve", "--config"])
                 .arg(&file)
@@ -118,15 +117,9 @@ impl Cluster {
                 ("proxy", false) => cmd.env("PDSERVE_PROXY_API_KEY", API_KEY),
                 _ => &mut cmd,
             };
-            let child = cmd
-                .env("PDSERVE_LOGGING__FILTER", "warn")
-                .env("PDSERVE_LOG", "warn")
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(std::fs::File::create(&log).unwrap())
-                .spawn()
-                .unwrap();
-            nodes.push((node, child, log));
+            cmd.env("PDSERVE_LOGGING__FILTER", "warn")
+                .env("PDSERVE_LOG", "warn");
+            procs.spawn(node, &mut cmd);
         }
         Cluster {
             dir,
@@ -136,16 +129,14 @@ impl Cluster {
             prefill: format!("http://127.0.0.1:{prefill}"),
             decode: format!("http://127.0.0.1:{decode}"),
             control: format!("127.0.0.1:{control}"),
-            nodes,
+            procs,
             http: pdserve_actors::http::http_client().build().unwrap(),
             instance_key: key_flag,
         }
     }
 
     fn assert_running(&mut self) {
-        for (node, child, _) in &mut self.nodes {
-            assert!(child.try_wait().unwrap().is_none(), "{node} exited");
-        }
+        self.procs.assert_running();
     }
 
     /// The proxy's view over the control plane (`pdserve inspect --json`, right credentials).
@@ -266,12 +257,6 @@ impl Cluster {
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-    }
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        common::stop_nodes(&mut self.nodes);
     }
 }
 
@@ -461,9 +446,9 @@ fn a_member_of_another_cluster_can_neither_register_nor_inspect() {
 
             // A decode instance of the other cluster, named `decode-0`, told to register with
             // our proxy.
-            let port = free_tcp_port();
-            let log = c.dir.path().join("intruder.log");
-            let mut intruder = Command::new(env!("CARGO_BIN_EXE_pdserve"))
+            let port = free_port();
+            let mut intruder = Command::new(env!("CARGO_BIN_EXE_pdserve"));
+            intruder
                 .args([
                     "serve", "--role", "decode", "--name", "decode-0", "--model", MODEL,
                 ])
@@ -478,25 +463,17 @@ fn a_member_of_another_cluster_can_neither_register_nor_inspect() {
                 .arg("--credentials-dir")
                 .arg(&other)
                 .args(["--control-proxy", &c.control])
-                .env("PDSERVE_LOGGING__FILTER", "warn")
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(std::fs::File::create(&log).unwrap())
-                .spawn()
-                .unwrap();
-            struct Kill<'a>(&'a mut Child);
-            impl Drop for Kill<'_> {
-                fn drop(&mut self) {
-                    let _ = self.0.kill();
-                    let _ = self.0.wait();
-                }
-            }
-            let intruder = Kill(&mut intruder);
+                .env("PDSERVE_LOGGING__FILTER", "warn");
+            // Its log is printed with the cluster's when the test fails.
+            c.procs.spawn("intruder", &mut intruder);
             let intruder_url = format!("http://127.0.0.1:{port}");
             // Wait until it serves and the proxy has refused it (the inspect attempt above
             // was one refusal; the intruder adds its own).
+            // Liveness bound: it starts and is refused within seconds; 30 s only catches an
+            // intruder never refused (or never up).
             let deadline = Instant::now() + Duration::from_secs(30);
             loop {
+                c.assert_running();
                 let up = c
                     .http
                     .get(format!("{intruder_url}/health"))
@@ -512,7 +489,7 @@ fn a_member_of_another_cluster_can_neither_register_nor_inspect() {
                 assert!(
                     Instant::now() < deadline,
                     "the intruder was never refused (refused_connections {refused}, up {up}): {}",
-                    std::fs::read_to_string(&log).unwrap_or_default()
+                    c.procs.log("intruder")
                 );
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
@@ -555,7 +532,7 @@ fn a_member_of_another_cluster_can_neither_register_nor_inspect() {
                 !served.contains("outcome=\"finished\""),
                 "the intruder served requests"
             );
-            drop(intruder);
+            c.procs.kill("intruder");
         })
     });
 }
@@ -768,7 +745,9 @@ async fn raw_request(
     // A peer that refuses early may stop the stream: a failed write is fine, the answer counts.
     let _ = send.write_all(bytes).await;
     let _ = send.finish();
-    let answer = tokio::time::timeout(Duration::from_secs(10), recv.read_to_end(1 << 20))
+    // Liveness bound: answers come within milliseconds; 30 s only catches a frame left
+    // unanswered (64 of these run at once on what may be a two-core machine).
+    let answer = tokio::time::timeout(Duration::from_secs(30), recv.read_to_end(1 << 20))
         .await
         .expect("the proxy did not answer a bad frame")
         .unwrap();
@@ -953,9 +932,11 @@ fn garbage_and_malformed_control_frames_are_refused_and_the_proxy_keeps_its_regi
                 let (status, v) = c.through_proxy(json!({})).await;
                 assert_eq!(status, 200, "{v}");
             }
-            // Heartbeats still flow: each instance heartbeated after the flood ended.
+            // Heartbeats still flow: each instance heartbeated after the flood ended. Liveness
+            // bound: heartbeats come every 500 ms; 30 s only catches heartbeats that stopped
+            // (the registrations would be dropped as well).
             let flood_end = Instant::now();
-            let deadline = flood_end + Duration::from_secs(5);
+            let deadline = flood_end + Duration::from_secs(30);
             loop {
                 let waited = flood_end.elapsed().as_secs_f64();
                 let snap = c.snapshot();

@@ -869,6 +869,25 @@ impl TransferEngine {
         })
     }
 
+    /// Holds this engine's copy threads (`local`, `shm`: the initiator copies the bytes) just
+    /// before their next piece lands, until the returned guard is dropped. A fault-injection hook for tests
+    /// of timeouts and late completions: a transfer made slow by construction, not by sizing
+    /// it against a wall clock. A held piece has passed every check but the landing fence, so
+    /// one of a batch given up meanwhile (timeout, cancel) shows that the fence stops it.
+    ///
+    /// # Errors
+    /// [`TransportError::Unsupported`] for backends whose bytes move on their I/O threads or
+    /// the NIC (`tcp`, `quic`, `rdma`): stop the peer instead.
+    #[doc(hidden)]
+    pub fn hold_copies(&self) -> Result<crate::CopyHold> {
+        match self.shared.core.config.backend {
+            BackendKind::Local | BackendKind::Shm => Ok(self.shared.core.memcpy.hold()),
+            other => Err(TransportError::Unsupported(format!(
+                "{other} moves bytes on its I/O threads; hold_copies covers local and shm"
+            ))),
+        }
+    }
+
     /// The engine's name.
     pub fn name(&self) -> &str {
         &self.shared.core.name

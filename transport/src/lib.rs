@@ -27,6 +27,8 @@ pub use auth::{
     Access, FenceId, FenceScope, RegionGrant, SessionCredentials, SessionGrant, SessionGrantGuard,
     SessionKey,
 };
+#[doc(hidden)]
+pub use backend::memcpy::CopyHold;
 pub use engine::{
     coalesce, BackendAvailability, BackendKind, BatchHandle, BatchStatus, Notification, OpKind,
     RdmaConfig, Session, TcpIntegrity, TransferConfig, TransferEngine, TransferOp,

@@ -240,6 +240,8 @@ pub struct PeerProcess {
     pub address: String,
     /// Its region ids, in order.
     pub regions: Vec<u64>,
+    /// Stopped with SIGSTOP ([`PeerProcess::stop`]) and not continued or killed since.
+    stopped: bool,
 }
 
 impl PeerProcess {
@@ -330,6 +332,7 @@ impl PeerProcess {
             lines,
             address: String::new(),
             regions: Vec::new(),
+            stopped: false,
         };
         let ready = peer.expect_line("READY", timeout)?;
         let mut parts = ready.split_whitespace().skip(1);
@@ -372,10 +375,45 @@ impl PeerProcess {
         self.child.id()
     }
 
-    /// Kills the process (SIGKILL) and reaps it.
+    /// Kills the process (SIGKILL, which also ends a stopped one) and reaps it.
     pub fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        self.stopped = false;
+    }
+
+    /// Stops the process (SIGSTOP): a peer that neither answers nor acknowledges until
+    /// [`PeerProcess::resume`]. Tests use it to make a transfer slow by construction.
+    ///
+    /// # Errors
+    /// The OS error when the signal cannot be sent (the process is gone).
+    pub fn stop(&mut self) -> Result<()> {
+        self.signal(libc::SIGSTOP)?;
+        self.stopped = true;
+        Ok(())
+    }
+
+    /// Continues a process stopped by [`PeerProcess::stop`] (SIGCONT); a no-op otherwise.
+    ///
+    /// # Errors
+    /// The OS error when the signal cannot be sent.
+    pub fn resume(&mut self) -> Result<()> {
+        if self.stopped {
+            self.signal(libc::SIGCONT)?;
+            self.stopped = false;
+        }
+        Ok(())
+    }
+
+    fn signal(&self, sig: libc::c_int) -> Result<()> {
+        let pid = libc::pid_t::try_from(self.child.id())
+            .map_err(|_| TransportError::Config("peer pid out of range".into()))?;
+        // SAFETY: signalling our own child, which is not reaped yet (`kill` reaps and clears
+        // `stopped`), so the pid still names it.
+        if unsafe { libc::kill(pid, sig) } != 0 {
+            return Err(std::io::Error::last_os_error().into());
+        }
+        Ok(())
     }
 
     /// The peer executable to use: [`ENV_PEER_EXE`], else `pdserve-transfer-peer` next to the

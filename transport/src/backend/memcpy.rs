@@ -20,6 +20,48 @@ const SPIN_AFTER_JOB: std::time::Duration = std::time::Duration::from_micros(50)
 /// Holds remote memory mapped while a copy runs.
 pub(crate) type KeepAlive = Option<Arc<dyn std::any::Any + Send + Sync>>;
 
+/// A gate the copy threads pass before each piece: open unless a [`CopyHold`] is alive.
+/// Fault injection for tests (see [`crate::TransferEngine::hold_copies`]): it makes a copy
+/// slow by construction instead of sizing work against a wall clock.
+#[derive(Debug, Default)]
+pub(crate) struct Gate {
+    /// Holds alive; the flag lets an open gate cost one atomic load.
+    held: AtomicUsize,
+    holds: Mutex<usize>,
+    opened: Condvar,
+}
+
+impl Gate {
+    /// Returns at once while open; otherwise parks until every hold is released.
+    fn pass(&self) {
+        if self.held.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let mut holds = self.holds.lock().unwrap_or_else(|e| e.into_inner());
+        while *holds > 0 {
+            holds = self.opened.wait(holds).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
+/// Keeps an engine's copy threads from starting their next piece until dropped (see
+/// [`crate::TransferEngine::hold_copies`]).
+#[derive(Debug)]
+#[must_use = "the copies are held only while the guard is alive"]
+pub struct CopyHold {
+    gate: Arc<Gate>,
+}
+
+impl Drop for CopyHold {
+    fn drop(&mut self) {
+        let mut holds = self.gate.holds.lock().unwrap_or_else(|e| e.into_inner());
+        *holds -= 1;
+        self.gate.held.store(*holds, Ordering::Release);
+        drop(holds);
+        self.gate.opened.notify_all();
+    }
+}
+
 /// The queue the copy threads share.
 #[derive(Default)]
 struct Queue {
@@ -99,6 +141,7 @@ impl Queue {
 /// Dedicated copy threads; they finish the queued jobs and exit when the executor is dropped.
 pub(crate) struct MemcpyExecutor {
     queue: Arc<Queue>,
+    gate: Arc<Gate>,
     threads: usize,
     depth: usize,
 }
@@ -126,9 +169,20 @@ impl MemcpyExecutor {
         }
         Ok(Self {
             queue,
+            gate: Arc::default(),
             threads,
             depth,
         })
+    }
+
+    /// Holds the copy threads before their next piece until the guard is dropped.
+    pub(crate) fn hold(&self) -> CopyHold {
+        let mut holds = self.gate.holds.lock().unwrap_or_else(|e| e.into_inner());
+        *holds += 1;
+        self.gate.held.store(*holds, Ordering::Release);
+        CopyHold {
+            gate: self.gate.clone(),
+        }
     }
 
     /// Copy threads.
@@ -197,8 +251,8 @@ pub(crate) fn run_batch(
     let mut pieces = pieces.into_iter().peekable();
     while pieces.peek().is_some() {
         let run: Vec<PlannedOp> = pieces.by_ref().take(per_run).collect();
-        let (batch, remote) = (batch.clone(), remote.clone());
-        jobs.push(Box::new(move || run_pieces(run, batch, &*remote)));
+        let (batch, remote, gate) = (batch.clone(), remote.clone(), executor.gate.clone());
+        jobs.push(Box::new(move || run_pieces(run, batch, &*remote, &gate)));
     }
     executor.submit_all(jobs)
 }
@@ -212,7 +266,8 @@ pub(crate) trait RemotePointers: Send + Sync {
     fn peer_alive(&self) -> Result<()>;
 }
 
-/// Runs pieces of one batch as copies, checking liveness and cancellation between pieces.
+/// Runs pieces of one batch as copies, checking liveness and cancellation between pieces;
+/// each copy passes `gate` (a test's [`CopyHold`]) just before it lands.
 /// A write's bytes are published with a release fence before the piece completes. Several
 /// runs of one batch may go at once: once one fails, the batch's landing fence stops the
 /// others' copies.
@@ -220,6 +275,7 @@ pub(crate) fn run_pieces(
     pieces: Vec<PlannedOp>,
     batch: Arc<BatchState>,
     remote: &dyn RemotePointers,
+    gate: &Gate,
 ) {
     for op in pieces {
         if batch.is_cancelled() {
@@ -232,6 +288,9 @@ pub(crate) fn run_pieces(
                 .remote_ptr(op.remote_region, op.remote_offset, op.len)
                 .map_err(|e| remote.peer_alive().err().unwrap_or(e))?;
             let lptr = op.local.ptr_at(op.local_offset);
+            // A held piece waits here, past every check but the landing fence: the copy that
+            // was already under way when its batch was given up.
+            gate.pass();
             // Under the batch's landing fence: once the batch has ended (timed out,
             // cancelled, failed) no copy of it runs any more, on either side's memory.
             let landed = batch.land(|| {

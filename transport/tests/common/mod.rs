@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use pdserve_transport::control::tls::{init_cluster, issue_member, MemberCredentials};
 use pdserve_transport::peer::{fill_pattern, fnv1a, PeerProcess, PEER_NODE};
 use pdserve_transport::{
-    BackendKind, Notification, RegisteredRegion, TransferConfig, TransferEngine,
+    BackendKind, CopyHold, Notification, RegisteredRegion, TransferConfig, TransferEngine,
 };
 
 pub const PEER_EXE: &str = env!("CARGO_BIN_EXE_pdserve-transfer-peer");
@@ -164,7 +164,39 @@ impl Peer {
         }
     }
 
-    /// Kills the peer (SIGKILL for a process; dropping the engine in-process).
+    /// Keeps transfers between `initiator` and this peer from moving until
+    /// [`Peer::unstall`]: the initiator's copy threads are held where the initiator copies
+    /// the bytes itself (`local`, `shm`); otherwise the peer process is stopped (SIGSTOP), so
+    /// it neither answers reads nor acknowledges writes. A transfer made slow by
+    /// construction, whatever the machine's speed. (One-sided RDMA moves bytes without the
+    /// peer's CPU: a stopped peer does not stall it.)
+    pub fn stall(&mut self, initiator: &TransferEngine) -> Stall {
+        if let Ok(hold) = initiator.hold_copies() {
+            return Stall::Copies(hold);
+        }
+        match self {
+            Peer::Process(p) => {
+                p.stop().unwrap();
+                Stall::PeerStopped
+            }
+            Peer::InProcess { .. } => panic!("an in-process peer is only used with `local`"),
+        }
+    }
+
+    /// Lets a stalled transfer move again.
+    pub fn unstall(&mut self, stall: Stall) {
+        match stall {
+            Stall::Copies(hold) => drop(hold),
+            Stall::PeerStopped => {
+                if let Peer::Process(p) = self {
+                    p.resume().unwrap();
+                }
+            }
+        }
+    }
+
+    /// Kills the peer (SIGKILL for a process, stalled or not; dropping the engine
+    /// in-process).
     pub fn kill(&mut self) {
         match self {
             Peer::Process(p) => p.kill(),
@@ -180,6 +212,13 @@ impl Peer {
             }
         }
     }
+}
+
+/// What [`Peer::stall`] did; give it back to [`Peer::unstall`].
+#[must_use = "hand it to Peer::unstall"]
+pub enum Stall {
+    Copies(CopyHold),
+    PeerStopped,
 }
 
 /// Polls `cond` until true or the deadline; returns whether it became true.

@@ -178,10 +178,18 @@ impl Cluster {
     }
 
     async fn ready(&mut self) {
+        // Liveness bound: the cluster is ready in about a second; 60 s only catches one that
+        // never forms (a node that exits fails at once, with its log).
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             self.assert_running();
-            if let Ok(r) = self.http.get(format!("{}/health", self.proxy)).send().await {
+            let health = self
+                .http
+                .get(format!("{}/health", self.proxy))
+                .timeout(Duration::from_secs(5))
+                .send()
+                .await;
+            if let Ok(r) = health {
                 let v: Value = r.json().await.unwrap_or_default();
                 if v["prefill"] == 1 && v["decode"] == 1 {
                     let p = &self.snapshot()["proxy"];

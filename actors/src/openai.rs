@@ -361,7 +361,7 @@ pub fn resolve_max_tokens(
 ) -> Result<usize, RequestError> {
     let overflow = |completion: usize| RequestError::ContextOverflow {
         max: max_model_len,
-        requested: prompt_len + completion,
+        requested: prompt_len.saturating_add(completion),
         prompt: prompt_len,
         completion,
     };
@@ -373,7 +373,8 @@ pub fn resolve_max_tokens(
         None if chat => max_model_len - prompt_len,
         None => DEFAULT_COMPLETION_MAX_TOKENS.min(max_model_len - prompt_len),
     };
-    if prompt_len + n > max_model_len {
+    // `prompt_len < max_model_len` here, so the subtraction cannot wrap (the sum could).
+    if n > max_model_len - prompt_len {
         return Err(overflow(n));
     }
     Ok(n)
@@ -459,6 +460,20 @@ mod tests {
             resolve_max_tokens(Some(usize::MAX / 2), false, 1, 100),
             Err(RequestError::ContextOverflow { .. })
         ));
+        // Values whose sum with the prompt wraps (u64::MAX and u64::MAX - 3 from a client).
+        for n in [usize::MAX, usize::MAX - 3] {
+            match resolve_max_tokens(Some(n), false, 5, 8192) {
+                Err(RequestError::ContextOverflow {
+                    requested,
+                    completion,
+                    ..
+                }) => {
+                    assert_eq!(completion, n);
+                    assert_eq!(requested, usize::MAX, "the message saturates, never wraps");
+                }
+                other => panic!("max_tokens {n} was not refused: {other:?}"),
+            }
+        }
     }
 }
 

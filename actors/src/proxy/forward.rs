@@ -234,13 +234,19 @@ pub(super) async fn forward(
     }
 }
 
+/// The most output tokens the router counts for one request (2^24, past any model's context).
+const MAX_ESTIMATED_TOKENS: usize = 1 << 24;
+
 /// What the router needs of a request: its token ids (when the proxy can compute them:
 /// token-id prompts, or text and chat with `proxy.model`'s tokenizer, off the async threads)
 /// and `max_tokens`.
 async fn prompt_info(s: &ProxyState, parsed: openai::ParsedRequest) -> PromptInfo {
+    // An estimate for the router only (the instance refuses what exceeds its context); capped
+    // so that an absurd value cannot overflow the load figures it is added to.
     let max_tokens = parsed
         .max_tokens
-        .unwrap_or(openai::DEFAULT_COMPLETION_MAX_TOKENS);
+        .unwrap_or(openai::DEFAULT_COMPLETION_MAX_TOKENS)
+        .min(MAX_ESTIMATED_TOKENS);
     let tokens = match (&parsed.prompt, &s.tokenizer) {
         (openai::PromptInput::Tokens(t), _) => Some(t.clone()),
         (_, None) => None,

@@ -356,7 +356,8 @@ impl SchedulerCore {
         if req.prompt.is_empty() {
             return Err(RequestError::BadRequest("the prompt is empty".into()));
         }
-        let total = req.prompt.len() + req.params.max_tokens;
+        // Saturating: a remote `max_tokens` near usize::MAX must not wrap past the check.
+        let total = req.prompt.len().saturating_add(req.params.max_tokens);
         if total > self.cfg.max_model_len {
             return Err(RequestError::ContextOverflow {
                 max: self.cfg.max_model_len,
@@ -1196,5 +1197,16 @@ mod tests {
             c.add(req(3, 0, 1)),
             Err(RequestError::BadRequest(_))
         ));
+        // A max_tokens whose sum with the prompt would wrap is refused, not admitted.
+        for (id, n) in [(4, usize::MAX), (5, usize::MAX - 3)] {
+            assert!(matches!(
+                c.add(req(id, 5, n)),
+                Err(RequestError::ContextOverflow {
+                    requested: usize::MAX,
+                    ..
+                })
+            ));
+        }
+        assert_eq!(c.stats().blocks_free, 4, "nothing refused holds a block");
     }
 }

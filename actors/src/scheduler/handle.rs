@@ -137,8 +137,11 @@ impl SchedulerHandle {
 
     fn channel(&self, request: &NewRequest) -> (super::EventSink, mpsc::Receiver<RequestEvent>) {
         // Every event the request can produce: a token per output token, T0 of a remote
-        // request, and the final event.
-        mpsc::channel(request.params.max_tokens.max(1) + 4)
+        // request, and the final event. The capacity is a permit count (tokio allocates as
+        // events arrive); the cap keeps an absurd `max_tokens`, which the core refuses with
+        // `ContextOverflow`, from reaching tokio's limit or wrapping to zero.
+        const MAX_EVENTS: usize = 1 << 28;
+        mpsc::channel(request.params.max_tokens.clamp(1, MAX_EVENTS) + 4)
     }
 
     fn stream(&self, id: RequestId, events: mpsc::Receiver<RequestEvent>) -> RequestStream {

@@ -6,6 +6,11 @@
 //! - **transfers** (KV reads and writes): a failed batch reports the engine error a dead link
 //!   gives; a delayed batch starts late; a corrupted batch has one span pointed outside its
 //!   region, which the transfer engine must refuse;
+//! - **silent KV damage** (negative controls of the P/D identity tests, never a recovery
+//!   drill): a transfer batch that skips one block, or fills one block's keys with that
+//!   block's values, completes as if nothing happened — no layer of pdserve can see it, so the
+//!   tokens decoded from that KV must differ from a colocated run's, which is what the tests
+//!   that compare them prove they can catch;
 //! - **control messages** (the instance-to-instance KV calls — remote prefill, lease renewal,
 //!   release, abort — and control-plane heartbeats): a dropped message is never sent and its
 //!   sender waits out its bound, as it would for a lost one; a delayed message goes out late; a
@@ -38,6 +43,12 @@ pub struct FaultSection {
     pub transfer_delay_ms: u64,
     /// KV transfer batches with a corrupted span (refused by the engine).
     pub transfer_corrupt: f64,
+    /// KV transfer batches that silently leave out one block (the batch's first destination
+    /// block, every layer it covers, K and V): the receiver keeps whatever that block held.
+    pub transfer_skip_block: f64,
+    /// KV transfer batches that silently deliver wrong bytes into one block (the batch's first
+    /// destination block): its keys are written from the same block's values.
+    pub transfer_garble_block: f64,
     /// Control messages never sent.
     pub control_drop: f64,
     /// Control messages sent `control_delay_ms` late.
@@ -66,11 +77,13 @@ impl FaultSection {
         self.rates().iter().any(|(_, r)| *r > 0.0)
     }
 
-    fn rates(&self) -> [(&'static str, f64); 8] {
+    fn rates(&self) -> [(&'static str, f64); 10] {
         [
             ("faults.transfer_fail", self.transfer_fail),
             ("faults.transfer_delay", self.transfer_delay),
             ("faults.transfer_corrupt", self.transfer_corrupt),
+            ("faults.transfer_skip_block", self.transfer_skip_block),
+            ("faults.transfer_garble_block", self.transfer_garble_block),
             ("faults.control_drop", self.control_drop),
             ("faults.control_delay", self.control_delay),
             ("faults.control_corrupt", self.control_corrupt),
@@ -126,6 +139,10 @@ pub enum Fault {
     RegisterFail,
     /// An actor panics.
     ActorPanic,
+    /// A transfer batch silently leaves out one block.
+    TransferSkipBlock,
+    /// A transfer batch silently delivers wrong bytes into one block.
+    TransferGarbleBlock,
 }
 
 /// The actor kinds `faults.actor_panic_target` may name.
@@ -138,7 +155,7 @@ pub const PANIC_TARGETS: [&str; 6] = [
     "HttpFrontend",
 ];
 
-const KINDS: usize = 8;
+const KINDS: usize = 10;
 
 impl Fault {
     fn index(self) -> usize {
@@ -156,6 +173,8 @@ impl Fault {
             Self::ControlCorrupt => "control_corrupt",
             Self::RegisterFail => "register_fail",
             Self::ActorPanic => "actor_panic",
+            Self::TransferSkipBlock => "transfer_skip_block",
+            Self::TransferGarbleBlock => "transfer_garble_block",
         }
     }
 }
@@ -184,6 +203,10 @@ pub enum TransferFault {
     Delay(Duration),
     /// Corrupt one span, then submit.
     Corrupt,
+    /// Leave out one block's spans, then submit (nothing notices).
+    SkipBlock,
+    /// Point one block's key spans at its value spans, then submit (nothing notices).
+    GarbleBlock,
 }
 
 /// Draws faults from a [`FaultSection`] with a seeded generator, and counts what it injected.
@@ -228,6 +251,8 @@ impl FaultInjector {
             Fault::ControlCorrupt => c.control_corrupt,
             Fault::RegisterFail => c.register_fail,
             Fault::ActorPanic => c.actor_panic,
+            Fault::TransferSkipBlock => c.transfer_skip_block,
+            Fault::TransferGarbleBlock => c.transfer_garble_block,
         }
     }
 
@@ -278,6 +303,10 @@ impl FaultInjector {
             TransferFault::Fail
         } else if self.roll(Fault::TransferCorrupt) {
             TransferFault::Corrupt
+        } else if self.roll(Fault::TransferSkipBlock) {
+            TransferFault::SkipBlock
+        } else if self.roll(Fault::TransferGarbleBlock) {
+            TransferFault::GarbleBlock
         } else if self.roll(Fault::TransferDelay) {
             TransferFault::Delay(Duration::from_millis(self.cfg.transfer_delay_ms))
         } else {

@@ -382,11 +382,15 @@ impl KvContext {
     }
 
     /// Applies an injected transfer fault to a batch about to be submitted: fails it, delays
-    /// it, or points one span outside its region (the engine must refuse it).
+    /// it, points one span outside its region (the engine must refuse it), or silently damages
+    /// one block (see [`KvContext::damage_block`]).
     ///
     /// # Errors
     /// The injected failure.
-    pub(crate) async fn transfer_fault(&self, ops: &mut [TransferOp]) -> Result<(), HandoffError> {
+    pub(crate) async fn transfer_fault(
+        &self,
+        ops: &mut Vec<TransferOp>,
+    ) -> Result<(), HandoffError> {
         match self
             .settings
             .faults
@@ -404,6 +408,66 @@ impl KvContext {
                     op.remote_offset = u64::MAX / 4;
                 }
                 Ok(())
+            }
+            TransferFault::SkipBlock => {
+                self.damage_block(ops, false);
+                Ok(())
+            }
+            TransferFault::GarbleBlock => {
+                self.damage_block(ops, true);
+                Ok(())
+            }
+        }
+    }
+
+    /// Test-only silent damage to the batch's first block (the block of its first span, on our
+    /// side: the destination of a read, the source of a write), in every layer and head range
+    /// the batch covers: with `garble`, each of its key spans takes its bytes from the matching
+    /// value span; without, its spans are left out. The batch stays valid, so the hand-off
+    /// completes and only the tokens decoded from that KV can tell.
+    fn damage_block(&self, ops: &mut Vec<TransferOp>, garble: bool) {
+        use pdserve_transport::OpKind;
+        let Some(first) = ops.first() else {
+            return;
+        };
+        // Our rank's layout: every span sits at (K or V) * half + block * block + heads.
+        let layout = &self.info().ranks[0].layout;
+        let (block, half) = (
+            layout.block_bytes() as u64,
+            layout.region_bytes() as u64 / 2,
+        );
+        // (K or V, block, offset inside the block) of a span, on our side.
+        let place = |op: &TransferOp| {
+            let o = op.local_offset;
+            (o / half, (o % half) / block, o % block)
+        };
+        let target = place(first).1;
+        if !garble {
+            ops.retain(|op| place(op).1 != target);
+            return;
+        }
+        let source = |op: &TransferOp| match op.kind {
+            OpKind::Read => (op.remote_region, op.remote_offset),
+            OpKind::Write => (op.local_region, op.local_offset),
+        };
+        let values: Vec<_> = ops
+            .iter()
+            .filter(|op| matches!(place(op), (1, b, _) if b == target))
+            .map(|op| (op.local_region, place(op).2, source(op)))
+            .collect();
+        for op in ops.iter_mut() {
+            let (kind, b, inner) = place(op);
+            if kind != 0 || b != target {
+                continue;
+            }
+            let value = values
+                .iter()
+                .find(|(region, at, _)| *region == op.local_region && *at == inner);
+            if let Some(&(_, _, (region, offset))) = value {
+                match op.kind {
+                    OpKind::Read => (op.remote_region, op.remote_offset) = (region, offset),
+                    OpKind::Write => (op.local_region, op.local_offset) = (region, offset),
+                }
             }
         }
     }

@@ -118,3 +118,95 @@ async fn a_forged_first_token_is_refused_before_the_batch() {
     assert_pool_full(&inst).await;
     inst.stop().await;
 }
+
+/// A fake prefill instance on the HTTP carrier: answers any request with a 200 whose body
+/// never ends (chunked, up to `limit` bytes) or declares `declared` bytes up front.
+async fn endless_peer(
+    declared: Option<u64>,
+    limit: usize,
+) -> (String, tokio::task::JoinHandle<usize>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let task = tokio::spawn(async move {
+        let (mut sock, _) = listener.accept().await.unwrap();
+        let mut head = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = sock.read(&mut buf).await.unwrap();
+            if n == 0 {
+                return 0;
+            }
+            head.extend_from_slice(&buf[..n]);
+        }
+        let framing = match declared {
+            Some(n) => format!("content-length: {n}"),
+            None => "transfer-encoding: chunked".to_string(),
+        };
+        let header = format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\n{framing}\r\n\r\n"
+        );
+        if sock.write_all(header.as_bytes()).await.is_err() {
+            return 0;
+        }
+        let chunk = vec![0x41u8; 1 << 20];
+        let mut sent = 0;
+        while sent < limit {
+            let res = if declared.is_some() {
+                sock.write_all(&chunk).await
+            } else {
+                let mut framed = format!("{:x}\r\n", chunk.len()).into_bytes();
+                framed.extend_from_slice(&chunk);
+                framed.extend_from_slice(b"\r\n");
+                sock.write_all(&framed).await
+            };
+            if res.is_err() {
+                break; // the client hung up: what we want
+            }
+            sent += chunk.len();
+        }
+        sent
+    });
+    (url, task)
+}
+
+/// A peer answer over HTTP is read up to the control plane's frame limit and refused past
+/// it, whether it declares its length or streams without end: a fake prefill cannot stream
+/// gigabytes into a decode instance's memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endless_peer_answer_is_cut_off_at_the_frame_limit() {
+    use pdserve_actors::handoff::peer::{PeerAddr, Peers, MAX_HTTP_ANSWER_BYTES};
+    use pdserve_actors::handoff::protocol::{HandoffError, PeerRequest};
+    let peers = Peers::new(
+        "hostile-test".into(),
+        None,
+        None,
+        None,
+        Duration::from_secs(30),
+        pdserve_actors::http::http_client(),
+    );
+    for declared in [None, Some(1u64 << 40)] {
+        // The fake sends at most 4x the limit, so the test ends even if nothing cuts it off.
+        let (url, server) = endless_peer(declared, 4 * MAX_HTTP_ANSWER_BYTES).await;
+        let err = peers
+            .call(
+                &PeerAddr::Http { url },
+                &PeerRequest::Info,
+                Duration::from_secs(60),
+            )
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, HandoffError::Protocol(m) if m.contains("more than")),
+            "declared {declared:?}: {err:?}"
+        );
+        let sent = tokio::time::timeout(Duration::from_secs(30), server)
+            .await
+            .expect("the fake peer stops once the client hangs up")
+            .unwrap();
+        assert!(
+            sent < 2 * MAX_HTTP_ANSWER_BYTES,
+            "declared {declared:?}: the client kept reading ({sent} bytes sent)"
+        );
+    }
+}

@@ -21,6 +21,8 @@ const SAMPLING_EPS: f32 = 1e-5;
 pub const MAX_STOP_STRINGS: usize = 16;
 /// Longest stop string, in bytes.
 pub const MAX_STOP_STRING_BYTES: usize = 256;
+/// The most `stop_token_ids` a request may carry (every step checks each of them).
+pub const MAX_STOP_TOKEN_IDS: usize = 256;
 /// Highest temperature accepted.
 pub const MAX_TEMPERATURE: f32 = 100.0;
 
@@ -161,6 +163,12 @@ impl SamplingParams {
                     s.len()
                 )));
             }
+        }
+        if self.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+            return Err(invalid(format!(
+                "at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {}",
+                self.stop_token_ids.len()
+            )));
         }
         if let Some(&id) = self
             .stop_token_ids
@@ -766,6 +774,8 @@ mod tests {
         assert!(err(|p| p.stop = vec!["x".into(); 17]).contains("at most 16 stop strings"));
         assert!(err(|p| p.stop = vec![String::new()]).contains("must not be empty"));
         assert!(err(|p| p.stop_token_ids = vec![100]).contains("stop_token_ids entry 100"));
+        assert!(err(|p| p.stop_token_ids = vec![1; MAX_STOP_TOKEN_IDS + 1])
+            .contains("at most 256 stop_token_ids"));
         assert!(
             params(|p| p.top_k = Some(1_000_000)).validate(v).is_ok(),
             "top_k is clamped"

@@ -281,10 +281,7 @@ impl Peers {
             }
         })?;
         let status = resp.status();
-        let bytes = resp.bytes().await.map_err(|e| HandoffError::PeerGone {
-            peer: url.to_string(),
-            reason: error_chain(&e),
-        })?;
+        let bytes = read_capped(resp, MAX_HTTP_ANSWER_BYTES, url).await?;
         if !status.is_success() {
             return Err(HandoffError::NotSupported(format!(
                 "{url} refused the peer call with HTTP {status}: {}",
@@ -660,4 +657,36 @@ impl Drop for RenewGuard {
             }
         }
     }
+}
+
+/// The largest peer answer read over the HTTP carrier: the control plane's frame limit (an
+/// answer is one frame there). A peer that sends more is cut off, not buffered.
+pub const MAX_HTTP_ANSWER_BYTES: usize = pdserve_runtime::wire::DEFAULT_MAX_FRAME_BYTES;
+
+/// Reads a response body of at most `max` bytes, chunk by chunk, refusing a longer one as
+/// soon as it declares or delivers more.
+async fn read_capped(
+    mut resp: reqwest::Response,
+    max: usize,
+    url: &str,
+) -> Result<Vec<u8>, HandoffError> {
+    let too_large = |n: u64| {
+        HandoffError::Protocol(format!(
+            "{url} answered the peer call with more than {max} bytes ({n} so far)"
+        ))
+    };
+    if let Some(n) = resp.content_length().filter(|&n| n > max as u64) {
+        return Err(too_large(n));
+    }
+    let mut body = Vec::new();
+    while let Some(chunk) = resp.chunk().await.map_err(|e| HandoffError::PeerGone {
+        peer: url.to_string(),
+        reason: error_chain(&e),
+    })? {
+        if body.len() + chunk.len() > max {
+            return Err(too_large((body.len() + chunk.len()) as u64));
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body)
 }

@@ -40,6 +40,9 @@ pub fn validate_peer(ours: &KvPeerInfo, theirs: &KvPeerInfo) -> Result<(), Hando
         return Err(mismatch("no TP ranks published".into()));
     }
     let reference = &ours.ranks[0].layout;
+    // Block ids are shared by an instance's ranks, so every rank must hold the same pool: a
+    // rank announcing fewer blocks would let an id checked against rank 0 run off its layout.
+    let pool = theirs.ranks[0].layout.num_blocks;
     let mut covered = 0;
     for (r, rank) in theirs.ranks.iter().enumerate() {
         let l = &rank.layout;
@@ -53,6 +56,12 @@ pub fn validate_peer(ours: &KvPeerInfo, theirs: &KvPeerInfo) -> Result<(), Hando
             return Err(mismatch(format!(
                 "rank {r} uses blocks of {} tokens, we use {}",
                 l.block_size, reference.block_size
+            )));
+        }
+        if l.num_blocks != pool {
+            return Err(mismatch(format!(
+                "rank {r} has a pool of {} blocks, rank 0 has {pool}",
+                l.num_blocks
             )));
         }
         if l.head_dim != reference.head_dim || l.dtype != reference.dtype {
@@ -109,13 +118,15 @@ pub fn check_blocks(
             local_blocks.len()
         )));
     }
-    let remote_pool = theirs.ranks[0].layout.num_blocks;
+    // The smallest pool of any rank (validate_peer makes them equal; this holds without it).
+    let pool = |info: &KvPeerInfo| info.ranks.iter().map(|r| r.layout.num_blocks).min();
+    let remote_pool = pool(theirs).unwrap_or(0);
     if let Some(b) = remote_blocks.iter().find(|&&b| b as usize >= remote_pool) {
         return Err(HandoffError::InvalidBlocks(format!(
             "remote block {b} is outside the peer's pool of {remote_pool}"
         )));
     }
-    let local_pool = ours.ranks[0].layout.num_blocks;
+    let local_pool = pool(ours).unwrap_or(0);
     if let Some(b) = local_blocks.iter().find(|&&b| b as usize >= local_pool) {
         return Err(HandoffError::InvalidBlocks(format!(
             "local block {b} is outside our pool of {local_pool}"
@@ -429,6 +440,20 @@ mod tests {
         ));
         assert!(matches!(
             plan_pull(&ours, &theirs, &[0, 1], &[0, 1, 2], 5),
+            Err(HandoffError::InvalidBlocks(_))
+        ));
+        // A peer whose rank 1 announces a smaller pool than rank 0: refused at validation,
+        // and a block id valid for rank 0 only is refused by the block check as well.
+        let ours2 = info(2, 4, 8, 0);
+        let mut small = info(2, 4, 8, 100);
+        small.ranks[1].layout.num_blocks = 2;
+        let e = validate_peer(&ours2, &small).unwrap_err();
+        assert!(
+            e.to_string().contains("rank 1 has a pool of 2 blocks"),
+            "{e}"
+        );
+        assert!(matches!(
+            plan_pull(&ours2, &small, &[0, 1], &[0, 5], 5),
             Err(HandoffError::InvalidBlocks(_))
         ));
     }

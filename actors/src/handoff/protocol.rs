@@ -453,12 +453,134 @@ pub fn encode_request(request: &PeerRequest) -> Result<Vec<u8>, HandoffError> {
         .map_err(|e| HandoffError::Protocol(e.to_string()))
 }
 
-/// Decodes and validates a request.
+/// Most hand-offs one [`PeerRequest::Renew`] (or its answer) names: a decode instance renews
+/// the hand-offs it has in flight with one peer, far fewer.
+pub const MAX_RENEW_IDS: usize = 4096;
+/// Longest prompt a [`PeerRequest::Prefill`] carries, in tokens (past any model's context).
+pub const MAX_PROMPT_TOKENS: usize = 1 << 22;
+/// Most blocks one hand-off names ([`HeldKv::block_ids`], [`PrefillMode::Push`]'s).
+pub const MAX_HANDOFF_BLOCKS: usize = 1 << 20;
+/// Longest engine id, address or other name a peer sends, in bytes.
+pub const MAX_NAME_BYTES: usize = 1024;
+/// Most TP ranks a peer may publish.
+pub const MAX_RANKS: usize = 1024;
+/// Most regions (layers) one rank may publish.
+pub const MAX_RANK_REGIONS: usize = 4096;
+
+fn bound(what: &str, n: usize, max: usize) -> Result<(), HandoffError> {
+    if n > max {
+        return Err(HandoffError::Protocol(format!(
+            "{what}: {n} exceeds the limit of {max}"
+        )));
+    }
+    Ok(())
+}
+
+impl KvPeerInfo {
+    /// Checks the lengths and counts of a peer's published memory against the protocol's
+    /// limits (its contents are checked against ours by `plan::validate_peer`).
+    ///
+    /// # Errors
+    /// [`HandoffError::Protocol`] naming the field and its limit.
+    pub fn validate_bounds(&self) -> Result<(), HandoffError> {
+        for (what, n) in [
+            ("engine_id bytes", self.engine_id.len()),
+            ("compat_key bytes", self.compat_key.len()),
+            ("compat_hash bytes", self.compat_hash.len()),
+            ("transfer_addr bytes", self.transfer_addr.len()),
+            ("backend bytes", self.backend.len()),
+        ] {
+            bound(what, n, MAX_NAME_BYTES)?;
+        }
+        bound("ranks", self.ranks.len(), MAX_RANKS)?;
+        for r in &self.ranks {
+            bound("rank regions", r.regions.len(), MAX_RANK_REGIONS)?;
+        }
+        Ok(())
+    }
+}
+
+impl PeerRequest {
+    /// Checks every length and count a peer controls against this protocol's limits, before
+    /// anything of the request reaches shared state.
+    ///
+    /// # Errors
+    /// [`HandoffError::Protocol`] naming the field and its limit.
+    pub fn validate(&self) -> Result<(), HandoffError> {
+        match self {
+            Self::Info | Self::Release(_) | Self::Abort(_) => Ok(()),
+            Self::Renew(ids) => bound("Renew ids", ids.len(), MAX_RENEW_IDS),
+            Self::Prefill(p) => {
+                bound("Prefill prompt tokens", p.prompt.len(), MAX_PROMPT_TOKENS)?;
+                if let PrefillMode::Push {
+                    peer,
+                    block_ids,
+                    session,
+                } = &p.mode
+                {
+                    peer.validate_bounds()?;
+                    bound("Prefill push blocks", block_ids.len(), MAX_HANDOFF_BLOCKS)?;
+                    if let Some(s) = session {
+                        bound(
+                            "session transfer_addr bytes",
+                            s.transfer_addr.len(),
+                            MAX_NAME_BYTES,
+                        )?;
+                    }
+                }
+                bound(
+                    "stop strings",
+                    p.sampling.stop.len(),
+                    pdserve_gpu::sampling::MAX_STOP_STRINGS,
+                )?;
+                bound(
+                    "stop_token_ids",
+                    p.sampling.stop_token_ids.len(),
+                    pdserve_gpu::sampling::MAX_STOP_TOKEN_IDS,
+                )
+            }
+            Self::OpenSession { initiator, .. } | Self::OpenRead { initiator, .. } => {
+                bound("initiator bytes", initiator.len(), MAX_NAME_BYTES)
+            }
+        }
+    }
+}
+
+impl PeerAnswer {
+    /// As [`PeerRequest::validate`], for an answer.
+    ///
+    /// # Errors
+    /// [`HandoffError::Protocol`] naming the field and its limit.
+    pub fn validate(&self) -> Result<(), HandoffError> {
+        match self {
+            Self::Info(info) => info.validate_bounds(),
+            Self::Prefilled(a) => match &a.held {
+                Some(h) => bound("held blocks", h.block_ids.len(), MAX_HANDOFF_BLOCKS),
+                None => Ok(()),
+            },
+            Self::Renewed { unknown } => bound("Renewed ids", unknown.len(), MAX_RENEW_IDS),
+            Self::Session(s) => bound(
+                "session transfer_addr bytes",
+                s.transfer_addr.len(),
+                MAX_NAME_BYTES,
+            ),
+            Self::Released { .. } | Self::Aborted { .. } | Self::ReadOpened | Self::Failed(_) => {
+                Ok(())
+            }
+        }
+    }
+}
+
+/// Decodes and validates a request ([`PeerRequest::validate`]).
 ///
 /// # Errors
-/// [`HandoffError::Protocol`] for bytes that are not a valid archive of a [`PeerRequest`].
+/// [`HandoffError::Protocol`] for bytes that are not a valid archive of a [`PeerRequest`],
+/// or one past a limit.
 pub fn decode_request(bytes: &[u8]) -> Result<PeerRequest, HandoffError> {
-    from_archive(bytes).map_err(|e| HandoffError::Protocol(format!("bad request frame: {e}")))
+    let request: PeerRequest = from_archive(bytes)
+        .map_err(|e| HandoffError::Protocol(format!("bad request frame: {e}")))?;
+    request.validate()?;
+    Ok(request)
 }
 
 /// Encodes an answer.
@@ -476,7 +598,10 @@ pub fn encode_answer(answer: &PeerAnswer) -> Result<Vec<u8>, HandoffError> {
 /// # Errors
 /// [`HandoffError::Protocol`] for bytes that are not a valid archive of a [`PeerAnswer`].
 pub fn decode_answer(bytes: &[u8]) -> Result<PeerAnswer, HandoffError> {
-    from_archive(bytes).map_err(|e| HandoffError::Protocol(format!("bad answer frame: {e}")))
+    let answer: PeerAnswer = from_archive(bytes)
+        .map_err(|e| HandoffError::Protocol(format!("bad answer frame: {e}")))?;
+    answer.validate()?;
+    Ok(answer)
 }
 
 /// Microseconds since the Unix epoch now (0 if the clock is before it).
@@ -642,6 +767,47 @@ mod tests {
         for (e, kind) in cases {
             assert_eq!(e.kind(), kind, "{e}");
         }
+    }
+
+    #[test]
+    fn counts_past_the_limits_are_refused_on_decode() {
+        let t = TransferId(5);
+        let too_many = vec![t; MAX_RENEW_IDS + 1];
+        let frame = encode_request(&PeerRequest::Renew(too_many)).unwrap();
+        let e = decode_request(&frame).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("Renew ids: 4097 exceeds the limit of 4096"),
+            "{e}"
+        );
+        let ok = encode_request(&PeerRequest::Renew(vec![t; MAX_RENEW_IDS])).unwrap();
+        assert!(decode_request(&ok).is_ok(), "the limit itself is allowed");
+
+        let long_name = PeerRequest::OpenSession {
+            initiator: "x".repeat(MAX_NAME_BYTES + 1),
+            fresh: false,
+        };
+        assert!(decode_request(&encode_request(&long_name).unwrap()).is_err());
+
+        let mut sampling = SamplingParams::greedy(1);
+        sampling.stop_token_ids = vec![1; pdserve_gpu::sampling::MAX_STOP_TOKEN_IDS + 1];
+        let prefill = PeerRequest::Prefill(PrefillRequest {
+            transfer: t,
+            prompt: vec![1, 2, 3],
+            sampling,
+            mode: PrefillMode::Pull,
+            cached_blocks: 0,
+        });
+        assert!(decode_request(&encode_request(&prefill).unwrap()).is_err());
+
+        let mut wide = info();
+        wide.ranks = vec![wide.ranks[0].clone(); MAX_RANKS + 1];
+        let e = decode_answer(&encode_answer(&PeerAnswer::Info(wide)).unwrap()).unwrap_err();
+        assert!(e.to_string().contains("ranks"), "{e}");
+        let renewed = PeerAnswer::Renewed {
+            unknown: vec![t; MAX_RENEW_IDS + 1],
+        };
+        assert!(decode_answer(&encode_answer(&renewed).unwrap()).is_err());
     }
 
     proptest! {

@@ -307,11 +307,14 @@ impl<H: PrefillHost> PeerService<H> {
     }
 
     async fn renew(&self, ids: Vec<TransferId>) -> Result<PeerAnswer, HandoffError> {
+        // At most MAX_RENEW_IDS (checked on decode); a set, so the loop under the lock is
+        // linear however the peer orders or repeats them.
         let unknown = self.host.renew(ids.clone()).await?;
+        let gone: std::collections::HashSet<TransferId> = unknown.iter().copied().collect();
         let until = self.read_deadline();
         let mut reads = self.reads.lock().unwrap_or_else(|e| e.into_inner());
         for t in &ids {
-            if unknown.contains(t) {
+            if gone.contains(t) {
                 reads.remove(t);
             } else if let Some(r) = reads.get_mut(t) {
                 r.until = until;

@@ -231,6 +231,18 @@ fn run_from_env() -> Result<()> {
     Ok(())
 }
 
+/// The bytes of a transfer connection's HELLO frame for `backend` from an engine named
+/// `name` (for tests that speak the wire protocol by hand).
+pub fn hello_frame(backend: BackendKind, name: &str) -> Vec<u8> {
+    use crate::backend::proto;
+    let payload = format!("{backend}\n{name}\n{}", proto::host_id()).into_bytes();
+    let mut frame = proto::ReqHeader::control(proto::OP_HELLO, 0, payload.len())
+        .encode()
+        .to_vec();
+    frame.extend_from_slice(&payload);
+    frame
+}
+
 /// A running peer process.
 #[derive(Debug)]
 pub struct PeerProcess {

@@ -564,3 +564,37 @@ async fn a_target_requiring_encryption_refuses_weaker_sessions() {
         "mac against encrypt",
     );
 }
+
+/// A stranger that opens a transfer connection and never greets (no HELLO), or greets and
+/// never proves a key where keys are required, is disconnected once `peer_timeout` passed:
+/// it cannot hold a connection and its task open by saying nothing.
+#[test]
+fn a_silent_connection_is_closed_after_peer_timeout() {
+    for (require_auth, greet) in [(false, false), (true, false), (true, true)] {
+        let mut cfg = engine_config(BackendKind::Tcp, PEER_NODE, None, None);
+        cfg.peer_timeout = Duration::from_millis(500);
+        cfg.require_auth = require_auth;
+        let target = TransferEngine::new(cfg).unwrap();
+        let addr = target.address();
+        let addr = addr.strip_prefix("tcp://").unwrap_or(&addr);
+        let mut sock = std::net::TcpStream::connect(addr).unwrap();
+        if greet {
+            // A HELLO as the engine's own client sends it, then nothing.
+            let hello = pdserve_transport::peer::hello_frame(BackendKind::Tcp, "stranger");
+            sock.write_all(&hello).unwrap();
+        }
+        // Liveness bound (60x the timeout): the target must close it by itself.
+        sock.set_read_timeout(Some(Duration::from_secs(30)))
+            .unwrap();
+        let mut buf = [0u8; 4096];
+        let closed = loop {
+            match sock.read(&mut buf) {
+                Ok(0) => break true,
+                Ok(_) => continue, // the answer to HELLO
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => break true,
+                Err(e) => panic!("require_auth {require_auth}, greet {greet}: {e}"),
+            }
+        };
+        assert!(closed);
+    }
+}

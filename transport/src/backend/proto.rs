@@ -520,9 +520,25 @@ where
     let mut _kept: Vec<Box<dyn std::any::Any + Send>> = Vec::new();
     // The frame protection, once an `AUTH` asked for it (`tcp_integrity`).
     let mut fr: Option<Framing> = None;
+    // Until the peer said HELLO or AUTH, every read is bounded by `peer_timeout` from the
+    // connection's start: a stranger cannot hold a connection (and its task) open by saying
+    // nothing, or by dribbling its first frame.
+    let greeting_by = tokio::time::Instant::now() + ctx.core.config.peer_timeout;
+    let mut greeted = false;
+    let unanswered = || TransportError::Timeout {
+        what: format!("the first frame of transfer connection {}", ctx.remote_addr),
+        after: ctx.core.config.peer_timeout,
+    };
     loop {
         let mut hb = [0u8; REQ_HEADER];
-        if !read_exact_or_eof(r, &mut hb).await? {
+        let got = if greeted {
+            read_exact_or_eof(r, &mut hb).await?
+        } else {
+            tokio::time::timeout_at(greeting_by, read_exact_or_eof(r, &mut hb))
+                .await
+                .map_err(|_| unanswered())??
+        };
+        if !got {
             return Ok(());
         }
         if let Some(f) = &mut fr {
@@ -547,7 +563,13 @@ where
                         return Err(e);
                     }
                 }
-                let payload = read_payload(r, &mut fr, h.len).await?;
+                let payload = if greeted {
+                    read_payload(r, &mut fr, h.len).await?
+                } else {
+                    tokio::time::timeout_at(greeting_by, read_payload(r, &mut fr, h.len))
+                        .await
+                        .map_err(|_| unanswered())??
+                };
                 match h.op {
                     OP_HELLO => {
                         let nonce = match hello(ctx, &payload) {
@@ -559,12 +581,15 @@ where
                             }
                         };
                         respond(w, sealer(&mut fr), ST_OK, h.req, 0, &nonce).await?;
+                        // Where sessions must authenticate, only AUTH ends the greeting.
+                        greeted = !ctx.core.config.require_auth;
                     }
                     OP_AUTH => match authenticate(ctx, &payload) {
                         Ok((answer, framing)) => {
                             // The answer goes out in the clear; protection starts after it.
                             respond(w, None, ST_OK, h.req, 0, &answer).await?;
                             fr = framing;
+                            greeted = true;
                         }
                         Err(e) => {
                             tracing::warn!(peer = %ctx.remote_addr, error = %e, "refused transfer session");

@@ -26,6 +26,13 @@ use crate::error::{Result, TransportError};
 use crate::integrity::{FrameSealer, TAG};
 use crate::memory::{plain_chunks, BackendRegistration};
 
+/// Most connections one engine's listener serves at once (`tcp`, `shm`, `rdma`): a peer opens
+/// `tcp_connections` + 1 (at most 65) per session, so this admits ~60 peers with room to
+/// spare. Past it a new connection is closed at once, before it costs a task.
+pub(crate) const MAX_SERVED_CONNECTIONS: usize = 4096;
+const ACCEPT_BACKOFF_MIN: std::time::Duration = std::time::Duration::from_millis(5);
+const ACCEPT_BACKOFF_MAX: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Binds the listener and serves incoming connections with [`proto::serve`].
 pub(crate) fn listen(
     core: &Arc<EngineCore>,
@@ -37,14 +44,27 @@ pub(crate) fn listen(
     let addr = std_listener.local_addr()?;
     let listener = TcpListener::from_std(std_listener)?;
     let core = core.clone();
+    let open = Arc::new(tokio::sync::Semaphore::new(MAX_SERVED_CONNECTIONS));
     tokio::spawn(async move {
+        let mut backoff = ACCEPT_BACKOFF_MIN;
         loop {
             let (stream, remote) = match listener.accept().await {
-                Ok(x) => x,
+                Ok(x) => {
+                    backoff = ACCEPT_BACKOFF_MIN;
+                    x
+                }
                 Err(e) => {
-                    tracing::warn!(error = %e, "transfer listener accept failed");
+                    // Out of descriptors (EMFILE) and the like: retrying at once would spin.
+                    tracing::warn!(error = %e, retry_in = ?backoff, "transfer listener accept failed");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(ACCEPT_BACKOFF_MAX);
                     continue;
                 }
+            };
+            let Ok(permit) = open.clone().try_acquire_owned() else {
+                tracing::warn!(peer = %remote, limit = MAX_SERVED_CONNECTIONS, "transfer connection refused: too many open");
+                drop(stream);
+                continue;
             };
             let _ = stream.set_nodelay(true);
             let ctx = ServerCtx {
@@ -55,6 +75,7 @@ pub(crate) fn listen(
                 rdma_accept: rdma_accept.clone(),
             };
             tokio::spawn(async move {
+                let _permit = permit;
                 let (mut r, mut w) = stream.into_split();
                 if let Err(e) = proto::serve(&ctx, &mut r, &mut w).await {
                     tracing::debug!(peer = %ctx.remote_addr, error = %e, "transfer connection ended");

@@ -82,10 +82,28 @@ async fn read_frame(recv: &mut quinn::RecvStream, max: usize) -> Result<Envelope
     let mut header = [0u8; FRAME_HEADER_BYTES];
     read_exact_stream(recv, &mut header).await?;
     let len = frame_len(header, max)?;
-    let mut payload = vec![0u8; len];
-    read_exact_stream(recv, &mut payload).await?;
+    // Grown as bytes arrive, not allocated at the declared length: a peer that declares
+    // 16 MiB on each of its streams and sends nothing costs nothing (what arrives is bounded
+    // by the connection's receive window).
+    let mut payload = Vec::with_capacity(len.min(FRAME_READ_CHUNK));
+    while payload.len() < len {
+        let want = (len - payload.len()).min(FRAME_READ_CHUNK);
+        match recv.read_chunk(want, true).await {
+            Ok(Some(chunk)) => payload.extend_from_slice(&chunk.bytes),
+            Ok(None) => {
+                return Err(TransportError::Wire(WireError::Truncated {
+                    needed: len,
+                    have: payload.len(),
+                }))
+            }
+            Err(e) => return Err(TransportError::peer_gone("control peer", e)),
+        }
+    }
     Ok(decode_payload(&payload)?)
 }
+
+/// The most bytes of a frame read (and allocated) at a time.
+const FRAME_READ_CHUNK: usize = 64 << 10;
 
 async fn read_exact_stream(recv: &mut quinn::RecvStream, buf: &mut [u8]) -> Result<()> {
     recv.read_exact(buf).await.map_err(|e| match e {

@@ -19,6 +19,7 @@
 //! it through [`service::PrefillHost`], the receiver answers through a [`receiver::FetchReply`]
 //! callback), and the Scheduler depends on it.
 
+pub mod aborts;
 pub mod aggregator;
 pub mod context;
 pub mod peer;

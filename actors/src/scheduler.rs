@@ -204,7 +204,7 @@ pub struct SchedulerState {
     kv_sender: Option<Mailbox<KvSenderMsg>>,
     /// Hand-offs aborted before their prompt arrived (the decode side's Abort can overtake
     /// its Prefill): a later prompt for one is refused, not computed for nobody.
-    aborted_transfers: HashMap<TransferId, Instant>,
+    aborted_transfers: crate::handoff::aborts::RecentAborts,
     me: Mailbox<SchedulerMsg>,
     vocab_size: usize,
 }
@@ -243,7 +243,7 @@ impl Actor for Scheduler {
             needs_reset: false,
             kv_receiver: args.kv_receiver,
             kv_sender: args.kv_sender,
-            aborted_transfers: HashMap::new(),
+            aborted_transfers: Default::default(),
             vocab_size: args.vocab_size,
         })
     }
@@ -340,13 +340,13 @@ impl Actor for Scheduler {
             SchedulerMsg::Tick => {
                 let now = Instant::now();
                 st.core.expire_held(now);
-                st.aborted_transfers.retain(|_, at| {
-                    now.duration_since(*at) < crate::handoff::service::ABORT_MEMORY
-                });
+                st.aborted_transfers.forget_expired(now);
             }
             SchedulerMsg::Submit { request, sink } => {
                 let (id, hold_for) = (request.id, request.hold_for);
-                if let Some(transfer) = hold_for.filter(|t| st.aborted_transfers.contains_key(t)) {
+                if let Some(transfer) =
+                    hold_for.filter(|&t| st.aborted_transfers.contains(t, Instant::now()))
+                {
                     tracing::info!(request = %id, %transfer, "hand-off aborted before its prompt arrived");
                     let _ = sink.try_send(RequestEvent::Failed(RequestError::Aborted));
                     return Ok(());

@@ -32,8 +32,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::Semaphore;
 
-/// How long an aborted hand-off is remembered (a late Prefill request for it is refused).
-pub const ABORT_MEMORY: Duration = Duration::from_secs(600);
+use super::aborts::RecentAborts;
+pub use super::aborts::ABORT_MEMORY;
 
 /// A prompt to run for a remote decode instance.
 #[derive(Clone, Debug, PartialEq)]
@@ -202,7 +202,7 @@ pub struct PeerService<H> {
     sender: Option<Mailbox<KvSenderMsg>>,
     admission: Arc<Semaphore>,
     limits: PromptLimits,
-    aborted: Mutex<HashMap<TransferId, Instant>>,
+    aborted: Mutex<RecentAborts>,
     reads: Mutex<HashMap<TransferId, HeldRead>>,
 }
 
@@ -231,7 +231,7 @@ impl<H: PrefillHost> PeerService<H> {
             sender,
             admission,
             limits,
-            aborted: Mutex::new(HashMap::new()),
+            aborted: Mutex::new(RecentAborts::default()),
             reads: Mutex::new(HashMap::new()),
         }
     }
@@ -397,8 +397,7 @@ impl<H: PrefillHost> PeerService<H> {
         self.aborted
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .get(&transfer)
-            .is_some_and(|at| at.elapsed() < ABORT_MEMORY)
+            .contains(transfer, Instant::now())
     }
 
     async fn prefill(&self, req: PrefillRequest) -> Result<PrefillAnswer, HandoffError> {
@@ -553,10 +552,10 @@ impl<H: PrefillHost> PeerService<H> {
 
     async fn abort(&self, transfer: TransferId) -> Result<bool, HandoffError> {
         {
-            let mut aborted = self.aborted.lock().unwrap_or_else(|e| e.into_inner());
-            let now = Instant::now();
-            aborted.retain(|_, at| now.duration_since(*at) < ABORT_MEMORY);
-            aborted.insert(transfer, now);
+            self.aborted
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(transfer, Instant::now());
         }
         self.end_read(transfer);
         let found = self.host.abort_transfer(transfer).await?;

@@ -449,7 +449,9 @@ pub fn render_tree(snap: &InstanceSnapshot, color: bool) -> String {
             format_bytes(snap.handoff_bytes / snap.handoffs_done),
             pct(
                 snap.handoff_bytes_skipped,
-                snap.handoff_bytes + snap.handoff_bytes_skipped
+                // Figures come from the instance: a sum that overflows must not panic.
+                snap.handoff_bytes
+                    .saturating_add(snap.handoff_bytes_skipped)
             ),
         );
     }

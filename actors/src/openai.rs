@@ -292,7 +292,9 @@ pub fn parse_value(v: &Value, chat: bool) -> Result<ParsedRequest, RequestError>
         None | Some(Value::Null) => {}
         Some(x) => match x.as_i64() {
             Some(-1) | Some(0) => params.top_k = None,
-            Some(k) if k > 0 => params.top_k = Some(k as u32),
+            // Clamped, never truncated: 2^32 + 1 is not 1 (greedy). Sampling clamps to the
+            // vocabulary anyway.
+            Some(k) if k > 0 => params.top_k = Some(u32::try_from(k).unwrap_or(u32::MAX)),
             _ => {
                 return Err(bad(format!(
                     "`top_k` must be -1, 0 or a positive integer, got {x}"

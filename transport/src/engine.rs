@@ -773,15 +773,23 @@ impl EngineCore {
     /// Delivers a notification to this engine's receiver. The acquire fence pairs with the
     /// sender's release: bytes the sender wrote before notifying are visible to whoever reads
     /// the notification.
-    pub(crate) async fn deliver(&self, from: String, bytes: Vec<u8>) {
+    ///
+    /// # Errors
+    /// [`TransportError::Busy`] when the queue of `queue_depth` notifications is full: the
+    /// owner does not take them (fast enough). Waiting for room instead would hold the
+    /// sender's connection forever on an engine whose owner never takes them.
+    pub(crate) fn deliver(&self, from: String, bytes: Vec<u8>) -> Result<()> {
         std::sync::atomic::fence(Ordering::Acquire);
-        if self
-            .notify_tx
-            .send(Notification { from, bytes })
-            .await
-            .is_err()
-        {
-            tracing::debug!(engine = %self.name, "notification dropped: receiver closed");
+        match self.notify_tx.try_send(Notification { from, bytes }) {
+            Ok(()) => Ok(()),
+            Err(mpsc::error::TrySendError::Full(_)) => Err(TransportError::Busy(format!(
+                "the notification queue of engine {} is full",
+                self.name
+            ))),
+            Err(mpsc::error::TrySendError::Closed(_)) => {
+                tracing::debug!(engine = %self.name, "notification dropped: receiver closed");
+                Ok(())
+            }
         }
     }
 }
@@ -1319,7 +1327,9 @@ impl Session {
     ///
     /// # Errors
     /// [`TransportError::Config`] when larger than `max_notify_bytes`;
-    /// [`TransportError::PeerGone`] when the peer is unreachable.
+    /// [`TransportError::PeerGone`] when the peer is unreachable; the peer's
+    /// [`TransportError::Busy`] (`Remote` with kind `busy` over a socket) when its queue of
+    /// notifications is full.
     pub async fn notify(&self, bytes: &[u8]) -> Result<()> {
         if bytes.len() > self.core.config.max_notify_bytes {
             return Err(TransportError::Config(format!(

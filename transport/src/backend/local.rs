@@ -148,8 +148,7 @@ impl Link for LocalLink {
     fn notify(self: Arc<Self>, bytes: Vec<u8>) -> BoxFut<Result<()>> {
         Box::pin(async move {
             let peer = self.peer_core()?;
-            peer.deliver(self.me.name.clone(), bytes).await;
-            Ok(())
+            peer.deliver(self.me.name.clone(), bytes)
         })
     }
     fn execute(self: Arc<Self>, pieces: Vec<PlannedOp>, batch: Arc<BatchState>) -> Result<()> {

@@ -598,10 +598,10 @@ where
                             return Err(e);
                         }
                     },
-                    _ => {
-                        ctx.core.deliver(ctx.peer_name(), payload).await;
-                        respond(w, sealer(&mut fr), ST_OK, h.req, 0, &[]).await?;
-                    }
+                    _ => match ctx.core.deliver(ctx.peer_name(), payload) {
+                        Ok(()) => respond(w, sealer(&mut fr), ST_OK, h.req, 0, &[]).await?,
+                        Err(e) => respond_error(w, sealer(&mut fr), h.req, &e).await?,
+                    },
                 }
             }
             OP_GET_REGIONS => match ctx.admitted() {

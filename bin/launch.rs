@@ -639,30 +639,22 @@ async fn run_in_process(args: LaunchArgs, threads: usize, creds: &LaunchCredenti
     let source: ModelSource = args.model.parse().expect("infallible");
     // The proxy first: instances register with its control plane as they come up.
     let bind: SocketAddr = format!("{}:{}", args.host, args.port).parse()?;
-    let pargs = pdserve_actors::proxy::ProxyArgs {
-        bind,
-        prefill: Vec::new(),
-        decode: Vec::new(),
-        timeout: Duration::from_secs(600),
-        max_prefill_queue: None,
-        api_key: args.api_key.clone(),
-        call_timeout: Duration::from_secs(5),
-        tls: Default::default(),
-        migration_limit: args.migration_limit,
-        prefill_retry: Default::default(),
-        router: args.router,
-        prefill_load_scale: 1.0,
-        kv_index_max_blocks: pdserve_actors::kv_events::DEFAULT_INDEX_MAX_BLOCKS,
-        tokenizer: {
-            let (tokenizer, template) =
-                tokio::task::block_in_place(|| pdserve_gpu::loader::load_tokenizer(&source))?;
-            Some(std::sync::Arc::new(
-                pdserve_actors::proxy::PromptTokenizer {
-                    tokenizer,
-                    template,
-                },
-            ))
-        },
+    // The config's proxy defaults (admission and connection bounds included), with the
+    // launcher's choices.
+    let mut pargs = pdserve_actors::proxy::ProxyArgs::new(bind, Vec::new(), Vec::new());
+    pargs.api_key = args.api_key.clone();
+    pargs.migration_limit = args.migration_limit;
+    pargs.router = args.router;
+    pargs.kv_index_max_blocks = pdserve_actors::kv_events::DEFAULT_INDEX_MAX_BLOCKS;
+    pargs.tokenizer = {
+        let (tokenizer, template) =
+            tokio::task::block_in_place(|| pdserve_gpu::loader::load_tokenizer(&source))?;
+        Some(std::sync::Arc::new(
+            pdserve_actors::proxy::PromptTokenizer {
+                tokenizer,
+                template,
+            },
+        ))
     };
     let control = pdserve_actors::proxy::ProxyControlArgs::new(
         MemberCredentials::load(creds.dir(), "proxy")?,

@@ -543,6 +543,11 @@ fn proxy(args: ProxyArgs) -> Result<()> {
         decode: p.decode,
         timeout: std::time::Duration::from_secs(p.timeout_s),
         max_prefill_queue: p.max_prefill_queue,
+        max_concurrent_requests: p.max_concurrent_requests,
+        conn_limits: pdserve_actors::http::ConnLimits {
+            max_connections: p.max_connections,
+            header_read_timeout: std::time::Duration::from_secs(p.header_read_timeout_s),
+        },
         api_key: p.api_key,
         call_timeout: std::time::Duration::from_millis(p.actor_call_timeout_ms),
         tls: pdserve_actors::http::HttpTls::load(

@@ -27,7 +27,7 @@ mod state;
 pub mod tls;
 
 pub use error::{bearer_matches, unauthorized, ApiError};
-pub use server::HttpServer;
+pub use server::{ConnLimits, HttpServer};
 pub use state::AppState;
 pub use tls::{http_client, HttpTls, TlsError};
 
@@ -77,6 +77,9 @@ async fn require_key(
         unauthorized()
     }
 }
+
+/// `Retry-After` (seconds) of every `503` refusal: over a bound, or shutting down.
+pub const RETRY_AFTER_S: u64 = 1;
 
 /// Bound on the Scheduler's answer for `/health/live`.
 pub const LIVE_TIMEOUT: Duration = Duration::from_secs(2);
@@ -165,6 +168,8 @@ pub struct HttpArgs {
     pub bind: SocketAddr,
     /// Shared handler state.
     pub app: Arc<AppState>,
+    /// Bounds on the server's connections.
+    pub limits: ConnLimits,
 }
 
 /// The frontend's state: its server.
@@ -184,7 +189,14 @@ impl Actor for HttpFrontend {
     ) -> Result<Self::State, ActorProcessingErr> {
         let app = args.app.clone();
         let tls = app.tls.server_config();
-        let server = HttpServer::start(args.bind, router(args.app), tls, "HTTP frontend").await?;
+        let server = HttpServer::start(
+            args.bind,
+            router(args.app),
+            tls,
+            args.limits,
+            "HTTP frontend",
+        )
+        .await?;
         let _ = app.addr.set(server.addr());
         Ok(HttpState { server })
     }

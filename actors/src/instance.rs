@@ -67,8 +67,11 @@ pub struct InstanceOptions {
     pub max_model_len: Option<usize>,
     /// Where the API listens (None: no HTTP frontend).
     pub bind: Option<SocketAddr>,
-    /// Admission bound.
+    /// Admission bound: requests in flight (running and waiting) past which new ones get 503.
     pub max_concurrent_requests: usize,
+    /// Bounds on the API's connections (`server.max_connections`,
+    /// `server.header_read_timeout_s`).
+    pub conn_limits: crate::http::ConnLimits,
     /// Per-request deadline.
     pub request_timeout: Duration,
     /// Bound on one call between the instance's actors.
@@ -133,6 +136,10 @@ impl InstanceOptions {
             max_model_len: cfg.scheduler.max_model_len,
             bind: Some(bind),
             max_concurrent_requests: cfg.server.max_concurrent_requests,
+            conn_limits: crate::http::ConnLimits {
+                max_connections: cfg.server.max_connections,
+                header_read_timeout: Duration::from_secs(cfg.server.header_read_timeout_s),
+            },
             request_timeout: Duration::from_secs(cfg.server.request_timeout_s),
             call_timeout: Duration::from_millis(cfg.server.actor_call_timeout_ms),
             drain_timeout: Duration::from_secs(cfg.server.drain_timeout_s),
@@ -175,6 +182,7 @@ impl InstanceOptions {
             max_model_len: None,
             bind: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
             max_concurrent_requests: 256,
+            conn_limits: crate::http::ConnLimits::default(),
             request_timeout: Duration::from_secs(120),
             call_timeout: Duration::from_secs(5),
             drain_timeout: Duration::from_secs(30),
@@ -344,8 +352,9 @@ impl Instance {
                 model.chat_template.clone(),
                 served.clone(),
             );
-            let (max_concurrent, timeout, api_key, call_timeout) = (
+            let (max_concurrent, conn_limits, timeout, api_key, call_timeout) = (
                 opts.max_concurrent_requests,
+                opts.conn_limits,
                 opts.request_timeout,
                 opts.api_key.clone(),
                 opts.call_timeout,
@@ -379,6 +388,8 @@ impl Instance {
                     max_model_len,
                     vocab_size,
                     admission,
+                    max_concurrent_requests: max_concurrent,
+                    conn_limits,
                     request_timeout: timeout,
                     api_key,
                     metrics: pdserve_runtime::telemetry::install_metrics(),

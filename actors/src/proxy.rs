@@ -159,6 +159,8 @@ impl Actor for Proxy {
             http: args.tls.client().build()?,
             timeout: args.timeout,
             max_prefill_queue: args.max_prefill_queue,
+            admission: Arc::new(tokio::sync::Semaphore::new(args.max_concurrent_requests)),
+            max_concurrent_requests: args.max_concurrent_requests,
             api_key: args.api_key.clone(),
             migration_limit: args.migration_limit,
             prefill_retry: args.prefill_retry,
@@ -185,6 +187,7 @@ impl Actor for Proxy {
             args.bind,
             router(state.clone()),
             args.tls.server_config(),
+            args.conn_limits,
             "proxy",
         )
         .await?;

@@ -384,7 +384,11 @@ impl Actor for InstanceSupervisor {
             let (http, _) = Mailbox::spawn_linked(
                 name.clone(),
                 HttpFrontend,
-                HttpArgs { bind, app },
+                HttpArgs {
+                    bind,
+                    limits: app.conn_limits,
+                    app,
+                },
                 sup(),
                 st.hook("HttpFrontend"),
             )

@@ -531,6 +531,10 @@ impl Default for ModelConfig {
     }
 }
 
+/// Largest `server.max_connections` / `proxy.max_connections` (each connection holds a
+/// descriptor and a task).
+pub const MAX_CONNECTIONS: usize = 1 << 20;
+
 /// `[server]`: the OpenAI-compatible HTTP frontend.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -543,8 +547,14 @@ pub struct ServerConfig {
     /// When set, requests must carry `Authorization: Bearer <api_key>`.
     #[serde(deserialize_with = "lenient::opt_string")]
     pub api_key: Option<String>,
-    /// Admission bound: requests beyond this many in flight are answered 503.
+    /// Admission bound: requests in flight (running, and waiting for a batch slot or blocks)
+    /// past which new ones are answered 503 with `Retry-After` at once.
     pub max_concurrent_requests: usize,
+    /// Open connections the API serves at once; one more is answered 503 and closed.
+    pub max_connections: usize,
+    /// Seconds a client has to send a request's whole header (and to finish a TLS
+    /// handshake); an idle keep-alive connection is closed after as long.
+    pub header_read_timeout_s: u64,
     /// A request still unfinished after this many seconds is aborted.
     pub request_timeout_s: u64,
     /// Bound on one call between the instance's actors (a scheduler query, a lease call
@@ -572,6 +582,8 @@ impl Default for ServerConfig {
             port: 8000,
             api_key: None,
             max_concurrent_requests: 256,
+            max_connections: 4096,
+            header_read_timeout_s: 30,
             request_timeout_s: 600,
             actor_call_timeout_ms: 5_000,
             drain_timeout_s: 30,
@@ -1087,6 +1099,14 @@ pub struct ProxySection {
     /// Conditional disaggregation: when the least-loaded prefill instance has more requests
     /// queued or running than this, the decode instance prefills the request itself.
     pub max_prefill_queue: Option<usize>,
+    /// Admission bound: requests the proxy forwards at once; one more is answered 503 with
+    /// `Retry-After` before anything is sent upstream.
+    pub max_concurrent_requests: usize,
+    /// Open client connections served at once; one more is answered 503 and closed.
+    pub max_connections: usize,
+    /// Seconds a client has to send a request's whole header (and to finish a TLS
+    /// handshake); an idle keep-alive connection is closed after as long.
+    pub header_read_timeout_s: u64,
     /// Bearer token clients must send on `/v1/*` (and that the proxy sends on to instances).
     #[serde(deserialize_with = "lenient::opt_string")]
     pub api_key: Option<String>,
@@ -1203,6 +1223,9 @@ impl Default for ProxySection {
             decode: Vec::new(),
             timeout_s: 600,
             max_prefill_queue: None,
+            max_concurrent_requests: 1024,
+            max_connections: 4096,
+            header_read_timeout_s: 30,
             api_key: None,
             credentials_dir: None,
             node: "proxy".into(),
@@ -1267,6 +1290,30 @@ impl ProxyConfig {
         }
         if p.timeout_s == 0 {
             return invalid("proxy.timeout_s", "proxy.timeout_s must be > 0".into());
+        }
+        if p.max_concurrent_requests == 0 {
+            return invalid(
+                "proxy.max_concurrent_requests",
+                "proxy.max_concurrent_requests must be ≥ 1".into(),
+            );
+        }
+        if !(1..=MAX_CONNECTIONS).contains(&p.max_connections) {
+            return invalid(
+                "proxy.max_connections",
+                format!(
+                    "proxy.max_connections must be 1..={MAX_CONNECTIONS}, got {}",
+                    p.max_connections
+                ),
+            );
+        }
+        if !(1..=3600).contains(&p.header_read_timeout_s) {
+            return invalid(
+                "proxy.header_read_timeout_s",
+                format!(
+                    "proxy.header_read_timeout_s must be 1..=3600, got {}",
+                    p.header_read_timeout_s
+                ),
+            );
         }
         if !(p.prefill_load_scale.is_finite() && p.prefill_load_scale >= 0.0) {
             return invalid(
@@ -1658,6 +1705,24 @@ impl ServeConfig {
             return invalid(
                 "server.max_concurrent_requests",
                 "server.max_concurrent_requests must be ≥ 1",
+            );
+        }
+        if !(1..=MAX_CONNECTIONS).contains(&s.max_connections) {
+            return invalid(
+                "server.max_connections",
+                format!(
+                    "server.max_connections must be 1..={MAX_CONNECTIONS}, got {}",
+                    s.max_connections
+                ),
+            );
+        }
+        if !(1..=3600).contains(&s.header_read_timeout_s) {
+            return invalid(
+                "server.header_read_timeout_s",
+                format!(
+                    "server.header_read_timeout_s must be 1..=3600, got {}",
+                    s.header_read_timeout_s
+                ),
             );
         }
         if s.actor_call_timeout_ms == 0 {
@@ -2502,6 +2567,13 @@ mod tests {
             ("server.max_concurrent_requests", |c| {
                 c.server.max_concurrent_requests = 0
             }),
+            ("server.max_connections", |c| c.server.max_connections = 0),
+            ("server.max_connections", |c| {
+                c.server.max_connections = MAX_CONNECTIONS + 1
+            }),
+            ("server.header_read_timeout_s", |c| {
+                c.server.header_read_timeout_s = 0
+            }),
             ("instance.name", |c| c.instance.name = "a b".into()),
             ("logging.filter", |c| c.logging.filter = "info,[[[".into()),
             ("control.listen", |c| c.control.listen = "anywhere".into()),
@@ -2722,6 +2794,9 @@ mod tests {
             for (key, bad) in [
                 ("prefill_load_scale", serde_json::json!(-1.0)),
                 ("kv_index_max_blocks", serde_json::json!(0)),
+                ("max_concurrent_requests", serde_json::json!(0)),
+                ("max_connections", serde_json::json!(0)),
+                ("header_read_timeout_s", serde_json::json!(0)),
             ] {
                 let e = load(serde_json::json!({"proxy": {key: bad}}))
                     .unwrap_err()

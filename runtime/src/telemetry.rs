@@ -107,7 +107,12 @@ pub const ROUTER_DECISIONS_TOTAL: &str = "pdserve_router_decisions_total";
 /// Gauge (proxy): block hashes the KV router indexes, labelled `instance` (its URL).
 pub const ROUTER_KV_INDEX_BLOCKS: &str = "pdserve_router_kv_index_blocks";
 
-/// Label of [`LOCAL_PREFILLS_TOTAL`]: why (`short_prompt`, `prefill_queue`).
+/// Counter (instances and proxy): requests and connections turned away with `503` before any
+/// work, labelled [`LABEL_REASON`]: `requests` (`max_concurrent_requests` in flight),
+/// `connections` (`max_connections` open), `shutting_down`.
+pub const REQUESTS_SHED_TOTAL: &str = "pdserve_requests_shed_total";
+
+/// Label of [`LOCAL_PREFILLS_TOTAL`] and [`REQUESTS_SHED_TOTAL`]: why (`short_prompt`, `prefill_queue`).
 pub const LABEL_REASON: &str = "reason";
 
 /// Label of [`REQUESTS_TOTAL`]: how a request ended (`ok`, `aborted`, `timeout`, an error's

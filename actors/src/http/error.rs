@@ -1,9 +1,11 @@
 //! Errors as HTTP answers — the one place a [`RequestError`] becomes a status code and an
-//! OpenAI-shaped body, for an instance's API and the proxy alike — and the API-key check.
+//! OpenAI-shaped body (a `503` with `Retry-After`), for an instance's API and the proxy alike —
+//! and the API-key check.
 
 use crate::error::RequestError;
 use crate::openai;
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::header::RETRY_AFTER;
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 
@@ -22,7 +24,12 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status =
             StatusCode::from_u16(self.0.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        (status, Json(openai::error_body(&self.0))).into_response()
+        let mut r = (status, Json(openai::error_body(&self.0))).into_response();
+        if status == StatusCode::SERVICE_UNAVAILABLE {
+            r.headers_mut()
+                .insert(RETRY_AFTER, HeaderValue::from(super::RETRY_AFTER_S));
+        }
+        r
     }
 }
 

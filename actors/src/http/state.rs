@@ -5,6 +5,7 @@ use crate::handoff::{KvContext, PeerService};
 use crate::scheduler::SchedulerHandle;
 use pdserve_gpu::chat::ChatTemplate;
 use pdserve_gpu::tokenizer::Tokenizer;
+use pdserve_runtime::telemetry as m;
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -29,6 +30,10 @@ pub struct AppState {
     /// Admission bound (shared with the peer protocol's prefills); closed when the instance
     /// stops admitting.
     pub admission: Arc<Semaphore>,
+    /// Its size (`server.max_concurrent_requests`), for the refusal's message.
+    pub max_concurrent_requests: usize,
+    /// Bounds on the API's connections.
+    pub conn_limits: super::ConnLimits,
     /// Per-request deadline.
     pub request_timeout: Duration,
     /// Required bearer token, if any.
@@ -58,18 +63,27 @@ impl AppState {
     /// [`RequestError::Overloaded`] when every slot is taken; [`RequestError::ShuttingDown`]
     /// once the instance stopped admitting.
     pub fn admit(&self) -> Result<OwnedSemaphorePermit, RequestError> {
+        let shed = |reason: &'static str, e: RequestError| {
+            metrics::counter!(m::REQUESTS_SHED_TOTAL, m::LABEL_REASON => reason).increment(1);
+            e
+        };
         if !self.is_ready() {
-            return Err(RequestError::ShuttingDown);
+            return Err(shed("shutting_down", RequestError::ShuttingDown));
         }
         self.admission
             .clone()
             .try_acquire_owned()
             .map_err(|e| match e {
-                tokio::sync::TryAcquireError::Closed => RequestError::ShuttingDown,
-                tokio::sync::TryAcquireError::NoPermits => RequestError::Overloaded(format!(
-                    "{} requests in flight",
-                    self.admission.available_permits()
-                )),
+                tokio::sync::TryAcquireError::Closed => {
+                    shed("shutting_down", RequestError::ShuttingDown)
+                }
+                tokio::sync::TryAcquireError::NoPermits => shed(
+                    "requests",
+                    RequestError::Overloaded(format!(
+                        "{} requests in flight (server.max_concurrent_requests)",
+                        self.max_concurrent_requests
+                    )),
+                ),
             })
     }
 

@@ -1,29 +1,18 @@
 //! HTTPS for the API: [`HttpTls`] holds what a server serves (`tls_cert` + `tls_key`) and what
-//! its outgoing calls trust (the system's roots plus `tls_ca`); [`TlsListener`] is the axum
-//! listener that hands the server finished TLS streams.
+//! its outgoing calls trust (the system's roots plus `tls_ca`); the server's connection loop
+//! ([`super::server`]) does the handshakes.
 //!
 //! One type serves an instance's API and the proxy's alike, and gives both their HTTP client,
 //! so the proxy → instance and instance → instance calls verify the certificate of whoever
 //! answers an `https://` URL. rustls with ring, the crypto the control plane already uses.
 
-use axum::serve::Listener;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::crypto::CryptoProvider;
 use rustls::DigitallySignedStruct;
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
-use tokio::net::{TcpListener, TcpStream};
-use tokio_rustls::server::TlsStream;
-use tokio_rustls::TlsAcceptor;
-
-/// A client that has not finished its TLS handshake by then is dropped.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Finished handshakes waiting for the server to take them.
-const ACCEPT_QUEUE: usize = 64;
 
 /// Why the TLS settings could not be loaded: names the file and the config key.
 #[derive(Debug, thiserror::Error)]
@@ -260,78 +249,4 @@ fn certificates(path: &Path, key: &'static str) -> Result<Vec<CertificateDer<'st
         return Err(file("no certificate in the file".into()));
     }
     Ok(certs)
-}
-
-/// An axum listener that accepts TCP connections and yields them once their TLS handshake has
-/// finished. Handshakes run on tasks of their own (bounded by [`HANDSHAKE_TIMEOUT`]), so a
-/// slow or silent client never holds up the next one; a failed handshake is logged and
-/// dropped. Dropping the listener stops accepting.
-pub struct TlsListener {
-    addr: SocketAddr,
-    ready: tokio::sync::mpsc::Receiver<(TlsStream<TcpStream>, SocketAddr)>,
-    acceptor: tokio::task::JoinHandle<()>,
-}
-
-impl TlsListener {
-    /// Serves TLS with `config` on `listener`.
-    ///
-    /// # Errors
-    /// When the listener has no local address.
-    pub fn new(listener: TcpListener, config: Arc<rustls::ServerConfig>) -> std::io::Result<Self> {
-        let addr = listener.local_addr()?;
-        let (tx, ready) = tokio::sync::mpsc::channel(ACCEPT_QUEUE);
-        let tls = TlsAcceptor::from(config);
-        let acceptor = tokio::spawn(async move {
-            loop {
-                let (tcp, peer) = match listener.accept().await {
-                    Ok(c) => c,
-                    Err(e) => {
-                        // Out of descriptors and the like: back off instead of spinning.
-                        tracing::warn!(error = %e, "accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                };
-                let (tls, tx) = (tls.clone(), tx.clone());
-                tokio::spawn(async move {
-                    match tokio::time::timeout(HANDSHAKE_TIMEOUT, tls.accept(tcp)).await {
-                        Ok(Ok(stream)) => {
-                            let _ = tx.send((stream, peer)).await;
-                        }
-                        Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
-                        Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
-                    }
-                });
-            }
-        });
-        Ok(Self {
-            addr,
-            ready,
-            acceptor,
-        })
-    }
-}
-
-impl Drop for TlsListener {
-    fn drop(&mut self) {
-        self.acceptor.abort();
-    }
-}
-
-impl Listener for TlsListener {
-    type Io = TlsStream<TcpStream>;
-    type Addr = SocketAddr;
-
-    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
-        match self.ready.recv().await {
-            Some(conn) => conn,
-            // The acceptor task only ends when aborted, which happens on drop: unreachable
-            // while the server still polls this listener.
-            None => std::future::pending().await,
-        }
-    }
-
-    fn local_addr(&self) -> std::io::Result<Self::Addr> {
-        Ok(self.addr)
-    }
 }

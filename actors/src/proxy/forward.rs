@@ -36,6 +36,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use futures_util::StreamExt;
 use pdserve_runtime::config::PrefillRetry;
 use pdserve_runtime::ids::TransferId;
 use pdserve_runtime::telemetry as m;
@@ -100,6 +101,12 @@ fn content_type(resp: &reqwest::Response, default: &str) -> String {
 async fn relay(resp: reqwest::Response, arrived: Option<Instant>) -> Response {
     let status = StatusCode::from_u16(resp.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
     let ctype = content_type(&resp, "application/json");
+    // An instance's refusal keeps its advice on when to come back.
+    let retry_after = resp
+        .headers()
+        .get(reqwest::header::RETRY_AFTER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| axum::http::HeaderValue::from_str(v).ok());
     let mut first = arrived;
     let done = arrived.map(EndTimer);
     let stream = futures_util::stream::unfold(Some((resp, done)), move |state| {
@@ -119,7 +126,11 @@ async fn relay(resp: reqwest::Response, arrived: Option<Instant>) -> Response {
             }
         }
     });
-    (status, [("content-type", ctype)], Body::from_stream(stream)).into_response()
+    let mut r = (status, [("content-type", ctype)], Body::from_stream(stream)).into_response();
+    if let Some(v) = retry_after {
+        r.headers_mut().insert(axum::http::header::RETRY_AFTER, v);
+    }
+    r
 }
 
 /// Records a proxied request's end-to-end latency when its body stream is dropped (finished
@@ -155,6 +166,31 @@ pub(super) async fn forward(
     if !authorized(&s, &headers) {
         return refused();
     }
+    let Ok(slot) = s.admission.clone().try_acquire_owned() else {
+        outcome("overloaded");
+        metrics::counter!(m::REQUESTS_SHED_TOTAL, m::LABEL_REASON => "requests").increment(1);
+        return ApiError(RequestError::Overloaded(format!(
+            "{} requests in flight at the proxy (proxy.max_concurrent_requests)",
+            s.max_concurrent_requests
+        )))
+        .into_response();
+    };
+    held_until_sent(admitted(s, body, chat, arrived).await, slot)
+}
+
+/// A response whose body keeps `slot` until it is sent or dropped: a streamed answer
+/// counts against `proxy.max_concurrent_requests` for as long as it streams.
+fn held_until_sent(resp: Response, slot: tokio::sync::OwnedSemaphorePermit) -> Response {
+    let (parts, body) = resp.into_parts();
+    let stream = body.into_data_stream().map(move |chunk| {
+        let _held = &slot;
+        chunk
+    });
+    Response::from_parts(parts, Body::from_stream(stream))
+}
+
+/// A request within the proxy's admission bound, from parsing to its answer.
+async fn admitted(s: Arc<ProxyState>, body: Bytes, chat: bool, arrived: Instant) -> Response {
     // Parsed once, validated like an instance would, forwarded as is.
     let (mut request, parsed) = match openai::parse_json(&body).and_then(|v| {
         let parsed = openai::parse_value(&v, chat)?;

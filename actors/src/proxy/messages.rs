@@ -28,6 +28,11 @@ pub struct ProxyArgs {
     /// Conditional disaggregation: when the least-loaded prefill instance has more requests
     /// queued or running than this, the decode instance prefills the request itself.
     pub max_prefill_queue: Option<usize>,
+    /// Requests forwarded at once; one more is answered 503 (`proxy.max_concurrent_requests`).
+    pub max_concurrent_requests: usize,
+    /// Bounds on the front door's connections (`proxy.max_connections`,
+    /// `proxy.header_read_timeout_s`).
+    pub conn_limits: crate::http::ConnLimits,
     /// Bearer token the front door requires (`/v1/*`; `/health` and `/metrics` stay open).
     pub api_key: Option<String>,
     /// Bound on one call between the proxy's actors (`proxy.actor_call_timeout_ms`).
@@ -62,6 +67,11 @@ impl ProxyArgs {
             decode,
             timeout: Duration::from_secs(d.timeout_s),
             max_prefill_queue: d.max_prefill_queue,
+            max_concurrent_requests: d.max_concurrent_requests,
+            conn_limits: crate::http::ConnLimits {
+                max_connections: d.max_connections,
+                header_read_timeout: Duration::from_secs(d.header_read_timeout_s),
+            },
             api_key: None,
             call_timeout: Duration::from_millis(d.actor_call_timeout_ms),
             tls: crate::http::HttpTls::default(),

@@ -78,6 +78,9 @@ pub struct ProxyState {
     pub(super) http: reqwest::Client,
     pub(super) timeout: Duration,
     pub(super) max_prefill_queue: Option<usize>,
+    /// Requests forwarded at once (`proxy.max_concurrent_requests`); one more gets 503.
+    pub(super) admission: Arc<tokio::sync::Semaphore>,
+    pub(super) max_concurrent_requests: usize,
     pub(super) api_key: Option<String>,
     /// Times one request may move to another decode instance mid-generation.
     pub(super) migration_limit: u32,

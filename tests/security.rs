@@ -649,8 +649,31 @@ fn forged_kv_transfer_params_are_refused_and_held_blocks_stay_untouched() {
                 c.pool_full(&c.decode).await;
             }
 
-            // Forged push targets sent straight to the prefill instance, over the peer
-            // protocol's HTTP adapter.
+            // The prefill instance has credentials: a stranger's peer call over HTTP is
+            // refused outright.
+            let stranger = Peers::new(
+                "stranger".into(),
+                None,
+                None,
+                None,
+                Duration::from_secs(30),
+                pdserve_actors::http::http_client(),
+            );
+            let e = stranger
+                .call(
+                    &PeerAddr::Http {
+                        url: c.prefill.clone(),
+                    },
+                    &PeerRequest::Info,
+                    Duration::from_secs(30),
+                )
+                .await
+                .unwrap_err();
+            println!("a peer call over HTTP: {e}");
+            assert!(e.to_string().contains("HTTP 403"), "{e}");
+
+            // Forged push targets sent straight to the prefill instance by a member (which
+            // finds its control address from its URL).
             let peer: KvPeerInfo = c
                 .http
                 .get(format!("{}/v1/kv/info", c.decode))
@@ -661,9 +684,14 @@ fn forged_kv_transfer_params_are_refused_and_held_blocks_stay_untouched() {
                 .await
                 .unwrap();
             let pool = peer.ranks[0].layout.num_blocks as u32;
+            let forger = ClusterCredentials::load(&c.creds)
+                .unwrap()
+                .issue("forger")
+                .unwrap();
+            let endpoint = ControlEndpoint::bind(&forger, ControlConfig::default()).unwrap();
             let client = Peers::new(
                 "forger".into(),
-                None,
+                Some(std::sync::Arc::new(endpoint)),
                 None,
                 None,
                 Duration::from_secs(30),

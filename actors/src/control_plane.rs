@@ -345,13 +345,17 @@ async fn serve_requests(conn: Arc<ControlConnection>, source: InspectSource, tas
             continue;
         };
         let source = source.clone();
-        let caller = conn.peer().node.clone();
+        let (caller, from) = (conn.peer().node.clone(), conn.remote_address().ip());
         tasks.spawn(async move {
             let answer = match incoming.message {
                 ControlMessage::Opaque { topic, body } if topic == PEER_TOPIC => {
                     let answer = match (&source.peer, decode_request(&body)) {
                         (Some(service), Ok(request)) => {
-                            service.handle(request, Some(&caller)).await
+                            let caller = crate::handoff::Caller {
+                                node: Some(&caller),
+                                ip: Some(from),
+                            };
+                            service.handle(request, caller).await
                         }
                         (None, _) => {
                             PeerAnswer::Failed(crate::handoff::HandoffError::NotSupported(

@@ -36,4 +36,4 @@ pub use context::{KvContext, KvFigures, KvRegistry, KvSettings, TransferMode};
 pub use protocol::HandoffError;
 pub use pull::PullCore;
 pub use push::PushTracker;
-pub use service::PeerService;
+pub use service::{Caller, PeerService};

@@ -210,3 +210,262 @@ async fn an_endless_peer_answer_is_cut_off_at_the_frame_limit() {
         );
     }
 }
+
+/// The token ids of a streamed completion (`return_token_ids`), in order: `first`, then the
+/// rest of `r`.
+async fn streamed_ids(first: &[u8], mut r: reqwest::Response) -> Vec<u64> {
+    let mut text = String::from_utf8_lossy(first).into_owned();
+    while let Some(chunk) = r.chunk().await.unwrap() {
+        text.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    text.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|l| *l != "[DONE]")
+        .flat_map(|l| {
+            let v: Value = serde_json::from_str(l).unwrap();
+            v["choices"][0]["token_ids"]
+                .as_array()
+                .map(|a| a.iter().map(|t| t.as_u64().unwrap()).collect::<Vec<_>>())
+                .unwrap_or_default()
+        })
+        .collect()
+}
+
+/// One request can never fail another: hostile requests sent while seven good ones decode in
+/// one batch are each refused with a 400 naming the field, and the seven finish
+/// token-for-token as they do alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_requests_beside_a_batch_leave_it_token_identical() {
+    let inst = start("d-batch", Some(BackendKind::Local)).await;
+    let url = inst.url();
+    let good = |i: u32| {
+        json!({"prompt": [5 + i, 6, 7 + 2 * i, 8], "max_tokens": 400, "temperature": 0,
+               "ignore_eos": true, "return_token_ids": true})
+    };
+    let mut alone = Vec::new();
+    for i in 0..7 {
+        let (status, v) = post(&url, &good(i)).await;
+        assert_eq!(status, 200, "{v}");
+        alone.push(
+            v["choices"][0]["token_ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t.as_u64().unwrap())
+                .collect::<Vec<_>>(),
+        );
+    }
+    let client = pdserve_actors::http::http_client().build().unwrap();
+    // The seven start streaming: once each has sent a chunk they all run in the batch.
+    let mut streams = Vec::new();
+    for i in 0..7 {
+        let mut body = good(i);
+        body["stream"] = json!(true);
+        let mut r = client
+            .post(format!("{url}/v1/completions"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let first = r.chunk().await.unwrap().unwrap();
+        streams.push((first, r));
+    }
+    let addr = url.trim_start_matches("http://").to_string();
+    let (host, port) = addr.rsplit_once(':').unwrap();
+    let port: u16 = port.parse().unwrap();
+    let too_long: Vec<u32> = vec![5; 4096];
+    let hostile = [
+        (
+            "prompt id",
+            json!({"prompt": [5, 4_000_000_000u64], "max_tokens": 4}),
+            "vocabulary",
+        ),
+        (
+            "max_tokens wrap",
+            json!({"prompt": [5, 6], "max_tokens": u64::MAX}),
+            "context length",
+        ),
+        (
+            "negative max_tokens",
+            json!({"prompt": [5, 6], "max_tokens": -1}),
+            "max_tokens",
+        ),
+        (
+            "context",
+            json!({"prompt": too_long, "max_tokens": 4}),
+            "context length",
+        ),
+        (
+            "stop id",
+            json!({"prompt": [5, 6], "stop_token_ids": [4_000_000]}),
+            "stop_token_ids",
+        ),
+        (
+            "stop ids",
+            json!({"prompt": [5, 6], "stop_token_ids": vec![3u32; 100_000]}),
+            "stop_token_ids",
+        ),
+        (
+            "temperature",
+            json!({"prompt": [5, 6], "temperature": 1e30}),
+            "temperature",
+        ),
+        (
+            "resume",
+            json!({"prompt": [5, 6], "resume_tokens": [4_000_000_000u64]}),
+            "resume_tokens",
+        ),
+        (
+            "first token",
+            json!({"prompt": [5, 6, 7, 8], "max_tokens": 4, "kv_transfer_params": {
+            "do_remote_prefill": true, "remote_host": host, "remote_port": port,
+            "remote_block_ids": [0], "first_token_id": 4_000_000_000u64,
+            "transfer_id": TransferId::new_random().to_string()}}),
+            "first_token_id",
+        ),
+    ];
+    let refusals: Vec<_> = hostile
+        .into_iter()
+        .map(|(name, body, needle)| {
+            let url = url.clone();
+            tokio::spawn(async move { (name, needle, post(&url, &body).await) })
+        })
+        .collect();
+    for r in refusals {
+        let (name, needle, (status, v)) = r.await.unwrap();
+        assert_eq!(status, 400, "{name}: {v}");
+        let msg = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            msg.contains(needle),
+            "{name}: {msg:?} should name {needle:?}"
+        );
+    }
+    for (i, (first, rest)) in streams.into_iter().enumerate() {
+        let ids = streamed_ids(&first, rest).await;
+        assert_eq!(ids, alone[i], "request {i} changed beside the hostile ones");
+    }
+    assert_pool_full(&inst).await;
+    inst.stop().await;
+}
+
+/// The peer protocol's HTTP carrier: on an instance with cluster credentials it is off (the
+/// protocol runs on the mutual-TLS control plane); without them, a push request cannot aim
+/// the prefill instance's writes at another host than the caller's; and a caller naming ever
+/// new initiators cannot grow the grant map past its bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_http_peer_carrier_is_bounded_to_its_callers() {
+    use pdserve_actors::handoff::peer::{PeerAddr, Peers};
+    use pdserve_actors::handoff::protocol::{
+        HandoffError, PeerAnswer, PeerRequest, PrefillMode, PrefillRequest,
+    };
+    use pdserve_actors::handoff::session::MAX_GRANTS;
+    let peers = Peers::new(
+        "hostile-test".into(),
+        None,
+        None,
+        None,
+        Duration::from_secs(30),
+        pdserve_actors::http::http_client(),
+    );
+
+    // A credentialed prefill instance refuses the HTTP carrier with a 403 that says why.
+    let cluster =
+        pdserve_transport::control::tls::ClusterCredentials::ephemeral("hostile").unwrap();
+    let mut o = InstanceOptions::local(
+        "p-creds",
+        load_model(&ModelSource::Synthetic("tiny".into())).unwrap(),
+    );
+    o.transfer = Some(TransferConfig::new(BackendKind::Tcp, "p-creds"));
+    o.control = Some(pdserve_actors::control_plane::InstanceControl::new(
+        cluster.issue("p-creds").unwrap(),
+        pdserve_runtime::Role::Prefill,
+    ));
+    let creds = Instance::start(o).await.unwrap();
+    let url = creds.url();
+    let err = peers
+        .call(
+            &PeerAddr::Http { url: url.clone() },
+            &PeerRequest::Info,
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("403") && err.to_string().contains("control plane"),
+        "{err}"
+    );
+    // ...and names its control address for peers that know only its URL.
+    let info: Value = pdserve_actors::http::http_client()
+        .build()
+        .unwrap()
+        .get(format!("{url}/v1/kv/info"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(info["control_addr"].is_string(), "{info}");
+    creds.stop().await;
+
+    // Without credentials (from loopback): a push to another host is refused before any
+    // prompt runs.
+    let p = start("p-plain", Some(BackendKind::Tcp)).await;
+    let at = PeerAddr::Http { url: p.url() };
+    let PeerAnswer::Info(mut theirs) = peers
+        .call(&at, &PeerRequest::Info, Duration::from_secs(30))
+        .await
+        .unwrap()
+    else {
+        panic!("no Info answer")
+    };
+    theirs.transfer_addr = "10.213.7.9:7000".into();
+    let push = PeerRequest::Prefill(PrefillRequest {
+        transfer: TransferId::new_random(),
+        prompt: vec![5, 6, 7, 8],
+        sampling: pdserve_gpu::sampling::SamplingParams::greedy(1),
+        mode: PrefillMode::Push {
+            peer: theirs,
+            block_ids: vec![0],
+            session: None,
+        },
+        cached_blocks: 0,
+    });
+    match peers
+        .call(&at, &push, Duration::from_secs(30))
+        .await
+        .unwrap()
+    {
+        PeerAnswer::Failed(HandoffError::BadRequest(m)) => {
+            assert!(m.contains("not on the host the request came from"), "{m}")
+        }
+        other => panic!("a push to another host was not refused: {other:?}"),
+    }
+    // Initiators beyond the bound are refused, not remembered.
+    let mut refused = None;
+    for i in 0..=MAX_GRANTS {
+        let open = PeerRequest::OpenSession {
+            initiator: format!("stranger-{i}"),
+            fresh: false,
+        };
+        match peers
+            .call(&at, &open, Duration::from_secs(30))
+            .await
+            .unwrap()
+        {
+            PeerAnswer::Session(_) => {}
+            PeerAnswer::Failed(e) => {
+                refused = Some((i, e));
+                break;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    let (i, e) = refused.expect("the grant map grew past its bound");
+    assert_eq!(i, MAX_GRANTS, "refused early: {e}");
+    assert!(matches!(e, HandoffError::Overloaded(_)), "{e}");
+    assert_serves(&p.url()).await;
+    assert_pool_full(&p).await;
+    p.stop().await;
+}

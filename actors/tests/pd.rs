@@ -81,12 +81,22 @@ fn cluster() -> &'static pdserve_transport::control::tls::ClusterCredentials {
     })
 }
 
-/// A client of the peer protocol, as a decode instance without credentials would be (it
-/// reaches instances over their HTTP adapter).
+/// A client of the peer protocol, as a decode instance with cluster credentials is.
 fn peer_client() -> std::sync::Arc<Peers> {
+    use pdserve_transport::control::{ControlConfig, ControlEndpoint};
+    // A cluster member: instances with credentials take the peer protocol on their control
+    // plane only (found through `GET /v1/kv/info`).
+    let endpoint = ControlEndpoint::bind(
+        &cluster().issue("test-client").unwrap(),
+        ControlConfig {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            ..ControlConfig::default()
+        },
+    )
+    .unwrap();
     Peers::new(
         "test-client".into(),
-        None,
+        Some(std::sync::Arc::new(endpoint)),
         None,
         None,
         Duration::from_secs(30),

@@ -3,6 +3,7 @@
 
 pub(crate) mod local;
 pub(crate) mod memcpy;
+pub(crate) mod peer_proc;
 pub(crate) mod proto;
 pub(crate) mod quic;
 pub(crate) mod rdma;

@@ -8,6 +8,7 @@
 
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::OpenOptionsExt;
 use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 
 use pdserve_runtime::memory::{HostMemory, HostMemoryAllocator, PAGE_SIZE};
@@ -168,32 +169,47 @@ unsafe impl Send for RemoteShmMapping {}
 // SAFETY: see ShmMemory.
 unsafe impl Sync for RemoteShmMapping {}
 
+/// The name every region of [`ShmMemory`] carries (`/memfd:NAME (deleted)` in `/proc`).
+const MEMFD_NAME: &str = "pdserve-region";
+
 impl RemoteShmMapping {
-    /// Maps the peer region described by `handle`, checking its identity and size.
-    pub(crate) fn open(handle: &ShmHandle, len: u64) -> Result<Self> {
+    /// Maps the peer region described by `handle`: only a pdserve memfd held by the process
+    /// at the other end of the control connection `ends` (local, peer), of the size the
+    /// descriptor says. A handle naming any other process or file — a peer pointing us at
+    /// memory that is not its own — is refused, and the refusal tells nothing about the file.
+    pub(crate) fn open(
+        handle: &ShmHandle,
+        len: u64,
+        ends: (std::net::SocketAddr, std::net::SocketAddr),
+    ) -> Result<Self> {
+        let refuse = |why: &str| {
+            TransportError::LayoutMismatch(format!(
+                "the peer's region descriptor (pid {}, fd {}) {why}",
+                handle.pid, handle.fd
+            ))
+        };
+        if !crate::backend::peer_proc::holds_peer_socket(handle.pid, ends) {
+            return Err(refuse(
+                "names a process that does not hold the other end of our connection",
+            ));
+        }
         let path = format!("/proc/{}/fd/{}", handle.pid, handle.fd);
+        if !is_our_memfd(std::path::Path::new(&path)) {
+            return Err(refuse("is not a pdserve shared-memory region"));
+        }
         let file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
+            .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
             .open(&path)
-            .map_err(|e| {
-                TransportError::peer_gone(
-                    format!("pid {}", handle.pid),
-                    format!("cannot open {path}: {e}"),
-                )
-            })?;
-        let inode = fd_inode(file.as_raw_fd())?;
-        if inode != handle.inode {
-            return Err(TransportError::LayoutMismatch(format!(
-                "{path} is inode {inode}, the descriptor says {}",
-                handle.inode
-            )));
-        }
-        let file_len = file.metadata()?.len();
-        if file_len < len {
-            return Err(TransportError::LayoutMismatch(format!(
-                "{path} holds {file_len} bytes, the descriptor says {len}"
-            )));
+            .map_err(|_| refuse("cannot be opened"))?;
+        // What was opened, not what the name said a moment before.
+        let opened = format!("/proc/self/fd/{}", file.as_raw_fd());
+        if !is_our_memfd(std::path::Path::new(&opened))
+            || fd_inode(file.as_raw_fd())? != handle.inode
+            || file.metadata()?.len() < len
+        {
+            return Err(refuse("does not match the region it describes"));
         }
         let len = usize::try_from(len)
             .map_err(|_| TransportError::LayoutMismatch("region too large".into()))?;
@@ -207,6 +223,15 @@ impl RemoteShmMapping {
     pub(crate) fn as_ptr(&self) -> *mut u8 {
         self.ptr
     }
+}
+
+/// Whether the descriptor link `fd_path` (`/proc/PID/fd/N`) is a memfd of [`ShmMemory`].
+fn is_our_memfd(fd_path: &std::path::Path) -> bool {
+    std::fs::read_link(fd_path).is_ok_and(|t| {
+        t.to_str()
+            .and_then(|t| t.strip_prefix("/memfd:"))
+            .is_some_and(|name| name == MEMFD_NAME || name == format!("{MEMFD_NAME} (deleted)"))
+    })
 }
 
 impl Drop for RemoteShmMapping {
@@ -469,8 +494,13 @@ mod tests {
         assert_eq!(handle.pid, std::process::id());
         let anon = AnonAllocator.allocate(4096).unwrap();
         assert!(shm_handle_of(&*anon).is_none());
-        // A second mapping of the same memfd sees the same bytes.
-        let map = RemoteShmMapping::open(&handle, shm.len() as u64).unwrap();
+        // A second mapping of the same memfd sees the same bytes (this process holds both
+        // ends of the connection, so it is the peer).
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let _server = listener.accept().unwrap();
+        let ends = (client.local_addr().unwrap(), client.peer_addr().unwrap());
+        let map = RemoteShmMapping::open(&handle, shm.len() as u64, ends).unwrap();
         // SAFETY: both spans are valid for 12288 bytes.
         unsafe {
             *shm.as_ptr().add(100) = 42;
@@ -479,6 +509,47 @@ mod tests {
         let ptr = shm.as_ptr() as usize;
         drop(shm);
         assert!(!shareable_registry().lock().unwrap().contains_key(&ptr));
+    }
+
+    /// A peer cannot point us at memory that is not its own: a handle naming another
+    /// process, or a file that is not a pdserve region, is refused without a word about it.
+    #[test]
+    fn a_handle_is_mapped_only_for_the_peer_and_only_as_a_region() {
+        let shm = ShmAllocator.allocate(4096).unwrap();
+        let handle = shm_handle_of(&*shm).unwrap();
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let _server = listener.accept().unwrap();
+        let ends = (client.local_addr().unwrap(), client.peer_addr().unwrap());
+        // Another process (PID 1) as the owner: it does not hold our connection's other end.
+        let foreign = ShmHandle { pid: 1, ..handle };
+        let e = RemoteShmMapping::open(&foreign, 4096, ends).unwrap_err();
+        assert!(e.to_string().contains("does not hold the other end"), "{e}");
+        // A file of the peer that is not a region (a plain file, open read-write here).
+        let file = tempfile::tempfile().unwrap();
+        let not_region = ShmHandle {
+            fd: file.as_raw_fd(),
+            inode: fd_inode(file.as_raw_fd()).unwrap(),
+            ..handle
+        };
+        let e = RemoteShmMapping::open(&not_region, 1, ends).unwrap_err();
+        assert!(
+            e.to_string().contains("not a pdserve shared-memory region"),
+            "{e}"
+        );
+        assert!(
+            !e.to_string().contains(&not_region.inode.to_string()),
+            "{e}"
+        );
+        // The region itself, with the wrong inode or a size it does not have.
+        let wrong = ShmHandle {
+            inode: handle.inode + 1,
+            ..handle
+        };
+        let e = RemoteShmMapping::open(&wrong, 4096, ends).unwrap_err();
+        assert!(!e.to_string().contains(&handle.inode.to_string()), "{e}");
+        assert!(RemoteShmMapping::open(&handle, 1 << 30, ends).is_err());
+        RemoteShmMapping::open(&handle, 4096, ends).unwrap();
     }
 
     #[test]

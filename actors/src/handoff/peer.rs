@@ -34,6 +34,9 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+/// Peer URLs whose control address [`Peers`] remembers.
+const MAX_DISCOVERED: usize = 4096;
+
 /// Where a peer instance answers the peer protocol.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum PeerAddr {
@@ -87,6 +90,8 @@ pub struct Peers {
     timeout: Duration,
     conns: Slots<Arc<ControlConnection>>,
     infos: dashmap::DashMap<PeerAddr, KvPeerInfo>,
+    /// Per peer URL, its control address and node when it has one ([`Peers::control_of`]).
+    discovered: dashmap::DashMap<String, Option<(SocketAddr, String)>>,
     sessions: Slots<Cached>,
     renewals: Mutex<HashMap<PeerAddr, HashMap<TransferId, usize>>>,
     tasks: TaskTracker,
@@ -115,6 +120,7 @@ impl Peers {
             timeout,
             conns: Slots::default(),
             infos: dashmap::DashMap::new(),
+            discovered: dashmap::DashMap::new(),
             sessions: Slots::default(),
             renewals: Mutex::new(HashMap::new()),
             tasks: TaskTracker::new(),
@@ -188,7 +194,17 @@ impl Peers {
                     self.call_control(*addr, node.as_deref(), body, within)
                         .await
                 }
-                PeerAddr::Http { url } => self.call_http(url, body, within).await,
+                PeerAddr::Http { url } => match self.control_of(url, within).await? {
+                    Some((addr, node)) => {
+                        let r = self.call_control(addr, Some(&node), body, within).await;
+                        if r.is_err() {
+                            // Found again on the next call (it may have moved).
+                            self.discovered.remove(url);
+                        }
+                        r
+                    }
+                    None => self.call_http(url, body, within).await,
+                },
             }
         };
         tokio::time::timeout(within, call)
@@ -253,6 +269,54 @@ impl Peers {
         let c = Arc::new(c);
         *conn = Some(c.clone());
         check_node(c, addr, node)
+    }
+
+    /// The control address and node name of the peer at `url`, when both it and this
+    /// instance have cluster credentials: such a peer takes the peer protocol only on its
+    /// control plane, and names its address in `GET /v1/kv/info`. Asked once per URL.
+    async fn control_of(
+        &self,
+        url: &str,
+        within: Duration,
+    ) -> Result<Option<(SocketAddr, String)>, HandoffError> {
+        if self.control.is_none() {
+            return Ok(None);
+        }
+        if let Some(found) = self.discovered.get(url) {
+            return Ok(found.clone());
+        }
+        #[derive(serde::Deserialize)]
+        struct Found {
+            engine_id: String,
+            control_addr: Option<SocketAddr>,
+        }
+        let mut req = self.http.get(format!("{url}/v1/kv/info")).timeout(within);
+        if let Some(key) = &self.api_key {
+            req = req.bearer_auth(key);
+        }
+        let gone = |reason: String| HandoffError::PeerGone {
+            peer: url.to_string(),
+            reason,
+        };
+        let resp = req.send().await.map_err(|e| gone(error_chain(&e)))?;
+        let status = resp.status();
+        let bytes = read_capped(resp, MAX_HTTP_ANSWER_BYTES, url).await?;
+        if !status.is_success() {
+            // Not a pdserve instance that publishes its control address (or not now): the
+            // HTTP carrier, which says for itself whether it takes the call.
+            tracing::debug!(%url, %status, "no control address from GET /v1/kv/info");
+            return Ok(None);
+        }
+        let found: Found = serde_json::from_slice(&bytes).map_err(|e| {
+            HandoffError::Protocol(format!("{url}/v1/kv/info is not an instance's answer: {e}"))
+        })?;
+        let found = found.control_addr.map(|a| (a, found.engine_id));
+        if self.discovered.len() >= MAX_DISCOVERED {
+            // URLs come from requests: a caller naming ever new ones only costs lookups.
+            self.discovered.clear();
+        }
+        self.discovered.insert(url.to_string(), found.clone());
+        Ok(found)
     }
 
     async fn call_http(

@@ -28,6 +28,7 @@ use pdserve_runtime::ids::TransferId;
 use pdserve_transport::{Access, FenceScope};
 use std::collections::HashMap;
 use std::future::Future;
+use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::Semaphore;
@@ -268,15 +269,13 @@ impl<H: PrefillHost> PeerService<H> {
         &self.kv
     }
 
-    /// Answers one request (never fails: a failure is [`PeerAnswer::Failed`]). `caller` is the
-    /// node the carrier authenticated (the control plane's certificate), `None` over HTTP
-    /// (where the cluster's API key authenticated the call).
-    pub async fn handle(&self, request: PeerRequest, caller: Option<&str>) -> PeerAnswer {
+    /// Answers one request (never fails: a failure is [`PeerAnswer::Failed`]) from `caller`.
+    pub async fn handle(&self, request: PeerRequest, caller: Caller<'_>) -> PeerAnswer {
         let name = request.name();
         self.expire_reads(Instant::now());
         let answer = match request {
             PeerRequest::Info => Ok(PeerAnswer::Info(self.kv.info())),
-            PeerRequest::Prefill(req) => self.prefill(req).await.map(PeerAnswer::Prefilled),
+            PeerRequest::Prefill(req) => self.prefill(req, caller).await.map(PeerAnswer::Prefilled),
             PeerRequest::Renew(ids) => self.renew(ids).await,
             PeerRequest::Release(t) => {
                 self.end_read(t);
@@ -290,13 +289,13 @@ impl<H: PrefillHost> PeerService<H> {
                 .await
                 .map(|found| PeerAnswer::Aborted { found }),
             PeerRequest::OpenSession { initiator, fresh } => self
-                .open_session(&initiator, fresh, caller)
+                .open_session(&initiator, fresh, caller.node)
                 .map(PeerAnswer::Session),
             PeerRequest::OpenRead {
                 transfer,
                 initiator,
             } => self
-                .open_read(transfer, &initiator, caller)
+                .open_read(transfer, &initiator, caller.node)
                 .await
                 .map(|()| PeerAnswer::ReadOpened),
         };
@@ -400,7 +399,11 @@ impl<H: PrefillHost> PeerService<H> {
             .contains(transfer, Instant::now())
     }
 
-    async fn prefill(&self, req: PrefillRequest) -> Result<PrefillAnswer, HandoffError> {
+    async fn prefill(
+        &self,
+        req: PrefillRequest,
+        caller: Caller<'_>,
+    ) -> Result<PrefillAnswer, HandoffError> {
         let transfer = req.transfer;
         if self.recently_aborted(transfer) {
             return Err(HandoffError::AlreadyAborted(transfer));
@@ -411,6 +414,9 @@ impl<H: PrefillHost> PeerService<H> {
             &self.kv.info(),
             self.kv.settings.block_size,
         )?;
+        if let Some(target) = &valid.target {
+            check_push_destination(target, caller)?;
+        }
         let _permit = self
             .admission
             .clone()
@@ -606,6 +612,49 @@ impl<H: PrefillHost> Drop for HandoffGuard<'_, H> {
         self.service.end_read(self.transfer);
         self.service.host.abort_transfer_now(self.transfer);
     }
+}
+
+/// Who sent a peer request, as its carrier knows it.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Caller<'a> {
+    /// The node the carrier authenticated (the control plane's member certificate); `None`
+    /// over HTTP, where the cluster's API key (or a loopback address) let the call in.
+    pub node: Option<&'a str>,
+    /// The address the request came from (`None`: in process).
+    pub ip: Option<IpAddr>,
+}
+
+/// A push writes where the request says: over a carrier that did not authenticate a member
+/// (HTTP), the destination's transfer address must be on the host the request came from, so
+/// a caller cannot aim this instance's writes at a third host. (A member authenticated on the
+/// control plane is trusted with its own addresses, which may be on another network of its
+/// host, e.g. an RDMA fabric.)
+fn check_push_destination(target: &PushTarget, caller: Caller<'_>) -> Result<(), HandoffError> {
+    let (None, Some(from)) = (caller.node, caller.ip) else {
+        return Ok(());
+    };
+    if target.peer.backend == "local" {
+        // In-process engines, named rather than addressed.
+        return Ok(());
+    }
+    let from = from.to_canonical();
+    let named = std::iter::once(&target.peer.transfer_addr)
+        .chain(target.session.as_ref().map(|s| &s.transfer_addr));
+    for addr in named {
+        let ip = addr
+            .parse::<std::net::SocketAddr>()
+            .map_err(|_| {
+                HandoffError::BadRequest(format!("the push destination `{addr}` is not an IP:port"))
+            })?
+            .ip()
+            .to_canonical();
+        if ip != from && !(ip.is_loopback() && from.is_loopback()) {
+            return Err(HandoffError::BadRequest(format!(
+                "the push destination {addr} is not on the host the request came from ({from})"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// On a carrier that authenticated the caller, an initiator must be the caller itself.

@@ -178,6 +178,10 @@ impl Grant {
     }
 }
 
+/// Most initiators one instance holds transfer sessions for (an initiator is a peer node; a
+/// caller naming ever new ones cannot grow the map past this).
+pub const MAX_GRANTS: usize = 1024;
+
 /// The grants this instance (as a target) handed out, one per initiator node.
 pub struct Grants {
     engine: Arc<TransferEngine>,
@@ -225,6 +229,14 @@ impl Grants {
         if !fresh {
             if let Some(g) = by_peer.get(peer).filter(|g| !g.guard.has_ended()) {
                 return Ok(g.clone());
+            }
+        }
+        if by_peer.len() >= MAX_GRANTS && !by_peer.contains_key(peer) {
+            by_peer.retain(|_, g| !g.guard.has_ended());
+            if by_peer.len() >= MAX_GRANTS {
+                return Err(HandoffError::Overloaded(format!(
+                    "transfer sessions are open for {MAX_GRANTS} initiators, the most this instance grants"
+                )));
             }
         }
         let key = SessionKey::generate().map_err(|e| HandoffError::transfer(&e))?;

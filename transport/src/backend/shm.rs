@@ -163,7 +163,7 @@ impl Link for ShmLink {
                     })?;
                     let map = match old.get(&d.id) {
                         Some(m) if m.len == d.len => m.map.clone(),
-                        _ => Arc::new(RemoteShmMapping::open(handle, d.len)?),
+                        _ => Arc::new(RemoteShmMapping::open(handle, d.len, self.control.ends)?),
                     };
                     maps.insert(d.id, MappedRegion { len: d.len, map });
                 }

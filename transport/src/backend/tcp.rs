@@ -158,6 +158,8 @@ pub(crate) struct TcpConn {
     cancel: CancellationToken,
     /// The session scope's grants the target reported (authenticated connections).
     pub(crate) grants: Option<Vec<RegionGrant>>,
+    /// This connection's (local, peer) addresses.
+    pub(crate) ends: (std::net::SocketAddr, std::net::SocketAddr),
 }
 
 impl TcpConn {
@@ -173,6 +175,7 @@ impl TcpConn {
             .await
             .map_err(|e| TransportError::peer_gone(addr, e))?;
         stream.set_nodelay(true)?;
+        let ends = (stream.local_addr()?, stream.peer_addr()?);
         let (mut r, mut w) = stream.split();
         let (grants, framing) = proto::client_handshake(&mut r, &mut w, core, auth).await?;
         let (mut sealer, mut opener) = match framing {
@@ -403,6 +406,7 @@ impl TcpConn {
             alive,
             cancel,
             grants,
+            ends,
         })
     }
 

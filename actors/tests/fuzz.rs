@@ -179,7 +179,8 @@ fn check_request(input: &[u8]) -> Result<Verdict, String> {
                 .validate(LIMITS.vocab_size)
                 .map_err(|e| format!("validate_prefill accepted bad sampling: {e}"))?;
             if let Some(t) = &valid.target {
-                let pool = info.ranks[0].layout.num_blocks;
+                // Destination blocks are the decode instance's: inside its (validated) pool.
+                let pool = t.peer.ranks[0].layout.num_blocks;
                 if t.blocks.iter().any(|&b| b as usize >= pool)
                     || t.blocks.len() + t.skip_blocks != job.prompt.len().div_ceil(BLOCK_SIZE)
                 {

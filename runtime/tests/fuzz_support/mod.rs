@@ -18,7 +18,7 @@
 //!
 //! Knobs (environment): `PDSERVE_FUZZ_SECS` (budget per target, default
 //! [`DEFAULT_SECS`]; `0` replays the corpus only), `PDSERVE_FUZZ_CASES` (cap on inputs per
-//! target, default [`DEFAULT_CASES`]), `PDSERVE_FUZZ_SEED` (a number; default: fixed per
+//! target, default [`DEFAULT_CASES`] unless `PDSERVE_FUZZ_SECS` is set, then none), `PDSERVE_FUZZ_SEED` (a number; default: fixed per
 //! target, so a run is reproducible up to how far its budget lets it go; `random` picks one
 //! from the clock). Each target prints one line, `FUZZ <target>: ...`, with the inputs it ran
 //! (`--nocapture` shows it).
@@ -249,12 +249,17 @@ pub fn below(rng: &mut TestRng, n: usize) -> usize {
 pub struct Target<'a> {
     name: &'a str,
     dict: &'a [&'a [u8]],
+    seed: Cell<u64>,
 }
 
 impl<'a> Target<'a> {
     /// The target `name` (its corpus is `fuzz/corpus/<name>/`).
     pub fn new(name: &'a str) -> Self {
-        Self { name, dict: &[] }
+        Self {
+            name,
+            dict: &[],
+            seed: Cell::new(0),
+        }
     }
 
     /// Tokens the mutator inserts or writes over (JSON punctuation, field names, ...).
@@ -275,8 +280,14 @@ impl<'a> Target<'a> {
     ) -> Report {
         let start = Instant::now();
         let budget = Duration::from_secs(env_u64("PDSERVE_FUZZ_SECS", DEFAULT_SECS));
-        let cap = env_u64("PDSERVE_FUZZ_CASES", DEFAULT_CASES);
+        // A budget asked for explicitly is spent in full unless a cap is asked for too.
+        let default_cap = match std::env::var_os("PDSERVE_FUZZ_SECS") {
+            Some(_) => u64::MAX,
+            None => DEFAULT_CASES,
+        };
+        let cap = env_u64("PDSERVE_FUZZ_CASES", default_cap);
         let seed = seed_for(self.name);
+        self.seed.set(seed);
         let mut seed_bytes = [0u8; 32];
         seed_bytes[..8].copy_from_slice(&seed.to_le_bytes());
         let mut runner = TestRunner::new_with_rng(
@@ -406,9 +417,11 @@ impl<'a> Target<'a> {
         let shown = &input[..input.len().min(4096)];
         let hex: String = shown.iter().map(|b| format!("{b:02x}")).collect();
         panic!(
-            "fuzz target {} failed: {why}\ninput ({} bytes) saved to {saved}; keep it as a \
-             regression: copy it to fuzz/corpus/{}/crash-<what>.bin\nhex{}: {hex}",
+            "fuzz target {} failed (PDSERVE_FUZZ_SEED={}): {why}\ninput ({} bytes) saved to \
+             {saved}; keep it as a regression: copy it to fuzz/corpus/{}/crash-<what>.bin\n\
+             hex{}: {hex}",
             self.name,
+            self.seed.get(),
             input.len(),
             self.name,
             if shown.len() < input.len() {

@@ -155,7 +155,8 @@ struct ModelArgs {
     /// Tensor-parallel ranks (must divide the KV head count).
     #[arg(long, default_value_t = 1)]
     tp: usize,
-    /// Compute threads (default: all cores).
+    /// Compute threads (default: $CANDLE_NUM_THREADS or $RAYON_NUM_THREADS, else the CPUs this
+    /// process may use: its affinity mask and cgroup CPU quota).
     #[arg(long)]
     threads: Option<usize>,
     /// Weight format in memory: auto (sub-8-bit → Q8_0; fastest prefill and batched decode), native (as stored; Q4_0/Q4_1/Q8_0/Q4_K/Q6_K on llama.cpp-exact, tp-invariant kernels; fastest batch-1 decode), q8_0, f32 (CPU).
@@ -338,7 +339,8 @@ struct ServeArgs {
     /// hand-offs (and KV held for decode instances) may take to finish, in seconds.
     #[arg(long)]
     drain_timeout: Option<u64>,
-    /// Compute threads (default: all cores).
+    /// Compute threads (default: $CANDLE_NUM_THREADS or $RAYON_NUM_THREADS, else the CPUs this
+    /// process may use: its affinity mask and cgroup CPU quota).
     #[arg(long)]
     threads: Option<usize>,
 }
@@ -484,6 +486,17 @@ struct BenchModelArgs {
     /// Decode steps timed per batch size.
     #[arg(long, default_value_t = 64)]
     decode_steps: usize,
+    /// Also measure decode (batch 1) per-token time with N busy-loop processes competing for
+    /// the CPUs, alternating 3 rounds without and with them (CPU only; docs/benchmarks.md).
+    #[arg(long, default_value_t = 0)]
+    busy: usize,
+    /// Niceness of the --busy loops (19: lowest priority; 0: an equal competitor such as a
+    /// compile).
+    #[arg(long, default_value_t = 19, allow_negative_numbers = true)]
+    busy_nice: i32,
+    /// Only the --busy measurement: skip the prefill and decode throughput runs.
+    #[arg(long)]
+    busy_only: bool,
 }
 
 fn main() {
@@ -609,8 +622,10 @@ fn proxy(args: ProxyArgs) -> Result<()> {
 }
 
 /// Sizes the compute pools. Must run before the first model call: the pools read it once.
+/// `--threads`, else `CANDLE_NUM_THREADS` / `RAYON_NUM_THREADS`, else the CPUs this process
+/// may use (affinity mask and cgroup CPU quota: `pdserve_gpu::quant::pool::default_threads`).
 pub(crate) fn set_threads(threads: Option<usize>) -> usize {
-    let n = threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let n = threads.unwrap_or_else(pdserve_gpu::quant::pool::configured_threads);
     for var in THREAD_ENV {
         std::env::set_var(var, n.to_string());
     }
@@ -764,15 +779,53 @@ fn bench_model(args: BenchModelArgs) -> Result<()> {
         decode_steps: args.decode_steps,
         ..Default::default()
     };
-    let r = if args.model.device.is_cuda() {
-        cuda::bench_model(&args.model, threads, &opts)?
+    if args.busy > 0 || args.busy_only {
+        anyhow::ensure!(
+            !args.model.device.is_cuda(),
+            "--busy measures the CPU path only"
+        );
+        anyhow::ensure!(args.busy > 0, "--busy-only needs --busy N");
+    }
+    let (r, contention) = if args.model.device.is_cuda() {
+        (Some(cuda::bench_model(&args.model, threads, &opts)?), None)
     } else {
         let engine = build_engine(&args.model, 9)?;
-        pdserve_gpu::bench::run_model_bench(engine.group(), engine.name(), threads, &opts)?
+        let r = if args.busy_only {
+            None
+        } else {
+            Some(pdserve_gpu::bench::run_model_bench(
+                engine.group(),
+                engine.name(),
+                threads,
+                &opts,
+            )?)
+        };
+        let c = if args.busy > 0 {
+            Some(pdserve_gpu::bench::run_contention_bench(
+                engine.group(),
+                1,
+                args.decode_steps,
+                3,
+                args.busy,
+                args.busy_nice,
+            )?)
+        } else {
+            None
+        };
+        (r, c)
     };
     if args.json {
-        println!("{}", serde_json::to_string(&r)?);
-    } else {
+        let mut v = serde_json::to_value(&r)?;
+        if let Some(c) = &contention {
+            if v.is_null() {
+                v = serde_json::json!({});
+            }
+            v["contention"] = serde_json::to_value(c)?;
+        }
+        println!("{v}");
+        return Ok(());
+    }
+    if let Some(r) = &r {
         println!(
             "model {} · {} thread(s) · tp {} · {}",
             r.model, r.threads, args.model.tp, args.model.device
@@ -781,6 +834,20 @@ fn bench_model(args: BenchModelArgs) -> Result<()> {
         println!("  prefill  512 tokens : {:8.1} tokens/s", r.prefill_tps_512);
         println!("  decode   batch 1    : {:8.1} tokens/s", r.decode_tps_b1);
         println!("  decode   batch 8    : {:8.1} tokens/s", r.decode_tps_b8);
+    }
+    if let Some(c) = &contention {
+        println!(
+            "decode batch {} per token, {} steps each · {} thread(s) · {} busy loop(s) at nice {}",
+            c.batch, c.steps, threads, c.busy, c.nice
+        );
+        println!(
+            "  idle               : p50 {:7.2} ms  p90 {:7.2} ms",
+            c.idle_ms_p50, c.idle_ms_p90
+        );
+        println!(
+            "  with busy loops    : p50 {:7.2} ms  p90 {:7.2} ms  ({:.2}× idle p50)",
+            c.busy_ms_p50, c.busy_ms_p90, c.slowdown_p50
+        );
     }
     Ok(())
 }

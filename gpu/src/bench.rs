@@ -1,6 +1,10 @@
 //! The model benchmark behind `pdserve bench model` and `benches/model.rs`: prefill tokens/s
 //! at 128 and 512 prompt tokens, decode tokens/s at batch 1 and 8, driven straight through a
 //! [`StepGroup`] (the CPU `TpGroup` or a GPU group) so only the model is measured.
+//!
+//! [`run_contention_bench`] (`pdserve bench model --busy N`) measures how decode holds up when
+//! the cores are shared: per-token decode time with the machine otherwise idle, and with `N`
+//! busy-loop child processes ([`BusyLoops`], `nice 19` by default) competing for the CPUs.
 
 use crate::engine::StepGroup;
 use crate::model::{Batch, SeqChunk};
@@ -87,6 +91,17 @@ pub fn prefill_tps(group: &impl StepGroup, len: usize, reps: usize) -> Result<f6
 /// # Errors
 /// Forward-pass failures.
 pub fn decode_tps(group: &impl StepGroup, n: usize, steps: usize) -> Result<f64> {
+    let times = decode_step_times(group, n, steps)?;
+    let total: Duration = times.iter().sum();
+    Ok((n * times.len()) as f64 / total.as_secs_f64())
+}
+
+/// The time of each of `steps` greedy decode steps of `n` sequences stepped together (after
+/// one untimed step), as [`decode_tps`] runs them.
+///
+/// # Errors
+/// Forward-pass failures.
+pub fn decode_step_times(group: &impl StepGroup, n: usize, steps: usize) -> Result<Vec<Duration>> {
     let bs = group.block_size();
     let vocab = group.config().vocab_size;
     let steps = steps.max(1);
@@ -113,11 +128,13 @@ pub fn decode_tps(group: &impl StepGroup, n: usize, steps: usize) -> Result<f64>
         Ok(())
     };
     run_step(0, &mut last)?;
-    let t = Instant::now();
+    let mut times = Vec::with_capacity(steps);
     for pos in 1..=steps {
+        let t = Instant::now();
         run_step(pos, &mut last)?;
+        times.push(t.elapsed());
     }
-    Ok((n * steps) as f64 / t.elapsed().as_secs_f64())
+    Ok(times)
 }
 
 /// Measures `group` (which needs at least `8 * blocks_for(1 + decode_steps) + blocks_for(512)`
@@ -139,4 +156,171 @@ pub fn run_model_bench(
         decode_tps_b1: decode_tps(group, 1, opts.decode_steps)?,
         decode_tps_b8: decode_tps(group, 8, opts.decode_steps)?,
     })
+}
+
+/// Busy-loop child processes (`sh -c 'while :; do :; done'`) at a given niceness, the
+/// neighbours of [`run_contention_bench`]. They are killed when this is dropped (every return
+/// and unwinding path), and the kernel kills them if this process dies first
+/// (`PR_SET_PDEATHSIG`), so none outlives the benchmark.
+#[derive(Debug)]
+pub struct BusyLoops {
+    children: Vec<std::process::Child>,
+}
+
+impl BusyLoops {
+    /// Starts `n` busy loops at niceness `nice` (19: the lowest priority).
+    ///
+    /// # Errors
+    /// When a child cannot be started (those already started are killed).
+    pub fn start(n: usize, nice: i32) -> std::io::Result<Self> {
+        use std::os::unix::process::CommandExt;
+        let mut loops = Self {
+            children: Vec::with_capacity(n),
+        };
+        for _ in 0..n {
+            let mut cmd = std::process::Command::new("sh");
+            cmd.args(["-c", "while :; do :; done"])
+                .stdin(std::process::Stdio::null())
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null());
+            // SAFETY: only async-signal-safe calls between fork and exec.
+            unsafe {
+                cmd.pre_exec(move || {
+                    if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0
+                        || libc::setpriority(libc::PRIO_PROCESS, 0, nice) != 0
+                    {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+            loops.children.push(cmd.spawn()?);
+        }
+        Ok(loops)
+    }
+
+    /// The children's process ids.
+    pub fn pids(&self) -> Vec<u32> {
+        self.children.iter().map(std::process::Child::id).collect()
+    }
+}
+
+impl Drop for BusyLoops {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Decode per-token times with the CPUs to ourselves and with busy neighbours (the JSON
+/// `pdserve bench model --busy N --json` adds as `contention`).
+#[derive(Clone, Debug, Serialize)]
+pub struct ContentionResult {
+    /// Busy-loop processes running during the busy rounds.
+    pub busy: usize,
+    /// Their niceness.
+    pub nice: i32,
+    /// Sequences decoded together.
+    pub batch: usize,
+    /// Timed steps per condition (over all rounds).
+    pub steps: usize,
+    /// Per-step time, median, no busy loops (ms).
+    pub idle_ms_p50: f64,
+    /// Per-step time, 90th percentile, no busy loops (ms).
+    pub idle_ms_p90: f64,
+    /// Per-step time, median, with the busy loops (ms).
+    pub busy_ms_p50: f64,
+    /// Per-step time, 90th percentile, with the busy loops (ms).
+    pub busy_ms_p90: f64,
+    /// `busy_ms_p50 / idle_ms_p50`.
+    pub slowdown_p50: f64,
+}
+
+fn percentile_ms(sorted: &[Duration], p: f64) -> f64 {
+    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[i].as_secs_f64() * 1e3
+}
+
+/// Alternates `rounds` rounds of `steps` decode steps of `batch` sequences without and with
+/// `busy` [`BusyLoops`] at niceness `nice` (started before and killed after each busy round,
+/// with a 100 ms settle), and reports each condition's per-step time over all its rounds.
+/// Alternating keeps slow drifts of a shared machine out of the ratio.
+///
+/// # Errors
+/// Forward-pass failures; a busy loop that cannot be started.
+pub fn run_contention_bench(
+    group: &impl StepGroup,
+    batch: usize,
+    steps: usize,
+    rounds: usize,
+    busy: usize,
+    nice: i32,
+) -> Result<ContentionResult> {
+    let (mut idle, mut loaded) = (Vec::new(), Vec::new());
+    for _ in 0..rounds.max(1) {
+        idle.extend(decode_step_times(group, batch, steps)?);
+        let loops = BusyLoops::start(busy, nice)?;
+        std::thread::sleep(Duration::from_millis(100));
+        let r = decode_step_times(group, batch, steps);
+        drop(loops);
+        loaded.extend(r?);
+    }
+    idle.sort();
+    loaded.sort();
+    let (idle_ms_p50, busy_ms_p50) = (percentile_ms(&idle, 0.5), percentile_ms(&loaded, 0.5));
+    Ok(ContentionResult {
+        busy,
+        nice,
+        batch,
+        steps: idle.len(),
+        idle_ms_p50,
+        idle_ms_p90: percentile_ms(&idle, 0.9),
+        busy_ms_p50,
+        busy_ms_p90: percentile_ms(&loaded, 0.9),
+        slowdown_p50: busy_ms_p50 / idle_ms_p50,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn alive(pid: u32) -> bool {
+        // A killed and reaped child's id no longer names a process (or names a reused one,
+        // which is not a busy `sh` of ours: good enough within a test's lifetime).
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map(|s| !s.contains(") Z "))
+            .unwrap_or(false)
+    }
+
+    #[test]
+    fn busy_loops_run_niced_and_die_with_their_guard() {
+        let pids = {
+            let loops = BusyLoops::start(2, 19).unwrap();
+            let pids = loops.pids();
+            for &p in &pids {
+                assert!(alive(p));
+                let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap();
+                // Field 19 is the nice value (counted after the `(comm)` field).
+                let after = stat.rsplit_once(") ").unwrap().1;
+                let nice: i32 = after.split(' ').nth(16).unwrap().parse().unwrap();
+                assert_eq!(nice, 19);
+            }
+            pids
+        };
+        for p in pids {
+            assert!(!alive(p), "busy loop {p} outlived its guard");
+        }
+        // Also on unwinding.
+        let mut seen = Vec::new();
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let loops = BusyLoops::start(1, 19).unwrap();
+            seen = loops.pids();
+            panic!("bench failed");
+        }));
+        assert!(r.is_err());
+        assert!(seen.iter().all(|&p| !alive(p)));
+    }
 }

@@ -46,61 +46,29 @@ impl Batch {
     }
 }
 
-/// A matmul weight. In [`WeightFormat::Native`] the block formats [`crate::quant`] runs (Q4_0,
-/// Q4_1, Q8_0, Q4_K, Q6_K) are on this crate's llama.cpp-exact kernels; everything else, and every weight
-/// in the other formats (the default requantizes to Q8_0), is on candle's kernels (VNNI-packed
-/// for Q8_0, the fastest CPU path).
+/// A matmul weight. The block formats [`crate::quant`] runs (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K:
+/// the file's own in [`WeightFormat::Native`], Q8_0 after the default requantization) are on
+/// this crate's llama.cpp-exact kernels and its compute pool; only what those kernels do not
+/// take (f32 weights, Q5_* in native) is on candle's.
+///
+/// Until issue 28 the default path's Q8_0 ran on candle's `QMatMul` (VNNI-packed). Each of its
+/// matmuls is a barrier over a fixed set of threads that the caller waits on by spinning, so
+/// one compute thread the OS deschedules stalls the whole step: with one other busy process on
+/// a 2-vCPU machine, decode went from ~6 ms to ~150 ms per token (docs/benchmarks.md,
+/// "Sharing the cores"). Our pool hands out work item by item instead.
 enum LinearWeight {
     Quant(QMatrix),
-    Candle {
-        weight: QMatMul,
-        /// Input width the weight was zero-padded to (see [`pad_q8_0_rows`]), if any.
-        padded_in: Option<usize>,
-    },
+    /// Requantized Q8_0 (not [`WeightFormat::Native`]) on AVX-512 VNNI CPUs: sixteen rows
+    /// per vector ([`quant::PackedQ8`]), about 1.7× faster than [`QMatrix`]'s llama.cpp-exact
+    /// order for prefill and batched decode.
+    Packed(quant::PackedQ8),
+    Candle(QMatMul),
 }
 
 struct Linear {
     weight: LinearWeight,
     bias: Option<Vec<f32>>,
     out_features: usize,
-}
-
-/// candle's VNNI-packed Q8_0 kernels (several times faster than its generic Q8_0 dot
-/// product) only take matmuls whose input width is a multiple of 256. Zero blocks appended to
-/// every weight row, with zeros appended to the activations, leave the product exactly the
-/// same, so narrower Q8_0 weights (SmolLM2's 576) are padded when the CPU has VNNI.
-const PACKED_K: usize = 256;
-
-fn vnni_available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        (is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512vnni"))
-            || (is_x86_feature_detected!("avxvnni") && is_x86_feature_detected!("avx2"))
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
-
-/// Appends all-zero Q8_0 blocks (scale 0, quants 0) to each row up to `k` columns.
-fn pad_q8_0_rows(w: &QTensor, k: usize) -> Result<QTensor> {
-    const BLOCK_BYTES: usize = 34; // f16 scale + 32 × i8
-    let (rows, cols) = w.shape().dims2()?;
-    let data = w.data()?;
-    let row_bytes = cols / 32 * BLOCK_BYTES;
-    let pad = (k - cols) / 32 * BLOCK_BYTES;
-    let mut bytes = Vec::with_capacity(rows * (row_bytes + pad));
-    for r in 0..rows {
-        bytes.extend_from_slice(&data[r * row_bytes..(r + 1) * row_bytes]);
-        bytes.resize(bytes.len() + pad, 0);
-    }
-    let storage = candle_core::quantized::QStorage::from_data(
-        std::borrow::Cow::Owned(bytes),
-        &Device::Cpu,
-        candle_core::quantized::GgmlDType::Q8_0,
-    )?;
-    Ok(QTensor::new(storage, (rows, k))?)
 }
 
 /// The weight in this crate's per-row layout, when its format is one [`crate::quant`] runs.
@@ -113,34 +81,24 @@ fn own_kernel_weight(w: &QTensor) -> Result<Option<QMatrix>> {
 }
 
 impl Linear {
-    /// `own_kernels`: run the weight on [`crate::quant`] when its format allows (only in
-    /// [`WeightFormat::Native`]); otherwise on candle's kernels.
-    fn new(w: QTensor, bias: Option<Vec<f32>>, own_kernels: bool) -> Result<Self> {
+    /// On [`crate::quant`]'s kernels when the weight's format is one of theirs (Q8_0 packed
+    /// when `packed` allows and the CPU runs it), otherwise on candle's.
+    fn new(w: QTensor, bias: Option<Vec<f32>>, packed: bool) -> Result<Self> {
         let (out_features, cols) = w.shape().dims2()?;
-        if own_kernels {
-            if let Some(q) = own_kernel_weight(&w)? {
-                return Ok(Self {
-                    weight: LinearWeight::Quant(q),
-                    bias,
-                    out_features,
-                });
-            }
-        }
-        let (w, padded_in) = if w.dtype() == candle_core::quantized::GgmlDType::Q8_0
-            && !cols.is_multiple_of(PACKED_K)
-            && out_features.is_multiple_of(16)
-            && vnni_available()
-        {
-            let k = cols.next_multiple_of(PACKED_K);
-            (pad_q8_0_rows(&w, k)?, Some(k))
+        let packed = if packed && w.dtype() == candle_core::quantized::GgmlDType::Q8_0 {
+            quant::PackedQ8::from_gguf(out_features, cols, &w.data()?)
         } else {
-            (w, None)
+            None
+        };
+        let weight = match packed {
+            Some(p) => LinearWeight::Packed(p),
+            None => match own_kernel_weight(&w)? {
+                Some(q) => LinearWeight::Quant(q),
+                None => LinearWeight::Candle(QMatMul::from_qtensor(w)?),
+            },
         };
         Ok(Self {
-            weight: LinearWeight::Candle {
-                weight: QMatMul::from_qtensor(w)?,
-                padded_in,
-            },
+            weight,
             bias,
             out_features,
         })
@@ -166,18 +124,9 @@ impl Linear {
         let inp = x.len() / rows;
         let mut y = match &self.weight {
             LinearWeight::Quant(q) => quant::matmul(q, x, rows),
-            LinearWeight::Candle { weight, padded_in } => {
-                let xt = match padded_in {
-                    Some(k) => {
-                        let k = *k;
-                        let mut padded = vec![0f32; rows * k];
-                        for (dst, src) in padded.chunks_mut(k).zip(x.chunks(inp)) {
-                            dst[..inp].copy_from_slice(src);
-                        }
-                        Tensor::from_vec(padded, (rows, k), &Device::Cpu)?
-                    }
-                    None => Tensor::from_slice(x, (rows, inp), &Device::Cpu)?,
-                };
+            LinearWeight::Packed(p) => p.matmul(x, rows),
+            LinearWeight::Candle(weight) => {
+                let xt = Tensor::from_slice(x, (rows, inp), &Device::Cpu)?;
                 weight.forward(&xt)?.flatten_all()?.to_vec1::<f32>()?
             }
         };
@@ -202,12 +151,18 @@ impl Linear {
         comm: &dyn Collective,
         acc: &mut [f32],
     ) -> Result<()> {
-        let q = match &self.weight {
+        let (cols, parts) = match &self.weight {
             LinearWeight::Quant(q)
                 if chunk.is_multiple_of(q.qtype().block_elems())
                     && q.cols().is_multiple_of(chunk) =>
             {
-                q
+                let blocks = chunk / q.qtype().block_elems();
+                (q.cols(), quant::matmul_chunked(q, x, rows, blocks))
+            }
+            LinearWeight::Packed(p)
+                if chunk.is_multiple_of(quant::QK) && p.cols().is_multiple_of(chunk) =>
+            {
+                (p.cols(), p.matmul_chunked(x, rows, chunk / quant::QK))
             }
             _ => {
                 let mut y = self.forward(x, rows)?;
@@ -216,8 +171,7 @@ impl Linear {
                 return Ok(());
             }
         };
-        let per_rank = q.cols() / chunk;
-        let parts = quant::matmul_chunked(q, x, rows, chunk / q.qtype().block_elems());
+        let per_rank = cols / chunk;
         let gathered = if comm.size() > 1 {
             comm.all_gather(&parts)?
         } else {
@@ -227,7 +181,7 @@ impl Linear {
         let n = self.out_features;
         let rank_len = rows * n * per_rank;
         let ranks = comm.size();
-        for_rows(acc, n, true, |r0, part| {
+        for_rows(acc, n, |r0, part| {
             for (k, a) in part.iter_mut().enumerate() {
                 let i = r0 * n + k;
                 let mut y = gathered[i * per_rank];
@@ -265,7 +219,7 @@ impl Stacked {
             let parts = parts
                 .into_iter()
                 .zip(biases)
-                .map(|(p, b)| Linear::new(p, b, true))
+                .map(|(p, b)| Linear::new(p, b, false))
                 .collect::<Result<Vec<_>>>()?;
             return Ok(Self { parts });
         }
@@ -283,7 +237,7 @@ impl Stacked {
             parts: vec![Linear::new(
                 convert(concat_rows(&parts)?, format)?,
                 bias,
-                false,
+                true,
             )?],
         })
     }
@@ -297,7 +251,7 @@ impl Stacked {
             .iter()
             .filter_map(|p| match &p.weight {
                 LinearWeight::Quant(q) => Some(q),
-                LinearWeight::Candle { .. } => None,
+                LinearWeight::Packed(_) | LinearWeight::Candle(_) => None,
             })
             .collect();
         let same_input = quants.len() == self.parts.len()
@@ -412,8 +366,7 @@ pub struct ModelShard {
     /// Input columns per reduction chunk of the attention output and down projections (see
     /// [`Linear::add_row_parallel`]).
     reduce_chunks: (usize, usize),
-    /// [`WeightFormat::Native`]: the weights (Q4_0/Q4_1/Q8_0/Q4_K/Q6_K) are on [`crate::quant`]'s
-    /// kernels, and so is attention's thread pool; otherwise both are candle's.
+    /// [`WeightFormat::Native`]: RMSNorm sums as llama.cpp does (see [`rms_norm`]).
     native: bool,
 }
 
@@ -494,13 +447,17 @@ impl ModelShard {
             layers.push(Layer {
                 attn_norm: store.vector(&name("attn_norm.weight"), d)?,
                 qkv: Stacked::new(qkv, qkv_bias, format)?,
-                out: Linear::new(convert(slice_cols(o, rows(&heads))?, format)?, None, native)?,
+                out: Linear::new(
+                    convert(slice_cols(o, rows(&heads))?, format)?,
+                    None,
+                    !native,
+                )?,
                 ffn_norm: store.vector(&name("ffn_norm.weight"), d)?,
                 gate_up: Stacked::new(gate_up, vec![None, None], format)?,
                 down: Linear::new(
                     convert(slice_cols(down, ffn.clone())?, format)?,
                     None,
-                    native,
+                    !native,
                 )?,
             });
         }
@@ -514,7 +471,7 @@ impl ModelShard {
         let lm_head = Linear::new(
             convert(slice_rows(head_full, vocab.clone())?, format)?,
             None,
-            native,
+            !native,
         )?;
         Ok(Self {
             config: cfg.clone(),
@@ -662,13 +619,13 @@ impl ModelShard {
         let mut act = Vec::new();
         let native = self.native;
         for (li, layer) in self.layers.iter().enumerate() {
-            for_rows(&mut h, d, native, |r0, out| {
+            for_rows(&mut h, d, |r0, out| {
                 let x = &x[r0 * d..r0 * d + out.len()];
                 rms_norm(x, &layer.attn_norm, cfg.rms_norm_eps, d, native, out)
             });
             let mut qkv = layer.qkv.forward(&h, t)?;
             // RoPE on Q and K (on the pool for prefills), then K/V into the cache.
-            for_rows(&mut qkv, qkv_w, native, |r0, part| {
+            for_rows(&mut qkv, qkv_w, |r0, part| {
                 for (k, row) in part.chunks_mut(qkv_w).enumerate() {
                     for head in 0..nh + nkv {
                         self.rope
@@ -691,30 +648,19 @@ impl ModelShard {
                 }
             }
             on_layer(li);
-            let attn = attention(
-                li,
-                batch,
-                &offsets,
-                &qkv,
-                qkv_w,
-                nh,
-                nkv,
-                hd,
-                kv,
-                self.native,
-            );
+            let attn = attention(li, batch, &offsets, &qkv, qkv_w, nh, nkv, hd, kv);
             layer
                 .out
                 .add_row_parallel(&attn, t, self.reduce_chunks.0, comm, &mut x)?;
 
-            for_rows(&mut h, d, native, |r0, out| {
+            for_rows(&mut h, d, |r0, out| {
                 let x = &x[r0 * d..r0 * d + out.len()];
                 rms_norm(x, &layer.ffn_norm, cfg.rms_norm_eps, d, native, out)
             });
             let gu = layer.gate_up.forward(&h, t)?;
             let f = gu.len() / t / 2;
             act.resize(t * f, 0.0);
-            for_rows(&mut act, f, native, |r0, part| {
+            for_rows(&mut act, f, |r0, part| {
                 for (k, act) in part.chunks_mut(f).enumerate() {
                     let r = r0 + k;
                     let g = &gu[r * 2 * f..r * 2 * f + f];
@@ -776,11 +722,11 @@ impl ModelShard {
 const ROWS_PER_ITEM: usize = 16;
 
 /// Runs `f(first_row, rows)` over `out`, rows of `row_len` values: in pieces of
-/// [`ROWS_PER_ITEM`] rows on the compute pool when `pool` (the pool is this crate's, as with
-/// native weights) and there is more than one piece, else in one piece on this thread. `f`
-/// computes each row the same way whatever piece it is in, so the split changes no result.
-fn for_rows(out: &mut [f32], row_len: usize, pool: bool, f: impl Fn(usize, &mut [f32]) + Sync) {
-    if !pool || out.len() <= ROWS_PER_ITEM * row_len {
+/// [`ROWS_PER_ITEM`] rows on the compute pool when there is more than one piece, else in one
+/// piece on this thread. `f` computes each row the same way whatever piece it is in, so the
+/// split changes no result.
+fn for_rows(out: &mut [f32], row_len: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
+    if out.len() <= ROWS_PER_ITEM * row_len {
         return f(0, out);
     }
     let parts: Vec<std::sync::Mutex<&mut [f32]>> = out
@@ -865,7 +811,6 @@ fn attention(
     nkv: usize,
     hd: usize,
     kv: &KvCache,
-    own_pool: bool,
 ) -> Vec<f32> {
     let group = nh / nkv;
     let t = batch.num_tokens();
@@ -886,8 +831,8 @@ fn attention(
         std::cmp::Reverse((i1 - i0) * (batch.seqs[si].start_pos + i1))
     });
     let scale = 1.0 / (hd as f32).sqrt();
-    // One pool for all compute: the matmul workers (this crate's with `own_pool`, candle's
-    // otherwise) also run attention, so no second pool spins against them on a small machine.
+    // One pool for all compute: the matmul workers also run attention, so no second pool spins
+    // against them on a small machine.
     // Written by the items in place (each item its tokens' rows of its heads; together they
     // cover every value) before its length is set.
     let mut out = Vec::<f32>::with_capacity(t * nh * hd);
@@ -949,15 +894,7 @@ fn attention(
             unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.at(at), src.len()) };
         }
     };
-    if own_pool {
-        quant::pool::global().run(items.len(), &|i| work(&items[i]));
-    } else {
-        candle_core::utils::barrier_pool().execute_chunked(items.len(), |range| {
-            for i in range {
-                work(&items[i]);
-            }
-        });
-    }
+    quant::pool::global().run(items.len(), &|i| work(&items[i]));
     // SAFETY: the items cover every (sequence, KV group, token) once, so every (token, head)
     // of `out` was written (a panicking item panics above, before this).
     unsafe { out.set_len(t * nh * hd) };

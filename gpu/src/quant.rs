@@ -42,8 +42,10 @@ mod format;
 mod kernels;
 mod kquants;
 mod matmul;
+mod packed;
 pub mod pool;
 
 pub use format::{dequantize_row, quantize_acts, ActType, QActs, QMatrix, QType, QK, QK_K};
 pub use kernels::{detect_isa, dot_chunks, Isa};
 pub use matmul::{matmul, matmul_chunked, matmul_concat, matmul_many};
+pub use packed::PackedQ8;

@@ -1,7 +1,7 @@
 //! The compute pool the CPU matmuls and attention run on.
 //!
-//! One process-wide pool of `threads − 1` workers (threads from `CANDLE_NUM_THREADS` /
-//! `RAYON_NUM_THREADS`, as before); the calling thread works too. Work is a count of items
+//! One process-wide pool of `threads − 1` workers (threads: [`configured_threads`]); the
+//! calling thread works too. Work is a count of items
 //! claimed one at a time through a shared cursor, so there is no per-thread share to wait for:
 //! a worker the OS has descheduled simply claims nothing, and the caller and the other workers
 //! take its items. The caller only waits for items already being run. Idle workers spin for a
@@ -196,11 +196,95 @@ fn worker(s: &Shared) {
     }
 }
 
-/// The process-wide pool, sized from `CANDLE_NUM_THREADS` / `RAYON_NUM_THREADS` (or the
-/// cores this process may use) on first use.
+/// The process-wide pool, sized by [`configured_threads`] on first use.
 pub fn global() -> &'static Pool {
     static POOL: OnceLock<Pool> = OnceLock::new();
-    POOL.get_or_init(|| Pool::new(candle_core::utils::get_num_threads().saturating_sub(1)))
+    POOL.get_or_init(|| Pool::new(configured_threads().saturating_sub(1)))
+}
+
+/// Environment variables that set the compute threads, first match wins (candle's order; both
+/// are also read by candle for the few operations still on its pools).
+pub const THREAD_ENV: [&str; 2] = ["CANDLE_NUM_THREADS", "RAYON_NUM_THREADS"];
+
+/// Compute threads: the first of [`THREAD_ENV`] set to a positive integer, else
+/// [`default_threads`].
+pub fn configured_threads() -> usize {
+    THREAD_ENV
+        .iter()
+        .find_map(|v| {
+            std::env::var(v)
+                .ok()
+                .and_then(|s| s.trim().parse::<usize>().ok())
+                .filter(|&n| n > 0)
+        })
+        .unwrap_or_else(default_threads)
+}
+
+/// The CPUs this process may use: the smaller of its affinity mask (`sched_getaffinity`) and
+/// its cgroup v2 CPU quota (`cpu.max`, the tightest along its cgroup path, rounded down), at
+/// least 1. More compute threads than that only take turns on the same CPUs, and a quota
+/// overrun throttles the whole process for the rest of the period.
+pub fn default_threads() -> usize {
+    let cpus = affinity_cpus().unwrap_or_else(|| {
+        std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+    });
+    let quota = cgroup_cpu_quota().unwrap_or(usize::MAX);
+    cpus.min(quota).max(1)
+}
+
+/// CPUs in this thread's affinity mask.
+#[cfg(target_os = "linux")]
+fn affinity_cpus() -> Option<usize> {
+    // SAFETY: `set` is a plain bitmask the call fills in; its size is passed with it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return None;
+        }
+        usize::try_from(libc::CPU_COUNT(&set))
+            .ok()
+            .filter(|&n| n > 0)
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn affinity_cpus() -> Option<usize> {
+    None
+}
+
+/// Whole CPUs of the tightest cgroup v2 `cpu.max` quota from this process's cgroup up to the
+/// root (`None`: no cgroup v2, or no quota anywhere).
+fn cgroup_cpu_quota() -> Option<usize> {
+    let root = std::path::Path::new("/sys/fs/cgroup");
+    let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let path = own.lines().find_map(|l| l.strip_prefix("0::"))?;
+    let mut dir = root.join(path.trim().trim_start_matches('/'));
+    let mut best: Option<usize> = None;
+    loop {
+        if let Some(q) = std::fs::read_to_string(dir.join("cpu.max"))
+            .ok()
+            .and_then(|s| parse_cpu_max(&s))
+        {
+            best = Some(best.map_or(q, |b| b.min(q)));
+        }
+        if dir == root || !dir.pop() || !dir.starts_with(root) {
+            return best;
+        }
+    }
+}
+
+/// Whole CPUs of a cgroup v2 `cpu.max` line, `"$MAX $PERIOD"`: `None` for `"max …"` (no
+/// quota) or a malformed line; otherwise `MAX / PERIOD` rounded down, at least 1
+/// (`"200000 100000"` is 2, `"150000 100000"` is 1).
+pub fn parse_cpu_max(line: &str) -> Option<usize> {
+    let mut it = line.split_whitespace();
+    let max = it.next()?;
+    let period: u64 = it.next().map_or(Some(100_000), |p| p.parse().ok())?;
+    if max == "max" || period == 0 || it.next().is_some() {
+        return None;
+    }
+    let max: u64 = max.parse().ok()?;
+    Some(usize::try_from(max / period).unwrap_or(usize::MAX).max(1))
 }
 
 #[cfg(test)]
@@ -226,6 +310,30 @@ mod tests {
         }
         for h in handles {
             h.join().unwrap();
+        }
+    }
+
+    #[test]
+    fn cpu_max_quota_is_whole_cpus_rounded_down() {
+        assert_eq!(parse_cpu_max("max 100000\n"), None);
+        assert_eq!(parse_cpu_max("max"), None);
+        assert_eq!(parse_cpu_max("200000 100000\n"), Some(2));
+        assert_eq!(parse_cpu_max("150000 100000"), Some(1));
+        assert_eq!(parse_cpu_max("50000 100000"), Some(1));
+        assert_eq!(parse_cpu_max("400000 50000"), Some(8));
+        // The period defaults to 100 ms when the line has only the quota.
+        assert_eq!(parse_cpu_max("300000"), Some(3));
+        for bad in ["", "x 100000", "100000 0", "100000 y", "1 2 3"] {
+            assert_eq!(parse_cpu_max(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_default_thread_count_is_within_the_cpus_of_this_process() {
+        let n = default_threads();
+        assert!(n >= 1);
+        if let Some(cpus) = affinity_cpus() {
+            assert!(n <= cpus);
         }
     }
 

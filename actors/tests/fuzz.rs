@@ -70,7 +70,7 @@ fn ours_tp2() -> KvPeerInfo {
         heads,
         layout: KvLayout {
             num_kv_heads: 2,
-            ..info.ranks[0].layout.clone()
+            ..info.ranks[0].layout
         },
         regions,
     };
@@ -227,10 +227,8 @@ fn check_answer(input: &[u8]) -> Result<Verdict, String> {
     // What the decode instance does next: the handshake and the read plan.
     for local in [ours(), ours_tp2()] {
         match &answer {
-            PeerAnswer::Info(theirs) => {
-                if validate_peer(&local, theirs).is_ok() {
-                    plan(&local, theirs, &[0, 1], &[2, 3], 2 * BLOCK_SIZE)?;
-                }
+            PeerAnswer::Info(theirs) if validate_peer(&local, theirs).is_ok() => {
+                plan(&local, theirs, &[0, 1], &[2, 3], 2 * BLOCK_SIZE)?;
             }
             PeerAnswer::Prefilled(PrefillAnswer {
                 held: Some(HeldKv { block_ids, .. }),
@@ -265,7 +263,7 @@ fn plan(
             r.regions
                 .iter()
                 .position(|&id| id == region)
-                .map(|_| r.layout.region_bytes())
+                .map(|_| region_bytes(&r.layout))
         })
     };
     for op in batches.iter().flatten() {
@@ -281,12 +279,28 @@ fn plan(
                 op.remote_region
             )
         })?;
-        let fits = |off: u64, len: usize| off.checked_add(op.len).is_some_and(|e| e <= len as u64);
+        let fits = |off: u64, len: u64| off.checked_add(op.len).is_some_and(|e| e <= len);
         if !fits(op.local_offset, ours_len) || !fits(op.remote_offset, theirs_len) {
             return Err(format!("an op runs past a region: {op:?}"));
         }
     }
     Ok(())
+}
+
+/// `KvLayout::region_bytes` without overflow (a peer's layout may hold absurd counts):
+/// saturates at `u64::MAX`, so an absurd region is never "too short" by wrapping.
+fn region_bytes(l: &KvLayout) -> u64 {
+    [
+        2,
+        l.num_blocks,
+        l.num_kv_heads,
+        l.block_size,
+        l.head_dim,
+        l.dtype.size(),
+    ]
+    .iter()
+    .try_fold(1u64, |acc, &n| acc.checked_mul(n as u64))
+    .unwrap_or(u64::MAX)
 }
 
 fn sampling() -> impl Strategy<Value = SamplingParams> {
@@ -458,16 +472,19 @@ fn check_openai(input: &[u8]) -> Result<Verdict, String> {
         };
         // Sane, bounded fields.
         let p = &req.params;
-        if !(p.temperature.is_finite() && (0.0..=2.0).contains(&p.temperature))
-            || !(p.top_p > 0.0 && p.top_p <= 1.0)
-            || !(0.0..=1.0).contains(&p.min_p)
-            || !(-2.0..=2.0).contains(&p.presence_penalty)
-            || !(-2.0..=2.0).contains(&p.frequency_penalty)
-            || !(p.repetition_penalty > 0.0 && p.repetition_penalty <= 10.0)
-            || p.top_k == Some(0)
-            || p.stop.len() > MAX_STOP_STRINGS
-            || req.max_tokens == Some(0)
-        {
+        let in_range = p.temperature.is_finite()
+            && (0.0..=2.0).contains(&p.temperature)
+            && p.top_p > 0.0
+            && p.top_p <= 1.0
+            && (0.0..=1.0).contains(&p.min_p)
+            && (-2.0..=2.0).contains(&p.presence_penalty)
+            && (-2.0..=2.0).contains(&p.frequency_penalty)
+            && p.repetition_penalty > 0.0
+            && p.repetition_penalty <= 10.0
+            && p.top_k != Some(0)
+            && p.stop.len() <= MAX_STOP_STRINGS
+            && req.max_tokens != Some(0);
+        if !in_range {
             return Err(format!(
                 "accepted out-of-range sampling: {p:?}, max_tokens {:?}",
                 req.max_tokens

@@ -300,7 +300,7 @@ fn transfer_requests() {
             |input| {
                 let before = PANICS.load(Ordering::SeqCst);
                 let i = n.fetch_add(1, Ordering::Relaxed);
-                let addr = if i % 2 == 0 { &open } else { &keyed };
+                let addr = if i & 1 == 0 { &open } else { &keyed };
                 let answered = exchange(addr, input)?;
                 no_new_panic(before)?;
                 if i % 5000 == 4999 {

@@ -316,7 +316,7 @@ impl<'a> Target<'a> {
         }
         let seeds = pool.len();
         while start.elapsed() < budget && report.total() < cap {
-            let (input, what) = if runner.rng().next_u64() % 3 == 0 {
+            let (input, what) = if below(runner.rng(), 3) == 0 {
                 report.generated += 1;
                 (generate(&mut runner), "generated input")
             } else {
@@ -480,7 +480,7 @@ pub fn mutate(rng: &mut TestRng, data: &mut Vec<u8>, other: &[u8], dict: &[&[u8]
                 // An interesting integer over 1, 2, 4 or 8 bytes, little or big endian.
                 let width = [1, 2, 4, 8][below(rng, 4)];
                 let v = INTERESTING[below(rng, INTERESTING.len())];
-                let bytes = if rng.next_u64() % 2 == 0 {
+                let bytes = if rng.next_u64() & 1 == 0 {
                     v.to_le_bytes()
                 } else {
                     (v << (64 - 8 * width as u32)).to_be_bytes()
@@ -505,7 +505,7 @@ pub fn mutate(rng: &mut TestRng, data: &mut Vec<u8>, other: &[u8], dict: &[&[u8]
             8 if !dict.is_empty() => {
                 let token = dict[below(rng, dict.len())];
                 let at = below(rng, len + 1);
-                if rng.next_u64() % 2 == 0 {
+                if rng.next_u64() & 1 == 0 {
                     data.splice(at..at, token.iter().copied());
                 } else {
                     let end = (at + token.len()).min(len);
@@ -515,7 +515,7 @@ pub fn mutate(rng: &mut TestRng, data: &mut Vec<u8>, other: &[u8], dict: &[&[u8]
             9 if len > 0 => {
                 let at = below(rng, len);
                 let delta = 1 + below(rng, 35) as u8;
-                data[at] = if rng.next_u64() % 2 == 0 {
+                data[at] = if rng.next_u64() & 1 == 0 {
                     data[at].wrapping_add(delta)
                 } else {
                     data[at].wrapping_sub(delta)

@@ -2,12 +2,15 @@
 //! refused with a 400 before they reach the Scheduler, the handler does not panic, the
 //! instance keeps serving and its block pool returns to full.
 
+mod common;
+use common::{assert_pool_full, post};
+
 use pdserve_actors::{Instance, InstanceOptions};
 use pdserve_gpu::loader::{load_model, ModelSource};
 use pdserve_runtime::ids::TransferId;
 use pdserve_transport::{BackendKind, TransferConfig};
 use serde_json::{json, Value};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 async fn start(name: &str, transfer: Option<BackendKind>) -> Instance {
     let mut o = InstanceOptions::local(
@@ -16,35 +19,6 @@ async fn start(name: &str, transfer: Option<BackendKind>) -> Instance {
     );
     o.transfer = transfer.map(|b| TransferConfig::new(b, name));
     Instance::start(o).await.unwrap()
-}
-
-async fn post(url: &str, body: &Value) -> (u16, Value) {
-    let r = pdserve_actors::http::http_client()
-        .build()
-        .unwrap()
-        .post(format!("{url}/v1/completions"))
-        .json(body)
-        .send()
-        .await
-        .unwrap();
-    let status = r.status().as_u16();
-    let text = r.text().await.unwrap();
-    (
-        status,
-        serde_json::from_str(&text).unwrap_or(Value::String(text)),
-    )
-}
-
-async fn assert_pool_full(inst: &Instance) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let s = inst.stats().await.unwrap();
-        if s.blocks_free == s.blocks_total && s.running == 0 && s.waiting == 0 {
-            return;
-        }
-        assert!(Instant::now() < deadline, "pool not back to full: {s:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// A good request answers with `max_tokens` tokens: the instance still serves.

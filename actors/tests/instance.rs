@@ -2,6 +2,9 @@
 //! preemption, overload, client disconnects and worker crashes. Every test ends with the
 //! block pool full.
 
+mod common;
+use common::assert_pool_full;
+
 use pdserve_actors::{Instance, InstanceOptions};
 use pdserve_gpu::loader::{load_model, ModelSource};
 use pdserve_runtime::supervision::RestartPolicy;
@@ -19,18 +22,6 @@ async fn start(name: &str, spec: &str, tweak: impl FnOnce(&mut InstanceOptions))
 }
 
 /// Polls until the pool is full and nothing runs (bounded).
-async fn assert_pool_full(inst: &Instance) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let s = inst.stats().await.unwrap();
-        if s.blocks_free == s.blocks_total && s.running == 0 && s.waiting == 0 {
-            return;
-        }
-        assert!(Instant::now() < deadline, "pool not back to full: {s:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 async fn post(url: &str, path: &str, body: Value) -> (u16, Value) {
     let r = pdserve_actors::http::http_client()
         .build()

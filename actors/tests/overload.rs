@@ -3,6 +3,9 @@
 //! `Retry-After` at once — never queued without bound, never left hanging — and a client
 //! that does not finish its header is cut off. Pools are full afterwards.
 
+mod common;
+use common::assert_pool_full;
+
 use pdserve_actors::http::ConnLimits;
 use pdserve_actors::proxy::{start_proxy, ProxyArgs};
 use pdserve_actors::{Instance, InstanceOptions};
@@ -63,18 +66,6 @@ async fn post(client: &reqwest::Client, url: &str, body: &Value) -> Answer {
     }
 }
 
-async fn assert_pool_full(inst: &Instance) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let s = inst.stats().await.unwrap();
-        if s.blocks_free == s.blocks_total && s.running == 0 && s.waiting == 0 {
-            return;
-        }
-        assert!(Instant::now() < deadline, "pool not back to full: {s:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 /// A fake upstream: answers `GET /v1/load` as an idle instance would, and holds every POST
 /// (counted) until released, then answers it 500.
 struct Fake {
@@ -121,6 +112,26 @@ impl Fake {
             .expect("the requests never reached the fake upstream")
             .unwrap();
     }
+}
+
+/// `n` requests sent at once, `body(i)` the i-th: their answers, in order.
+async fn burst(
+    c: &reqwest::Client,
+    url: &str,
+    n: usize,
+    body: impl Fn(usize) -> Value,
+) -> Vec<Answer> {
+    let sent: Vec<_> = (0..n)
+        .map(|i| {
+            let (c, url, body) = (c.clone(), url.to_string(), body(i));
+            tokio::spawn(async move { post(&c, &url, &body).await })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for h in sent {
+        answers.push(h.await.unwrap());
+    }
+    answers
 }
 
 fn assert_shed(a: &Answer, what: &str) {
@@ -177,22 +188,15 @@ async fn an_overload_burst_on_an_instance_is_shed_with_503() {
         peer.wait_posts(1).await;
         peers.push(peer);
     }
-    let burst: Vec<_> = (0..10 * SLOTS)
-        .map(|i| {
-            let (c, url) = (c.clone(), url.clone());
-            tokio::spawn(async move {
-                post(
-                    &c,
-                    &url,
-                    &json!({"prompt": format!("burst {i}"), "max_tokens": 4}),
-                )
-                .await
-            })
-        })
-        .collect();
     let mut slowest = Duration::ZERO;
-    for h in burst {
-        let a = h.await.unwrap();
+    for a in burst(
+        &c,
+        &url,
+        10 * SLOTS,
+        |i| json!({"prompt": format!("burst {i}"), "max_tokens": 4}),
+    )
+    .await
+    {
         assert_shed(&a, "burst with every slot held");
         slowest = slowest.max(a.took);
     }
@@ -221,22 +225,9 @@ async fn an_overload_burst_on_an_instance_is_shed_with_503() {
     assert_pool_full(&inst).await;
 
     // Slots free: every request is answered in full or refused, at least SLOTS in full.
-    let burst: Vec<_> = (0..10 * SLOTS)
-        .map(|i| {
-            let (c, url) = (c.clone(), url.clone());
-            tokio::spawn(async move {
-                post(
-                    &c,
-                    &url,
-                    &json!({"prompt": format!("burst {i}"), "max_tokens": 4, "ignore_eos": true}),
-                )
-                .await
-            })
-        })
-        .collect();
     let (mut answered, mut slowest) = (0, Duration::ZERO);
-    for h in burst {
-        let a = h.await.unwrap();
+    let body = |i| json!({"prompt": format!("burst {i}"), "max_tokens": 4, "ignore_eos": true});
+    for a in burst(&c, &url, 10 * SLOTS, body).await {
         if a.status == 200 {
             assert_eq!(a.body["usage"]["completion_tokens"], 4, "{}", a.body);
             answered += 1;
@@ -299,21 +290,14 @@ async fn an_overload_burst_at_the_proxy_is_shed_before_the_instances() {
         }));
     }
     up.wait_posts(SLOTS).await;
-    let burst: Vec<_> = (0..10 * SLOTS)
-        .map(|i| {
-            let (c, url) = (c.clone(), url.clone());
-            tokio::spawn(async move {
-                post(
-                    &c,
-                    &url,
-                    &json!({"prompt": format!("b{i}"), "max_tokens": 2}),
-                )
-                .await
-            })
-        })
-        .collect();
-    for h in burst {
-        let a = h.await.unwrap();
+    for a in burst(
+        &c,
+        &url,
+        10 * SLOTS,
+        |i| json!({"prompt": format!("b{i}"), "max_tokens": 2}),
+    )
+    .await
+    {
         assert_shed(&a, "proxy burst");
         assert!(a.body["error"]["message"]
             .as_str()

@@ -6,6 +6,9 @@
 //! mode). Under greedy sampling the tokens must equal a colocated instance's, and every
 //! block pool returns to full after every test, faults included.
 
+mod common;
+use common::{assert_pool_full, post};
+
 use pdserve_actors::control_plane::InstanceControl;
 use pdserve_actors::handoff::peer::{PeerAddr, Peers};
 use pdserve_actors::handoff::protocol::{
@@ -116,38 +119,6 @@ async fn peer_call(url: &str, request: PeerRequest) -> PeerAnswer {
         )
         .await
         .unwrap_or_else(|e| panic!("peer call to {url}: {e}"))
-}
-
-async fn post(url: &str, body: &Value) -> (u16, Value) {
-    let r = pdserve_actors::http::http_client()
-        .build()
-        .unwrap()
-        .post(format!("{url}/v1/completions"))
-        .json(body)
-        .send()
-        .await
-        .unwrap();
-    let status = r.status().as_u16();
-    (
-        status,
-        serde_json::from_str(&r.text().await.unwrap()).unwrap(),
-    )
-}
-
-async fn assert_pool_full(inst: &Instance) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let s = inst.stats().await.unwrap();
-        if s.blocks_free == s.blocks_total && s.running == 0 && s.waiting == 0 {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{} pool not back to full: {s:?}",
-            inst.model_name()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// `status` is `code` and the error message contains `needle`.

@@ -7,6 +7,9 @@
 //! the new blocks; a small pool forced to evict during hand-offs still answers exactly and
 //! returns to full.
 
+mod common;
+use common::{assert_pool_full, post};
+
 use pdserve_actors::control_plane::InstanceControl;
 use pdserve_actors::handoff::TransferMode;
 use pdserve_actors::proxy::{start_proxy, ProxyArgs, StartedProxy};
@@ -59,22 +62,6 @@ async fn instance(
     });
     tweak(&mut o);
     Instance::start(o).await.unwrap()
-}
-
-async fn post(url: &str, body: &Value) -> (u16, Value) {
-    let r = pdserve_actors::http::http_client()
-        .build()
-        .unwrap()
-        .post(format!("{url}/v1/completions"))
-        .json(body)
-        .send()
-        .await
-        .unwrap();
-    let status = r.status().as_u16();
-    (
-        status,
-        serde_json::from_str(&r.text().await.unwrap()).unwrap(),
-    )
 }
 
 fn request(prompt: &[u32], max_tokens: usize) -> Value {
@@ -142,26 +129,6 @@ async fn run_workload(url: &str) -> Vec<Vec<u64>> {
         }
     }
     out
-}
-
-async fn assert_pool_full(inst: &Instance) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let s = inst.stats().await.unwrap();
-        if s.blocks_in_use == 0
-            && s.blocks_free == s.blocks_total
-            && s.running == 0
-            && s.waiting == 0
-        {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{} pool not back to full: {s:?}",
-            inst.model_name()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 fn next_tag() -> usize {

@@ -523,6 +523,19 @@ pub enum KvDirective {
     },
 }
 
+/// A DNS name, an IPv4 address or a bracketed IPv6 address — nothing that could change the
+/// meaning of the URL it is put into (`/`, `?`, `#`, `@`, `:` outside brackets).
+fn is_host(host: &str) -> bool {
+    if let Some(v6) = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        return v6.parse::<std::net::Ipv6Addr>().is_ok();
+    }
+    !host.is_empty()
+        && host.len() <= 253
+        && host
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'-' || b == b'_')
+}
+
 /// Reads `kv_transfer_params` (vLLM's field names plus pdserve's `transfer_id`,
 /// `first_token_id`, `kv_lease_ms` and `remote_control_addr`). The prefill peer is reached at
 /// `scheme://remote_host:remote_port` (`scheme`: this instance's own, `http` or `https`).
@@ -563,9 +576,16 @@ pub fn kv_directive(params: Option<&Value>, scheme: &str) -> Result<KvDirective,
         .and_then(Value::as_u64)
         .filter(|&n| n > 0 && n <= 65535)
         .ok_or_else(|| bad(format!("{} must be a port number", field("remote_port"))))?;
-    if host.is_empty() || host.contains('/') {
-        return Err(bad(format!("{} is not a host", field("remote_host"))));
-    }
+    let host = match host.parse::<std::net::Ipv6Addr>() {
+        Ok(v6) => format!("[{v6}]"),
+        Err(_) if is_host(host) => host.to_string(),
+        Err(_) => {
+            return Err(bad(format!(
+                "{} is not a host name or an IP address",
+                field("remote_host")
+            )))
+        }
+    };
     let control = match p.get("remote_control_addr") {
         None | Some(Value::Null) => None,
         Some(v) => Some(
@@ -659,6 +679,17 @@ mod kv_params_tests {
             panic!("not a remote prefill")
         };
         assert_eq!(tls_peer.url, "https://10.0.0.1:8100");
+        // An IPv6 address, bare (as a prefill instance's two-hop answer writes it) or in
+        // brackets, is put into the URL in brackets.
+        for v6 in ["::1", "[::1]"] {
+            let mut p = params.clone();
+            p["remote_host"] = json!(v6);
+            let KvDirective::DriveRemote { peer, .. } = kv_directive(Some(&p), "http").unwrap()
+            else {
+                panic!("not a remote prefill")
+            };
+            assert_eq!(peer.url, "http://[::1]:8100");
+        }
         assert_eq!(peer.control, Some("10.0.0.1:7100".parse().unwrap()));
         assert_eq!(peer.engine_id.as_deref(), Some("prefill-0"));
         assert_eq!(transfer.0, 0xab);
@@ -670,6 +701,23 @@ mod kv_params_tests {
             (
                 json!({"do_remote_prefill": true, "remote_host": "h", "remote_port": 70000}),
                 "remote_port",
+            ),
+            // Nothing that changes the URL the host is put into.
+            (
+                json!({"do_remote_prefill": true, "remote_host": "evil@h", "remote_port": 1}),
+                "remote_host",
+            ),
+            (
+                json!({"do_remote_prefill": true, "remote_host": "h/x?", "remote_port": 1}),
+                "remote_host",
+            ),
+            (
+                json!({"do_remote_prefill": true, "remote_host": "h:99#", "remote_port": 1}),
+                "remote_host",
+            ),
+            (
+                json!({"do_remote_prefill": true, "remote_host": "[h]", "remote_port": 1}),
+                "remote_host",
             ),
             (
                 json!({"do_remote_prefill": true, "remote_host": "h", "remote_port": 1, "remote_control_addr": "x"}),

@@ -175,6 +175,12 @@ pub fn validate_prefill(
                     "destination block {b} is outside the peer's pool of {pool}"
                 )));
             }
+            let mut seen = std::collections::HashSet::with_capacity(block_ids.len());
+            if let Some(b) = block_ids.iter().find(|&&b| !seen.insert(b)) {
+                return Err(HandoffError::InvalidBlocks(format!(
+                    "destination block {b} is named twice"
+                )));
+            }
             Some(PushTarget {
                 transfer: req.transfer,
                 peer,
@@ -746,6 +752,7 @@ mod tests {
                 req(vec![1; 5], push(vec![0, 8], info(8, 4))),
                 "outside the peer's pool",
             ),
+            (req(vec![1; 5], push(vec![3, 3], info(8, 4))), "named twice"),
             (
                 req(vec![1; 5], push(vec![0, 1], info(8, 8))),
                 "blocks of 8 tokens",

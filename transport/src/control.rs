@@ -78,13 +78,32 @@ async fn write_frame(send: &mut quinn::SendStream, env: &Envelope, max: usize) -
 }
 
 /// Reads one frame from a stream; truncation, oversize and malformed payloads are errors.
-async fn read_frame(recv: &mut quinn::RecvStream, max: usize) -> Result<Envelope> {
+async fn read_frame(
+    recv: &mut quinn::RecvStream,
+    max: usize,
+    budget: Option<&Arc<tokio::sync::Semaphore>>,
+) -> Result<Envelope> {
     let mut header = [0u8; FRAME_HEADER_BYTES];
     read_exact_stream(recv, &mut header).await?;
     let len = frame_len(header, max)?;
     // Grown as bytes arrive, not allocated at the declared length: a peer that declares
     // 16 MiB on each of its streams and sends nothing costs nothing (what arrives is bounded
-    // by the connection's receive window).
+    // by the connection's receive window). Frames a connection's peer sends at once are
+    // assembled within `budget`: a frame takes a permit per chunk of its declared length
+    // before its payload is read (all at once, so frames waiting for room hold none and
+    // cannot starve each other) and gives them back once decoded. Past the budget, that
+    // connection's streams wait, and no other's.
+    let _held = match budget {
+        Some(b) => {
+            let chunks = len.div_ceil(FRAME_READ_CHUNK).max(1);
+            let chunks = u32::try_from(chunks.min(ASSEMBLY_BUDGET_BYTES / FRAME_READ_CHUNK))
+                .expect("the budget's permits fit in u32");
+            Some(b.clone().acquire_many_owned(chunks).await.map_err(|_| {
+                TransportError::peer_gone("control peer", "the connection is closing")
+            })?)
+        }
+        None => None,
+    };
     let mut payload = Vec::with_capacity(len.min(FRAME_READ_CHUNK));
     while payload.len() < len {
         let want = (len - payload.len()).min(FRAME_READ_CHUNK);
@@ -104,6 +123,9 @@ async fn read_frame(recv: &mut quinn::RecvStream, max: usize) -> Result<Envelope
 
 /// The most bytes of a frame read (and allocated) at a time.
 const FRAME_READ_CHUNK: usize = 64 << 10;
+
+/// Bytes of frames one connection's peer may have in assembly at once (across its streams).
+pub const ASSEMBLY_BUDGET_BYTES: usize = 64 << 20;
 
 async fn read_exact_stream(recv: &mut quinn::RecvStream, buf: &mut [u8]) -> Result<()> {
     recv.read_exact(buf).await.map_err(|e| match e {
@@ -165,6 +187,8 @@ struct ConnShared {
     next_id: AtomicU64,
     config: ControlConfig,
     last_heartbeat: Mutex<Option<(Instant, Heartbeat)>>,
+    /// [`ASSEMBLY_BUDGET_BYTES`] in chunks of [`FRAME_READ_CHUNK`].
+    assembly: Arc<tokio::sync::Semaphore>,
 }
 
 /// An authenticated connection to one cluster member.
@@ -191,6 +215,9 @@ impl ControlConnection {
             next_id: AtomicU64::new(1),
             config,
             last_heartbeat: Mutex::new(None),
+            assembly: Arc::new(tokio::sync::Semaphore::new(
+                ASSEMBLY_BUDGET_BYTES / FRAME_READ_CHUNK,
+            )),
         });
         let s = shared.clone();
         tokio::spawn(async move {
@@ -285,7 +312,7 @@ impl ControlConnection {
                 max,
             )
             .await?;
-            read_frame(&mut recv, max).await
+            read_frame(&mut recv, max, Some(&self.shared.assembly)).await
         };
         let env =
             tokio::time::timeout(timeout, fut)
@@ -376,7 +403,7 @@ async fn handle_bi(
     tx: mpsc::Sender<Incoming>,
 ) {
     let max = s.config.max_frame_bytes;
-    let env = match read_frame(&mut recv, max).await {
+    let env = match read_frame(&mut recv, max, Some(&s.assembly)).await {
         Ok(env) => env,
         Err(e) => {
             tracing::warn!(peer = %s.peer.node, error = %e, "rejected control frame");
@@ -447,7 +474,7 @@ async fn handle_bi(
 }
 
 async fn handle_uni(s: Arc<ConnShared>, mut recv: quinn::RecvStream, tx: mpsc::Sender<Incoming>) {
-    match read_frame(&mut recv, s.config.max_frame_bytes).await {
+    match read_frame(&mut recv, s.config.max_frame_bytes, Some(&s.assembly)).await {
         Ok(env) if env.kind == EnvelopeKind::OneWay => {
             if let ControlMessage::Heartbeat(hb) = &env.message {
                 *s.last_heartbeat.lock().expect("heartbeat poisoned") =
@@ -605,7 +632,7 @@ impl ControlEndpoint {
             )
             .await
             .map_err(|e| refine(&conn, addr, e))?;
-            let env = read_frame(&mut recv, max)
+            let env = read_frame(&mut recv, max, None)
                 .await
                 .map_err(|e| refine(&conn, addr, e))?;
             match env.message {
@@ -692,7 +719,7 @@ async fn accept_member(
             .accept_bi()
             .await
             .map_err(|e| TransportError::peer_gone(remote.to_string(), e))?;
-        let env = read_frame(&mut recv, max).await?;
+        let env = read_frame(&mut recv, max, None).await?;
         match env.message {
             ControlMessage::Hello(peer) if env.kind == EnvelopeKind::Request => {
                 let refusal = if peer.cluster != hello.cluster {

@@ -448,3 +448,59 @@ async fn client_reconnects_with_backoff_and_sends_heartbeats() {
         .unwrap()
         .unwrap();
 }
+
+/// A member that declares full-size frames on several streams and never sends them holds at
+/// most `ASSEMBLY_BUDGET_BYTES` of its connection's assembly: its further frames wait (they
+/// are not read, so nothing is allocated for them), other members' connections are served
+/// meanwhile, and the waiting frame is served once a held one goes away.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frames_in_assembly_are_bounded_per_connection() {
+    use pdserve_transport::control::ASSEMBLY_BUDGET_BYTES;
+    let cluster = Cluster::new("ctl");
+    let server =
+        Arc::new(ControlEndpoint::bind(&cluster.member("peer"), config(Role::Prefill)).unwrap());
+    let _rx = spawn_echo(server.clone());
+    let addr = server.local_addr().unwrap();
+    let hog = ControlEndpoint::bind(&cluster.member("initiator"), config(Role::Decode)).unwrap();
+    let conn = hog.connect(addr).await.unwrap();
+    let q = conn.quic_connection().clone();
+    // Full-size frames (16 MiB declared, one byte sent) until the budget is taken.
+    let frame = 16usize << 20;
+    let mut hogs = Vec::new();
+    for _ in 0..ASSEMBLY_BUDGET_BYTES / frame {
+        let (mut send, recv) = q.open_bi().await.unwrap();
+        send.write_all(&(frame as u32).to_le_bytes()).await.unwrap();
+        send.write_all(&[0]).await.unwrap();
+        hogs.push((send, recv));
+    }
+    let echo = ControlMessage::Notify { bytes: vec![7; 10] };
+    // Another member is served at once.
+    pdserve_transport::control::tls::issue_member(&cluster.path(), "other").unwrap();
+    let other = ControlEndpoint::bind(&cluster.member("other"), config(Role::Decode)).unwrap();
+    let other = other.connect(addr).await.unwrap();
+    assert_eq!(other.request(echo.clone()).await.unwrap(), echo);
+    // The hog's next frame waits for room...
+    let waiting = {
+        let q = q.clone();
+        let bytes = encode_frame(
+            &Envelope {
+                id: 99,
+                kind: EnvelopeKind::Request,
+                message: echo.clone(),
+            },
+            1 << 20,
+        )
+        .unwrap();
+        tokio::spawn(async move { raw_request(&q, &bytes).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!waiting.is_finished(), "a frame past the budget was read");
+    // ...and is served once a held frame's stream is reset.
+    let (mut send, _recv) = hogs.pop().unwrap();
+    send.reset(quinn::VarInt::from_u32(0)).unwrap();
+    let answer = tokio::time::timeout(Duration::from_secs(30), waiting)
+        .await
+        .expect("the waiting frame was never served")
+        .unwrap();
+    assert_eq!(answer, echo);
+}

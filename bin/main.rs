@@ -749,13 +749,13 @@ fn generate(args: GenerateArgs) -> Result<()> {
                 Some(RequestEvent::Finished {
                     text,
                     reason,
-                    completion_tokens,
+                    usage,
                     ..
                 }) => {
                     stdout.write_all(text.as_bytes())?;
                     println!();
                     tracing::info!(
-                        tokens = completion_tokens,
+                        tokens = usage.completion_tokens,
                         finish = reason.as_openai(),
                         "done"
                     );

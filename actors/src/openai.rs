@@ -392,9 +392,24 @@ pub fn error_json(message: &str, kind: &str, code: u16) -> Value {
     json!({"error": {"message": message, "type": kind, "param": null, "code": code}})
 }
 
-/// `usage` object.
-pub fn usage(prompt: usize, completion: usize) -> Value {
-    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+/// A request's token counts, as OpenAI's `usage` reports them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Generated tokens.
+    pub completion_tokens: usize,
+    /// Of the prompt tokens, those this instance took from its prefix cache (not computed).
+    pub cached_tokens: usize,
+}
+
+impl Usage {
+    /// The `usage` object: counts, total, and `prompt_tokens_details.cached_tokens`.
+    pub fn to_json(self) -> Value {
+        json!({"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+               "total_tokens": self.prompt_tokens + self.completion_tokens,
+               "prompt_tokens_details": {"cached_tokens": self.cached_tokens}})
+    }
 }
 
 #[cfg(test)]

@@ -56,10 +56,8 @@ pub enum RequestEvent {
         reason: FinishReason,
         /// Last text.
         text: String,
-        /// Prompt tokens.
-        prompt_tokens: usize,
-        /// Generated tokens.
-        completion_tokens: usize,
+        /// Token counts.
+        usage: crate::openai::Usage,
         /// Blocks held for a decode instance (prefill side of P/D).
         held_blocks: Option<Vec<u32>>,
     },
@@ -709,16 +707,21 @@ impl SchedulerState {
                     text,
                     prompt_tokens,
                     completion_tokens,
+                    cached_tokens,
                     held_blocks,
                 } => {
                     metrics::counter!(m::REQUESTS_TOTAL, "outcome" => "finished").increment(1);
+                    let usage = crate::openai::Usage {
+                        prompt_tokens,
+                        completion_tokens,
+                        cached_tokens,
+                    };
                     (
                         id,
                         RequestEvent::Finished {
                             reason,
                             text,
-                            prompt_tokens,
-                            completion_tokens,
+                            usage,
                             held_blocks,
                         },
                         true,
@@ -744,14 +747,11 @@ impl SchedulerState {
                 owner.first_token.get_or_insert(now);
                 owner.last_token = Some(now);
             }
-            if let RequestEvent::Finished {
-                completion_tokens, ..
-            } = &event
-            {
+            if let RequestEvent::Finished { usage, .. } = &event {
                 if let (Some(first), Some(last)) = (owner.first_token, owner.last_token) {
-                    if *completion_tokens > 1 {
+                    if usage.completion_tokens > 1 {
                         let tpot = last.duration_since(first).as_secs_f64()
-                            / (*completion_tokens - 1) as f64;
+                            / (usage.completion_tokens - 1) as f64;
                         metrics::histogram!(m::TIME_PER_OUTPUT_TOKEN_SECONDS).record(tpot);
                     }
                 }

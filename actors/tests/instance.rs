@@ -167,7 +167,19 @@ async fn streaming_and_non_streaming_give_the_same_text() {
         assert_eq!(finish.as_deref(), Some("length"));
         let usage = &events.last().unwrap()["usage"];
         assert_eq!(usage["completion_tokens"], 20);
-        assert_eq!(usage, &full["usage"]);
+        for k in ["prompt_tokens", "completion_tokens", "total_tokens"] {
+            assert_eq!(usage[k], full["usage"][k], "{path} {k}");
+        }
+        // The same prompt a second time: its full blocks come from the prefix cache, and the
+        // usage says so.
+        let cached = usage["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+        let prompt_tokens = usage["prompt_tokens"].as_u64().unwrap();
+        assert!(
+            cached > 0 && cached % 16 == 0 && cached <= prompt_tokens,
+            "{path}: {usage}"
+        );
         if chat {
             assert_eq!(events[0]["choices"][0]["delta"]["role"], "assistant");
         }

@@ -317,8 +317,10 @@ async fn a_second_turn_moves_only_the_new_blocks() {
     for mode in [TransferMode::Pull, TransferMode::Push] {
         for prefix_cache in [true, false] {
             let pd = Pd::start(SMALL, BackendKind::Tcp, (1, 1), 1, mode, prefix_cache, None).await;
+            let cached = |v: &Value| v["usage"]["prompt_tokens_details"]["cached_tokens"].clone();
             let (status, v1) = post(&pd.url, &request(&turn1, 4)).await;
             assert_eq!(status, 200, "{v1}");
+            assert_eq!(cached(&v1), 0, "turn 1 has nothing cached: {v1}");
             let after1 = pd.bytes_moved();
             assert_eq!(after1, 8 * bytes_per_block, "turn 1 moves its 8 blocks");
             let (status, v2) = post(&pd.url, &request(&turn2, 4)).await;
@@ -330,8 +332,11 @@ async fn a_second_turn_moves_only_the_new_blocks() {
                 assert_eq!(turn2_bytes, 3 * bytes_per_block, "{what}");
                 let s = pd.ds[0].stats().await.unwrap();
                 assert_eq!(s.prompt_tokens_cached, (8 * BLOCK) as u64, "{what}: {s:?}");
+                // The client is told, as OpenAI's usage says it.
+                assert_eq!(cached(&v2), 8 * BLOCK, "{what}: {v2}");
             } else {
                 assert_eq!(turn2_bytes, 11 * bytes_per_block, "{what}");
+                assert_eq!(cached(&v2), 0, "{what}: {v2}");
             }
             pd.stop().await;
         }

@@ -256,33 +256,32 @@ impl ResponseMeta {
         }
     }
 
-    fn usage_chunk(&self, prompt: usize, completion: usize) -> Value {
+    fn usage_chunk(&self, usage: openai::Usage) -> Value {
         let object = if self.chat {
             "chat.completion.chunk"
         } else {
             "text_completion"
         };
         json!({"id": self.id, "object": object, "created": self.created, "model": self.model,
-               "choices": [], "usage": openai::usage(prompt, completion)})
+               "choices": [], "usage": usage.to_json()})
     }
 
     fn full(
         &self,
         text: &str,
         finish: &str,
-        prompt: usize,
-        completion: usize,
+        usage: openai::Usage,
         tokens: &[u32],
         held: Option<&[u32]>,
     ) -> Value {
         let mut v = if self.chat {
             json!({"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish}],
-                   "usage": openai::usage(prompt, completion)})
+                   "usage": usage.to_json()})
         } else {
             json!({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                    "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}],
-                   "usage": openai::usage(prompt, completion)})
+                   "usage": usage.to_json()})
         };
         if let (Some(h), Some(blocks)) = (&self.hand_off, held) {
             let params = openai::KvTransferParams {
@@ -343,16 +342,14 @@ async fn collect(
             RequestEvent::Finished {
                 reason,
                 text: t,
-                prompt_tokens,
-                completion_tokens,
+                usage,
                 held_blocks,
             } => {
                 text.push_str(&t);
                 return Ok(Json(meta.full(
                     &text,
                     reason.as_openai(),
-                    prompt_tokens,
-                    completion_tokens,
+                    usage,
                     &tokens,
                     held_blocks.as_deref(),
                 ))
@@ -409,14 +406,12 @@ fn sse_stream(
                 RequestEvent::Finished {
                     reason,
                     text,
-                    prompt_tokens,
-                    completion_tokens,
+                    usage,
                     ..
                 } => {
                     s.pending.push(Event::default().data("[DONE]"));
                     if s.meta.include_usage {
-                        s.pending
-                            .push(data(s.meta.usage_chunk(prompt_tokens, completion_tokens)));
+                        s.pending.push(data(s.meta.usage_chunk(usage)));
                     }
                     break data(
                         s.meta

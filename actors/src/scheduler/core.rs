@@ -87,6 +87,8 @@ pub enum Output {
         prompt_tokens: usize,
         /// Generated tokens.
         completion_tokens: usize,
+        /// Prompt tokens taken from the prefix cache at the request's first admission.
+        cached_tokens: usize,
         /// Blocks kept for a decode instance (see [`NewRequest::hold_for`]).
         held_blocks: Option<Vec<u32>>,
     },
@@ -174,6 +176,8 @@ struct Seq {
     skip_blocks: usize,
     /// Counted in the prompt figures.
     counted: bool,
+    /// Prompt tokens taken from the prefix cache when it was counted (its first admission).
+    prompt_cached: usize,
 }
 
 impl Seq {
@@ -314,8 +318,9 @@ impl SchedulerCore {
         s.registered = hit;
         if !s.counted {
             s.counted = true;
+            s.prompt_cached = (hit * bs).min(s.prompt.len());
             self.prompt_tokens += s.prompt.len() as u64;
-            self.prompt_tokens_cached += (hit * bs).min(s.prompt.len()) as u64;
+            self.prompt_tokens_cached += s.prompt_cached as u64;
         }
         hit
     }
@@ -396,6 +401,7 @@ impl SchedulerCore {
             registered: 0,
             cached_tokens: 0,
             skip_blocks: 0,
+            prompt_cached: 0,
             counted: false,
         };
         self.seqs.insert(req.id, seq);
@@ -818,7 +824,8 @@ impl SchedulerCore {
             }
             Ok(TokenOutcome::Continue { text }) => vec![Output::Token { id, token, text }],
             Ok(TokenOutcome::Finished { reason, text }) => {
-                let (prompt_tokens, completion_tokens) = (s.prompt.len(), s.gen.output().len());
+                let (prompt_tokens, completion_tokens, cached_tokens) =
+                    (s.prompt.len(), s.gen.output().len(), s.prompt_cached);
                 let held_blocks = s.hold_for.map(|transfer| {
                     let blocks = std::mem::replace(&mut s.blocks, self.blocks.empty());
                     let ids = blocks.blocks().to_vec();
@@ -839,6 +846,7 @@ impl SchedulerCore {
                         text,
                         prompt_tokens,
                         completion_tokens,
+                        cached_tokens,
                         held_blocks,
                     },
                 ]

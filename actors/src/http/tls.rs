@@ -14,6 +14,9 @@ use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+/// How long pdserve's HTTP clients keep an idle connection.
+pub const CLIENT_IDLE: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Why the TLS settings could not be loaded: names the file and the config key.
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
@@ -153,6 +156,10 @@ impl HttpTls {
             .with_no_client_auth();
         reqwest::Client::builder()
             .no_proxy()
+            // Idle connections are dropped well before a pdserve server closes them
+            // (`header_read_timeout_s`, default 30 s, also bounds keep-alive idleness): a request
+            // is then never written into a connection the server is closing.
+            .pool_idle_timeout(CLIENT_IDLE)
             .tls_backend_preconfigured(config)
     }
 }

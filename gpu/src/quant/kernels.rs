@@ -775,15 +775,15 @@ pub(super) mod x86 {
     /// Prefill's GEMM tile on 512-bit registers (the [`Isa::Avx512Vnni`] path): two tokens'
     /// eight lanes side by side in one register, so each instruction does two (row, token)
     /// pairs' work. Every lane holds exactly the integer sum, float conversion and fused
-    /// multiply-adds the 256-bit [`tile`](vnni) gives it, in the same block order, and the
+    /// multiply-adds the 256-bit `tile` gives it, in the same block order, and the
     /// halves are summed by the same [`hsum`]: the results have the same bits.
     ///
     /// The signed × signed products of Q4_0 / Q8_0 weights with Q8_0 activations use
     /// `vpdpbusd` on the activations shifted to unsigned, `Σ w·(a + 128) − 128·Σ w`, the
     /// correction formed once per row and block and used as the accumulator's start (exact in
     /// i32) — 512-bit AVX-512 has no `vpsignb`, the 256-bit path's way to the same sums.
-    /// Before this kernel the default weights (Q8_0) prefilled at about half the speed of
-    /// candle's VNNI-packed kernel on an AVX-512 Xeon.
+    /// About 1.4× the 256-bit tile's speed on Q8_0 (`gpu/tests/q8_kernel_speed.rs` with
+    /// `PDSERVE_QUANT_ISA=avx2` against the default).
     mod zmm {
         use super::*;
 
@@ -870,9 +870,9 @@ pub(super) mod x86 {
                         }
                         if Q == 1 {
                             let wm = _mm_cvtph_ps(_mm_loadl_epi64(mp.add(8 * k) as *const __m128i));
-                            for t in 0..T {
+                            for (t, sm) in sm.iter_mut().enumerate() {
                                 let sa = _mm_set1_ps(*asum.add(t * nb + k));
-                                sm[t] = _mm_fmadd_ps(wm, sa, sm[t]);
+                                *sm = _mm_fmadd_ps(wm, sa, *sm);
                             }
                         }
                     }
@@ -922,9 +922,8 @@ pub(super) mod x86 {
                 // SAFETY: four floats into four.
                 unsafe { _mm_storeu_ps(summs[t].as_mut_ptr(), sm[t]) };
             }
-            for i in 0..R {
-                for p in 0..P {
-                    let a = acc[i][p];
+            for (i, row) in acc.iter().enumerate() {
+                for (p, &a) in row.iter().enumerate() {
                     let lo = _mm512_castps512_ps256(a);
                     let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(a)));
                     for (t, half) in [(2 * p, lo), (2 * p + 1, hi)] {

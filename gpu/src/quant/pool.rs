@@ -13,8 +13,12 @@ use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering:
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-/// How long an idle worker spins before it sleeps.
-const SPIN: Duration = Duration::from_micros(300);
+/// How long an idle worker spins before it sleeps: longer than the gap between two decode
+/// steps of `pdserve serve` (~0.5–1 ms), so that a step does not start with a sleeping worker.
+/// A sleeping worker is woken onto a core that a neighbour may hold (even at `nice 19` the
+/// scheduler lets it finish its slice first), and the step runs on one thread until then: with
+/// 300 µs here, one `nice 19` busy loop slowed serving decode by 1.1–1.3× (issue 28).
+const SPIN: Duration = Duration::from_millis(2);
 
 struct Job<'a> {
     f: &'a (dyn Fn(usize) + Sync),

@@ -782,7 +782,7 @@ pub(super) mod x86 {
     /// `vpdpbusd` on the activations shifted to unsigned, `Σ w·(a + 128) − 128·Σ w`, the
     /// correction formed once per row and block and used as the accumulator's start (exact in
     /// i32) — 512-bit AVX-512 has no `vpsignb`, the 256-bit path's way to the same sums.
-    /// About 1.4× the 256-bit tile's speed on Q8_0 (`gpu/tests/q8_kernel_speed.rs` with
+    /// About 1.4× the 256-bit tile's speed on Q8_0 (`cargo bench --bench q8_kernels` with
     /// `PDSERVE_QUANT_ISA=avx2` against the default).
     mod zmm {
         use super::*;

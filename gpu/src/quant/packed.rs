@@ -10,7 +10,7 @@
 //! 128·Σ a) · d_w·d_a` fused-multiply-added in block order, is done for sixteen rows at once.
 //! [`QMatrix`]'s llama.cpp-exact kernels instead form eight partial lanes per block and row
 //! and sum them at the end: about twice the instructions, which made a prefill about 1.7×
-//! slower per thread than candle's packed kernel (`gpu/tests/q8_kernel_speed.rs`).
+//! slower per thread than candle's packed kernel (`cargo bench --bench q8_kernels`).
 //!
 //! Every (row, token) result is the same chain of operations whatever the number of tokens,
 //! the tile or the thread (integer sums are exact in any order; the float steps run block by

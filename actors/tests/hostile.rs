@@ -93,6 +93,18 @@ async fn a_forged_first_token_is_refused_before_the_batch() {
     inst.stop().await;
 }
 
+/// A client of the peer protocol without cluster credentials or key (it calls over HTTP).
+fn stranger() -> std::sync::Arc<pdserve_actors::handoff::peer::Peers> {
+    pdserve_actors::handoff::peer::Peers::new(
+        "hostile-test".into(),
+        None,
+        None,
+        None,
+        Duration::from_secs(30),
+        pdserve_actors::http::http_client(),
+    )
+}
+
 /// A fake prefill instance on the HTTP carrier: answers any request with a 200 whose body
 /// never ends (chunked, up to `limit` bytes) or declares `declared` bytes up front.
 async fn endless_peer(
@@ -149,16 +161,9 @@ async fn endless_peer(
 /// gigabytes into a decode instance's memory.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_endless_peer_answer_is_cut_off_at_the_frame_limit() {
-    use pdserve_actors::handoff::peer::{PeerAddr, Peers, MAX_HTTP_ANSWER_BYTES};
+    use pdserve_actors::handoff::peer::{PeerAddr, MAX_HTTP_ANSWER_BYTES};
     use pdserve_actors::handoff::protocol::{HandoffError, PeerRequest};
-    let peers = Peers::new(
-        "hostile-test".into(),
-        None,
-        None,
-        None,
-        Duration::from_secs(30),
-        pdserve_actors::http::http_client(),
-    );
+    let peers = stranger();
     for declared in [None, Some(1u64 << 40)] {
         // The fake sends at most 4x the limit, so the test ends even if nothing cuts it off.
         let (url, server) = endless_peer(declared, 4 * MAX_HTTP_ANSWER_BYTES).await;
@@ -329,19 +334,12 @@ async fn hostile_requests_beside_a_batch_leave_it_token_identical() {
 /// new initiators cannot grow the grant map past its bound.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_http_peer_carrier_is_bounded_to_its_callers() {
-    use pdserve_actors::handoff::peer::{PeerAddr, Peers};
+    use pdserve_actors::handoff::peer::PeerAddr;
     use pdserve_actors::handoff::protocol::{
         HandoffError, PeerAnswer, PeerRequest, PrefillMode, PrefillRequest,
     };
     use pdserve_actors::handoff::session::MAX_GRANTS;
-    let peers = Peers::new(
-        "hostile-test".into(),
-        None,
-        None,
-        None,
-        Duration::from_secs(30),
-        pdserve_actors::http::http_client(),
-    );
+    let peers = stranger();
 
     // A credentialed prefill instance refuses the HTTP carrier with a 403 that says why.
     let cluster =

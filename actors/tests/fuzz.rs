@@ -592,44 +592,6 @@ fn check_kv_params(input: &[u8]) -> Result<Verdict, String> {
     })
 }
 
-/// JSON tokens the mutator splices into JSON inputs.
-const JSON_TOKENS: &[&[u8]] = &[
-    b"{",
-    b"}",
-    b"[",
-    b"]",
-    b"\"",
-    b",",
-    b":",
-    b"null",
-    b"true",
-    b"false",
-    b"-1",
-    b"0",
-    b"1e999",
-    b"-0.0",
-    b"2.5",
-    b"18446744073709551615",
-    b"18446744073709551616",
-    b"-9223372036854775809",
-    b"4294967296",
-    b"4294967297",
-    b"\\u0000",
-    b"\\ud800",
-    b"\xff\xfe",
-    b"\"prompt\":",
-    b"\"messages\":",
-    b"\"max_tokens\":",
-    b"\"top_k\":",
-    b"\"stop\":",
-    b"\"kv_transfer_params\":",
-    b"\"do_remote_prefill\":true",
-    b"\"remote_block_ids\":",
-    b"\"remote_host\":",
-    b"\"remote_port\":",
-    b"\"transfer_id\":",
-];
-
 fn openai_body() -> impl Strategy<Value = Value> {
     let number = prop_oneof![
         any::<i64>().prop_map(Value::from),
@@ -733,7 +695,7 @@ fn kv_params() -> impl Strategy<Value = Value> {
 #[test]
 fn openai_requests() {
     let report = Target::new("openai_request")
-        .dictionary(JSON_TOKENS)
+        .dictionary(fuzz_support::JSON_TOKENS)
         .run(check_openai, |runner| {
             serde_json::to_vec(&draw(runner, openai_body())).expect("encodes")
         });
@@ -743,7 +705,7 @@ fn openai_requests() {
 #[test]
 fn kv_transfer_params() {
     let report = Target::new("kv_transfer_params")
-        .dictionary(JSON_TOKENS)
+        .dictionary(fuzz_support::JSON_TOKENS)
         .run(check_kv_params, |runner| {
             serde_json::to_vec(&draw(runner, kv_params())).expect("encodes")
         });
@@ -785,7 +747,7 @@ fn check_kv_events(input: &[u8]) -> Result<Verdict, String> {
 #[test]
 fn kv_events() {
     let report = Target::new("kv_events")
-        .dictionary(JSON_TOKENS)
+        .dictionary(fuzz_support::JSON_TOKENS)
         .run(check_kv_events, |runner| {
             let (snapshot, ops) = draw(
                 runner,
@@ -846,35 +808,34 @@ fn sample_registration() -> Registration {
 
 #[test]
 fn registrations() {
-    let report =
-        Target::new("registration")
-            .dictionary(JSON_TOKENS)
-            .run(check_registration, |runner| {
-                let mut reg = sample_registration();
-                let (url, control, hb, bs, salt, role) = draw(
-                    runner,
-                    (
-                        prop_oneof![
-                            Just("http://10.0.0.2:8000".to_string()),
-                            "(http|https|ftp)://[a-z0-9.:\\[\\]@]{0,16}(/[a-z]{0,4})?"
-                        ],
-                        prop_oneof![Just("10.0.0.2:7100".to_string()), "[0-9.:\\[\\]a-f]{0,20}"],
-                        prop_oneof![Just(500u64), any::<u64>()],
-                        proptest::option::of(prop_oneof![0usize..5000, any::<usize>()]),
-                        any::<Option<u64>>(),
-                        prop_oneof![
-                            Just(Role::Prefill),
-                            Just(Role::Decode),
-                            Just(Role::Colocated),
-                            Just(Role::Proxy),
-                            Just(Role::Other)
-                        ],
-                    ),
-                );
-                (reg.url, reg.control_addr, reg.heartbeat_ms) = (url, control, hb);
-                (reg.block_size, reg.cache_salt, reg.role) = (bs, salt, role);
-                serde_json::to_vec(&reg).expect("encodes")
-            });
+    let report = Target::new("registration")
+        .dictionary(fuzz_support::JSON_TOKENS)
+        .run(check_registration, |runner| {
+            let mut reg = sample_registration();
+            let (url, control, hb, bs, salt, role) = draw(
+                runner,
+                (
+                    prop_oneof![
+                        Just("http://10.0.0.2:8000".to_string()),
+                        "(http|https|ftp)://[a-z0-9.:\\[\\]@]{0,16}(/[a-z]{0,4})?"
+                    ],
+                    prop_oneof![Just("10.0.0.2:7100".to_string()), "[0-9.:\\[\\]a-f]{0,20}"],
+                    prop_oneof![Just(500u64), any::<u64>()],
+                    proptest::option::of(prop_oneof![0usize..5000, any::<usize>()]),
+                    any::<Option<u64>>(),
+                    prop_oneof![
+                        Just(Role::Prefill),
+                        Just(Role::Decode),
+                        Just(Role::Colocated),
+                        Just(Role::Proxy),
+                        Just(Role::Other)
+                    ],
+                ),
+            );
+            (reg.url, reg.control_addr, reg.heartbeat_ms) = (url, control, hb);
+            (reg.block_size, reg.cache_salt, reg.role) = (bs, salt, role);
+            serde_json::to_vec(&reg).expect("encodes")
+        });
     assert!(report.accepted > 0, "no input decoded: {report:?}");
 }
 

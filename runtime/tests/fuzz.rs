@@ -447,7 +447,7 @@ fn actor_strategy() -> impl Strategy<Value = ActorSnapshot> {
 #[test]
 fn instance_snapshots() {
     let report = Target::new("instance_snapshot")
-        .dictionary(JSON_TOKENS)
+        .dictionary(fuzz_support::JSON_TOKENS)
         .run(check_snapshot, |runner| {
             let mut snap = sample_snapshot();
             let figures = draw(runner, any::<[u64; 12]>());
@@ -468,30 +468,6 @@ fn instance_snapshots() {
         });
     assert!(report.accepted > 0, "no input decoded: {report:?}");
 }
-
-/// JSON tokens the mutator splices into JSON inputs.
-const JSON_TOKENS: &[&[u8]] = &[
-    b"{",
-    b"}",
-    b"[",
-    b"]",
-    b"\"",
-    b",",
-    b":",
-    b"null",
-    b"true",
-    b"-1",
-    b"0",
-    b"1e999",
-    b"-0.0",
-    b"18446744073709551615",
-    b"18446744073709551616",
-    b"-9223372036854775809",
-    b"4294967296",
-    b"\\u0000",
-    b"\\ud800",
-    b"\xff\xfe",
-];
 
 /// Rewrites `fuzz/corpus/{control_frame,region_descriptors,instance_snapshot}/` from the
 /// encoders, plus hand-made hostile inputs.

@@ -538,3 +538,42 @@ pub fn mutate(rng: &mut TestRng, data: &mut Vec<u8>, other: &[u8], dict: &[&[u8]
 pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
+
+/// JSON tokens the mutator splices into JSON inputs: syntax, numbers at the edges of the
+/// integer types, bad escapes and bytes, and the OpenAI/P-D field names.
+pub const JSON_TOKENS: &[&[u8]] = &[
+    b"{",
+    b"}",
+    b"[",
+    b"]",
+    b"\"",
+    b",",
+    b":",
+    b"null",
+    b"true",
+    b"false",
+    b"-1",
+    b"0",
+    b"1e999",
+    b"-0.0",
+    b"2.5",
+    b"18446744073709551615",
+    b"18446744073709551616",
+    b"-9223372036854775809",
+    b"4294967296",
+    b"4294967297",
+    b"\\u0000",
+    b"\\ud800",
+    b"\xff\xfe",
+    b"\"prompt\":",
+    b"\"messages\":",
+    b"\"max_tokens\":",
+    b"\"top_k\":",
+    b"\"stop\":",
+    b"\"kv_transfer_params\":",
+    b"\"do_remote_prefill\":true",
+    b"\"remote_block_ids\":",
+    b"\"remote_host\":",
+    b"\"remote_port\":",
+    b"\"transfer_id\":",
+];

@@ -303,20 +303,28 @@ impl Peers {
         let bytes = read_capped(resp, MAX_HTTP_ANSWER_BYTES, url).await?;
         if !status.is_success() {
             // Not a pdserve instance that publishes its control address (or not now): the
-            // HTTP carrier, which says for itself whether it takes the call.
+            // HTTP carrier, which says for itself whether it takes the call. A peer without
+            // the route is remembered as such; a passing failure (5xx, 401) is asked again.
             tracing::debug!(%url, %status, "no control address from GET /v1/kv/info");
+            if matches!(status.as_u16(), 404 | 405) {
+                self.remember(url, None);
+            }
             return Ok(None);
         }
         let found: Found = serde_json::from_slice(&bytes).map_err(|e| {
             HandoffError::Protocol(format!("{url}/v1/kv/info is not an instance's answer: {e}"))
         })?;
         let found = found.control_addr.map(|a| (a, found.engine_id));
+        self.remember(url, found.clone());
+        Ok(found)
+    }
+
+    fn remember(&self, url: &str, found: Option<(SocketAddr, String)>) {
         if self.discovered.len() >= MAX_DISCOVERED {
             // URLs come from requests: a caller naming ever new ones only costs lookups.
             self.discovered.clear();
         }
-        self.discovered.insert(url.to_string(), found.clone());
-        Ok(found)
+        self.discovered.insert(url.to_string(), found);
     }
 
     async fn call_http(

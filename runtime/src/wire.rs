@@ -111,15 +111,21 @@ pub struct RegionChunk {
     pub rkey: u32,
 }
 
-/// How a peer process on the same host maps a shared-memory region.
+/// How a peer process on the same host obtains a shared-memory region: not by naming the
+/// owner's file descriptor, but by asking the owner's descriptor server (a Unix socket) to
+/// pass the memfd itself (`SCM_RIGHTS`). The server hands a region only to a process of its
+/// own uid that presents the ticket of an answer it gave on an authenticated connection; the
+/// asker maps only a memfd received from the process at the other end of that connection.
 #[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct ShmHandle {
-    /// Process id of the owner.
-    pub pid: u32,
-    /// The owner's file descriptor of the memfd (opened by the peer as `/proc/PID/fd/FD`).
-    pub fd: i32,
-    /// Inode of the memfd, checked after opening so a reused fd number is never mapped.
-    pub inode: u64,
+    /// Abstract Unix socket name of the owner's descriptor server (`pdserve-shm-…`, without
+    /// the leading NUL).
+    pub socket: String,
+    /// The region's key in the owner's process.
+    pub key: u64,
+    /// Capability the owner issued with the answer carrying this handle (all zeros in a
+    /// descriptor that was not sent to a peer).
+    pub ticket: [u8; 16],
 }
 
 /// What a peer needs to reach one registered region.
@@ -393,9 +399,9 @@ mod tests {
                         rkey: 9,
                     }],
                     shm: Some(ShmHandle {
-                        pid: 1,
-                        fd: 3,
-                        inode: 77,
+                        socket: "pdserve-shm-1-0123456789abcdef".into(),
+                        key: 3,
+                        ticket: [7; 16],
                     }),
                 }],
             },

@@ -48,11 +48,13 @@ fn region() -> impl Strategy<Value = RegionDescriptor> {
             0..4,
         ),
         proptest::option::of(
-            (any::<u32>(), any::<i32>(), any::<u64>()).prop_map(|(pid, fd, inode)| ShmHandle {
-                pid,
-                fd,
-                inode,
-            }),
+            ("[a-z0-9-]{0,40}", any::<u64>(), any::<[u8; 16]>()).prop_map(
+                |(socket, key, ticket)| ShmHandle {
+                    socket,
+                    key,
+                    ticket,
+                },
+            ),
         ),
     )
         .prop_map(|(id, len, chunks, shm)| RegionDescriptor {
@@ -196,9 +198,9 @@ fn sample_regions() -> Vec<RegionDescriptor> {
                 },
             ],
             shm: Some(ShmHandle {
-                pid: 4242,
-                fd: 17,
-                inode: 99,
+                socket: "pdserve-shm-4242-00ff00ff00ff00ff".into(),
+                key: 17,
+                ticket: [0x5a; 16],
             }),
         },
     ]

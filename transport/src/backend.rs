@@ -1,6 +1,7 @@
 //! The backends behind [`crate::TransferEngine`]; each implements the crate-private
 //! `Backend`/`Link` traits and passes the same conformance suite.
 
+pub(crate) mod fd_pass;
 pub(crate) mod local;
 pub(crate) mod memcpy;
 pub(crate) mod peer_proc;

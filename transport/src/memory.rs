@@ -8,7 +8,6 @@
 
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::fs::OpenOptionsExt;
 use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 
 use pdserve_runtime::memory::{HostMemory, HostMemoryAllocator, PAGE_SIZE};
@@ -19,14 +18,15 @@ use crate::error::{Result, Side, TransportError};
 /// An engine-local region id.
 pub type RegionId = u64;
 
-/// Shared memory backed by a memfd: the `shm` backend's memory, mappable by a peer process on
-/// the same host through `/proc/PID/fd/FD`.
+/// Shared memory backed by a memfd: the `shm` backend's memory. A peer process on the same
+/// host receives the memfd itself from this process's descriptor server
+/// ([`crate::backend::fd_pass`]) and maps it.
 #[derive(Debug)]
 pub struct ShmMemory {
-    fd: OwnedFd,
     ptr: *mut u8,
     len: usize,
-    inode: u64,
+    key: u64,
+    socket: &'static str,
 }
 
 // SAFETY: the mapping is plain shared memory; the pointer is only an address.
@@ -34,20 +34,43 @@ unsafe impl Send for ShmMemory {}
 // SAFETY: as above; concurrent access to the bytes is coordinated by users (see HostMemory).
 unsafe impl Sync for ShmMemory {}
 
-/// Live shared memory of this process, by start address: (memfd, inode, length).
-type ShareableMap = Mutex<HashMap<usize, (i32, u64, usize)>>;
+/// One live region of [`ShmMemory`] in this process.
+struct Shareable {
+    fd: Arc<OwnedFd>,
+    len: usize,
+    ptr: usize,
+}
 
-fn shareable_registry() -> &'static ShareableMap {
-    static REG: OnceLock<ShareableMap> = OnceLock::new();
-    REG.get_or_init(|| Mutex::new(HashMap::new()))
+/// Live shared memory of this process: by key, and the key of each start address.
+#[derive(Default)]
+struct ShareableMap {
+    by_key: HashMap<u64, Shareable>,
+    key_of: HashMap<usize, u64>,
+    next_key: u64,
+}
+
+fn shareable_registry() -> &'static Mutex<ShareableMap> {
+    static REG: OnceLock<Mutex<ShareableMap>> = OnceLock::new();
+    REG.get_or_init(|| Mutex::new(ShareableMap::default()))
+}
+
+/// The memfd and length of this process's live region `key` (what the descriptor server
+/// passes to a peer).
+fn shareable_fd(key: u64) -> Option<(Arc<OwnedFd>, usize)> {
+    let reg = shareable_registry()
+        .lock()
+        .expect("shareable registry poisoned");
+    reg.by_key.get(&key).map(|s| (s.fd.clone(), s.len))
 }
 
 impl ShmMemory {
-    /// Creates a zeroed shared-memory region of at least `len` bytes (rounded up to a page).
+    /// Creates a zeroed shared-memory region of at least `len` bytes (rounded up to a page),
+    /// starting this process's descriptor server on first use.
     ///
     /// # Errors
-    /// The OS error of `memfd_create`, `ftruncate`, `fstat` or `mmap`.
+    /// The OS error of `memfd_create`, `ftruncate`, `mmap` or of starting the server.
     pub fn new(len: usize) -> std::io::Result<Self> {
+        let socket = crate::backend::fd_pass::serve(shareable_fd)?;
         let len = len.max(1).div_ceil(PAGE_SIZE) * PAGE_SIZE;
         // SAFETY: the name is a valid C string; flags are valid.
         let raw = unsafe { libc::memfd_create(c"pdserve-region".as_ptr(), libc::MFD_CLOEXEC) };
@@ -60,36 +83,49 @@ impl ShmMemory {
         if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
             return Err(std::io::Error::last_os_error());
         }
-        let inode = fd_inode(fd.as_raw_fd())?;
         let ptr = map_shared(fd.as_raw_fd(), len)?;
-        shareable_registry()
+        let mut reg = shareable_registry()
             .lock()
-            .expect("shareable registry poisoned")
-            .insert(ptr as usize, (fd.as_raw_fd(), inode, len));
+            .expect("shareable registry poisoned");
+        let key = reg.next_key;
+        reg.next_key += 1;
+        reg.key_of.insert(ptr as usize, key);
+        reg.by_key.insert(
+            key,
+            Shareable {
+                fd: Arc::new(fd),
+                len,
+                ptr: ptr as usize,
+            },
+        );
         Ok(Self {
-            fd,
             ptr,
             len,
-            inode,
+            key,
+            socket,
         })
     }
 
-    /// The handle a peer on this host uses to map this memory.
+    /// The handle a peer on this host uses to ask for this memory (its ticket is issued with
+    /// each answer that carries it).
     pub fn handle(&self) -> ShmHandle {
         ShmHandle {
-            pid: std::process::id(),
-            fd: self.fd.as_raw_fd(),
-            inode: self.inode,
+            socket: self.socket.to_owned(),
+            key: self.key,
+            ticket: [0; 16],
         }
     }
 }
 
 impl Drop for ShmMemory {
     fn drop(&mut self) {
-        shareable_registry()
-            .lock()
-            .expect("shareable registry poisoned")
-            .remove(&(self.ptr as usize));
+        {
+            let mut reg = shareable_registry()
+                .lock()
+                .expect("shareable registry poisoned");
+            reg.by_key.remove(&self.key);
+            reg.key_of.remove(&(self.ptr as usize));
+        }
         // SAFETY: `ptr`/`len` are the mapping created in `new`, unmapped exactly once.
         unsafe { libc::munmap(self.ptr.cast(), self.len) };
     }
@@ -118,25 +154,37 @@ impl HostMemoryAllocator for ShmAllocator {
 /// The shared-memory handle of `mem` if it was allocated by [`ShmAllocator`] (or is
 /// [`ShmMemory`]) and is still alive; `None` for memory no peer can map.
 pub fn shm_handle_of(mem: &dyn HostMemory) -> Option<ShmHandle> {
+    let socket = crate::backend::fd_pass::serve(shareable_fd).ok()?;
     let reg = shareable_registry()
         .lock()
         .expect("shareable registry poisoned");
-    let &(fd, inode, len) = reg.get(&(mem.as_ptr() as usize))?;
-    (len == mem.len()).then(|| ShmHandle {
-        pid: std::process::id(),
-        fd,
-        inode,
+    let key = *reg.key_of.get(&(mem.as_ptr() as usize))?;
+    let s = reg.by_key.get(&key)?;
+    (s.len == mem.len() && s.ptr == mem.as_ptr() as usize).then(|| ShmHandle {
+        socket: socket.to_owned(),
+        key,
+        ticket: [0; 16],
     })
 }
 
-fn fd_inode(fd: i32) -> std::io::Result<u64> {
-    // SAFETY: `st` is written by fstat before being read.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: valid fd and out pointer.
-    if unsafe { libc::fstat(fd, &mut st) } != 0 {
-        return Err(std::io::Error::last_os_error());
+/// Issues one ticket for the shared-memory regions among `regions` (an answer to a peer's
+/// `GET_REGIONS`) and writes it into their handles.
+///
+/// # Errors
+/// The OS random source failed.
+pub(crate) fn stamp_shm_tickets(regions: &mut [RegionDescriptor]) -> Result<()> {
+    let keys: std::collections::HashSet<u64> = regions
+        .iter()
+        .filter_map(|d| d.shm.as_ref().map(|h| h.key))
+        .collect();
+    if keys.is_empty() {
+        return Ok(());
     }
-    Ok(st.st_ino as u64)
+    let ticket = crate::backend::fd_pass::issue_ticket(keys)?;
+    for h in regions.iter_mut().filter_map(|d| d.shm.as_mut()) {
+        h.ticket = ticket;
+    }
+    Ok(())
 }
 
 fn map_shared(fd: i32, len: usize) -> std::io::Result<*mut u8> {
@@ -173,47 +221,59 @@ unsafe impl Sync for RemoteShmMapping {}
 const MEMFD_NAME: &str = "pdserve-region";
 
 impl RemoteShmMapping {
-    /// Maps the peer region described by `handle`: only a pdserve memfd held by the process
-    /// at the other end of the control connection `ends` (local, peer), of the size the
-    /// descriptor says. A handle naming any other process or file — a peer pointing us at
-    /// memory that is not its own — is refused, and the refusal tells nothing about the file.
-    pub(crate) fn open(
-        handle: &ShmHandle,
-        len: u64,
+    /// Receives the peer's regions `(handle, len)` from its descriptor server and maps them.
+    /// The server must run as our uid in the process at the other end of the control
+    /// connection `ends` (local, peer), and each descriptor it passes must be a pdserve memfd
+    /// of at least the described size: a peer that points us at memory that is not its own
+    /// gets nothing mapped, and the refusal tells nothing about what it named.
+    ///
+    /// Blocking (a Unix socket round trip per region): call it off the async threads.
+    pub(crate) fn receive(
+        regions: &[(&ShmHandle, u64)],
         ends: (std::net::SocketAddr, std::net::SocketAddr),
-    ) -> Result<Self> {
-        let refuse = |why: &str| {
-            TransportError::LayoutMismatch(format!(
-                "the peer's region descriptor (pid {}, fd {}) {why}",
-                handle.pid, handle.fd
-            ))
+    ) -> Result<Vec<Self>> {
+        let Some((first, _)) = regions.first() else {
+            return Ok(Vec::new());
         };
-        if !crate::backend::peer_proc::holds_peer_socket(handle.pid, ends) {
-            return Err(refuse(
-                "names a process that does not hold the other end of our connection",
+        if regions
+            .iter()
+            .any(|(h, _)| h.socket != first.socket || h.ticket != first.ticket)
+        {
+            return Err(TransportError::LayoutMismatch(
+                "the peer's regions name more than one descriptor server".into(),
             ));
         }
-        let path = format!("/proc/{}/fd/{}", handle.pid, handle.fd);
-        if !is_our_memfd(std::path::Path::new(&path)) {
-            return Err(refuse("is not a pdserve shared-memory region"));
+        let keys: Vec<u64> = regions.iter().map(|(h, _)| h.key).collect();
+        let fds = crate::backend::fd_pass::fetch(&first.socket, &first.ticket, &keys, |pid| {
+            crate::backend::peer_proc::holds_peer_socket(pid, ends)
+        })?;
+        fds.into_iter()
+            .zip(regions)
+            .map(|(fd, &(h, len))| Self::map(fd, h.key, len))
+            .collect()
+    }
+
+    fn map(fd: OwnedFd, key: u64, len: u64) -> Result<Self> {
+        let opened = format!("/proc/self/fd/{}", fd.as_raw_fd());
+        if !is_our_memfd(std::path::Path::new(&opened)) {
+            return Err(TransportError::LayoutMismatch(format!(
+                "the peer passed something other than a pdserve shared-memory region for key {key}"
+            )));
         }
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
-            .open(&path)
-            .map_err(|_| refuse("cannot be opened"))?;
-        // What was opened, not what the name said a moment before.
-        let opened = format!("/proc/self/fd/{}", file.as_raw_fd());
-        if !is_our_memfd(std::path::Path::new(&opened))
-            || fd_inode(file.as_raw_fd())? != handle.inode
-            || file.metadata()?.len() < len
-        {
-            return Err(refuse("does not match the region it describes"));
+        // SAFETY: `st` is written by fstat before being read.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: valid fd and out pointer.
+        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+            return Err(std::io::Error::last_os_error().into());
+        }
+        if (st.st_size as u64) < len {
+            return Err(TransportError::LayoutMismatch(format!(
+                "the peer's region for key {key} is smaller than it describes"
+            )));
         }
         let len = usize::try_from(len)
             .map_err(|_| TransportError::LayoutMismatch("region too large".into()))?;
-        let ptr = map_shared(file.as_raw_fd(), len.max(1))?;
+        let ptr = map_shared(fd.as_raw_fd(), len.max(1))?;
         Ok(Self {
             ptr,
             len: len.max(1),
@@ -225,7 +285,7 @@ impl RemoteShmMapping {
     }
 }
 
-/// Whether the descriptor link `fd_path` (`/proc/PID/fd/N`) is a memfd of [`ShmMemory`].
+/// Whether the descriptor link `fd_path` (`/proc/self/fd/N`) is a memfd of [`ShmMemory`].
 fn is_our_memfd(fd_path: &std::path::Path) -> bool {
     std::fs::read_link(fd_path).is_ok_and(|t| {
         t.to_str()
@@ -408,6 +468,9 @@ pub fn validate_descriptors(regions: &[RegionDescriptor]) -> Result<()> {
                 d.id, d.len
             )));
         }
+        if let Some(h) = &d.shm {
+            crate::backend::fd_pass::check_socket_name(&h.socket)?;
+        }
     }
     Ok(())
 }
@@ -486,70 +549,160 @@ mod tests {
     use super::*;
     use pdserve_runtime::memory::AnonAllocator;
 
+    /// A loopback connection of this process with itself: (local, peer) of its client end.
+    fn own_connection() -> (
+        (std::net::SocketAddr, std::net::SocketAddr),
+        [std::net::TcpStream; 2],
+    ) {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (server, _) = listener.accept().unwrap();
+        let ends = (client.local_addr().unwrap(), client.peer_addr().unwrap());
+        (ends, [client, server])
+    }
+
+    fn ticketed(mem: &dyn HostMemory) -> ShmHandle {
+        let mut d = [RegionDescriptor {
+            id: 1,
+            len: mem.len() as u64,
+            chunks: plain_chunks(mem.len() as u64, None),
+            shm: shm_handle_of(mem),
+        }];
+        stamp_shm_tickets(&mut d).unwrap();
+        d[0].shm.take().unwrap()
+    }
+
     #[test]
     fn shm_memory_is_shareable_and_anon_is_not() {
         let shm = ShmAllocator.allocate(10_000).unwrap();
         assert_eq!(shm.len(), 12_288);
-        let handle = shm_handle_of(&*shm).expect("shm memory is shareable");
-        assert_eq!(handle.pid, std::process::id());
+        let handle = ticketed(&*shm);
+        assert!(handle
+            .socket
+            .starts_with(crate::backend::fd_pass::SOCKET_PREFIX));
+        assert_ne!(handle.ticket, [0; 16]);
         let anon = AnonAllocator.allocate(4096).unwrap();
         assert!(shm_handle_of(&*anon).is_none());
-        // A second mapping of the same memfd sees the same bytes (this process holds both
-        // ends of the connection, so it is the peer).
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
-        let _server = listener.accept().unwrap();
-        let ends = (client.local_addr().unwrap(), client.peer_addr().unwrap());
-        let map = RemoteShmMapping::open(&handle, shm.len() as u64, ends).unwrap();
+        // A second mapping of the memfd the descriptor server passed sees the same bytes
+        // (this process holds both ends of the connection, so it is the peer).
+        let (ends, _conn) = own_connection();
+        let map = RemoteShmMapping::receive(&[(&handle, shm.len() as u64)], ends)
+            .unwrap()
+            .pop()
+            .unwrap();
         // SAFETY: both spans are valid for 12288 bytes.
         unsafe {
             *shm.as_ptr().add(100) = 42;
             assert_eq!(*map.as_ptr().add(100), 42);
         }
-        let ptr = shm.as_ptr() as usize;
+        let key = handle.key;
         drop(shm);
-        assert!(!shareable_registry().lock().unwrap().contains_key(&ptr));
+        assert!(shareable_fd(key).is_none());
+        // A region dropped since is not passed any more, ticket or not.
+        let e = RemoteShmMapping::receive(&[(&handle, 4096)], ends).unwrap_err();
+        assert!(e.to_string().contains("no longer shares"), "{e}");
     }
 
-    /// A peer cannot point us at memory that is not its own: a handle naming another
-    /// process, or a file that is not a pdserve region, is refused without a word about it.
+    /// A peer cannot point us at memory that is not its own: a descriptor server of another
+    /// process, a region its ticket does not cover, a forged ticket or a size the region
+    /// does not have are all refused, and nothing is mapped.
     #[test]
-    fn a_handle_is_mapped_only_for_the_peer_and_only_as_a_region() {
+    fn regions_are_received_only_from_the_peer_and_only_as_ticketed() {
         let shm = ShmAllocator.allocate(4096).unwrap();
-        let handle = shm_handle_of(&*shm).unwrap();
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
-        let _server = listener.accept().unwrap();
-        let ends = (client.local_addr().unwrap(), client.peer_addr().unwrap());
-        // Another process (PID 1) as the owner: it does not hold our connection's other end.
-        let foreign = ShmHandle { pid: 1, ..handle };
-        let e = RemoteShmMapping::open(&foreign, 4096, ends).unwrap_err();
-        assert!(e.to_string().contains("does not hold the other end"), "{e}");
-        // A file of the peer that is not a region (a plain file, open read-write here).
-        let file = tempfile::tempfile().unwrap();
-        let not_region = ShmHandle {
-            fd: file.as_raw_fd(),
-            inode: fd_inode(file.as_raw_fd()).unwrap(),
-            ..handle
-        };
-        let e = RemoteShmMapping::open(&not_region, 1, ends).unwrap_err();
+        let other = ShmAllocator.allocate(4096).unwrap();
+        let handle = ticketed(&*shm);
+        let (ends, _conn) = own_connection();
+        // The server named is not held by the process at the other end of this connection
+        // (a connection whose far end nobody holds).
+        let stranger = (ends.0, "127.0.0.1:1".parse().unwrap());
+        let e = RemoteShmMapping::receive(&[(&handle, 4096)], stranger).unwrap_err();
         assert!(
-            e.to_string().contains("not a pdserve shared-memory region"),
+            e.to_string().contains("not the process at the other end"),
             "{e}"
         );
-        assert!(
-            !e.to_string().contains(&not_region.inode.to_string()),
-            "{e}"
-        );
-        // The region itself, with the wrong inode or a size it does not have.
-        let wrong = ShmHandle {
-            inode: handle.inode + 1,
-            ..handle
+        // A forged ticket, and a real ticket for a region it was not issued for.
+        let forged = ShmHandle {
+            ticket: [0xAB; 16],
+            ..handle.clone()
         };
-        let e = RemoteShmMapping::open(&wrong, 4096, ends).unwrap_err();
-        assert!(!e.to_string().contains(&handle.inode.to_string()), "{e}");
-        assert!(RemoteShmMapping::open(&handle, 1 << 30, ends).is_err());
-        RemoteShmMapping::open(&handle, 4096, ends).unwrap();
+        let e = RemoteShmMapping::receive(&[(&forged, 4096)], ends).unwrap_err();
+        assert!(e.to_string().contains("refused our ticket"), "{e}");
+        let uncovered = ShmHandle {
+            key: shm_handle_of(&*other).unwrap().key,
+            ..handle.clone()
+        };
+        let e = RemoteShmMapping::receive(&[(&uncovered, 4096)], ends).unwrap_err();
+        assert!(e.to_string().contains("no longer shares"), "{e}");
+        // A name that is not one of ours is refused before anything is asked.
+        let e =
+            crate::backend::fd_pass::fetch("elsewhere", &handle.ticket, &[handle.key], |_| true)
+                .unwrap_err();
+        assert!(e.to_string().contains("descriptor server"), "{e}");
+        // The region, described larger than it is.
+        assert!(RemoteShmMapping::receive(&[(&handle, 1 << 30)], ends).is_err());
+        RemoteShmMapping::receive(&[(&handle, 4096)], ends).unwrap();
+    }
+
+    /// A process of another uid that learned a valid ticket gets nothing: the descriptor
+    /// server closes its connection unanswered. (Needs root to change uid; skipped otherwise.)
+    #[test]
+    fn another_uid_gets_no_descriptor_even_with_a_ticket() {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("skipped: changing uid needs root");
+            return;
+        }
+        let shm = ShmAllocator.allocate(4096).unwrap();
+        let handle = ticketed(&*shm);
+        let name = handle.socket.as_bytes().to_vec();
+        let mut request = handle.ticket.to_vec();
+        request.extend(handle.key.to_le_bytes());
+        // The child only calls async-signal-safe functions: setuid, socket, connect, write,
+        // recvmsg, _exit. Exit codes: 0 nothing received, 1 an answer or descriptor arrived,
+        // 3 could not become another user, 4 could not connect.
+        // SAFETY: see above; the parent waits for the child.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            // SAFETY: raw calls on buffers that live in this stack frame.
+            unsafe {
+                if libc::setgid(65534) != 0 || libc::setuid(65534) != 0 {
+                    libc::_exit(3);
+                }
+                let s = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0);
+                let mut addr: libc::sockaddr_un = std::mem::zeroed();
+                addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+                for (i, b) in name.iter().enumerate() {
+                    addr.sun_path[i + 1] = *b as libc::c_char;
+                }
+                let len =
+                    (std::mem::size_of::<libc::sa_family_t>() + 1 + name.len()) as libc::socklen_t;
+                if libc::connect(s, (&addr as *const libc::sockaddr_un).cast(), len) != 0 {
+                    libc::_exit(4);
+                }
+                libc::write(s, request.as_ptr().cast(), request.len());
+                let mut byte = [0u8; 1];
+                let mut iov = libc::iovec {
+                    iov_base: byte.as_mut_ptr().cast(),
+                    iov_len: 1,
+                };
+                let mut cbuf = [0u64; 8];
+                let mut msg: libc::msghdr = std::mem::zeroed();
+                msg.msg_iov = &mut iov;
+                msg.msg_iovlen = 1;
+                msg.msg_control = cbuf.as_mut_ptr().cast();
+                msg.msg_controllen = std::mem::size_of_val(&cbuf) as _;
+                let n = libc::recvmsg(s, &mut msg, 0);
+                // Closed (0) or reset (-1, the request unread): nothing was passed.
+                let passed = n > 0 || (n == 0 && msg.msg_controllen > 0);
+                libc::_exit(i32::from(passed));
+            }
+        }
+        let mut status = 0;
+        // SAFETY: waiting for our own child.
+        unsafe { libc::waitpid(pid, &mut status, 0) };
+        assert!(libc::WIFEXITED(status), "child did not exit: {status}");
+        assert_eq!(libc::WEXITSTATUS(status), 0, "another uid got an answer");
     }
 
     #[test]

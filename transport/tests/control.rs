@@ -80,9 +80,9 @@ fn every_message() -> Vec<ControlMessage> {
                     rkey: 2,
                 }],
                 shm: Some(ShmHandle {
-                    pid: 10,
-                    fd: 11,
-                    inode: 12,
+                    socket: "pdserve-shm-10-0000000000000011".into(),
+                    key: 12,
+                    ticket: [1; 16],
                 }),
             }],
         },

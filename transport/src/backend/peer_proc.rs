@@ -1,6 +1,6 @@
-//! Which process is at the other end of a loopback TCP connection: the `shm` backend maps a
-//! peer's memory through `/proc/PID/fd/FD`, and must only ever map the memory of the process
-//! it is talking to — never of a process the peer merely names.
+//! Which process is at the other end of a loopback TCP connection: the `shm` backend takes a
+//! peer's memory only from a descriptor server run by the process it is talking to (see
+//! [`super::fd_pass`]) — never from a process the peer merely names.
 //!
 //! The kernel lists every TCP socket of the network namespace in `/proc/net/tcp{,6}` with its
 //! inode; the peer's socket is the one whose local address is our peer address and whose

@@ -611,6 +611,9 @@ where
                         let visible = a.grant.visible_regions();
                         regions.retain(|d| visible.contains(&d.id));
                     }
+                    // shm: the answer's ticket opens exactly these regions at our
+                    // descriptor server, for a process of our uid.
+                    crate::memory::stamp_shm_tickets(&mut regions)?;
                     respond(
                         w,
                         sealer(&mut fr),

@@ -1,7 +1,8 @@
-//! The `shm` backend: two processes on one host. Regions are memfds ([`ShmMemory`]) the peer
-//! maps through `/proc/PID/fd/FD`, so a transfer is one memcpy, done by the initiator's
-//! memcpy thread straight into (or out of) the peer's memory. A TCP connection on loopback
-//! carries the greeting, `GetRegisteredMemory` and notifications, and tells when the peer dies.
+//! The `shm` backend: two processes on one host, under one uid. Regions are memfds
+//! ([`ShmMemory`]) that the peer's process passes over a Unix socket ([`super::fd_pass`]) and
+//! the initiator maps, so a transfer is one memcpy, done by the initiator's memcpy thread
+//! straight into (or out of) the peer's memory. A TCP connection on loopback carries the
+//! greeting, `GetRegisteredMemory` and notifications, and tells when the peer dies.
 //!
 //! Visibility: the copier issues a release fence after each piece and the batch's completion
 //! counter is released/acquired; notifications are sent after a release fence and delivered
@@ -91,8 +92,11 @@ impl Backend for ShmBackend {
     }
 }
 
+#[derive(Clone)]
 struct MappedRegion {
     len: u64,
+    /// The region's key at the peer's descriptor server.
+    key: u64,
     map: Arc<RemoteShmMapping>,
 }
 
@@ -152,6 +156,7 @@ impl Link for ShmLink {
             let regions = proto::decode_regions(&bytes)?;
             crate::memory::validate_descriptors(&regions)?;
             let mut maps = HashMap::new();
+            let mut wanted = Vec::new();
             {
                 let old = self.maps.read().expect("shm maps poisoned");
                 for d in &regions {
@@ -161,11 +166,33 @@ impl Link for ShmLink {
                             d.id
                         ))
                     })?;
-                    let map = match old.get(&d.id) {
-                        Some(m) if m.len == d.len => m.map.clone(),
-                        _ => Arc::new(RemoteShmMapping::open(handle, d.len, self.control.ends)?),
-                    };
-                    maps.insert(d.id, MappedRegion { len: d.len, map });
+                    match old.get(&d.id) {
+                        Some(m) if m.len == d.len && m.key == handle.key => {
+                            maps.insert(d.id, m.clone());
+                        }
+                        _ => wanted.push((d.id, handle.clone(), d.len)),
+                    }
+                }
+            }
+            if !wanted.is_empty() {
+                // The memfds come over a Unix socket from the peer's process itself.
+                let ends = self.control.ends;
+                let received = tokio::task::spawn_blocking(move || {
+                    let asks: Vec<_> = wanted.iter().map(|(_, h, len)| (h, *len)).collect();
+                    RemoteShmMapping::receive(&asks, ends).map(|m| (wanted, m))
+                })
+                .await
+                .map_err(|e| TransportError::Protocol(format!("shm mapping task failed: {e}")))??;
+                for ((id, handle, len), map) in received.0.into_iter().zip(received.1) {
+                    let map = Arc::new(map);
+                    maps.insert(
+                        id,
+                        MappedRegion {
+                            len,
+                            key: handle.key,
+                            map,
+                        },
+                    );
                 }
             }
             *self.maps.write().expect("shm maps poisoned") = maps;

@@ -19,6 +19,7 @@ fn batch(seqs: usize, len: usize, start: usize, blocks_per_seq: usize) -> Batch 
                 block_table: ((s * blocks_per_seq) as u32..((s + 1) * blocks_per_seq) as u32)
                     .collect(),
                 want_logits: true,
+                all_logits: false,
             })
             .collect(),
     }

@@ -764,6 +764,8 @@ fn generate(args: GenerateArgs) -> Result<()> {
                 Some(RequestEvent::Failed(e)) => {
                     break Err(anyhow::anyhow!("generation failed: {e}"))
                 }
+                // Not asked for by `generate`.
+                Some(RequestEvent::PromptLogprobs(_)) => {}
                 None => break Err(anyhow::anyhow!("the instance stopped")),
             }
         };

@@ -3,7 +3,7 @@
 
 use crate::error::RequestError;
 use pdserve_gpu::chat::ChatMessage;
-use pdserve_gpu::sampling::SamplingParams;
+use pdserve_gpu::sampling::{SamplingParams, TokenLogprobs, MAX_LOGPROBS};
 use serde_json::{json, Value};
 
 /// Completions default `max_tokens` (as OpenAI's API).
@@ -65,6 +65,9 @@ pub struct ParsedRequest {
     /// (request migration, set by the proxy); generation continues after them and their
     /// text is not sent again. Empty for a new request.
     pub resume_tokens: Vec<u32>,
+    /// Completions' `echo`: the answer's text (and, with `logprobs`, its logprobs) starts
+    /// with the prompt's.
+    pub echo: bool,
 }
 
 fn bad(msg: impl Into<String>) -> RequestError {
@@ -247,29 +250,29 @@ pub fn parse_value(v: &Value, chat: bool) -> Result<ParsedRequest, RequestError>
         "max_tokens"
     };
     let max_tokens = opt_uint(v, key_max)?.map(|n| n as usize);
-    if max_tokens == Some(0) {
-        return Err(bad(format!("`{key_max}` must be at least 1")));
+    let echo = opt_bool(v, "echo")?;
+    if echo && chat {
+        return Err(bad("`echo` is not supported on chat completions"));
+    }
+    // `echo` with `max_tokens` 0 scores the prompt without generating (lm-eval's
+    // log-likelihood requests).
+    if max_tokens == Some(0) && !echo {
+        return Err(bad(format!(
+            "`{key_max}` must be at least 1 (0 only with `echo`)"
+        )));
     }
     if let Some(n) = opt_uint(v, "n")? {
         if n != 1 {
             return Err(bad("only `n` = 1 is supported"));
         }
     }
-    if opt_bool(v, "echo")? {
-        return Err(bad("`echo` is not supported"));
-    }
-    if let Some(lp) = v.get("logprobs") {
-        let wants = match lp {
-            Value::Null => false,
-            Value::Bool(b) => *b,
-            Value::Number(n) => n.as_u64().is_none_or(|n| n > 0),
-            _ => true,
-        };
-        if wants {
-            return Err(bad("`logprobs` is not supported by this server"));
-        }
-    }
-    let mut params = SamplingParams::default();
+    let logprobs = parse_logprobs(v, chat)?;
+    let mut params = SamplingParams {
+        logprobs,
+        // With `echo`, the prompt's tokens get as many alternatives as the generated ones.
+        prompt_logprobs: logprobs.filter(|_| echo),
+        ..SamplingParams::default()
+    };
     if let Some(t) = opt_f32(v, "temperature", 0.0, 2.0, false)? {
         params.temperature = t;
     }
@@ -346,7 +349,64 @@ pub fn parse_value(v: &Value, chat: bool) -> Result<ParsedRequest, RequestError>
         kv_transfer_params,
         return_token_ids,
         resume_tokens,
+        echo,
     })
+}
+
+/// A count of logprobs in `0..=MAX_LOGPROBS` under `key`.
+fn logprob_count(v: &Value, key: &str) -> Result<Option<u32>, RequestError> {
+    match opt_uint(v, key)? {
+        Some(n) if n > u64::from(MAX_LOGPROBS) => Err(bad(format!(
+            "`{key}` must be in [0, {MAX_LOGPROBS}], got {n}"
+        ))),
+        n => Ok(n.map(|n| n as u32)),
+    }
+}
+
+/// How many alternatives per generated token the request asks for, `None` for no logprobs.
+/// Chat: `logprobs: true` and `top_logprobs` (0..=20, which needs `logprobs: true`), as
+/// OpenAI. Completions: `logprobs: N`, 0..=20 (vLLM's bound; OpenAI's is 5).
+fn parse_logprobs(v: &Value, chat: bool) -> Result<Option<u32>, RequestError> {
+    if !chat {
+        return match v.get("logprobs") {
+            Some(Value::Bool(_)) => Err(bad(
+                "`logprobs` must be an integer on completions (how many alternatives per token)",
+            )),
+            _ => logprob_count(v, "logprobs"),
+        };
+    }
+    let wants = match v.get("logprobs") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(x) => {
+            return Err(bad(format!(
+                "`logprobs` must be a boolean on chat completions, got {x}"
+            )))
+        }
+    };
+    let top = logprob_count(v, "top_logprobs")?;
+    match (wants, top) {
+        (true, top) => Ok(Some(top.unwrap_or(0))),
+        (false, Some(n)) if n > 0 => Err(bad("`top_logprobs` needs `logprobs: true`")),
+        (false, _) => Ok(None),
+    }
+}
+
+impl ParsedRequest {
+    /// The `max_tokens` to run: as asked, except that `echo` with `max_tokens` 0 runs one
+    /// token that the answer leaves out (the prompt's last logits come with its prefill
+    /// anyway; vLLM does the same).
+    pub fn max_tokens_to_run(&self) -> Option<usize> {
+        match self.max_tokens {
+            Some(0) if self.echo => Some(1),
+            n => n,
+        }
+    }
+
+    /// `echo` with `max_tokens` 0: score the prompt, report no generated token.
+    pub fn scores_only(&self) -> bool {
+        self.echo && self.max_tokens == Some(0)
+    }
 }
 
 /// Resolves `max_tokens` against the prompt: the default for a missing one (16 for
@@ -412,6 +472,77 @@ impl Usage {
     }
 }
 
+/// A token as logprobs report it: its text alone (special tokens kept; a token holding part
+/// of a UTF-8 character shows U+FFFD, as vLLM's) and the exact bytes it stands for
+/// ([`pdserve_gpu::Tokenizer::token_bytes`]: the bytes of consecutive tokens join into the
+/// answer's UTF-8).
+pub fn token_text(tokenizer: &pdserve_gpu::Tokenizer, id: u32) -> (String, Vec<u8>) {
+    let bytes = tokenizer.token_bytes(id);
+    let text = match std::str::from_utf8(&bytes) {
+        Ok(t) => t.to_string(),
+        Err(_) => tokenizer.decode(&[id], false).unwrap_or_default(),
+    };
+    (text, bytes)
+}
+
+/// Chat's `logprobs` object of `tokens`: `{"content": [{token, logprob, bytes,
+/// top_logprobs: [{token, logprob, bytes}]}]}`.
+pub fn chat_logprobs(tokenizer: &pdserve_gpu::Tokenizer, tokens: &[TokenLogprobs]) -> Value {
+    let entry = |id: u32, logprob: f32| {
+        let (token, bytes) = token_text(tokenizer, id);
+        json!({"token": token, "logprob": logprob, "bytes": bytes})
+    };
+    let content: Vec<Value> = tokens
+        .iter()
+        .map(|t| {
+            let mut e = entry(t.token, t.logprob);
+            e["top_logprobs"] = t.top.iter().map(|a| entry(a.token, a.logprob)).collect();
+            e
+        })
+        .collect();
+    json!({ "content": content })
+}
+
+/// Completions' `logprobs` object, `{tokens, token_logprobs, top_logprobs, text_offset}`, of
+/// `tokens` (`(id, None)`: the prompt's first token, whose logprob is null). Each
+/// `top_logprobs` entry maps the alternatives' texts (and the token's own, as vLLM) to their
+/// logprobs. Text offsets count characters from `offset`, which moves past these tokens (a
+/// stream passes the same counter to each chunk).
+pub fn completion_logprobs(
+    tokenizer: &pdserve_gpu::Tokenizer,
+    tokens: &[(u32, Option<&TokenLogprobs>)],
+    offset: &mut usize,
+) -> Value {
+    let mut texts = Vec::with_capacity(tokens.len());
+    let mut token_logprobs = Vec::with_capacity(tokens.len());
+    let mut tops = Vec::with_capacity(tokens.len());
+    let mut offsets = Vec::with_capacity(tokens.len());
+    for &(id, lp) in tokens {
+        let text = token_text(tokenizer, id).0;
+        offsets.push(*offset);
+        *offset += text.chars().count();
+        match lp {
+            None => {
+                token_logprobs.push(Value::Null);
+                tops.push(Value::Null);
+            }
+            Some(lp) => {
+                token_logprobs.push(json!(lp.logprob));
+                let mut top = serde_json::Map::new();
+                for a in &lp.top {
+                    top.entry(token_text(tokenizer, a.token).0)
+                        .or_insert(json!(a.logprob));
+                }
+                top.entry(text.clone()).or_insert(json!(lp.logprob));
+                tops.push(Value::Object(top));
+            }
+        }
+        texts.push(text);
+    }
+    json!({"tokens": texts, "token_logprobs": token_logprobs, "top_logprobs": tops,
+           "text_offset": offsets})
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -459,6 +590,78 @@ mod tests {
         assert!(err(r#"{"messages":[{"role":"wizard","content":"x"}]}"#, true).contains("role"));
         assert!(err(r#"{"messages":[{"role":"user"}]}"#, true).contains("content"));
         assert!(err(r#"{"max_tokens":3}"#, false).contains("`prompt` is required"));
+    }
+
+    #[test]
+    fn logprobs_fields_are_read_and_bounded() {
+        let chat = |b: &str| parse_request(b.as_bytes(), true);
+        let msgs = r#""messages":[{"role":"user","content":"x"}]"#;
+        let r = chat(&format!(r#"{{{msgs},"logprobs":true,"top_logprobs":5}}"#)).unwrap();
+        assert_eq!(
+            (r.params.logprobs, r.params.prompt_logprobs),
+            (Some(5), None)
+        );
+        let r = chat(&format!(r#"{{{msgs},"logprobs":true}}"#)).unwrap();
+        assert_eq!(r.params.logprobs, Some(0));
+        let r = chat(&format!(r#"{{{msgs},"logprobs":false,"top_logprobs":0}}"#)).unwrap();
+        assert_eq!(r.params.logprobs, None);
+        for (body, needle) in [
+            (
+                r#""logprobs":true,"top_logprobs":21"#,
+                "`top_logprobs` must be in [0, 20]",
+            ),
+            (
+                r#""logprobs":true,"top_logprobs":-1"#,
+                "`top_logprobs` must be a non-negative",
+            ),
+            (
+                r#""top_logprobs":3"#,
+                "`top_logprobs` needs `logprobs: true`",
+            ),
+            (r#""logprobs":3"#, "`logprobs` must be a boolean"),
+            (r#""echo":true"#, "`echo` is not supported on chat"),
+            (r#""max_tokens":0"#, "`max_tokens` must be at least 1"),
+        ] {
+            let e = chat(&format!("{{{msgs},{body}}}")).unwrap_err().to_string();
+            assert!(e.contains(needle), "{body}: {e}");
+        }
+        let r = parse_request(
+            br#"{"prompt":"a b","echo":true,"max_tokens":0,"logprobs":1}"#,
+            false,
+        )
+        .unwrap();
+        assert!(r.echo && r.scores_only());
+        assert_eq!(
+            (r.params.logprobs, r.params.prompt_logprobs),
+            (Some(1), Some(1))
+        );
+        assert_eq!(r.max_tokens_to_run(), Some(1));
+        let r = parse_request(br#"{"prompt":"a","logprobs":20}"#, false).unwrap();
+        assert_eq!(
+            (r.params.logprobs, r.params.prompt_logprobs),
+            (Some(20), None)
+        );
+        for (body, needle) in [
+            (
+                r#"{"prompt":"a","logprobs":21}"#,
+                "`logprobs` must be in [0, 20]",
+            ),
+            (
+                r#"{"prompt":"a","logprobs":-2}"#,
+                "`logprobs` must be a non-negative",
+            ),
+            (
+                r#"{"prompt":"a","logprobs":true}"#,
+                "`logprobs` must be an integer",
+            ),
+            (r#"{"prompt":"a","max_tokens":0}"#, "0 only with `echo`"),
+        ] {
+            assert!(
+                err(body, false).contains(needle),
+                "{body}: {}",
+                err(body, false)
+            );
+        }
     }
 
     #[test]
@@ -524,6 +727,10 @@ pub enum KvDirective {
         block_ids: Vec<u32>,
         /// The first token it sampled (`first_token_id`).
         first_token: u32,
+        /// Its logprobs (`first_token_logprobs`), when it computed them: at most
+        /// [`MAX_LOGPROBS`] alternatives, finite values ≤ 0, for `first_token` (the ids are
+        /// checked against the vocabulary where it is known).
+        first_logprobs: Option<TokenLogprobs>,
         /// How long it holds the blocks unless renewed (`kv_lease_ms`), when it said.
         lease: Option<std::time::Duration>,
     },
@@ -650,6 +857,26 @@ pub fn kv_directive(params: Option<&Value>, scheme: &str) -> Result<KvDirective,
             field("transfer_id")
         ))
     })?;
+    let first_logprobs = match p.get("first_token_logprobs") {
+        None | Some(Value::Null) => None,
+        Some(v) => {
+            let what = field("first_token_logprobs");
+            let lp: TokenLogprobs = serde_json::from_value(v.clone()).map_err(|e| {
+                bad(format!(
+                    "{what} must be {{\"token\", \"logprob\", \"top\": [{{\"token\", \"logprob\"}}]}}: {e}"
+                ))
+            })?;
+            lp.validate(usize::MAX, MAX_LOGPROBS as usize)
+                .map_err(|e| bad(format!("{what}: {e}")))?;
+            if lp.token != first_token {
+                return Err(bad(format!(
+                    "{what} are for token {}, not first_token_id {first_token}",
+                    lp.token
+                )));
+            }
+            Some(lp)
+        }
+    };
     let lease = match p.get("kv_lease_ms") {
         None | Some(Value::Null) => None,
         Some(v) => Some(std::time::Duration::from_millis(v.as_u64().ok_or_else(
@@ -666,6 +893,7 @@ pub fn kv_directive(params: Option<&Value>, scheme: &str) -> Result<KvDirective,
         transfer,
         block_ids,
         first_token,
+        first_logprobs,
         lease,
     })
 }
@@ -754,7 +982,7 @@ mod kv_params_tests {
 /// vLLM's two-hop flow (held block ids, T0, lease). vLLM's field names plus pdserve's
 /// `transfer_id`, `first_token_id`, `kv_lease_ms` and `remote_control_addr`;
 /// [`kv_directive`] reads them back.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct KvTransferParams {
     /// Decode asks no remote decode.
     pub do_remote_decode: bool,
@@ -778,6 +1006,9 @@ pub struct KvTransferParams {
     /// T0 (two-hop flow).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub first_token_id: Option<u32>,
+    /// T0's logprobs, when the request asked for them (two-hop flow).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub first_token_logprobs: Option<TokenLogprobs>,
     /// How long the blocks are held unless renewed (two-hop flow).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kv_lease_ms: Option<u64>,

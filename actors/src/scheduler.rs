@@ -28,7 +28,7 @@ use crate::handoff::HandoffError;
 use crate::mailbox::{Inbox, Mailbox};
 use crate::worker::{StepError, WorkerMsg, WorkerReport};
 use pdserve_gpu::model::Batch;
-use pdserve_gpu::sampling::FinishReason;
+use pdserve_gpu::sampling::{FinishReason, TokenLogprobs};
 use pdserve_runtime::ids::{RequestId, TransferId};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use std::collections::HashMap;
@@ -49,7 +49,12 @@ pub enum RequestEvent {
         token: u32,
         /// Text (possibly empty).
         text: String,
+        /// Its logprobs, when the request asked for them.
+        logprobs: Option<TokenLogprobs>,
     },
+    /// The prompt's logprobs (entry `i`: prompt token `i + 1`), before the first token, when
+    /// the request asked for them.
+    PromptLogprobs(Vec<TokenLogprobs>),
     /// The end.
     Finished {
         /// Why.
@@ -280,7 +285,10 @@ impl Actor for Scheduler {
                 };
                 let out = match result {
                     // An abort while the KV was landing leaves nothing to resume.
-                    Ok(first_token) => st.core.remote_kv_ready(id, first_token).unwrap_or_default(),
+                    Ok(first_token) => st
+                        .core
+                        .remote_kv_ready(id, first_token, outcome.first_logprobs)
+                        .unwrap_or_default(),
                     Err(e) => {
                         if st.core.abort(id) {
                             vec![Output::Failed {
@@ -698,8 +706,22 @@ impl SchedulerState {
         use pdserve_runtime::telemetry as m;
         for o in outputs {
             let (id, event, end) = match o {
-                Output::Token { id, token, text } => {
-                    (id, RequestEvent::Token { token, text }, false)
+                Output::Token {
+                    id,
+                    token,
+                    text,
+                    logprobs,
+                } => (
+                    id,
+                    RequestEvent::Token {
+                        token,
+                        text,
+                        logprobs,
+                    },
+                    false,
+                ),
+                Output::PromptLogprobs { id, logprobs } => {
+                    (id, RequestEvent::PromptLogprobs(logprobs), false)
                 }
                 Output::Finished {
                     id,

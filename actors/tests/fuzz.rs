@@ -31,7 +31,9 @@ use pdserve_actors::openai::{
 };
 use pdserve_actors::RequestError;
 use pdserve_gpu::kv::{KvDtype, KvLayout};
-use pdserve_gpu::sampling::{SamplingParams, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS};
+use pdserve_gpu::sampling::{
+    SamplingParams, TokenLogprobs, TopLogprob, MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
+};
 use pdserve_runtime::ids::TransferId;
 use pdserve_runtime::role::Role;
 use proptest::collection::vec;
@@ -214,6 +216,11 @@ fn check_answer(input: &[u8]) -> Result<Verdict, String> {
             if let Some(h) = &a.held {
                 bound("held blocks", h.block_ids.len(), MAX_HANDOFF_BLOCKS)?;
             }
+            if let Some(lp) = &a.first_logprobs {
+                // Counts bounded and every value a finite logprob: what reaches a JSON answer.
+                lp.validate(usize::MAX, MAX_LOGPROBS as usize)
+                    .map_err(|e| format!("decode_answer let through logprobs: {e}"))?;
+            }
         }
         PeerAnswer::Renewed { unknown } => bound("Renewed ids", unknown.len(), MAX_RENEW_IDS)?,
         PeerAnswer::Session(s) => bound("session address", s.transfer_addr.len(), MAX_NAME_BYTES)?,
@@ -304,27 +311,57 @@ fn region_bytes(l: &KvLayout) -> u64 {
 }
 
 fn sampling() -> impl Strategy<Value = SamplingParams> {
+    let logprobs = || proptest::option::of(prop_oneof![0u32..=24, any::<u32>()]);
     (
-        prop_oneof![Just(0.0f32), 0.0f32..3.0, any::<f32>()],
-        proptest::option::of(any::<u32>()),
-        prop_oneof![Just(1.0f32), any::<f32>()],
-        any::<Option<u64>>(),
-        vec(".{0,8}", 0..3),
-        vec(any::<u32>(), 0..4),
-        any::<bool>(),
-    )
-        .prop_map(
-            |(temperature, top_k, top_p, seed, stop, stop_token_ids, ignore_eos)| SamplingParams {
-                temperature,
-                top_k,
-                top_p,
-                seed,
-                stop,
-                stop_token_ids,
-                ignore_eos,
-                ..SamplingParams::default()
-            },
+        (
+            prop_oneof![Just(0.0f32), 0.0f32..3.0, any::<f32>()],
+            proptest::option::of(any::<u32>()),
+            prop_oneof![Just(1.0f32), any::<f32>()],
+            any::<Option<u64>>(),
+            vec(".{0,8}", 0..3),
+            vec(any::<u32>(), 0..4),
+            any::<bool>(),
         )
+            .prop_map(
+                |(temperature, top_k, top_p, seed, stop, stop_token_ids, ignore_eos)| {
+                    SamplingParams {
+                        temperature,
+                        top_k,
+                        top_p,
+                        seed,
+                        stop,
+                        stop_token_ids,
+                        ignore_eos,
+                        ..SamplingParams::default()
+                    }
+                },
+            ),
+        logprobs(),
+        logprobs(),
+    )
+        .prop_map(|(p, logprobs, prompt_logprobs)| SamplingParams {
+            logprobs,
+            prompt_logprobs,
+            ..p
+        })
+}
+
+/// Logprobs as a hostile prefill instance might send them: any count, any floats.
+fn token_logprobs() -> impl Strategy<Value = TokenLogprobs> {
+    let value = prop_oneof![-30.0f32..=0.0, any::<f32>()];
+    (
+        any::<u32>(),
+        value.clone(),
+        vec((any::<u32>(), value), 0..=24),
+    )
+        .prop_map(|(token, logprob, top)| TokenLogprobs {
+            token,
+            logprob,
+            top: top
+                .into_iter()
+                .map(|(token, logprob)| TopLogprob { token, logprob })
+                .collect(),
+        })
 }
 
 fn transfer_id() -> impl Strategy<Value = TransferId> {
@@ -410,19 +447,23 @@ fn answer() -> impl Strategy<Value = PeerAnswer> {
             transfer_id(),
             any::<u32>(),
             proptest::option::of((vec(0u32..12, 0..10), any::<u64>())),
-            any::<u64>()
+            any::<u64>(),
+            proptest::option::of(token_logprobs()),
         )
-            .prop_map(|(transfer, first_token, held, computed_at_unix_us)| {
-                PeerAnswer::Prefilled(PrefillAnswer {
-                    transfer,
-                    first_token,
-                    held: held.map(|(block_ids, lease_ms)| HeldKv {
-                        block_ids,
-                        lease_ms,
-                    }),
-                    computed_at_unix_us,
-                })
-            }),
+            .prop_map(
+                |(transfer, first_token, held, computed_at_unix_us, first_logprobs)| {
+                    PeerAnswer::Prefilled(PrefillAnswer {
+                        transfer,
+                        first_token,
+                        first_logprobs,
+                        held: held.map(|(block_ids, lease_ms)| HeldKv {
+                            block_ids,
+                            lease_ms,
+                        }),
+                        computed_at_unix_us,
+                    })
+                }
+            ),
         vec(transfer_id(), 0..8).prop_map(|unknown| PeerAnswer::Renewed { unknown }),
         any::<bool>().prop_map(|was_held| PeerAnswer::Released { was_held }),
         any::<bool>().prop_map(|found| PeerAnswer::Aborted { found }),
@@ -483,7 +524,10 @@ fn check_openai(input: &[u8]) -> Result<Verdict, String> {
             && p.repetition_penalty <= 10.0
             && p.top_k != Some(0)
             && p.stop.len() <= MAX_STOP_STRINGS
-            && req.max_tokens != Some(0);
+            && p.logprobs.is_none_or(|n| n <= MAX_LOGPROBS)
+            && p.prompt_logprobs.is_none_or(|n| n <= MAX_LOGPROBS)
+            && (p.prompt_logprobs.is_none() || req.echo)
+            && (req.max_tokens != Some(0) || req.echo);
         if !in_range {
             return Err(format!(
                 "accepted out-of-range sampling: {p:?}, max_tokens {:?}",
@@ -510,7 +554,7 @@ fn check_openai(input: &[u8]) -> Result<Verdict, String> {
             PromptInput::Text(s) => s.len(),
             PromptInput::Chat(m) => m.len(),
         };
-        match resolve_max_tokens(req.max_tokens, chat, prompt_len, MAX_MODEL_LEN) {
+        match resolve_max_tokens(req.max_tokens_to_run(), chat, prompt_len, MAX_MODEL_LEN) {
             Ok(n) => {
                 if n == 0 || prompt_len + n > MAX_MODEL_LEN {
                     return Err(format!(
@@ -551,8 +595,22 @@ fn check_directive(params: Option<&Value>, scheme: &str) -> Result<bool, String>
         KvDirective::None | KvDirective::HoldForDecode(_) => return Ok(true),
         KvDirective::DriveRemote { peer, .. } => peer,
         KvDirective::FromPrefill {
-            peer, block_ids, ..
+            peer,
+            block_ids,
+            first_token,
+            first_logprobs,
+            ..
         } => {
+            if let Some(lp) = first_logprobs {
+                lp.validate(usize::MAX, MAX_LOGPROBS as usize)
+                    .map_err(|e| format!("kv_directive let through logprobs: {e}"))?;
+                if lp.token != *first_token {
+                    return Err(format!(
+                        "logprobs for {} accepted for T0 {first_token}",
+                        lp.token
+                    ));
+                }
+            }
             if p.get("remote_block_ids")
                 .and_then(Value::as_array)
                 .map(Vec::len)
@@ -907,6 +965,7 @@ fn answers_for_corpus() -> Vec<(&'static str, PeerAnswer)> {
             PeerAnswer::Prefilled(PrefillAnswer {
                 transfer: t,
                 first_token: 17,
+                first_logprobs: None,
                 held: Some(HeldKv {
                     block_ids: vec![1, 2],
                     lease_ms: 30_000,
@@ -919,6 +978,20 @@ fn answers_for_corpus() -> Vec<(&'static str, PeerAnswer)> {
             PeerAnswer::Prefilled(PrefillAnswer {
                 transfer: t,
                 first_token: 17,
+                first_logprobs: Some(TokenLogprobs {
+                    token: 17,
+                    logprob: -0.25,
+                    top: vec![
+                        TopLogprob {
+                            token: 17,
+                            logprob: -0.25,
+                        },
+                        TopLogprob {
+                            token: 3,
+                            logprob: -1.5,
+                        },
+                    ],
+                }),
                 held: None,
                 computed_at_unix_us: 5,
             }),
@@ -992,7 +1065,7 @@ fn regenerate_corpus() {
     let mut entries = Vec::new();
     for (name, answer) in answers_for_corpus() {
         let bytes = encode_answer(&answer).expect("encodes");
-        if name.starts_with("info") || name == "prefilled-pull" {
+        if name.starts_with("info") || name.starts_with("prefilled") {
             entries.extend(hostile_archives(name, &bytes));
         }
         entries.push((format!("valid-{name}.bin"), bytes));
@@ -1021,6 +1094,10 @@ fn regenerate_corpus() {
         ("valid-chat", json!({"model": "m", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}], "max_completion_tokens": 16, "top_p": 0.9})),
         ("valid-remote-prefill", json!({"prompt": "x", "kv_transfer_params": {"do_remote_prefill": true, "remote_host": "10.0.0.1", "remote_port": 8100, "remote_engine_id": "prefill-0", "remote_control_addr": "10.0.0.1:7100", "transfer_id": "000000000000000000000000000000ab"}})),
         ("valid-resume", json!({"prompt": [5, 6], "resume_tokens": [7, 8], "max_tokens": 3})),
+        ("valid-chat-logprobs", json!({"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 5})),
+        ("valid-echo-score", json!({"prompt": "The sky is blue", "echo": true, "max_tokens": 0, "logprobs": 1, "temperature": 0})),
+        ("hostile-top-logprobs-21", json!({"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 21})),
+        ("hostile-logprobs-u64-max", json!({"prompt": "x", "logprobs": u64::MAX, "echo": true})),
         ("hostile-max-tokens-u64-max", json!({"prompt": "x", "max_tokens": u64::MAX})),
         ("hostile-max-tokens-negative", json!({"prompt": "x", "max_tokens": -1})),
         ("hostile-top-k-u32-overflow", json!({"prompt": "x", "top_k": 4_294_967_297u64})),
@@ -1050,11 +1127,20 @@ fn regenerate_corpus() {
         remote_block_ids: None,
         transfer_id: format!("{:032x}", 0xabc),
         first_token_id: None,
+        first_token_logprobs: None,
         kv_lease_ms: None,
     };
     let two_hop = KvTransferParams {
         remote_block_ids: Some(vec![1, 2, 3]),
         first_token_id: Some(17),
+        first_token_logprobs: Some(TokenLogprobs {
+            token: 17,
+            logprob: -0.5,
+            top: vec![TopLogprob {
+                token: 4,
+                logprob: -0.25,
+            }],
+        }),
         kv_lease_ms: Some(30_000),
         remote_control_addr: None,
         ..one_hop.clone()
@@ -1076,6 +1162,10 @@ fn regenerate_corpus() {
         ("hostile-block-ids-negative", json!({"do_remote_prefill": true, "remote_host": "h", "remote_port": 1, "remote_block_ids": [-1], "first_token_id": 1, "transfer_id": "1"})),
         ("hostile-lease-absurd", json!({"do_remote_prefill": true, "remote_host": "h", "remote_port": 1, "remote_block_ids": [1], "first_token_id": 1, "transfer_id": "1", "kv_lease_ms": 1e300})),
         ("hostile-not-an-object", json!([1, 2, 3])),
+        ("hostile-logprobs-too-many", json!({"do_remote_prefill": true, "remote_host": "h", "remote_port": 1, "remote_block_ids": [1], "first_token_id": 1, "transfer_id": "1",
+            "first_token_logprobs": {"token": 1, "logprob": -1.0, "top": vec![json!({"token": 1, "logprob": -1.0}); 21]}})),
+        ("hostile-logprobs-positive", json!({"do_remote_prefill": true, "remote_host": "h", "remote_port": 1, "remote_block_ids": [1], "first_token_id": 1, "transfer_id": "1",
+            "first_token_logprobs": {"token": 1, "logprob": 1e300, "top": []}})),
     ]
     .into_iter()
     .map(|(n, v)| (format!("{n}.json"), serde_json::to_vec(&v).expect("encodes")))

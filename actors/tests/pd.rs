@@ -1205,6 +1205,7 @@ async fn unresponsive_peer(like: KvPeerInfo) -> (String, std::net::TcpListener) 
                 Ok(PeerRequest::Prefill(req)) => PeerAnswer::Prefilled(PrefillAnswer {
                     transfer: req.transfer,
                     first_token: 1,
+                    first_logprobs: None,
                     held: Some(HeldKv {
                         block_ids: (0..req.prompt.len().div_ceil(block_size) as u32).collect(),
                         lease_ms: 30_000,
@@ -1583,5 +1584,169 @@ async fn damaged_kv_changes_the_tokens_so_the_identity_check_can_fail() {
                 }
             }
         }
+    }
+}
+
+/// The `logprobs` object of an answer's first choice.
+fn logprobs_of(v: &Value) -> &Value {
+    let lp = &v["choices"][0]["logprobs"];
+    assert!(lp.is_object(), "no logprobs in {v}");
+    lp
+}
+
+/// Two completions `logprobs` objects name the same tokens with the same values (within
+/// 1e-4): what a disaggregated answer must share with a colocated one.
+#[track_caller]
+fn assert_logprobs_close(got: &Value, want: &Value, what: &str) {
+    assert_eq!(got["tokens"], want["tokens"], "{what}");
+    let (g, w) = (
+        got["token_logprobs"].as_array().unwrap(),
+        want["token_logprobs"].as_array().unwrap(),
+    );
+    assert_eq!(g.len(), w.len(), "{what}");
+    for (i, (a, b)) in g.iter().zip(w).enumerate() {
+        match (a.as_f64(), b.as_f64()) {
+            (Some(a), Some(b)) => assert!((a - b).abs() < 1e-4, "{what} token {i}: {a} vs {b}"),
+            _ => assert_eq!(a, b, "{what} token {i}"),
+        }
+    }
+    for (a, b) in got["top_logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(want["top_logprobs"].as_array().unwrap())
+    {
+        let (Some(a), Some(b)) = (a.as_object(), b.as_object()) else {
+            assert_eq!(a, b, "{what}");
+            continue;
+        };
+        assert_eq!(
+            a.keys().collect::<Vec<_>>(),
+            b.keys().collect::<Vec<_>>(),
+            "{what}"
+        );
+        for (k, x) in a {
+            assert!(
+                (x.as_f64().unwrap() - b[k].as_f64().unwrap()).abs() < 1e-4,
+                "{what} {k}"
+            );
+        }
+    }
+}
+
+fn logprobs_body(i: usize) -> Value {
+    let mut b = body(i);
+    b["logprobs"] = json!(5);
+    b
+}
+
+/// The first token is sampled on the prefill instance: its logprobs travel with the hand-off
+/// (vLLM's two-hop `kv_transfer_params`, the peer protocol's `Prefilled` answer in push and
+/// pull) and equal a colocated instance's, as the decode instance's later tokens do. Echo with
+/// prompt logprobs (lm-eval) through the proxy is prefilled on decode, equal too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logprobs_cross_the_hand_off_equal_to_colocated() {
+    let lease = Duration::from_secs(30);
+    let echo = json!({"prompt": body(2)["prompt"], "echo": true, "max_tokens": 0, "logprobs": 1, "temperature": 0});
+    let chat = json!({"messages": [{"role": "user", "content": "a question of some length, asked twice"}],
+        "max_tokens": 4, "temperature": 0, "ignore_eos": true, "logprobs": true, "top_logprobs": 3});
+    let c = instance("ref-lp", "small", 1, None, lease).await;
+    let mut reference = Vec::new();
+    for i in 0..3 {
+        let (status, v) = post(&c.url(), &logprobs_body(i)).await;
+        assert_eq!(status, 200, "{v}");
+        reference.push(logprobs_of(&v).clone());
+    }
+    let (status, echo_ref) = post(&c.url(), &echo).await;
+    assert_eq!(status, 200, "{echo_ref}");
+    let (status, chat_ref) = common::post_to(&c.url(), "/v1/chat/completions", &chat).await;
+    assert_eq!(status, 200, "{chat_ref}");
+    c.stop().await;
+
+    // vLLM's two hops: T0's logprobs ride in the prefill answer's kv_transfer_params.
+    let p = instance("p-lp", "small", 1, Some(BackendKind::Local), lease).await;
+    let d = instance("d-lp", "small", 1, Some(BackendKind::Local), lease).await;
+    for (i, want) in reference.iter().enumerate() {
+        let (status, v) = via_pd(&p.url(), &d.url(), &logprobs_body(i)).await;
+        assert_eq!(status, 200, "{v}");
+        assert_logprobs_close(logprobs_of(&v), want, &format!("two-hop request {i}"));
+    }
+    // Forged T0 logprobs are refused, naming the field; nothing leaks.
+    let mut pre = logprobs_body(0);
+    pre["max_tokens"] = json!(1);
+    pre["kv_transfer_params"] = json!({"do_remote_decode": true});
+    let (status, answer) = post(&p.url(), &pre).await;
+    assert_eq!(status, 200, "{answer}");
+    let params = answer["kv_transfer_params"].clone();
+    assert_eq!(
+        params["first_token_logprobs"]["token"], params["first_token_id"],
+        "{answer}"
+    );
+    let t0 = params["first_token_id"].clone();
+    for forged in [
+        json!({"token": t0, "logprob": 0.5, "top": []}),
+        json!({"token": t0, "logprob": -1.0, "top": vec![json!({"token": 1, "logprob": -1.0}); 21]}),
+        json!({"token": t0, "logprob": -1.0, "top": vec![json!({"token": 1_000_000, "logprob": -1.0})]}),
+        json!({"token": 1, "logprob": -1.0, "top": []}),
+        json!(null),
+    ] {
+        let mut dec = logprobs_body(0);
+        dec["kv_transfer_params"] = params.clone();
+        dec["kv_transfer_params"]["first_token_logprobs"] = forged.clone();
+        let (status, v) = post(&d.url(), &dec).await;
+        assert_error(status, &v, 400, "first_token_logprobs");
+    }
+    // The held blocks of the refused hand-off expire with their lease: release them now.
+    let transfer = params["transfer_id"].as_str().unwrap().parse().unwrap();
+    let _ = peer_call(&p.url(), PeerRequest::Release(transfer)).await;
+    assert_pool_full(&p).await;
+    assert_pool_full(&d).await;
+    p.stop().await;
+    d.stop().await;
+
+    // pdserve's proxy: one hop, decode drives the prefill instance in push or pull mode.
+    for mode in [TransferMode::Push, TransferMode::Pull] {
+        let tag = format!("lp-{}", mode.as_str());
+        let cl = Cluster::start(&tag, "small", BackendKind::Local, (1, 1), mode).await;
+        for (i, want) in reference.iter().enumerate() {
+            let (status, v) = post(&cl.url, &logprobs_body(i)).await;
+            assert_eq!(status, 200, "{v}");
+            assert_logprobs_close(logprobs_of(&v), want, &format!("{tag} request {i}"));
+        }
+        let (status, v) = common::post_to(&cl.url, "/v1/chat/completions", &chat).await;
+        assert_eq!(status, 200, "{v}");
+        let (got, want) = (
+            v["choices"][0]["logprobs"]["content"].as_array().unwrap(),
+            chat_ref["choices"][0]["logprobs"]["content"]
+                .as_array()
+                .unwrap(),
+        );
+        assert_eq!(got.len(), want.len(), "{tag} chat");
+        for (a, b) in got.iter().zip(want) {
+            assert_eq!(a["token"], b["token"], "{tag} chat");
+            let close =
+                |x: &Value, y: &Value| (x.as_f64().unwrap() - y.as_f64().unwrap()).abs() < 1e-4;
+            assert!(
+                close(&a["logprob"], &b["logprob"]),
+                "{tag} chat: {a} vs {b}"
+            );
+            for (x, y) in a["top_logprobs"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .zip(b["top_logprobs"].as_array().unwrap())
+            {
+                assert_eq!(x["token"], y["token"], "{tag} chat");
+                assert!(close(&x["logprob"], &y["logprob"]), "{tag} chat");
+            }
+        }
+        let (status, v) = post(&cl.url, &echo).await;
+        assert_eq!(status, 200, "{v}");
+        assert_logprobs_close(
+            logprobs_of(&v),
+            logprobs_of(&echo_ref),
+            &format!("{tag} echo"),
+        );
+        cl.stop().await;
     }
 }

@@ -73,6 +73,7 @@ pub fn prefill_tps(group: &impl StepGroup, len: usize, reps: usize) -> Result<f6
             start_pos: 0,
             block_table: blocks,
             want_logits: true,
+            all_logits: false,
         }],
     };
     group.step(batch.clone())?; // warm-up (also packs weights on first use)
@@ -118,6 +119,7 @@ pub fn decode_step_times(group: &impl StepGroup, n: usize, steps: usize) -> Resu
                     start_pos: pos,
                     block_table: tables[s].clone(),
                     want_logits: true,
+                    all_logits: false,
                 })
                 .collect(),
         };

@@ -302,6 +302,7 @@ impl<G: StepGroup> Engine<G> {
                     start_pos: s.computed,
                     block_table: s.blocks.clone(),
                     want_logits: end == s.all_tokens(),
+                    all_logits: false,
                 });
                 members.push((i, n));
                 budget -= n;

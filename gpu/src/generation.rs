@@ -3,7 +3,7 @@
 //! the serving scheduler both drive sequences through this one type.
 
 use crate::sampling::{
-    FinishReason, Sampler, SamplingParams, StopChecker, StopDecision, StopReason,
+    FinishReason, Sampler, SamplingParams, StopChecker, StopDecision, StopReason, TokenLogprobs,
 };
 use crate::tokenizer::{DecodeStream, Tokenizer};
 use crate::Result;
@@ -75,6 +75,11 @@ impl Generation {
         self.sampler.skip_samples(n);
     }
 
+    /// The request's sampling parameters.
+    pub fn params(&self) -> &SamplingParams {
+        self.sampler.params()
+    }
+
     /// Tokens generated so far (a stop token included, as the model produced it).
     pub fn output(&self) -> &[u32] {
         &self.output
@@ -88,6 +93,27 @@ impl Generation {
     /// Samples the next token from `logits` (penalties look at `prompt` and the output).
     pub fn sample(&mut self, logits: &mut [f32], prompt: &[u32]) -> u32 {
         self.sampler.sample(logits, prompt, &self.output)
+    }
+
+    /// As [`Self::sample`], and, when the request asked for logprobs
+    /// ([`SamplingParams::logprobs`]), the chosen token's log-probability and the top
+    /// alternatives of `logits` as the model produced them (before penalties and temperature:
+    /// see [`TokenLogprobs`]).
+    pub fn sample_with_logprobs(
+        &mut self,
+        logits: &mut [f32],
+        prompt: &[u32],
+    ) -> (u32, Option<TokenLogprobs>) {
+        let Some(top_n) = self.sampler.params().logprobs else {
+            return (self.sample(logits, prompt), None);
+        };
+        // The sampler rewrites the row in place (penalties, temperature).
+        let raw = logits.to_vec();
+        let token = self.sample(logits, prompt);
+        (
+            token,
+            Some(TokenLogprobs::compute(&raw, token, top_n as usize)),
+        )
     }
 
     /// Appends `token` and applies the stop conditions.

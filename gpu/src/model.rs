@@ -30,6 +30,23 @@ pub struct SeqChunk {
     pub block_table: Vec<u32>,
     /// Whether to return logits for the last token.
     pub want_logits: bool,
+    /// Return logits for every token of the chunk, in order, instead (prompt logprobs): one
+    /// row per token whatever `want_logits` says.
+    pub all_logits: bool,
+}
+
+impl SeqChunk {
+    /// Positions (within the chunk) whose logits the forward pass returns.
+    pub fn logit_rows(&self) -> std::ops::Range<usize> {
+        let n = self.tokens.len();
+        if self.all_logits {
+            0..n
+        } else if self.want_logits {
+            n.saturating_sub(1)..n
+        } else {
+            0..0
+        }
+    }
 }
 
 /// A forward step over several sequences.
@@ -553,8 +570,9 @@ impl ModelShard {
     }
 
     /// Runs one step. Returns, for every sequence with `want_logits`, the full-vocabulary
-    /// logits of its last token (every rank returns the same values). `on_layer(l)` is called
-    /// once layer `l`'s K/V are in the cache (for layerwise KV push).
+    /// logits of its last token, and for one with `all_logits` those of each of its tokens
+    /// ([`SeqChunk::logit_rows`], in batch order; every rank returns the same values).
+    /// `on_layer(l)` is called once layer `l`'s K/V are in the cache (for layerwise KV push).
     ///
     /// # Errors
     /// Invalid batches (checked before any write), collective failures.
@@ -673,13 +691,13 @@ impl ModelShard {
                 .add_row_parallel(&act, t, self.reduce_chunks.1, comm, &mut x)?;
         }
 
-        // Logits for the last token of every sequence that wants them.
+        // Logits for the last token of every sequence that wants them (every token of one
+        // that wants all).
         let last_rows: Vec<usize> = batch
             .seqs
             .iter()
             .zip(&offsets)
-            .filter(|(s, _)| s.want_logits)
-            .map(|(s, &off)| off + s.tokens.len() - 1)
+            .flat_map(|(s, &off)| s.logit_rows().map(move |i| off + i))
             .collect();
         if last_rows.is_empty() {
             return Ok(Vec::new());

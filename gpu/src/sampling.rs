@@ -25,6 +25,12 @@ pub const MAX_STOP_STRING_BYTES: usize = 256;
 pub const MAX_STOP_TOKEN_IDS: usize = 256;
 /// Highest temperature accepted.
 pub const MAX_TEMPERATURE: f32 = 100.0;
+/// Most alternatives (`top_logprobs`, completions' `logprobs: N`, `prompt_logprobs`) one
+/// request may ask per token: vLLM's default `max_logprobs`, OpenAI's chat bound.
+pub const MAX_LOGPROBS: u32 = 20;
+/// What a logprob of minus infinity (a token the logits rule out) is reported as: JSON has no
+/// infinity, and vLLM writes -9999.0 too.
+pub const LOGPROB_FLOOR: f32 = -9999.0;
 
 /// How one request samples and when it stops.
 #[derive(
@@ -66,6 +72,13 @@ pub struct SamplingParams {
     pub ignore_eos: bool,
     /// Most tokens to generate.
     pub max_tokens: usize,
+    /// Report each generated token's logprob and this many alternatives (0..=
+    /// [`MAX_LOGPROBS`]); `None`: no logprobs.
+    pub logprobs: Option<u32>,
+    /// Report each prompt token's logprob (the first's is none) and this many alternatives
+    /// (0..=[`MAX_LOGPROBS`]); `None`: no prompt logprobs. The prompt is then computed in
+    /// full (no prefix-cache hit: a cached token has no logits).
+    pub prompt_logprobs: Option<u32>,
 }
 
 impl Default for SamplingParams {
@@ -84,6 +97,8 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             max_tokens: 16,
+            logprobs: None,
+            prompt_logprobs: None,
         }
     }
 }
@@ -179,7 +194,126 @@ impl SamplingParams {
                 "stop_token_ids entry {id} is outside the vocabulary of {vocab_size} tokens"
             )));
         }
+        for (name, n) in [
+            ("logprobs", self.logprobs),
+            ("prompt_logprobs", self.prompt_logprobs),
+        ] {
+            if let Some(n) = n.filter(|&n| n > MAX_LOGPROBS) {
+                return Err(invalid(format!(
+                    "{name} must be in [0, {MAX_LOGPROBS}], got {n}"
+                )));
+            }
+        }
         Ok(())
+    }
+}
+
+/// One alternative of a [`TokenLogprobs`].
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct TopLogprob {
+    /// Token id.
+    pub token: u32,
+    /// Its log-probability.
+    pub logprob: f32,
+}
+
+/// A token's log-probability and the most likely alternatives at its position.
+///
+/// The convention is vLLM's default (`logprobs_mode = raw_logprobs`): the log-softmax of the
+/// model's logits as they come out of the forward pass, before penalties, temperature, top-k,
+/// top-p and min-p. Computed in f64 with a stable log-sum-exp; minus infinity is reported as
+/// [`LOGPROB_FLOOR`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct TokenLogprobs {
+    /// The token (sampled, or the prompt's).
+    pub token: u32,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// The most likely tokens, most likely first (lowest id first on ties); as many as asked.
+    pub top: Vec<TopLogprob>,
+}
+
+impl TokenLogprobs {
+    /// The log-softmax of `logits` at `token`, and its `top_n` largest entries. NaN logits
+    /// count as minus infinity; an id outside `logits` gets [`LOGPROB_FLOOR`].
+    pub fn compute(logits: &[f32], token: u32, top_n: usize) -> Self {
+        let clean = |v: f32| if v.is_nan() { f32::NEG_INFINITY } else { v };
+        let max = logits
+            .iter()
+            .map(|&v| clean(v))
+            .fold(f32::NEG_INFINITY, f32::max);
+        let lse = if max.is_infinite() {
+            max as f64
+        } else {
+            let m = max as f64;
+            let sum: f64 = logits.iter().map(|&v| ((clean(v) as f64) - m).exp()).sum();
+            m + sum.ln()
+        };
+        let logprob_of = |v: f32| -> f32 {
+            let lp = (clean(v) as f64 - lse) as f32;
+            if lp.is_finite() {
+                lp.min(0.0)
+            } else {
+                LOGPROB_FLOOR
+            }
+        };
+        let top_n = top_n.min(logits.len());
+        let mut top: Vec<(f32, u32)> = Vec::new();
+        if top_n > 0 {
+            top.extend(logits.iter().enumerate().map(|(i, &l)| (l, i as u32)));
+            if top_n < top.len() {
+                top.select_nth_unstable_by(top_n - 1, by_logit_desc);
+                top.truncate(top_n);
+            }
+            top.sort_unstable_by(by_logit_desc);
+        }
+        TokenLogprobs {
+            token,
+            logprob: logits
+                .get(token as usize)
+                .map_or(LOGPROB_FLOOR, |&v| logprob_of(v)),
+            top: top
+                .into_iter()
+                .map(|(l, t)| TopLogprob {
+                    token: t,
+                    logprob: logprob_of(l),
+                })
+                .collect(),
+        }
+    }
+
+    /// Checks logprobs that came from elsewhere (a peer instance, `kv_transfer_params`): at
+    /// most `max_top` alternatives, ids inside the vocabulary, every value finite and ≤ 0.
+    ///
+    /// # Errors
+    /// What is wrong, in words.
+    pub fn validate(&self, vocab_size: usize, max_top: usize) -> std::result::Result<(), String> {
+        if self.top.len() > max_top {
+            return Err(format!(
+                "{} top logprobs, more than the {max_top} asked",
+                self.top.len()
+            ));
+        }
+        let ok = |lp: f32| lp.is_finite() && lp <= 0.0;
+        std::iter::once((self.token, self.logprob))
+            .chain(self.top.iter().map(|t| (t.token, t.logprob)))
+            .try_for_each(|(token, logprob)| {
+                if token as usize >= vocab_size {
+                    Err(format!(
+                        "token {token} is outside the vocabulary of {vocab_size}"
+                    ))
+                } else if !ok(logprob) {
+                    Err(format!(
+                        "logprob {logprob} of token {token} is not a finite value <= 0"
+                    ))
+                } else {
+                    Ok(())
+                }
+            })
     }
 }
 
@@ -751,6 +885,61 @@ mod tests {
         let mut s = Sampler::new(&p);
         assert_eq!(s.sample(&mut [3.0, 2.5], &[], &[0]), 1);
         assert_eq!(s.sample(&mut [3.0, 2.5], &[], &[]), 0);
+    }
+
+    #[test]
+    fn logprobs_are_an_exact_stable_log_softmax() {
+        // Huge logits: a naive exp overflows, the log-sum-exp does not.
+        let logits = [1000.0f32, 999.0, 990.0, f32::NEG_INFINITY, f32::NAN];
+        let lp = TokenLogprobs::compute(&logits, 1, 3);
+        let z = (1.0f64 + (-1.0f64).exp() + (-10.0f64).exp()).ln();
+        assert!((lp.logprob as f64 - (-1.0 - z)).abs() < 1e-6, "{lp:?}");
+        let ids: Vec<u32> = lp.top.iter().map(|t| t.token).collect();
+        assert_eq!(ids, vec![0, 1, 2]);
+        assert!((lp.top[0].logprob as f64 + z).abs() < 1e-6);
+        // Excluded tokens report the floor, never -inf or NaN.
+        assert_eq!(TokenLogprobs::compute(&logits, 3, 0).logprob, LOGPROB_FLOOR);
+        assert_eq!(TokenLogprobs::compute(&logits, 4, 0).logprob, LOGPROB_FLOOR);
+        assert_eq!(
+            TokenLogprobs::compute(&logits, 99, 0).logprob,
+            LOGPROB_FLOOR
+        );
+        // Over a random row: probabilities of the whole row sum to 1, any top-k to at most 1,
+        // ties go to the lowest id, and the values pass the receiver's check.
+        let row = random_logits(300, 5);
+        let all = TokenLogprobs::compute(&row, 0, row.len());
+        let sum: f64 = all.top.iter().map(|t| (t.logprob as f64).exp()).sum();
+        assert!((sum - 1.0).abs() < 1e-4, "{sum}");
+        let top5 = TokenLogprobs::compute(&row, 0, 5);
+        assert!(
+            top5.top
+                .iter()
+                .map(|t| (t.logprob as f64).exp())
+                .sum::<f64>()
+                <= 1.0
+        );
+        assert_eq!(top5.top[..], all.top[..5]);
+        assert_eq!(top5.top[0].token, argmax(&row));
+        top5.validate(300, 5).unwrap();
+        let ties = TokenLogprobs::compute(&[2.0, 5.0, 5.0, 1.0], 2, 2);
+        assert_eq!((ties.top[0].token, ties.top[1].token), (1, 2));
+        assert_eq!(ties.top[0].logprob, ties.logprob);
+    }
+
+    #[test]
+    fn remote_logprobs_are_checked() {
+        let good = TokenLogprobs::compute(&[1.0, 2.0, 3.0], 2, 2);
+        assert!(good.validate(3, 2).is_ok());
+        assert!(good.validate(3, 1).unwrap_err().contains("more than"));
+        assert!(good.validate(2, 2).unwrap_err().contains("outside"));
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.5] {
+            let mut b = good.clone();
+            b.top[1].logprob = bad;
+            assert!(
+                b.validate(3, 2).unwrap_err().contains("not a finite"),
+                "{bad}"
+            );
+        }
     }
 
     #[test]

@@ -810,6 +810,34 @@ impl Tokenizer {
         self.inner.id_to_token(id)
     }
 
+    /// The bytes token `id` stands for, as logprobs report them (`bytes`): a byte-fallback
+    /// token (`<0xE2>`) is its byte, a byte-level BPE token (GPT-2's byte-to-character table)
+    /// its bytes, so that a character split over several tokens is exact; otherwise the
+    /// UTF-8 of its decoded text (special tokens included).
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        let raw = self.inner.id_to_token(id).unwrap_or_default();
+        if let Some(hex) = raw.strip_prefix("<0x").and_then(|r| r.strip_suffix('>')) {
+            if let (2, Ok(b)) = (hex.len(), u8::from_str_radix(hex, 16)) {
+                return vec![b];
+            }
+        }
+        let byte_level = matches!(
+            self.inner.get_decoder(),
+            Some(tokenizers::DecoderWrapper::ByteLevel(_))
+        );
+        if byte_level && !raw.is_empty() {
+            let table = byte_to_char_table();
+            let bytes: Option<Vec<u8>> = raw
+                .chars()
+                .map(|c| table.iter().position(|&t| t == c).map(|b| b as u8))
+                .collect();
+            if let Some(b) = bytes {
+                return b;
+            }
+        }
+        self.decode(&[id], false).unwrap_or_default().into_bytes()
+    }
+
     /// The wrapped Hugging Face tokenizer.
     pub fn inner(&self) -> &tokenizers::Tokenizer {
         &self.inner

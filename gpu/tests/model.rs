@@ -68,9 +68,40 @@ fn prompt_logits(e: &Engine, p: &[u32]) -> Vec<f32> {
             start_pos: 0,
             block_table: (0..p.len().div_ceil(16) as u32).collect(),
             want_logits: true,
+            all_logits: false,
         }],
     };
     e.group().step(batch).unwrap().remove(0)
+}
+
+/// `all_logits` returns one row per token of the chunk (prompt logprobs): row `i` is what a
+/// prefill of the first `i + 1` tokens gives for its last token, at any TP size.
+#[test]
+fn all_logits_returns_every_position() {
+    let p: Vec<u32> = (0..21).map(|i| (i * 13 + 2) % 259).collect();
+    for tp in [1, 2] {
+        let e = engine(synthetic("small"), tp);
+        let batch = Batch {
+            seqs: vec![SeqChunk {
+                tokens: p.clone(),
+                start_pos: 0,
+                block_table: vec![0, 1],
+                want_logits: true,
+                all_logits: true,
+            }],
+        };
+        let rows = e.group().step(batch).unwrap();
+        assert_eq!(rows.len(), p.len(), "tp={tp}");
+        for i in [0, 7, 15, 20] {
+            let want = prompt_logits(&e, &p[..=i]);
+            let diff = rows[i]
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max);
+            assert!(diff < 1e-3, "tp={tp} position {i}: max diff {diff}");
+        }
+    }
 }
 
 #[test]
@@ -254,6 +285,7 @@ fn kv_lands_at_the_layout_spans_on_every_rank() {
             start_pos: 0,
             block_table: blocks.clone(),
             want_logits: false,
+            all_logits: false,
         }],
     };
     let d = cfg.hidden_size;

@@ -119,6 +119,7 @@ fn teacher_forced(engine: &Engine, prompt: &[u32], forced: &[u32]) -> Vec<Vec<f3
                 start_pos,
                 block_table: block_table.clone(),
                 want_logits: true,
+                all_logits: false,
             }],
         };
         engine.group().step(batch).unwrap().remove(0)
@@ -290,6 +291,7 @@ fn last_logits(engine: &Engine, tokens: &[u32]) -> Vec<f32> {
             start_pos: 0,
             block_table: (0..tokens.len().div_ceil(16) as u32).collect(),
             want_logits: true,
+            all_logits: false,
         }],
     };
     engine.group().step(batch).unwrap().remove(0)

@@ -22,7 +22,7 @@
 
 use pdserve_gpu::config::ModelConfig;
 use pdserve_gpu::kv::KvLayout;
-use pdserve_gpu::sampling::SamplingParams;
+use pdserve_gpu::sampling::{SamplingParams, TokenLogprobs, MAX_LOGPROBS};
 use pdserve_runtime::ids::TransferId;
 use pdserve_runtime::wire::{from_archive, to_archive};
 use serde::{Deserialize, Serialize};
@@ -183,12 +183,17 @@ pub struct HeldKv {
 }
 
 /// The prompt ran: T0, and for a pull the held blocks.
-#[derive(Clone, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct PrefillAnswer {
     /// The hand-off.
     pub transfer: TransferId,
     /// The first token, sampled by the prefill instance (T0).
     pub first_token: u32,
+    /// T0's logprobs, when the request's sampling asked for them
+    /// ([`SamplingParams::logprobs`]): the decode side reports them as the first token's.
+    /// At most [`MAX_LOGPROBS`] alternatives; checked on receipt against the vocabulary and
+    /// the count asked.
+    pub first_logprobs: Option<TokenLogprobs>,
     /// Pull: the held blocks. Push: `None` (every write has finished).
     pub held: Option<HeldKv>,
     /// Wall-clock time (µs since the Unix epoch) at which the prefill instance had the whole
@@ -537,7 +542,14 @@ impl PeerRequest {
                     "stop_token_ids",
                     p.sampling.stop_token_ids.len(),
                     pdserve_gpu::sampling::MAX_STOP_TOKEN_IDS,
-                )
+                )?;
+                for (what, n) in [
+                    ("logprobs", p.sampling.logprobs),
+                    ("prompt_logprobs", p.sampling.prompt_logprobs),
+                ] {
+                    bound(what, n.unwrap_or(0) as usize, MAX_LOGPROBS as usize)?;
+                }
+                Ok(())
             }
             Self::OpenSession { initiator, .. } | Self::OpenRead { initiator, .. } => {
                 bound("initiator bytes", initiator.len(), MAX_NAME_BYTES)
@@ -554,10 +566,19 @@ impl PeerAnswer {
     pub fn validate(&self) -> Result<(), HandoffError> {
         match self {
             Self::Info(info) => info.validate_bounds(),
-            Self::Prefilled(a) => match &a.held {
-                Some(h) => bound("held blocks", h.block_ids.len(), MAX_HANDOFF_BLOCKS),
-                None => Ok(()),
-            },
+            Self::Prefilled(a) => {
+                if let Some(lp) = &a.first_logprobs {
+                    // Ids are checked against the vocabulary by the receiver, which knows it.
+                    lp.validate(usize::MAX, MAX_LOGPROBS as usize)
+                        .map_err(|e| {
+                            HandoffError::Protocol(format!("first token logprobs: {e}"))
+                        })?;
+                }
+                match &a.held {
+                    Some(h) => bound("held blocks", h.block_ids.len(), MAX_HANDOFF_BLOCKS),
+                    None => Ok(()),
+                }
+            }
             Self::Renewed { unknown } => bound("Renewed ids", unknown.len(), MAX_RENEW_IDS),
             Self::Session(s) => bound(
                 "session transfer_addr bytes",
@@ -691,6 +712,7 @@ mod tests {
             PeerAnswer::Prefilled(PrefillAnswer {
                 transfer: t,
                 first_token: 17,
+                first_logprobs: None,
                 held: Some(HeldKv {
                     block_ids: vec![1, 2],
                     lease_ms: 30_000,

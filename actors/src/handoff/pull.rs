@@ -54,7 +54,7 @@ pub struct PullBounds {
 }
 
 /// What happened.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum PullEvent {
     /// The prefill instance answered our Prefill request (its first token checked against the
     /// vocabulary by the driver).
@@ -431,6 +431,7 @@ mod tests {
         PrefillAnswer {
             transfer: T,
             first_token: 7,
+            first_logprobs: None,
             held: held.then(|| HeldKv {
                 block_ids: vec![3, 4],
                 lease_ms: 30_000,

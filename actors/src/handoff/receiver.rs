@@ -28,7 +28,7 @@ use super::session::{block_grants, fence_id, submit_ops, Grant, Security};
 use crate::block_manager::BlockAllocation;
 use crate::mailbox::{Inbox, Mailbox};
 use futures_util::stream::{FuturesUnordered, StreamExt};
-use pdserve_gpu::sampling::SamplingParams;
+use pdserve_gpu::sampling::{SamplingParams, TokenLogprobs};
 use pdserve_runtime::ids::{RequestId, TransferId};
 use pdserve_transport::{Access, FenceId, FenceScope};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
@@ -39,7 +39,7 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
 /// Where a remote request's prompt KV comes from.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum KvSource {
     /// Already computed and held by a prefill instance (vLLM's two-hop flow).
     Held {
@@ -51,6 +51,9 @@ pub enum KvSource {
         block_ids: Vec<u32>,
         /// The first token it sampled (T0).
         first_token: u32,
+        /// T0's logprobs (`first_token_logprobs`), when the request asked for them (checked
+        /// against the vocabulary and the count asked before this is built).
+        first_logprobs: Option<TokenLogprobs>,
         /// How long it holds the blocks unless renewed (`kv_lease_ms`), when it said.
         lease: Option<Duration>,
     },
@@ -80,10 +83,12 @@ impl KvSource {
 }
 
 /// How a fetch ended.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct FetchOutcome {
     /// T0, or why the hand-off failed.
     pub result: Result<u32, HandoffError>,
+    /// T0's logprobs, computed by the prefill instance, when the request asked for them.
+    pub first_logprobs: Option<TokenLogprobs>,
     /// When the prefill instance had the whole prompt computed (µs since the Unix epoch), when
     /// it said.
     pub computed_at_unix_us: Option<u64>,
@@ -113,6 +118,7 @@ impl Drop for FetchReply {
                 result: Err(HandoffError::Interrupted(
                     "the KV receiver failed before the hand-off started".into(),
                 )),
+                first_logprobs: None,
                 computed_at_unix_us: None,
             });
         }
@@ -198,6 +204,28 @@ type Call = Pin<Box<dyn Future<Output = PullEvent> + Send>>;
 /// held until the blocks are released.
 type WriteScope = Arc<Mutex<Option<(Arc<Grant>, Option<FenceScope>)>>>;
 
+/// Checks the logprobs a prefill instance sent with T0 against what we asked: present
+/// exactly when asked, for T0, at most the alternatives asked, ids inside the vocabulary,
+/// finite values ≤ 0.
+fn check_first_logprobs(
+    a: &super::protocol::PrefillAnswer,
+    asked: Option<u32>,
+    vocab: usize,
+) -> Result<(), String> {
+    match (&a.first_logprobs, asked) {
+        (None, None) => Ok(()),
+        (Some(_), None) => Err("the prefill instance sent logprobs nobody asked for".into()),
+        (None, Some(_)) => Err("the prefill instance sent no logprobs for the first token".into()),
+        (Some(lp), Some(_)) if lp.token != a.first_token => Err(format!(
+            "the first token's logprobs are for token {}, not {}",
+            lp.token, a.first_token
+        )),
+        (Some(lp), Some(n)) => lp
+            .validate(vocab, n as usize)
+            .map_err(|e| format!("the first token's logprobs: {e}")),
+    }
+}
+
 /// Performs one hand-off's [`PullCore`] actions.
 #[derive(Clone)]
 struct Driver {
@@ -222,17 +250,22 @@ impl Driver {
             KvSource::Held { .. } => super::context::TransferMode::Pull,
             KvSource::Drive { .. } => self.kv.settings.mode,
         };
+        let mut first_logprobs = None;
         let shape = match source {
             KvSource::Held {
                 block_ids,
                 first_token,
+                first_logprobs: lp,
                 lease,
                 ..
-            } => Shape::Held {
-                block_ids,
-                first_token,
-                lease,
-            },
+            } => {
+                first_logprobs = lp;
+                Shape::Held {
+                    block_ids,
+                    first_token,
+                    lease,
+                }
+            }
             KvSource::Drive { .. } if mode == super::context::TransferMode::Push => {
                 Shape::DrivePush
             }
@@ -306,6 +339,7 @@ impl Driver {
                         if let Some(reply) = reply.take() {
                             reply.send(FetchOutcome {
                                 result: r,
+                                first_logprobs: first_logprobs.take(),
                                 computed_at_unix_us: computed_at,
                             });
                         }
@@ -335,7 +369,10 @@ impl Driver {
                 Some(ev) => {
                     match &ev {
                         PullEvent::ReadsDone(_) | PullEvent::ReadsRefused(_) => renewing = None,
-                        PullEvent::Prefilled(a) => computed_at = Some(a.computed_at_unix_us),
+                        PullEvent::Prefilled(a) => {
+                            computed_at = Some(a.computed_at_unix_us);
+                            first_logprobs.clone_from(&a.first_logprobs);
+                        }
                         _ => {}
                     }
                     core.on(ev, now)
@@ -421,6 +458,7 @@ impl Driver {
         write_scope: WriteScope,
     ) -> PullEvent {
         sampling.max_tokens = 1;
+        let asked = sampling.logprobs;
         let not_sent = |error| PullEvent::PrefillFailed {
             error,
             answered: true,
@@ -465,11 +503,14 @@ impl Driver {
         let within = self.kv.bounds().prefill;
         match self.kv.peers.call(&peer, &request, within).await {
             Ok(PeerAnswer::Prefilled(a)) => {
-                if a.first_token as usize >= self.kv.settings.model.vocab_size {
+                let vocab = self.kv.settings.model.vocab_size;
+                if a.first_token as usize >= vocab {
                     not_sent(HandoffError::Protocol(format!(
                         "the prefill instance answered first token {}, outside the vocabulary",
                         a.first_token
                     )))
+                } else if let Err(e) = check_first_logprobs(&a, asked, vocab) {
+                    not_sent(HandoffError::Protocol(e))
                 } else if a.transfer != transfer {
                     not_sent(HandoffError::Protocol(format!(
                         "the prefill instance answered for transfer {}, not {transfer}",

@@ -50,10 +50,12 @@ pub struct PrefillJob {
 }
 
 /// A prompt that ran: T0 and the blocks held for the transfer.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct PrefillDone {
     /// T0.
     pub first_token: u32,
+    /// T0's logprobs, when the job's sampling asked for them.
+    pub first_logprobs: Option<pdserve_gpu::sampling::TokenLogprobs>,
     /// The prompt's blocks, held under the transfer's lease.
     pub held_blocks: Vec<u32>,
 }
@@ -143,6 +145,9 @@ pub fn validate_prefill(
     }
     let mut params = req.sampling;
     params.max_tokens = 1;
+    // Prompt logprobs are computed where the prompt's answer is made (the decode instance
+    // prefills such requests itself): none here.
+    params.prompt_logprobs = None;
     params
         .validate(limits.vocab_size)
         .map_err(|e| bad(e.to_string()))?;
@@ -511,6 +516,7 @@ impl<H: PrefillHost> PeerService<H> {
             return Ok(PrefillAnswer {
                 transfer,
                 first_token: done.first_token,
+                first_logprobs: done.first_logprobs,
                 held: Some(HeldKv {
                     block_ids: done.held_blocks,
                     lease_ms: self.kv.settings.lease.as_millis() as u64,
@@ -557,6 +563,7 @@ impl<H: PrefillHost> PeerService<H> {
         Ok(PrefillAnswer {
             transfer,
             first_token: done.first_token,
+            first_logprobs: done.first_logprobs,
             held: None,
             computed_at_unix_us,
         })

@@ -18,6 +18,7 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::stream::{self, Stream};
+use pdserve_gpu::sampling::TokenLogprobs;
 use pdserve_runtime::ids::TransferId;
 use serde_json::{json, Value};
 use std::net::SocketAddr;
@@ -65,8 +66,13 @@ async fn serve(app: Arc<AppState>, body: Bytes, chat: bool) -> Result<Response, 
     }
     let permit = app.admit()?;
     let prompt = tokenize(&app, &req.prompt)?;
-    let max_tokens =
-        openai::resolve_max_tokens(req.max_tokens, chat, prompt.len(), app.max_model_len)?;
+    let score_only = req.scores_only();
+    let max_tokens = openai::resolve_max_tokens(
+        req.max_tokens_to_run(),
+        chat,
+        prompt.len(),
+        app.max_model_len,
+    )?;
     let mut params = req.params.clone();
     params.max_tokens = max_tokens;
     params
@@ -88,8 +94,51 @@ async fn serve(app: Arc<AppState>, body: Bytes, chat: bool) -> Result<Response, 
     if !matches!(directive, KvDirective::None) && app.kv.is_none() {
         return Err(RequestError::BadRequest("kv_transfer_params need an instance with a KV transfer engine (role prefill or decode)".into()).into());
     }
+    let prompt_logprobs = params.prompt_logprobs.is_some();
+    match &directive {
+        KvDirective::HoldForDecode(_) | KvDirective::FromPrefill { .. } if prompt_logprobs => {
+            return Err(RequestError::BadRequest("`echo` with `logprobs` (prompt logprobs) is computed where the prompt's answer is made: send it without vLLM's two-hop kv_transfer_params (pdserve's one-hop flow prefills such a request on the decode instance)".into()).into());
+        }
+        KvDirective::FromPrefill {
+            first_token,
+            first_logprobs,
+            ..
+        } => {
+            // What the prefill instance sent for T0 must be what this request asks.
+            let asked = params.logprobs.map(|n| n as usize);
+            let problem = match (first_logprobs, asked) {
+                (None, None) => None,
+                (Some(_), None) => Some("given, but the request asks no `logprobs`".to_string()),
+                (None, Some(_)) => Some("missing: the request asks `logprobs`".to_string()),
+                (Some(lp), Some(n)) => lp.validate(app.vocab_size, n).err(),
+            };
+            if let Some(p) = problem {
+                return Err(RequestError::BadRequest(format!(
+                    "kv_transfer_params.first_token_logprobs (first token {first_token}): {p}"
+                ))
+                .into());
+            }
+        }
+        _ => {}
+    }
     let id = app.scheduler.next_request_id();
     let token_ids = req.return_token_ids.then(|| prompt.clone());
+    let echo = if req.echo {
+        let text = match &req.prompt {
+            PromptInput::Text(t) => t.clone(),
+            _ => app
+                .tokenizer
+                .decode(&prompt, false)
+                .map_err(|e| RequestError::Internal(e.to_string()))?,
+        };
+        Some(Echo {
+            text,
+            first_token: prompt[0],
+        })
+    } else {
+        None
+    };
+    let logprobs = params.logprobs.is_some();
     let mut hand_off = None;
     let mut request = NewRequest {
         id,
@@ -117,6 +166,7 @@ async fn serve(app: Arc<AppState>, body: Bytes, chat: bool) -> Result<Response, 
                 transfer,
                 block_ids,
                 first_token,
+                first_logprobs,
                 lease,
             },
             Some(kv),
@@ -130,13 +180,19 @@ async fn serve(app: Arc<AppState>, body: Bytes, chat: bool) -> Result<Response, 
                 transfer,
                 block_ids,
                 first_token,
+                first_logprobs,
                 lease,
             };
             scheduler.submit_remote(request, source)?
         }
         (KvDirective::DriveRemote { peer, transfer }, Some(kv)) => {
             let threshold = kv.settings.min_remote_prompt_tokens;
-            if request.prompt.len() < threshold {
+            if prompt_logprobs {
+                // Every prompt token's logits are needed here, not only the KV.
+                tracing::info!(request = %id, %transfer, "prefilling locally: prompt logprobs");
+                metrics::counter!(pdserve_runtime::telemetry::LOCAL_PREFILLS_TOTAL, pdserve_runtime::telemetry::LABEL_REASON => "prompt_logprobs").increment(1);
+                scheduler.submit(request)?
+            } else if request.prompt.len() < threshold {
                 // Conditional disaggregation: a short prompt costs less here than a hand-off.
                 tracing::info!(request = %id, %transfer, prompt_tokens = request.prompt.len(), threshold, "prefilling locally: short prompt");
                 metrics::counter!(pdserve_runtime::telemetry::LOCAL_PREFILLS_TOTAL, pdserve_runtime::telemetry::LABEL_REASON => "short_prompt").increment(1);
@@ -163,6 +219,10 @@ async fn serve(app: Arc<AppState>, body: Bytes, chat: bool) -> Result<Response, 
         include_usage: req.include_usage,
         resumed: !req.resume_tokens.is_empty(),
         token_ids,
+        tokenizer: app.tokenizer.clone(),
+        logprobs,
+        echo,
+        score_only,
         lease_ms: app
             .kv
             .as_ref()
@@ -214,6 +274,12 @@ struct HandOff {
     control: Option<SocketAddr>,
 }
 
+/// Completions' `echo`: the prompt's text, and its first token (whose logprob is null).
+struct Echo {
+    text: String,
+    first_token: u32,
+}
+
 struct ResponseMeta {
     id: String,
     created: u64,
@@ -225,16 +291,34 @@ struct ResponseMeta {
     resumed: bool,
     /// `Some(prompt ids)` when the client asked for token ids.
     token_ids: Option<Vec<u32>>,
+    /// Renders logprobs' token texts.
+    tokenizer: pdserve_gpu::Tokenizer,
+    /// The client asked for logprobs.
+    logprobs: bool,
+    /// The prompt to echo (completions' `echo`).
+    echo: Option<Echo>,
+    /// `echo` with `max_tokens` 0: the one token generated is not reported.
+    score_only: bool,
     hand_off: Option<HandOff>,
     /// How long held blocks wait for the decode side, in ms (published with them).
     lease_ms: u64,
 }
 
 impl ResponseMeta {
-    fn chunk(&self, text: &str, finish: Option<&str>, first: bool, tokens: &[u32]) -> Value {
+    fn chunk(
+        &self,
+        text: &str,
+        finish: Option<&str>,
+        first: bool,
+        tokens: &[u32],
+        logprobs: Option<Value>,
+    ) -> Value {
         let mut v = self.chunk_body(text, finish, first);
         if self.token_ids.is_some() {
             v["choices"][0]["token_ids"] = json!(tokens);
+        }
+        if let Some(lp) = logprobs {
+            v["choices"][0]["logprobs"] = lp;
         }
         v
     }
@@ -256,6 +340,41 @@ impl ResponseMeta {
         }
     }
 
+    /// The `logprobs` value of the generated tokens `lps` (and, with `echo`, of the prompt
+    /// first: `prompt` holds prompt tokens 2.. and `echo_first` is set on the first piece of
+    /// the answer); `None` when the client asked for none. `offset` is the completions' text
+    /// offset counter.
+    fn logprobs_value(
+        &self,
+        prompt: Option<&[TokenLogprobs]>,
+        echo_first: bool,
+        lps: &[TokenLogprobs],
+        offset: &mut usize,
+    ) -> Option<Value> {
+        if !self.logprobs {
+            return None;
+        }
+        if self.chat {
+            return Some(openai::chat_logprobs(&self.tokenizer, lps));
+        }
+        let mut entries: Vec<(u32, Option<&TokenLogprobs>)> = Vec::new();
+        if let (true, Some(e)) = (echo_first, &self.echo) {
+            entries.push((e.first_token, None));
+        }
+        entries.extend(
+            prompt
+                .unwrap_or_default()
+                .iter()
+                .map(|t| (t.token, Some(t))),
+        );
+        entries.extend(lps.iter().map(|t| (t.token, Some(t))));
+        Some(openai::completion_logprobs(
+            &self.tokenizer,
+            &entries,
+            offset,
+        ))
+    }
+
     fn usage_chunk(&self, usage: openai::Usage) -> Value {
         let object = if self.chat {
             "chat.completion.chunk"
@@ -266,6 +385,7 @@ impl ResponseMeta {
                "choices": [], "usage": usage.to_json()})
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn full(
         &self,
         text: &str,
@@ -273,14 +393,16 @@ impl ResponseMeta {
         usage: openai::Usage,
         tokens: &[u32],
         held: Option<&[u32]>,
+        logprobs: Option<Value>,
+        first_logprobs: Option<&TokenLogprobs>,
     ) -> Value {
         let mut v = if self.chat {
             json!({"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                   "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish}],
+                   "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs, "finish_reason": finish}],
                    "usage": usage.to_json()})
         } else {
             json!({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                   "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}],
+                   "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
                    "usage": usage.to_json()})
         };
         if let (Some(h), Some(blocks)) = (&self.hand_off, held) {
@@ -294,6 +416,7 @@ impl ResponseMeta {
                 remote_block_ids: Some(blocks.to_vec()),
                 transfer_id: h.transfer.to_string(),
                 first_token_id: tokens.first().copied(),
+                first_token_logprobs: first_logprobs.cloned(),
                 kv_lease_ms: Some(self.lease_ms),
             };
             v["kv_transfer_params"] = serde_json::to_value(params).unwrap_or_default();
@@ -333,25 +456,47 @@ async fn collect(
 ) -> Result<Response, ApiError> {
     let mut text = String::new();
     let mut tokens = Vec::new();
+    let mut lps = Vec::new();
+    let mut prompt_lps = None;
     loop {
         match next_event(&mut running.events, deadline, timeout).await {
-            RequestEvent::Token { text: t, token } => {
+            RequestEvent::Token {
+                text: t,
+                token,
+                logprobs,
+            } => {
                 text.push_str(&t);
                 tokens.push(token);
+                lps.extend(logprobs);
             }
+            RequestEvent::PromptLogprobs(p) => prompt_lps = Some(p),
             RequestEvent::Finished {
                 reason,
                 text: t,
-                usage,
+                mut usage,
                 held_blocks,
             } => {
                 text.push_str(&t);
+                let mut finish = reason.as_openai();
+                if meta.score_only {
+                    text.clear();
+                    tokens.clear();
+                    lps.clear();
+                    usage.completion_tokens = 0;
+                    finish = "length";
+                }
+                if let Some(e) = &meta.echo {
+                    text.insert_str(0, &e.text);
+                }
+                let logprobs = meta.logprobs_value(prompt_lps.as_deref(), true, &lps, &mut 0);
                 return Ok(Json(meta.full(
                     &text,
-                    reason.as_openai(),
+                    finish,
                     usage,
                     &tokens,
                     held_blocks.as_deref(),
+                    logprobs,
+                    lps.first(),
                 ))
                 .into_response());
             }
@@ -371,14 +516,23 @@ fn sse_stream(
         meta: ResponseMeta,
         done: bool,
         first: bool,
+        /// The prompt is still to be echoed (completions' `echo`).
+        echo_pending: bool,
+        /// The prompt's logprobs, until the echo sends them.
+        prompt_lps: Option<Vec<TokenLogprobs>>,
+        /// Completions' text offset of the next token's logprobs.
+        offset: usize,
         /// Events to send before the next read, emitted from the end.
         pending: Vec<Event>,
     }
     let state = S {
         first: !meta.resumed,
+        echo_pending: meta.echo.is_some() && !meta.resumed,
         running,
         meta,
         done: false,
+        prompt_lps: None,
+        offset: 0,
         pending: Vec::new(),
     };
     stream::unfold(state, move |mut s| async move {
@@ -392,31 +546,84 @@ fn sse_stream(
         // Tokens whose text is not final yet (half a UTF-8 character, a possible stop string)
         // are carried into the next chunk rather than sent as empty chunks.
         let mut held: Vec<u32> = Vec::new();
+        let mut held_lps: Vec<TokenLogprobs> = Vec::new();
         let ev = loop {
-            match next_event(&mut s.running.events, deadline, timeout).await {
-                RequestEvent::Token { text, token } => {
+            let event = next_event(&mut s.running.events, deadline, timeout).await;
+            if let RequestEvent::PromptLogprobs(p) = event {
+                s.prompt_lps = Some(p);
+                continue;
+            }
+            // The echoed prompt (with its logprobs) goes first, as a chunk of its own.
+            let mut echoed = None;
+            if s.echo_pending && !matches!(event, RequestEvent::Failed(_)) {
+                s.echo_pending = false;
+                let prompt_lps = s.prompt_lps.take();
+                let lp = s
+                    .meta
+                    .logprobs_value(prompt_lps.as_deref(), true, &[], &mut s.offset);
+                let text = s
+                    .meta
+                    .echo
+                    .as_ref()
+                    .map(|e| e.text.clone())
+                    .unwrap_or_default();
+                echoed = Some(data(s.meta.chunk(&text, None, s.first, &[], lp)));
+                s.first = false;
+            }
+            match event {
+                RequestEvent::PromptLogprobs(_) => unreachable!("handled above"),
+                RequestEvent::Token { .. } if s.meta.score_only => {
+                    if let Some(e) = echoed {
+                        return Some((Ok(e), s));
+                    }
+                }
+                RequestEvent::Token {
+                    text,
+                    token,
+                    logprobs,
+                } => {
                     held.push(token);
-                    if text.is_empty() && !(s.first && s.meta.chat) {
+                    held_lps.extend(logprobs);
+                    if text.is_empty() && !(s.first && s.meta.chat) && echoed.is_none() {
                         continue;
                     }
-                    let e = data(s.meta.chunk(&text, None, s.first, &held));
+                    let lp = s.meta.logprobs_value(None, false, &held_lps, &mut s.offset);
+                    let e = data(s.meta.chunk(&text, None, s.first, &held, lp));
                     s.first = false;
-                    return Some((Ok(e), s));
+                    return Some((
+                        Ok(match echoed {
+                            Some(echo) => {
+                                s.pending.push(e);
+                                echo
+                            }
+                            None => e,
+                        }),
+                        s,
+                    ));
                 }
                 RequestEvent::Finished {
                     reason,
                     text,
-                    usage,
+                    mut usage,
                     ..
                 } => {
                     s.pending.push(Event::default().data("[DONE]"));
+                    let (mut text, mut finish) = (text, reason.as_openai());
+                    if s.meta.score_only {
+                        (held, held_lps) = (Vec::new(), Vec::new());
+                        text.clear();
+                        usage.completion_tokens = 0;
+                        finish = "length";
+                    }
                     if s.meta.include_usage {
                         s.pending.push(data(s.meta.usage_chunk(usage)));
                     }
-                    break data(
-                        s.meta
-                            .chunk(&text, Some(reason.as_openai()), s.first, &held),
-                    );
+                    let lp = (!held_lps.is_empty())
+                        .then(|| s.meta.logprobs_value(None, false, &held_lps, &mut s.offset))
+                        .flatten();
+                    s.pending
+                        .push(data(s.meta.chunk(&text, Some(finish), s.first, &held, lp)));
+                    break echoed.unwrap_or_else(|| s.pending.pop().expect("just pushed"));
                 }
                 RequestEvent::Failed(e) => {
                     s.pending.push(Event::default().data("[DONE]"));

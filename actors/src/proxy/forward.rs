@@ -391,6 +391,7 @@ impl Job {
                     t.to_string()
                 },
                 first_token_id: None,
+                first_token_logprobs: None,
                 kv_lease_ms: None,
             };
             request["kv_transfer_params"] =

@@ -6,11 +6,15 @@ use crate::block_manager::{extend_hashes, BlockAllocation, BlockHash, BlockManag
 use crate::error::RequestError;
 use pdserve_gpu::generation::{Generation, TokenOutcome};
 use pdserve_gpu::model::{Batch, SeqChunk};
-use pdserve_gpu::sampling::{FinishReason, SamplingParams};
+use pdserve_gpu::sampling::{FinishReason, SamplingParams, TokenLogprobs};
 use pdserve_gpu::tokenizer::Tokenizer;
 use pdserve_runtime::ids::{RequestId, TransferId};
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
+
+/// Most prompt tokens one step computes for a request that wants prompt logprobs: each of
+/// them returns a full-vocabulary logits row (128 × a 152k vocabulary is 78 MB).
+pub const PROMPT_LOGPROBS_CHUNK: usize = 128;
 
 /// Limits of the scheduler.
 #[derive(Clone, Debug)]
@@ -74,6 +78,17 @@ pub enum Output {
         token: u32,
         /// Text that became final with it.
         text: String,
+        /// Its logprobs, when the request asked ([`SamplingParams::logprobs`]).
+        logprobs: Option<TokenLogprobs>,
+    },
+    /// The prompt's logprobs, once the whole prompt was computed (before the first token),
+    /// when the request asked ([`SamplingParams::prompt_logprobs`]): entry `i` is prompt
+    /// token `i + 1`'s (the first token has none).
+    PromptLogprobs {
+        /// Request.
+        id: RequestId,
+        /// One per prompt token after the first.
+        logprobs: Vec<TokenLogprobs>,
     },
     /// The request finished normally.
     Finished {
@@ -178,6 +193,9 @@ struct Seq {
     counted: bool,
     /// Prompt tokens taken from the prefix cache when it was counted (its first admission).
     prompt_cached: usize,
+    /// Prompt logprobs computed so far (entry `i`: prompt token `i + 1`), while the request
+    /// wants them and they were not sent yet.
+    prompt_lp: Option<Vec<TokenLogprobs>>,
 }
 
 impl Seq {
@@ -198,6 +216,37 @@ impl Seq {
             extend_hashes(salt, &mut self.hashes, &tokens, bs);
         }
         &self.hashes[..n.min(self.hashes.len())]
+    }
+
+    /// Records the prompt logprobs of a chunk computed from `start` whose logits rows are
+    /// `rows` (the sampling row already taken off); returns them all once the prompt is
+    /// complete (they are sent once: a recompute after a preemption computes none).
+    fn prompt_logprobs(&mut self, start: usize, rows: &[Vec<f32>]) -> Option<Vec<TokenLogprobs>> {
+        let top = self.gen.params().prompt_logprobs? as usize;
+        let acc = self.prompt_lp.as_mut()?;
+        // A recompute (preemption) starts over from `start`.
+        acc.truncate(start);
+        if acc.len() != start {
+            return None;
+        }
+        for (i, row) in rows.iter().enumerate() {
+            match self.prompt.get(start + i + 1) {
+                Some(&next) => acc.push(TokenLogprobs::compute(row, next, top)),
+                None => break,
+            }
+        }
+        (acc.len() + 1 >= self.prompt.len()).then(|| self.prompt_lp.take().unwrap_or_default())
+    }
+
+    /// Tokens the next step computes for this sequence within `budget`: the rest, capped at
+    /// [`PROMPT_LOGPROBS_CHUNK`] while its prompt's logits are returned.
+    fn next_chunk(&self, budget: usize) -> usize {
+        let n = (self.len() - self.computed).min(budget);
+        if self.prompt_lp.is_some() && self.computed < self.prompt.len() {
+            n.min(PROMPT_LOGPROBS_CHUNK)
+        } else {
+            n
+        }
     }
 
     fn tokens(&self, n: usize) -> Vec<u32> {
@@ -306,7 +355,8 @@ impl SchedulerCore {
         }
         let len = s.len();
         let max = if keep_last { (len - 1) / bs } else { len / bs };
-        let hit = if self.blocks.caching() && max > 0 {
+        // Prompt logprobs need every prompt token's logits: no cached prefix.
+        let hit = if self.blocks.caching() && max > 0 && s.prompt_lp.is_none() {
             let tokens = s.tokens(max * bs);
             let hashes = s.hashes_upto(salt, bs, max).to_vec();
             self.blocks.take_prefix(&mut s.blocks, &hashes, &tokens, bs)
@@ -403,6 +453,7 @@ impl SchedulerCore {
             skip_blocks: 0,
             prompt_cached: 0,
             counted: false,
+            prompt_lp: req.params.prompt_logprobs.map(|_| Vec::new()),
         };
         self.seqs.insert(req.id, seq);
         self.waiting.push_back(req.id);
@@ -479,8 +530,9 @@ impl SchedulerCore {
         Ok(())
     }
 
-    /// The prompt's KV is in place and the prefill side sampled `first_token`: the request
-    /// joins the running set and decodes from there, without recomputing the prompt.
+    /// The prompt's KV is in place and the prefill side sampled `first_token` (with its
+    /// logprobs, when the request asked for them): the request joins the running set and
+    /// decodes from there, without recomputing the prompt.
     ///
     /// # Errors
     /// [`RequestError::BadRequest`] when the request is not waiting for or receiving remote KV.
@@ -488,6 +540,7 @@ impl SchedulerCore {
         &mut self,
         id: RequestId,
         first_token: u32,
+        first_logprobs: Option<TokenLogprobs>,
     ) -> Result<Vec<Output>, RequestError> {
         let s = self
             .seqs
@@ -511,7 +564,7 @@ impl SchedulerCore {
         self.running.push(id);
         // The landed KV is final: later requests may share its full blocks.
         self.register_computed(id);
-        Ok(self.accept_token(id, first_token))
+        Ok(self.accept_token(id, first_token, first_logprobs))
     }
 
     /// A decode instance read the blocks held for `transfer`: free them. Returns whether
@@ -680,7 +733,7 @@ impl SchedulerCore {
         while i < self.running.len() && budget > 0 {
             let id = self.running[i];
             let s = &self.seqs[&id];
-            let n = (s.len() - s.computed).min(budget);
+            let n = s.next_chunk(budget);
             let need = (s.computed + n).div_ceil(bs).saturating_sub(s.blocks.len());
             let mut ok = need == 0 || self.grow(id, need);
             while !ok {
@@ -715,7 +768,7 @@ impl SchedulerCore {
             };
             let hit = self.take_cached_prefix(id, true);
             let s = &self.seqs[&id];
-            let n = (s.len() - s.computed).min(budget);
+            let n = s.next_chunk(budget);
             let need = (s.computed + n).div_ceil(bs).saturating_sub(s.blocks.len());
             if !self.blocks.can_admit(need) || !self.grow(id, need) {
                 if hit > 0 {
@@ -744,6 +797,7 @@ impl SchedulerCore {
         let mut members = Vec::with_capacity(plan.len());
         for (id, n) in plan {
             let s = &self.seqs[&id];
+            let all_logits = s.prompt_lp.is_some() && s.computed < s.prompt.len();
             let tokens: Vec<u32> = s
                 .prompt
                 .iter()
@@ -758,6 +812,7 @@ impl SchedulerCore {
                 start_pos: s.computed,
                 block_table: s.blocks.blocks().to_vec(),
                 want_logits: samples,
+                all_logits,
             });
             members.push((id, n, samples));
         }
@@ -779,13 +834,19 @@ impl SchedulerCore {
     pub fn complete(&mut self, plan: StepPlan, logits: Vec<Vec<f32>>) -> Vec<Output> {
         let mut out = Vec::new();
         let mut logits = logits.into_iter();
-        for (id, n, samples) in plan.members {
-            let row = if samples { logits.next() } else { None };
+        for ((id, n, samples), chunk) in plan.members.into_iter().zip(&plan.batch.seqs) {
+            let mut rows: Vec<Vec<f32>> = logits.by_ref().take(chunk.logit_rows().len()).collect();
+            let row = if samples { rows.pop() } else { None };
             let Some(s) = self.seqs.get_mut(&id) else {
                 continue;
             };
             if s.computed + n > s.len() {
                 continue; // preempted and rescheduled meanwhile: stale
+            }
+            if chunk.all_logits {
+                if let Some(done) = s.prompt_logprobs(chunk.start_pos, &rows) {
+                    out.push(Output::PromptLogprobs { id, logprobs: done });
+                }
             }
             s.computed += n;
             self.register_computed(id);
@@ -803,14 +864,19 @@ impl SchedulerCore {
                 self.abort(id);
                 continue;
             };
-            let token = s.gen.sample(&mut row, &s.prompt);
-            out.extend(self.accept_token(id, token));
+            let (token, logprobs) = s.gen.sample_with_logprobs(&mut row, &s.prompt);
+            out.extend(self.accept_token(id, token, logprobs));
         }
         out
     }
 
     /// Appends a sampled token to a running request and applies its stop conditions.
-    fn accept_token(&mut self, id: RequestId, token: u32) -> Vec<Output> {
+    fn accept_token(
+        &mut self,
+        id: RequestId,
+        token: u32,
+        logprobs: Option<TokenLogprobs>,
+    ) -> Vec<Output> {
         let Some(s) = self.seqs.get_mut(&id) else {
             return Vec::new();
         };
@@ -822,7 +888,12 @@ impl SchedulerCore {
                     error: RequestError::Internal(e.to_string()),
                 }]
             }
-            Ok(TokenOutcome::Continue { text }) => vec![Output::Token { id, token, text }],
+            Ok(TokenOutcome::Continue { text }) => vec![Output::Token {
+                id,
+                token,
+                text,
+                logprobs,
+            }],
             Ok(TokenOutcome::Finished { reason, text }) => {
                 let (prompt_tokens, completion_tokens, cached_tokens) =
                     (s.prompt.len(), s.gen.output().len(), s.prompt_cached);
@@ -839,6 +910,7 @@ impl SchedulerCore {
                         id,
                         token,
                         text: String::new(),
+                        logprobs,
                     },
                     Output::Finished {
                         id,
@@ -1053,13 +1125,14 @@ mod tests {
         );
         c.remote_kv_transferring(RequestId(1)).unwrap();
         assert_eq!(c.state(RequestId(1)), Some(RequestState::Transferring));
-        let out = c.remote_kv_ready(RequestId(1), 97).unwrap();
+        let out = c.remote_kv_ready(RequestId(1), 97, None).unwrap();
         assert_eq!(
             out,
             vec![Output::Token {
                 id: RequestId(1),
                 token: 97,
-                text: "a".into()
+                text: "a".into(),
+                logprobs: None,
             }]
         );
         // The next step decodes from position 9 (prompt) with the first token as input.
@@ -1091,7 +1164,7 @@ mod tests {
             c.add_remote(req(2, 9, 3), false).unwrap(),
             RemoteAdmission::Remote { cached_blocks: 2, ref blocks } if blocks.len() == 3
         ));
-        assert!(c.remote_kv_ready(RequestId(3), 1).is_err());
+        assert!(c.remote_kv_ready(RequestId(3), 1, None).is_err());
         assert!(c.abort(RequestId(2)));
         assert_eq!(c.stats().blocks_free, 16);
     }
@@ -1184,7 +1257,7 @@ mod tests {
             2,
             "the pinned prefix is still cached"
         );
-        assert!(c.remote_kv_ready(RequestId(3), 97).is_ok());
+        assert!(c.remote_kv_ready(RequestId(3), 97, None).is_ok());
         drive(&mut c);
         assert_eq!(c.stats().blocks_in_use, 0, "{:?}", c.stats());
         assert_eq!(c.stats().blocks_free, 12);

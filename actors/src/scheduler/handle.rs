@@ -137,7 +137,7 @@ impl SchedulerHandle {
 
     fn channel(&self, request: &NewRequest) -> (super::EventSink, mpsc::Receiver<RequestEvent>) {
         // Every event the request can produce: a token per output token, T0 of a remote
-        // request, and the final event. The capacity is a permit count (tokio allocates as
+        // request, the prompt's logprobs, and the final event. The capacity is a permit count (tokio allocates as
         // events arrive); the cap keeps an absurd `max_tokens`, which the core refuses with
         // `ContextOverflow`, from reaching tokio's limit or wrapping to zero.
         const MAX_EVENTS: usize = 1 << 28;
@@ -269,15 +269,19 @@ impl PrefillHost for SchedulerHandle {
         let mut first = None;
         loop {
             match events.next().await {
-                Some(RequestEvent::Token { token, .. }) => {
-                    first.get_or_insert(token);
+                Some(RequestEvent::Token {
+                    token, logprobs, ..
+                }) => {
+                    first.get_or_insert((token, logprobs));
                 }
+                Some(RequestEvent::PromptLogprobs(_)) => {}
                 Some(RequestEvent::Finished { held_blocks, .. }) => {
-                    let first_token = first.ok_or_else(|| {
+                    let (first_token, first_logprobs) = first.ok_or_else(|| {
                         HandoffError::Protocol("the prompt finished without a first token".into())
                     })?;
                     return Ok(PrefillDone {
                         first_token,
+                        first_logprobs,
                         held_blocks: held_blocks.unwrap_or_default(),
                     });
                 }

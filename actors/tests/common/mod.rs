@@ -9,20 +9,41 @@ use std::time::{Duration, Instant};
 /// `POST /v1/completions` with `body`: the status and the answer (as JSON, or as a string when
 /// it is not JSON).
 pub async fn post(url: &str, body: &Value) -> (u16, Value) {
-    let r = pdserve_actors::http::http_client()
+    post_to(url, "/v1/completions", body).await
+}
+
+/// `POST {path}` with `body`.
+async fn send(url: &str, path: &str, body: &Value) -> reqwest::Response {
+    pdserve_actors::http::http_client()
         .build()
         .unwrap()
-        .post(format!("{url}/v1/completions"))
+        .post(format!("{url}{path}"))
         .json(body)
         .send()
         .await
-        .unwrap();
+        .unwrap()
+}
+
+/// `POST {path}` with `body`, as [`post`].
+pub async fn post_to(url: &str, path: &str, body: &Value) -> (u16, Value) {
+    let r = send(url, path, body).await;
     let status = r.status().as_u16();
     let text = r.text().await.unwrap();
     (
         status,
         serde_json::from_str(&text).unwrap_or(Value::String(text)),
     )
+}
+
+/// `POST {path}` with `body` (which asks `stream: true`): the JSON chunks of the SSE answer,
+/// `[DONE]` left out.
+pub async fn stream_chunks(url: &str, path: &str, body: &Value) -> Vec<Value> {
+    let text = send(url, path, body).await.text().await.unwrap();
+    text.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|l| *l != "[DONE]")
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect()
 }
 
 /// Waits (at most 10 s) until nothing runs or waits at `inst` and every KV block is free again.

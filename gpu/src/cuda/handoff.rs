@@ -61,6 +61,7 @@ pub fn prefill_logits(group: &impl StepGroup, tokens: &[u32], table: &[u32]) -> 
             start_pos: 0,
             block_table: table.to_vec(),
             want_logits: true,
+            all_logits: false,
         }],
     })?;
     out.pop()
@@ -88,6 +89,7 @@ pub fn decode_greedy(
                 start_pos: pos + i,
                 block_table: table.to_vec(),
                 want_logits: true,
+                all_logits: false,
             }],
         })?;
         last = crate::sampling::argmax(&logits[0]);

@@ -71,8 +71,8 @@ impl StepPlan {
                 let block = s.block_table[pos / bs] as i64;
                 p.slots.push(block * bs as i64 + (pos % bs) as i64);
             }
-            if s.want_logits {
-                let row = p.tokens.len() - 1;
+            let first = p.tokens.len() - s.tokens.len();
+            for row in s.logit_rows().map(|i| first + i) {
                 p.logit_rows
                     .push(i32::try_from(row).map_err(|_| too_large("the step"))?);
             }
@@ -181,6 +181,7 @@ mod tests {
                     start_pos: 3,
                     block_table: vec![7, 2, 9, 30],
                     want_logits: false,
+                    all_logits: false,
                 },
                 // A decode token.
                 SeqChunk {
@@ -188,6 +189,7 @@ mod tests {
                     start_pos: 8,
                     block_table: vec![1, 5, 6, 0],
                     want_logits: true,
+                    all_logits: false,
                 },
                 // A whole short prompt.
                 SeqChunk {
@@ -195,6 +197,7 @@ mod tests {
                     start_pos: 0,
                     block_table: vec![4],
                     want_logits: true,
+                    all_logits: false,
                 },
             ],
         }

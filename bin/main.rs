@@ -497,6 +497,14 @@ struct BenchModelArgs {
     /// Only the --busy measurement: skip the prefill and decode throughput runs.
     #[arg(long)]
     busy_only: bool,
+    /// Context lengths (tokens already in the cache) of the batch-1 decode runs at context;
+    /// each is clamped to fit the model's context. `--contexts ""` skips them.
+    #[arg(long, value_delimiter = ',', default_value = "512,2048,8192")]
+    contexts: Vec<String>,
+    /// Element type of the KV cache the benchmark's engine uses (`scheduler.kv_cache_dtype`
+    /// of an instance): f32, f16 or bf16.
+    #[arg(long, default_value = "f32")]
+    kv_dtype: pdserve_runtime::config::KvCacheDtype,
 }
 
 fn main() {
@@ -673,13 +681,18 @@ fn run(cli: Cli) -> Result<()> {
     }
 }
 
-fn build_engine(args: &ModelArgs, max_seqs: usize) -> Result<Engine> {
+fn build_engine(
+    args: &ModelArgs,
+    max_seqs: usize,
+    kv_dtype: pdserve_gpu::kv::KvDtype,
+) -> Result<Engine> {
     let source: ModelSource = args.model.parse().expect("infallible");
     let model = load_model(&source).with_context(|| format!("loading model `{source}`"))?;
     let opts = EngineOptions {
         tp: args.tp,
         format: args.weights,
         max_seqs,
+        kv_dtype,
         ..Default::default()
     };
     Ok(Engine::new(model, opts)?)
@@ -777,8 +790,18 @@ fn generate(args: GenerateArgs) -> Result<()> {
 fn bench_model(args: BenchModelArgs) -> Result<()> {
     cuda::check(args.model.device, args.model.tp)?;
     let threads = set_threads(args.model.threads);
+    let contexts = args
+        .contexts
+        .iter()
+        .filter(|c| !c.is_empty())
+        .map(|c| {
+            c.parse::<usize>()
+                .with_context(|| format!("--contexts: `{c}` is not a token count"))
+        })
+        .collect::<Result<Vec<_>>>()?;
     let opts = pdserve_gpu::bench::ModelBenchOptions {
         decode_steps: args.decode_steps,
+        contexts,
         ..Default::default()
     };
     if args.busy > 0 || args.busy_only {
@@ -791,7 +814,7 @@ fn bench_model(args: BenchModelArgs) -> Result<()> {
     let (r, contention) = if args.model.device.is_cuda() {
         (Some(cuda::bench_model(&args.model, threads, &opts)?), None)
     } else {
-        let engine = build_engine(&args.model, 9)?;
+        let engine = build_engine(&args.model, 9, args.kv_dtype.into())?;
         let r = if args.busy_only {
             None
         } else {
@@ -836,6 +859,12 @@ fn bench_model(args: BenchModelArgs) -> Result<()> {
         println!("  prefill  512 tokens : {:8.1} tokens/s", r.prefill_tps_512);
         println!("  decode   batch 1    : {:8.1} tokens/s", r.decode_tps_b1);
         println!("  decode   batch 8    : {:8.1} tokens/s", r.decode_tps_b8);
+        for c in &r.decode_b1_at_context {
+            println!(
+                "  decode   batch 1 at {:>5} tokens of context : {:8.1} tokens/s",
+                c.context, c.tps
+            );
+        }
     }
     if let Some(c) = &contention {
         println!(

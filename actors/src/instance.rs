@@ -28,7 +28,7 @@ use pdserve_gpu::kv::KvDtype;
 use pdserve_gpu::loader::LoadedModel;
 use pdserve_gpu::tp::TpOptions;
 use pdserve_gpu::weights::WeightFormat;
-use pdserve_runtime::config::{KvCacheDtype, ServeConfig};
+use pdserve_runtime::config::ServeConfig;
 use pdserve_runtime::memory::{AnonAllocator, HostMemoryAllocator};
 use pdserve_runtime::supervision::{ActorSnapshot, RestartPolicy};
 use std::net::SocketAddr;
@@ -127,11 +127,7 @@ impl InstanceOptions {
             block_size: cfg.scheduler.block_size,
             num_blocks: cfg.scheduler.num_blocks,
             kv_cache_bytes: cfg.scheduler.kv_cache_bytes as usize,
-            kv_dtype: match cfg.scheduler.kv_cache_dtype {
-                KvCacheDtype::F32 => KvDtype::F32,
-                KvCacheDtype::F16 => KvDtype::F16,
-                KvCacheDtype::Bf16 => KvDtype::Bf16,
-            },
+            kv_dtype: cfg.scheduler.kv_cache_dtype.into(),
             watermark: cfg.scheduler.watermark,
             max_model_len: cfg.scheduler.max_model_len,
             bind: Some(bind),

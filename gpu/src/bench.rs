@@ -27,6 +27,18 @@ pub struct ModelBenchResult {
     pub decode_tps_b1: f64,
     /// Decode tokens/s summed over 8 sequences.
     pub decode_tps_b8: f64,
+    /// Decode tokens/s of one sequence over a cache already holding some context: attention
+    /// over a long KV, which the short-context figures above hardly show.
+    pub decode_b1_at_context: Vec<ContextDecode>,
+}
+
+/// Batch-1 decode speed at one context length.
+#[derive(Clone, Debug, Serialize)]
+pub struct ContextDecode {
+    /// Tokens in the cache when the timed steps start.
+    pub context: usize,
+    /// Decode tokens/s.
+    pub tps: f64,
 }
 
 /// Settings of a run.
@@ -36,6 +48,9 @@ pub struct ModelBenchOptions {
     pub prefill_reps: usize,
     /// Decode steps timed per batch size.
     pub decode_steps: usize,
+    /// Context lengths of the batch-1 decode runs at context (each clamped so that the run
+    /// fits the model's context).
+    pub contexts: Vec<usize>,
 }
 
 impl Default for ModelBenchOptions {
@@ -43,6 +58,7 @@ impl Default for ModelBenchOptions {
         Self {
             prefill_reps: 3,
             decode_steps: 64,
+            contexts: vec![512, 2048, 8192],
         }
     }
 }
@@ -103,10 +119,24 @@ pub fn decode_tps(group: &impl StepGroup, n: usize, steps: usize) -> Result<f64>
 /// # Errors
 /// Forward-pass failures.
 pub fn decode_step_times(group: &impl StepGroup, n: usize, steps: usize) -> Result<Vec<Duration>> {
+    decode_step_times_at(group, n, steps, 0)
+}
+
+/// As [`decode_step_times`], with each sequence's cache first holding `context` tokens
+/// (prefilled in untimed chunks of 512; needs `n * blocks_for(context + steps + 2)` blocks).
+///
+/// # Errors
+/// Forward-pass failures.
+pub fn decode_step_times_at(
+    group: &impl StepGroup,
+    n: usize,
+    steps: usize,
+    context: usize,
+) -> Result<Vec<Duration>> {
     let bs = group.block_size();
     let vocab = group.config().vocab_size;
     let steps = steps.max(1);
-    let per_seq = (1 + steps + 1).div_ceil(bs);
+    let per_seq = (context + 1 + steps + 1).div_ceil(bs);
     let tables: Vec<Vec<u32>> = (0..n)
         .map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect())
         .collect();
@@ -129,9 +159,24 @@ pub fn decode_step_times(group: &impl StepGroup, n: usize, steps: usize) -> Resu
         }
         Ok(())
     };
-    run_step(0, &mut last)?;
+    let context_of = prompt(context, vocab, 7);
+    for (k, chunk) in context_of.chunks(512).enumerate() {
+        let batch = Batch {
+            seqs: (0..n)
+                .map(|s| SeqChunk {
+                    tokens: chunk.to_vec(),
+                    start_pos: k * 512,
+                    block_table: tables[s].clone(),
+                    want_logits: false,
+                    all_logits: false,
+                })
+                .collect(),
+        };
+        group.step(batch)?;
+    }
+    run_step(context, &mut last)?;
     let mut times = Vec::with_capacity(steps);
-    for pos in 1..=steps {
+    for pos in context + 1..=context + steps {
         let t = Instant::now();
         run_step(pos, &mut last)?;
         times.push(t.elapsed());
@@ -157,6 +202,20 @@ pub fn run_model_bench(
         prefill_tps_512: prefill_tps(group, 512, opts.prefill_reps)?,
         decode_tps_b1: decode_tps(group, 1, opts.decode_steps)?,
         decode_tps_b8: decode_tps(group, 8, opts.decode_steps)?,
+        decode_b1_at_context: opts
+            .contexts
+            .iter()
+            .map(|&c| {
+                let steps = opts.decode_steps.max(1);
+                let context = c.min(group.config().context_length.saturating_sub(steps + 2));
+                let times = decode_step_times_at(group, 1, steps, context)?;
+                let total: Duration = times.iter().sum();
+                Ok(ContextDecode {
+                    context,
+                    tps: times.len() as f64 / total.as_secs_f64(),
+                })
+            })
+            .collect::<Result<_>>()?,
     })
 }
 

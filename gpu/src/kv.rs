@@ -58,6 +58,17 @@ pub enum KvDtype {
     Bf16,
 }
 
+impl From<pdserve_runtime::config::KvCacheDtype> for KvDtype {
+    fn from(d: pdserve_runtime::config::KvCacheDtype) -> Self {
+        use pdserve_runtime::config::KvCacheDtype;
+        match d {
+            KvCacheDtype::F32 => Self::F32,
+            KvCacheDtype::F16 => Self::F16,
+            KvCacheDtype::Bf16 => Self::Bf16,
+        }
+    }
+}
+
 impl KvDtype {
     /// Bytes per element.
     pub fn size(self) -> usize {
@@ -110,6 +121,28 @@ impl<'a> HeadBlock<'a> {
             Self::F32(s) => std::borrow::Cow::Borrowed(s),
             Self::F16(s) => std::borrow::Cow::Owned(s.iter().map(|x| x.to_f32()).collect()),
             Self::Bf16(s) => std::borrow::Cow::Owned(s.iter().map(|x| x.to_f32()).collect()),
+        }
+    }
+
+    /// The values as f32: borrowed from an f32 cache, else widened into `buf` (reused, so
+    /// a loop over blocks allocates nothing).
+    pub fn as_f32<'b>(self, buf: &'b mut Vec<f32>) -> &'b [f32]
+    where
+        'a: 'b,
+    {
+        use half::slice::HalfFloatSliceExt;
+        match self {
+            Self::F32(s) => s,
+            Self::F16(s) => {
+                buf.resize(s.len(), 0.0);
+                s.convert_to_f32_slice(buf);
+                buf
+            }
+            Self::Bf16(s) => {
+                buf.resize(s.len(), 0.0);
+                s.convert_to_f32_slice(buf);
+                buf
+            }
         }
     }
 

@@ -15,6 +15,7 @@ pub use chat::{ChatMessage, ChatTemplate};
 pub use sampling::{FinishReason, Sampler, SamplingParams, StopChecker, StopDecision, StopReason};
 pub use tokenizer::{DecodeStream, Tokenizer};
 
+pub(crate) mod attention;
 pub mod bench;
 pub mod collective;
 pub mod config;

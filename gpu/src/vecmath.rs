@@ -86,6 +86,14 @@ pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
 /// then every `y` times `(1 / sum) as f32`.
 pub fn softmax(row: &mut [f32]) {
     let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum = exp_shifted(row, max);
+    let inv = (1.0 / sum) as f32;
+    row.iter_mut().for_each(|x| *x *= inv);
+}
+
+/// `row[i] = exp(row[i] − max)` in place; returns their sum in f64 ([`softmax`]'s operations
+/// and order, without the normalisation).
+pub fn exp_shifted(row: &mut [f32], max: f32) -> f64 {
     let mut sum = 0f64;
     let mut i = 0;
     #[cfg(target_arch = "x86_64")]
@@ -106,8 +114,7 @@ pub fn softmax(row: &mut [f32]) {
         *x = exp(*x - max);
         sum += f64::from(*x);
     }
-    let inv = (1.0 / sum) as f32;
-    row.iter_mut().for_each(|x| *x *= inv);
+    sum
 }
 
 /// Eight values added as ggml's AVX2 softmax adds a vector: high half onto low, then pairs.

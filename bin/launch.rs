@@ -42,6 +42,10 @@ pub struct LaunchArgs {
     /// `default`, a GGUF file, an HF directory, or `synthetic:NAME`.
     #[arg(long, default_value = "default")]
     model: String,
+    /// Names every instance serves the model under (one or more aliases, as vLLM's flag;
+    /// each instance's `model.name`): requests naming any of them are routed and accepted.
+    #[arg(long, num_args = 1..)]
+    served_model_name: Vec<String>,
     /// Prefill instances.
     #[arg(long, default_value_t = 1)]
     prefill: usize,
@@ -310,6 +314,8 @@ async fn stop_all(members: &mut [Member], drain: Duration) {
 /// How instances of the launched cluster are started.
 struct InstanceTemplate {
     model: String,
+    /// `--served-model-name` of every instance (empty: the model's own name).
+    served_model_name: Vec<String>,
     tp: usize,
     transport: String,
     threads: usize,
@@ -356,6 +362,8 @@ impl InstanceTemplate {
             self.no_prefix_cache
                 .then(|| "--no-prefix-cache".to_string()),
         )
+        .chain((!self.served_model_name.is_empty()).then(|| "--served-model-name".to_string()))
+        .chain(self.served_model_name.iter().cloned())
         .collect();
         let env = self
             .api_key
@@ -522,6 +530,7 @@ pub fn run(args: LaunchArgs) -> Result<()> {
         // child binds it.
         let template = InstanceTemplate {
             model: args.model.clone(),
+            served_model_name: args.served_model_name.clone(),
             tp: args.tp,
             transport: args.transport.clone(),
             threads,
@@ -674,6 +683,7 @@ async fn run_in_process(args: LaunchArgs, threads: usize, creds: &LaunchCredenti
             let name = format!("{role}-{i}");
             let mut o = InstanceOptions::local(&name, model);
             o.tp = args.tp;
+            o.served_name = args.served_model_name.clone();
             o.prefix_cache = !args.no_prefix_cache;
             o.api_key = args.api_key.clone();
             o.drain_timeout = Duration::from_secs(args.drain_timeout);

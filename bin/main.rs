@@ -216,9 +216,10 @@ struct ServeArgs {
     /// `model.source`: default, a GGUF file, an HF directory, or synthetic:NAME.
     #[arg(long)]
     model: Option<String>,
-    /// `model.name`: the name the API serves the model under.
-    #[arg(long)]
-    served_model_name: Option<String>,
+    /// `model.name`: the names the API serves the model under (one or more aliases, as
+    /// vLLM's flag; the first is the name responses carry).
+    #[arg(long, num_args = 1..)]
+    served_model_name: Vec<String>,
     /// `model.tp`.
     #[arg(long)]
     tp: Option<usize>,

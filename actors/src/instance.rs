@@ -43,8 +43,9 @@ pub struct InstanceOptions {
     pub name: String,
     /// The model.
     pub model: LoadedModel,
-    /// Name the API serves the model under (default: the model's own).
-    pub served_name: Option<String>,
+    /// Names the API serves the model under, the first the primary (`model.name`; empty:
+    /// the model's own). Requests may name any of them or the model's own name.
+    pub served_name: Vec<String>,
     /// TP ranks.
     pub tp: usize,
     /// Weight format.
@@ -165,7 +166,7 @@ impl InstanceOptions {
         Self {
             name: name.to_string(),
             model,
-            served_name: None,
+            served_name: Vec::new(),
             tp: 1,
             weights: WeightFormat::Auto,
             max_num_seqs: 64,
@@ -284,7 +285,13 @@ impl Instance {
             .max_model_len
             .unwrap_or(cfg.context_length)
             .min(cfg.context_length);
-        let served = opts.served_name.unwrap_or_else(|| model.name.clone());
+        let own_name = model.name.clone();
+        let served_names = if opts.served_name.is_empty() {
+            vec![own_name.clone()]
+        } else {
+            opts.served_name.clone()
+        };
+        let served = served_names[0].clone();
         let worker = WorkerSpec {
             config: cfg.clone(),
             store: Arc::new(model.store),
@@ -348,6 +355,7 @@ impl Instance {
                 model.chat_template.clone(),
                 served.clone(),
             );
+            let (served_names, own_name) = (served_names.clone(), own_name.clone());
             let (max_concurrent, conn_limits, timeout, api_key, call_timeout) = (
                 opts.max_concurrent_requests,
                 opts.conn_limits,
@@ -381,6 +389,8 @@ impl Instance {
                     tokenizer,
                     chat_template,
                     model_name,
+                    served_names: served_names.clone(),
+                    own_model_name: own_name.clone(),
                     max_model_len,
                     vocab_size,
                     admission,

@@ -1750,3 +1750,81 @@ async fn logprobs_cross_the_hand_off_equal_to_colocated() {
         cl.stop().await;
     }
 }
+
+/// `GET /v1/models` at `url`: the listed ids.
+async fn model_ids(url: &str) -> Vec<String> {
+    let v: Value = pdserve_actors::http::http_client()
+        .build()
+        .unwrap()
+        .get(format!("{url}/v1/models"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    v["data"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no data in {v}"))
+        .iter()
+        .map(|m| m["id"].as_str().unwrap().to_string())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn served_model_aliases_are_accepted_listed_and_routed() {
+    let own = model("small").name;
+    let aliases = vec!["gpt-friendly".to_string(), "alias-two".to_string()];
+    let reference = colocated_reference("small", 1).await;
+    let lease = Duration::from_secs(30);
+    let alias = |o: &mut InstanceOptions| o.served_name = aliases.clone();
+    let p = instance_with(
+        "p-alias",
+        "small",
+        1,
+        Some(BackendKind::Local),
+        lease,
+        |o| alias(o),
+    )
+    .await;
+    let d = instance_with(
+        "d-alias",
+        "small",
+        1,
+        Some(BackendKind::Local),
+        lease,
+        |o| alias(o),
+    )
+    .await;
+    let (proxy, url) = proxy_for("proxy-alias", vec![p.url()], vec![d.url()], None).await;
+    wait_healthy(&url).await;
+    // The aliases are listed (the primary first), at the instances and through the proxy.
+    for at in [&p.url(), &d.url(), &url] {
+        assert_eq!(model_ids(at).await, aliases, "{at}");
+    }
+    // Any alias, or the model's own name, is served; responses carry the primary name.
+    for name in [&aliases[1], &aliases[0], &own] {
+        let mut b = body(0);
+        b["model"] = json!(name);
+        for (how, (status, v)) in [
+            ("proxy", post(&url, &b).await),
+            ("two hops", via_pd(&p.url(), &d.url(), &b).await),
+        ] {
+            assert_eq!(status, 200, "{how} {name}: {v}");
+            assert_eq!(v["model"], json!(aliases[0]), "{how} {name}");
+            assert_eq!(ids(&v), reference[0], "{how} {name}");
+        }
+    }
+    // An unknown name is refused, naming it, at the proxy and at the instances.
+    let mut b = body(0);
+    b["model"] = json!("not-served");
+    for at in [&url, &p.url(), &d.url()] {
+        let (status, v) = post(at, &b).await;
+        assert_error(status, &v, 400, "not-served");
+    }
+    assert_pool_full(&p).await;
+    assert_pool_full(&d).await;
+    proxy.stop().await;
+    p.stop().await;
+    d.stop().await;
+}

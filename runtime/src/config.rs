@@ -501,9 +501,11 @@ pub struct ModelConfig {
     /// `"synthetic:NAME"` (a seeded synthetic model for tests).
     #[serde(deserialize_with = "lenient::string")]
     pub source: String,
-    /// The served model name in the API; `None` uses the model's own name.
-    #[serde(deserialize_with = "lenient::opt_string")]
-    pub name: Option<String>,
+    /// The names the API serves the model under (vLLM's `--served-model-name`): one string
+    /// or a list of aliases. The first is the primary name (`model` of every response); a
+    /// request may name any of them or the model's own name. Empty: the model's own name.
+    #[serde(deserialize_with = "lenient::string_list")]
+    pub name: Vec<String>,
     /// Weight format: `auto` keeps what the file has, within what the backend supports;
     /// `native` forces the file's own format; `q8_0`, `f32` (CPU only).
     pub weights: WeightFormat,
@@ -522,7 +524,7 @@ impl Default for ModelConfig {
     fn default() -> Self {
         Self {
             source: DEFAULT_MODEL_SOURCE.into(),
-            name: None,
+            name: Vec::new(),
             weights: WeightFormat::Auto,
             tp: 1,
             device: "cpu".into(),
@@ -530,6 +532,9 @@ impl Default for ModelConfig {
         }
     }
 }
+
+/// Most aliases in `model.name` (`--served-model-name`).
+pub const MAX_SERVED_MODEL_NAMES: usize = 64;
 
 /// Largest `server.max_connections` / `proxy.max_connections` (each connection holds a
 /// descriptor and a task).
@@ -701,8 +706,8 @@ impl Default for LoggingConfig {
 pub struct ServeFlags {
     /// `model.source`.
     pub model: Option<String>,
-    /// `model.name`.
-    pub served_model_name: Option<String>,
+    /// `model.name` (aliases; empty: not set).
+    pub served_model_name: Vec<String>,
     /// `model.tp`.
     pub tp: Option<usize>,
     /// `model.weights`.
@@ -859,8 +864,8 @@ struct FlagsTransfer<'a> {
 struct FlagsModel<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     source: Option<&'a str>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    name: Option<&'a str>,
+    #[serde(skip_serializing_if = "<[String]>::is_empty")]
+    name: &'a [String],
     #[serde(skip_serializing_if = "Option::is_none")]
     weights: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -926,7 +931,7 @@ impl Serialize for ServeFlags {
         FlagsTree {
             model: FlagsModel {
                 source: self.model.as_deref(),
-                name: self.served_model_name.as_deref(),
+                name: &self.served_model_name,
                 weights: self.weights.as_deref(),
                 tp: self.tp,
                 device: self.device.as_deref(),
@@ -1049,6 +1054,69 @@ mod lenient {
 
     pub(super) fn string<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> {
         d.deserialize_any(Text)
+    }
+
+    struct TextList;
+
+    impl<'de> Visitor<'de> for TextList {
+        type Value = Vec<String>;
+
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a string or a list of strings")
+        }
+        fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
+            Ok(Vec::new())
+        }
+        fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+            Ok(Vec::new())
+        }
+        fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+            d.deserialize_any(TextList)
+        }
+        fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+            Text.visit_str(v).map(|s| vec![s])
+        }
+        fn visit_string<E: de::Error>(self, v: String) -> Result<Self::Value, E> {
+            Ok(vec![v])
+        }
+        fn visit_bool<E: de::Error>(self, v: bool) -> Result<Self::Value, E> {
+            Text.visit_bool(v).map(|s| vec![s])
+        }
+        fn visit_i64<E: de::Error>(self, v: i64) -> Result<Self::Value, E> {
+            Text.visit_i64(v).map(|s| vec![s])
+        }
+        fn visit_u64<E: de::Error>(self, v: u64) -> Result<Self::Value, E> {
+            Text.visit_u64(v).map(|s| vec![s])
+        }
+        fn visit_i128<E: de::Error>(self, v: i128) -> Result<Self::Value, E> {
+            Text.visit_i128(v).map(|s| vec![s])
+        }
+        fn visit_u128<E: de::Error>(self, v: u128) -> Result<Self::Value, E> {
+            Text.visit_u128(v).map(|s| vec![s])
+        }
+        fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+            let mut out = Vec::new();
+            while let Some(s) = seq.next_element_seed(TextSeed)? {
+                out.push(s);
+            }
+            Ok(out)
+        }
+    }
+
+    /// One element of a [`TextList`], as leniently typed as [`Text`].
+    struct TextSeed;
+
+    impl<'de> de::DeserializeSeed<'de> for TextSeed {
+        type Value = String;
+
+        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<String, D::Error> {
+            d.deserialize_any(Text)
+        }
+    }
+
+    /// One string (a single-element list) or a list of strings.
+    pub(super) fn string_list<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+        d.deserialize_any(TextList)
     }
 
     pub(super) fn opt_string<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
@@ -1646,8 +1714,22 @@ impl ServeConfig {
                 );
             }
         }
-        if m.name.as_deref().is_some_and(|n| n.trim().is_empty()) {
-            return invalid("model.name", "model.name must not be empty when set");
+        if m.name.len() > MAX_SERVED_MODEL_NAMES {
+            return invalid(
+                "model.name",
+                format!(
+                    "model.name has {} aliases, at most {MAX_SERVED_MODEL_NAMES}",
+                    m.name.len()
+                ),
+            );
+        }
+        for (i, n) in m.name.iter().enumerate() {
+            if n.trim().is_empty() {
+                return invalid("model.name", "model.name must not be empty when set");
+            }
+            if m.name[..i].contains(n) {
+                return invalid("model.name", format!("model.name lists {n:?} twice"));
+            }
         }
         if m.tp < 1 {
             return invalid("model.tp", "model.tp must be ≥ 1");
@@ -2237,7 +2319,7 @@ mod tests {
         Jail::expect_with(|_| {
             let flags = ServeFlags {
                 model: Some("synthetic:tiny".into()),
-                served_model_name: Some("served".into()),
+                served_model_name: vec!["served".into(), "alias".into()],
                 tp: Some(2),
                 weights: Some("f32".into()),
                 host: Some("0.0.0.0".into()),
@@ -2271,7 +2353,7 @@ mod tests {
             assert_eq!(c.transfer.listen, "127.0.0.1:7000");
             assert_eq!(c.transfer.credentials_dir.as_deref(), Some("/tmp/creds"));
             assert_eq!(c.model.source, "synthetic:tiny");
-            assert_eq!(c.model.name.as_deref(), Some("served"));
+            assert_eq!(c.model.name, ["served", "alias"]);
             assert_eq!(c.model.tp, 2);
             assert_eq!(c.model.weights, WeightFormat::F32);
             // The device flags, in a load of their own (f32 is a CPU weight format).
@@ -2614,6 +2696,36 @@ mod tests {
         c.server.port = 0;
         c.control.proxy = Some("127.0.0.1:9".into());
         c.validate().unwrap();
+    }
+
+    #[test]
+    fn served_model_names_layer_as_one_string_or_a_list() {
+        Jail::expect_with(|jail| {
+            jail.create_file("one.toml", "[model]\nname = \"gpt-x\"\n")?;
+            let c = ServeConfig::load(Some(Path::new("one.toml")), no_flags()).unwrap();
+            assert_eq!(c.model.name, ["gpt-x"]);
+            jail.create_file("list.toml", "[model]\nname = [\"a\", \"b\"]\n")?;
+            let path = Some(Path::new("list.toml"));
+            let c = ServeConfig::load(path, no_flags()).unwrap();
+            assert_eq!(c.model.name, ["a", "b"]);
+            jail.set_env(env_var_name("model.name"), "[c, d, e]");
+            let c = ServeConfig::load(path, no_flags()).unwrap();
+            assert_eq!(c.model.name, ["c", "d", "e"]);
+            let flags = ServeFlags {
+                served_model_name: vec!["f".into()],
+                ..ServeFlags::default()
+            };
+            let c = ServeConfig::load(path, &flags).unwrap();
+            assert_eq!(c.model.name, ["f"]);
+            jail.set_env(env_var_name("model.name"), "[c, c]");
+            let err = ServeConfig::load(path, no_flags()).unwrap_err();
+            assert_eq!(err.key(), Some("model.name"), "{err}");
+            jail.set_env(env_var_name("model.name"), "\" \"");
+            let err = ServeConfig::load(path, no_flags()).unwrap_err();
+            assert_eq!(err.key(), Some("model.name"), "{err}");
+            Ok(())
+        });
+        assert!(ServeConfig::default().model.name.is_empty());
     }
 
     #[test]

@@ -50,6 +50,10 @@ pub struct ClusterSection {
     /// Model source for every instance (`default`, a path valid on every host, `synthetic:…`).
     #[serde(default = "default_model")]
     pub model: String,
+    /// Names every instance serves the model under (each instance's `model.name`; empty:
+    /// the model's own name).
+    #[serde(default)]
+    pub served_model_name: Vec<String>,
     /// KV transfer backend between instances.
     #[serde(default = "default_transport")]
     pub transport: String,
@@ -350,6 +354,7 @@ impl Deployment {
         let control = self.cluster.credentials_dir.is_some();
         ServeFlags {
             model: Some(self.cluster.model.clone()),
+            served_model_name: self.cluster.served_model_name.clone(),
             tp: Some(node.tp),
             host: Some(node.host.clone()),
             port: Some(node.port),

@@ -33,10 +33,18 @@ fn unix_now() -> u64 {
 }
 
 pub(super) async fn models(State(app): State<Arc<AppState>>) -> Json<Value> {
-    Json(json!({"object": "list", "data": [{
-        "id": app.model_name, "object": "model", "created": unix_now(), "owned_by": "pdserve",
-        "max_model_len": app.max_model_len,
-    }]}))
+    let created = unix_now();
+    let data: Vec<Value> = app
+        .served_names
+        .iter()
+        .map(|name| {
+            json!({
+                "id": name, "object": "model", "created": created, "owned_by": "pdserve",
+                "root": app.own_model_name, "max_model_len": app.max_model_len,
+            })
+        })
+        .collect();
+    Json(json!({"object": "list", "data": data}))
 }
 
 pub(super) async fn completions(State(app): State<Arc<AppState>>, body: Bytes) -> Response {
@@ -60,7 +68,7 @@ struct Running {
 async fn serve(app: Arc<AppState>, body: Bytes, chat: bool) -> Result<Response, ApiError> {
     let req = openai::parse_request(&body, chat)?;
     if let Some(m) = &req.model {
-        if m != &app.model_name {
+        if !app.serves_model(m) {
             return Err(RequestError::UnknownModel(m.clone()).into());
         }
     }

@@ -21,8 +21,12 @@ pub struct AppState {
     pub tokenizer: Tokenizer,
     /// Chat template.
     pub chat_template: ChatTemplate,
-    /// Served model name.
+    /// Served model name: the primary one, which responses carry.
     pub model_name: String,
+    /// Every served name (`model.name`, first = `model_name`), as `GET /v1/models` lists them.
+    pub served_names: Vec<String>,
+    /// The model's own name (its file's), accepted beside the served names.
+    pub own_model_name: String,
     /// Longest sequence.
     pub max_model_len: usize,
     /// Vocabulary size (for validating token ids).
@@ -57,6 +61,12 @@ pub struct AppState {
 }
 
 impl AppState {
+    /// Whether a request's `model` names this instance's model: a served name or the
+    /// model's own.
+    pub fn serves_model(&self, name: &str) -> bool {
+        name == self.own_model_name || self.served_names.iter().any(|n| n == name)
+    }
+
     /// Takes an admission slot.
     ///
     /// # Errors

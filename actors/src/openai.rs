@@ -3,7 +3,9 @@
 
 use crate::error::RequestError;
 use pdserve_gpu::chat::ChatMessage;
-use pdserve_gpu::sampling::{SamplingParams, TokenLogprobs, MAX_LOGPROBS};
+use pdserve_gpu::sampling::{
+    LogitBias, SamplingParams, TokenLogprobs, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS,
+};
 use serde_json::{json, Value};
 
 /// Completions default `max_tokens` (as OpenAI's API).
@@ -317,6 +319,7 @@ pub fn parse_value(v: &Value, chat: bool) -> Result<ParsedRequest, RequestError>
         }
     };
     params.ignore_eos = opt_bool(v, "ignore_eos")?;
+    params.logit_bias = parse_logit_bias(v)?;
     let stream = opt_bool(v, "stream")?;
     let include_usage = match v.get("stream_options") {
         None | Some(Value::Null) => false,
@@ -351,6 +354,53 @@ pub fn parse_value(v: &Value, chat: bool) -> Result<ParsedRequest, RequestError>
         resume_tokens,
         echo,
     })
+}
+
+/// OpenAI's `logit_bias`: an object from token ids (as decimal strings) to biases in
+/// [-100, 100], at most 300 entries; sorted by token id. Ids are checked against the
+/// vocabulary by [`SamplingParams::validate`].
+fn parse_logit_bias(v: &Value) -> Result<Vec<LogitBias>, RequestError> {
+    let map = match v.get("logit_bias") {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Object(m)) => m,
+        Some(x) => {
+            return Err(bad(format!(
+                "`logit_bias` must be an object from token ids to biases, got {x}"
+            )))
+        }
+    };
+    if map.len() > MAX_LOGIT_BIAS_ENTRIES {
+        return Err(bad(format!(
+            "`logit_bias` takes at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {}",
+            map.len()
+        )));
+    }
+    let mut out = Vec::with_capacity(map.len());
+    for (key, value) in map {
+        let token: u32 = key
+            .parse()
+            .map_err(|_| bad(format!("`logit_bias` key {key:?} is not a token id")))?;
+        let bias = value
+            .as_f64()
+            .filter(|b| (-(MAX_LOGIT_BIAS as f64)..=MAX_LOGIT_BIAS as f64).contains(b))
+            .ok_or_else(|| {
+                bad(format!(
+                    "`logit_bias` values must be numbers in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {value} for token {key}"
+                ))
+            })?;
+        out.push(LogitBias {
+            token,
+            bias: bias as f32,
+        });
+    }
+    out.sort_unstable_by_key(|b| b.token);
+    if let Some(w) = out.windows(2).find(|w| w[0].token == w[1].token) {
+        return Err(bad(format!(
+            "`logit_bias` names token {} twice",
+            w[0].token
+        )));
+    }
+    Ok(out)
 }
 
 /// A count of logprobs in `0..=MAX_LOGPROBS` under `key`.
@@ -590,6 +640,43 @@ mod tests {
         assert!(err(r#"{"messages":[{"role":"wizard","content":"x"}]}"#, true).contains("role"));
         assert!(err(r#"{"messages":[{"role":"user"}]}"#, true).contains("content"));
         assert!(err(r#"{"max_tokens":3}"#, false).contains("`prompt` is required"));
+    }
+
+    #[test]
+    fn logit_bias_is_read_sorted_and_bounded() {
+        let r =
+            parse_request(br#"{"prompt":"a","logit_bias":{"17":100,"3":-2.5}}"#, false).unwrap();
+        assert_eq!(
+            r.params.logit_bias,
+            [
+                LogitBias {
+                    token: 3,
+                    bias: -2.5
+                },
+                LogitBias {
+                    token: 17,
+                    bias: 100.0
+                }
+            ]
+        );
+        let many: serde_json::Map<String, Value> =
+            (0..301).map(|i| (i.to_string(), json!(1))).collect();
+        let many = json!({"prompt": "a", "logit_bias": many}).to_string();
+        for (body, needle) in [
+            (r#"{"prompt":"a","logit_bias":[1]}"#, "must be an object"),
+            (r#"{"prompt":"a","logit_bias":{"x":1}}"#, "not a token id"),
+            (r#"{"prompt":"a","logit_bias":{"-1":1}}"#, "not a token id"),
+            (r#"{"prompt":"a","logit_bias":{"1":101}}"#, "[-100, 100]"),
+            (r#"{"prompt":"a","logit_bias":{"1":"5"}}"#, "[-100, 100]"),
+            (r#"{"prompt":"a","logit_bias":{"1":1,"01":2}}"#, "twice"),
+            (many.as_str(), "at most 300"),
+        ] {
+            let e = err(body, false);
+            assert!(
+                e.contains("`logit_bias`") && e.contains(needle),
+                "{body}: {e}"
+            );
+        }
     }
 
     #[test]

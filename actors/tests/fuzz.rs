@@ -32,7 +32,8 @@ use pdserve_actors::openai::{
 use pdserve_actors::RequestError;
 use pdserve_gpu::kv::{KvDtype, KvLayout};
 use pdserve_gpu::sampling::{
-    SamplingParams, TokenLogprobs, TopLogprob, MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
+    LogitBias, SamplingParams, TokenLogprobs, TopLogprob, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES,
+    MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
 };
 use pdserve_runtime::ids::TransferId;
 use pdserve_runtime::role::Role;
@@ -110,6 +111,13 @@ fn info_bounds(info: &KvPeerInfo) -> Result<(), String> {
     Ok(())
 }
 
+/// Every bias within [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (NaN is not).
+fn logit_bias_in_range(biases: &[LogitBias]) -> bool {
+    biases
+        .iter()
+        .all(|b| (-MAX_LOGIT_BIAS..=MAX_LOGIT_BIAS).contains(&b.bias))
+}
+
 fn request_bounds(req: &PeerRequest) -> Result<(), String> {
     match req {
         PeerRequest::Renew(ids) => bound("Renew ids", ids.len(), MAX_RENEW_IDS),
@@ -121,6 +129,17 @@ fn request_bounds(req: &PeerRequest) -> Result<(), String> {
                 p.sampling.stop_token_ids.len(),
                 MAX_STOP_TOKEN_IDS,
             )?;
+            bound(
+                "logit_bias",
+                p.sampling.logit_bias.len(),
+                MAX_LOGIT_BIAS_ENTRIES,
+            )?;
+            if !logit_bias_in_range(&p.sampling.logit_bias) {
+                return Err(format!(
+                    "decode_request let through logit_bias {:?}",
+                    p.sampling.logit_bias
+                ));
+            }
             if let PrefillMode::Push {
                 peer,
                 block_ids,
@@ -338,12 +357,23 @@ fn sampling() -> impl Strategy<Value = SamplingParams> {
             ),
         logprobs(),
         logprobs(),
+        // Hostile biases: past the count bound, non-finite or huge values, any ids.
+        prop_oneof![0..3usize, 299..303usize].prop_flat_map(|n| {
+            vec(
+                (any::<u32>(), prop_oneof![-100.0f32..=100.0, any::<f32>()])
+                    .prop_map(|(token, bias)| LogitBias { token, bias }),
+                n,
+            )
+        }),
     )
-        .prop_map(|(p, logprobs, prompt_logprobs)| SamplingParams {
-            logprobs,
-            prompt_logprobs,
-            ..p
-        })
+        .prop_map(
+            |(p, logprobs, prompt_logprobs, logit_bias)| SamplingParams {
+                logprobs,
+                prompt_logprobs,
+                logit_bias,
+                ..p
+            },
+        )
 }
 
 /// Logprobs as a hostile prefill instance might send them: any count, any floats.
@@ -527,6 +557,8 @@ fn check_openai(input: &[u8]) -> Result<Verdict, String> {
             && p.logprobs.is_none_or(|n| n <= MAX_LOGPROBS)
             && p.prompt_logprobs.is_none_or(|n| n <= MAX_LOGPROBS)
             && (p.prompt_logprobs.is_none() || req.echo)
+            && p.logit_bias.len() <= MAX_LOGIT_BIAS_ENTRIES
+            && logit_bias_in_range(&p.logit_bias)
             && (req.max_tokens != Some(0) || req.echo);
         if !in_range {
             return Err(format!(
@@ -626,6 +658,11 @@ fn check_directive(params: Option<&Value>, scheme: &str) -> Result<bool, String>
     if host.is_empty() || host.contains('/') || !(1..=65535).contains(&port) {
         return Err(format!("accepted host {host:?} port {port}"));
     }
+    // A bare IPv6 address is bracketed (and written canonically) in the URL.
+    let host = match host.parse::<std::net::Ipv6Addr>() {
+        Ok(v6) => format!("[{v6}]"),
+        Err(_) => host.to_string(),
+    };
     if peer.url != format!("{scheme}://{host}:{port}") {
         return Err(format!(
             "the peer's url {} is not {scheme}://{host}:{port}",
@@ -686,6 +723,7 @@ fn openai_body() -> impl Strategy<Value = Value> {
                     Just("presence_penalty"),
                     Just("repetition_penalty"),
                     Just("logprobs"),
+                    Just("logit_bias"),
                 ],
                 number,
             ),
@@ -912,6 +950,10 @@ fn requests_for_corpus() -> Vec<(&'static str, PeerRequest)> {
                     seed: Some(3),
                     stop: vec!["\n\n".into()],
                     stop_token_ids: vec![2],
+                    logit_bias: vec![LogitBias {
+                        token: 4,
+                        bias: -100.0,
+                    }],
                     ..SamplingParams::default()
                 },
                 mode: PrefillMode::Pull,
@@ -1098,6 +1140,9 @@ fn regenerate_corpus() {
         ("valid-echo-score", json!({"prompt": "The sky is blue", "echo": true, "max_tokens": 0, "logprobs": 1, "temperature": 0})),
         ("hostile-top-logprobs-21", json!({"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 21})),
         ("hostile-logprobs-u64-max", json!({"prompt": "x", "logprobs": u64::MAX, "echo": true})),
+        ("valid-logit-bias", json!({"prompt": "x", "logit_bias": {"5": 100, "6": -100, "7": 0.5}})),
+        ("hostile-logit-bias-301", json!({"prompt": "x", "logit_bias": (0..301).map(|i| (i.to_string(), json!(1))).collect::<serde_json::Map<String, Value>>()})),
+        ("hostile-logit-bias-values", json!({"prompt": "x", "logit_bias": {"4294967296": 1, "1": 1e308, "2": "100", "-3": 5}})),
         ("hostile-max-tokens-u64-max", json!({"prompt": "x", "max_tokens": u64::MAX})),
         ("hostile-max-tokens-negative", json!({"prompt": "x", "max_tokens": -1})),
         ("hostile-top-k-u32-overflow", json!({"prompt": "x", "top_k": 4_294_967_297u64})),

@@ -1828,3 +1828,75 @@ async fn served_model_aliases_are_accepted_listed_and_routed() {
     p.stop().await;
     d.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logit_bias_applies_on_prefill_and_decode_equal_to_colocated() {
+    let lease = Duration::from_secs(30);
+    // +100 forces a token under greedy (the first token, sampled where the prompt is
+    // prefilled, included); -100 on the unbiased answer's first token changes the answer.
+    let forced = |i: usize| {
+        let mut b = body(i);
+        b["logit_bias"] = json!({"42": 100});
+        b
+    };
+    let c = instance("ref-bias", "small", 1, None, lease).await;
+    let (status, plain) = post(&c.url(), &body(1)).await;
+    assert_eq!(status, 200, "{plain}");
+    let banned = |i: usize| {
+        let mut b = body(i);
+        b["logit_bias"] = json!({ ids(&plain)[0].to_string(): -100, "7": 1.5 });
+        b
+    };
+    let (status, v) = post(&c.url(), &forced(0)).await;
+    assert_eq!(status, 200, "{v}");
+    assert!(ids(&v).iter().all(|&t| t == 42), "{v}");
+    let (status, v) = post(&c.url(), &banned(1)).await;
+    assert_eq!(status, 200, "{v}");
+    let banned_ref = ids(&v);
+    assert_ne!(banned_ref[0], ids(&plain)[0]);
+    // Bad maps are 400s naming the field (the vocabulary bound included).
+    for bad in [
+        json!({"1": 101}),
+        json!({"1000000": 1}),
+        json!({"x": 1}),
+        json!([1]),
+    ] {
+        let mut b = body(0);
+        b["logit_bias"] = bad;
+        let (status, v) = post(&c.url(), &b).await;
+        assert_error(status, &v, 400, "logit_bias");
+    }
+    assert_pool_full(&c).await;
+    c.stop().await;
+
+    // vLLM's two hops: the prefill request carries the bias for T0.
+    let p = instance("p-bias", "small", 1, Some(BackendKind::Local), lease).await;
+    let d = instance("d-bias", "small", 1, Some(BackendKind::Local), lease).await;
+    let (status, v) = via_pd(&p.url(), &d.url(), &forced(0)).await;
+    assert_eq!(status, 200, "{v}");
+    assert!(ids(&v).iter().all(|&t| t == 42), "two hops: {v}");
+    let (status, v) = via_pd(&p.url(), &d.url(), &banned(1)).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(ids(&v), banned_ref, "two hops");
+    assert_pool_full(&p).await;
+    assert_pool_full(&d).await;
+    p.stop().await;
+    d.stop().await;
+
+    // pdserve's proxy: the bias travels in the peer protocol's sampling params.
+    for mode in [TransferMode::Push, TransferMode::Pull] {
+        let tag = format!("bias-{}", mode.as_str());
+        let cl = Cluster::start(&tag, "small", BackendKind::Local, (1, 1), mode).await;
+        let (status, v) = post(&cl.url, &forced(0)).await;
+        assert_eq!(status, 200, "{v}");
+        assert!(ids(&v).iter().all(|&t| t == 42), "{tag}: {v}");
+        let (status, v) = post(&cl.url, &banned(1)).await;
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(ids(&v), banned_ref, "{tag}");
+        let mut b = body(0);
+        b["logit_bias"] = json!({"1": -100.5});
+        let (status, v) = post(&cl.url, &b).await;
+        assert_error(status, &v, 400, "logit_bias");
+        cl.stop().await;
+    }
+}

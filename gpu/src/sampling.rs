@@ -2,9 +2,10 @@
 //!
 //! - [`SamplingParams`]: the request's knobs, with [`SamplingParams::validate`] giving a
 //!   precise `InvalidSampling` message for each out-of-range value.
-//! - [`Sampler`]: turns one row of logits into a token id. The order is vLLM's: penalties
-//!   (repetition, frequency, presence) → temperature → top-k → top-p → min-p → sample from the
-//!   softmax. Temperature 0 is greedy (argmax, lowest id on ties), applied after penalties.
+//! - [`Sampler`]: turns one row of logits into a token id. The order is vLLM's: logit bias →
+//!   penalties (repetition, frequency, presence) → temperature → top-k → top-p → min-p →
+//!   sample from the softmax. Temperature 0 is greedy (argmax, lowest id on ties), applied
+//!   after the bias and the penalties.
 //! - [`StopChecker`]: EOS, stop token ids, stop strings over the incrementally decoded text, and
 //!   the `max_tokens` length limit. Stop strings are excluded from the output, and text that
 //!   might be the start of a stop string is held back until it is resolved.
@@ -28,6 +29,10 @@ pub const MAX_TEMPERATURE: f32 = 100.0;
 /// Most alternatives (`top_logprobs`, completions' `logprobs: N`, `prompt_logprobs`) one
 /// request may ask per token: vLLM's default `max_logprobs`, OpenAI's chat bound.
 pub const MAX_LOGPROBS: u32 = 20;
+/// Most `logit_bias` entries one request may carry (OpenAI's bound).
+pub const MAX_LOGIT_BIAS_ENTRIES: usize = 300;
+/// Largest `logit_bias` magnitude (OpenAI's bound: -100 bans a token, 100 forces it).
+pub const MAX_LOGIT_BIAS: f32 = 100.0;
 /// What a logprob of minus infinity (a token the logits rule out) is reported as: JSON has no
 /// infinity, and vLLM writes -9999.0 too.
 pub const LOGPROB_FLOOR: f32 = -9999.0;
@@ -79,6 +84,22 @@ pub struct SamplingParams {
     /// (0..=[`MAX_LOGPROBS`]); `None`: no prompt logprobs. The prompt is then computed in
     /// full (no prefix-cache hit: a cached token has no logits).
     pub prompt_logprobs: Option<u32>,
+    /// OpenAI's `logit_bias`: added to the logits of these tokens before everything else the
+    /// sampler does (penalties, temperature, greedy's argmax), as vLLM does; at most
+    /// [`MAX_LOGIT_BIAS_ENTRIES`] entries, each in [-[`MAX_LOGIT_BIAS`], [`MAX_LOGIT_BIAS`]].
+    /// Logprobs are reported before it (see [`TokenLogprobs`]).
+    pub logit_bias: Vec<LogitBias>,
+}
+
+/// One entry of [`SamplingParams::logit_bias`].
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct LogitBias {
+    /// Token id.
+    pub token: u32,
+    /// Added to its logit.
+    pub bias: f32,
 }
 
 impl Default for SamplingParams {
@@ -99,6 +120,7 @@ impl Default for SamplingParams {
             max_tokens: 16,
             logprobs: None,
             prompt_logprobs: None,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -201,6 +223,26 @@ impl SamplingParams {
             if let Some(n) = n.filter(|&n| n > MAX_LOGPROBS) {
                 return Err(invalid(format!(
                     "{name} must be in [0, {MAX_LOGPROBS}], got {n}"
+                )));
+            }
+        }
+        if self.logit_bias.len() > MAX_LOGIT_BIAS_ENTRIES {
+            return Err(invalid(format!(
+                "logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {}",
+                self.logit_bias.len()
+            )));
+        }
+        for b in &self.logit_bias {
+            if b.token as usize >= vocab_size {
+                return Err(invalid(format!(
+                    "logit_bias token {} is outside the vocabulary of {vocab_size} tokens",
+                    b.token
+                )));
+            }
+            if !(-MAX_LOGIT_BIAS..=MAX_LOGIT_BIAS).contains(&b.bias) {
+                return Err(invalid(format!(
+                    "logit_bias values must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {} for token {}",
+                    b.bias, b.token
                 )));
             }
         }
@@ -451,6 +493,11 @@ impl Sampler {
     ) -> u32 {
         assert!(!logits.is_empty(), "cannot sample from an empty logits row");
         let p = &self.params;
+        for b in &p.logit_bias {
+            if let Some(l) = logits.get_mut(b.token as usize) {
+                *l += b.bias;
+            }
+        }
         apply_penalties_with(logits, p, prompt_tokens, output_tokens, &mut self.scratch);
         if p.is_greedy() {
             return argmax(logits);
@@ -735,6 +782,36 @@ mod tests {
     fn random_logits(n: usize, seed: u64) -> Vec<f32> {
         let mut rng = StdRng::seed_from_u64(seed);
         (0..n).map(|_| rng.random::<f32>() * 10.0 - 5.0).collect()
+    }
+
+    #[test]
+    fn logit_bias_moves_greedy_and_sampling_and_is_bounded() {
+        let bias = |token, bias| LogitBias { token, bias };
+        let mut s = Sampler::new(&params(|p| p.logit_bias = vec![bias(2, 100.0)]));
+        assert_eq!(s.sample(&mut [0.1, 3.0, -1.0, 2.9], &[], &[]), 2);
+        let mut s = Sampler::new(&params(|p| p.logit_bias = vec![bias(1, -100.0)]));
+        assert_eq!(s.sample(&mut [0.1, 3.0, -1.0, 2.9], &[], &[]), 3);
+        let p = params(|p| {
+            p.temperature = 1.0;
+            p.seed = Some(3);
+            p.logit_bias = vec![bias(7, 100.0)];
+        });
+        let mut s = Sampler::new(&p);
+        let logits = random_logits(1000, 1);
+        for _ in 0..20 {
+            assert_eq!(s.sample(&mut logits.clone(), &[], &[]), 7);
+        }
+        assert!(p.validate(1000).is_ok());
+        for (bad, needle) in [
+            (vec![bias(1000, 1.0)], "outside the vocabulary"),
+            (vec![bias(1, 100.5)], "[-100, 100]"),
+            (vec![bias(1, f32::NAN)], "[-100, 100]"),
+            (vec![bias(1, 0.0); 301], "at most 300"),
+        ] {
+            let e = params(|p| p.logit_bias = bad).validate(1000).unwrap_err();
+            assert!(e.to_string().contains("logit_bias"), "{e}");
+            assert!(e.to_string().contains(needle), "{e}");
+        }
     }
 
     #[test]

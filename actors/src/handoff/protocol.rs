@@ -549,6 +549,24 @@ impl PeerRequest {
                 ] {
                     bound(what, n.unwrap_or(0) as usize, MAX_LOGPROBS as usize)?;
                 }
+                bound(
+                    "logit_bias",
+                    p.sampling.logit_bias.len(),
+                    pdserve_gpu::sampling::MAX_LOGIT_BIAS_ENTRIES,
+                )?;
+                // Ids are checked against the vocabulary by `validate_prefill`.
+                let limit = pdserve_gpu::sampling::MAX_LOGIT_BIAS;
+                if let Some(b) = p
+                    .sampling
+                    .logit_bias
+                    .iter()
+                    .find(|b| !(-limit..=limit).contains(&b.bias))
+                {
+                    return Err(HandoffError::Protocol(format!(
+                        "logit_bias {} of token {} is outside [-{limit}, {limit}]",
+                        b.bias, b.token
+                    )));
+                }
                 Ok(())
             }
             Self::OpenSession { initiator, .. } | Self::OpenRead { initiator, .. } => {
@@ -679,6 +697,10 @@ mod tests {
                     temperature: 0.7,
                     seed: Some(3),
                     stop: vec!["x".into()],
+                    logit_bias: vec![pdserve_gpu::sampling::LogitBias {
+                        token: 2,
+                        bias: -3.5,
+                    }],
                     ..SamplingParams::default()
                 },
                 mode: PrefillMode::Push {
@@ -821,6 +843,27 @@ mod tests {
             cached_blocks: 0,
         });
         assert!(decode_request(&encode_request(&prefill).unwrap()).is_err());
+        let bias = |token, bias| pdserve_gpu::sampling::LogitBias { token, bias };
+        for (logit_bias, needle) in [
+            (
+                vec![bias(1, 0.0); pdserve_gpu::sampling::MAX_LOGIT_BIAS_ENTRIES + 1],
+                "logit_bias: 301 exceeds",
+            ),
+            (vec![bias(1, f32::NAN)], "logit_bias NaN"),
+            (vec![bias(1, 1e9)], "outside [-100, 100]"),
+        ] {
+            let mut sampling = SamplingParams::greedy(1);
+            sampling.logit_bias = logit_bias;
+            let prefill = PeerRequest::Prefill(PrefillRequest {
+                transfer: t,
+                prompt: vec![1, 2, 3],
+                sampling,
+                mode: PrefillMode::Pull,
+                cached_blocks: 0,
+            });
+            let e = decode_request(&encode_request(&prefill).unwrap()).unwrap_err();
+            assert!(e.to_string().contains(needle), "{e}");
+        }
 
         let mut wide = info();
         wide.ranks = vec![wide.ranks[0].clone(); MAX_RANKS + 1];

@@ -47,6 +47,19 @@ struct Part {
     slot: usize,
 }
 
+/// One work item's query rows (`nq` rows of `hd`, ordered (token, head-in-group)) and the
+/// context they attend to: row `r` sees positions `0..limit(r)`; `block(b)` is the K and V
+/// of context block `b` (`bs` positions).
+struct Rows<'q, L, B> {
+    q: &'q [f32],
+    nq: usize,
+    hd: usize,
+    scale: f32,
+    limit: L,
+    block: B,
+    bs: usize,
+}
+
 /// A long decode's parts, joined after the items ran.
 struct Split {
     item: Item,
@@ -152,18 +165,27 @@ pub(crate) fn attention(
                 kv.head_block(layer, KvKind::Value, s.block_table[b] as usize, g),
             )
         };
+        let rows = Rows {
+            q: &q,
+            nq,
+            hd,
+            scale,
+            limit,
+            block,
+            bs,
+        };
         if let Some(part) = it.part {
             // SAFETY: slot `part.slot` is this item's alone, `stride` values inside `partial`.
             let res = unsafe {
                 std::slice::from_raw_parts_mut(partial_dst.at(part.slot * stride), stride)
             };
-            attend_part(&q, nq, hd, scale, limit, block, bs, part.blocks, res);
+            attend_part(&rows, part.blocks, res);
             return;
         }
         let res = if nq <= DIRECT_ROWS {
-            attend_direct(&q, nq, ctx, hd, scale, limit, block, bs)
+            attend_direct(&rows, ctx)
         } else {
-            attend_gemm(&q, nq, ctx, hd, scale, limit, block, bs)
+            attend_gemm(&rows, ctx)
         };
         // Rows ordered (token, head-in-group), into the output's (token, head) places.
         for (ti, i) in (i0..i1).enumerate() {
@@ -223,18 +245,13 @@ fn join_parts(parts: &[&[f32]], r: usize, nq: usize, hd: usize, row: &mut [f32])
 /// unnormalised output `Σ exp(score − max)·v`, into `res` as `[max; nq] ++ [sum; nq] ++
 /// [out; nq·hd]` (a row that sees no position gets max −∞, sum 0). K and V are read once
 /// for all rows.
-#[allow(clippy::too_many_arguments)]
 fn attend_part<'a>(
-    q: &[f32],
-    nq: usize,
-    hd: usize,
-    scale: f32,
-    limit: impl Fn(usize) -> usize,
-    block: impl Fn(usize) -> (HeadBlock<'a>, HeadBlock<'a>),
-    bs: usize,
+    rows: &Rows<impl Fn(usize) -> usize, impl Fn(usize) -> (HeadBlock<'a>, HeadBlock<'a>)>,
     (b0, b1): (usize, usize),
     res: &mut [f32],
 ) {
+    let (q, nq, hd, scale, bs) = (rows.q, rows.nq, rows.hd, rows.scale, rows.bs);
+    let (limit, block) = (&rows.limit, &rows.block);
     let p0 = b0 * bs;
     let span = (b1 - b0) * bs;
     let limits: Vec<usize> = (0..nq).map(|r| limit(r).min(p0 + span)).collect();
@@ -337,17 +354,12 @@ impl SharedOut {
 }
 
 /// Few queries (decode): read K and V straight from the blocks.
-#[allow(clippy::too_many_arguments)]
 fn attend_direct<'a>(
-    q: &[f32],
-    nq: usize,
+    rows: &Rows<impl Fn(usize) -> usize, impl Fn(usize) -> (HeadBlock<'a>, HeadBlock<'a>)>,
     ctx: usize,
-    hd: usize,
-    scale: f32,
-    limit: impl Fn(usize) -> usize,
-    block: impl Fn(usize) -> (HeadBlock<'a>, HeadBlock<'a>),
-    bs: usize,
 ) -> Vec<f32> {
+    let (q, nq, hd, scale, bs) = (rows.q, rows.nq, rows.hd, rows.scale, rows.bs);
+    let (limit, block) = (&rows.limit, &rows.block);
     // Each block once, as f32: borrowed from an f32 cache, widened once from a half one.
     let blocks: Vec<_> = (0..ctx.div_ceil(bs))
         .map(|b| {
@@ -383,17 +395,12 @@ fn attend_direct<'a>(
 }
 
 /// Many queries (prefill): gather the context's K and V once, two GEMMs with a causal mask.
-#[allow(clippy::too_many_arguments)]
 fn attend_gemm<'a>(
-    q: &[f32],
-    nq: usize,
+    rows: &Rows<impl Fn(usize) -> usize, impl Fn(usize) -> (HeadBlock<'a>, HeadBlock<'a>)>,
     ctx: usize,
-    hd: usize,
-    scale: f32,
-    limit: impl Fn(usize) -> usize,
-    block: impl Fn(usize) -> (HeadBlock<'a>, HeadBlock<'a>),
-    bs: usize,
 ) -> Vec<f32> {
+    let (q, nq, hd, scale, bs) = (rows.q, rows.nq, rows.hd, rows.scale, rows.bs);
+    let (limit, block) = (&rows.limit, &rows.block);
     let mut k = vec![0f32; ctx * hd];
     let mut v = vec![0f32; ctx * hd];
     for b in 0..ctx.div_ceil(bs) {

@@ -49,6 +49,8 @@ impl PromptInput {
 pub struct ParsedRequest {
     /// Model name asked for (None: the served model).
     pub model: Option<String>,
+    /// `n`: how many choices (independent branches from one prompt), 1..=[`MAX_CHOICES`].
+    pub n: usize,
     /// The prompt.
     pub prompt: PromptInput,
     /// `max_tokens` if given (resolved against the prompt length later).
@@ -71,6 +73,9 @@ pub struct ParsedRequest {
     /// with the prompt's.
     pub echo: bool,
 }
+
+/// Most choices (`n`) one request may ask for.
+pub const MAX_CHOICES: usize = 16;
 
 fn bad(msg: impl Into<String>) -> RequestError {
     RequestError::BadRequest(msg.into())
@@ -263,9 +268,17 @@ pub fn parse_value(v: &Value, chat: bool) -> Result<ParsedRequest, RequestError>
             "`{key_max}` must be at least 1 (0 only with `echo`)"
         )));
     }
-    if let Some(n) = opt_uint(v, "n")? {
-        if n != 1 {
-            return Err(bad("only `n` = 1 is supported"));
+    let n = match opt_uint(v, "n")? {
+        None => 1,
+        Some(n) if (1..=MAX_CHOICES as u64).contains(&n) => n as usize,
+        Some(n) => return Err(bad(format!("`n` must be in [1, {MAX_CHOICES}], got {n}"))),
+    };
+    match opt_uint(v, "best_of") {
+        Ok(None | Some(1)) => {}
+        _ => {
+            return Err(bad(
+                "`best_of` is not supported: ask `n` choices and rank them with `logprobs`",
+            ))
         }
     }
     let logprobs = parse_logprobs(v, chat)?;
@@ -342,8 +355,14 @@ pub fn parse_value(v: &Value, chat: bool) -> Result<ParsedRequest, RequestError>
             "`resume_tokens` cannot be combined with `kv_transfer_params`: a resumed request is prefilled where it continues",
         ));
     }
+    if n > 1 && !resume_tokens.is_empty() {
+        return Err(bad(
+            "`resume_tokens` (request migration) cannot be combined with `n` > 1",
+        ));
+    }
     Ok(ParsedRequest {
         model,
+        n,
         prompt,
         max_tokens,
         params,
@@ -635,7 +654,20 @@ mod tests {
             .contains("`max_tokens` must be an integer"));
         assert!(err(r#"{"prompt":"x","temperature":7}"#, false).contains("temperature"));
         assert!(err(r#"{"prompt":"x","top_p":0}"#, false).contains("top_p"));
-        assert!(err(r#"{"prompt":"x","n":2}"#, false).contains("`n`"));
+        assert!(err(r#"{"prompt":"x","n":17}"#, false).contains("`n` must be in [1, 16]"));
+        assert!(err(r#"{"prompt":"x","n":0}"#, false).contains("`n`"));
+        assert!(err(r#"{"prompt":"x","n":2,"best_of":3}"#, false).contains("`best_of`"));
+        assert!(err(r#"{"prompt":"x","best_of":-1}"#, false).contains("`best_of`"));
+        assert_eq!(
+            parse_request(br#"{"prompt":"x","n":16}"#, false).unwrap().n,
+            16
+        );
+        assert_eq!(
+            parse_request(br#"{"prompt":"x","best_of":1}"#, false)
+                .unwrap()
+                .n,
+            1
+        );
         assert!(err(r#"{"messages":[]}"#, true).contains("messages"));
         assert!(err(r#"{"messages":[{"role":"wizard","content":"x"}]}"#, true).contains("role"));
         assert!(err(r#"{"messages":[{"role":"user"}]}"#, true).contains("content"));

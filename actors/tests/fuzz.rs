@@ -27,7 +27,7 @@ use pdserve_actors::handoff::service::{validate_prefill, PromptLimits};
 use pdserve_actors::kv_events::{HashScheme, KvEventBatch, KvIndex, KvOp};
 use pdserve_actors::openai::{
     kv_directive, parse_json, parse_request, resolve_max_tokens, KvDirective, KvTransferParams,
-    PromptInput,
+    PromptInput, MAX_CHOICES,
 };
 use pdserve_actors::RequestError;
 use pdserve_gpu::kv::{KvDtype, KvLayout};
@@ -559,6 +559,8 @@ fn check_openai(input: &[u8]) -> Result<Verdict, String> {
             && (p.prompt_logprobs.is_none() || req.echo)
             && p.logit_bias.len() <= MAX_LOGIT_BIAS_ENTRIES
             && logit_bias_in_range(&p.logit_bias)
+            && (1..=MAX_CHOICES).contains(&req.n)
+            && (req.n == 1 || req.resume_tokens.is_empty())
             && (req.max_tokens != Some(0) || req.echo);
         if !in_range {
             return Err(format!(
@@ -724,6 +726,7 @@ fn openai_body() -> impl Strategy<Value = Value> {
                     Just("repetition_penalty"),
                     Just("logprobs"),
                     Just("logit_bias"),
+                    Just("best_of"),
                 ],
                 number,
             ),
@@ -1140,6 +1143,8 @@ fn regenerate_corpus() {
         ("valid-echo-score", json!({"prompt": "The sky is blue", "echo": true, "max_tokens": 0, "logprobs": 1, "temperature": 0})),
         ("hostile-top-logprobs-21", json!({"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 21})),
         ("hostile-logprobs-u64-max", json!({"prompt": "x", "logprobs": u64::MAX, "echo": true})),
+        ("valid-n-choices", json!({"prompt": "x", "n": 4, "seed": 3, "temperature": 1, "stream": true})),
+        ("hostile-n-and-best-of", json!({"prompt": "x", "n": 17, "best_of": u64::MAX})),
         ("valid-logit-bias", json!({"prompt": "x", "logit_bias": {"5": 100, "6": -100, "7": 0.5}})),
         ("hostile-logit-bias-301", json!({"prompt": "x", "logit_bias": (0..301).map(|i| (i.to_string(), json!(1))).collect::<serde_json::Map<String, Value>>()})),
         ("hostile-logit-bias-values", json!({"prompt": "x", "logit_bias": {"4294967296": 1, "1": 1e308, "2": "100", "-3": 5}})),

@@ -1900,3 +1900,115 @@ async fn logit_bias_applies_on_prefill_and_decode_equal_to_colocated() {
         cl.stop().await;
     }
 }
+
+/// Each choice's token ids of a whole answer of several choices.
+fn choices_ids(v: &Value) -> Vec<Vec<u64>> {
+    v["choices"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no choices: {v}"))
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            assert_eq!(c["index"], json!(i), "{v}");
+            c["token_ids"]
+                .as_array()
+                .unwrap_or_else(|| panic!("no token_ids: {v}"))
+                .iter()
+                .map(|t| t.as_u64().unwrap())
+                .collect()
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_choices_hand_the_prompt_over_once_and_equal_colocated() {
+    let lease = Duration::from_secs(30);
+    // 40 tokens: two full blocks of 16, which the other choices take from decode's cache.
+    let choices = |salt: usize, n: usize, temperature: f64| {
+        let prompt: Vec<u32> = (0..40)
+            .map(|t| ((t * 31 + 11 + salt * 7) % 250) as u32)
+            .collect();
+        json!({"prompt": prompt, "n": n, "max_tokens": 8, "temperature": temperature, "seed": 21,
+               "ignore_eos": true, "return_token_ids": true})
+    };
+    let c = instance("ref-n", "small", 1, None, lease).await;
+    let mut reference = Vec::new();
+    for (salt, n, t) in [(0, 4, 1.0), (1, 2, 0.0), (1, 1, 0.0)] {
+        let (status, v) = post(&c.url(), &choices(salt, n, t)).await;
+        assert_eq!(status, 200, "{v}");
+        reference.push(choices_ids(&v));
+    }
+    assert_eq!(
+        reference[1],
+        vec![reference[2][0].clone(); 2],
+        "greedy n=2 = n=1"
+    );
+    c.stop().await;
+
+    // vLLM's two hops: the prefill hop is one choice; the decode hop's other choices reuse
+    // the blocks the hand-off brought. `n` > 1 on the prefill hop is refused.
+    let p = instance("p-n", "small", 1, Some(BackendKind::Local), lease).await;
+    let d = instance("d-n", "small", 1, Some(BackendKind::Local), lease).await;
+    let mut pre = choices(0, 1, 1.0);
+    pre["max_tokens"] = json!(1);
+    pre["kv_transfer_params"] = json!({"do_remote_decode": true});
+    let mut refused = pre.clone();
+    refused["n"] = json!(4);
+    let (status, v) = post(&p.url(), &refused).await;
+    assert_error(status, &v, 400, "`n`");
+    let (status, answer) = post(&p.url(), &pre).await;
+    assert_eq!(status, 200, "{answer}");
+    let mut dec = choices(0, 4, 1.0);
+    dec["kv_transfer_params"] = answer["kv_transfer_params"].clone();
+    let (status, v) = post(&d.url(), &dec).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(choices_ids(&v), reference[0], "two hops");
+    assert_pool_full(&p).await;
+    assert_pool_full(&d).await;
+    p.stop().await;
+    d.stop().await;
+
+    // pdserve's proxy: one hand-off per request whatever `n`, the same answers as colocated.
+    for mode in [TransferMode::Push, TransferMode::Pull] {
+        let tag = format!("n-{}", mode.as_str());
+        let cl = Cluster::start(&tag, "small", BackendKind::Local, (1, 1), mode).await;
+        for (i, (salt, n, t)) in [(0, 4, 1.0), (1, 2, 0.0), (1, 1, 0.0)]
+            .into_iter()
+            .enumerate()
+        {
+            // A fresh decode instance per prompt is not needed: the prompt of request 2 is
+            // the prompt of request 1, already in decode's cache (no hand-off at all).
+            let (before, cached_before) = (
+                cl.d.kv_figures().unwrap().handoffs_done,
+                cl.d.stats().await.unwrap().prompt_tokens_cached,
+            );
+            let (status, v) = post(&cl.url, &choices(salt, n, t)).await;
+            assert_eq!(status, 200, "{tag} {i}: {v}");
+            assert_eq!(choices_ids(&v), reference[i], "{tag} request {i}");
+            let handoffs = cl.d.kv_figures().unwrap().handoffs_done - before;
+            let cached = cl.d.stats().await.unwrap().prompt_tokens_cached - cached_before;
+            if i < 2 {
+                assert_eq!(handoffs, 1, "{tag} request {i}: the prompt crosses once");
+                assert_eq!(cached, 32 * (n as u64 - 1), "{tag} request {i}");
+            }
+            // Streamed: the chunks of each choice equal its whole answer.
+            let mut b = choices(salt, n, t);
+            b["stream"] = json!(true);
+            let chunks = common::stream_chunks(&cl.url, "/v1/completions", &b).await;
+            let mut ids = vec![Vec::new(); n];
+            for c in &chunks {
+                let choice = &c["choices"][0];
+                let at = choice["index"].as_u64().unwrap() as usize;
+                ids[at].extend(
+                    choice["token_ids"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|t| t.as_u64().unwrap()),
+                );
+            }
+            assert_eq!(ids, reference[i], "{tag} streamed request {i}");
+        }
+        cl.stop().await;
+    }
+}

@@ -112,7 +112,8 @@ pub const ROUTER_KV_INDEX_BLOCKS: &str = "pdserve_router_kv_index_blocks";
 /// `connections` (`max_connections` open), `shutting_down`.
 pub const REQUESTS_SHED_TOTAL: &str = "pdserve_requests_shed_total";
 
-/// Label of [`LOCAL_PREFILLS_TOTAL`] and [`REQUESTS_SHED_TOTAL`]: why (`short_prompt`, `prefill_queue`).
+/// Label of [`LOCAL_PREFILLS_TOTAL`] and [`REQUESTS_SHED_TOTAL`]: why (`short_prompt`,
+/// `prefill_queue`, `parallel_sampling`, ...).
 pub const LABEL_REASON: &str = "reason";
 
 /// Label of [`REQUESTS_TOTAL`]: how a request ended (`ok`, `aborted`, `timeout`, an error's

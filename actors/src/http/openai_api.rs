@@ -4,20 +4,22 @@
 //! tokenized and handed to the Scheduler; the answer streams back from the request's events.
 //! A client that disconnects drops its handler, whose [`RequestStream`] aborts the request so
 //! its KV blocks return to the pool. `kv_transfer_params` (vLLM's P/D fields) turn a request
-//! into the prefill or the decode half of a hand-off.
+//! into the prefill or the decode half of a hand-off. A request of `n` > 1 choices runs as `n`
+//! scheduler requests: the first alone, the others once it has the prompt's KV (they take the
+//! full prompt blocks from the prefix cache), merged into one answer or one SSE stream.
 
 use super::error::ApiError;
 use super::state::AppState;
 use crate::error::RequestError;
 use crate::handoff::receiver::KvSource;
-use crate::openai::{self, KvDirective, ParsedRequest, PromptInput};
+use crate::openai::{self, KvDirective, PromptInput};
 use crate::scheduler::{NewRequest, RequestEvent, RequestStream};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use futures_util::stream::{self, Stream};
+use futures_util::stream::{self, Stream, StreamExt};
 use pdserve_gpu::sampling::TokenLogprobs;
 use pdserve_runtime::ids::TransferId;
 use serde_json::{json, Value};
@@ -59,10 +61,24 @@ pub(super) async fn chat_completions(State(app): State<Arc<AppState>>, body: Byt
         .unwrap_or_else(IntoResponse::into_response)
 }
 
-/// A running request: its events, and its admission permit for its lifetime.
+/// A running request (one choice of it): its events, and its admission permit (shared by
+/// the request's choices) for its lifetime.
 struct Running {
     events: RequestStream,
-    _permit: OwnedSemaphorePermit,
+    /// An event read ahead (the first choice's first event, read before the other choices
+    /// are submitted).
+    ahead: Option<RequestEvent>,
+    _permit: Arc<OwnedSemaphorePermit>,
+}
+
+impl Running {
+    /// The next event, or a timeout (see [`next_event`]).
+    async fn next(&mut self, deadline: tokio::time::Instant, timeout: Duration) -> RequestEvent {
+        match self.ahead.take() {
+            Some(e) => e,
+            None => next_event(&mut self.events, deadline, timeout).await,
+        }
+    }
 }
 
 async fn serve(app: Arc<AppState>, body: Bytes, chat: bool) -> Result<Response, ApiError> {
@@ -103,6 +119,9 @@ async fn serve(app: Arc<AppState>, body: Bytes, chat: bool) -> Result<Response, 
         return Err(RequestError::BadRequest("kv_transfer_params need an instance with a KV transfer engine (role prefill or decode)".into()).into());
     }
     let prompt_logprobs = params.prompt_logprobs.is_some();
+    if req.n > 1 && matches!(directive, KvDirective::HoldForDecode(_)) {
+        return Err(RequestError::BadRequest("`n` > 1 with kv_transfer_params.do_remote_decode: the prefill hop computes one first token; send `n` to the decode hop (or through pdserve's proxy)".into()).into());
+    }
     match &directive {
         KvDirective::HoldForDecode(_) | KvDirective::FromPrefill { .. } if prompt_logprobs => {
             return Err(RequestError::BadRequest("`echo` with `logprobs` (prompt logprobs) is computed where the prompt's answer is made: send it without vLLM's two-hop kv_transfer_params (pdserve's one-hop flow prefills such a request on the decode instance)".into()).into());
@@ -147,6 +166,9 @@ async fn serve(app: Arc<AppState>, body: Bytes, chat: bool) -> Result<Response, 
         None
     };
     let logprobs = params.logprobs.is_some();
+    // Choices after the first: the same prompt, seed + i.
+    let branch_base = (req.n > 1).then(|| (prompt.clone(), params.clone()));
+    let remote_kv = !matches!(directive, KvDirective::None);
     let mut hand_off = None;
     let mut request = NewRequest {
         id,
@@ -215,11 +237,45 @@ async fn serve(app: Arc<AppState>, body: Bytes, chat: bool) -> Result<Response, 
         }
         (_, None) => unreachable!("checked above: kv_transfer_params need a KV engine"),
     };
-    let running = Running {
+    let deadline = tokio::time::Instant::now() + app.request_timeout;
+    let permit = Arc::new(permit);
+    let mut runs = vec![Running {
         events,
-        _permit: permit,
-    };
+        ahead: None,
+        _permit: permit.clone(),
+    }];
+    if let Some((prompt, params)) = branch_base {
+        // The other choices start once the first has its prompt's KV (its first event): their
+        // full prompt blocks then come from the prefix cache — on a decode instance, the
+        // blocks the hand-off brought — so the prompt is prefilled (and handed over) once.
+        let first = next_event(&mut runs[0].events, deadline, app.request_timeout).await;
+        if let RequestEvent::Failed(e) = first {
+            return Err(e.into());
+        }
+        runs[0].ahead = Some(first);
+        for i in 1..req.n {
+            let mut params = params.clone();
+            params.seed = params.seed.map(|s| s.wrapping_add(i as u64));
+            if remote_kv {
+                metrics::counter!(pdserve_runtime::telemetry::LOCAL_PREFILLS_TOTAL, pdserve_runtime::telemetry::LABEL_REASON => "parallel_sampling").increment(1);
+            }
+            let branch = NewRequest {
+                id: scheduler.next_request_id(),
+                prompt: prompt.clone(),
+                params,
+                hold_for: None,
+                push: false,
+                resume: Vec::new(),
+            };
+            runs.push(Running {
+                events: scheduler.submit(branch)?,
+                ahead: None,
+                _permit: permit.clone(),
+            });
+        }
+    }
     let meta = ResponseMeta {
+        index: 0,
         id: format!("{}-{}", if chat { "chatcmpl" } else { "cmpl" }, id.0),
         created: unix_now(),
         model: app.model_name.clone(),
@@ -246,16 +302,88 @@ async fn serve(app: Arc<AppState>, body: Bytes, chat: bool) -> Result<Response, 
             control: app.control_addr(),
         }),
     };
-    let deadline = tokio::time::Instant::now() + app.request_timeout;
-    if req.stream {
-        Ok(
-            Sse::new(sse_stream(running, meta, deadline, app.request_timeout))
+    let timeout = app.request_timeout;
+    if runs.len() == 1 {
+        let running = runs.pop().expect("one choice");
+        return Ok(if req.stream {
+            Sse::new(sse_stream(running, meta, deadline, timeout, StreamEnd::Own))
                 .keep_alive(KeepAlive::default())
-                .into_response(),
-        )
-    } else {
-        collect(running, meta, deadline, app.request_timeout, &req).await
+                .into_response()
+        } else {
+            Json(collect(running, meta, deadline, timeout).await?).into_response()
+        });
     }
+    if req.stream {
+        let usages = Arc::new(std::sync::Mutex::new(vec![None; runs.len()]));
+        let choices: Vec<_> = runs
+            .into_iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let end = StreamEnd::Shared(usages.clone());
+                sse_stream(r, meta.for_choice(i), deadline, timeout, end).boxed()
+            })
+            .collect();
+        let tail = stream::once(async move {
+            let mut out = Vec::new();
+            let usage = usages.lock().map(|u| total_usage(&u)).unwrap_or_default();
+            if let (true, Some(u)) = (meta.include_usage, usage) {
+                out.push(Ok(Event::default().data(meta.usage_chunk(u).to_string())));
+            }
+            out.push(Ok(Event::default().data("[DONE]")));
+            stream::iter(out)
+        })
+        .flatten();
+        return Ok(Sse::new(stream::select_all(choices).chain(tail))
+            .keep_alive(KeepAlive::default())
+            .into_response());
+    }
+    let answers = futures_util::future::try_join_all(
+        runs.into_iter()
+            .enumerate()
+            .map(|(i, r)| collect(r, meta.for_choice(i), deadline, timeout)),
+    )
+    .await?;
+    Ok(Json(merge_choices(answers)).into_response())
+}
+
+/// The usage of a request of several choices: the first choice's prompt (counted once, with
+/// its cached tokens) and every choice's completion tokens; `None` until every choice ended.
+fn total_usage(choices: &[Option<openai::Usage>]) -> Option<openai::Usage> {
+    let first = (*choices.first()?)?;
+    choices.iter().try_fold(
+        openai::Usage {
+            completion_tokens: 0,
+            ..first
+        },
+        |mut total, u| {
+            total.completion_tokens += u.as_ref()?.completion_tokens;
+            Some(total)
+        },
+    )
+}
+
+/// One answer of several choices (each a whole answer of its own, in choice order): their
+/// choices, the first's id, usage as [`total_usage`].
+fn merge_choices(answers: Vec<Value>) -> Value {
+    let usage = |v: &Value| openai::Usage {
+        prompt_tokens: v["usage"]["prompt_tokens"].as_u64().unwrap_or(0) as usize,
+        completion_tokens: v["usage"]["completion_tokens"].as_u64().unwrap_or(0) as usize,
+        cached_tokens: v["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0) as usize,
+    };
+    let usages: Vec<_> = answers.iter().map(|v| Some(usage(v))).collect();
+    let mut answers = answers.into_iter();
+    let Some(mut out) = answers.next() else {
+        return Value::Null;
+    };
+    let mut choices = vec![out["choices"][0].take()];
+    choices.extend(answers.map(|mut v| v["choices"][0].take()));
+    out["choices"] = Value::Array(choices);
+    if let Some(u) = total_usage(&usages) {
+        out["usage"] = u.to_json();
+    }
+    out
 }
 
 fn tokenize(app: &AppState, prompt: &PromptInput) -> Result<Vec<u32>, RequestError> {
@@ -275,6 +403,7 @@ fn tokenize(app: &AppState, prompt: &PromptInput) -> Result<Vec<u32>, RequestErr
 }
 
 /// Prefill side of vLLM's two-hop flow: what the answer's `kv_transfer_params` name.
+#[derive(Clone)]
 struct HandOff {
     transfer: TransferId,
     engine_id: String,
@@ -283,12 +412,16 @@ struct HandOff {
 }
 
 /// Completions' `echo`: the prompt's text, and its first token (whose logprob is null).
+#[derive(Clone)]
 struct Echo {
     text: String,
     first_token: u32,
 }
 
+#[derive(Clone)]
 struct ResponseMeta {
+    /// The choice's index (`n` > 1: one meta per choice).
+    index: usize,
     id: String,
     created: u64,
     model: String,
@@ -313,6 +446,14 @@ struct ResponseMeta {
 }
 
 impl ResponseMeta {
+    /// This meta for choice `index`.
+    fn for_choice(&self, index: usize) -> Self {
+        Self {
+            index,
+            ..self.clone()
+        }
+    }
+
     fn chunk(
         &self,
         text: &str,
@@ -341,10 +482,10 @@ impl ResponseMeta {
                 json!({"content": text})
             };
             json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                   "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}]})
+                   "choices": [{"index": self.index, "delta": delta, "logprobs": null, "finish_reason": finish}]})
         } else {
             json!({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                   "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}]})
+                   "choices": [{"index": self.index, "text": text, "logprobs": null, "finish_reason": finish}]})
         }
     }
 
@@ -406,11 +547,11 @@ impl ResponseMeta {
     ) -> Value {
         let mut v = if self.chat {
             json!({"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                   "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs, "finish_reason": finish}],
+                   "choices": [{"index": self.index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs, "finish_reason": finish}],
                    "usage": usage.to_json()})
         } else {
             json!({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                   "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+                   "choices": [{"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish}],
                    "usage": usage.to_json()})
         };
         if let (Some(h), Some(blocks)) = (&self.hand_off, held) {
@@ -460,14 +601,13 @@ async fn collect(
     meta: ResponseMeta,
     deadline: tokio::time::Instant,
     timeout: Duration,
-    _req: &ParsedRequest,
-) -> Result<Response, ApiError> {
+) -> Result<Value, ApiError> {
     let mut text = String::new();
     let mut tokens = Vec::new();
     let mut lps = Vec::new();
     let mut prompt_lps = None;
     loop {
-        match next_event(&mut running.events, deadline, timeout).await {
+        match running.next(deadline, timeout).await {
             RequestEvent::Token {
                 text: t,
                 token,
@@ -497,7 +637,7 @@ async fn collect(
                     text.insert_str(0, &e.text);
                 }
                 let logprobs = meta.logprobs_value(prompt_lps.as_deref(), true, &lps, &mut 0);
-                return Ok(Json(meta.full(
+                return Ok(meta.full(
                     &text,
                     finish,
                     usage,
@@ -505,12 +645,20 @@ async fn collect(
                     held_blocks.as_deref(),
                     logprobs,
                     lps.first(),
-                ))
-                .into_response());
+                ));
             }
             RequestEvent::Failed(e) => return Err(e.into()),
         }
     }
+}
+
+/// How a choice's event stream ends.
+enum StreamEnd {
+    /// The request's only choice: it sends the usage chunk (when asked) and `[DONE]` itself.
+    Own,
+    /// One of several choices: it records its usage in its slot (by choice index) and leaves
+    /// the usage chunk and `[DONE]` to the merged stream.
+    Shared(Arc<std::sync::Mutex<Vec<Option<openai::Usage>>>>),
 }
 
 fn sse_stream(
@@ -518,8 +666,10 @@ fn sse_stream(
     meta: ResponseMeta,
     deadline: tokio::time::Instant,
     timeout: Duration,
+    end: StreamEnd,
 ) -> impl Stream<Item = Result<Event, std::convert::Infallible>> {
     struct S {
+        end: StreamEnd,
         running: Running,
         meta: ResponseMeta,
         done: bool,
@@ -534,6 +684,7 @@ fn sse_stream(
         pending: Vec<Event>,
     }
     let state = S {
+        end,
         first: !meta.resumed,
         echo_pending: meta.echo.is_some() && !meta.resumed,
         running,
@@ -556,7 +707,7 @@ fn sse_stream(
         let mut held: Vec<u32> = Vec::new();
         let mut held_lps: Vec<TokenLogprobs> = Vec::new();
         let ev = loop {
-            let event = next_event(&mut s.running.events, deadline, timeout).await;
+            let event = s.running.next(deadline, timeout).await;
             if let RequestEvent::PromptLogprobs(p) = event {
                 s.prompt_lps = Some(p);
                 continue;
@@ -615,7 +766,6 @@ fn sse_stream(
                     mut usage,
                     ..
                 } => {
-                    s.pending.push(Event::default().data("[DONE]"));
                     let (mut text, mut finish) = (text, reason.as_openai());
                     if s.meta.score_only {
                         (held, held_lps) = (Vec::new(), Vec::new());
@@ -623,8 +773,23 @@ fn sse_stream(
                         usage.completion_tokens = 0;
                         finish = "length";
                     }
-                    if s.meta.include_usage {
-                        s.pending.push(data(s.meta.usage_chunk(usage)));
+                    match &s.end {
+                        StreamEnd::Own => {
+                            s.pending.push(Event::default().data("[DONE]"));
+                            if s.meta.include_usage {
+                                s.pending.push(data(s.meta.usage_chunk(usage)));
+                            }
+                        }
+                        StreamEnd::Shared(usages) => {
+                            if let Some(slot) = usages
+                                .lock()
+                                .ok()
+                                .as_deref_mut()
+                                .and_then(|u| u.get_mut(s.meta.index))
+                            {
+                                *slot = Some(usage);
+                            }
+                        }
                     }
                     let lp = (!held_lps.is_empty())
                         .then(|| s.meta.logprobs_value(None, false, &held_lps, &mut s.offset))
@@ -634,7 +799,9 @@ fn sse_stream(
                     break echoed.unwrap_or_else(|| s.pending.pop().expect("just pushed"));
                 }
                 RequestEvent::Failed(e) => {
-                    s.pending.push(Event::default().data("[DONE]"));
+                    if matches!(s.end, StreamEnd::Own) {
+                        s.pending.push(Event::default().data("[DONE]"));
+                    }
                     break data(openai::error_body(&e));
                 }
             }

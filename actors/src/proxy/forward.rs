@@ -214,6 +214,7 @@ async fn admitted(s: Arc<ProxyState>, body: Bytes, chat: bool, arrived: Instant)
     }
     let stream = request.get("stream").and_then(Value::as_bool) == Some(true);
     let client_token_ids = request.get("return_token_ids").and_then(Value::as_bool) == Some(true);
+    let choices = parsed.n;
     let prompt = prompt_info(&s, parsed).await;
     let picked = route_with(
         &s.registry(),
@@ -253,6 +254,7 @@ async fn admitted(s: Arc<ProxyState>, body: Bytes, chat: bool, arrived: Instant)
         request,
         stream,
         client_token_ids,
+        choices,
         tried_decode: Vec::new(),
         tried_prefill: Vec::new(),
         migrations: 0,
@@ -315,6 +317,9 @@ struct Job {
     stream: bool,
     /// The client asked for `return_token_ids` itself (else they are stripped).
     client_token_ids: bool,
+    /// `n`: a stream of several choices is not migrated once it started (a resumed request
+    /// continues one choice).
+    choices: usize,
     /// Decode instances that failed this request (not picked again).
     tried_decode: Vec<String>,
     /// Prefill instances that failed this request.
@@ -400,7 +405,7 @@ impl Job {
         if !resume.is_empty() {
             request["resume_tokens"] = json!(resume);
         }
-        if self.stream {
+        if self.stream && self.choices == 1 {
             // Migration needs to know which tokens the client has.
             request["return_token_ids"] = json!(true);
         }
@@ -625,8 +630,12 @@ struct StreamView {
     first_id: Option<(Value, Value)>,
     /// A chunk carried a `role` delta (chat): later ones drop theirs.
     role_sent: bool,
-    /// A chunk carried a `finish_reason`.
+    /// Every choice's chunk with a `finish_reason` arrived.
     finished: bool,
+    /// Choices (`n`) of the request.
+    choices: usize,
+    /// Choices finished so far.
+    choices_finished: usize,
     /// `data: [DONE]` went out.
     done: bool,
     /// Any chunk went out.
@@ -644,9 +653,10 @@ enum Seen {
 }
 
 impl StreamView {
-    fn new(client_token_ids: bool) -> Self {
+    fn new(client_token_ids: bool, choices: usize) -> Self {
         Self {
             client_token_ids,
+            choices,
             ..Self::default()
         }
     }
@@ -712,9 +722,16 @@ impl StreamView {
                 choice.remove("token_ids");
             }
             if choice.get("finish_reason").is_some_and(|f| !f.is_null()) {
-                self.finished = true;
+                self.choices_finished += 1;
+                self.finished = self.choices_finished >= self.choices;
             }
-            if let Some(delta) = choice.get_mut("delta").and_then(Value::as_object_mut) {
+            // Each choice opens with its own `role` delta; only a migrated stream's repeat
+            // (one choice) is dropped.
+            let first_choice = choice.get("index").and_then(Value::as_u64).unwrap_or(0) == 0;
+            if let (true, Some(delta)) = (
+                first_choice,
+                choice.get_mut("delta").and_then(Value::as_object_mut),
+            ) {
                 if delta.contains_key("role") {
                     if self.role_sent {
                         delta.remove("role");
@@ -854,6 +871,15 @@ impl Relay {
 
     async fn migrate(&mut self, reason: &'static str, error: String) {
         self.resp = None;
+        if self.job.choices > 1 && self.view.started {
+            let e = RequestError::Upstream(format!(
+                "decode instance {} failed mid-generation ({error}); a stream of several choices (`n` > 1) is not migrated",
+                self.decode.url
+            ));
+            let body = openai::error_body(&e);
+            self.fail_with(Bytes::from(format!("data: {body}\n\n")));
+            return;
+        }
         let failed = self.decode.clone();
         let resume = self.view.generated.clone();
         match self
@@ -885,7 +911,7 @@ fn stream_response(
 ) -> Response {
     let ctype = content_type(&resp, "text/event-stream");
     let relay = Relay {
-        view: StreamView::new(job.client_token_ids),
+        view: StreamView::new(job.client_token_ids, job.choices),
         job,
         resp: Some(resp),
         decode,
@@ -934,7 +960,7 @@ mod tests {
 
     #[test]
     fn the_view_counts_relayed_tokens_and_keeps_the_first_ids_across_upstreams() {
-        let mut v = StreamView::new(false);
+        let mut v = StreamView::new(false, 1);
         // Split across reads, and one half event left when the upstream breaks.
         let a = chunk("cmpl-1", "he", &[104, 101], None);
         let b = chunk("cmpl-1", "l", &[108], None);
@@ -958,7 +984,7 @@ mod tests {
 
     #[test]
     fn the_view_reports_errors_and_drops_a_repeated_role() {
-        let mut v = StreamView::new(true);
+        let mut v = StreamView::new(true, 1);
         let role = |id: &str| {
             format!(
                 "data: {}\n\n",

@@ -1,0 +1,194 @@
+//! `n` > 1 (several choices from one prompt) on one colocated instance over HTTP: choice
+//! indices, seeds (choice i samples with seed + i), greedy choices equal to `n` = 1, streamed
+//! chunks equal to the whole answer, usage, the prompt's KV shared through the prefix cache,
+//! and the 400s. Every test ends with the block pool full. (The disaggregated case is in
+//! pd.rs.)
+
+mod common;
+use common::{assert_pool_full, post, post_to, stream_chunks};
+
+use pdserve_actors::{Instance, InstanceOptions};
+use pdserve_gpu::loader::{load_model, ModelSource};
+use serde_json::{json, Value};
+
+async fn start(name: &str) -> Instance {
+    let model = load_model(&ModelSource::Synthetic("small".into())).unwrap();
+    Instance::start(InstanceOptions::local(name, model))
+        .await
+        .unwrap()
+}
+
+/// 40 tokens: two full blocks of 16 (shareable) and a partial one.
+fn prompt(salt: u32) -> Vec<u32> {
+    (0..40).map(|t| (t * 31 + 11 + salt * 7) % 250).collect()
+}
+
+fn body(salt: u32, n: usize, temperature: f64, seed: Option<u64>) -> Value {
+    json!({"prompt": prompt(salt), "n": n, "max_tokens": 8, "temperature": temperature,
+           "seed": seed, "ignore_eos": true, "return_token_ids": true})
+}
+
+/// Each choice's token ids, checking the indices are 0..n in order.
+fn choice_ids(v: &Value) -> Vec<Vec<u64>> {
+    let choices = v["choices"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no choices: {v}"));
+    choices
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            assert_eq!(c["index"], json!(i), "{v}");
+            c["token_ids"]
+                .as_array()
+                .unwrap_or_else(|| panic!("no token_ids: {v}"))
+                .iter()
+                .map(|t| t.as_u64().unwrap())
+                .collect()
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_choices_are_seeded_per_choice_deterministic_and_share_the_prompt() {
+    let inst = start("choices-n").await;
+    let url = inst.url();
+    let (status, a) = post(&url, &body(0, 4, 1.0, Some(5))).await;
+    assert_eq!(status, 200, "{a}");
+    let answers = choice_ids(&a);
+    assert_eq!(answers.len(), 4, "{a}");
+    assert!(answers.iter().all(|t| t.len() == 8), "{a}");
+    // Usage: the prompt once, every choice's completion.
+    assert_eq!(a["usage"]["prompt_tokens"], json!(40), "{a}");
+    assert_eq!(a["usage"]["completion_tokens"], json!(32), "{a}");
+    assert_eq!(a["usage"]["total_tokens"], json!(72), "{a}");
+    // Deterministic across runs; choice i is the request with seed 5 + i.
+    let (status, b) = post(&url, &body(0, 4, 1.0, Some(5))).await;
+    assert_eq!(status, 200, "{b}");
+    assert_eq!(choice_ids(&b), answers);
+    for (i, want) in answers.iter().enumerate() {
+        let (status, one) = post(&url, &body(0, 1, 1.0, Some(5 + i as u64))).await;
+        assert_eq!(status, 200, "{one}");
+        assert_eq!(&choice_ids(&one)[0], want, "choice {i}");
+    }
+    let distinct: std::collections::BTreeSet<_> = answers.iter().collect();
+    assert!(distinct.len() > 1, "four seeds, one answer: {answers:?}");
+
+    // Greedy: every choice is the n = 1 answer.
+    let (status, one) = post(&url, &body(1, 1, 0.0, None)).await;
+    assert_eq!(status, 200, "{one}");
+    let (status, two) = post(&url, &body(1, 2, 0.0, None)).await;
+    assert_eq!(status, 200, "{two}");
+    let two = choice_ids(&two);
+    assert_eq!(two, vec![choice_ids(&one)[0].clone(); 2]);
+
+    // The other choices take the first's full prompt blocks from the prefix cache.
+    let before = inst.stats().await.unwrap().prompt_tokens_cached;
+    let (status, v) = post(&url, &body(2, 4, 1.0, Some(9))).await;
+    assert_eq!(status, 200, "{v}");
+    let cached = inst.stats().await.unwrap().prompt_tokens_cached - before;
+    assert_eq!(
+        cached,
+        3 * 32,
+        "choices 1..4 reuse the two full prompt blocks"
+    );
+    assert_pool_full(&inst).await;
+    inst.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_choices_carry_their_index_and_equal_the_whole_answer() {
+    let inst = start("choices-stream").await;
+    let url = inst.url();
+    let whole_body = body(3, 3, 0.8, Some(11));
+    let (status, whole) = post(&url, &whole_body).await;
+    assert_eq!(status, 200, "{whole}");
+    let mut streamed = whole_body.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let chunks = stream_chunks(&url, "/v1/completions", &streamed).await;
+    let mut ids = vec![Vec::new(); 3];
+    let mut text = vec![String::new(); 3];
+    let mut finished = [0; 3];
+    let mut usage = Vec::new();
+    for c in &chunks {
+        if let Some(u) = c.get("usage").filter(|u| !u.is_null()) {
+            usage.push(u.clone());
+            continue;
+        }
+        let choice = &c["choices"][0];
+        let i = choice["index"].as_u64().unwrap() as usize;
+        ids[i].extend(
+            choice["token_ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t.as_u64().unwrap()),
+        );
+        text[i].push_str(choice["text"].as_str().unwrap());
+        if !choice["finish_reason"].is_null() {
+            finished[i] += 1;
+        }
+    }
+    assert_eq!(ids, choice_ids(&whole));
+    for (i, t) in text.iter().enumerate() {
+        assert_eq!(
+            t,
+            whole["choices"][i]["text"].as_str().unwrap(),
+            "choice {i}"
+        );
+    }
+    assert_eq!(finished, [1, 1, 1], "one finish per choice");
+    assert_eq!(usage.len(), 1, "one usage chunk, at the end: {chunks:?}");
+    // (The streamed request's first choice finds the prompt cached: only the counts match.)
+    for k in ["prompt_tokens", "completion_tokens", "total_tokens"] {
+        assert_eq!(usage[0][k], whole["usage"][k], "{k}");
+    }
+    assert!(
+        chunks.last().unwrap().get("usage").is_some(),
+        "usage comes last"
+    );
+
+    // Chat: each choice opens with its own role delta and ends with its own finish.
+    let chat = json!({"messages": [{"role": "user", "content": "pick a word"}], "n": 2,
+        "max_tokens": 5, "temperature": 1.0, "seed": 3, "stream": true});
+    let chunks = stream_chunks(&url, "/v1/chat/completions", &chat).await;
+    for i in 0..2 {
+        let mine: Vec<_> = chunks
+            .iter()
+            .filter(|c| c["choices"][0]["index"] == json!(i))
+            .collect();
+        assert_eq!(mine[0]["choices"][0]["delta"]["role"], "assistant", "{i}");
+        assert!(!mine.last().unwrap()["choices"][0]["finish_reason"].is_null());
+    }
+    let mut whole_chat = chat.clone();
+    whole_chat["stream"] = json!(false);
+    let (status, v) = post_to(&url, "/v1/chat/completions", &whole_chat).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"].as_array().unwrap().len(), 2, "{v}");
+    assert_eq!(v["choices"][1]["index"], 1, "{v}");
+    assert_pool_full(&inst).await;
+    inst.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_n_and_best_of_are_400s_naming_the_field() {
+    let inst = start("choices-bad").await;
+    for (extra, needle) in [
+        (json!({"n": 17}), "`n`"),
+        (json!({"n": 0}), "`n`"),
+        (json!({"n": -1}), "`n`"),
+        (json!({"n": 2, "best_of": 4}), "`best_of`"),
+        (json!({"n": 2, "resume_tokens": [1]}), "`resume_tokens`"),
+    ] {
+        let mut b = body(0, 1, 1.0, Some(1));
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        let (status, v) = post(&inst.url(), &b).await;
+        assert_eq!(status, 400, "{extra}: {v}");
+        let msg = v["error"]["message"].as_str().unwrap();
+        assert!(msg.contains(needle), "{extra}: {v}");
+    }
+    assert_pool_full(&inst).await;
+    inst.stop().await;
+}

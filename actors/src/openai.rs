@@ -51,8 +51,11 @@ pub struct ParsedRequest {
     pub model: Option<String>,
     /// `n`: how many choices (independent branches from one prompt), 1..=[`MAX_CHOICES`].
     pub n: usize,
-    /// The prompt.
+    /// The prompt (the first of a list of prompts).
     pub prompt: PromptInput,
+    /// Completions' list of prompts: the prompts after the first (choices are prompt-major:
+    /// prompt `j`'s choice `i` has index `j * n + i`). Empty for one prompt.
+    pub more_prompts: Vec<PromptInput>,
     /// `max_tokens` if given (resolved against the prompt length later).
     pub max_tokens: Option<usize>,
     /// Sampling settings (max_tokens filled in later).
@@ -76,6 +79,10 @@ pub struct ParsedRequest {
 
 /// Most choices (`n`) one request may ask for.
 pub const MAX_CHOICES: usize = 16;
+/// Most prompts in completions' list of prompts.
+pub const MAX_PROMPTS: usize = 64;
+/// Most choices of one request over all its prompts (`n` times the prompts).
+pub const MAX_CHOICES_TOTAL: usize = 64;
 
 fn bad(msg: impl Into<String>) -> RequestError {
     RequestError::BadRequest(msg.into())
@@ -181,6 +188,7 @@ pub fn parse_value(v: &Value, chat: bool) -> Result<ParsedRequest, RequestError>
         Some(Value::String(s)) => Some(s.clone()),
         Some(_) => return Err(bad("`model` must be a string")),
     };
+    let mut more_prompts = Vec::new();
     let prompt = if chat {
         let msgs = v
             .get("messages")
@@ -239,9 +247,22 @@ pub fn parse_value(v: &Value, chat: bool) -> Result<ParsedRequest, RequestError>
                 )
             }
             Some(Value::Array(a)) if a.len() > 1 => {
-                return Err(bad(
-                    "batched prompts are not supported: send one prompt per request",
-                ))
+                if a.len() > MAX_PROMPTS {
+                    return Err(bad(format!(
+                        "`prompt` lists at most {MAX_PROMPTS} prompts, got {}",
+                        a.len()
+                    )));
+                }
+                let mut prompts = a.iter().map(|p| match p {
+                    Value::String(s) => Ok(PromptInput::Text(s.clone())),
+                    Value::Array(_) => token_list(p)
+                        .map(PromptInput::Tokens)
+                        .ok_or_else(|| bad("`prompt` token ids must be non-negative integers")),
+                    _ => Err(bad("a list of prompts holds strings or lists of token ids")),
+                });
+                let first = prompts.next().expect("more than one")?;
+                more_prompts = prompts.collect::<Result<_, _>>()?;
+                first
             }
             None | Some(Value::Null) => return Err(bad("`prompt` is required")),
             _ => {
@@ -355,6 +376,18 @@ pub fn parse_value(v: &Value, chat: bool) -> Result<ParsedRequest, RequestError>
             "`resume_tokens` cannot be combined with `kv_transfer_params`: a resumed request is prefilled where it continues",
         ));
     }
+    if n * (1 + more_prompts.len()) > MAX_CHOICES_TOTAL {
+        return Err(bad(format!(
+            "`n` times the number of prompts must be at most {MAX_CHOICES_TOTAL}, got {} x {}",
+            n,
+            1 + more_prompts.len()
+        )));
+    }
+    if !more_prompts.is_empty() && !resume_tokens.is_empty() {
+        return Err(bad(
+            "`resume_tokens` (request migration) cannot be combined with a list of prompts",
+        ));
+    }
     if n > 1 && !resume_tokens.is_empty() {
         return Err(bad(
             "`resume_tokens` (request migration) cannot be combined with `n` > 1",
@@ -364,6 +397,7 @@ pub fn parse_value(v: &Value, chat: bool) -> Result<ParsedRequest, RequestError>
         model,
         n,
         prompt,
+        more_prompts,
         max_tokens,
         params,
         stream,
@@ -668,6 +702,20 @@ mod tests {
                 .n,
             1
         );
+        let r = parse_request(br#"{"prompt":["a","b","c"],"n":2}"#, false).unwrap();
+        assert_eq!(r.prompt, PromptInput::Text("a".into()));
+        assert_eq!(
+            r.more_prompts,
+            [PromptInput::Text("b".into()), PromptInput::Text("c".into())]
+        );
+        let r = parse_request(br#"{"prompt":[[1,2],[3]]}"#, false).unwrap();
+        assert_eq!(r.more_prompts, [PromptInput::Tokens(vec![3])]);
+        let r = parse_request(br#"{"prompt":["a",[1]]}"#, false).unwrap();
+        assert_eq!(r.more_prompts, [PromptInput::Tokens(vec![1])]);
+        assert!(err(r#"{"prompt":["a",3]}"#, false).contains("a list of prompts"));
+        assert!(err(r#"{"prompt":["a","b","c","d","e"],"n":16}"#, false).contains("at most 64"));
+        let many = format!(r#"{{"prompt":[{}"x"]}}"#, r#""x","#.repeat(64));
+        assert!(err(&many, false).contains("at most 64 prompts"));
         assert!(err(r#"{"messages":[]}"#, true).contains("messages"));
         assert!(err(r#"{"messages":[{"role":"wizard","content":"x"}]}"#, true).contains("role"));
         assert!(err(r#"{"messages":[{"role":"user"}]}"#, true).contains("content"));

@@ -192,3 +192,52 @@ async fn bad_n_and_best_of_are_400s_naming_the_field() {
     assert_pool_full(&inst).await;
     inst.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_list_of_prompts_answers_prompt_major_equal_to_one_request_each() {
+    let inst = start("choices-batch").await;
+    let url = inst.url();
+    let prompts = [prompt(4), prompt(5), prompt(6)];
+    let b = json!({"prompt": prompts, "n": 2, "max_tokens": 6, "temperature": 1.0, "seed": 8,
+                   "ignore_eos": true, "return_token_ids": true});
+    let (status, v) = post(&url, &b).await;
+    assert_eq!(status, 200, "{v}");
+    let got = choice_ids(&v);
+    assert_eq!(got.len(), 6, "{v}");
+    // Choice j * n + i is prompt j's choice i (seed + i), as its own request answers it.
+    for (j, p) in prompts.iter().enumerate() {
+        let one = json!({"prompt": p, "n": 2, "max_tokens": 6, "temperature": 1.0, "seed": 8,
+                         "ignore_eos": true, "return_token_ids": true});
+        let (status, w) = post(&url, &one).await;
+        assert_eq!(status, 200, "{w}");
+        assert_eq!(got[2 * j..2 * j + 2], choice_ids(&w)[..], "prompt {j}");
+    }
+    assert_eq!(v["usage"]["prompt_tokens"], json!(120), "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], json!(36), "{v}");
+    // Streamed: the same, per index; one usage chunk.
+    let mut s = b.clone();
+    s["stream"] = json!(true);
+    s["stream_options"] = json!({"include_usage": true});
+    let chunks = stream_chunks(&url, "/v1/completions", &s).await;
+    let mut ids = vec![Vec::new(); 6];
+    for c in chunks.iter().filter(|c| c["choices"][0].is_object()) {
+        let i = c["choices"][0]["index"].as_u64().unwrap() as usize;
+        ids[i].extend(
+            c["choices"][0]["token_ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t.as_u64().unwrap()),
+        );
+    }
+    assert_eq!(ids, got);
+    let usage = &chunks.last().unwrap()["usage"];
+    assert_eq!(usage["prompt_tokens"], json!(120), "{usage}");
+    assert_eq!(usage["completion_tokens"], json!(36), "{usage}");
+    // A bad prompt anywhere in the list refuses the request, and nothing stays allocated.
+    let bad = json!({"prompt": [prompt(1), [1_000_000]], "max_tokens": 2});
+    let (status, v) = post(&url, &bad).await;
+    assert_eq!(status, 400, "{v}");
+    assert_pool_full(&inst).await;
+    inst.stop().await;
+}

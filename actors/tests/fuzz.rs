@@ -27,7 +27,7 @@ use pdserve_actors::handoff::service::{validate_prefill, PromptLimits};
 use pdserve_actors::kv_events::{HashScheme, KvEventBatch, KvIndex, KvOp};
 use pdserve_actors::openai::{
     kv_directive, parse_json, parse_request, resolve_max_tokens, KvDirective, KvTransferParams,
-    PromptInput, MAX_CHOICES,
+    PromptInput, MAX_CHOICES, MAX_CHOICES_TOTAL,
 };
 use pdserve_actors::RequestError;
 use pdserve_gpu::kv::{KvDtype, KvLayout};
@@ -560,6 +560,7 @@ fn check_openai(input: &[u8]) -> Result<Verdict, String> {
             && p.logit_bias.len() <= MAX_LOGIT_BIAS_ENTRIES
             && logit_bias_in_range(&p.logit_bias)
             && (1..=MAX_CHOICES).contains(&req.n)
+            && req.n * (1 + req.more_prompts.len()) <= MAX_CHOICES_TOTAL
             && (req.n == 1 || req.resume_tokens.is_empty())
             && (req.max_tokens != Some(0) || req.echo);
         if !in_range {
@@ -1143,6 +1144,8 @@ fn regenerate_corpus() {
         ("valid-echo-score", json!({"prompt": "The sky is blue", "echo": true, "max_tokens": 0, "logprobs": 1, "temperature": 0})),
         ("hostile-top-logprobs-21", json!({"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 21})),
         ("hostile-logprobs-u64-max", json!({"prompt": "x", "logprobs": u64::MAX, "echo": true})),
+        ("valid-prompt-list", json!({"prompt": ["a b", [1, 2, 3], "c"], "n": 2, "max_tokens": 3})),
+        ("hostile-prompt-list-65", json!({"prompt": vec!["x"; 65], "n": 16})),
         ("valid-n-choices", json!({"prompt": "x", "n": 4, "seed": 3, "temperature": 1, "stream": true})),
         ("hostile-n-and-best-of", json!({"prompt": "x", "n": 17, "best_of": u64::MAX})),
         ("valid-logit-bias", json!({"prompt": "x", "logit_bias": {"5": 100, "6": -100, "7": 0.5}})),

@@ -2012,3 +2012,38 @@ async fn n_choices_hand_the_prompt_over_once_and_equal_colocated() {
         cl.stop().await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_list_of_prompts_through_the_proxy_equals_colocated() {
+    let prompts: Vec<Vec<u32>> = (0..3)
+        .map(|j| {
+            (0..20)
+                .map(|t| ((t * 13 + 5 + j * 17) % 250) as u32)
+                .collect()
+        })
+        .collect();
+    let b = json!({"prompt": prompts, "n": 2, "max_tokens": 5, "temperature": 0.9, "seed": 4,
+                   "ignore_eos": true, "return_token_ids": true});
+    let c = instance("ref-batch", "small", 1, None, Duration::from_secs(30)).await;
+    let (status, want) = post(&c.url(), &b).await;
+    assert_eq!(status, 200, "{want}");
+    c.stop().await;
+    let cl = Cluster::start(
+        "batch",
+        "small",
+        BackendKind::Local,
+        (1, 1),
+        TransferMode::Pull,
+    )
+    .await;
+    let (status, v) = post(&cl.url, &b).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(choices_ids(&v), choices_ids(&want));
+    assert_eq!(v["usage"], want["usage"]);
+    // vLLM's two hops carry one prompt: a list with kv_transfer_params is refused.
+    let mut two_hop = b.clone();
+    two_hop["kv_transfer_params"] = json!({"do_remote_decode": true});
+    let (status, v) = post(&cl.p.url(), &two_hop).await;
+    assert_error(status, &v, 400, "list of prompts");
+    cl.stop().await;
+}

@@ -88,8 +88,86 @@ async fn serve(app: Arc<AppState>, body: Bytes, chat: bool) -> Result<Response, 
             return Err(RequestError::UnknownModel(m.clone()).into());
         }
     }
-    let permit = app.admit()?;
-    let prompt = tokenize(&app, &req.prompt)?;
+    let permit = Arc::new(app.admit()?);
+    if !req.more_prompts.is_empty() && req.kv_transfer_params.is_some() {
+        return Err(RequestError::BadRequest("a list of prompts cannot be combined with kv_transfer_params (a hand-off carries one prompt's KV)".into()).into());
+    }
+    let deadline = tokio::time::Instant::now() + app.request_timeout;
+    // Choices in OpenAI's order: prompt-major, `n` per prompt.
+    let mut choices: Vec<(Running, ResponseMeta)> = Vec::new();
+    for (j, input) in std::iter::once(&req.prompt)
+        .chain(&req.more_prompts)
+        .enumerate()
+    {
+        let (runs, meta) = start_prompt(&app, &req, input, chat, &permit, deadline).await?;
+        let id = choices.first().map(|(_, m)| m.id.clone());
+        for (i, r) in runs.into_iter().enumerate() {
+            let mut m = meta.for_choice(j * req.n + i);
+            if let Some(id) = &id {
+                m.id = id.clone();
+            }
+            choices.push((r, m));
+        }
+    }
+    let timeout = app.request_timeout;
+    if choices.len() == 1 {
+        let (running, meta) = choices.pop().expect("one choice");
+        return Ok(if req.stream {
+            Sse::new(sse_stream(running, meta, deadline, timeout, StreamEnd::Own))
+                .keep_alive(KeepAlive::default())
+                .into_response()
+        } else {
+            Json(collect(running, meta, deadline, timeout).await?).into_response()
+        });
+    }
+    let n = req.n;
+    if req.stream {
+        let usages = Arc::new(std::sync::Mutex::new(vec![None; choices.len()]));
+        let last = choices[0].1.clone();
+        let streams: Vec<_> = choices
+            .into_iter()
+            .map(|(r, meta)| {
+                let end = StreamEnd::Shared(usages.clone());
+                sse_stream(r, meta, deadline, timeout, end).boxed()
+            })
+            .collect();
+        let tail = stream::once(async move {
+            let mut out = Vec::new();
+            let usage = usages
+                .lock()
+                .map(|u| total_usage(&u, n))
+                .unwrap_or_default();
+            if let (true, Some(u)) = (last.include_usage, usage) {
+                out.push(Ok(Event::default().data(last.usage_chunk(u).to_string())));
+            }
+            out.push(Ok(Event::default().data("[DONE]")));
+            stream::iter(out)
+        })
+        .flatten();
+        return Ok(Sse::new(stream::select_all(streams).chain(tail))
+            .keep_alive(KeepAlive::default())
+            .into_response());
+    }
+    let answers = futures_util::future::try_join_all(
+        choices
+            .into_iter()
+            .map(|(r, meta)| collect(r, meta, deadline, timeout)),
+    )
+    .await?;
+    Ok(Json(merge_choices(answers, n)).into_response())
+}
+
+/// Starts the `n` choices of one prompt of `req`: their events and the answer's metadata (for
+/// choice 0 of this prompt).
+async fn start_prompt(
+    app: &Arc<AppState>,
+    req: &openai::ParsedRequest,
+    input: &PromptInput,
+    chat: bool,
+    permit: &Arc<OwnedSemaphorePermit>,
+    deadline: tokio::time::Instant,
+) -> Result<(Vec<Running>, ResponseMeta), ApiError> {
+    let prompt = tokenize(app, input)?;
     let score_only = req.scores_only();
     let max_tokens = openai::resolve_max_tokens(
         req.max_tokens_to_run(),
@@ -151,7 +229,7 @@ async fn serve(app: Arc<AppState>, body: Bytes, chat: bool) -> Result<Response, 
     let id = app.scheduler.next_request_id();
     let token_ids = req.return_token_ids.then(|| prompt.clone());
     let echo = if req.echo {
-        let text = match &req.prompt {
+        let text = match input {
             PromptInput::Text(t) => t.clone(),
             _ => app
                 .tokenizer
@@ -237,8 +315,6 @@ async fn serve(app: Arc<AppState>, body: Bytes, chat: bool) -> Result<Response, 
         }
         (_, None) => unreachable!("checked above: kv_transfer_params need a KV engine"),
     };
-    let deadline = tokio::time::Instant::now() + app.request_timeout;
-    let permit = Arc::new(permit);
     let mut runs = vec![Running {
         events,
         ahead: None,
@@ -302,69 +378,30 @@ async fn serve(app: Arc<AppState>, body: Bytes, chat: bool) -> Result<Response, 
             control: app.control_addr(),
         }),
     };
-    let timeout = app.request_timeout;
-    if runs.len() == 1 {
-        let running = runs.pop().expect("one choice");
-        return Ok(if req.stream {
-            Sse::new(sse_stream(running, meta, deadline, timeout, StreamEnd::Own))
-                .keep_alive(KeepAlive::default())
-                .into_response()
-        } else {
-            Json(collect(running, meta, deadline, timeout).await?).into_response()
-        });
-    }
-    if req.stream {
-        let usages = Arc::new(std::sync::Mutex::new(vec![None; runs.len()]));
-        let choices: Vec<_> = runs
-            .into_iter()
-            .enumerate()
-            .map(|(i, r)| {
-                let end = StreamEnd::Shared(usages.clone());
-                sse_stream(r, meta.for_choice(i), deadline, timeout, end).boxed()
-            })
-            .collect();
-        let tail = stream::once(async move {
-            let mut out = Vec::new();
-            let usage = usages.lock().map(|u| total_usage(&u)).unwrap_or_default();
-            if let (true, Some(u)) = (meta.include_usage, usage) {
-                out.push(Ok(Event::default().data(meta.usage_chunk(u).to_string())));
+    Ok((runs, meta))
+}
+
+/// The usage of a request of several choices, `n` per prompt in prompt-major order: each
+/// prompt counted once (with its cached tokens, those of its first choice) and every choice's
+/// completion tokens; `None` until every choice ended.
+fn total_usage(choices: &[Option<openai::Usage>], n: usize) -> Option<openai::Usage> {
+    choices
+        .iter()
+        .enumerate()
+        .try_fold(openai::Usage::default(), |mut total, (i, u)| {
+            let u = u.as_ref()?;
+            if i % n.max(1) == 0 {
+                total.prompt_tokens += u.prompt_tokens;
+                total.cached_tokens += u.cached_tokens;
             }
-            out.push(Ok(Event::default().data("[DONE]")));
-            stream::iter(out)
-        })
-        .flatten();
-        return Ok(Sse::new(stream::select_all(choices).chain(tail))
-            .keep_alive(KeepAlive::default())
-            .into_response());
-    }
-    let answers = futures_util::future::try_join_all(
-        runs.into_iter()
-            .enumerate()
-            .map(|(i, r)| collect(r, meta.for_choice(i), deadline, timeout)),
-    )
-    .await?;
-    Ok(Json(merge_choices(answers)).into_response())
-}
-
-/// The usage of a request of several choices: the first choice's prompt (counted once, with
-/// its cached tokens) and every choice's completion tokens; `None` until every choice ended.
-fn total_usage(choices: &[Option<openai::Usage>]) -> Option<openai::Usage> {
-    let first = (*choices.first()?)?;
-    choices.iter().try_fold(
-        openai::Usage {
-            completion_tokens: 0,
-            ..first
-        },
-        |mut total, u| {
-            total.completion_tokens += u.as_ref()?.completion_tokens;
+            total.completion_tokens += u.completion_tokens;
             Some(total)
-        },
-    )
+        })
 }
 
-/// One answer of several choices (each a whole answer of its own, in choice order): their
-/// choices, the first's id, usage as [`total_usage`].
-fn merge_choices(answers: Vec<Value>) -> Value {
+/// One answer of several choices (each a whole answer of its own, in choice order, `n` per
+/// prompt): their choices, the first's id, usage as [`total_usage`].
+fn merge_choices(answers: Vec<Value>, n: usize) -> Value {
     let usage = |v: &Value| openai::Usage {
         prompt_tokens: v["usage"]["prompt_tokens"].as_u64().unwrap_or(0) as usize,
         completion_tokens: v["usage"]["completion_tokens"].as_u64().unwrap_or(0) as usize,
@@ -380,7 +417,7 @@ fn merge_choices(answers: Vec<Value>) -> Value {
     let mut choices = vec![out["choices"][0].take()];
     choices.extend(answers.map(|mut v| v["choices"][0].take()));
     out["choices"] = Value::Array(choices);
-    if let Some(u) = total_usage(&usages) {
+    if let Some(u) = total_usage(&usages, n) {
         out["usage"] = u.to_json();
     }
     out

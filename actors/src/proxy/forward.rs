@@ -215,6 +215,7 @@ async fn admitted(s: Arc<ProxyState>, body: Bytes, chat: bool, arrived: Instant)
     let stream = request.get("stream").and_then(Value::as_bool) == Some(true);
     let client_token_ids = request.get("return_token_ids").and_then(Value::as_bool) == Some(true);
     let choices = parsed.n;
+    let prompts = 1 + parsed.more_prompts.len();
     let prompt = prompt_info(&s, parsed).await;
     let picked = route_with(
         &s.registry(),
@@ -237,6 +238,14 @@ async fn admitted(s: Arc<ProxyState>, body: Bytes, chat: bool, arrived: Instant)
             outcome("local_prefill");
             (decode, None)
         }
+        Ok(Route::Disaggregated { decode, .. }) if prompts > 1 => {
+            // A hand-off carries one prompt's KV: a list of prompts is prefilled on decode.
+            tracing::info!(decode = %decode.url, prompts, "prefilling on decode: a list of prompts");
+            metrics::counter!(m::LOCAL_PREFILLS_TOTAL, m::LABEL_REASON => "batched_prompts")
+                .increment(1);
+            outcome("local_prefill");
+            (decode, None)
+        }
         Ok(Route::Disaggregated { prefill, decode }) => {
             outcome("disaggregated");
             (decode, Some(prefill))
@@ -254,7 +263,7 @@ async fn admitted(s: Arc<ProxyState>, body: Bytes, chat: bool, arrived: Instant)
         request,
         stream,
         client_token_ids,
-        choices,
+        choices: choices * prompts,
         tried_decode: Vec::new(),
         tried_prefill: Vec::new(),
         migrations: 0,
@@ -317,8 +326,8 @@ struct Job {
     stream: bool,
     /// The client asked for `return_token_ids` itself (else they are stripped).
     client_token_ids: bool,
-    /// `n`: a stream of several choices is not migrated once it started (a resumed request
-    /// continues one choice).
+    /// Choices of the answer (`n` per prompt): a stream of several is not migrated once it
+    /// started (a resumed request continues one choice).
     choices: usize,
     /// Decode instances that failed this request (not picked again).
     tried_decode: Vec<String>,

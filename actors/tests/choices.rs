@@ -5,7 +5,9 @@
 //! pd.rs.)
 
 mod common;
-use common::{assert_pool_full, post, post_to, stream_chunks};
+use common::{
+    assert_pool_full, choice_token_ids, post, post_to, stream_chunks, streamed_choice_token_ids,
+};
 
 use pdserve_actors::{Instance, InstanceOptions};
 use pdserve_gpu::loader::{load_model, ModelSource};
@@ -28,33 +30,13 @@ fn body(salt: u32, n: usize, temperature: f64, seed: Option<u64>) -> Value {
            "seed": seed, "ignore_eos": true, "return_token_ids": true})
 }
 
-/// Each choice's token ids, checking the indices are 0..n in order.
-fn choice_ids(v: &Value) -> Vec<Vec<u64>> {
-    let choices = v["choices"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no choices: {v}"));
-    choices
-        .iter()
-        .enumerate()
-        .map(|(i, c)| {
-            assert_eq!(c["index"], json!(i), "{v}");
-            c["token_ids"]
-                .as_array()
-                .unwrap_or_else(|| panic!("no token_ids: {v}"))
-                .iter()
-                .map(|t| t.as_u64().unwrap())
-                .collect()
-        })
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn n_choices_are_seeded_per_choice_deterministic_and_share_the_prompt() {
     let inst = start("choices-n").await;
     let url = inst.url();
     let (status, a) = post(&url, &body(0, 4, 1.0, Some(5))).await;
     assert_eq!(status, 200, "{a}");
-    let answers = choice_ids(&a);
+    let answers = choice_token_ids(&a);
     assert_eq!(answers.len(), 4, "{a}");
     assert!(answers.iter().all(|t| t.len() == 8), "{a}");
     // Usage: the prompt once, every choice's completion.
@@ -64,11 +46,11 @@ async fn n_choices_are_seeded_per_choice_deterministic_and_share_the_prompt() {
     // Deterministic across runs; choice i is the request with seed 5 + i.
     let (status, b) = post(&url, &body(0, 4, 1.0, Some(5))).await;
     assert_eq!(status, 200, "{b}");
-    assert_eq!(choice_ids(&b), answers);
+    assert_eq!(choice_token_ids(&b), answers);
     for (i, want) in answers.iter().enumerate() {
         let (status, one) = post(&url, &body(0, 1, 1.0, Some(5 + i as u64))).await;
         assert_eq!(status, 200, "{one}");
-        assert_eq!(&choice_ids(&one)[0], want, "choice {i}");
+        assert_eq!(&choice_token_ids(&one)[0], want, "choice {i}");
     }
     let distinct: std::collections::BTreeSet<_> = answers.iter().collect();
     assert!(distinct.len() > 1, "four seeds, one answer: {answers:?}");
@@ -78,8 +60,8 @@ async fn n_choices_are_seeded_per_choice_deterministic_and_share_the_prompt() {
     assert_eq!(status, 200, "{one}");
     let (status, two) = post(&url, &body(1, 2, 0.0, None)).await;
     assert_eq!(status, 200, "{two}");
-    let two = choice_ids(&two);
-    assert_eq!(two, vec![choice_ids(&one)[0].clone(); 2]);
+    let two = choice_token_ids(&two);
+    assert_eq!(two, vec![choice_token_ids(&one)[0].clone(); 2]);
 
     // The other choices take the first's full prompt blocks from the prefix cache.
     let before = inst.stats().await.unwrap().prompt_tokens_cached;
@@ -106,7 +88,6 @@ async fn streamed_choices_carry_their_index_and_equal_the_whole_answer() {
     streamed["stream"] = json!(true);
     streamed["stream_options"] = json!({"include_usage": true});
     let chunks = stream_chunks(&url, "/v1/completions", &streamed).await;
-    let mut ids = vec![Vec::new(); 3];
     let mut text = vec![String::new(); 3];
     let mut finished = [0; 3];
     let mut usage = Vec::new();
@@ -117,19 +98,15 @@ async fn streamed_choices_carry_their_index_and_equal_the_whole_answer() {
         }
         let choice = &c["choices"][0];
         let i = choice["index"].as_u64().unwrap() as usize;
-        ids[i].extend(
-            choice["token_ids"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|t| t.as_u64().unwrap()),
-        );
         text[i].push_str(choice["text"].as_str().unwrap());
         if !choice["finish_reason"].is_null() {
             finished[i] += 1;
         }
     }
-    assert_eq!(ids, choice_ids(&whole));
+    assert_eq!(
+        streamed_choice_token_ids(&chunks, 3),
+        choice_token_ids(&whole)
+    );
     for (i, t) in text.iter().enumerate() {
         assert_eq!(
             t,
@@ -202,7 +179,7 @@ async fn a_list_of_prompts_answers_prompt_major_equal_to_one_request_each() {
                    "ignore_eos": true, "return_token_ids": true});
     let (status, v) = post(&url, &b).await;
     assert_eq!(status, 200, "{v}");
-    let got = choice_ids(&v);
+    let got = choice_token_ids(&v);
     assert_eq!(got.len(), 6, "{v}");
     // Choice j * n + i is prompt j's choice i (seed + i), as its own request answers it.
     for (j, p) in prompts.iter().enumerate() {
@@ -210,7 +187,11 @@ async fn a_list_of_prompts_answers_prompt_major_equal_to_one_request_each() {
                          "ignore_eos": true, "return_token_ids": true});
         let (status, w) = post(&url, &one).await;
         assert_eq!(status, 200, "{w}");
-        assert_eq!(got[2 * j..2 * j + 2], choice_ids(&w)[..], "prompt {j}");
+        assert_eq!(
+            got[2 * j..2 * j + 2],
+            choice_token_ids(&w)[..],
+            "prompt {j}"
+        );
     }
     assert_eq!(v["usage"]["prompt_tokens"], json!(120), "{v}");
     assert_eq!(v["usage"]["completion_tokens"], json!(36), "{v}");
@@ -219,18 +200,7 @@ async fn a_list_of_prompts_answers_prompt_major_equal_to_one_request_each() {
     s["stream"] = json!(true);
     s["stream_options"] = json!({"include_usage": true});
     let chunks = stream_chunks(&url, "/v1/completions", &s).await;
-    let mut ids = vec![Vec::new(); 6];
-    for c in chunks.iter().filter(|c| c["choices"][0].is_object()) {
-        let i = c["choices"][0]["index"].as_u64().unwrap() as usize;
-        ids[i].extend(
-            c["choices"][0]["token_ids"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|t| t.as_u64().unwrap()),
-        );
-    }
-    assert_eq!(ids, got);
+    assert_eq!(streamed_choice_token_ids(&chunks, 6), got);
     let usage = &chunks.last().unwrap()["usage"];
     assert_eq!(usage["prompt_tokens"], json!(120), "{usage}");
     assert_eq!(usage["completion_tokens"], json!(36), "{usage}");

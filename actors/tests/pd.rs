@@ -1751,18 +1751,17 @@ async fn logprobs_cross_the_hand_off_equal_to_colocated() {
     }
 }
 
+/// Checks that both instances' pools are full again, then stops them.
+async fn stop_pair(p: Instance, d: Instance) {
+    assert_pool_full(&p).await;
+    assert_pool_full(&d).await;
+    p.stop().await;
+    d.stop().await;
+}
+
 /// `GET /v1/models` at `url`: the listed ids.
 async fn model_ids(url: &str) -> Vec<String> {
-    let v: Value = pdserve_actors::http::http_client()
-        .build()
-        .unwrap()
-        .get(format!("{url}/v1/models"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v = common::get_json(url, "/v1/models").await;
     v["data"]
         .as_array()
         .unwrap_or_else(|| panic!("no data in {v}"))
@@ -1777,25 +1776,12 @@ async fn served_model_aliases_are_accepted_listed_and_routed() {
     let aliases = vec!["gpt-friendly".to_string(), "alias-two".to_string()];
     let reference = colocated_reference("small", 1).await;
     let lease = Duration::from_secs(30);
-    let alias = |o: &mut InstanceOptions| o.served_name = aliases.clone();
-    let p = instance_with(
-        "p-alias",
-        "small",
-        1,
-        Some(BackendKind::Local),
-        lease,
-        |o| alias(o),
-    )
-    .await;
-    let d = instance_with(
-        "d-alias",
-        "small",
-        1,
-        Some(BackendKind::Local),
-        lease,
-        |o| alias(o),
-    )
-    .await;
+    let mut pair = Vec::new();
+    for name in ["p-alias", "d-alias"] {
+        let alias = |o: &mut InstanceOptions| o.served_name = aliases.clone();
+        pair.push(instance_with(name, "small", 1, Some(BackendKind::Local), lease, alias).await);
+    }
+    let (p, d) = (pair.remove(0), pair.remove(0));
     let (proxy, url) = proxy_for("proxy-alias", vec![p.url()], vec![d.url()], None).await;
     wait_healthy(&url).await;
     // The aliases are listed (the primary first), at the instances and through the proxy.
@@ -1822,11 +1808,8 @@ async fn served_model_aliases_are_accepted_listed_and_routed() {
         let (status, v) = post(at, &b).await;
         assert_error(status, &v, 400, "not-served");
     }
-    assert_pool_full(&p).await;
-    assert_pool_full(&d).await;
     proxy.stop().await;
-    p.stop().await;
-    d.stop().await;
+    stop_pair(p, d).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1878,10 +1861,7 @@ async fn logit_bias_applies_on_prefill_and_decode_equal_to_colocated() {
     let (status, v) = via_pd(&p.url(), &d.url(), &banned(1)).await;
     assert_eq!(status, 200, "{v}");
     assert_eq!(ids(&v), banned_ref, "two hops");
-    assert_pool_full(&p).await;
-    assert_pool_full(&d).await;
-    p.stop().await;
-    d.stop().await;
+    stop_pair(p, d).await;
 
     // pdserve's proxy: the bias travels in the peer protocol's sampling params.
     for mode in [TransferMode::Push, TransferMode::Pull] {
@@ -1901,25 +1881,6 @@ async fn logit_bias_applies_on_prefill_and_decode_equal_to_colocated() {
     }
 }
 
-/// Each choice's token ids of a whole answer of several choices.
-fn choices_ids(v: &Value) -> Vec<Vec<u64>> {
-    v["choices"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no choices: {v}"))
-        .iter()
-        .enumerate()
-        .map(|(i, c)| {
-            assert_eq!(c["index"], json!(i), "{v}");
-            c["token_ids"]
-                .as_array()
-                .unwrap_or_else(|| panic!("no token_ids: {v}"))
-                .iter()
-                .map(|t| t.as_u64().unwrap())
-                .collect()
-        })
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn n_choices_hand_the_prompt_over_once_and_equal_colocated() {
     let lease = Duration::from_secs(30);
@@ -1936,7 +1897,7 @@ async fn n_choices_hand_the_prompt_over_once_and_equal_colocated() {
     for (salt, n, t) in [(0, 4, 1.0), (1, 2, 0.0), (1, 1, 0.0)] {
         let (status, v) = post(&c.url(), &choices(salt, n, t)).await;
         assert_eq!(status, 200, "{v}");
-        reference.push(choices_ids(&v));
+        reference.push(common::choice_token_ids(&v));
     }
     assert_eq!(
         reference[1],
@@ -1962,11 +1923,8 @@ async fn n_choices_hand_the_prompt_over_once_and_equal_colocated() {
     dec["kv_transfer_params"] = answer["kv_transfer_params"].clone();
     let (status, v) = post(&d.url(), &dec).await;
     assert_eq!(status, 200, "{v}");
-    assert_eq!(choices_ids(&v), reference[0], "two hops");
-    assert_pool_full(&p).await;
-    assert_pool_full(&d).await;
-    p.stop().await;
-    d.stop().await;
+    assert_eq!(common::choice_token_ids(&v), reference[0], "two hops");
+    stop_pair(p, d).await;
 
     // pdserve's proxy: one hand-off per request whatever `n`, the same answers as colocated.
     for mode in [TransferMode::Push, TransferMode::Pull] {
@@ -1984,7 +1942,11 @@ async fn n_choices_hand_the_prompt_over_once_and_equal_colocated() {
             );
             let (status, v) = post(&cl.url, &choices(salt, n, t)).await;
             assert_eq!(status, 200, "{tag} {i}: {v}");
-            assert_eq!(choices_ids(&v), reference[i], "{tag} request {i}");
+            assert_eq!(
+                common::choice_token_ids(&v),
+                reference[i],
+                "{tag} request {i}"
+            );
             let handoffs = cl.d.kv_figures().unwrap().handoffs_done - before;
             let cached = cl.d.stats().await.unwrap().prompt_tokens_cached - cached_before;
             if i < 2 {
@@ -1995,19 +1957,11 @@ async fn n_choices_hand_the_prompt_over_once_and_equal_colocated() {
             let mut b = choices(salt, n, t);
             b["stream"] = json!(true);
             let chunks = common::stream_chunks(&cl.url, "/v1/completions", &b).await;
-            let mut ids = vec![Vec::new(); n];
-            for c in &chunks {
-                let choice = &c["choices"][0];
-                let at = choice["index"].as_u64().unwrap() as usize;
-                ids[at].extend(
-                    choice["token_ids"]
-                        .as_array()
-                        .unwrap()
-                        .iter()
-                        .map(|t| t.as_u64().unwrap()),
-                );
-            }
-            assert_eq!(ids, reference[i], "{tag} streamed request {i}");
+            assert_eq!(
+                common::streamed_choice_token_ids(&chunks, n),
+                reference[i],
+                "{tag} streamed request {i}"
+            );
         }
         cl.stop().await;
     }
@@ -2038,7 +1992,10 @@ async fn a_list_of_prompts_through_the_proxy_equals_colocated() {
     .await;
     let (status, v) = post(&cl.url, &b).await;
     assert_eq!(status, 200, "{v}");
-    assert_eq!(choices_ids(&v), choices_ids(&want));
+    assert_eq!(
+        common::choice_token_ids(&v),
+        common::choice_token_ids(&want)
+    );
     assert_eq!(v["usage"], want["usage"]);
     // vLLM's two hops carry one prompt: a list with kv_transfer_params is refused.
     let mut two_hop = b.clone();

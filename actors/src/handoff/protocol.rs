@@ -833,16 +833,18 @@ mod tests {
         };
         assert!(decode_request(&encode_request(&long_name).unwrap()).is_err());
 
+        let pull = |sampling| {
+            PeerRequest::Prefill(PrefillRequest {
+                transfer: t,
+                prompt: vec![1, 2, 3],
+                sampling,
+                mode: PrefillMode::Pull,
+                cached_blocks: 0,
+            })
+        };
         let mut sampling = SamplingParams::greedy(1);
         sampling.stop_token_ids = vec![1; pdserve_gpu::sampling::MAX_STOP_TOKEN_IDS + 1];
-        let prefill = PeerRequest::Prefill(PrefillRequest {
-            transfer: t,
-            prompt: vec![1, 2, 3],
-            sampling,
-            mode: PrefillMode::Pull,
-            cached_blocks: 0,
-        });
-        assert!(decode_request(&encode_request(&prefill).unwrap()).is_err());
+        assert!(decode_request(&encode_request(&pull(sampling)).unwrap()).is_err());
         let bias = |token, bias| pdserve_gpu::sampling::LogitBias { token, bias };
         for (logit_bias, needle) in [
             (
@@ -854,14 +856,7 @@ mod tests {
         ] {
             let mut sampling = SamplingParams::greedy(1);
             sampling.logit_bias = logit_bias;
-            let prefill = PeerRequest::Prefill(PrefillRequest {
-                transfer: t,
-                prompt: vec![1, 2, 3],
-                sampling,
-                mode: PrefillMode::Pull,
-                cached_blocks: 0,
-            });
-            let e = decode_request(&encode_request(&prefill).unwrap()).unwrap_err();
+            let e = decode_request(&encode_request(&pull(sampling)).unwrap()).unwrap_err();
             assert!(e.to_string().contains(needle), "{e}");
         }
 

@@ -46,6 +46,60 @@ pub async fn stream_chunks(url: &str, path: &str, body: &Value) -> Vec<Value> {
         .collect()
 }
 
+/// `GET {path}` at `url`, as JSON.
+pub async fn get_json(url: &str, path: &str) -> Value {
+    pdserve_actors::http::http_client()
+        .build()
+        .unwrap()
+        .get(format!("{url}{path}"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+/// The token ids of a choice (`return_token_ids`), as a whole answer or a streamed chunk has
+/// them.
+fn token_ids_of(choice: &Value) -> impl Iterator<Item = u64> + '_ {
+    choice["token_ids"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no token_ids: {choice}"))
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+}
+
+/// Each choice's token ids of a whole answer, checking the indices are 0.. in order.
+pub fn choice_token_ids(v: &Value) -> Vec<Vec<u64>> {
+    let choices = v["choices"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no choices: {v}"));
+    choices
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            assert_eq!(c["index"], serde_json::json!(i), "{v}");
+            token_ids_of(c).collect()
+        })
+        .collect()
+}
+
+/// Each of `n` choices' token ids gathered from streamed chunks (by their `index`; chunks
+/// without a choice, the usage chunk, are skipped).
+pub fn streamed_choice_token_ids(chunks: &[Value], n: usize) -> Vec<Vec<u64>> {
+    let mut ids = vec![Vec::new(); n];
+    for choice in chunks
+        .iter()
+        .map(|c| &c["choices"][0])
+        .filter(|c| c.is_object())
+    {
+        let i = choice["index"].as_u64().unwrap() as usize;
+        ids[i].extend(token_ids_of(choice));
+    }
+    ids
+}
+
 /// Waits (at most 10 s) until nothing runs or waits at `inst` and every KV block is free again.
 pub async fn assert_pool_full(inst: &Instance) {
     let deadline = Instant::now() + Duration::from_secs(10);

@@ -272,9 +272,9 @@ async fn bad_input_gets_a_clear_error_and_the_instance_keeps_serving() {
             "top_k",
         ),
         (
-            "n above one",
+            "n above the bound",
             "/v1/completions",
-            json!({"prompt": "a", "n": 3}),
+            json!({"prompt": "a", "n": 17}),
             400,
             "`n`",
         ),

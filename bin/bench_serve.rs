@@ -1280,8 +1280,13 @@ async fn resolve_model(client: &reqwest::Client, cfg: &BenchConfig) -> Result<St
 pub async fn run_bench(cfg: &BenchConfig) -> Result<BenchReport> {
     cfg.validate()?;
     // No proxy from the environment: measure the server.
+    // A fresh connection per request (a loopback connect costs tens of microseconds): servers
+    // close kept-alive connections on their own terms (llama-server's cpp-httplib after a few
+    // seconds idle or a few requests), and a request sent on one the server is closing fails
+    // ("connection closed before message completed") through no fault of either side.
     let client = pdserve_actors::http::http_client()
         .connect_timeout(CONNECT_TIMEOUT)
+        .pool_max_idle_per_host(0)
         .build()
         .context("building the HTTP client")?;
     let model = resolve_model(&client, cfg).await?;

@@ -177,7 +177,7 @@ async fn streaming_and_non_streaming_give_the_same_text() {
             .unwrap();
         let prompt_tokens = usage["prompt_tokens"].as_u64().unwrap();
         assert!(
-            cached > 0 && cached % 16 == 0 && cached <= prompt_tokens,
+            cached > 0 && cached.is_multiple_of(16) && cached <= prompt_tokens,
             "{path}: {usage}"
         );
         if chat {

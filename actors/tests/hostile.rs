@@ -3,7 +3,7 @@
 //! instance keeps serving and its block pool returns to full.
 
 mod common;
-use common::{assert_pool_full, post};
+use common::{assert_pool_full, get_json, post};
 
 use pdserve_actors::{Instance, InstanceOptions};
 use pdserve_gpu::loader::{load_model, ModelSource};
@@ -368,16 +368,7 @@ async fn the_http_peer_carrier_is_bounded_to_its_callers() {
         "{err}"
     );
     // ...and names its control address for peers that know only its URL.
-    let info: Value = pdserve_actors::http::http_client()
-        .build()
-        .unwrap()
-        .get(format!("{url}/v1/kv/info"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let info = get_json(&url, "/v1/kv/info").await;
     assert!(info["control_addr"].is_string(), "{info}");
     creds.stop().await;
 

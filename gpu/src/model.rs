@@ -9,10 +9,10 @@
 //! is vocabulary-parallel (an all-gather of logits).
 
 use crate::collective::Collective;
-use crate::config::{ModelConfig, RopeStyle};
+use crate::config::{ModelConfig, RopeScaling, RopeStyle};
 use crate::kv::{KvCache, KvKind};
 use crate::quant::{self, QMatrix, QType};
-use crate::weights::{concat_rows, convert, slice_cols, slice_rows, TensorStore, WeightFormat};
+use crate::weights::{concat_rows, convert, slice_rows, TensorStore, WeightFormat};
 use crate::{ModelError, Result};
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
@@ -151,69 +151,48 @@ impl Linear {
         Ok(y)
     }
 
-    /// Adds a row-parallel layer's output, joined across the ranks, to `acc` (`[rows, out]`,
-    /// the residual stream; the same on every rank).
+    /// Adds the output of a layer whose input is split across the ranks (the attention
+    /// output projection: each rank holds its heads' values; the down projection: its share of
+    /// the FFN) to `acc` (`[rows, out_total]`, the residual stream; the same on every rank).
     ///
-    /// With this crate's kernels every output value is the sum, in column order, of partial
-    /// dot products over fixed chunks of `chunk` input columns (the shard width at the largest
-    /// tensor-parallel size the model allows), gathered from all ranks: the same additions in
-    /// the same order whatever the TP size, so sharding does not change the rounding. The sums
-    /// (and the bias) are formed and added to `acc` on the compute pool. Other weights use a
-    /// plain all-reduce of the per-rank products.
-    fn add_row_parallel(
+    /// The ranks first gather the whole input row, then each computes its own slice of the
+    /// output values ([`ModelShard::load`] cuts this weight by output rows), each value one
+    /// dot product over the whole input row, and the slices are gathered. So every value is
+    /// the single dot product llama.cpp computes, in its order, whatever the TP size: sharding
+    /// changes no rounding, and tp=1 is llama.cpp's arithmetic. (Until issue 28 these layers
+    /// summed partial dot products over fixed column chunks, the shards of the largest TP size:
+    /// tp-invariant too, but a different sum than llama.cpp's, and in a model whose
+    /// activations are quantized to 8 bits before every matmul that difference moved the
+    /// default model's log-probabilities by up to 0.6 against llama.cpp's.)
+    fn add_split_input(
         &self,
         x: &[f32],
         rows: usize,
-        chunk: usize,
         comm: &dyn Collective,
         acc: &mut [f32],
     ) -> Result<()> {
-        let (cols, parts) = match &self.weight {
-            LinearWeight::Quant(q)
-                if chunk.is_multiple_of(q.qtype().block_elems())
-                    && q.cols().is_multiple_of(chunk) =>
-            {
-                let blocks = chunk / q.qtype().block_elems();
-                (q.cols(), quant::matmul_chunked(q, x, rows, blocks))
-            }
-            LinearWeight::Packed(p)
-                if chunk.is_multiple_of(quant::QK) && p.cols().is_multiple_of(chunk) =>
-            {
-                (p.cols(), p.matmul_chunked(x, rows, chunk / quant::QK))
-            }
-            _ => {
-                let mut y = self.forward(x, rows)?;
-                comm.all_reduce_sum(&mut y)?;
-                acc.iter_mut().zip(&y).for_each(|(a, b)| *a += b);
-                return Ok(());
-            }
-        };
-        let per_rank = cols / chunk;
-        let gathered = if comm.size() > 1 {
-            comm.all_gather(&parts)?
-        } else {
-            parts
-        };
-        // `gathered` is [rank][row][out][chunk]: add every chunk of a value in global order.
-        let n = self.out_features;
-        let rank_len = rows * n * per_rank;
         let ranks = comm.size();
-        for_rows(acc, n, |r0, part| {
-            for (k, a) in part.iter_mut().enumerate() {
-                let i = r0 * n + k;
-                let mut y = gathered[i * per_rank];
-                for r in 0..ranks {
-                    let base = r * rank_len + i * per_rank;
-                    let start = if r == 0 { 1 } else { 0 };
-                    for c in start..per_rank {
-                        y += gathered[base + c];
-                    }
-                }
-                if let Some(b) = &self.bias {
-                    y += b[i % n];
-                }
-                *a += y;
+        let whole_rows = |parts: Vec<f32>| -> Vec<f32> {
+            if ranks == 1 {
+                return parts;
             }
+            // `parts` is [rank][row][width]: make it [row][rank][width].
+            let width = parts.len() / ranks / rows;
+            let mut out = Vec::with_capacity(parts.len());
+            for r in 0..rows {
+                for k in 0..ranks {
+                    let at = (k * rows + r) * width;
+                    out.extend_from_slice(&parts[at..at + width]);
+                }
+            }
+            out
+        };
+        let input = whole_rows(comm.all_gather(x)?);
+        let y = whole_rows(comm.all_gather(&self.forward(&input, rows)?)?);
+        let width = acc.len() / rows;
+        for_rows(acc, width, |r0, part| {
+            let y = &y[r0 * width..r0 * width + part.len()];
+            part.iter_mut().zip(y).for_each(|(a, b)| *a += b);
         });
         Ok(())
     }
@@ -320,17 +299,38 @@ struct RopeTable {
 }
 
 impl RopeTable {
+    /// The angles as llama.cpp computes them (`ggml_rope_cache_init`): per position, the
+    /// first pair's angle is the position, each next one the previous times
+    /// `base^(-2 / head_dim)`, in f32, then divided by the pair's frequency factor and
+    /// multiplied by the linear scale. That rounds differently from `position × base^(-2i/d)`
+    /// in the last bits, and with 8-bit activations a last-bit difference can move a
+    /// log-probability by 0.1. Llama 3's scaling (from `config.json`; a GGUF carries it as
+    /// frequency factors) keeps the per-pair frequencies.
     fn new(cfg: &ModelConfig) -> Self {
-        let inv = cfg.rope_inv_freq();
-        let scale = cfg.rope_position_scale();
         let half = cfg.head_dim / 2;
+        let scale = cfg.rope_position_scale();
         let mut cos = Vec::with_capacity(cfg.context_length * half);
         let mut sin = Vec::with_capacity(cfg.context_length * half);
-        for p in 0..cfg.context_length {
-            for f in &inv {
-                let a = p as f32 * scale * f;
-                cos.push(a.cos());
-                sin.push(a.sin());
+        if let RopeScaling::Llama3 { .. } = cfg.rope_scaling {
+            let inv = cfg.rope_inv_freq();
+            for p in 0..cfg.context_length {
+                for f in &inv {
+                    let a = p as f32 * scale * f;
+                    cos.push(a.cos());
+                    sin.push(a.sin());
+                }
+            }
+        } else {
+            let step = cfg.rope_theta.powf(-2.0 / cfg.head_dim as f32);
+            for p in 0..cfg.context_length {
+                let mut theta = p as f32;
+                for i in 0..half {
+                    let factor = cfg.rope_freq_factors.as_ref().map_or(1.0, |f| f[i]);
+                    let a = scale * (theta / factor);
+                    cos.push(a.cos());
+                    sin.push(a.sin());
+                    theta *= step;
+                }
             }
         }
         Self {
@@ -380,9 +380,6 @@ pub struct ModelShard {
     final_norm: Vec<f32>,
     lm_head: Linear,
     rope: RopeTable,
-    /// Input columns per reduction chunk of the attention output and down projections (see
-    /// [`Linear::add_row_parallel`]).
-    reduce_chunks: (usize, usize),
     /// [`WeightFormat::Native`]: RMSNorm sums as llama.cpp does (see [`rms_norm`]).
     native: bool,
 }
@@ -421,13 +418,10 @@ impl ModelShard {
             cfg.intermediate_size,
             cfg.vocab_size,
         );
-        // The largest TP size the model allows: its shard widths are the reduction chunks of
-        // the row-parallel layers at every TP size (each valid size divides it).
         let native = format == WeightFormat::Native;
-        let max_tp = (1..=kvh)
-            .filter(|&t| cfg.check_tp(t).is_ok())
-            .max()
-            .unwrap_or(1);
+        // The output rows of the layers whose input is split across the ranks (see
+        // [`Linear::add_split_input`]).
+        let out_rows = split(d, rank, tp);
         let heads = split(h, rank, tp);
         let kv_heads = split(kvh, rank, tp);
         let ffn = split(f, rank, tp);
@@ -465,14 +459,14 @@ impl ModelShard {
                 attn_norm: store.vector(&name("attn_norm.weight"), d)?,
                 qkv: Stacked::new(qkv, qkv_bias, format)?,
                 out: Linear::new(
-                    convert(slice_cols(o, rows(&heads))?, format)?,
+                    convert(slice_rows(o, out_rows.clone())?, format)?,
                     None,
                     !native,
                 )?,
                 ffn_norm: store.vector(&name("ffn_norm.weight"), d)?,
                 gate_up: Stacked::new(gate_up, vec![None, None], format)?,
                 down: Linear::new(
-                    convert(slice_cols(down, ffn.clone())?, format)?,
+                    convert(slice_rows(down, out_rows.clone())?, format)?,
                     None,
                     !native,
                 )?,
@@ -502,7 +496,6 @@ impl ModelShard {
             final_norm: store.vector("output_norm.weight", d)?,
             lm_head,
             rope: RopeTable::new(cfg),
-            reduce_chunks: (h * hd / max_tp, f / max_tp),
             native,
         })
     }
@@ -668,9 +661,7 @@ impl ModelShard {
             on_layer(li);
             let attn =
                 crate::attention::attention(li, batch, &offsets, &qkv, qkv_w, nh, nkv, hd, kv);
-            layer
-                .out
-                .add_row_parallel(&attn, t, self.reduce_chunks.0, comm, &mut x)?;
+            layer.out.add_split_input(&attn, t, comm, &mut x)?;
 
             for_rows(&mut h, d, |r0, out| {
                 let x = &x[r0 * d..r0 * d + out.len()];
@@ -687,9 +678,7 @@ impl ModelShard {
                     crate::vecmath::swiglu(g, u, act);
                 }
             });
-            layer
-                .down
-                .add_row_parallel(&act, t, self.reduce_chunks.1, comm, &mut x)?;
+            layer.down.add_split_input(&act, t, comm, &mut x)?;
         }
 
         // Logits for the last token of every sequence that wants them (every token of one

@@ -171,7 +171,7 @@ fn tp_1_and_3_agree(format: WeightFormat) {
 }
 
 /// `model.weights = native` on a GGUF of Q4_K (or Q6_K) weights: pdserve's k-quant kernels,
-/// whose row-parallel reduction chunks (here 256 and 512 columns: whole super-blocks) make 2
+/// whose whole-row dot products (the split-input layers are sharded by output rows) make 2
 /// ranks give exactly the logits and tokens of 1, and stay close to the f32 model.
 #[test]
 fn native_k_quants_give_identical_logits_at_tp_1_and_2() {

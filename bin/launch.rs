@@ -73,6 +73,13 @@ pub struct LaunchArgs {
     /// Compute threads per instance (default: the cores divided among the instances).
     #[arg(long)]
     threads: Option<usize>,
+    /// Pin every instance to its own CPUs: the CPUs this process may use are cut into one
+    /// disjoint, contiguous set per instance (the remainder, if any, goes to the proxy, which
+    /// otherwise shares them all), and each instance runs one compute thread per CPU of its
+    /// set unless `--threads` says otherwise. Needs at least one CPU per instance. Instances
+    /// added later by `pdserve scale` are not pinned.
+    #[arg(long)]
+    pin_cpus: bool,
     /// Run every actor in this process over the `local` transport.
     #[arg(long)]
     in_process: bool,
@@ -210,6 +217,48 @@ struct Member {
     env: Vec<(&'static str, String)>,
     child: Option<Child>,
     tracker: RestartTracker,
+    /// `--pin-cpus`: the CPUs this member runs on (`None`: whatever the launcher may use).
+    cpus: Option<Vec<usize>>,
+}
+
+/// `--pin-cpus`: `cpus` (the CPUs the launcher may use) cut into `instances` disjoint,
+/// contiguous sets of equal size, and the CPUs left over for the proxy (`None` when there are
+/// none: it then shares every CPU).
+///
+/// # Errors
+/// Fewer CPUs than instances.
+fn cpu_plan(cpus: &[usize], instances: usize) -> Result<(Vec<Vec<usize>>, Option<Vec<usize>>)> {
+    if instances == 0 || cpus.len() < instances {
+        bail!(
+            "--pin-cpus needs at least one CPU per instance: {instances} instance(s), {} CPU(s) available to this process",
+            cpus.len()
+        );
+    }
+    let per = cpus.len() / instances;
+    let sets = cpus
+        .chunks(per)
+        .take(instances)
+        .map(<[usize]>::to_vec)
+        .collect();
+    let rest = &cpus[per * instances..];
+    Ok((sets, (!rest.is_empty()).then(|| rest.to_vec())))
+}
+
+/// The CPUs this process may run on (its affinity mask), in increasing order.
+fn allowed_cpus() -> Result<Vec<usize>> {
+    // SAFETY: `set` is a plain bit set the kernel fills; its size is passed along.
+    let set = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return Err(std::io::Error::last_os_error())
+                .context("reading this process's CPU affinity");
+        }
+        set
+    };
+    // SAFETY: `set` is initialised; CPU_ISSET reads one bit below CPU_SETSIZE.
+    Ok((0..libc::CPU_SETSIZE as usize)
+        .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
+        .collect())
 }
 
 fn spawn(m: &Member) -> Result<Child> {
@@ -221,11 +270,28 @@ fn spawn(m: &Member) -> Result<Child> {
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
         .kill_on_drop(true);
-    // SAFETY: prctl is async-signal-safe; this runs in the child between fork and exec.
+    // The affinity set is built here: between fork and exec only system calls run.
+    let pin = m.cpus.as_ref().map(|cpus| {
+        // SAFETY: a zeroed cpu_set_t is the empty set; CPU_SET writes one bit of it.
+        unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            for &c in cpus {
+                libc::CPU_SET(c, &mut set);
+            }
+            set
+        }
+    });
+    // SAFETY: prctl and sched_setaffinity are async-signal-safe system calls; this runs in
+    // the child between fork and exec.
     unsafe {
-        cmd.pre_exec(|| {
+        cmd.pre_exec(move || {
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
                 return Err(std::io::Error::last_os_error());
+            }
+            if let Some(set) = &pin {
+                if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), set) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
             }
             Ok(())
         });
@@ -378,6 +444,7 @@ impl InstanceTemplate {
             env,
             child: None,
             tracker: RestartTracker::new(RestartPolicy::default()),
+            cpus: None,
         }
     }
 }
@@ -507,7 +574,18 @@ pub fn run(args: LaunchArgs) -> Result<()> {
     }
     let instances = args.prefill + args.decode;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let threads = args.threads.unwrap_or((cores / instances).max(1));
+    let pinning = if args.pin_cpus {
+        if args.in_process {
+            bail!("--pin-cpus pins instance processes; it cannot be used with --in-process");
+        }
+        Some(cpu_plan(&allowed_cpus()?, instances)?)
+    } else {
+        None
+    };
+    let threads = args.threads.unwrap_or(match &pinning {
+        Some((sets, _)) => sets[0].len(),
+        None => (cores / instances).max(1),
+    });
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
@@ -547,6 +625,13 @@ pub fn run(args: LaunchArgs) -> Result<()> {
                 members.push(template.member(role, i));
             }
         }
+        let (instance_cpus, proxy_cpus) = match pinning {
+            Some((sets, rest)) => (sets.into_iter().map(Some).collect(), rest),
+            None => (vec![None; members.len()], None),
+        };
+        for (m, cpus) in members.iter_mut().zip(instance_cpus) {
+            m.cpus = cpus;
+        }
         let proxy_args: Vec<String> = [
             "proxy", "--host", &args.host, "--port", &proxy_port.to_string(),
             "--credentials-dir", &template.dir, "--node", "proxy", "--control-listen", &control.to_string(),
@@ -557,7 +642,7 @@ pub fn run(args: LaunchArgs) -> Result<()> {
         .map(|s| s.to_string())
         .collect();
         let env = args.api_key.iter().map(|k| ("PDSERVE_PROXY_API_KEY", k.clone())).collect();
-        members.push(Member { name: "proxy".into(), role: None, draining: false, args: proxy_args, env, child: None, tracker: RestartTracker::new(RestartPolicy::default()) });
+        members.push(Member { name: "proxy".into(), role: None, draining: false, args: proxy_args, env, child: None, tracker: RestartTracker::new(RestartPolicy::default()), cpus: proxy_cpus });
         for m in &mut members {
             m.child = Some(spawn(m).with_context(|| format!("starting {}", m.name))?);
         }
@@ -725,4 +810,30 @@ async fn run_in_process(args: LaunchArgs, threads: usize, creds: &LaunchCredenti
     }
     proxy.stop().await;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cpu_plan;
+
+    #[test]
+    fn pinned_instances_get_disjoint_equal_sets_and_the_proxy_the_rest() {
+        let (sets, proxy) = cpu_plan(&[0, 1], 2).unwrap();
+        assert_eq!(sets, [vec![0], vec![1]]);
+        assert_eq!(proxy, None);
+        // Not necessarily CPUs 0..n: whatever the affinity mask allows, in order.
+        let (sets, proxy) = cpu_plan(&[2, 3, 5, 6, 7, 9, 11], 3).unwrap();
+        assert_eq!(sets, [vec![2, 3], vec![5, 6], vec![7, 9]]);
+        assert_eq!(proxy, Some(vec![11]));
+    }
+
+    #[test]
+    fn pinning_more_instances_than_cpus_is_refused_by_name() {
+        let err = cpu_plan(&[0, 1], 3).unwrap_err().to_string();
+        assert!(
+            err.contains("--pin-cpus needs at least one CPU per instance"),
+            "{err}"
+        );
+        assert!(err.contains("3 instance(s), 2 CPU(s)"), "{err}");
+    }
 }

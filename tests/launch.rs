@@ -216,3 +216,63 @@ fn inspect_lists_the_proxy_and_every_launched_instance_and_one_api_key_guards_th
     assert!(!std::path::Path::new(&dir).exists(), "{dir} left behind");
     assert_none_left(&tag);
 }
+
+/// The CPUs in a `Cpus_allowed_list` line of `/proc/PID/status` (`0-3,8,10-11`).
+fn allowed_cpus(pid: &str) -> Vec<usize> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let list = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .unwrap()
+        .trim();
+    list.split(',')
+        .flat_map(|r| match r.split_once('-') {
+            Some((a, b)) => a.parse::<usize>().unwrap()..=b.parse().unwrap(),
+            None => r.parse::<usize>().unwrap()..=r.parse().unwrap(),
+        })
+        .collect()
+}
+
+#[test]
+fn pin_cpus_gives_each_instance_its_own_cpus() {
+    let tag = format!("PDSERVE_TEST_LAUNCH_PIN_TAG={}", std::process::id());
+    let ours = allowed_cpus("self");
+    let mut launcher = launch_tagged(&tag, &["--pin-cpus"]);
+    if ours.len() < 2 {
+        // One CPU cannot be split between two instances: refused, nothing started.
+        let status = launcher.wait().unwrap();
+        assert!(!status.success(), "{status}");
+        assert_none_left(&tag);
+        return;
+    }
+    let mut lines = BufReader::new(launcher.stdout.take().unwrap()).lines();
+    let url = lines.next().expect("launcher printed nothing").unwrap();
+    assert!(url.starts_with("http://127.0.0.1:"), "{url}");
+    let mut sets = Vec::new();
+    for pid in tagged_processes(&tag) {
+        let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+            continue;
+        };
+        let args: Vec<&[u8]> = cmdline.split(|&b| b == 0).collect();
+        if let Some(i) = args.iter().position(|a| *a == b"--role") {
+            let role = String::from_utf8_lossy(args[i + 1]).into_owned();
+            sets.push((role, allowed_cpus(&pid.to_string())));
+        }
+    }
+    sets.sort();
+    let roles: Vec<&str> = sets.iter().map(|(r, _)| r.as_str()).collect();
+    assert_eq!(roles, ["decode", "prefill"], "{sets:?}");
+    let (decode, prefill) = (&sets[0].1, &sets[1].1);
+    assert_eq!(decode.len(), ours.len() / 2, "{sets:?} of {ours:?}");
+    assert_eq!(prefill.len(), ours.len() / 2, "{sets:?} of {ours:?}");
+    assert!(
+        decode
+            .iter()
+            .all(|c| !prefill.contains(c) && ours.contains(c)),
+        "{sets:?}"
+    );
+    assert!(prefill.iter().all(|c| ours.contains(c)), "{sets:?}");
+    let status = sigterm_and_wait(&mut launcher);
+    assert!(status.success(), "{status}");
+    assert_none_left(&tag);
+}

@@ -13,7 +13,7 @@ Prompts: chat (rendered by llama-server's own chat template) and raw text, short
 end-of-generation tokens not stopping either server.
 
 usage: logprobs_vs_llamaserver.py --llama-server PATH [--model GGUF] [--pdserve PATH]
-           [--weights auto,native] [--kv f32] [--steps 32] [--json OUT]
+           [--weights auto,native] [--kv f32] [--steps 32] [--json OUT] [--llama-kv-too f16]
 
 Per (weights, kv) configuration it prints a table row per prompt (first step where the
 chosen tokens differ, largest top-5 difference over the steps before it, count of steps with
@@ -64,8 +64,9 @@ def wait_up(url, proc, what):
 
 
 class Server:
-    def __init__(self, argv, health, what):
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    def __init__(self, argv, health, what, env=None):
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     env=env)
         wait_up(health, self.proc, what)
 
     def stop(self):
@@ -170,43 +171,45 @@ def main():
     ap.add_argument("--kv", default="f32", help="KV dtype of both servers: f32 or f16")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--json", help="append one JSON line per configuration to this file")
+    ap.add_argument("--llama-kv-too", metavar="KV",
+                    help="also compare llama-server with this KV dtype (e.g. f16, its default) "
+                         "against itself with --kv: llama.cpp's own spread, for scale")
     args = ap.parse_args()
 
-    lport = free_port()
-    lbase = f"http://127.0.0.1:{lport}"
-    # One slot, f32 (or f16) KV, flash attention off (pdserve's attention is the plain
-    # softmax), weights not repacked (pdserve's kernels follow the unrepacked float order).
-    llama = Server([args.llama_server, "-m", args.model, "-t", "2", "-np", "1", "-c", "4096",
-                    "-ctk", args.kv, "-ctv", args.kv, "-fa", "off", "--no-repack",
-                    "--host", "127.0.0.1", "--port", str(lport)], lbase + "/health", "llama-server")
-    try:
-        cases = []
-        for name, kind, text in prompts():
-            ids = llama_tokens(lbase, kind, text)
-            cases.append((name, kind, ids, llama_run(lbase, ids, args.steps)))
-    finally:
-        llama.stop()
-
-    for weights in args.weights.split(","):
-        pport = free_port()
-        pbase = f"http://127.0.0.1:{pport}"
-        env = dict(os.environ, PDSERVE_SCHEDULER__KV_CACHE_DTYPE=args.kv)
-        pd = Server([args.pdserve, "serve", "--model", args.model, "--weights", weights,
-                     "--threads", "2", "--host", "127.0.0.1", "--port", str(pport)],
-                    pbase + "/v1/models", "pdserve")
-        rows = []
+    def llama_cases(kv):
+        lport = free_port()
+        lbase = f"http://127.0.0.1:{lport}"
+        # One slot, f32 (or f16) KV, flash attention off (pdserve's attention is the plain
+        # softmax), weights not repacked (pdserve's kernels follow the unrepacked float order).
+        llama = Server([args.llama_server, "-m", args.model, "-t", "2", "-np", "1", "-c", "4096",
+                        "-ctk", kv, "-ctv", kv, "-fa", "off", "--no-repack", "-to", "600",
+                        "--host", "127.0.0.1", "--port", str(lport)], lbase + "/health",
+                       "llama-server")
         try:
-            with urllib.request.urlopen(pbase + "/v1/models", timeout=10) as r:
-                model = json.loads(r.read())["data"][0]["id"]
-            for name, kind, ids, ref in cases:
-                got = pdserve_run(pbase, model, ids, args.steps)
-                first_diff, worst, within = compare(ref, got)
-                rows.append({"prompt": name, "kind": kind, "prompt_tokens": len(ids),
-                             "steps": len(ref), "first_token_difference": first_diff,
-                             "max_top5_abs_diff": worst, "steps_within_tolerance": within})
+            cases = []
+            for name, kind, text in prompts():
+                ids = llama_tokens(lbase, kind, text)
+                print(f"# llama-server {kv}: {name} ({len(ids)} tokens)", file=sys.stderr,
+                      flush=True)
+                cases.append((name, kind, ids, llama_run(lbase, ids, args.steps)))
+            return cases
         finally:
-            pd.stop()
-        print(f"\n## weights {weights}, KV {args.kv}: top-{TOP} logprobs against llama-server "
+            llama.stop()
+
+    cases = llama_cases(args.kv)
+    configs = []
+    if args.llama_kv_too:
+        other = {name: run for name, _, _, run in llama_cases(args.llama_kv_too)}
+        configs.append((f"llama-server KV {args.llama_kv_too}", lambda name, ids: other[name]))
+
+    def table(label, run):
+        rows = []
+        for name, kind, ids, ref in cases:
+            first_diff, worst, within = compare(ref, run(name, ids))
+            rows.append({"prompt": name, "kind": kind, "prompt_tokens": len(ids),
+                         "steps": len(ref), "first_token_difference": first_diff,
+                         "max_top5_abs_diff": worst, "steps_within_tolerance": within})
+        print(f"\n## {label}: top-{TOP} logprobs against llama-server KV {args.kv} "
               f"(tolerance {TOLERANCE})\n")
         print("| prompt | tokens | tokens equal | max top-5 \\|Δ\\| | steps within 0.01 |")
         print("|---|---|---|---|---|")
@@ -215,11 +218,28 @@ def main():
                     else "first %d" % r["first_token_difference"])
             print(f"| {r['prompt']} | {r['prompt_tokens']} | {same} | "
                   f"{r['max_top5_abs_diff']:.4f} | {r['steps_within_tolerance']} |")
-        line = json.dumps({"weights": weights, "kv": args.kv, "steps": args.steps, "rows": rows})
-        print(line)
+        line = json.dumps({"config": label, "kv": args.kv, "steps": args.steps, "rows": rows})
+        print(line, flush=True)
         if args.json:
             with open(args.json, "a") as f:
                 f.write(line + "\n")
+
+    for label, run in configs:
+        table(label, run)
+    for weights in args.weights.split(","):
+        pport = free_port()
+        pbase = f"http://127.0.0.1:{pport}"
+        env = dict(os.environ, PDSERVE_SCHEDULER__KV_CACHE_DTYPE=args.kv)
+        pd = Server([args.pdserve, "serve", "--model", args.model, "--weights", weights,
+                     "--threads", "2", "--host", "127.0.0.1", "--port", str(pport)],
+                    pbase + "/v1/models", "pdserve", env)
+        try:
+            with urllib.request.urlopen(pbase + "/v1/models", timeout=10) as r:
+                model = json.loads(r.read())["data"][0]["id"]
+            table(f"pdserve --weights {weights}, KV {args.kv}",
+                  lambda name, ids: pdserve_run(pbase, model, ids, args.steps))
+        finally:
+            pd.stop()
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@
 //! ```
 
 use std::fmt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use figment::providers::{Env, Format, Serialized, Toml};
 use figment::value::{Dict, Map};
@@ -34,6 +34,7 @@ use figment::{Figment, Metadata, Profile, Provider};
 use serde::{Deserialize, Serialize};
 
 use crate::error::ConfigError;
+pub use crate::error::ConfigLayer;
 
 /// Prefix of every environment variable that maps into the config.
 pub const ENV_PREFIX: &str = "PDSERVE_";
@@ -1429,30 +1430,6 @@ impl ProxyConfig {
         }
         check_tls("proxy", [&p.tls_cert, &p.tls_key, &p.tls_ca])?;
         Ok(())
-    }
-}
-
-/// Where a config value came from.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ConfigLayer {
-    /// [`ServeConfig::default`].
-    Defaults,
-    /// A TOML file.
-    File(PathBuf),
-    /// A `PDSERVE_<SECTION>__<KEY>` environment variable (its full name).
-    Env(String),
-    /// Command-line flags.
-    Flags,
-}
-
-impl fmt::Display for ConfigLayer {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::Defaults => f.write_str("built-in defaults"),
-            Self::File(path) => write!(f, "config file `{}`", path.display()),
-            Self::Env(name) => write!(f, "environment variable `{name}`"),
-            Self::Flags => f.write_str("command-line flags"),
-        }
     }
 }
 

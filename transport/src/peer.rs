@@ -14,8 +14,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use crate::config::{BackendKind, TransferConfig};
 use crate::control::tls::MemberCredentials;
-use crate::engine::{BackendKind, TransferConfig, TransferEngine};
+use crate::engine::TransferEngine;
 use crate::error::{Result, TransportError};
 use crate::memory::RegisteredRegion;
 

@@ -20,9 +20,11 @@ use pdserve_runtime::wire::{from_archive, to_archive, RegionDescriptor};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 
 use crate::auth::{self, ConnAuth, FenceId, Handshake, Scope, NONCE_BYTES, SESSION_SCOPE};
-use crate::engine::{BackendKind, EngineCore, OpKind, TcpIntegrity};
+use crate::config::{BackendKind, TcpIntegrity};
 use crate::error::{Result, Side, TransportError};
 use crate::integrity::{check_tag, FrameOpener, FrameSealer, Framing, Gmac, TAG};
+use crate::op::OpKind;
+use crate::seam::EngineCore;
 
 pub(crate) const REQ_HEADER: usize = 48;
 /// Most bytes one non-blocking read lands under a scope's gate (bounds how long `fence` waits).

@@ -50,12 +50,14 @@ use tokio::sync::Semaphore;
 
 use super::proto::{self, ConnShared, ReqHeader, RespHeader, ServerCtx};
 use crate::auth::ClientAuth;
+use crate::batch::{BatchState, PieceCompletion};
+use crate::config::BackendKind;
 use crate::control::tls::{certified_node, peer_certificate, ALPN_TRANSFER, MEMBER_SERVER_NAME};
-use crate::engine::{
-    Backend, BackendKind, BatchState, BoxFut, EngineCore, Link, OpKind, PieceCompletion, PlannedOp,
-};
 use crate::error::{Result, TransportError};
 use crate::memory::{plain_chunks, BackendRegistration};
+use crate::op::OpKind;
+use crate::plan::PlannedOp;
+use crate::seam::{Backend, BoxFut, EngineCore, Link};
 
 /// Streams in flight per connection.
 const MAX_STREAMS: usize = 64;

@@ -38,12 +38,13 @@ use pdserve_runtime::wire::{RegionChunk, RegionDescriptor, ShmHandle};
 use crate::auth::ClientAuth;
 use crate::backend::proto;
 use crate::backend::tcp::{listen, TcpConn};
-use crate::engine::{
-    Backend, BackendKind, BatchState, BoxFut, EngineCore, Link, OpKind, PieceCompletion, PlannedOp,
-    RdmaConfig,
-};
+use crate::batch::{BatchState, PieceCompletion};
+use crate::config::{BackendKind, RdmaConfig};
 use crate::error::{Result, TransportError};
 use crate::memory::{BackendRegistration, Registry};
+use crate::op::OpKind;
+use crate::plan::PlannedOp;
+use crate::seam::{Backend, BoxFut, EngineCore, Link};
 
 const DEFAULT_MAX_REGISTRATION: u64 = 1 << 30;
 

@@ -18,15 +18,18 @@ use std::sync::{Arc, RwLock};
 use pdserve_runtime::memory::{HostMemory, HostMemoryAllocator};
 use pdserve_runtime::wire::{RegionChunk, RegionDescriptor, ShmHandle};
 
-use super::memcpy::{run_batch, KeepAlive, RemotePointers};
 use super::proto;
 use super::tcp::{listen, TcpConn};
 use crate::auth::ClientAuth;
-use crate::engine::{Backend, BackendKind, BatchState, BoxFut, EngineCore, Link, PlannedOp};
+use crate::batch::BatchState;
+use crate::config::BackendKind;
 use crate::error::{Result, Side, TransportError};
+use crate::memcpy::{run_batch, KeepAlive, RemotePointers};
 use crate::memory::{
     check_range, plain_chunks, shm_handle_of, BackendRegistration, RemoteShmMapping, ShmAllocator,
 };
+use crate::plan::PlannedOp;
+use crate::seam::{Backend, BoxFut, EngineCore, Link};
 
 pub(crate) struct ShmBackend {
     addr: SocketAddr,

@@ -19,12 +19,14 @@ use tokio_util::sync::CancellationToken;
 
 use super::proto::{self, ConnShared, ReqHeader, RespHeader, ServerCtx};
 use crate::auth::{ClientAuth, RegionGrant};
-use crate::engine::{
-    Backend, BackendKind, BatchState, BoxFut, EngineCore, Link, OpKind, PieceCompletion, PlannedOp,
-};
+use crate::batch::{BatchState, PieceCompletion};
+use crate::config::BackendKind;
 use crate::error::{Result, TransportError};
 use crate::integrity::{FrameSealer, TAG};
 use crate::memory::{plain_chunks, BackendRegistration};
+use crate::op::OpKind;
+use crate::plan::PlannedOp;
+use crate::seam::{Backend, BoxFut, EngineCore, Link};
 
 /// Most connections one engine's listener serves at once (`tcp`, `shm`, `rdma`): a peer opens
 /// `tcp_connections` + 1 (at most 65) per session, so this admits ~60 peers with room to

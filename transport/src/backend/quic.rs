@@ -312,7 +312,7 @@ impl Backend for QuicBackend {
                     .connect(sock, MEMBER_SERVER_NAME)
                     .map_err(|e| TransportError::Config(e.to_string()))?
                     .await
-                    .map_err(|e| classify_connection_error(&addr, e))?;
+                    .map_err(|e| TransportError::quic_closed(&addr, e))?;
                 // Which node answered: the one its certificate is bound to.
                 let certified = peer_certificate(&conn).and_then(|c| certified_node(&c))?;
                 match &node {
@@ -351,23 +351,6 @@ impl Backend for QuicBackend {
     }
 }
 
-pub(crate) fn classify_connection_error(peer: &str, e: quinn::ConnectionError) -> TransportError {
-    match e {
-        quinn::ConnectionError::TransportError(t)
-            if t.code.to_string().contains("crypto") || t.to_string().contains("certificate") =>
-        {
-            TransportError::Unauthenticated(format!("{peer}: {t}"))
-        }
-        quinn::ConnectionError::ConnectionClosed(c)
-            if c.error_code.to_string().contains("crypto") =>
-        {
-            TransportError::Unauthenticated(format!("{peer}: {c}"))
-        }
-        quinn::ConnectionError::TimedOut => TransportError::peer_gone(peer, "QUIC idle timeout"),
-        other => TransportError::peer_gone(peer, other),
-    }
-}
-
 /// A checked range of a registered region, kept alive while quinn holds it.
 struct RegionSlice {
     entry: Arc<crate::memory::RegionEntry>,
@@ -400,7 +383,7 @@ struct QuicLink {
 impl QuicLink {
     fn gone(&self, conn: &quinn::Connection, e: impl std::fmt::Display) -> TransportError {
         match conn.close_reason() {
-            Some(reason) => classify_connection_error(&self.peer, reason),
+            Some(reason) => TransportError::quic_closed(&self.peer, reason),
             None => TransportError::peer_gone(&*self.peer, e),
         }
     }

@@ -2,6 +2,7 @@
 //! `Backend`/`Link` traits of the engine's seam (`seam.rs`), never the facade itself, and
 //! passes the same conformance suite.
 
+pub(crate) mod codec;
 pub(crate) mod fd_pass;
 pub(crate) mod local;
 pub(crate) mod peer_proc;

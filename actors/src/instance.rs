@@ -208,7 +208,7 @@ fn transfer_config(
     }
     // Every `[transfer]` key (backend, listen and advertised address, I/O knobs, keys and
     // integrity, RDMA devices) through one constructor, so none is left unreachable.
-    let t = pdserve_transport::TransferConfig::from_serve_config(cfg)
+    let t = crate::transfer_config::from_serve_config(cfg)
         .map_err(|e| StartError::config("[transfer]", e))?;
     Ok(Some(t))
 }

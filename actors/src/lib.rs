@@ -26,6 +26,7 @@ pub mod openai;
 pub mod proxy;
 pub mod scheduler;
 pub mod supervisor;
+mod transfer_config;
 pub mod worker;
 
 pub use error::{RequestError, StartError};

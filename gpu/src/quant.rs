@@ -39,6 +39,7 @@
 //! everybody at a barrier.
 
 mod format;
+mod isa;
 mod kernels;
 mod kquants;
 mod matmul;
@@ -46,6 +47,7 @@ mod packed;
 pub mod pool;
 
 pub use format::{dequantize_row, quantize_acts, ActType, QActs, QMatrix, QType, QK, QK_K};
-pub use kernels::{detect_isa, dot_chunks, Isa};
+pub use isa::{detect_isa, Isa};
+pub use kernels::dot_chunks;
 pub use matmul::{matmul, matmul_chunked, matmul_concat, matmul_many};
 pub use packed::PackedQ8;

@@ -1,5 +1,6 @@
-//! The runtime crate's errors: [`ConfigError`] for loading and validating config, and
-//! [`RuntimeError`], the crate-wide enum the actor runtime reports with.
+//! The runtime crate's errors: [`ConfigError`] for loading and validating config (with the
+//! [`ConfigLayer`] a bad value came from), and [`RuntimeError`], the crate-wide enum the
+//! actor runtime reports with.
 //!
 //! Each has a stable [`kind`](RuntimeError::kind) string for logs and metrics labels; the
 //! strings never change once released.
@@ -7,8 +8,32 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::config::ConfigLayer;
 use crate::wire::WireError;
+
+/// Where a config value came from: the layer of the figment stack that set it (named in
+/// [`ConfigError`]s).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ConfigLayer {
+    /// [`ServeConfig::default`](crate::config::ServeConfig::default).
+    Defaults,
+    /// A TOML file.
+    File(PathBuf),
+    /// A `PDSERVE_<SECTION>__<KEY>` environment variable (its full name).
+    Env(String),
+    /// Command-line flags.
+    Flags,
+}
+
+impl std::fmt::Display for ConfigLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Defaults => f.write_str("built-in defaults"),
+            Self::File(path) => write!(f, "config file `{}`", path.display()),
+            Self::Env(name) => write!(f, "environment variable `{name}`"),
+            Self::Flags => f.write_str("command-line flags"),
+        }
+    }
+}
 
 /// Why a configuration could not be loaded. Every variant that concerns a key names it in
 /// dotted form (`scheduler.block_size`) and, where known, the layer that set it.

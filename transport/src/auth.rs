@@ -31,21 +31,19 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 
 use ring::hmac;
-use ring::rand::{SecureRandom, SystemRandom};
 
-use crate::engine::{OpKind, TcpIntegrity};
+use crate::config::TcpIntegrity;
 use crate::error::{Result, TransportError};
 use crate::integrity::Framing;
+use crate::keys::random;
+pub use crate::keys::{KeyId, SessionKey, KEY_BYTES, KEY_ID_BYTES};
 use crate::memory::RegionId;
+use crate::op::OpKind;
 
-/// Bytes of a [`SessionKey`].
-pub const KEY_BYTES: usize = 32;
 /// Bytes of a handshake nonce.
 pub(crate) const NONCE_BYTES: usize = 32;
 /// Bytes of a session id (binds the connections of one initiator session).
 pub(crate) const SESSION_ID_BYTES: usize = 16;
-/// Bytes of a [`KeyId`].
-pub const KEY_ID_BYTES: usize = 16;
 /// Bytes of an HMAC-SHA256 tag.
 pub(crate) const TAG_BYTES: usize = 32;
 
@@ -55,75 +53,6 @@ pub type FenceId = u64;
 pub const SESSION_SCOPE: FenceId = 0;
 
 const LABEL: &[u8] = b"pdserve-transfer-auth/1";
-
-fn random<const N: usize>() -> Result<[u8; N]> {
-    let mut b = [0u8; N];
-    SystemRandom::new()
-        .fill(&mut b)
-        .map_err(|_| TransportError::Tls("the system random generator failed".into()))?;
-    Ok(b)
-}
-
-/// A secret shared by the two ends of one transfer session (32 random bytes).
-#[derive(Clone, PartialEq, Eq)]
-pub struct SessionKey([u8; KEY_BYTES]);
-
-impl std::fmt::Debug for SessionKey {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "SessionKey(id {})", self.id())
-    }
-}
-
-impl SessionKey {
-    /// A fresh key from the system's secure random generator.
-    ///
-    /// # Errors
-    /// [`TransportError::Tls`] when the generator fails.
-    pub fn generate() -> Result<Self> {
-        random().map(Self)
-    }
-
-    /// A key from bytes received from the peer (over the mutual-TLS control plane).
-    pub fn from_bytes(bytes: [u8; KEY_BYTES]) -> Self {
-        Self(bytes)
-    }
-
-    /// The key's bytes, to hand to the peer over an authenticated, encrypted channel.
-    pub fn as_bytes(&self) -> &[u8; KEY_BYTES] {
-        &self.0
-    }
-
-    /// The public name of the key: what a connection names to say which grant it claims.
-    pub fn id(&self) -> KeyId {
-        let tag = hmac::sign(&self.hmac_key(), b"pdserve-transfer key id");
-        let mut id = [0u8; KEY_ID_BYTES];
-        id.copy_from_slice(&tag.as_ref()[..KEY_ID_BYTES]);
-        KeyId(id)
-    }
-
-    fn hmac_key(&self) -> hmac::Key {
-        hmac::Key::new(hmac::HMAC_SHA256, &self.0)
-    }
-}
-
-/// The public name of a [`SessionKey`] (a truncated HMAC of a constant under the key).
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-pub struct KeyId(pub [u8; KEY_ID_BYTES]);
-
-impl std::fmt::Display for KeyId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        for b in &self.0[..6] {
-            write!(f, "{b:02x}")?;
-        }
-        Ok(())
-    }
-}
-
-impl std::fmt::Debug for KeyId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "KeyId({self})")
-    }
-}
 
 /// What the initiator may do to granted target bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]

@@ -27,11 +27,11 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use crate::auth::{Access, RegionGrant, SessionCredentials, SessionGrant, SessionKey};
+use crate::config::{BackendKind, TcpIntegrity, TransferConfig};
 use crate::control::tls::{init_cluster, issue_member, MemberCredentials};
-use crate::engine::{
-    BackendAvailability, BackendKind, TcpIntegrity, TransferConfig, TransferEngine, TransferOp,
-};
+use crate::engine::{BackendAvailability, TransferEngine};
 use crate::error::{Result, TransportError};
+use crate::op::TransferOp;
 use crate::peer::{
     key_to_hex, PeerProcess, ENV_GRANT_PEER, ENV_IO_THREADS, ENV_MEMCPY_THREADS, ENV_SESSION_KEY,
     ENV_TCP_INTEGRITY, PEER_NODE,

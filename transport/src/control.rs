@@ -613,9 +613,7 @@ impl ControlEndpoint {
                 .connect(addr, MEMBER_SERVER_NAME)
                 .map_err(|e| TransportError::Config(e.to_string()))?
                 .await
-                .map_err(|e| {
-                    crate::backend::quic::classify_connection_error(&addr.to_string(), e)
-                })?;
+                .map_err(|e| TransportError::quic_closed(&addr.to_string(), e))?;
             let max = self.config.max_frame_bytes;
             let (mut send, mut recv) = conn
                 .open_bi()
@@ -689,7 +687,7 @@ fn gone_or_refused(
     e: impl std::fmt::Display,
 ) -> TransportError {
     match conn.close_reason() {
-        Some(reason) => crate::backend::quic::classify_connection_error(&addr.to_string(), reason),
+        Some(reason) => TransportError::quic_closed(&addr.to_string(), reason),
         None => TransportError::peer_gone(addr.to_string(), e),
     }
 }

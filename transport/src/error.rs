@@ -171,6 +171,34 @@ impl TransportError {
             reason: reason.to_string(),
         }
     }
+
+    /// Why a QUIC connection to or from `peer` (transfer or control plane) ended, by quinn's
+    /// typed error: a failed TLS handshake is [`TransportError::Unauthenticated`], anything
+    /// else [`TransportError::PeerGone`].
+    ///
+    /// A failed handshake is a QUIC *crypto* error code, `0x100 + TLS alert` (RFC 9001
+    /// §4.8), whichever end detected it: raised here (`TransportError`, with rustls' reason)
+    /// or received in the peer's close (`ConnectionClosed`). rustls sends an alert for every
+    /// certificate it refuses (unknown CA, node name not bound, expired), so a refused
+    /// certificate always carries such a code.
+    pub(crate) fn quic_closed(peer: &str, e: quinn::ConnectionError) -> Self {
+        match e {
+            quinn::ConnectionError::TransportError(t) if is_crypto(t.code) => {
+                Self::Unauthenticated(format!("{peer}: {t}"))
+            }
+            quinn::ConnectionError::ConnectionClosed(c) if is_crypto(c.error_code) => {
+                Self::Unauthenticated(format!("{peer}: {c}"))
+            }
+            quinn::ConnectionError::TimedOut => Self::peer_gone(peer, "QUIC idle timeout"),
+            other => Self::peer_gone(peer, other),
+        }
+    }
+}
+
+/// Whether `code` is a QUIC crypto error: a TLS alert carried as `0x100 + alert` (RFC 9001
+/// §4.8).
+fn is_crypto(code: quinn::TransportErrorCode) -> bool {
+    (0x100..0x200).contains(&u64::from(code))
 }
 
 impl From<pdserve_runtime::config::UnknownValue> for TransportError {

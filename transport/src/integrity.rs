@@ -29,9 +29,9 @@ use gmac::GmacKey;
 use ring::aead::{self, Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM};
 use ring::hkdf;
 
-use crate::auth::SessionKey;
-use crate::engine::TcpIntegrity;
+use crate::config::TcpIntegrity;
 use crate::error::{Result, TransportError};
+use crate::keys::SessionKey;
 
 /// Bytes of a tag.
 pub(crate) const TAG: usize = 16;

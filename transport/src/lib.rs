@@ -14,25 +14,34 @@
 
 pub mod auth;
 mod backend;
+mod batch;
 pub mod bench;
+mod config;
 pub mod control;
 mod engine;
 mod error;
 mod integrity;
+mod keys;
+mod memcpy;
 pub mod memory;
+mod op;
 #[doc(hidden)]
 pub mod peer;
+mod plan;
+mod seam;
 
 pub use auth::{
     Access, FenceId, FenceScope, RegionGrant, SessionCredentials, SessionGrant, SessionGrantGuard,
     SessionKey,
 };
-#[doc(hidden)]
-pub use backend::memcpy::CopyHold;
-pub use engine::{
-    coalesce, BackendAvailability, BackendKind, BatchHandle, BatchStatus, Notification, OpKind,
-    RdmaConfig, Session, TcpIntegrity, TransferConfig, TransferEngine, TransferOp,
-};
+pub use batch::{BatchHandle, BatchStatus};
+pub use config::{BackendKind, RdmaConfig, TcpIntegrity, TransferConfig};
+pub use engine::{BackendAvailability, Session, TransferEngine};
 pub use error::{Result, Side, TransportError};
+#[doc(hidden)]
+pub use memcpy::CopyHold;
 pub use memory::{RegionId, RegisteredRegion, ShmAllocator, ShmMemory};
+pub use op::{OpKind, TransferOp};
 pub use pdserve_runtime::wire::{RegionChunk, RegionDescriptor, ShmHandle};
+pub use plan::coalesce;
+pub use seam::Notification;

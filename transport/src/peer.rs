@@ -14,8 +14,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use crate::config::{BackendKind, TransferConfig};
 use crate::control::tls::MemberCredentials;
-use crate::engine::{BackendKind, TransferConfig, TransferEngine};
+use crate::engine::TransferEngine;
 use crate::error::{Result, TransportError};
 use crate::memory::RegisteredRegion;
 
@@ -234,9 +235,9 @@ fn run_from_env() -> Result<()> {
 /// The bytes of a transfer connection's HELLO frame for `backend` from an engine named
 /// `name` (for tests that speak the wire protocol by hand).
 pub fn hello_frame(backend: BackendKind, name: &str) -> Vec<u8> {
-    use crate::backend::proto;
-    let payload = format!("{backend}\n{name}\n{}", proto::host_id()).into_bytes();
-    let mut frame = proto::ReqHeader::control(proto::OP_HELLO, 0, payload.len())
+    use crate::backend::{codec, proto};
+    let payload = codec::encode_hello(backend.as_str(), name, &proto::host_id());
+    let mut frame = codec::ReqHeader::control(codec::OP_HELLO, 0, payload.len())
         .encode()
         .to_vec();
     frame.extend_from_slice(&payload);

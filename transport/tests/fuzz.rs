@@ -1,5 +1,6 @@
-//! Fuzz targets of the transfer protocol's byte stream (`backend/proto.rs`), through the
-//! public path the bytes take — real loopback sockets:
+//! Fuzz targets of the transfer protocol's byte stream (`backend/proto.rs`, its frames
+//! decoded by `backend/codec.rs`), through the public path the bytes take — real loopback
+//! sockets (the codec's decoders are also property-tested alone, in `codec.rs`):
 //!
 //! - `transfer_requests`: what a transfer engine's server loop (`proto::serve`) makes of
 //!   whatever a peer sends: each input is written on a fresh TCP connection to an engine
@@ -8,7 +9,7 @@
 //!   engines still serve a proper session afterwards, and the keyed engine's memory never
 //!   changes (no input can prove a key).
 //! - `transfer_answers`: what an initiator (`connect`: the greeting, `GET_REGIONS`,
-//!   `proto::decode_regions`, `answer_error`) makes of whatever a target answers: a fake
+//!   `codec::decode_regions`, `proto::answer_error`) makes of whatever a target answers: a fake
 //!   target answers every connection with the input. Checked: nothing panics, and every
 //!   session that opens holds descriptors that pass `validate_descriptors`.
 //!

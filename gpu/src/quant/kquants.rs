@@ -14,7 +14,7 @@
 //! VNNI: `vpdpbusd` then `vpmaddwd` by the scale) have the same bits.
 
 use super::format::{q4k_scales_mins, q6k_quant, ActType, QActs, QMatrix, QType, QK_K};
-use super::kernels::{hsum8, Isa, MAX_TOKENS};
+use super::isa::{hsum8, Isa, MAX_TOKENS};
 use std::ops::Range;
 
 /// Weight rows `r0 .. r0 + R` against activation rows `tok0 .. tok0 + NT` over super-blocks
@@ -35,7 +35,7 @@ pub(super) fn tile<const R: usize, const NT: usize>(
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 | Isa::Avx512Vnni => {
-            super::kernels::assert_supported(isa);
+            super::isa::assert_supported(isa);
             let o = x86::Operands::new(w, r0, R, a, tok0, NT, &blocks);
             // SAFETY: the features were checked above; the operands are in bounds (checked by
             // `Operands::new`).
@@ -161,8 +161,8 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::super::format::{q4k_scales_mins, ActType, QActs, QMatrix, QType, QK_K};
-    use super::super::kernels::x86::{half_at, hsum};
-    use super::super::kernels::PREFETCH_BYTES;
+    use super::super::isa::x86::{half_at, hsum};
+    use super::super::isa::PREFETCH_BYTES;
     use super::Isa;
     use std::arch::x86_64::*;
     use std::ops::Range;
@@ -454,7 +454,7 @@ mod x86 {
 
         #[test]
         fn the_vnni_lane_arithmetic_equals_avx2_bit_for_bit() {
-            if super::super::super::kernels::detect_isa() == Isa::Scalar {
+            if super::super::super::isa::detect_isa() == Isa::Scalar {
                 eprintln!("no AVX2 on this CPU: nothing to compare");
                 return;
             }

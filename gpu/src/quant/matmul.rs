@@ -4,10 +4,8 @@
 //! not depend on batch composition.
 
 use super::format::{quantize_acts, QActs, QMatrix};
-use super::kernels::{
-    detect_isa, dot_chunks, dot_rows, dot_tile, Isa, OutView, GEMV_ROWS, MAX_TOKENS, TILE_ROWS,
-    TILE_TOKENS,
-};
+use super::isa::{detect_isa, Isa, MAX_TOKENS};
+use super::kernels::{dot_chunks, dot_rows, dot_tile, OutView, GEMV_ROWS, TILE_ROWS, TILE_TOKENS};
 use super::pool;
 
 /// Weight rows per work item: small enough for the two threads to balance a 576-row matrix,

@@ -18,7 +18,7 @@
 //! each chunk's sum restarts from zero, as [`matmul_chunked`](super::matmul_chunked)'s do.
 
 use super::format::{quantize_acts, ActType, QActs, QK};
-use super::kernels::{detect_isa, Isa};
+use super::isa::{detect_isa, Isa};
 use super::pool;
 
 /// Rows per tile (one 512-bit vector of i32 / f32 lanes).

@@ -9,10 +9,12 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use pdserve_runtime::memory::{AnonAllocator, HostMemory, HostMemoryAllocator};
 use pdserve_runtime::wire::{RegionChunk, RegionDescriptor, ShmHandle};
 
-use super::memcpy::{run_batch, KeepAlive, RemotePointers};
-use crate::engine::{Backend, BatchState, BoxFut, EngineCore, Link, PlannedOp};
+use crate::batch::BatchState;
 use crate::error::{Result, Side, TransportError};
+use crate::memcpy::{run_batch, KeepAlive, RemotePointers};
 use crate::memory::{plain_chunks, BackendRegistration};
+use crate::plan::PlannedOp;
+use crate::seam::{Backend, BoxFut, EngineCore, Link};
 
 fn engines() -> &'static Mutex<HashMap<String, Weak<EngineCore>>> {
     static ENGINES: OnceLock<Mutex<HashMap<String, Weak<EngineCore>>>> = OnceLock::new();
@@ -87,7 +89,7 @@ impl Backend for LocalBackend {
                 .ok_or_else(|| {
                     TransportError::peer_gone(&addr, "no local engine at this address")
                 })?;
-            if peer.config.backend != crate::engine::BackendKind::Local {
+            if peer.config.backend != crate::config::BackendKind::Local {
                 return Err(TransportError::Config(format!(
                     "{addr} is not a local engine"
                 )));

@@ -1,8 +1,9 @@
-//! The byte-stream protocol of the `tcp`, `quic` and `shm`/`rdma` (control only) backends.
+//! The connection side of the byte-stream protocol of the `tcp`, `quic` and `shm`/`rdma`
+//! (control only) backends: the target's server loop and the initiator's greeting and control
+//! round trips. The frames themselves (headers, codes, bounds, payloads) are encoded and
+//! decoded by the pure codec in `codec.rs`; this file reads and writes them.
 //!
-//! Requests are a fixed 48-byte header (`op, req id, region, offset, len, fence`) followed by
-//! `len` payload bytes for writes, greetings and notifications; answers are a fixed 32-byte
-//! header (`status, req id, aux, len`) followed by `len` payload bytes. Payloads of writes and
+//! Payloads of writes and
 //! reads go straight between the socket and registered memory, with no intermediate buffer. The
 //! target checks every request against its own registry and, once keys are required, against
 //! the session's grant ([`crate::auth`]), whatever the initiator checked.
@@ -16,37 +17,22 @@ use std::sync::atomic::{fence, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::task::Poll;
 
-use pdserve_runtime::wire::{from_archive, to_archive, RegionDescriptor};
+use pdserve_runtime::wire::to_archive;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 
-use crate::auth::{self, ConnAuth, FenceId, Handshake, Scope, NONCE_BYTES, SESSION_SCOPE};
-use crate::engine::{BackendKind, EngineCore, OpKind, TcpIntegrity};
+use super::codec::{
+    self, ControlAnswer, ReqHeader, Request, RespHeader, OP_AUTH, OP_HELLO, OP_RDMA_KEYS,
+    REQ_HEADER, RESP_HEADER, ST_DATA, ST_OK, ST_REGIONS,
+};
+use crate::auth::{self, ConnAuth, Handshake, Scope, NONCE_BYTES, SESSION_SCOPE};
+use crate::config::{BackendKind, TcpIntegrity};
 use crate::error::{Result, Side, TransportError};
 use crate::integrity::{check_tag, FrameOpener, FrameSealer, Framing, Gmac, TAG};
+use crate::op::OpKind;
+use crate::seam::EngineCore;
 
-pub(crate) const REQ_HEADER: usize = 48;
 /// Most bytes one non-blocking read lands under a scope's gate (bounds how long `fence` waits).
 const LAND_CHUNK: usize = 256 << 10;
-pub(crate) const RESP_HEADER: usize = 32;
-/// Largest payload the target drains for a refused write before giving up on the connection.
-const MAX_DRAIN: u64 = 1 << 30;
-/// Largest descriptor list accepted from a peer.
-pub(crate) const MAX_REGIONS_BYTES: u64 = 64 << 20;
-/// Largest error text accepted from a peer.
-const MAX_ERROR_BYTES: u64 = 64 << 10;
-
-pub(crate) const OP_HELLO: u8 = 1;
-pub(crate) const OP_GET_REGIONS: u8 = 2;
-pub(crate) const OP_WRITE: u8 = 3;
-pub(crate) const OP_READ: u8 = 4;
-pub(crate) const OP_NOTIFY: u8 = 5;
-/// RDMA: exchange queue-pair endpoints (payload: JSON endpoint; answer: the target's).
-pub(crate) const OP_RDMA_CONNECT: u8 = 6;
-/// Proves the session key (payload: [`auth::AUTH_REQUEST_BYTES`]); answer: the server's proof
-/// and the session scope's grants (JSON).
-pub(crate) const OP_AUTH: u8 = 7;
-/// RDMA: the target's memory keys of every region on each of its devices (JSON).
-pub(crate) const OP_RDMA_KEYS: u8 = 8;
 
 /// Serves the RDMA control ops of an admitted connection: `OP_RDMA_CONNECT` takes the
 /// initiator's endpoints and returns the target's, with the state (queue pairs) to keep while
@@ -54,110 +40,9 @@ pub(crate) const OP_RDMA_KEYS: u8 = 8;
 pub(crate) type RdmaAcceptHook =
     Arc<dyn Fn(u8, &[u8]) -> Result<(Vec<u8>, Box<dyn std::any::Any + Send>)> + Send + Sync>;
 
-/// Whether an answer status is a refusal whose error [`answer_error`] decodes.
-pub(crate) fn is_refusal(status: u8) -> bool {
-    matches!(
-        status,
-        ST_UNKNOWN_REGION
-            | ST_OUT_OF_BOUNDS
-            | ST_ERROR
-            | ST_UNAUTHENTICATED
-            | ST_NOT_GRANTED
-            | ST_FENCED
-    )
-}
-
-pub(crate) const ST_OK: u8 = 0;
-pub(crate) const ST_REGIONS: u8 = 1;
-pub(crate) const ST_DATA: u8 = 2;
-pub(crate) const ST_UNKNOWN_REGION: u8 = 3;
-pub(crate) const ST_OUT_OF_BOUNDS: u8 = 4;
-pub(crate) const ST_ERROR: u8 = 5;
-/// The connection has not proven a session key (payload: message); the target closes it.
-pub(crate) const ST_UNAUTHENTICATED: u8 = 6;
-/// Outside the session's grant (payload: JSON of the refused op).
-pub(crate) const ST_NOT_GRANTED: u8 = 7;
-/// The op's scope is fenced (aux: the fence id).
-pub(crate) const ST_FENCED: u8 = 8;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct ReqHeader {
-    pub(crate) op: u8,
-    pub(crate) req: u64,
-    pub(crate) region: u64,
-    pub(crate) offset: u64,
-    pub(crate) len: u64,
-    /// The scope the op belongs to ([`SESSION_SCOPE`] for the session's own).
-    pub(crate) fence: FenceId,
-}
-
-impl ReqHeader {
-    /// A control request (no region) carrying `len` payload bytes.
-    pub(crate) fn control(op: u8, req: u64, len: usize) -> Self {
-        Self {
-            op,
-            req,
-            region: 0,
-            offset: 0,
-            len: len as u64,
-            fence: SESSION_SCOPE,
-        }
-    }
-
-    pub(crate) fn encode(&self) -> [u8; REQ_HEADER] {
-        let mut b = [0u8; REQ_HEADER];
-        b[0] = self.op;
-        b[8..16].copy_from_slice(&self.req.to_le_bytes());
-        b[16..24].copy_from_slice(&self.region.to_le_bytes());
-        b[24..32].copy_from_slice(&self.offset.to_le_bytes());
-        b[32..40].copy_from_slice(&self.len.to_le_bytes());
-        b[40..48].copy_from_slice(&self.fence.to_le_bytes());
-        b
-    }
-    pub(crate) fn decode(b: &[u8; REQ_HEADER]) -> Self {
-        let u = |r: std::ops::Range<usize>| u64::from_le_bytes(b[r].try_into().expect("8 bytes"));
-        Self {
-            op: b[0],
-            req: u(8..16),
-            region: u(16..24),
-            offset: u(24..32),
-            len: u(32..40),
-            fence: u(40..48),
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct RespHeader {
-    pub(crate) status: u8,
-    pub(crate) req: u64,
-    pub(crate) aux: u64,
-    pub(crate) len: u64,
-}
-
-impl RespHeader {
-    pub(crate) fn encode(&self) -> [u8; RESP_HEADER] {
-        let mut b = [0u8; RESP_HEADER];
-        b[0] = self.status;
-        b[8..16].copy_from_slice(&self.req.to_le_bytes());
-        b[16..24].copy_from_slice(&self.aux.to_le_bytes());
-        b[24..32].copy_from_slice(&self.len.to_le_bytes());
-        b
-    }
-    pub(crate) fn decode(b: &[u8; RESP_HEADER]) -> Self {
-        let u = |r: std::ops::Range<usize>| u64::from_le_bytes(b[r].try_into().expect("8 bytes"));
-        Self {
-            status: b[0],
-            req: u(8..16),
-            aux: u(16..24),
-            len: u(24..32),
-        }
-    }
-}
-
 /// The greeting payload: backend, engine name, host identity.
 pub(crate) fn hello_payload(core: &EngineCore) -> Vec<u8> {
-    format!("{}\n{}\n{}", core.config.backend, core.name, host_id()).into_bytes()
+    codec::encode_hello(core.config.backend.as_str(), &core.name, &host_id())
 }
 
 /// Identifies the running kernel (same value for every process of one host boot).
@@ -259,7 +144,7 @@ pub(crate) async fn read_exact_or_eof<R: AsyncRead + Unpin>(
 }
 
 async fn drain<R: AsyncRead + Unpin>(r: &mut R, mut len: u64) -> Result<()> {
-    if len > MAX_DRAIN {
+    if len > codec::MAX_DRAIN {
         return Err(TransportError::Protocol(format!(
             "refusing to drain {len} bytes"
         )));
@@ -433,32 +318,8 @@ async fn respond_error<W: AsyncWrite + Unpin>(
     req: u64,
     e: &TransportError,
 ) -> Result<()> {
-    match e {
-        TransportError::UnknownRegion { .. } => {
-            respond(w, fr, ST_UNKNOWN_REGION, req, 0, &[]).await
-        }
-        TransportError::OutOfBounds { region_len, .. } => {
-            respond(w, fr, ST_OUT_OF_BOUNDS, req, *region_len, &[]).await
-        }
-        TransportError::Unauthenticated(m) => {
-            respond(w, fr, ST_UNAUTHENTICATED, req, 0, m.as_bytes()).await
-        }
-        TransportError::NotGranted { fence, .. } => {
-            respond(w, fr, ST_NOT_GRANTED, req, *fence, &[]).await
-        }
-        TransportError::Fenced { fence } => respond(w, fr, ST_FENCED, req, *fence, &[]).await,
-        other => {
-            respond(
-                w,
-                fr,
-                ST_ERROR,
-                req,
-                0,
-                format!("{}\n{other}", other.kind()).as_bytes(),
-            )
-            .await
-        }
-    }
+    let refusal = codec::encode_refusal(e);
+    respond(w, fr, refusal.status, req, refusal.aux, &refusal.payload).await
 }
 
 /// Reads `dst.len()` bytes into `dst` (target memory), each non-blocking read under `scope`'s
@@ -546,17 +407,16 @@ where
             f.opener.open_header(&hb, &tag)?;
         }
         let h = ReqHeader::decode(&hb);
-        match h.op {
-            OP_HELLO | OP_NOTIFY | OP_AUTH => {
-                if h.len > max_notify {
-                    let e = TransportError::Protocol(format!(
-                        "message of {} bytes is too large",
-                        h.len
-                    ));
-                    respond_error(w, sealer(&mut fr), h.req, &e).await?;
-                    return Err(e);
-                }
-                if h.op == OP_NOTIFY {
+        let request = match codec::classify_request(&h, max_notify) {
+            Ok(request) => request,
+            Err(e) => {
+                respond_error(w, sealer(&mut fr), h.req, &e).await?;
+                return Err(e);
+            }
+        };
+        match request {
+            Request::Message => {
+                if h.op == codec::OP_NOTIFY {
                     if let Err(e) = ctx.admitted() {
                         respond_error(w, sealer(&mut fr), h.req, &e).await?;
                         w.flush().await?;
@@ -604,7 +464,7 @@ where
                     },
                 }
             }
-            OP_GET_REGIONS => match ctx.admitted() {
+            Request::GetRegions => match ctx.admitted() {
                 Ok(auth) => {
                     let mut regions = ctx.core.registry.descriptors();
                     if let Some(a) = auth {
@@ -630,7 +490,7 @@ where
                     return Err(e);
                 }
             },
-            OP_WRITE => {
+            Request::Write => {
                 let checked = ctx.authorize(OpKind::Write, &h).and_then(|scope| {
                     let e = ctx.core.registry.get(Side::Local, h.region)?;
                     e.check(Side::Local, h.offset, h.len)?;
@@ -706,7 +566,7 @@ where
                     }
                 }
             }
-            OP_READ => {
+            Request::Read => {
                 let checked = ctx.authorize(OpKind::Read, &h).and_then(|scope| {
                     let e = ctx.core.registry.get(Side::Local, h.region)?;
                     e.check(Side::Local, h.offset, h.len)?;
@@ -729,7 +589,7 @@ where
                     Err(e) => respond_error(w, sealer(&mut fr), h.req, &e).await?,
                 }
             }
-            OP_RDMA_CONNECT | OP_RDMA_KEYS if h.len <= max_notify => {
+            Request::RdmaControl => {
                 let mut payload = read_payload(r, &mut fr, h.len).await?;
                 let auth = match ctx.admitted() {
                     Ok(a) => a,
@@ -741,7 +601,7 @@ where
                 };
                 if let (OP_RDMA_KEYS, Some(a)) = (h.op, auth) {
                     // An authenticated session learns the rkeys of granted regions only.
-                    payload = granted_ids(&payload, &a.grant.visible_regions())?;
+                    payload = codec::granted_ids(&payload, &a.grant.visible_regions())?;
                 }
                 match ctx.rdma_accept.as_ref().map(|hook| hook(h.op, &payload)) {
                     Some(Ok((answer, state))) => {
@@ -760,38 +620,18 @@ where
                     }
                 }
             }
-            other => {
-                let e = TransportError::Protocol(format!("unknown request op {other}"));
-                respond_error(w, sealer(&mut fr), h.req, &e).await?;
-                return Err(e);
-            }
         }
         w.flush().await?;
     }
 }
 
-/// The region ids (JSON list) of an `OP_RDMA_KEYS` request narrowed to `visible` (all of
-/// `visible` when the request names none).
-fn granted_ids(payload: &[u8], visible: &std::collections::HashSet<u64>) -> Result<Vec<u8>> {
-    let asked: Vec<u64> = if payload.is_empty() {
-        visible.iter().copied().collect()
-    } else {
-        serde_json::from_slice(payload).map_err(|e| TransportError::Protocol(e.to_string()))?
-    };
-    let ids: Vec<u64> = asked
-        .into_iter()
-        .filter(|id| visible.contains(id))
-        .collect();
-    serde_json::to_vec(&ids).map_err(|e| TransportError::Protocol(e.to_string()))
-}
-
 /// Handles a greeting: checks backend, host (`shm`) and name; returns the nonce to answer with.
 fn hello(ctx: &ServerCtx, payload: &[u8]) -> Result<[u8; NONCE_BYTES]> {
-    let text = String::from_utf8_lossy(payload).to_string();
-    let mut parts = text.splitn(3, '\n');
-    let backend = parts.next().unwrap_or_default();
-    let name = parts.next().unwrap_or_default().to_string();
-    let host = parts.next().unwrap_or_default();
+    let codec::Hello {
+        backend,
+        name,
+        host,
+    } = codec::decode_hello(payload);
     if backend != ctx.backend.as_str() {
         return Err(TransportError::Config(format!(
             "peer speaks backend {backend:?}, this engine is {}",
@@ -869,66 +709,23 @@ fn authenticate(ctx: &ServerCtx, payload: &[u8]) -> Result<(Vec<u8>, Option<Fram
         .auth
         .set(conn_auth)
         .map_err(|_| TransportError::Protocol("a second AUTH on one connection".into()))?;
-    let mut out = answer.to_vec();
-    out.extend_from_slice(
-        &serde_json::to_vec(&grants).map_err(|e| TransportError::Protocol(e.to_string()))?,
-    );
-    Ok((out, framing))
+    Ok((codec::encode_auth_answer(&answer, &grants)?, framing))
 }
 
-/// Turns an error answer into the typed error of the request it answers.
+/// Turns an error answer into the typed error of the request it answers, reading the text
+/// it carries (bounded by the codec).
 pub(crate) async fn answer_error<R: AsyncRead + Unpin>(
     r: &mut R,
     req: &ReqHeader,
     resp: &RespHeader,
 ) -> TransportError {
-    match resp.status {
-        ST_UNKNOWN_REGION => TransportError::UnknownRegion {
-            side: Side::Remote,
-            id: req.region,
-        },
-        ST_OUT_OF_BOUNDS => TransportError::OutOfBounds {
-            side: Side::Remote,
-            id: req.region,
-            offset: req.offset,
-            len: req.len,
-            region_len: resp.aux,
-        },
-        ST_UNAUTHENTICATED if resp.len <= MAX_ERROR_BYTES => {
-            let mut buf = vec![0u8; resp.len as usize];
-            if let Err(e) = r.read_exact(&mut buf).await {
-                return e.into();
-            }
-            TransportError::Unauthenticated(format!(
-                "the target refused: {}",
-                String::from_utf8_lossy(&buf)
-            ))
+    let mut text = vec![0u8; codec::refusal_text_len(resp)];
+    if !text.is_empty() {
+        if let Err(e) = r.read_exact(&mut text).await {
+            return e.into();
         }
-        ST_NOT_GRANTED => TransportError::NotGranted {
-            region: req.region,
-            offset: req.offset,
-            len: req.len,
-            write: req.op == OP_WRITE,
-            fence: resp.aux,
-        },
-        ST_FENCED => TransportError::Fenced { fence: resp.aux },
-        ST_ERROR if resp.len <= MAX_ERROR_BYTES => {
-            let mut buf = vec![0u8; resp.len as usize];
-            if let Err(e) = r.read_exact(&mut buf).await {
-                return e.into();
-            }
-            let text = String::from_utf8_lossy(&buf).to_string();
-            let (kind, message) = text.split_once('\n').unwrap_or(("remote", &text));
-            TransportError::Remote {
-                kind: kind.to_string(),
-                message: message.to_string(),
-            }
-        }
-        other => TransportError::Protocol(format!(
-            "unexpected answer status {other} ({} bytes)",
-            resp.len
-        )),
     }
+    codec::decode_refusal(req, resp, &text)
 }
 
 /// Reads the payload of a control answer (`Ok`, `Regions`), bounded.
@@ -937,23 +734,14 @@ pub(crate) async fn read_control_payload<R: AsyncRead + Unpin>(
     req: &ReqHeader,
     resp: &RespHeader,
 ) -> Result<Vec<u8>> {
-    match resp.status {
-        ST_OK | ST_REGIONS if resp.len <= MAX_REGIONS_BYTES => {
-            let mut buf = vec![0u8; resp.len as usize];
+    match codec::control_answer(resp)? {
+        ControlAnswer::Payload(len) => {
+            let mut buf = vec![0u8; len];
             r.read_exact(&mut buf).await?;
             Ok(buf)
         }
-        ST_OK | ST_REGIONS => Err(TransportError::Protocol(format!(
-            "answer of {} bytes is too large",
-            resp.len
-        ))),
-        _ => Err(answer_error(r, req, resp).await),
+        ControlAnswer::Refused => Err(answer_error(r, req, resp).await),
     }
-}
-
-/// Decodes a `GetRegions` answer.
-pub(crate) fn decode_regions(bytes: &[u8]) -> Result<Vec<RegionDescriptor>> {
-    Ok(from_archive::<Vec<RegionDescriptor>>(bytes)?)
 }
 
 /// One request/answer on a fresh stream (QUIC, greetings): no pipelining.
@@ -975,12 +763,7 @@ where
     let mut hb = [0u8; RESP_HEADER];
     r.read_exact(&mut hb).await?;
     let resp = RespHeader::decode(&hb);
-    if resp.req != req.req {
-        return Err(TransportError::Protocol(format!(
-            "answer to request {} arrived for {}",
-            resp.req, req.req
-        )));
-    }
+    codec::check_answers(&req, &resp)?;
     read_control_payload(r, &req, &resp).await
 }
 
@@ -999,11 +782,7 @@ impl<'a> ClientProof<'a> {
         auth: &'a auth::ClientAuth,
         hello_answer: &[u8],
     ) -> Result<Self> {
-        let nonce: [u8; NONCE_BYTES] = hello_answer.try_into().map_err(|_| {
-            TransportError::Unauthenticated(
-                "the target sent no nonce: it does not support session keys".into(),
-            )
-        })?;
+        let nonce = codec::decode_hello_answer(hello_answer)?;
         let (payload, hs) = auth.request(core.config.backend.as_str(), &core.name, nonce)?;
         Ok(Self { auth, hs, payload })
     }
@@ -1011,13 +790,9 @@ impl<'a> ClientProof<'a> {
     /// Checks the target's answer to `AUTH`; returns the session scope's grants and the
     /// connection's frame protection.
     pub(crate) fn finish(self, answer: &[u8]) -> Result<(Vec<auth::RegionGrant>, Option<Framing>)> {
-        if answer.len() < auth::TAG_BYTES {
-            return Err(TransportError::Protocol("short AUTH answer".into()));
-        }
-        let (proof, grants) = answer.split_at(auth::TAG_BYTES);
+        let (proof, grants) = codec::split_auth_answer(answer)?;
         self.hs.verify_server(&self.auth.key, proof)?;
-        let grants =
-            serde_json::from_slice(grants).map_err(|e| TransportError::Protocol(e.to_string()))?;
+        let grants = codec::decode_grants(grants)?;
         Ok((grants, self.hs.framing(&self.auth.key, true)?))
     }
 }
@@ -1054,46 +829,4 @@ where
     .await?;
     let (grants, framing) = proof.finish(&answer)?;
     Ok((Some(grants), framing))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn rdma_key_requests_are_narrowed_to_granted_regions() {
-        let visible: std::collections::HashSet<u64> = [2, 5].into_iter().collect();
-        let ids = |b: Vec<u8>| {
-            let mut v: Vec<u64> = serde_json::from_slice(&b).unwrap();
-            v.sort_unstable();
-            v
-        };
-        assert_eq!(
-            ids(granted_ids(b"[1,2,3,5]", &visible).unwrap()),
-            vec![2, 5]
-        );
-        assert_eq!(ids(granted_ids(b"", &visible).unwrap()), vec![2, 5]);
-        assert!(ids(granted_ids(b"[7]", &visible).unwrap()).is_empty());
-        assert!(granted_ids(b"not json", &visible).is_err());
-    }
-
-    #[test]
-    fn headers_round_trip() {
-        let h = ReqHeader {
-            op: OP_WRITE,
-            req: 7,
-            region: 3,
-            offset: 1 << 40,
-            len: 12345,
-            fence: 99,
-        };
-        assert_eq!(ReqHeader::decode(&h.encode()), h);
-        let r = RespHeader {
-            status: ST_OUT_OF_BOUNDS,
-            req: 7,
-            aux: 99,
-            len: 0,
-        };
-        assert_eq!(RespHeader::decode(&r.encode()), r);
-    }
 }

@@ -48,14 +48,17 @@ use pdserve_runtime::wire::{RegionChunk, RegionDescriptor, ShmHandle};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::Semaphore;
 
-use super::proto::{self, ConnShared, ReqHeader, RespHeader, ServerCtx};
+use super::codec::{self, ReqHeader, RespHeader};
+use super::proto::{self, ConnShared, ServerCtx};
 use crate::auth::ClientAuth;
+use crate::batch::{BatchState, PieceCompletion};
+use crate::config::BackendKind;
 use crate::control::tls::{certified_node, peer_certificate, ALPN_TRANSFER, MEMBER_SERVER_NAME};
-use crate::engine::{
-    Backend, BackendKind, BatchState, BoxFut, EngineCore, Link, OpKind, PieceCompletion, PlannedOp,
-};
 use crate::error::{Result, TransportError};
 use crate::memory::{plain_chunks, BackendRegistration};
+use crate::op::OpKind;
+use crate::plan::PlannedOp;
+use crate::seam::{Backend, BoxFut, EngineCore, Link};
 
 /// Streams in flight per connection.
 const MAX_STREAMS: usize = 64;
@@ -310,7 +313,7 @@ impl Backend for QuicBackend {
                     .connect(sock, MEMBER_SERVER_NAME)
                     .map_err(|e| TransportError::Config(e.to_string()))?
                     .await
-                    .map_err(|e| classify_connection_error(&addr, e))?;
+                    .map_err(|e| TransportError::quic_closed(&addr, e))?;
                 // Which node answered: the one its certificate is bound to.
                 let certified = peer_certificate(&conn).and_then(|c| certified_node(&c))?;
                 match &node {
@@ -335,34 +338,17 @@ impl Backend for QuicBackend {
             });
             let hello = proto::hello_payload(&core);
             for i in 0..link.conns.len() {
-                let nonce = link.control_on(i, proto::OP_HELLO, hello.clone()).await?;
+                let nonce = link.control_on(i, codec::OP_HELLO, hello.clone()).await?;
                 if let Some(auth) = &auth {
                     let proof = proto::ClientProof::new(&core, auth, &nonce)?;
                     let answer = link
-                        .control_on(i, proto::OP_AUTH, proof.payload.clone())
+                        .control_on(i, codec::OP_AUTH, proof.payload.clone())
                         .await?;
                     proof.finish(&answer)?; // quic asks for no frame protection: TLS has it
                 }
             }
             Ok(link as Arc<dyn Link>)
         })
-    }
-}
-
-pub(crate) fn classify_connection_error(peer: &str, e: quinn::ConnectionError) -> TransportError {
-    match e {
-        quinn::ConnectionError::TransportError(t)
-            if t.code.to_string().contains("crypto") || t.to_string().contains("certificate") =>
-        {
-            TransportError::Unauthenticated(format!("{peer}: {t}"))
-        }
-        quinn::ConnectionError::ConnectionClosed(c)
-            if c.error_code.to_string().contains("crypto") =>
-        {
-            TransportError::Unauthenticated(format!("{peer}: {c}"))
-        }
-        quinn::ConnectionError::TimedOut => TransportError::peer_gone(peer, "QUIC idle timeout"),
-        other => TransportError::peer_gone(peer, other),
     }
 }
 
@@ -398,7 +384,7 @@ struct QuicLink {
 impl QuicLink {
     fn gone(&self, conn: &quinn::Connection, e: impl std::fmt::Display) -> TransportError {
         match conn.close_reason() {
-            Some(reason) => classify_connection_error(&self.peer, reason),
+            Some(reason) => TransportError::quic_closed(&self.peer, reason),
             None => TransportError::peer_gone(&*self.peer, e),
         }
     }
@@ -428,9 +414,9 @@ impl QuicLink {
         let (mut send, mut recv) = conn.open_bi().await.map_err(|e| self.gone(conn, e))?;
         let header = ReqHeader {
             op: if op.kind == OpKind::Write {
-                proto::OP_WRITE
+                codec::OP_WRITE
             } else {
-                proto::OP_READ
+                codec::OP_READ
             },
             req: 1,
             region: op.remote_region,
@@ -458,12 +444,12 @@ impl QuicLink {
                 AsyncWriteExt::write_all(&mut send, &header.encode()).await?;
             }
             let _ = send.finish();
-            let mut hb = [0u8; proto::RESP_HEADER];
+            let mut hb = [0u8; codec::RESP_HEADER];
             AsyncReadExt::read_exact(&mut recv, &mut hb).await?;
             let resp = RespHeader::decode(&hb);
             match (op.kind, resp.status) {
-                (OpKind::Write, proto::ST_OK) if resp.len == 0 => Ok(()),
-                (OpKind::Read, proto::ST_DATA) if resp.len == op.len => {
+                (OpKind::Write, codec::ST_OK) if resp.len == 0 => Ok(()),
+                (OpKind::Read, codec::ST_DATA) if resp.len == op.len => {
                     // Straight from quinn's receive buffers into registered memory, chunk by
                     // chunk, under the batch's landing fence (see `BatchState::land`): a late
                     // answer is read and dropped.
@@ -487,7 +473,7 @@ impl QuicLink {
                     }
                     res
                 }
-                (_, s) if proto::is_refusal(s) => {
+                (_, s) if codec::is_refusal(s) => {
                     Err(proto::answer_error(&mut recv, &header, &resp).await)
                 }
                 (_, s) => Err(TransportError::Protocol(format!(
@@ -511,11 +497,11 @@ impl Link for QuicLink {
     }
     fn fetch_regions(self: Arc<Self>) -> BoxFut<Result<Vec<RegionDescriptor>>> {
         Box::pin(async move {
-            proto::decode_regions(&self.control(proto::OP_GET_REGIONS, Vec::new()).await?)
+            codec::decode_regions(&self.control(codec::OP_GET_REGIONS, Vec::new()).await?)
         })
     }
     fn notify(self: Arc<Self>, bytes: Vec<u8>) -> BoxFut<Result<()>> {
-        Box::pin(async move { self.control(proto::OP_NOTIFY, bytes).await.map(|_| ()) })
+        Box::pin(async move { self.control(codec::OP_NOTIFY, bytes).await.map(|_| ()) })
     }
     fn execute(self: Arc<Self>, pieces: Vec<PlannedOp>, batch: Arc<BatchState>) -> Result<()> {
         let link = self.clone();

@@ -8,8 +8,8 @@
 
 use std::sync::Arc;
 
-use crate::engine::{Backend, EngineCore};
 use crate::error::{Result, TransportError};
+use crate::seam::{Backend, EngineCore};
 
 #[cfg(feature = "rdma")]
 #[path = "rdma_verbs.rs"]

@@ -36,14 +36,16 @@ use pdserve_runtime::memory::{AnonAllocator, HostMemory, HostMemoryAllocator};
 use pdserve_runtime::wire::{RegionChunk, RegionDescriptor, ShmHandle};
 
 use crate::auth::ClientAuth;
+use crate::backend::codec;
 use crate::backend::proto;
 use crate::backend::tcp::{listen, TcpConn};
-use crate::engine::{
-    Backend, BackendKind, BatchState, BoxFut, EngineCore, Link, OpKind, PieceCompletion, PlannedOp,
-    RdmaConfig,
-};
+use crate::batch::{BatchState, PieceCompletion};
+use crate::config::{BackendKind, RdmaConfig};
 use crate::error::{Result, TransportError};
 use crate::memory::{BackendRegistration, Registry};
+use crate::op::OpKind;
+use crate::plan::PlannedOp;
+use crate::seam::{Backend, BoxFut, EngineCore, Link};
 
 const DEFAULT_MAX_REGISTRATION: u64 = 1 << 30;
 
@@ -544,7 +546,7 @@ impl RdmaBackend {
         }
         let (hook_devices, registry) = (devices.clone(), core.registry.clone());
         let hook: proto::RdmaAcceptHook = Arc::new(move |op: u8, payload: &[u8]| {
-            if op == proto::OP_RDMA_KEYS {
+            if op == codec::OP_RDMA_KEYS {
                 let keys = key_table(&registry, payload)?;
                 let answer = serde_json::to_vec(&keys)
                     .map_err(|e| TransportError::Protocol(e.to_string()))?;
@@ -672,7 +674,7 @@ impl Backend for RdmaBackend {
             let mine: Vec<Endpoint> = qps.iter().enumerate().map(|(i, q)| q.endpoint(i)).collect();
             let mine =
                 serde_json::to_vec(&mine).map_err(|e| TransportError::Protocol(e.to_string()))?;
-            let theirs = control.control(&peer, proto::OP_RDMA_CONNECT, mine).await?;
+            let theirs = control.control(&peer, codec::OP_RDMA_CONNECT, mine).await?;
             let remotes: Vec<Endpoint> = serde_json::from_slice(&theirs)
                 .map_err(|e| TransportError::Protocol(e.to_string()))?;
             if remotes.len() != qps.len() {
@@ -821,10 +823,10 @@ impl Link for RdmaLink {
     }
     fn fetch_regions(self: Arc<Self>) -> BoxFut<Result<Vec<RegionDescriptor>>> {
         Box::pin(async move {
-            let regions = proto::decode_regions(
+            let regions = codec::decode_regions(
                 &self
                     .control
-                    .control(&self.peer, proto::OP_GET_REGIONS, Vec::new())
+                    .control(&self.peer, codec::OP_GET_REGIONS, Vec::new())
                     .await?,
             )?;
             if self.lanes.iter().any(|l| l.remote_device != 0) {
@@ -833,7 +835,7 @@ impl Link for RdmaLink {
                     .map_err(|e| TransportError::Protocol(e.to_string()))?;
                 let keys = self
                     .control
-                    .control(&self.peer, proto::OP_RDMA_KEYS, ids)
+                    .control(&self.peer, codec::OP_RDMA_KEYS, ids)
                     .await?;
                 let keys: KeyTable = serde_json::from_slice(&keys)
                     .map_err(|e| TransportError::Protocol(e.to_string()))?;
@@ -845,7 +847,7 @@ impl Link for RdmaLink {
     fn notify(self: Arc<Self>, bytes: Vec<u8>) -> BoxFut<Result<()>> {
         Box::pin(async move {
             self.control
-                .control(&self.peer, proto::OP_NOTIFY, bytes)
+                .control(&self.peer, codec::OP_NOTIFY, bytes)
                 .await
                 .map(|_| ())
         })

@@ -18,15 +18,18 @@ use std::sync::{Arc, RwLock};
 use pdserve_runtime::memory::{HostMemory, HostMemoryAllocator};
 use pdserve_runtime::wire::{RegionChunk, RegionDescriptor, ShmHandle};
 
-use super::memcpy::{run_batch, KeepAlive, RemotePointers};
-use super::proto;
+use super::codec;
 use super::tcp::{listen, TcpConn};
 use crate::auth::ClientAuth;
-use crate::engine::{Backend, BackendKind, BatchState, BoxFut, EngineCore, Link, PlannedOp};
+use crate::batch::BatchState;
+use crate::config::BackendKind;
 use crate::error::{Result, Side, TransportError};
+use crate::memcpy::{run_batch, KeepAlive, RemotePointers};
 use crate::memory::{
     check_range, plain_chunks, shm_handle_of, BackendRegistration, RemoteShmMapping, ShmAllocator,
 };
+use crate::plan::PlannedOp;
+use crate::seam::{Backend, BoxFut, EngineCore, Link};
 
 pub(crate) struct ShmBackend {
     addr: SocketAddr,
@@ -151,9 +154,9 @@ impl Link for ShmLink {
         Box::pin(async move {
             let bytes = self
                 .control
-                .control(&self.peer, proto::OP_GET_REGIONS, Vec::new())
+                .control(&self.peer, codec::OP_GET_REGIONS, Vec::new())
                 .await?;
-            let regions = proto::decode_regions(&bytes)?;
+            let regions = codec::decode_regions(&bytes)?;
             crate::memory::validate_descriptors(&regions)?;
             let mut maps = HashMap::new();
             let mut wanted = Vec::new();
@@ -203,7 +206,7 @@ impl Link for ShmLink {
     fn notify(self: Arc<Self>, bytes: Vec<u8>) -> BoxFut<Result<()>> {
         Box::pin(async move {
             self.control
-                .control(&self.peer, proto::OP_NOTIFY, bytes)
+                .control(&self.peer, codec::OP_NOTIFY, bytes)
                 .await?;
             Ok(())
         })

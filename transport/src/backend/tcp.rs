@@ -17,14 +17,17 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
-use super::proto::{self, ConnShared, ReqHeader, RespHeader, ServerCtx};
+use super::codec::{self, ReqHeader, RespHeader};
+use super::proto::{self, ConnShared, ServerCtx};
 use crate::auth::{ClientAuth, RegionGrant};
-use crate::engine::{
-    Backend, BackendKind, BatchState, BoxFut, EngineCore, Link, OpKind, PieceCompletion, PlannedOp,
-};
+use crate::batch::{BatchState, PieceCompletion};
+use crate::config::BackendKind;
 use crate::error::{Result, TransportError};
 use crate::integrity::{FrameSealer, TAG};
 use crate::memory::{plain_chunks, BackendRegistration};
+use crate::op::OpKind;
+use crate::plan::PlannedOp;
+use crate::seam::{Backend, BoxFut, EngineCore, Link};
 
 /// Most connections one engine's listener serves at once (`tcp`, `shm`, `rdma`): a peer opens
 /// `tcp_connections` + 1 (at most 65) per session, so this admits ~60 peers with room to
@@ -182,7 +185,7 @@ impl TcpConn {
             Some(f) => (Some(f.sealer), Some(f.opener)),
             None => (None, None),
         };
-        let max_answer = core.config.piece_bytes.max(proto::MAX_REGIONS_BYTES);
+        let max_answer = core.config.piece_bytes.max(codec::MAX_REGIONS_BYTES);
         let (mut r, mut w) = stream.into_split();
         let depth = core.config.queue_depth;
         let (tx, mut rx) = mpsc::channel::<ConnJob>(depth);
@@ -212,9 +215,9 @@ impl TcpConn {
                         }
                         let header = ReqHeader {
                             op: if op.kind == OpKind::Write {
-                                proto::OP_WRITE
+                                codec::OP_WRITE
                             } else {
-                                proto::OP_READ
+                                codec::OP_READ
                             },
                             req,
                             region: op.remote_region,
@@ -266,7 +269,7 @@ impl TcpConn {
         tokio::spawn(async move {
             let mut scratch: Vec<u8> = Vec::new();
             let reason = loop {
-                let mut hb = [0u8; proto::RESP_HEADER];
+                let mut hb = [0u8; codec::RESP_HEADER];
                 let got = tokio::select! {
                     got = proto::read_exact_or_eof(&mut r, &mut hb) => got,
                     () = r_cancel.cancelled() => break "connection closed".to_string(),
@@ -308,10 +311,10 @@ impl TcpConn {
                     match p.job {
                         PendingJob::Piece(op, done) => {
                             let res = match (op.kind, resp.status) {
-                                (OpKind::Read, proto::ST_DATA) if resp.len == op.len => {
+                                (OpKind::Read, codec::ST_DATA) if resp.len == op.len => {
                                     done.land_read(&op, body)
                                 }
-                                (_, status) if proto::is_refusal(status) => {
+                                (_, status) if codec::is_refusal(status) => {
                                     Err(proto::answer_error(&mut body, &p.header, &resp).await)
                                 }
                                 (_, status) => {
@@ -342,8 +345,8 @@ impl TcpConn {
                 match p.job {
                     PendingJob::Piece(op, done) => {
                         let res = match (op.kind, resp.status) {
-                            (OpKind::Write, proto::ST_OK) if resp.len == 0 => Ok(()),
-                            (OpKind::Read, proto::ST_DATA) if resp.len == op.len => {
+                            (OpKind::Write, codec::ST_OK) if resp.len == 0 => Ok(()),
+                            (OpKind::Read, codec::ST_DATA) if resp.len == op.len => {
                                 // Off the wire into a buffer, then into registered memory
                                 // under the batch's landing fence: an answer that arrives
                                 // after its batch timed out or was cancelled (a partition,
@@ -359,7 +362,7 @@ impl TcpConn {
                                 }
                                 done.land_read(&op, &scratch[..len])
                             }
-                            (_, status) if proto::is_refusal(status) => {
+                            (_, status) if codec::is_refusal(status) => {
                                 Err(proto::answer_error(&mut r, &p.header, &resp).await)
                             }
                             (_, status) => {
@@ -455,7 +458,7 @@ async fn write_control(
     payload: &[u8],
 ) -> Result<()> {
     let h = header.encode();
-    let mut buf = Vec::with_capacity(proto::REQ_HEADER + payload.len() + 2 * TAG);
+    let mut buf = Vec::with_capacity(codec::REQ_HEADER + payload.len() + 2 * TAG);
     buf.extend_from_slice(&h);
     match sealer {
         None => buf.extend_from_slice(payload),
@@ -480,7 +483,7 @@ async fn write_request(
 ) -> Result<()> {
     if let Some(s) = sealer {
         let h = header.encode();
-        let mut head = Vec::with_capacity(proto::REQ_HEADER + TAG);
+        let mut head = Vec::with_capacity(codec::REQ_HEADER + TAG);
         head.extend_from_slice(&h);
         head.extend_from_slice(&s.seal_header(&h));
         w.write_all(&head).await?;
@@ -498,7 +501,7 @@ async fn write_request(
             // SAFETY: range checked at submit; `entry` keeps the region alive.
             let src = unsafe { std::slice::from_raw_parts(entry.ptr_at(offset), len as usize) };
             if len <= 16 << 10 {
-                let mut buf = Vec::with_capacity(proto::REQ_HEADER + src.len());
+                let mut buf = Vec::with_capacity(codec::REQ_HEADER + src.len());
                 buf.extend_from_slice(&header.encode());
                 buf.extend_from_slice(src);
                 w.write_all(&buf).await?;
@@ -551,16 +554,16 @@ impl Link for TcpLink {
         Box::pin(async move {
             let bytes = self
                 .control
-                .control(&self.peer, proto::OP_GET_REGIONS, Vec::new())
+                .control(&self.peer, codec::OP_GET_REGIONS, Vec::new())
                 .await?;
-            proto::decode_regions(&bytes)
+            codec::decode_regions(&bytes)
         })
     }
 
     fn notify(self: Arc<Self>, bytes: Vec<u8>) -> BoxFut<Result<()>> {
         Box::pin(async move {
             self.control
-                .control(&self.peer, proto::OP_NOTIFY, bytes)
+                .control(&self.peer, codec::OP_NOTIFY, bytes)
                 .await?;
             Ok(())
         })

@@ -8,8 +8,9 @@ use std::collections::VecDeque;
 use std::sync::atomic::{fence, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
 
-use crate::engine::{BatchState, PlannedOp};
+use crate::batch::BatchState;
 use crate::error::{Result, TransportError};
+use crate::plan::PlannedOp;
 use std::sync::Arc;
 
 type Job = Box<dyn FnOnce() + Send>;
@@ -300,8 +301,8 @@ pub(crate) fn run_pieces(
                 // by contract; `copy` tolerates overlap anyway).
                 unsafe {
                     match op.kind {
-                        crate::engine::OpKind::Write => std::ptr::copy(lptr, rptr, op.len as usize),
-                        crate::engine::OpKind::Read => {
+                        crate::op::OpKind::Write => std::ptr::copy(lptr, rptr, op.len as usize),
+                        crate::op::OpKind::Read => {
                             fence(Ordering::Acquire);
                             std::ptr::copy(rptr, lptr, op.len as usize)
                         }

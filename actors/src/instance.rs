@@ -566,6 +566,7 @@ impl Instance {
             hold_for: None,
             push: false,
             resume: Vec::new(),
+            constraint: None,
         };
         self.scheduler.submit(request)
     }

@@ -264,6 +264,7 @@ impl PrefillHost for SchedulerHandle {
             hold_for: Some(job.transfer),
             push: job.push,
             resume: Vec::new(),
+            constraint: None,
         };
         let mut events = self.submit(request).map_err(interrupted)?;
         let mut first = None;

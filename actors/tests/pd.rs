@@ -2081,11 +2081,27 @@ async fn greedy_grammar_output_disaggregated_equals_colocated() {
                 "{tag} streamed"
             );
         }
-        // A grammar that cannot be compiled is a 400 through the proxy too.
+        // A grammar that cannot be compiled is a 400 through the proxy too, and a refused
+        // hand-off when a peer sends it to the prefill instance directly.
         let mut b = body(2);
         b["guided_regex"] = json!("(");
         let (status, v) = post(&cl.url, &b).await;
         assert_error(status, &v, 400, "regex cannot be compiled");
+        let mut sampling = pdserve_gpu::sampling::SamplingParams::greedy(4);
+        sampling.grammar = Some(pdserve_gpu::grammar::GrammarSpec::Regex("(".into()));
+        let request = PeerRequest::Prefill(PrefillRequest {
+            transfer: pdserve_runtime::ids::TransferId::new_random(),
+            prompt: vec![5, 6, 7, 8],
+            sampling,
+            mode: PrefillMode::Pull,
+            cached_blocks: 0,
+        });
+        match peer_call(&cl.p.url(), request).await {
+            PeerAnswer::Failed(e) => {
+                assert!(e.to_string().contains("regex cannot be compiled"), "{e}")
+            }
+            other => panic!("answered {other:?}"),
+        }
         cl.stop().await;
     }
 }

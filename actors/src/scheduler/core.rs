@@ -66,9 +66,9 @@ pub struct NewRequest {
     /// request is computed over prompt + these and continues after them (see
     /// [`Generation::resume`]); empty for a new request.
     pub resume: Vec<u32>,
-    /// The request's grammar compiled off the scheduler (see
-    /// [`SchedulerHandle::compile_grammar`](super::SchedulerHandle)); `None` with
-    /// [`SamplingParams::grammar`] set compiles it here, on the scheduler's thread.
+    /// The request's grammar, compiled off the Scheduler (by the HTTP handler, or the peer
+    /// service through [`SchedulerHandle::with_tokenizer`](super::SchedulerHandle::with_tokenizer));
+    /// `None` with [`SamplingParams::grammar`] set compiles it here, on the Scheduler's task.
     pub constraint: Option<Constraint>,
 }
 

@@ -2021,7 +2021,7 @@ async fn greedy_grammar_output_disaggregated_equals_colocated() {
         let mut b = body(i);
         b["max_tokens"] = json!(150);
         b["ignore_eos"] = json!(false);
-        if i % 2 == 0 {
+        if i.is_multiple_of(2) {
             b["guided_json"] = schema.clone();
         } else {
             b["response_format"] =

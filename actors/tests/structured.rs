@@ -431,3 +431,61 @@ async fn tool_calls_round_trip_streamed_and_not() {
     assert_pool_full(&inst).await;
     inst.stop().await;
 }
+
+/// The default model (SmolLM2-135M-Instruct) under real prompts: chat answers valid against
+/// their schemas, streamed and not, and a forced tool call, as `client.chat.completions.parse`
+/// and a tool-using client would ask.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn default_model_answers_follow_schemas_and_call_tools() {
+    let model = load_model(&ModelSource::Default).unwrap();
+    let mut o = InstanceOptions::local("structured-default", model);
+    o.num_blocks = Some(256);
+    let inst = Instance::start(o).await.unwrap();
+    let url = inst.url();
+    let asks = [
+        "Give me a fictional person with a name and an age.",
+        "Describe the weather today: is it sunny, and what is the temperature?",
+        "Name three colors you like.",
+    ];
+    for (ask, schema) in asks.iter().zip(schemas()) {
+        let body = chat(json!({
+            "messages": [{"role": "user", "content": ask}],
+            "max_tokens": 200,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": true}},
+        }));
+        for stream in [false, true] {
+            let text = if stream {
+                let mut b = body.clone();
+                b["stream"] = json!(true);
+                stream_chunks(&url, CHAT, &b)
+                    .await
+                    .iter()
+                    .filter_map(|c| {
+                        c["choices"][0]["delta"]["content"]
+                            .as_str()
+                            .map(String::from)
+                    })
+                    .collect::<String>()
+            } else {
+                let (status, v) = post_to(&url, CHAT, &body).await;
+                assert_eq!(status, 200, "{v}");
+                assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+                content(&v).to_string()
+            };
+            let parsed: Value =
+                serde_json::from_str(&text).unwrap_or_else(|e| panic!("{ask}: {e}: {text}"));
+            check_schema(&parsed, &schema);
+        }
+    }
+    let tools = weather_tools();
+    let body = chat(json!({
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "tools": tools, "tool_choice": "required", "max_tokens": 100,
+    }));
+    let (status, v) = post_to(&url, CHAT, &body).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
+    check_call(&v["choices"][0]["message"]["tool_calls"][0], &tools);
+    assert_pool_full(&inst).await;
+    inst.stop().await;
+}

@@ -444,6 +444,65 @@ mod tests {
         }
     }
 
+    /// What grammars cost on the default model's 49 152-token vocabulary: building the
+    /// compiler, compiling a schema, and each token's mask along a greedy walk. Prints the
+    /// figures (docs/api.md quotes them); run with `--ignored --nocapture`.
+    #[test]
+    #[ignore = "needs the default model; prints timings"]
+    fn mask_costs_on_the_default_model() {
+        use std::time::Instant;
+        let model = crate::loader::load_model(&crate::loader::ModelSource::Default).unwrap();
+        let tok = model.tokenizer;
+        let t = Instant::now();
+        let comp = GrammarCompiler::new(&tok).unwrap();
+        println!(
+            "compiler (token trie) for {} tokens: {:?}",
+            tok.vocab_size(),
+            t.elapsed()
+        );
+        let schema = r#"{"type":"object","properties":{"name":{"type":"string","maxLength":20},"age":{"type":"integer","minimum":0,"maximum":150},"email":{"type":"string","format":"email"},"tags":{"type":"array","items":{"enum":["a","b","c"]},"maxItems":4}},"required":["name","age","email","tags"],"additionalProperties":false}"#;
+        for spec in [
+            GrammarSpec::JsonSchema(schema.into()),
+            GrammarSpec::JsonObject,
+            GrammarSpec::Regex("[A-Z][a-z]{2,10}( [A-Z][a-z]{2,10})?".into()),
+        ] {
+            let t = Instant::now();
+            let mut c = comp.compile(&spec).unwrap();
+            let compiled = t.elapsed();
+            let (mut masks, mut n, mut worst) =
+                (std::time::Duration::ZERO, 0, std::time::Duration::ZERO);
+            for _ in 0..60 {
+                if c.is_done() {
+                    break;
+                }
+                let t = Instant::now();
+                c.prepare_mask().unwrap();
+                let d = t.elapsed();
+                masks += d;
+                worst = worst.max(d);
+                n += 1;
+                let mut logits: Vec<f32> = (0..tok.vocab_size())
+                    .map(|i| ((i * 7919) % 1000) as f32)
+                    .collect();
+                c.apply(&mut logits).unwrap();
+                let (id, _) = logits
+                    .iter()
+                    .enumerate()
+                    .max_by(|a, b| a.1.total_cmp(b.1))
+                    .unwrap();
+                if tok.is_eos(id as u32) {
+                    break;
+                }
+                c.advance(id as u32).unwrap();
+            }
+            println!(
+                "{}: compile {compiled:?}, {n} masks, mean {:?}, worst {worst:?}",
+                spec.kind(),
+                masks / n.max(1) as u32
+            );
+        }
+    }
+
     #[test]
     fn a_copy_continues_independently_and_forced_tokens_are_checked() {
         let (tok, comp) = compiler();

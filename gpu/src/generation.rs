@@ -141,6 +141,8 @@ impl Generation {
     }
 
     /// Samples the next token from `logits` (penalties look at `prompt` and the output).
+    /// The grammar of a constrained sequence is not applied here: the scheduler samples
+    /// through [`Generation::sample_with_logprobs`], which masks first.
     pub fn sample(&mut self, logits: &mut [f32], prompt: &[u32]) -> u32 {
         self.sampler.sample(logits, prompt, &self.output)
     }

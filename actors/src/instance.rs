@@ -366,8 +366,10 @@ impl Instance {
             let vocab_size = cfg.vocab_size;
             let kv = kv.clone();
             let tls = opts.tls.clone();
+            let grammar_tokenizer = model.tokenizer.clone();
             move |scheduler, kv_sender| {
-                let scheduler = SchedulerHandle::new(scheduler, call_timeout);
+                let scheduler = SchedulerHandle::new(scheduler, call_timeout)
+                    .with_tokenizer(grammar_tokenizer.clone());
                 let admission = Arc::new(tokio::sync::Semaphore::new(max_concurrent));
                 let peer = kv.as_ref().map(|kv| {
                     let sweep = (kv.settings.lease / 8).max(Duration::from_millis(10));
@@ -566,6 +568,7 @@ impl Instance {
             hold_for: None,
             push: false,
             resume: Vec::new(),
+            constraint: None,
         };
         self.scheduler.submit(request)
     }

@@ -12,6 +12,7 @@
 //! | [`control_plane`] | an instance's side of the control plane |
 //! | [`proxy`] | the ProxySupervisor and Proxy: the cluster's front door |
 //! | [`openai`] | OpenAI request parsing and response shapes (pure) |
+//! | [`tools`] | chat tool calling: tools in the prompt, forced calls, calls parsed (pure) |
 //! | [`block_manager`], [`mailbox`], [`error`] | shared pieces |
 
 pub mod block_manager;
@@ -26,6 +27,7 @@ pub mod openai;
 pub mod proxy;
 pub mod scheduler;
 pub mod supervisor;
+pub mod tools;
 mod transfer_config;
 pub mod worker;
 

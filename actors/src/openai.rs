@@ -2,7 +2,9 @@
 //! checked here and a bad one becomes a [`RequestError::BadRequest`] naming it.
 
 use crate::error::RequestError;
+use crate::tools::{self, Tools};
 use pdserve_gpu::chat::ChatMessage;
+use pdserve_gpu::grammar::GrammarSpec;
 use pdserve_gpu::sampling::{
     LogitBias, SamplingParams, TokenLogprobs, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS,
 };
@@ -75,6 +77,9 @@ pub struct ParsedRequest {
     /// Completions' `echo`: the answer's text (and, with `logprobs`, its logprobs) starts
     /// with the prompt's.
     pub echo: bool,
+    /// Chat's `tools` when the model may call them (`tool_choice` not `none`): its answer's
+    /// calls are parsed into `tool_calls`.
+    pub tools: Option<Tools>,
 }
 
 /// Most choices (`n`) one request may ask for.
@@ -218,12 +223,40 @@ pub fn parse_value(v: &Value, chat: bool) -> Result<ParsedRequest, RequestError>
                     }
                     text
                 }
-                None | Some(Value::Null) if role == "assistant" => String::new(),
+                None | Some(Value::Null) if role == "assistant" || role == "tool" => String::new(),
                 _ => {
                     return Err(bad(format!(
                         "`messages[{i}].content` must be a string or a list of text parts"
                     )))
                 }
+            };
+            let content = match (role, m.get("tool_calls").filter(|c| !c.is_null())) {
+                // The calls an assistant turn made, as the model writes them.
+                ("assistant", Some(calls)) => {
+                    let calls = tools::render_calls(calls, i)?;
+                    if content.is_empty() {
+                        calls
+                    } else {
+                        format!("{content}\n{calls}")
+                    }
+                }
+                (_, Some(_)) => {
+                    return Err(bad(format!(
+                        "`messages[{i}].tool_calls` belongs to assistant messages"
+                    )))
+                }
+                ("tool", None) => {
+                    match m.get("tool_call_id") {
+                        None | Some(Value::Null | Value::String(_)) => {}
+                        Some(_) => {
+                            return Err(bad(format!(
+                                "`messages[{i}].tool_call_id` must be a string"
+                            )))
+                        }
+                    }
+                    tools::render_response(&content)
+                }
+                _ => content,
             };
             out.push(ChatMessage::new(role, content));
         }
@@ -354,6 +387,31 @@ pub fn parse_value(v: &Value, chat: bool) -> Result<ParsedRequest, RequestError>
     };
     params.ignore_eos = opt_bool(v, "ignore_eos")?;
     params.logit_bias = parse_logit_bias(v)?;
+    params.grammar = parse_grammar(v)?;
+    let tools = if chat {
+        tools::parse(v)?.filter(Tools::active)
+    } else if v.get("tools").is_some_and(|t| !t.is_null()) {
+        return Err(bad("`tools` is supported on chat completions only"));
+    } else {
+        None
+    };
+    let mut prompt = prompt;
+    if let (Some(t), PromptInput::Chat(messages)) = (&tools, &mut prompt) {
+        // The tools are described in the system message (the first one, or a new one).
+        let block = t.system_prompt();
+        match messages.first_mut() {
+            Some(first) if first.role == "system" => {
+                first.content = format!("{}\n\n{block}", first.content);
+            }
+            _ => messages.insert(0, ChatMessage::new("system", block)),
+        }
+        if let Some(grammar) = t.grammar() {
+            if params.grammar.is_some() {
+                return Err(bad("`tool_choice` `required` or a named function cannot be combined with `response_format` or another output constraint"));
+            }
+            params.grammar = Some(grammar);
+        }
+    }
     let stream = opt_bool(v, "stream")?;
     let include_usage = match v.get("stream_options") {
         None | Some(Value::Null) => false,
@@ -406,7 +464,145 @@ pub fn parse_value(v: &Value, chat: bool) -> Result<ParsedRequest, RequestError>
         return_token_ids,
         resume_tokens,
         echo,
+        tools,
     })
+}
+
+/// The fields that ask for structured output; a request may use one of them.
+const GRAMMAR_FIELDS: [&str; 6] = [
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+];
+
+/// Structured output: OpenAI's `response_format` (`text`, `json_object`, `json_schema`), vLLM's
+/// `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` (Lark) and its newer
+/// `structured_outputs: {json | regex | choice | grammar | json_object}`. At most one of them
+/// may constrain a request. Bounds (size, choices) and compilation are checked later
+/// ([`SamplingParams::validate`], the grammar compiler), each a 400 naming the problem.
+fn parse_grammar(v: &Value) -> Result<Option<GrammarSpec>, RequestError> {
+    let mut found: Option<(&str, GrammarSpec)> = None;
+    for field in GRAMMAR_FIELDS {
+        let Some(x) = v.get(field).filter(|x| !x.is_null()) else {
+            continue;
+        };
+        let spec = match field {
+            "response_format" => response_format(x)?,
+            "structured_outputs" => structured_outputs(x)?,
+            "guided_json" => Some(json_schema(x, field)?),
+            "guided_regex" => Some(GrammarSpec::Regex(string_field(x, field)?)),
+            "guided_grammar" => Some(GrammarSpec::Lark(string_field(x, field)?)),
+            _ => Some(choice(x, field)?),
+        };
+        if let Some(spec) = spec {
+            if let Some((first, _)) = &found {
+                return Err(bad(format!(
+                    "`{first}` and `{field}` both constrain the output: send one of them"
+                )));
+            }
+            found = Some((field, spec));
+        }
+    }
+    Ok(found.map(|(_, spec)| spec))
+}
+
+fn string_field(x: &Value, name: &str) -> Result<String, RequestError> {
+    x.as_str()
+        .map(str::to_string)
+        .ok_or_else(|| bad(format!("`{name}` must be a string")))
+}
+
+/// A JSON schema given as an object (or a boolean), or as its JSON text (vLLM accepts both).
+fn json_schema(x: &Value, name: &str) -> Result<GrammarSpec, RequestError> {
+    match x {
+        Value::Object(_) | Value::Bool(_) => Ok(GrammarSpec::JsonSchema(x.to_string())),
+        Value::String(text) => Ok(GrammarSpec::JsonSchema(text.clone())),
+        _ => Err(bad(format!("`{name}` must be a JSON schema (an object)"))),
+    }
+}
+
+fn choice(x: &Value, name: &str) -> Result<GrammarSpec, RequestError> {
+    let items = x
+        .as_array()
+        .ok_or_else(|| bad(format!("`{name}` must be a list of strings")))?;
+    items
+        .iter()
+        .map(|c| {
+            c.as_str()
+                .map(str::to_string)
+                .ok_or_else(|| bad(format!("`{name}` must be a list of strings")))
+        })
+        .collect::<Result<_, _>>()
+        .map(GrammarSpec::Choice)
+}
+
+fn response_format(x: &Value) -> Result<Option<GrammarSpec>, RequestError> {
+    let kind = x
+        .get("type")
+        .and_then(Value::as_str)
+        .ok_or_else(|| bad("`response_format.type` must be a string"))?;
+    match kind {
+        "text" => Ok(None),
+        "json_object" => Ok(Some(GrammarSpec::JsonObject)),
+        "json_schema" => {
+            let js = x
+                .get("json_schema")
+                .filter(|j| j.is_object())
+                .ok_or_else(|| {
+                    bad("`response_format.json_schema` must be an object with `name` and `schema`")
+                })?;
+            match js.get("strict") {
+                None | Some(Value::Null | Value::Bool(_)) => {}
+                Some(_) => {
+                    return Err(bad(
+                        "`response_format.json_schema.strict` must be a boolean",
+                    ))
+                }
+            }
+            // OpenAI's schema is optional; without one any JSON value is allowed.
+            match js.get("schema").filter(|s| !s.is_null()) {
+                Some(schema) => json_schema(schema, "response_format.json_schema.schema").map(Some),
+                None => Ok(Some(GrammarSpec::JsonSchema("{}".into()))),
+            }
+        }
+        other => Err(bad(format!(
+            "`response_format.type` `{other}` is not one of text, json_object, json_schema"
+        ))),
+    }
+}
+
+fn structured_outputs(x: &Value) -> Result<Option<GrammarSpec>, RequestError> {
+    let map = x
+        .as_object()
+        .ok_or_else(|| bad("`structured_outputs` must be an object"))?;
+    let mut found = None;
+    for (key, val) in map {
+        if val.is_null() || val == &Value::Bool(false) {
+            continue;
+        }
+        let name = format!("structured_outputs.{key}");
+        let spec = match key.as_str() {
+            "json" => json_schema(val, &name)?,
+            "regex" => GrammarSpec::Regex(string_field(val, &name)?),
+            "choice" => choice(val, &name)?,
+            "grammar" => GrammarSpec::Lark(string_field(val, &name)?),
+            "json_object" if val == &Value::Bool(true) => GrammarSpec::JsonObject,
+            _ => {
+                return Err(bad(format!(
+                    "`{name}` is not supported (json, regex, choice, grammar, json_object are)"
+                )))
+            }
+        };
+        if found.replace(spec).is_some() {
+            return Err(bad(
+                "`structured_outputs` takes one of json, regex, choice, grammar, json_object",
+            ));
+        }
+    }
+    Ok(found)
 }
 
 /// OpenAI's `logit_bias`: an object from token ids (as decimal strings) to biases in

@@ -632,6 +632,9 @@ impl SchedulerState {
                 hook: hook.clone(),
             });
         }
+        // The workers compute the step's logits now: meanwhile, the grammar masks they will
+        // need (structured output), so sampling only applies them.
+        self.core.prepare_masks(&plan);
         self.in_flight = Some(InFlight {
             replies: vec![None; self.workers.len()],
             pushes: hook.is_some(),

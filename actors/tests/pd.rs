@@ -2004,3 +2004,104 @@ async fn a_list_of_prompts_through_the_proxy_equals_colocated() {
     assert_error(status, &v, 400, "list of prompts");
     cl.stop().await;
 }
+
+/// Greedy decoding under a grammar: the first token is sampled (masked) on the prefill
+/// instance, the decode instance advances its own matcher over it and goes on. Disaggregated
+/// answers equal colocated ones token for token — vLLM's two hops and pdserve's proxy, push
+/// and pull, whole and streamed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn greedy_grammar_output_disaggregated_equals_colocated() {
+    let lease = Duration::from_secs(30);
+    let schema = json!({"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "n": {"type": "integer", "minimum": -50, "maximum": 50},
+        "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3}},
+        "required": ["name", "n", "tags"], "additionalProperties": false});
+    let constrained = |i: usize| {
+        let mut b = body(i);
+        b["max_tokens"] = json!(150);
+        b["ignore_eos"] = json!(false);
+        if i.is_multiple_of(2) {
+            b["guided_json"] = schema.clone();
+        } else {
+            b["response_format"] =
+                json!({"type": "json_schema", "json_schema": {"name": "r", "schema": schema}});
+            b["guided_json"] = Value::Null;
+        }
+        b
+    };
+    let regex = |i: usize| {
+        let mut b = body(i);
+        b["max_tokens"] = json!(40);
+        b["ignore_eos"] = json!(false);
+        b["guided_regex"] = json!("[a-f]{3,8}(-[0-9]{2})?");
+        b
+    };
+    let bodies: Vec<Value> = (2..5).map(constrained).chain([regex(3)]).collect();
+    let c = instance("ref-grammar", "small", 1, None, lease).await;
+    let mut reference = Vec::new();
+    for b in &bodies {
+        let (status, v) = post(&c.url(), b).await;
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+        reference.push(ids(&v));
+    }
+    let text_ok = |v: &Value| {
+        let text = v["choices"][0]["text"].as_str().unwrap_or_default();
+        serde_json::from_str::<Value>(text).is_ok() || text.bytes().all(|b| b != b'{')
+    };
+    assert_pool_full(&c).await;
+    c.stop().await;
+
+    // vLLM's two hops: the grammar travels in both hops' bodies.
+    let p = instance("p-grammar", "small", 1, Some(BackendKind::Local), lease).await;
+    let d = instance("d-grammar", "small", 1, Some(BackendKind::Local), lease).await;
+    for (b, want) in bodies.iter().zip(&reference) {
+        let (status, v) = via_pd(&p.url(), &d.url(), b).await;
+        assert_eq!(status, 200, "two hops: {v}");
+        assert_eq!(&ids(&v), want, "two hops");
+        assert!(text_ok(&v), "{v}");
+    }
+    stop_pair(p, d).await;
+
+    // pdserve's proxy: the grammar travels in the peer protocol's sampling params.
+    for mode in [TransferMode::Push, TransferMode::Pull] {
+        let tag = format!("grammar-{}", mode.as_str());
+        let cl = Cluster::start(&tag, "small", BackendKind::Local, (1, 1), mode).await;
+        for (b, want) in bodies.iter().zip(&reference) {
+            let (status, v) = post(&cl.url, b).await;
+            assert_eq!(status, 200, "{tag}: {v}");
+            assert_eq!(&ids(&v), want, "{tag}");
+            let mut streamed = b.clone();
+            streamed["stream"] = json!(true);
+            let chunks = common::stream_chunks(&cl.url, "/v1/completions", &streamed).await;
+            assert_eq!(
+                &common::streamed_choice_token_ids(&chunks, 1)[0],
+                want,
+                "{tag} streamed"
+            );
+        }
+        // A grammar that cannot be compiled is a 400 through the proxy too, and a refused
+        // hand-off when a peer sends it to the prefill instance directly.
+        let mut b = body(2);
+        b["guided_regex"] = json!("(");
+        let (status, v) = post(&cl.url, &b).await;
+        assert_error(status, &v, 400, "regex cannot be compiled");
+        let mut sampling = pdserve_gpu::sampling::SamplingParams::greedy(4);
+        sampling.grammar = Some(pdserve_gpu::grammar::GrammarSpec::Regex("(".into()));
+        let request = PeerRequest::Prefill(PrefillRequest {
+            transfer: pdserve_runtime::ids::TransferId::new_random(),
+            prompt: vec![5, 6, 7, 8],
+            sampling,
+            mode: PrefillMode::Pull,
+            cached_blocks: 0,
+        });
+        match peer_call(&cl.p.url(), request).await {
+            PeerAnswer::Failed(e) => {
+                assert!(e.to_string().contains("regex cannot be compiled"), "{e}")
+            }
+            other => panic!("answered {other:?}"),
+        }
+        cl.stop().await;
+    }
+}

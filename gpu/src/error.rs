@@ -89,6 +89,10 @@ pub enum ModelError {
     /// Invalid sampling parameters.
     #[error("invalid sampling parameter: {0}")]
     InvalidSampling(String),
+    /// A structured-output grammar (JSON schema, regex, choice, Lark) is out of bounds, cannot
+    /// be compiled, or the sequence left it.
+    #[error("invalid grammar: {0}")]
+    InvalidGrammar(String),
     /// A tensor-parallel rank thread died or stopped answering.
     #[error("tensor-parallel rank {rank} failed: {reason}")]
     RankFailed {
@@ -127,6 +131,7 @@ impl ModelError {
             Self::ChatTemplate(_) => "chat_template",
             Self::Fetch(_) => "fetch",
             Self::InvalidSampling(_) => "invalid_sampling",
+            Self::InvalidGrammar(_) => "invalid_grammar",
             Self::RankFailed { .. } => "rank_failed",
             Self::Candle(_) => "tensor_library",
             Self::Io(_) => "io",

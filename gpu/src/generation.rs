@@ -2,6 +2,7 @@
 //! detokenizer, applied token by token. The standalone [`Engine`](crate::engine::Engine) and
 //! the serving scheduler both drive sequences through this one type.
 
+use crate::grammar::Constraint;
 use crate::sampling::{
     FinishReason, Sampler, SamplingParams, StopChecker, StopDecision, StopReason, TokenLogprobs,
 };
@@ -32,6 +33,8 @@ pub struct Generation {
     sampler: Sampler,
     stop: StopChecker,
     decode: DecodeStream,
+    /// The request's grammar state, when it asked for structured output.
+    constraint: Option<Constraint>,
 }
 
 impl Generation {
@@ -42,6 +45,44 @@ impl Generation {
             sampler: Sampler::new(params),
             stop: StopChecker::new(params, tokenizer.eos_ids()),
             decode: tokenizer.decode_stream(true),
+            constraint: None,
+        }
+    }
+
+    /// A fresh sequence whose output must match `constraint` (compiled from
+    /// [`SamplingParams::grammar`] by the caller, off the scheduler).
+    pub fn with_constraint(mut self, constraint: Option<Constraint>) -> Self {
+        self.constraint = constraint;
+        self
+    }
+
+    /// A fresh sequence as [`Generation::new`], with its grammar compiled here when `params`
+    /// name one and `constraint` is `None`.
+    ///
+    /// # Errors
+    /// [`crate::ModelError::InvalidGrammar`] when the grammar cannot be compiled.
+    pub fn constrained(
+        params: &SamplingParams,
+        tokenizer: &Tokenizer,
+        constraint: Option<Constraint>,
+    ) -> Result<Self> {
+        let constraint = match (constraint, &params.grammar) {
+            (Some(c), _) => Some(c),
+            (None, Some(spec)) => Some(tokenizer.grammar_compiler()?.compile(spec)?),
+            (None, None) => None,
+        };
+        Ok(Self::new(params, tokenizer).with_constraint(constraint))
+    }
+
+    /// Computes the grammar's mask of the next token now, if the sequence has a grammar and
+    /// the mask is not ready (the scheduler calls it while the forward pass runs).
+    ///
+    /// # Errors
+    /// [`crate::ModelError::InvalidGrammar`] when the grammar failed.
+    pub fn prepare_mask(&mut self) -> Result<()> {
+        match &mut self.constraint {
+            Some(c) => c.prepare_mask(),
+            None => Ok(()),
         }
     }
 
@@ -54,7 +95,16 @@ impl Generation {
     /// A detokenizer failure; [`crate::ModelError::InvalidSampling`] when `prior`
     /// already ends the sequence (a stop token, a stop string or `max_tokens`).
     pub fn resume(params: &SamplingParams, tokenizer: &Tokenizer, prior: &[u32]) -> Result<Self> {
-        let mut g = Self::new(params, tokenizer);
+        Self::resume_constrained(Self::new(params, tokenizer), prior)
+    }
+
+    /// As [`Generation::resume`], from a fresh `g` (with its grammar, which advances over
+    /// `prior` too).
+    ///
+    /// # Errors
+    /// As [`Generation::resume`]; [`crate::ModelError::InvalidGrammar`] when `prior` leaves
+    /// the grammar.
+    pub fn resume_constrained(mut g: Self, prior: &[u32]) -> Result<Self> {
         for (i, &token) in prior.iter().enumerate() {
             if let TokenOutcome::Finished { reason, .. } = g.accept(token)? {
                 return Err(crate::ModelError::InvalidSampling(format!(
@@ -91,6 +141,8 @@ impl Generation {
     }
 
     /// Samples the next token from `logits` (penalties look at `prompt` and the output).
+    /// The grammar of a constrained sequence is not applied here: the scheduler samples
+    /// through [`Generation::sample_with_logprobs`], which masks first.
     pub fn sample(&mut self, logits: &mut [f32], prompt: &[u32]) -> u32 {
         self.sampler.sample(logits, prompt, &self.output)
     }
@@ -99,21 +151,30 @@ impl Generation {
     /// ([`SamplingParams::logprobs`]), the chosen token's log-probability and the top
     /// alternatives of `logits` as the model produced them (before penalties and temperature:
     /// see [`TokenLogprobs`]).
+    ///
+    /// A grammar masks `logits` first (tokens it forbids become −∞), so the logprobs are
+    /// those of the masked row, as vLLM reports them.
+    ///
+    /// # Errors
+    /// [`crate::ModelError::InvalidGrammar`] when the grammar failed or allows nothing.
     pub fn sample_with_logprobs(
         &mut self,
         logits: &mut [f32],
         prompt: &[u32],
-    ) -> (u32, Option<TokenLogprobs>) {
+    ) -> Result<(u32, Option<TokenLogprobs>)> {
+        if let Some(c) = &mut self.constraint {
+            c.apply(logits)?;
+        }
         let Some(top_n) = self.sampler.params().logprobs else {
-            return (self.sample(logits, prompt), None);
+            return Ok((self.sample(logits, prompt), None));
         };
         // The sampler rewrites the row in place (penalties, temperature).
         let raw = logits.to_vec();
         let token = self.sample(logits, prompt);
-        (
+        Ok((
             token,
             Some(TokenLogprobs::compute(&raw, token, top_n as usize)),
-        )
+        ))
     }
 
     /// Appends `token` and applies the stop conditions.
@@ -121,9 +182,24 @@ impl Generation {
     /// # Errors
     /// A detokenizer failure.
     pub fn accept(&mut self, token: u32) -> Result<TokenOutcome> {
+        if let Some(c) = &mut self.constraint {
+            c.advance(token)?;
+        }
         self.output.push(token);
         let piece = self.decode.step(token)?.unwrap_or_default();
         Ok(match self.stop.push(token, &piece) {
+            StopDecision::Continue { mut text_to_emit }
+                if self.constraint.as_ref().is_some_and(Constraint::is_done) =>
+            {
+                // The grammar is complete and admits nothing more: stop as EOS would,
+                // releasing what waited for a stop string and the detokenizer.
+                text_to_emit.push_str(&self.stop.finish());
+                text_to_emit.push_str(&self.decode.flush()?);
+                TokenOutcome::Finished {
+                    reason: FinishReason::Stop,
+                    text: text_to_emit,
+                }
+            }
             StopDecision::Continue { text_to_emit } => {
                 TokenOutcome::Continue { text: text_to_emit }
             }

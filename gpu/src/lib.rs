@@ -9,6 +9,7 @@ pub use error::{ModelError, Result};
 
 pub mod chat;
 pub mod fetch;
+pub mod grammar;
 pub mod sampling;
 pub mod tokenizer;
 pub use chat::{ChatMessage, ChatTemplate};

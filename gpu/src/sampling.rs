@@ -14,6 +14,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
+use crate::grammar::GrammarSpec;
 use crate::{ModelError, Result};
 
 /// Temperatures below this are treated as greedy (vLLM's `_SAMPLING_EPS`).
@@ -89,6 +90,10 @@ pub struct SamplingParams {
     /// [`MAX_LOGIT_BIAS_ENTRIES`] entries, each in [-[`MAX_LOGIT_BIAS`], [`MAX_LOGIT_BIAS`]].
     /// Logprobs are reported before it (see [`TokenLogprobs`]).
     pub logit_bias: Vec<LogitBias>,
+    /// Structured output: what the generated text must match (see [`crate::grammar`]). The
+    /// grammar masks the logits before everything else (logprobs included), allows EOS only
+    /// where it accepts, and ends the sequence when it admits nothing more.
+    pub grammar: Option<GrammarSpec>,
 }
 
 /// One entry of [`SamplingParams::logit_bias`].
@@ -121,6 +126,7 @@ impl Default for SamplingParams {
             logprobs: None,
             prompt_logprobs: None,
             logit_bias: Vec::new(),
+            grammar: None,
         }
     }
 }
@@ -245,6 +251,9 @@ impl SamplingParams {
                     b.bias, b.token
                 )));
             }
+        }
+        if let Some(grammar) = &self.grammar {
+            grammar.validate()?;
         }
         Ok(())
     }

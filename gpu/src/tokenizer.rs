@@ -18,11 +18,12 @@
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use candle_core::quantized::gguf_file;
 use serde_json::{json, Map, Value as Json};
 
+use crate::grammar::GrammarCompiler;
 use crate::{ModelError, Result};
 
 /// GGUF token type of a normal vocabulary entry.
@@ -59,6 +60,8 @@ pub struct Tokenizer {
     add_bos: bool,
     vocab_size: usize,
     chat_template: Option<String>,
+    /// The structured-output compiler over this vocabulary, built on first use.
+    grammar: Arc<OnceLock<std::result::Result<Arc<GrammarCompiler>, String>>>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -496,6 +499,7 @@ impl Tokenizer {
             pad_id,
             add_bos,
             vocab_size: tokens.len(),
+            grammar: Arc::default(),
             chat_template,
         })
     }
@@ -622,6 +626,7 @@ impl Tokenizer {
             pad_id,
             add_bos,
             vocab_size,
+            grammar: Arc::default(),
             chat_template,
         })
     }
@@ -668,6 +673,7 @@ impl Tokenizer {
             pad_id: None,
             add_bos: false,
             vocab_size: 259,
+            grammar: Arc::default(),
             chat_template: None,
         }
     }
@@ -836,6 +842,42 @@ impl Tokenizer {
             }
         }
         self.decode(&[id], false).unwrap_or_default().into_bytes()
+    }
+
+    /// Ids of the special tokens (added tokens marked special: `<|im_start|>`, `<|im_end|>`
+    /// ...), sorted.
+    pub fn special_token_ids(&self) -> Vec<u32> {
+        let mut ids: Vec<u32> = self
+            .inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, t)| t.special)
+            .map(|(id, _)| id)
+            .collect();
+        ids.sort_unstable();
+        ids
+    }
+
+    /// The structured-output compiler over this vocabulary (see [`crate::grammar`]), built
+    /// on first use (a trie of the whole vocabulary: tens of milliseconds) and shared by
+    /// every clone of this tokenizer.
+    ///
+    /// # Errors
+    /// [`ModelError::InvalidGrammar`] when the vocabulary cannot serve grammars (no EOS).
+    pub fn grammar_compiler(&self) -> Result<Arc<GrammarCompiler>> {
+        self.grammar
+            .get_or_init(|| {
+                GrammarCompiler::new(self)
+                    .map(Arc::new)
+                    .map_err(|e| e.to_string())
+            })
+            .clone()
+            .map_err(ModelError::InvalidGrammar)
+    }
+
+    /// The wrapped Hugging Face tokenizer, shared.
+    pub(crate) fn shared_inner(&self) -> Arc<tokenizers::Tokenizer> {
+        Arc::clone(&self.inner)
     }
 
     /// The wrapped Hugging Face tokenizer.

@@ -567,6 +567,12 @@ impl PeerRequest {
                         b.bias, b.token
                     )));
                 }
+                // Structured output: the grammar's size and choices (compiled, with its own
+                // limits, only by the Scheduler that runs the prompt).
+                if let Some(g) = &p.sampling.grammar {
+                    g.validate()
+                        .map_err(|e| HandoffError::Protocol(format!("grammar: {e}")))?;
+                }
                 Ok(())
             }
             Self::OpenSession { initiator, .. } | Self::OpenRead { initiator, .. } => {
@@ -859,6 +865,29 @@ mod tests {
             let e = decode_request(&encode_request(&pull(sampling)).unwrap()).unwrap_err();
             assert!(e.to_string().contains(needle), "{e}");
         }
+
+        use pdserve_gpu::grammar::{GrammarSpec, MAX_GRAMMAR_BYTES, MAX_GRAMMAR_CHOICES};
+        for (grammar, needle) in [
+            (
+                GrammarSpec::JsonSchema(" ".repeat(MAX_GRAMMAR_BYTES + 1)),
+                "more than the 65536 allowed",
+            ),
+            (
+                GrammarSpec::Choice(vec!["a".into(); MAX_GRAMMAR_CHOICES + 1]),
+                "choice needs 1 to 256",
+            ),
+        ] {
+            let mut sampling = SamplingParams::greedy(1);
+            sampling.grammar = Some(grammar);
+            let e = decode_request(&encode_request(&pull(sampling)).unwrap()).unwrap_err();
+            assert!(e.to_string().contains(needle), "{e}");
+        }
+        let mut sampling = SamplingParams::greedy(1);
+        sampling.grammar = Some(GrammarSpec::Regex("a".repeat(MAX_GRAMMAR_BYTES)));
+        assert!(
+            decode_request(&encode_request(&pull(sampling)).unwrap()).is_ok(),
+            "the limit itself is allowed"
+        );
 
         let mut wide = info();
         wide.ranks = vec![wide.ranks[0].clone(); MAX_RANKS + 1];

@@ -14,6 +14,7 @@ use crate::error::RequestError;
 use crate::handoff::receiver::KvSource;
 use crate::openai::{self, KvDirective, PromptInput};
 use crate::scheduler::{NewRequest, RequestEvent, RequestStream};
+use crate::tools;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -157,6 +158,24 @@ async fn serve(app: Arc<AppState>, body: Bytes, chat: bool) -> Result<Response, 
     Ok(Json(merge_choices(answers, n)).into_response())
 }
 
+/// Compiles the request's grammar (structured output) on a blocking thread, so neither the
+/// async workers nor the Scheduler wait on it; a grammar that cannot be compiled is a 400
+/// naming the problem, before anything is queued.
+async fn compile_grammar(
+    app: &AppState,
+    params: &pdserve_gpu::SamplingParams,
+) -> Result<Option<pdserve_gpu::grammar::Constraint>, RequestError> {
+    let Some(spec) = params.grammar.clone() else {
+        return Ok(None);
+    };
+    let tokenizer = app.tokenizer.clone();
+    tokio::task::spawn_blocking(move || tokenizer.grammar_compiler()?.compile(&spec))
+        .await
+        .map_err(|e| RequestError::Internal(format!("grammar compilation: {e}")))?
+        .map(Some)
+        .map_err(|e| RequestError::BadRequest(e.to_string()))
+}
+
 /// Starts the `n` choices of one prompt of `req`: their events and the answer's metadata (for
 /// choice 0 of this prompt).
 async fn start_prompt(
@@ -180,6 +199,7 @@ async fn start_prompt(
     params
         .validate(app.vocab_size)
         .map_err(|e| RequestError::BadRequest(e.to_string()))?;
+    let constraint = compile_grammar(app, &params).await?;
 
     if let Some(bad) = req
         .resume_tokens
@@ -245,7 +265,7 @@ async fn start_prompt(
     };
     let logprobs = params.logprobs.is_some();
     // Choices after the first: the same prompt, seed + i.
-    let branch_base = (req.n > 1).then(|| (prompt.clone(), params.clone()));
+    let branch_base = (req.n > 1).then(|| (prompt.clone(), params.clone(), constraint.clone()));
     let remote_kv = !matches!(directive, KvDirective::None);
     let mut hand_off = None;
     let mut request = NewRequest {
@@ -255,6 +275,7 @@ async fn start_prompt(
         hold_for: None,
         push: false,
         resume: req.resume_tokens.clone(),
+        constraint,
     };
     let scheduler = &app.scheduler;
     let events = match (directive, app.kv.as_ref()) {
@@ -320,7 +341,7 @@ async fn start_prompt(
         ahead: None,
         _permit: permit.clone(),
     }];
-    if let Some((prompt, params)) = branch_base {
+    if let Some((prompt, params, constraint)) = branch_base {
         // The other choices start once the first has its prompt's KV (its first event): their
         // full prompt blocks then come from the prefix cache — on a decode instance, the
         // blocks the hand-off brought — so the prompt is prefilled (and handed over) once.
@@ -342,6 +363,7 @@ async fn start_prompt(
                 hold_for: None,
                 push: false,
                 resume: Vec::new(),
+                constraint: constraint.clone(),
             };
             runs.push(Running {
                 events: scheduler.submit(branch)?,
@@ -363,6 +385,7 @@ async fn start_prompt(
         logprobs,
         echo,
         score_only,
+        tools: req.tools.is_some(),
         lease_ms: app
             .kv
             .as_ref()
@@ -480,6 +503,8 @@ struct ResponseMeta {
     hand_off: Option<HandOff>,
     /// How long held blocks wait for the decode side, in ms (published with them).
     lease_ms: u64,
+    /// Chat with tools the model may call: its calls are parsed into `tool_calls`.
+    tools: bool,
 }
 
 impl ResponseMeta {
@@ -561,6 +586,35 @@ impl ResponseMeta {
         ))
     }
 
+    /// The calls the model wrote in `text`, when the request has tools: the content before
+    /// them and OpenAI's `tool_calls` entries (`index` set for streamed deltas).
+    fn tool_calls(&self, text: &str, streamed: bool) -> Option<(Option<String>, Vec<Value>)> {
+        if !self.tools {
+            return None;
+        }
+        let (content, calls) = tools::parse_calls(text)?;
+        let id = self.id.trim_start_matches("chatcmpl-");
+        let calls = calls
+            .iter()
+            .enumerate()
+            .map(|(k, c)| {
+                let call_id = format!("call_{id}_{}_{k}", self.index);
+                c.to_json(&call_id, streamed.then_some(k))
+            })
+            .collect();
+        Some((content, calls))
+    }
+
+    /// The streamed chunk of a choice's tool calls (with the `role` when it opens the choice).
+    fn tool_calls_chunk(&self, content: Option<String>, calls: Vec<Value>, first: bool) -> Value {
+        let mut delta = json!({"content": content, "tool_calls": calls});
+        if first {
+            delta["role"] = json!("assistant");
+        }
+        json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+               "choices": [{"index": self.index, "delta": delta, "logprobs": null, "finish_reason": null}]})
+    }
+
     fn usage_chunk(&self, usage: openai::Usage) -> Value {
         let object = if self.chat {
             "chat.completion.chunk"
@@ -583,8 +637,15 @@ impl ResponseMeta {
         first_logprobs: Option<&TokenLogprobs>,
     ) -> Value {
         let mut v = if self.chat {
+            let (message, finish) = match self.tool_calls(text, false) {
+                Some((content, calls)) => (
+                    json!({"role": "assistant", "content": content, "tool_calls": calls}),
+                    "tool_calls",
+                ),
+                None => (json!({"role": "assistant", "content": text}), finish),
+            };
             json!({"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                   "choices": [{"index": self.index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs, "finish_reason": finish}],
+                   "choices": [{"index": self.index, "message": message, "logprobs": logprobs, "finish_reason": finish}],
                    "usage": usage.to_json()})
         } else {
             json!({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
@@ -719,8 +780,12 @@ fn sse_stream(
         offset: usize,
         /// Events to send before the next read, emitted from the end.
         pending: Vec<Event>,
+        /// Chat with tools: the answer's text, held until it ends (then sent as
+        /// `delta.tool_calls` or as content).
+        tool_text: Option<String>,
     }
     let state = S {
+        tool_text: meta.tools.then(String::new),
         end,
         first: !meta.resumed,
         echo_pending: meta.echo.is_some() && !meta.resumed,
@@ -780,6 +845,10 @@ fn sse_stream(
                 } => {
                     held.push(token);
                     held_lps.extend(logprobs);
+                    if let Some(buffer) = &mut s.tool_text {
+                        buffer.push_str(&text);
+                        continue;
+                    }
                     if text.is_empty() && !(s.first && s.meta.chat) && echoed.is_none() {
                         continue;
                     }
@@ -831,8 +900,25 @@ fn sse_stream(
                     let lp = (!held_lps.is_empty())
                         .then(|| s.meta.logprobs_value(None, false, &held_lps, &mut s.offset))
                         .flatten();
+                    let mut calls_chunk = None;
+                    if let Some(buffer) = s.tool_text.take() {
+                        let whole = buffer + &text;
+                        match s.meta.tool_calls(&whole, true) {
+                            Some((content, calls)) => {
+                                calls_chunk =
+                                    Some(s.meta.tool_calls_chunk(content, calls, s.first));
+                                s.first = false;
+                                (text, finish) = (String::new(), "tool_calls");
+                            }
+                            None => text = whole,
+                        }
+                    }
                     s.pending
                         .push(data(s.meta.chunk(&text, Some(finish), s.first, &held, lp)));
+                    if let Some(chunk) = calls_chunk {
+                        // Sent before the finishing chunk (`pending` is emitted from the end).
+                        s.pending.push(data(chunk));
+                    }
                     break echoed.unwrap_or_else(|| s.pending.pop().expect("just pushed"));
                 }
                 RequestEvent::Failed(e) => {

@@ -5,6 +5,7 @@
 use crate::block_manager::{extend_hashes, BlockAllocation, BlockHash, BlockManager};
 use crate::error::RequestError;
 use pdserve_gpu::generation::{Generation, TokenOutcome};
+use pdserve_gpu::grammar::Constraint;
 use pdserve_gpu::model::{Batch, SeqChunk};
 use pdserve_gpu::sampling::{FinishReason, SamplingParams, TokenLogprobs};
 use pdserve_gpu::tokenizer::Tokenizer;
@@ -65,6 +66,10 @@ pub struct NewRequest {
     /// request is computed over prompt + these and continues after them (see
     /// [`Generation::resume`]); empty for a new request.
     pub resume: Vec<u32>,
+    /// The request's grammar, compiled off the Scheduler (by the HTTP handler, or the peer
+    /// service through [`SchedulerHandle::with_tokenizer`](super::SchedulerHandle::with_tokenizer));
+    /// `None` with [`SamplingParams::grammar`] set compiles it here, on the Scheduler's task.
+    pub constraint: Option<Constraint>,
 }
 
 /// What the scheduler tells a request's owner.
@@ -433,10 +438,13 @@ impl SchedulerCore {
                 req.id
             )));
         }
+        let gen = Generation::constrained(&req.params, &self.tokenizer, req.constraint)
+            .map_err(|e| RequestError::BadRequest(e.to_string()))?;
         let gen = if req.resume.is_empty() {
-            Generation::new(&req.params, &self.tokenizer)
+            gen
         } else {
-            Generation::resume(&req.params, &self.tokenizer, &req.resume)
+            // A grammar advances over the resumed tokens too (request migration).
+            Generation::resume_constrained(gen, &req.resume)
                 .map_err(|e| RequestError::BadRequest(format!("resume_tokens: {e}")))?
         };
         let seq = Seq {
@@ -864,10 +872,31 @@ impl SchedulerCore {
                 self.abort(id);
                 continue;
             };
-            let (token, logprobs) = s.gen.sample_with_logprobs(&mut row, &s.prompt);
-            out.extend(self.accept_token(id, token, logprobs));
+            match s.gen.sample_with_logprobs(&mut row, &s.prompt) {
+                Ok((token, logprobs)) => out.extend(self.accept_token(id, token, logprobs)),
+                Err(e) => {
+                    out.push(Output::Failed {
+                        id,
+                        error: RequestError::Internal(e.to_string()),
+                    });
+                    self.abort(id);
+                }
+            }
         }
         out
+    }
+
+    /// Computes the grammar masks the sequences of `plan` need for the tokens it samples,
+    /// where not ready yet: the actor calls it after sending the step to the workers, so the
+    /// masks are computed while the forward pass runs and sampling only applies them. A
+    /// grammar that fails here fails its request in [`SchedulerCore::complete`].
+    pub fn prepare_masks(&mut self, plan: &StepPlan) {
+        for (id, _, samples) in &plan.members {
+            if let (true, Some(s)) = (*samples, self.seqs.get_mut(id)) {
+                // An error is kept for `complete`, which reports it with the request.
+                let _ = s.gen.prepare_mask();
+            }
+        }
     }
 
     /// Appends a sampled token to a running request and applies its stop conditions.
@@ -986,6 +1015,7 @@ mod tests {
             hold_for: None,
             push: false,
             resume: Vec::new(),
+            constraint: None,
         }
     }
 

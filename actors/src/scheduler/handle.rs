@@ -66,6 +66,9 @@ pub struct SchedulerHandle {
     mailbox: Mailbox<SchedulerMsg>,
     call_timeout: Duration,
     next_id: Arc<AtomicU64>,
+    /// Compiles the grammars of prefill requests from peers off the Scheduler (see
+    /// [`SchedulerHandle::with_tokenizer`]).
+    tokenizer: Option<pdserve_gpu::Tokenizer>,
 }
 
 impl std::fmt::Debug for SchedulerHandle {
@@ -87,7 +90,16 @@ impl SchedulerHandle {
             mailbox,
             call_timeout,
             next_id: Arc::new(AtomicU64::new(1)),
+            tokenizer: None,
         }
+    }
+
+    /// This handle, compiling the grammar (structured output) of each prefill request from a
+    /// peer with `tokenizer` on a blocking thread before submitting it; without it the
+    /// Scheduler compiles such a grammar itself.
+    pub fn with_tokenizer(mut self, tokenizer: pdserve_gpu::Tokenizer) -> Self {
+        self.tokenizer = Some(tokenizer);
+        self
     }
 
     /// The Scheduler's mailbox.
@@ -257,6 +269,18 @@ fn interrupted(e: RequestError) -> HandoffError {
 
 impl PrefillHost for SchedulerHandle {
     async fn prefill(&self, job: PrefillJob) -> Result<PrefillDone, HandoffError> {
+        let constraint = match (&job.params.grammar, &self.tokenizer) {
+            (Some(spec), Some(tokenizer)) => {
+                let (spec, tokenizer) = (spec.clone(), tokenizer.clone());
+                let compiled = tokio::task::spawn_blocking(move || {
+                    tokenizer.grammar_compiler()?.compile(&spec)
+                })
+                .await
+                .map_err(|e| HandoffError::Interrupted(format!("grammar compilation: {e}")))?;
+                Some(compiled.map_err(|e| HandoffError::BadRequest(e.to_string()))?)
+            }
+            _ => None,
+        };
         let request = NewRequest {
             id: self.next_request_id(),
             prompt: job.prompt,
@@ -264,6 +288,7 @@ impl PrefillHost for SchedulerHandle {
             hold_for: Some(job.transfer),
             push: job.push,
             resume: Vec::new(),
+            constraint,
         };
         let mut events = self.submit(request).map_err(interrupted)?;
         let mut first = None;

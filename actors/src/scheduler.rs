@@ -287,7 +287,12 @@ impl Actor for Scheduler {
                     // An abort while the KV was landing leaves nothing to resume.
                     Ok(first_token) => st
                         .core
-                        .remote_kv_ready(id, first_token, outcome.first_logprobs)
+                        .remote_kv_ready(
+                            id,
+                            first_token,
+                            outcome.first_logprobs,
+                            outcome.prefill_cached_tokens.map_or(0, |n| n as usize),
+                        )
                         .unwrap_or_default(),
                     Err(e) => {
                         if st.core.abort(id) {

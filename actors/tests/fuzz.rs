@@ -479,9 +479,17 @@ fn answer() -> impl Strategy<Value = PeerAnswer> {
             proptest::option::of((vec(0u32..12, 0..10), any::<u64>())),
             any::<u64>(),
             proptest::option::of(token_logprobs()),
+            any::<u32>(),
         )
             .prop_map(
-                |(transfer, first_token, held, computed_at_unix_us, first_logprobs)| {
+                |(
+                    transfer,
+                    first_token,
+                    held,
+                    computed_at_unix_us,
+                    first_logprobs,
+                    cached_tokens,
+                )| {
                     PeerAnswer::Prefilled(PrefillAnswer {
                         transfer,
                         first_token,
@@ -491,6 +499,7 @@ fn answer() -> impl Strategy<Value = PeerAnswer> {
                             lease_ms,
                         }),
                         computed_at_unix_us,
+                        cached_tokens,
                     })
                 }
             ),
@@ -1017,6 +1026,7 @@ fn answers_for_corpus() -> Vec<(&'static str, PeerAnswer)> {
                     lease_ms: 30_000,
                 }),
                 computed_at_unix_us: 5,
+                cached_tokens: 16,
             }),
         ),
         (
@@ -1040,6 +1050,7 @@ fn answers_for_corpus() -> Vec<(&'static str, PeerAnswer)> {
                 }),
                 held: None,
                 computed_at_unix_us: 5,
+                cached_tokens: 16,
             }),
         ),
         ("renewed", PeerAnswer::Renewed { unknown: vec![t] }),

@@ -1211,6 +1211,7 @@ async fn unresponsive_peer(like: KvPeerInfo) -> (String, std::net::TcpListener) 
                         lease_ms: 30_000,
                     }),
                     computed_at_unix_us: 0,
+                    cached_tokens: 0,
                 }),
                 Ok(PeerRequest::OpenSession { .. }) => PeerAnswer::Session(SessionOffer {
                     key: [7; 32],
@@ -2104,4 +2105,41 @@ async fn greedy_grammar_output_disaggregated_equals_colocated() {
         }
         cl.stop().await;
     }
+}
+
+/// `usage.prompt_tokens_details.cached_tokens` in P/D counts the prompt tokens the prefill
+/// instance took from its prefix cache, not only the decode instance's own reuse (which is
+/// none on a cold decode instance).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pd_cached_tokens_count_the_prefill_instances_prefix_hits() {
+    let c = Cluster::start(
+        "cached",
+        "small",
+        BackendKind::Shm,
+        (1, 1),
+        TransferMode::Pull,
+    )
+    .await;
+    let prompt: Vec<u32> = (0..70).map(|t| (t * 7 + 3) % 250).collect();
+    let request = json!({"prompt": prompt, "max_tokens": 3, "temperature": 0});
+    let cached = |v: &Value| v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
+    // Warm only the prefill instance: the prompt run there as a plain request.
+    let (status, v) = post(&c.p.url(), &request).await;
+    assert_eq!((status, cached(&v)), (200, Some(0)), "{v}");
+    let before = c.d.stats().await.unwrap().prompt_tokens_cached;
+    let (status, v) = post(&c.url, &request).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(
+        c.d.stats().await.unwrap().prompt_tokens_cached,
+        before,
+        "the decode instance had nothing cached"
+    );
+    let hit = cached(&v).unwrap();
+    assert!(hit > 0 && hit < 70, "prefill's prefix hit is reported: {v}");
+    // The same again: now the decode instance holds the prompt's blocks too.
+    let (status, again) = post(&c.url, &request).await;
+    assert_eq!(status, 200, "{again}");
+    assert!(cached(&again).unwrap() >= hit, "{again}");
+    assert_eq!(again["choices"][0]["text"], v["choices"][0]["text"]);
+    c.stop().await;
 }

@@ -369,7 +369,7 @@ pub fn write_safetensors_dir(spec: &SyntheticSpec, dir: &std::path::Path, f16: b
         dir.join("config.json"),
         serde_json::to_string_pretty(&config).unwrap_or_default(),
     )?;
-    crate::tokenizer::Tokenizer::byte_level_synthetic().save_with_config(dir)?;
+    crate::tokenizer::Tokenizer::byte_level_synthetic().save_with_config(dir, None)?;
     Ok(())
 }
 

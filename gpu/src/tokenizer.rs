@@ -688,21 +688,60 @@ impl Tokenizer {
         self.inner.save(path, false).map_err(tok_err)
     }
 
-    /// Writes `tokenizer.json` and a matching `tokenizer_config.json` (bos/eos tokens,
-    /// `add_bos_token`, the chat template if any) into `dir`, so that
-    /// [`Tokenizer::from_hf_file`] reads back the same facts.
+    /// Writes this tokenizer as a Hugging Face tokenizer directory: `tokenizer.json`,
+    /// `tokenizer_config.json` (BOS/EOS/pad tokens, `add_bos_token`, the chat template if
+    /// any, `model_max_length` when given) and `generation_config.json` (the EOS ids), so that
+    /// [`Tokenizer::from_hf_file`] reads back the same facts and client tools that count tokens
+    /// themselves (`AutoTokenizer.from_pretrained`: AIPerf, lm-eval, benchmark clients) get the
+    /// model's tokenizer when the model came as a GGUF file (`pdserve model tokenizer`). When
+    /// this tokenizer prepends BOS and `tokenizer.json` has no post-processor, one that prepends
+    /// it is added, since Hugging Face's fast tokenizers ignore `add_bos_token`.
     ///
     /// # Errors
     /// `ModelError::Tokenizer` or `ModelError::Io` if writing fails.
-    pub fn save_with_config(&self, dir: &Path) -> Result<()> {
+    pub fn save_with_config(&self, dir: &Path, model_max_length: Option<usize>) -> Result<()> {
         std::fs::create_dir_all(dir)?;
-        self.save(&dir.join("tokenizer.json"))?;
+        let mut tokenizer: Json =
+            serde_json::from_str(&self.inner.to_string(false).map_err(tok_err)?)
+                .map_err(tok_err)?;
         let text = |id: Option<u32>| id.and_then(|i| self.inner.id_to_token(i));
+        if let (true, Some(bos), Some(bos_id)) = (self.add_bos, text(self.bos_id), self.bos_id) {
+            if tokenizer["post_processor"].is_null() {
+                let with_bos = |seqs: &[&str]| -> Json {
+                    seqs.iter()
+                        .flat_map(|seq| {
+                            [
+                                json!({"SpecialToken": {"id": bos, "type_id": 0}}),
+                                json!({"Sequence": {"id": seq, "type_id": 0}}),
+                            ]
+                        })
+                        .collect()
+                };
+                tokenizer["post_processor"] = json!({
+                    "type": "TemplateProcessing",
+                    "single": with_bos(&["A"]),
+                    "pair": with_bos(&["A", "B"]),
+                    "special_tokens": {bos.as_str(): {"id": bos, "ids": [bos_id], "tokens": [bos]}},
+                });
+            }
+        }
+        std::fs::write(
+            dir.join("tokenizer.json"),
+            serde_json::to_vec(&tokenizer).map_err(tok_err)?,
+        )?;
         let mut config = json!({
+            "tokenizer_class": "PreTrainedTokenizerFast",
             "bos_token": text(self.bos_id),
             "eos_token": text(self.eos_id),
             "add_bos_token": self.add_bos,
+            "clean_up_tokenization_spaces": false,
         });
+        if let Some(pad) = text(self.pad_id) {
+            config["pad_token"] = Json::from(pad);
+        }
+        if let Some(n) = model_max_length {
+            config["model_max_length"] = Json::from(n);
+        }
         if let Some(t) = &self.chat_template {
             config["chat_template"] = Json::from(t.clone());
         }
@@ -1049,6 +1088,24 @@ mod tests {
         );
         assert_eq!(t.eos_ids(), &[2]);
         assert_eq!(t.encode("<s>hello", false).unwrap(), vec![1, hello]);
+    }
+
+    /// A vocabulary that prepends BOS keeps doing so once written as Hugging Face files: the
+    /// written `tokenizer.json` alone adds it (a post-processor), and reading the directory
+    /// back does not add it twice.
+    #[test]
+    fn tokenizer_hf_files_keep_bos() {
+        let t = Tokenizer::from_gguf(&spm_content()).unwrap();
+        let hello = t.token_to_id("\u{2581}hello").unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        t.save_with_config(dir.path(), None).unwrap();
+        let path = dir.path().join("tokenizer.json");
+        let raw = tokenizers::Tokenizer::from_file(&path).unwrap();
+        assert_eq!(raw.encode("hello", true).unwrap().get_ids(), &[1, hello]);
+        assert_eq!(raw.encode("hello", false).unwrap().get_ids(), &[hello]);
+        let back = Tokenizer::from_hf_file(&path).unwrap();
+        assert!(back.adds_bos());
+        assert_eq!(back.encode("hello", true).unwrap(), vec![1, hello]);
     }
 
     #[test]

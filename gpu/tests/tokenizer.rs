@@ -146,7 +146,7 @@ fn tokenizer_synthetic_byte_level() {
 
     // Save and load back through the tokenizer.json path.
     let dir = tempfile::tempdir().unwrap();
-    t.save_with_config(dir.path()).unwrap();
+    t.save_with_config(dir.path(), None).unwrap();
     let back = Tokenizer::from_hf_file(&dir.path().join("tokenizer.json")).unwrap();
     assert_eq!(back.encode(text, true).unwrap(), ids);
     assert_eq!(back.bos_id(), Some(256));
@@ -157,6 +157,36 @@ fn tokenizer_synthetic_byte_level() {
     let p = dir.path().join("plain.json");
     t.save(&p).unwrap();
     assert!(Tokenizer::from_hf_file(&p).is_ok());
+}
+
+/// `pdserve model tokenizer`: the GGUF's tokenizer written as a Hugging Face directory reads
+/// back as the same tokenizer (ids, specials, chat template, context length).
+#[test]
+fn default_model_tokenizer_round_trips_through_hf_files() {
+    let t = smollm();
+    let dir = tempfile::tempdir().unwrap();
+    t.save_with_config(dir.path(), Some(8192)).unwrap();
+    let back = Tokenizer::from_hf_file(&dir.path().join("tokenizer.json")).unwrap();
+    for text in [
+        "Hello world 12345",
+        "<|im_start|>user\nWie spät ist es? 😀<|im_end|>\n",
+        "def f(x):\n    return x ** 2  # squares",
+    ] {
+        assert_eq!(
+            back.encode(text, true).unwrap(),
+            t.encode(text, true).unwrap(),
+            "{text}"
+        );
+    }
+    assert_eq!(back.bos_token(), t.bos_token());
+    assert_eq!(back.eos_token(), t.eos_token());
+    assert_eq!(back.eos_ids(), t.eos_ids());
+    assert_eq!(back.chat_template(), t.chat_template());
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("tokenizer_config.json")).unwrap())
+            .unwrap();
+    assert_eq!(config["model_max_length"], 8192);
+    assert_eq!(config["tokenizer_class"], "PreTrainedTokenizerFast");
 }
 
 #[test]

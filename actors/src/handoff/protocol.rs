@@ -199,6 +199,11 @@ pub struct PrefillAnswer {
     /// Wall-clock time (µs since the Unix epoch) at which the prefill instance had the whole
     /// prompt computed: the start of the hand-off gap decode measures.
     pub computed_at_unix_us: u64,
+    /// Leading prompt tokens the prefill instance took from its prefix cache instead of
+    /// computing them; decode reports the larger of this and its own reuse as the request's
+    /// `usage.prompt_tokens_details.cached_tokens`. Checked on receipt: below the prompt's
+    /// length.
+    pub cached_tokens: u32,
 }
 
 /// A request of the peer protocol.
@@ -746,6 +751,7 @@ mod tests {
                     lease_ms: 30_000,
                 }),
                 computed_at_unix_us: 5,
+                cached_tokens: 48,
             }),
             PeerAnswer::Renewed { unknown: vec![t] },
             PeerAnswer::Released { was_held: false },

@@ -437,6 +437,7 @@ mod tests {
                 lease_ms: 30_000,
             }),
             computed_at_unix_us: 0,
+            cached_tokens: 0,
         }
     }
 

@@ -92,6 +92,9 @@ pub struct FetchOutcome {
     /// When the prefill instance had the whole prompt computed (µs since the Unix epoch), when
     /// it said.
     pub computed_at_unix_us: Option<u64>,
+    /// Leading prompt tokens the prefill instance took from its prefix cache, when it said
+    /// (a hand-off it drove; checked below the prompt's length).
+    pub prefill_cached_tokens: Option<u32>,
 }
 
 /// The Scheduler's end of a hand-off: answered exactly once, by the hand-off or, if the
@@ -120,6 +123,7 @@ impl Drop for FetchReply {
                 )),
                 first_logprobs: None,
                 computed_at_unix_us: None,
+                prefill_cached_tokens: None,
             });
         }
     }
@@ -280,6 +284,7 @@ impl Driver {
         let mut renewing: Option<RenewGuard> = None;
         let write_scope: WriteScope = Arc::default();
         let mut computed_at = None;
+        let mut prefill_cached_tokens = None;
         let mut result: Option<Result<(), HandoffError>> = None;
         let mut cancelled = false;
         loop {
@@ -341,6 +346,7 @@ impl Driver {
                                 result: r,
                                 first_logprobs: first_logprobs.take(),
                                 computed_at_unix_us: computed_at,
+                                prefill_cached_tokens,
                             });
                         }
                     }
@@ -371,6 +377,7 @@ impl Driver {
                         PullEvent::ReadsDone(_) | PullEvent::ReadsRefused(_) => renewing = None,
                         PullEvent::Prefilled(a) => {
                             computed_at = Some(a.computed_at_unix_us);
+                            prefill_cached_tokens = Some(a.cached_tokens);
                             first_logprobs.clone_from(&a.first_logprobs);
                         }
                         _ => {}
@@ -493,6 +500,7 @@ impl Driver {
                 }
             }
         };
+        let prompt_len = prompt.len();
         let request = PeerRequest::Prefill(PrefillRequest {
             transfer,
             prompt,
@@ -511,6 +519,12 @@ impl Driver {
                     )))
                 } else if let Err(e) = check_first_logprobs(&a, asked, vocab) {
                     not_sent(HandoffError::Protocol(e))
+                } else if a.cached_tokens as usize >= prompt_len {
+                    // Its last token at least was computed: that is where T0 came from.
+                    not_sent(HandoffError::Protocol(format!(
+                        "the prefill instance reports {} cached tokens of a {prompt_len}-token prompt",
+                        a.cached_tokens
+                    )))
                 } else if a.transfer != transfer {
                     not_sent(HandoffError::Protocol(format!(
                         "the prefill instance answered for transfer {}, not {transfer}",

@@ -58,6 +58,8 @@ pub struct PrefillDone {
     pub first_logprobs: Option<pdserve_gpu::sampling::TokenLogprobs>,
     /// The prompt's blocks, held under the transfer's lease.
     pub held_blocks: Vec<u32>,
+    /// Leading prompt tokens taken from this instance's prefix cache.
+    pub cached_tokens: usize,
 }
 
 /// What the service needs from the instance's Scheduler.
@@ -522,6 +524,7 @@ impl<H: PrefillHost> PeerService<H> {
                     lease_ms: self.kv.settings.lease.as_millis() as u64,
                 }),
                 computed_at_unix_us,
+                cached_tokens: saturating_u32(done.cached_tokens),
             });
         };
         if let Err(e) = &done {
@@ -566,6 +569,7 @@ impl<H: PrefillHost> PeerService<H> {
             first_logprobs: done.first_logprobs,
             held: None,
             computed_at_unix_us,
+            cached_tokens: saturating_u32(done.cached_tokens),
         })
     }
 
@@ -678,6 +682,10 @@ fn check_caller(initiator: &str, caller: Option<&str>) -> Result<(), HandoffErro
         ))),
         _ => Ok(()),
     }
+}
+
+fn saturating_u32(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
 }
 
 #[cfg(test)]

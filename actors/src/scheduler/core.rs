@@ -540,7 +540,10 @@ impl SchedulerCore {
 
     /// The prompt's KV is in place and the prefill side sampled `first_token` (with its
     /// logprobs, when the request asked for them): the request joins the running set and
-    /// decodes from there, without recomputing the prompt.
+    /// decodes from there, without recomputing the prompt. `prefill_cached` is how many
+    /// leading prompt tokens the prefill instance took from its own prefix cache: the
+    /// request's cached tokens are the larger of that and this instance's reuse (both count
+    /// from the prompt's start; a prefix reused on both sides is counted once).
     ///
     /// # Errors
     /// [`RequestError::BadRequest`] when the request is not waiting for or receiving remote KV.
@@ -549,6 +552,7 @@ impl SchedulerCore {
         id: RequestId,
         first_token: u32,
         first_logprobs: Option<TokenLogprobs>,
+        prefill_cached: usize,
     ) -> Result<Vec<Output>, RequestError> {
         let s = self
             .seqs
@@ -564,6 +568,9 @@ impl SchedulerCore {
             )));
         }
         s.computed = s.prompt.len();
+        s.prompt_cached = s
+            .prompt_cached
+            .max(prefill_cached.min(s.prompt.len().saturating_sub(1)));
         s.state = RequestState::Running;
         // The prefill instance drew the first token's random number from the same seeded
         // stream: skip it here, so seeded sampling gives what one instance would (and a
@@ -1134,6 +1141,40 @@ mod tests {
         );
     }
 
+    /// P/D usage: the request's cached tokens are the larger of the prefill instance's
+    /// prefix-cache hit and this instance's own, never the whole prompt.
+    #[test]
+    fn remote_kv_usage_counts_the_prefill_sides_cache_hits() {
+        let cached = |c: &mut SchedulerCore, id: u64, prefill_cached: usize| {
+            let RemoteAdmission::Remote { .. } = c.add_remote(req(id, 9, 2), true).unwrap() else {
+                panic!("a cold cache moves the whole prompt")
+            };
+            c.remote_kv_transferring(RequestId(id)).unwrap();
+            c.remote_kv_ready(RequestId(id), 97, None, prefill_cached)
+                .unwrap();
+            let p = c.schedule().unwrap();
+            match drive_from(c, p).last() {
+                Some(Output::Finished { cached_tokens, .. }) => *cached_tokens,
+                other => panic!("{other:?}"),
+            }
+        };
+        let mut c = core(16, 64);
+        assert_eq!(
+            cached(&mut c, 1, 8),
+            8,
+            "prefill's hit counts when decode had none"
+        );
+        let mut c = core(16, 64);
+        assert_eq!(cached(&mut c, 2, 0), 0);
+        let mut c = core(16, 64);
+        assert_eq!(
+            cached(&mut c, 3, 50),
+            8,
+            "at most the prompt but its last token"
+        );
+        assert_eq!(c.stats().blocks_free, 16);
+    }
+
     #[test]
     fn remote_kv_requests_wait_for_their_kv_then_decode_from_the_first_token() {
         let mut c = core(16, 64);
@@ -1155,7 +1196,7 @@ mod tests {
         );
         c.remote_kv_transferring(RequestId(1)).unwrap();
         assert_eq!(c.state(RequestId(1)), Some(RequestState::Transferring));
-        let out = c.remote_kv_ready(RequestId(1), 97, None).unwrap();
+        let out = c.remote_kv_ready(RequestId(1), 97, None, 0).unwrap();
         assert_eq!(
             out,
             vec![Output::Token {
@@ -1194,7 +1235,7 @@ mod tests {
             c.add_remote(req(2, 9, 3), false).unwrap(),
             RemoteAdmission::Remote { cached_blocks: 2, ref blocks } if blocks.len() == 3
         ));
-        assert!(c.remote_kv_ready(RequestId(3), 1, None).is_err());
+        assert!(c.remote_kv_ready(RequestId(3), 1, None, 0).is_err());
         assert!(c.abort(RequestId(2)));
         assert_eq!(c.stats().blocks_free, 16);
     }
@@ -1287,7 +1328,7 @@ mod tests {
             2,
             "the pinned prefix is still cached"
         );
-        assert!(c.remote_kv_ready(RequestId(3), 97, None).is_ok());
+        assert!(c.remote_kv_ready(RequestId(3), 97, None, 0).is_ok());
         drive(&mut c);
         assert_eq!(c.stats().blocks_in_use, 0, "{:?}", c.stats());
         assert_eq!(c.stats().blocks_free, 12);

@@ -300,7 +300,9 @@ impl PrefillHost for SchedulerHandle {
                     first.get_or_insert((token, logprobs));
                 }
                 Some(RequestEvent::PromptLogprobs(_)) => {}
-                Some(RequestEvent::Finished { held_blocks, .. }) => {
+                Some(RequestEvent::Finished {
+                    held_blocks, usage, ..
+                }) => {
                     let (first_token, first_logprobs) = first.ok_or_else(|| {
                         HandoffError::Protocol("the prompt finished without a first token".into())
                     })?;
@@ -308,6 +310,7 @@ impl PrefillHost for SchedulerHandle {
                         first_token,
                         first_logprobs,
                         held_blocks: held_blocks.unwrap_or_default(),
+                        cached_tokens: usage.cached_tokens,
                     });
                 }
                 Some(RequestEvent::Failed(e)) => {

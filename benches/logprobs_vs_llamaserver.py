@@ -23,12 +23,11 @@ import argparse
 import json
 import os
 import random
-import signal
-import socket
-import subprocess
 import sys
-import time
 import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pyenv import Server, free_port  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -36,46 +35,11 @@ TOLERANCE = 0.01
 TOP = 5
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def post(url, body, timeout=600):
     req = urllib.request.Request(url, data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
-
-
-def wait_up(url, proc, what):
-    for _ in range(480):
-        if proc.poll() is not None:
-            sys.exit(f"{what} exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except Exception:
-            pass
-        time.sleep(0.25)
-    sys.exit(f"{what} did not come up at {url}")
-
-
-class Server:
-    def __init__(self, argv, health, what, env=None):
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     env=env)
-        wait_up(health, self.proc, what)
-
-    def stop(self):
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 def read(path, limit):
@@ -232,7 +196,7 @@ def main():
         env = dict(os.environ, PDSERVE_SCHEDULER__KV_CACHE_DTYPE=args.kv)
         pd = Server([args.pdserve, "serve", "--model", args.model, "--weights", weights,
                      "--threads", "2", "--host", "127.0.0.1", "--port", str(pport)],
-                    pbase + "/v1/models", "pdserve", env)
+                    pbase + "/v1/models", "pdserve", env=env)
         try:
             with urllib.request.urlopen(pbase + "/v1/models", timeout=10) as r:
                 model = json.loads(r.read())["data"][0]["id"]

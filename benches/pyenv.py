@@ -84,11 +84,11 @@ def pdserve_binary(given=None):
 class Server:
     """A process serving HTTP, stopped with SIGTERM (then SIGKILL after 30 s)."""
 
-    def __init__(self, argv, health, what, log=None):
+    def __init__(self, argv, health, what, log=None, env=None):
         self.what = what
         self.log = open(log, "w") if log else subprocess.DEVNULL
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, env=env)
         wait_up(health, self.proc, what)
 
     def stop(self):

@@ -1096,6 +1096,9 @@ pub enum KvDirective {
         first_logprobs: Option<TokenLogprobs>,
         /// How long it holds the blocks unless renewed (`kv_lease_ms`), when it said.
         lease: Option<std::time::Duration>,
+        /// Leading prompt tokens it took from its prefix cache (`cached_tokens`, pdserve's
+        /// extension; 0 when absent); checked below the prompt's length where that is known.
+        cached_tokens: u32,
     },
     /// `do_remote_prefill` without `remote_block_ids`: ask the prefill instance to run the
     /// prompt and hand its KV over (pdserve's one-hop flow; push or pull by the decode
@@ -1251,6 +1254,18 @@ pub fn kv_directive(params: Option<&Value>, scheme: &str) -> Result<KvDirective,
             },
         )?)),
     };
+    let cached_tokens = match p.get("cached_tokens") {
+        None | Some(Value::Null) => 0,
+        Some(v) => v
+            .as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+            .ok_or_else(|| {
+                bad(format!(
+                    "{} must be a count of tokens",
+                    field("cached_tokens")
+                ))
+            })?,
+    };
     Ok(KvDirective::FromPrefill {
         peer,
         transfer,
@@ -1258,6 +1273,7 @@ pub fn kv_directive(params: Option<&Value>, scheme: &str) -> Result<KvDirective,
         first_token,
         first_logprobs,
         lease,
+        cached_tokens,
     })
 }
 
@@ -1333,6 +1349,16 @@ mod kv_params_tests {
                 json!({"do_remote_prefill": true, "remote_host": "h", "remote_port": 1, "remote_block_ids": [1]}),
                 "first_token_id",
             ),
+            (
+                json!({"do_remote_prefill": true, "remote_host": "h", "remote_port": 1, "remote_block_ids": [1],
+                       "first_token_id": 1, "transfer_id": "1", "cached_tokens": -1}),
+                "cached_tokens",
+            ),
+            (
+                json!({"do_remote_prefill": true, "remote_host": "h", "remote_port": 1, "remote_block_ids": [1],
+                       "first_token_id": 1, "transfer_id": "1", "cached_tokens": 1u64 << 40}),
+                "cached_tokens",
+            ),
         ] {
             let e = kv_directive(Some(&params), "http").unwrap_err();
             assert!(e.to_string().contains(needle), "{needle}: {e}");
@@ -1343,7 +1369,7 @@ mod kv_params_tests {
 /// The `kv_transfer_params` pdserve writes: the proxy's one-hop request to a decode instance
 /// (no block ids: the decode instance drives the hand-off), and a prefill instance's answer in
 /// vLLM's two-hop flow (held block ids, T0, lease). vLLM's field names plus pdserve's
-/// `transfer_id`, `first_token_id`, `kv_lease_ms` and `remote_control_addr`;
+/// `transfer_id`, `first_token_id`, `kv_lease_ms`, `remote_control_addr` and `cached_tokens`;
 /// [`kv_directive`] reads them back.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct KvTransferParams {
@@ -1375,4 +1401,9 @@ pub struct KvTransferParams {
     /// How long the blocks are held unless renewed (two-hop flow).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kv_lease_ms: Option<u64>,
+    /// Leading prompt tokens the prefill instance took from its prefix cache (two-hop flow;
+    /// pdserve's extension): the decode instance reports the larger of this and its own reuse
+    /// as `usage.prompt_tokens_details.cached_tokens`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cached_tokens: Option<u32>,
 }

@@ -1193,6 +1193,7 @@ fn regenerate_corpus() {
         first_token_id: None,
         first_token_logprobs: None,
         kv_lease_ms: None,
+        cached_tokens: None,
     };
     let two_hop = KvTransferParams {
         remote_block_ids: Some(vec![1, 2, 3]),
@@ -1206,6 +1207,7 @@ fn regenerate_corpus() {
             }],
         }),
         kv_lease_ms: Some(30_000),
+        cached_tokens: Some(16),
         remote_control_addr: None,
         ..one_hop.clone()
     };

@@ -2141,5 +2141,35 @@ async fn pd_cached_tokens_count_the_prefill_instances_prefix_hits() {
     assert_eq!(status, 200, "{again}");
     assert!(cached(&again).unwrap() >= hit, "{again}");
     assert_eq!(again["choices"][0]["text"], v["choices"][0]["text"]);
+
+    // vLLM's two-hop flow: the prefill answer's kv_transfer_params carry its hit.
+    let prompt: Vec<u32> = (0..70).map(|t| (t * 11 + 5) % 250).collect();
+    let request = json!({"prompt": prompt, "max_tokens": 3, "temperature": 0});
+    let (status, v) = post(&c.p.url(), &request).await;
+    assert_eq!(status, 200, "{v}");
+    let before = c.d.stats().await.unwrap().prompt_tokens_cached;
+    let (status, v) = via_pd(&c.p.url(), &c.d.url(), &request).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(c.d.stats().await.unwrap().prompt_tokens_cached, before);
+    let hit = cached(&v).unwrap();
+    assert!(hit > 0 && hit < 70, "{v}");
+    // A count the prompt cannot have is refused, naming the field.
+    let mut p = request.clone();
+    p["max_tokens"] = json!(1);
+    p["kv_transfer_params"] = json!({"do_remote_decode": true});
+    let (_, held) = post(&c.p.url(), &p).await;
+    let mut d = request.clone();
+    d["kv_transfer_params"] = held["kv_transfer_params"].clone();
+    d["kv_transfer_params"]["cached_tokens"] = json!(70);
+    let (status, v) = post(&c.d.url(), &d).await;
+    assert_error(status, &v, 400, "cached_tokens");
+    // The refused request left its blocks held on prefill: they return when the lease ends,
+    // so release them now through the hand-off it names.
+    let (status, v) = post(&c.d.url(), &{
+        d["kv_transfer_params"]["cached_tokens"] = json!(0);
+        d
+    })
+    .await;
+    assert_eq!(status, 200, "{v}");
     c.stop().await;
 }

@@ -56,6 +56,9 @@ pub enum KvSource {
         first_logprobs: Option<TokenLogprobs>,
         /// How long it holds the blocks unless renewed (`kv_lease_ms`), when it said.
         lease: Option<Duration>,
+        /// Leading prompt tokens it took from its prefix cache (`cached_tokens`), checked
+        /// below the prompt's length before this is built.
+        cached_tokens: u32,
     },
     /// To be computed by the prefill instance `peer`, asked by us.
     Drive {
@@ -255,15 +258,18 @@ impl Driver {
             KvSource::Drive { .. } => self.kv.settings.mode,
         };
         let mut first_logprobs = None;
+        let mut prefill_cached_tokens = None;
         let shape = match source {
             KvSource::Held {
                 block_ids,
                 first_token,
                 first_logprobs: lp,
                 lease,
+                cached_tokens,
                 ..
             } => {
                 first_logprobs = lp;
+                prefill_cached_tokens = Some(cached_tokens);
                 Shape::Held {
                     block_ids,
                     first_token,
@@ -284,7 +290,6 @@ impl Driver {
         let mut renewing: Option<RenewGuard> = None;
         let write_scope: WriteScope = Arc::default();
         let mut computed_at = None;
-        let mut prefill_cached_tokens = None;
         let mut result: Option<Result<(), HandoffError>> = None;
         let mut cancelled = false;
         loop {

@@ -297,9 +297,17 @@ async fn start_prompt(
                 first_token,
                 first_logprobs,
                 lease,
+                cached_tokens,
             },
             Some(kv),
         ) => {
+            if cached_tokens as usize >= request.prompt.len() {
+                return Err(RequestError::BadRequest(format!(
+                    "kv_transfer_params.cached_tokens: {cached_tokens} of a {}-token prompt (at most all but its last token)",
+                    request.prompt.len()
+                ))
+                .into());
+            }
             let peer = kv
                 .peers
                 .addr_of(&peer.url, peer.control, peer.engine_id.as_deref());
@@ -311,6 +319,7 @@ async fn start_prompt(
                 first_token,
                 first_logprobs,
                 lease,
+                cached_tokens,
             };
             scheduler.submit_remote(request, source)?
         }
@@ -665,6 +674,7 @@ impl ResponseMeta {
                 first_token_id: tokens.first().copied(),
                 first_token_logprobs: first_logprobs.cloned(),
                 kv_lease_ms: Some(self.lease_ms),
+                cached_tokens: u32::try_from(usage.cached_tokens).ok(),
             };
             v["kv_transfer_params"] = serde_json::to_value(params).unwrap_or_default();
         }

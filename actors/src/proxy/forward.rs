@@ -407,6 +407,7 @@ impl Job {
                 first_token_id: None,
                 first_token_logprobs: None,
                 kv_lease_ms: None,
+                cached_tokens: None,
             };
             request["kv_transfer_params"] =
                 serde_json::to_value(params).map_err(|e| RequestError::Internal(e.to_string()))?;

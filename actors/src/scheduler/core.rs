@@ -821,6 +821,7 @@ impl SchedulerCore {
                 block_table: s.blocks.blocks().to_vec(),
                 want_logits: samples,
                 all_logits,
+                embeds: Vec::new(),
             });
             members.push((id, n, samples));
         }

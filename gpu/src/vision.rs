@@ -94,20 +94,23 @@ impl VisionConfig {
     /// [`ModelError::BadMetadata`] naming the bad field.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(ModelError::BadMetadata(m));
-        if self.patch_size == 0 || self.image_size == 0 || self.image_size % self.patch_size != 0 {
+        if self.patch_size == 0
+            || self.image_size == 0
+            || !self.image_size.is_multiple_of(self.patch_size)
+        {
             return bad(format!(
                 "vision image size {} is not a multiple of the patch size {}",
                 self.image_size, self.patch_size
             ));
         }
-        if self.scale_factor == 0 || self.patches_per_side() % self.scale_factor != 0 {
+        if self.scale_factor == 0 || !self.patches_per_side().is_multiple_of(self.scale_factor) {
             return bad(format!(
                 "vision scale factor {} does not divide {} patches per side",
                 self.scale_factor,
                 self.patches_per_side()
             ));
         }
-        if self.num_heads == 0 || self.hidden_size % self.num_heads != 0 {
+        if self.num_heads == 0 || !self.hidden_size.is_multiple_of(self.num_heads) {
             return bad(format!(
                 "vision hidden size {} is not a multiple of {} heads",
                 self.hidden_size, self.num_heads

@@ -372,6 +372,10 @@ impl Instance {
             let tls = opts.tls.clone();
             let grammar_tokenizer = model.tokenizer.clone();
             let (vision, multimodal) = (model.vision.clone(), opts.multimodal.clone());
+            // One cache for the instance: an HttpFrontend restarted keeps it.
+            let encoder_cache = Arc::new(crate::multimodal::EncoderCache::new(
+                usize::try_from(multimodal.encoder_cache_bytes).unwrap_or(usize::MAX),
+            ));
             move |scheduler, kv_sender| {
                 let scheduler = SchedulerHandle::new(scheduler, call_timeout)
                     .with_tokenizer(grammar_tokenizer.clone());
@@ -414,6 +418,7 @@ impl Instance {
                     drain: tokio_util::sync::CancellationToken::new(),
                     vision: vision.clone(),
                     multimodal: multimodal.clone(),
+                    encoder_cache: encoder_cache.clone(),
                 })
             }
         };

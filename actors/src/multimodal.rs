@@ -14,9 +14,17 @@ use crate::error::RequestError;
 use crate::openai::IMAGE_MARKER;
 use crate::scheduler::PromptImage;
 use base64::Engine as _;
+use pdserve_gpu::vision::ImageDigest;
 use pdserve_gpu::vision::{ImageEmbeds, ImageError, ImageLimits, VisionTower};
 use pdserve_runtime::config::MultimodalSection;
-use std::sync::Arc;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+
+/// Images whose embeddings came from the encoder cache (`result="hit"`) or were encoded
+/// (`result="miss"`).
+pub const ENCODER_CACHE_LOOKUPS_TOTAL: &str = "pdserve_encoder_cache_lookups_total";
+/// Seconds to decode, preprocess and encode one image (cache misses).
+pub const IMAGE_ENCODE_SECONDS: &str = "pdserve_image_encode_seconds";
 
 /// Why a request's images were refused (each a 400).
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -197,8 +205,101 @@ pub fn data_url_bytes(
         })
 }
 
+/// The encoder cache: image embeddings by [`ImageDigest`] (the image's bytes and the
+/// preprocessing settings), so an image sent again — a later turn of a conversation, another
+/// request — is neither decoded nor encoded again. Bounded by the bytes of the embeddings it
+/// holds; the least recently used entry is evicted first. A hit hands out the same
+/// `Arc<ImageEmbeds>` (rows shared, not copied).
+#[derive(Debug)]
+pub struct EncoderCache {
+    capacity: usize,
+    inner: Mutex<CacheState>,
+}
+
+#[derive(Debug, Default)]
+struct CacheState {
+    entries: HashMap<ImageDigest, (Arc<ImageEmbeds>, u64)>,
+    /// Last use → digest (oldest first).
+    order: BTreeMap<u64, ImageDigest>,
+    tick: u64,
+    bytes: usize,
+}
+
+/// Counts of an [`EncoderCache`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EncoderCacheFigures {
+    /// Images held.
+    pub entries: usize,
+    /// Bytes of their embeddings.
+    pub bytes: usize,
+}
+
+impl EncoderCache {
+    /// A cache of at most `capacity` bytes of embeddings (0: keeps nothing).
+    pub fn new(capacity: usize) -> Self {
+        Self {
+            capacity,
+            inner: Mutex::new(CacheState::default()),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, CacheState> {
+        // The state is consistent after every statement: a panic elsewhere leaves it usable.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The embeddings of `digest`, if held (and it becomes the most recently used).
+    pub fn get(&self, digest: &ImageDigest) -> Option<Arc<ImageEmbeds>> {
+        let mut s = self.lock();
+        s.tick += 1;
+        let tick = s.tick;
+        let (embeds, last) = s.entries.get_mut(digest)?;
+        let (embeds, old) = (embeds.clone(), std::mem::replace(last, tick));
+        s.order.remove(&old);
+        s.order.insert(tick, *digest);
+        Some(embeds)
+    }
+
+    /// Keeps `embeds`, evicting the least recently used entries to fit; one larger than the
+    /// whole cache is not kept.
+    pub fn insert(&self, embeds: Arc<ImageEmbeds>) {
+        let size = embeds.data.len() * std::mem::size_of::<f32>();
+        if size > self.capacity {
+            return;
+        }
+        let mut s = self.lock();
+        if s.entries.contains_key(&embeds.digest) {
+            return;
+        }
+        while s.bytes + size > self.capacity {
+            let Some((_, oldest)) = s.order.pop_first() else {
+                break;
+            };
+            if let Some((e, _)) = s.entries.remove(&oldest) {
+                s.bytes -= e.data.len() * std::mem::size_of::<f32>();
+            }
+        }
+        s.tick += 1;
+        let tick = s.tick;
+        s.order.insert(tick, embeds.digest);
+        s.bytes += size;
+        s.entries.insert(embeds.digest, (embeds, tick));
+    }
+
+    /// What it holds.
+    pub fn figures(&self) -> EncoderCacheFigures {
+        let s = self.lock();
+        EncoderCacheFigures {
+            entries: s.entries.len(),
+            bytes: s.bytes,
+        }
+    }
+}
+
 /// Checks, decodes, preprocesses and encodes a request's images (request order), on the
-/// calling thread: call it from a blocking task.
+/// calling thread: call it from a blocking task. An image whose digest is in `cache` is
+/// taken from there (after its URL and byte count were checked like any other); the
+/// others are encoded and kept there.
 ///
 /// # Errors
 /// The first image refused, as a [`MultimodalError`]; an encoder failure as
@@ -206,6 +307,7 @@ pub fn data_url_bytes(
 pub fn encode_images(
     tower: &VisionTower,
     cfg: &MultimodalSection,
+    cache: &EncoderCache,
     urls: &[String],
 ) -> Result<Vec<Arc<ImageEmbeds>>, RequestError> {
     if urls.len() > cfg.max_images_per_request {
@@ -222,15 +324,26 @@ pub fn encode_images(
         .enumerate()
         .map(|(i, u)| data_url_bytes(i, u, limits.max_bytes))
         .collect::<Result<Vec<_>, _>>()?;
+    let settings = tower.config().preprocessing_key();
     let mut out = Vec::with_capacity(bytes.len());
     for (index, b) in bytes.iter().enumerate() {
+        if let Some(hit) = cache.get(&ImageDigest::of(&settings, b)) {
+            metrics::counter!(ENCODER_CACHE_LOOKUPS_TOTAL, "result" => "hit").increment(1);
+            out.push(hit);
+            continue;
+        }
+        metrics::counter!(ENCODER_CACHE_LOOKUPS_TOTAL, "result" => "miss").increment(1);
+        let started = std::time::Instant::now();
         let prepared = pdserve_gpu::vision::prepare_image(b, tower.config(), &limits)
             .map_err(|source| MultimodalError::Image { index, source })?;
         let embeds = tower
             .encode(&prepared)
             .map_err(|e| RequestError::Internal(format!("image {index}: vision encoder: {e}")))?;
+        metrics::histogram!(IMAGE_ENCODE_SECONDS).record(started.elapsed().as_secs_f64());
         tracing::debug!(image = index, digest = %prepared.digest.short(), rows = embeds.rows, "image encoded");
-        out.push(Arc::new(embeds));
+        let embeds = Arc::new(embeds);
+        cache.insert(embeds.clone());
+        out.push(embeds);
     }
     Ok(out)
 }
@@ -331,6 +444,83 @@ mod tests {
                 assert!(data_url_bytes(0, &url, n - 1).is_err(), "{n}");
             }
         }
+    }
+
+    fn embeds(tag: u8, rows: usize) -> Arc<ImageEmbeds> {
+        Arc::new(ImageEmbeds {
+            digest: ImageDigest([tag; 32]),
+            rows,
+            width: 4,
+            data: vec![0.0; rows * 4],
+        })
+    }
+
+    #[test]
+    fn the_encoder_cache_keeps_the_most_recently_used_within_its_bytes() {
+        // 16 bytes a row: room for 3 images of 2 rows.
+        let c = EncoderCache::new(3 * 2 * 16);
+        for t in 0..3 {
+            c.insert(embeds(t, 2));
+        }
+        assert!(Arc::ptr_eq(
+            &c.get(&ImageDigest([0; 32])).unwrap(),
+            &c.get(&ImageDigest([0; 32])).unwrap()
+        ));
+        // Image 1 is now the oldest: a fourth evicts it.
+        c.insert(embeds(3, 2));
+        assert!(c.get(&ImageDigest([1; 32])).is_none());
+        for t in [0, 2, 3] {
+            assert!(c.get(&ImageDigest([t; 32])).is_some(), "{t}");
+        }
+        assert_eq!(
+            c.figures(),
+            EncoderCacheFigures {
+                entries: 3,
+                bytes: 96
+            }
+        );
+        // Larger than the whole cache: not kept, nothing evicted.
+        c.insert(embeds(9, 7));
+        assert_eq!(c.figures().entries, 3);
+        // A cache of 0 bytes keeps nothing.
+        let off = EncoderCache::new(0);
+        off.insert(embeds(1, 1));
+        assert_eq!(off.figures(), EncoderCacheFigures::default());
+    }
+
+    #[test]
+    fn a_cached_image_is_not_encoded_again() {
+        let model = pdserve_gpu::loader::load_model(&pdserve_gpu::loader::ModelSource::Synthetic(
+            "tiny,vision=1".into(),
+        ))
+        .unwrap();
+        let tower = model.vision.unwrap();
+        let png = |seed: u8| {
+            let img = image::RgbImage::from_fn(20, 20, |x, y| {
+                image::Rgb([x as u8 ^ seed, y as u8, seed])
+            });
+            let mut out = std::io::Cursor::new(Vec::new());
+            img.write_to(&mut out, image::ImageFormat::Png).unwrap();
+            format!(
+                "data:image/png;base64,{}",
+                base64::engine::general_purpose::STANDARD.encode(out.into_inner())
+            )
+        };
+        let cfg = MultimodalSection::default();
+        let cache = EncoderCache::new(1 << 20);
+        let first = encode_images(&tower, &cfg, &cache, &[png(1), png(2)]).unwrap();
+        assert_eq!(cache.figures().entries, 2);
+        let again = encode_images(&tower, &cfg, &cache, &[png(2), png(1)]).unwrap();
+        assert!(Arc::ptr_eq(&again[0], &first[1]) && Arc::ptr_eq(&again[1], &first[0]));
+        // A cached image's URL is still checked (here: over the request's image count).
+        let one = MultimodalSection {
+            max_images_per_request: 1,
+            ..cfg.clone()
+        };
+        assert!(encode_images(&tower, &one, &cache, &[png(1), png(1)]).is_err());
+        // Uncached, the same bytes give the same rows.
+        let fresh = encode_images(&tower, &cfg, &EncoderCache::new(0), &[png(1)]).unwrap();
+        assert_eq!(fresh[0].data, first[0].data);
     }
 
     #[test]

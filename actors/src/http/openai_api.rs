@@ -204,7 +204,8 @@ async fn prepare_images(
         }
         .into());
     }
-    tokio::task::spawn_blocking(move || multimodal::encode_images(&tower, &cfg, &urls))
+    let cache = app.encoder_cache.clone();
+    tokio::task::spawn_blocking(move || multimodal::encode_images(&tower, &cfg, &cache, &urls))
         .await
         .map_err(|e| RequestError::Internal(format!("image encoding: {e}")))?
 }

@@ -62,6 +62,8 @@ pub struct AppState {
     pub vision: Option<Arc<pdserve_gpu::vision::VisionTower>>,
     /// Limits on image input (`[multimodal]`).
     pub multimodal: pdserve_runtime::config::MultimodalSection,
+    /// Image embeddings by image digest (`multimodal.encoder_cache_bytes`).
+    pub encoder_cache: Arc<crate::multimodal::EncoderCache>,
 }
 
 impl AppState {

@@ -44,6 +44,9 @@ pub struct MultimodalSection {
     pub max_image_width: u32,
     /// Tallest image in pixels (1..=16384).
     pub max_image_height: u32,
+    /// Bytes of image embeddings the encoder cache keeps (by image digest, least recently
+    /// used evicted first); 0 turns it off. At most 16 GiB.
+    pub encoder_cache_bytes: u64,
 }
 
 impl Default for MultimodalSection {
@@ -53,6 +56,7 @@ impl Default for MultimodalSection {
             max_image_bytes: 4 << 20,
             max_image_width: 4096,
             max_image_height: 4096,
+            encoder_cache_bytes: 64 << 20,
         }
     }
 }
@@ -75,6 +79,15 @@ impl MultimodalSection {
                 format!(
                     "multimodal.max_image_bytes must be 1..=67108864 (64 MiB), got {}",
                     self.max_image_bytes
+                ),
+            ));
+        }
+        if self.encoder_cache_bytes > 16 << 30 {
+            return Some((
+                "multimodal.encoder_cache_bytes",
+                format!(
+                    "multimodal.encoder_cache_bytes must be at most 17179869184 (16 GiB), got {}",
+                    self.encoder_cache_bytes
                 ),
             ));
         }

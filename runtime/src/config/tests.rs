@@ -31,6 +31,7 @@ fn defaults_validate_and_match_documented_values() {
     assert_eq!(c.logging.format, LogFormat::Human);
     assert_eq!(c.multimodal.max_images_per_request, 8);
     assert_eq!(c.multimodal.max_image_bytes, 4 << 20);
+    assert_eq!(c.multimodal.encoder_cache_bytes, 64 << 20);
     assert_eq!(
         (c.multimodal.max_image_width, c.multimodal.max_image_height),
         (4096, 4096)
@@ -657,6 +658,9 @@ fn validate_rejects_out_of_range_values() {
         }),
         ("multimodal.max_image_bytes", |c| {
             c.multimodal.max_image_bytes = 1 << 30
+        }),
+        ("multimodal.encoder_cache_bytes", |c| {
+            c.multimodal.encoder_cache_bytes = 1 << 40
         }),
         ("multimodal.max_image_width must be 1..=16384", |c| {
             c.multimodal.max_image_width = 0

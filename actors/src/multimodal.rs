@@ -79,8 +79,9 @@ pub enum MultimodalError {
         /// Images sent.
         images: usize,
     },
-    /// A request of another role than colocated (P/D with images is not built yet).
-    #[error("image input is served by colocated instances only for now (prefill/decode hand-off of image prompts is not built yet)")]
+    /// A decode instance asked to drive its prefill instance itself (pdserve's proxy,
+    /// `do_remote_prefill` without block ids): the peer protocol carries no images yet.
+    #[error("images with a decode instance that drives its prefill instance (pdserve's one-hop P/D: do_remote_prefill without remote_block_ids) are not supported yet: the peer protocol carries token ids only. Send image requests to a colocated instance, or through vLLM's two hops (do_remote_decode to prefill, then its kv_transfer_params to decode)")]
     NotColocated,
     /// Images with completions' `prompt`, or a prompt form that carries none.
     #[error("{0}")]

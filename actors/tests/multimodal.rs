@@ -286,3 +286,77 @@ async fn bad_image_input_is_refused_with_a_400_naming_it() {
     assert_pool_full(&text).await;
     text.stop().await;
 }
+
+/// A prefill (`p-`) or decode (`d-`) instance of the synthetic VLM on the `local` transfer
+/// backend, reached over the HTTP carrier of the peer protocol (no cluster credentials).
+async fn pd_instance(name: &str) -> Instance {
+    start(name, VLM, |o| {
+        o.transfer = Some(pdserve_transport::TransferConfig::new(
+            pdserve_transport::BackendKind::Local,
+            name,
+        ));
+    })
+    .await
+}
+
+/// vLLM's two hops for a chat request: prefill with `max_tokens: 1` and `do_remote_decode`,
+/// then decode with the `kv_transfer_params` the prefill answer names.
+async fn via_two_hops(prefill: &str, decode: &str, original: &Value) -> Value {
+    let mut p = original.clone();
+    p["max_tokens"] = json!(1);
+    p["stream"] = json!(false);
+    p["kv_transfer_params"] = json!({"do_remote_decode": true});
+    let answer = ok(prefill, &p).await;
+    let params = answer["kv_transfer_params"].clone();
+    assert_eq!(params["do_remote_prefill"], true, "{answer}");
+    let mut d = original.clone();
+    d["kv_transfer_params"] = params;
+    ok(decode, &d).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_decode_with_images_equals_colocated() {
+    let bodies = [
+        chat(&[image_part(&data_url("image/png", &png(40, 30, 1)))]),
+        chat(&[
+            image_part(&data_url("image/png", &png(32, 32, 5))),
+            image_part(&data_url("image/jpeg", &jpeg(20, 28, 6))),
+        ]),
+        chat(&[image_part(&data_url("image/png", &png(40, 30, 2)))]),
+    ];
+    let colocated = start("mm-ref", VLM, |_| {}).await;
+    let mut want = Vec::new();
+    for b in &bodies {
+        want.push(token_ids(&ok(&colocated.url(), b).await));
+    }
+    colocated.stop().await;
+
+    let (p, d) = (pd_instance("p-mm").await, pd_instance("d-mm").await);
+    for (i, b) in bodies.iter().enumerate() {
+        let got = via_two_hops(&p.url(), &d.url(), b).await;
+        assert_eq!(token_ids(&got), want[i], "request {i}: {got}");
+    }
+    // Again: the decode instance's prefix cache holds the first prompt's blocks (keyed by
+    // the image's digest), so only the rest moves; the tokens are the same.
+    let again = via_two_hops(&p.url(), &d.url(), &bodies[0]).await;
+    assert_eq!(token_ids(&again), want[0]);
+
+    // A decode instance that would drive the prefill itself refuses images by name.
+    let mut drive = bodies[0].clone();
+    let port = p.url().rsplit(':').next().unwrap().parse::<u16>().unwrap();
+    drive["kv_transfer_params"] =
+        json!({"do_remote_prefill": true, "remote_host": "127.0.0.1", "remote_port": port});
+    let (status, v) = post_to(&d.url(), "/v1/chat/completions", &drive).await;
+    assert_eq!(status, 400, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("peer protocol carries token ids only"),
+        "{v}"
+    );
+    assert_pool_full(&p).await;
+    assert_pool_full(&d).await;
+    p.stop().await;
+    d.stop().await;
+}

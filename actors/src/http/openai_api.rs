@@ -93,7 +93,8 @@ async fn serve(app: Arc<AppState>, body: Bytes, chat: bool) -> Result<Response, 
         }
     }
     let permit = Arc::new(app.admit()?);
-    let images = prepare_images(&app, std::mem::take(&mut req.images)).await?;
+    let urls = std::mem::take(&mut req.images);
+    let images = prepare_images(&app, &req, urls).await?;
     if !req.more_prompts.is_empty() && req.kv_transfer_params.is_some() {
         return Err(RequestError::BadRequest("a list of prompts cannot be combined with kv_transfer_params (a hand-off carries one prompt's KV)".into()).into());
     }
@@ -185,6 +186,7 @@ async fn compile_grammar(
 /// tower on a blocking thread; every refusal is a 400 naming the image and the problem.
 async fn prepare_images(
     app: &Arc<AppState>,
+    req: &openai::ParsedRequest,
     urls: Vec<String>,
 ) -> Result<Vec<Arc<ImageEmbeds>>, RequestError> {
     if urls.is_empty() {
@@ -193,8 +195,15 @@ async fn prepare_images(
     let Some(tower) = app.vision.clone() else {
         return Err(MultimodalError::TextOnlyModel(app.model_name.clone()).into());
     };
+    // vLLM's two hops send both instances the whole request, images included: the prefill
+    // hop computes the prompt with the image rows, the decode hop keys its prefix cache by
+    // the same digests and decodes unchanged. A decode instance that drives its prefill
+    // itself sends the peer protocol token ids only: refused until that carries images.
     if app.kv.is_some() {
-        return Err(MultimodalError::NotColocated.into());
+        let directive = openai::kv_directive(req.kv_transfer_params.as_ref(), app.tls.scheme())?;
+        if matches!(directive, KvDirective::DriveRemote { .. }) {
+            return Err(MultimodalError::NotColocated.into());
+        }
     }
     let cfg = app.multimodal.clone();
     if urls.len() > cfg.max_images_per_request {

@@ -209,3 +209,85 @@ fn embeddings_that_do_not_fit_are_refused_before_any_work() {
         })
         .is_ok());
 }
+
+/// Encoder time per image, printed (not asserted): the synthetic tower, and a tower of
+/// SmolVLM-256M's shape (SigLIP-B/16 at 512×512: 1024 patches, 768 wide, 12 layers, 12 heads,
+/// MLP 3072, pixel shuffle 4 → 64 rows of 576) with random weights. Run with
+/// `cargo test --release -p pdserve-gpu --test vision -- --ignored --nocapture`.
+#[test]
+#[ignore = "a measurement, not a check"]
+fn measure_encoder_time() {
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::{Device, Tensor};
+    use pdserve_gpu::vision::VisionConfig;
+    use std::collections::HashMap;
+    let time = |tower: &VisionTower, bytes: &[u8]| {
+        let lim = ImageLimits::default();
+        let t0 = std::time::Instant::now();
+        let img = prepare_image(bytes, tower.config(), &lim).unwrap();
+        let t1 = std::time::Instant::now();
+        let e = tower.encode(&img).unwrap();
+        let t2 = std::time::Instant::now();
+        (t1 - t0, t2 - t1, e.rows)
+    };
+    let img = png(640, 480, 7);
+    let synthetic = synthetic_vlm().vision.unwrap();
+    for _ in 0..3 {
+        let (prep, enc, rows) = time(&synthetic, &img);
+        println!("synthetic tower: 640x480 PNG prepare {prep:?}, encode {enc:?}, {rows} rows");
+    }
+    let cfg = VisionConfig {
+        image_size: 512,
+        patch_size: 16,
+        hidden_size: 768,
+        num_layers: 12,
+        num_heads: 12,
+        intermediate_size: 3072,
+        layer_norm_eps: 1e-6,
+        scale_factor: 4,
+        text_hidden_size: 576,
+        image_mean: [0.5; 3],
+        image_std: [0.5; 3],
+        image_token_id: 49190,
+    };
+    let mut t: HashMap<String, std::sync::Arc<QTensor>> = HashMap::new();
+    let mut put = |name: String, shape: &[usize]| {
+        let x = Tensor::randn(0f32, 0.02, shape, &Device::Cpu).unwrap();
+        t.insert(
+            name,
+            std::sync::Arc::new(QTensor::quantize(&x, GgmlDType::F32).unwrap()),
+        );
+    };
+    let (h, f) = (768, 3072);
+    put("v.patch_embd.weight".into(), &[h, 3, 16, 16]);
+    put("v.patch_embd.bias".into(), &[h]);
+    put("v.position_embd.weight".into(), &[1024, h]);
+    for i in 0..12 {
+        for n in ["ln1", "ln2"] {
+            put(format!("v.blk.{i}.{n}.weight"), &[h]);
+            put(format!("v.blk.{i}.{n}.bias"), &[h]);
+        }
+        for (n, o, inp) in [
+            ("attn_q", h, h),
+            ("attn_k", h, h),
+            ("attn_v", h, h),
+            ("attn_out", h, h),
+            ("ffn_up", f, h),
+            ("ffn_down", h, f),
+        ] {
+            put(format!("v.blk.{i}.{n}.weight"), &[o, inp]);
+            put(format!("v.blk.{i}.{n}.bias"), &[o]);
+        }
+    }
+    put("v.post_ln.weight".into(), &[h]);
+    put("v.post_ln.bias".into(), &[h]);
+    put("mm.model.fc.weight".into(), &[576, h * 16]);
+    let store = pdserve_gpu::weights::TensorStore::from_map(t, "smolvlm-shaped");
+    let tower = VisionTower::from_store(&cfg, &store).unwrap();
+    for _ in 0..3 {
+        let (prep, enc, rows) = time(&tower, &img);
+        println!(
+            "SmolVLM-256M-shaped tower: 640x480 PNG prepare {prep:?}, encode {enc:?}, {rows} rows"
+        );
+    }
+}

@@ -20,6 +20,7 @@ fn batch(seqs: usize, len: usize, start: usize, blocks_per_seq: usize) -> Batch 
                     .collect(),
                 want_logits: true,
                 all_logits: false,
+                embeds: Vec::new(),
             })
             .collect(),
     }

@@ -45,9 +45,19 @@ use std::time::Duration;
 
 /// The routes of one instance.
 pub fn router(state: Arc<AppState>) -> Router {
+    // A vision-language model's chat requests may carry images up to `[multimodal]`'s limits:
+    // the body limit fits them, so an in-limit image is checked (and an oversized one named
+    // in a 400) rather than cut off by axum's 2 MiB default.
+    let chat = post(openai_api::chat_completions);
+    let chat = match state.vision {
+        Some(_) => chat.layer(axum::extract::DefaultBodyLimit::max(
+            crate::multimodal::body_limit(&state.multimodal),
+        )),
+        None => chat,
+    };
     let guarded = Router::new()
         .route("/v1/completions", post(openai_api::completions))
-        .route("/v1/chat/completions", post(openai_api::chat_completions))
+        .route("/v1/chat/completions", chat)
         .route("/v1/models", get(openai_api::models))
         .route("/v1/kv/peer", post(peer_api::peer))
         .route("/v1/kv/info", get(peer_api::kv_info))

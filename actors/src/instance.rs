@@ -105,6 +105,8 @@ pub struct InstanceOptions {
     /// The control plane (`pdserve inspect`, registration with a proxy, the P/D peer
     /// protocol); `None`: no control endpoint.
     pub control: Option<InstanceControl>,
+    /// Limits on image input (`[multimodal]`; vision-language models).
+    pub multimodal: pdserve_runtime::config::MultimodalSection,
 }
 
 impl InstanceOptions {
@@ -158,6 +160,7 @@ impl InstanceOptions {
             kv_timeout: Duration::from_secs(cfg.transfer.timeout_s),
             faults: pdserve_runtime::faults::FaultInjector::new(&cfg.faults),
             control: InstanceControl::from_config(cfg)?,
+            multimodal: cfg.multimodal.clone(),
         })
     }
 
@@ -195,6 +198,7 @@ impl InstanceOptions {
             kv_timeout: Duration::from_secs(30),
             faults: None,
             control: None,
+            multimodal: Default::default(),
         }
     }
 }
@@ -367,6 +371,11 @@ impl Instance {
             let kv = kv.clone();
             let tls = opts.tls.clone();
             let grammar_tokenizer = model.tokenizer.clone();
+            let (vision, multimodal) = (model.vision.clone(), opts.multimodal.clone());
+            // One cache for the instance: an HttpFrontend restarted keeps it.
+            let encoder_cache = Arc::new(crate::multimodal::EncoderCache::new(
+                usize::try_from(multimodal.encoder_cache_bytes).unwrap_or(usize::MAX),
+            ));
             move |scheduler, kv_sender| {
                 let scheduler = SchedulerHandle::new(scheduler, call_timeout)
                     .with_tokenizer(grammar_tokenizer.clone());
@@ -407,6 +416,9 @@ impl Instance {
                     ready: std::sync::atomic::AtomicBool::new(true),
                     tls: tls.clone(),
                     drain: tokio_util::sync::CancellationToken::new(),
+                    vision: vision.clone(),
+                    multimodal: multimodal.clone(),
+                    encoder_cache: encoder_cache.clone(),
                 })
             }
         };
@@ -569,6 +581,7 @@ impl Instance {
             push: false,
             resume: Vec::new(),
             constraint: None,
+            images: Vec::new(),
         };
         self.scheduler.submit(request)
     }

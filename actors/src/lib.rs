@@ -13,6 +13,7 @@
 //! | [`proxy`] | the ProxySupervisor and Proxy: the cluster's front door |
 //! | [`openai`] | OpenAI request parsing and response shapes (pure) |
 //! | [`tools`] | chat tool calling: tools in the prompt, forced calls, calls parsed (pure) |
+//! | [`multimodal`] | image input: limits, `data:` URLs, encoding, the prompt's image places |
 //! | [`block_manager`], [`mailbox`], [`error`] | shared pieces |
 
 pub mod block_manager;
@@ -23,6 +24,7 @@ pub mod http;
 pub mod instance;
 pub mod kv_events;
 pub mod mailbox;
+pub mod multimodal;
 pub mod openai;
 pub mod proxy;
 pub mod scheduler;

@@ -10,6 +10,15 @@ use pdserve_gpu::sampling::{
 };
 use serde_json::{json, Value};
 
+/// What an `image_url` part of a chat message becomes in the message's text: the image's
+/// place, which the instance turns into the image's placeholder tokens
+/// ([`crate::multimodal::splice_prompt`]). Text that contains it is refused with images.
+pub const IMAGE_MARKER: &str = "<|pdserve_image|>";
+
+/// Most `image_url` parts one request may hold at all (the instance's own
+/// `multimodal.max_images_per_request` is at most this).
+pub const MAX_IMAGE_PARTS: usize = 64;
+
 /// Completions default `max_tokens` (as OpenAI's API).
 pub const DEFAULT_COMPLETION_MAX_TOKENS: usize = 16;
 
@@ -80,6 +89,9 @@ pub struct ParsedRequest {
     /// Chat's `tools` when the model may call them (`tool_choice` not `none`): its answer's
     /// calls are parsed into `tool_calls`.
     pub tools: Option<Tools>,
+    /// Chat's `image_url` parts (their `url`), in prompt order; each left an
+    /// [`IMAGE_MARKER`] in its message's text. Empty for text.
+    pub images: Vec<String>,
 }
 
 /// Most choices (`n`) one request may ask for.
@@ -194,6 +206,7 @@ pub fn parse_value(v: &Value, chat: bool) -> Result<ParsedRequest, RequestError>
         Some(_) => return Err(bad("`model` must be a string")),
     };
     let mut more_prompts = Vec::new();
+    let mut images = Vec::new();
     let prompt = if chat {
         let msgs = v
             .get("messages")
@@ -204,6 +217,7 @@ pub fn parse_value(v: &Value, chat: bool) -> Result<ParsedRequest, RequestError>
         }
         let mut out = Vec::with_capacity(msgs.len());
         for (i, m) in msgs.iter().enumerate() {
+            let images_before = images.len();
             let role = m
                 .get("role")
                 .and_then(Value::as_str)
@@ -215,10 +229,52 @@ pub fn parse_value(v: &Value, chat: bool) -> Result<ParsedRequest, RequestError>
                 Some(Value::String(s)) => s.clone(),
                 Some(Value::Array(parts)) => {
                     let mut text = String::new();
-                    for p in parts {
-                        match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
-                            (Some("text"), Some(t)) => text.push_str(t),
-                            _ => return Err(bad(format!("`messages[{i}].content` parts must be {{\"type\": \"text\", \"text\": ...}}"))),
+                    for (j, p) in parts.iter().enumerate() {
+                        let at = format!("`messages[{i}].content[{j}]");
+                        match p.get("type").and_then(Value::as_str) {
+                            Some("text") => match p.get("text").and_then(Value::as_str) {
+                                Some(t) => text.push_str(t),
+                                None => return Err(bad(format!("{at}.text` must be a string"))),
+                            },
+                            Some("image_url") => {
+                                if role != "user" {
+                                    return Err(bad(format!(
+                                        "{at}`: image parts belong to user messages, not {role}"
+                                    )));
+                                }
+                                // OpenAI's `{"url": ...}`; the bare string some clients send too.
+                                let url = match p.get("image_url") {
+                                    Some(Value::String(u)) => u,
+                                    Some(o) => {
+                                        o.get("url").and_then(Value::as_str).ok_or_else(|| {
+                                            bad(format!("{at}.image_url.url` must be a string"))
+                                        })?
+                                    }
+                                    None => {
+                                        return Err(bad(format!(
+                                            "{at}.image_url` is required for an image_url part"
+                                        )))
+                                    }
+                                };
+                                if images.len() == MAX_IMAGE_PARTS {
+                                    return Err(bad(format!(
+                                        "a request holds at most {MAX_IMAGE_PARTS} image_url parts"
+                                    )));
+                                }
+                                images.push(url.to_string());
+                                text.push_str(IMAGE_MARKER);
+                            }
+                            Some(other) => {
+                                return Err(bad(format!(
+                                    "{at}.type` `{}` is not supported (text, image_url)",
+                                    other.chars().take(64).collect::<String>()
+                                )))
+                            }
+                            None => {
+                                return Err(bad(format!(
+                                    "{at}.type` must be a string (text, image_url)"
+                                )))
+                            }
                         }
                     }
                     text
@@ -244,6 +300,11 @@ pub fn parse_value(v: &Value, chat: bool) -> Result<ParsedRequest, RequestError>
                     return Err(bad(format!(
                         "`messages[{i}].tool_calls` belongs to assistant messages"
                     )))
+                }
+                _ if images.len() > images_before
+                    && content.matches(IMAGE_MARKER).count() != images.len() - images_before =>
+                {
+                    return Err(bad(format!("`messages[{i}].content` text may not contain `{IMAGE_MARKER}` beside images")));
                 }
                 ("tool", None) => {
                     match m.get("tool_call_id") {
@@ -465,6 +526,7 @@ pub fn parse_value(v: &Value, chat: bool) -> Result<ParsedRequest, RequestError>
         resume_tokens,
         echo,
         tools,
+        images,
     })
 }
 
@@ -873,6 +935,15 @@ mod tests {
         assert_eq!(
             r.prompt,
             PromptInput::Chat(vec![ChatMessage::new("user", "ab")])
+        );
+        let r = parse_request(br#"{"messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"image_url","image_url":{"url":"data:x"}},{"type":"image_url","image_url":"data:y"}]}]}"#, true).unwrap();
+        assert_eq!(r.images, vec!["data:x".to_string(), "data:y".to_string()]);
+        assert_eq!(
+            r.prompt,
+            PromptInput::Chat(vec![ChatMessage::new(
+                "user",
+                format!("a{IMAGE_MARKER}{IMAGE_MARKER}")
+            )])
         );
     }
 

@@ -14,8 +14,8 @@ mod core;
 mod handle;
 
 pub use self::core::{
-    NewRequest, Output, RemoteAdmission, RequestState, SchedulerConfig, SchedulerCore,
-    SchedulerStats, StepPlan,
+    image_key_token, NewRequest, Output, PromptImage, RemoteAdmission, RequestState,
+    SchedulerConfig, SchedulerCore, SchedulerStats, StepPlan,
 };
 pub use self::handle::{RequestStream, SchedulerHandle};
 

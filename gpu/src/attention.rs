@@ -541,6 +541,7 @@ mod tests {
             block_table: table.to_vec(),
             want_logits: false,
             all_logits: false,
+            embeds: Vec::new(),
         }
     }
 

@@ -90,6 +90,7 @@ pub fn prefill_tps(group: &impl StepGroup, len: usize, reps: usize) -> Result<f6
             block_table: blocks,
             want_logits: true,
             all_logits: false,
+            embeds: Vec::new(),
         }],
     };
     group.step(batch.clone())?; // warm-up (also packs weights on first use)
@@ -150,6 +151,7 @@ pub fn decode_step_times_at(
                     block_table: tables[s].clone(),
                     want_logits: true,
                     all_logits: false,
+                    embeds: Vec::new(),
                 })
                 .collect(),
         };
@@ -169,6 +171,7 @@ pub fn decode_step_times_at(
                     block_table: tables[s].clone(),
                     want_logits: false,
                     all_logits: false,
+                    embeds: Vec::new(),
                 })
                 .collect(),
         };

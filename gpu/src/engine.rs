@@ -303,6 +303,7 @@ impl<G: StepGroup> Engine<G> {
                     block_table: s.blocks.clone(),
                     want_logits: end == s.all_tokens(),
                     all_logits: false,
+                    embeds: Vec::new(),
                 });
                 members.push((i, n));
                 budget -= n;

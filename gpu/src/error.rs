@@ -104,6 +104,9 @@ pub enum ModelError {
     /// An error from the tensor library.
     #[error("tensor library: {0}")]
     Candle(#[from] candle_core::Error),
+    /// An image was refused or does not decode (vision-language models).
+    #[error(transparent)]
+    Image(#[from] crate::vision::ImageError),
     /// Filesystem error.
     #[error("i/o error: {0}")]
     Io(#[from] std::io::Error),
@@ -134,6 +137,7 @@ impl ModelError {
             Self::InvalidGrammar(_) => "invalid_grammar",
             Self::RankFailed { .. } => "rank_failed",
             Self::Candle(_) => "tensor_library",
+            Self::Image(e) => e.kind(),
             Self::Io(_) => "io",
             Self::Device(e) => e.kind(),
         }

@@ -31,4 +31,5 @@ pub mod quant;
 pub mod synthetic;
 pub mod tp;
 pub mod vecmath;
+pub mod vision;
 pub mod weights;

@@ -57,6 +57,8 @@ pub struct LoadedModel {
     pub tokenizer: Tokenizer,
     /// Chat template (the model's own, or ChatML).
     pub chat_template: ChatTemplate,
+    /// The vision tower of a vision-language model (`None`: text only).
+    pub vision: Option<std::sync::Arc<crate::vision::VisionTower>>,
 }
 
 /// Loads a model.
@@ -75,12 +77,19 @@ pub fn load_model(source: &ModelSource) -> Result<LoadedModel> {
             let store = spec.build()?;
             let tokenizer = Tokenizer::byte_level_synthetic();
             let chat_template = ChatTemplate::chatml_default();
+            let vision = match (&spec.vision, spec.build_vision()?) {
+                (Some(cfg), Some(vstore)) => Some(std::sync::Arc::new(
+                    crate::vision::VisionTower::from_store(cfg, &vstore)?,
+                )),
+                _ => None,
+            };
             Ok(LoadedModel {
                 name: spec.name,
                 config: spec.config,
                 store,
                 tokenizer,
                 chat_template,
+                vision,
             })
         }
         ModelSource::Path(p) if p.is_dir() => load_hf_dir(p),
@@ -171,6 +180,7 @@ pub fn load_gguf(path: &Path) -> Result<LoadedModel> {
         store,
         tokenizer,
         chat_template,
+        vision: None,
     })
 }
 
@@ -292,6 +302,7 @@ pub fn load_hf_dir(dir: &Path) -> Result<LoadedModel> {
         store,
         tokenizer,
         chat_template,
+        vision: None,
     })
 }
 

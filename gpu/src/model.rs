@@ -12,6 +12,7 @@ use crate::collective::Collective;
 use crate::config::{ModelConfig, RopeScaling, RopeStyle};
 use crate::kv::{KvCache, KvKind};
 use crate::quant::{self, QMatrix, QType};
+use crate::vision::ImageEmbeds;
 use crate::weights::{concat_rows, convert, slice_rows, TensorStore, WeightFormat};
 use crate::{ModelError, Result};
 use candle_core::quantized::{QMatMul, QTensor};
@@ -33,7 +34,35 @@ pub struct SeqChunk {
     /// Return logits for every token of the chunk, in order, instead (prompt logprobs): one
     /// row per token whatever `want_logits` says.
     pub all_logits: bool,
+    /// Input embeddings that replace the token embeddings of some of `tokens` (an image's
+    /// rows at its placeholder tokens, in a vision-language prompt); empty for text.
+    pub embeds: Vec<EmbedSpan>,
 }
+
+/// Rows of input embeddings that replace the token embeddings of consecutive tokens of a
+/// chunk: rows `from .. from + len` of an image's embeddings at the chunk's tokens
+/// `at .. at + len`. Each row takes one position, as llava- and SmolVLM-style models count
+/// them (a prefill chunk may hold part of an image: the rest is in the next chunk).
+#[derive(Clone, Debug)]
+pub struct EmbedSpan {
+    /// Index in the chunk's `tokens` of the first replaced token.
+    pub at: usize,
+    /// The image's rows.
+    pub image: Arc<ImageEmbeds>,
+    /// First row of `image` used.
+    pub from: usize,
+    /// Rows used.
+    pub len: usize,
+}
+
+impl PartialEq for EmbedSpan {
+    fn eq(&self, other: &Self) -> bool {
+        (self.at, self.from, self.len, self.image.digest)
+            == (other.at, other.from, other.len, other.image.digest)
+    }
+}
+
+impl Eq for EmbedSpan {}
 
 impl SeqChunk {
     /// Positions (within the chunk) whose logits the forward pass returns.
@@ -563,6 +592,29 @@ impl ModelShard {
                     "sequence {i}: token id {t} out of vocabulary"
                 )));
             }
+            for e in &s.embeds {
+                let fits =
+                    e.at.checked_add(e.len)
+                        .is_some_and(|end| end <= s.tokens.len())
+                        && e.from
+                            .checked_add(e.len)
+                            .is_some_and(|end| end <= e.image.rows)
+                        && e.image.width == self.config.hidden_size
+                        && e.image.data.len() == e.image.rows * e.image.width;
+                if !fits {
+                    return Err(ModelError::InvalidBatch(format!(
+                        "sequence {i}: embeddings at {}..+{} (rows {}.. of {} x {}) do not fit \
+                         its {} tokens of width {}",
+                        e.at,
+                        e.len,
+                        e.from,
+                        e.image.rows,
+                        e.image.width,
+                        s.tokens.len(),
+                        self.config.hidden_size
+                    )));
+                }
+            }
         }
         Ok(())
     }
@@ -622,6 +674,17 @@ impl ModelShard {
         for s in &batch.seqs {
             offsets.push(acc);
             acc += s.tokens.len();
+        }
+
+        // Image rows replace their placeholder tokens' embeddings (every rank has the whole
+        // batch, so every rank writes the same rows after the all-reduce).
+        for (s, &off) in batch.seqs.iter().zip(&offsets) {
+            for e in &s.embeds {
+                for k in 0..e.len {
+                    let row = off + e.at + k;
+                    x[row * d..(row + 1) * d].copy_from_slice(e.image.row(e.from + k));
+                }
+            }
         }
 
         // Each flattened token's position in its sequence.

@@ -5,8 +5,16 @@
 //! `small` (4 layers, 8 heads, 4 KV heads) and `mha` (2 layers, 4 heads, 4 KV heads); keys
 //! `layers`, `heads`, `kv_heads`, `head_dim`, `hidden`, `ffn`, `vocab`, `context`, `seed`,
 //! `bias` (0/1: Qwen2-style QKV bias) override the preset.
+//!
+//! `vision=1` makes it a **synthetic vision-language model**: the same decoder plus a seeded
+//! SigLIP vision tower and Idefics3 connector (SmolVLM's layout, [`crate::vision`]) of a tiny
+//! shape — 32×32 images, 4×4 patches, 64-wide features, 2 layers, 4 heads, pixel shuffle 2,
+//! so an image is 16 decoder positions — whose image placeholder token is id 259 (the first
+//! id past the byte-level tokenizer's). Its weights are random: it tests every path of image
+//! input, it describes no image.
 
 use crate::config::{ModelConfig, RopeScaling, RopeStyle};
+use crate::vision::VisionConfig;
 use crate::weights::TensorStore;
 use crate::{ModelError, Result};
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -24,7 +32,12 @@ pub struct SyntheticSpec {
     pub config: ModelConfig,
     /// Weight seed.
     pub seed: u64,
+    /// The vision tower of a synthetic VLM (`vision=1`).
+    pub vision: Option<VisionConfig>,
 }
+
+/// The placeholder token id of a synthetic VLM's image rows.
+pub const SYNTHETIC_IMAGE_TOKEN: u32 = 259;
 
 impl SyntheticSpec {
     /// Parses what follows `synthetic:`.
@@ -62,6 +75,7 @@ impl SyntheticSpec {
             rope_freq_factors: None,
         };
         let mut seed = 42;
+        let mut vision = false;
         for kv in parts {
             let (k, v) = kv.split_once('=').ok_or_else(|| {
                 ModelError::BadMetadata(format!("synthetic option `{kv}` is not key=value"))
@@ -80,6 +94,7 @@ impl SyntheticSpec {
                 "context" => c.context_length = n,
                 "seed" => seed = n as u64,
                 "bias" => c.qkv_bias = n != 0,
+                "vision" => vision = n != 0,
                 other => {
                     return Err(ModelError::BadMetadata(format!(
                         "unknown synthetic option `{other}`"
@@ -93,10 +108,36 @@ impl SyntheticSpec {
             ));
         }
         c.validate()?;
+        let vision = if vision {
+            if c.vocab_size <= SYNTHETIC_IMAGE_TOKEN as usize {
+                return Err(ModelError::BadMetadata(
+                    "a synthetic VLM needs vocab > 259 (its image token is 259)".into(),
+                ));
+            }
+            let v = VisionConfig {
+                image_size: 32,
+                patch_size: 4,
+                hidden_size: 64,
+                num_layers: 2,
+                num_heads: 4,
+                intermediate_size: 128,
+                layer_norm_eps: 1e-6,
+                scale_factor: 2,
+                text_hidden_size: c.hidden_size,
+                image_mean: [0.5; 3],
+                image_std: [0.5; 3],
+                image_token_id: SYNTHETIC_IMAGE_TOKEN,
+            };
+            v.validate()?;
+            Some(v)
+        } else {
+            None
+        };
         Ok(Self {
             name: format!("synthetic:{spec}"),
             config: c,
             seed,
+            vision,
         })
     }
 
@@ -190,6 +231,83 @@ impl SyntheticSpec {
             &[c.vocab_size, d],
         )?;
         Ok(TensorStore::from_map(t, self.name.clone()))
+    }
+}
+
+impl SyntheticSpec {
+    /// Builds the seeded f32 weights of the vision tower (`vision=1`), by the `mmproj` names
+    /// of [`crate::vision`]; `None` for a text-only spec. Seeded apart from the decoder's.
+    ///
+    /// # Errors
+    /// Only on a tensor-library failure.
+    pub fn build_vision(&self) -> Result<Option<TensorStore>> {
+        let Some(v) = &self.vision else {
+            return Ok(None);
+        };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(self.seed ^ 0x5649_5349_4f4e);
+        let mut normal = move |n: usize, std: f32| -> Vec<f32> {
+            (0..n)
+                .map(|_| {
+                    let u1: f32 = rng.random::<f32>().max(1e-7);
+                    let u2: f32 = rng.random::<f32>();
+                    std * (-2.0 * u1.ln()).sqrt() * (2.0 * std::f32::consts::PI * u2).cos()
+                })
+                .collect()
+        };
+        let mut t: HashMap<String, Arc<QTensor>> = HashMap::new();
+        let mut put = |name: String, data: Vec<f32>, shape: &[usize]| -> Result<()> {
+            let tensor = Tensor::from_vec(data, shape, &Device::Cpu)?;
+            t.insert(name, Arc::new(QTensor::quantize(&tensor, GgmlDType::F32)?));
+            Ok(())
+        };
+        let (h, p, f) = (v.hidden_size, v.patch_size, v.intermediate_size);
+        let sd = |fan_in: usize| 1.0 / (fan_in as f32).sqrt();
+        put(
+            "v.patch_embd.weight".into(),
+            normal(h * 3 * p * p, sd(3 * p * p)),
+            &[h, 3, p, p],
+        )?;
+        put("v.patch_embd.bias".into(), normal(h, 0.1), &[h])?;
+        put(
+            "v.position_embd.weight".into(),
+            normal(v.num_patches() * h, 0.5),
+            &[v.num_patches(), h],
+        )?;
+        let ones = |noise: Vec<f32>| -> Vec<f32> { noise.into_iter().map(|x| 1.0 + x).collect() };
+        for i in 0..v.num_layers {
+            let n = |s: &str| format!("v.blk.{i}.{s}");
+            for ln in ["ln1", "ln2"] {
+                put(n(&format!("{ln}.weight")), ones(normal(h, 0.1)), &[h])?;
+                put(n(&format!("{ln}.bias")), normal(h, 0.1), &[h])?;
+            }
+            for (name, out, inp) in [
+                ("attn_q", h, h),
+                ("attn_k", h, h),
+                ("attn_v", h, h),
+                ("attn_out", h, h),
+                ("ffn_up", f, h),
+                ("ffn_down", h, f),
+            ] {
+                put(
+                    n(&format!("{name}.weight")),
+                    normal(out * inp, sd(inp)),
+                    &[out, inp],
+                )?;
+                put(n(&format!("{name}.bias")), normal(out, 0.1), &[out])?;
+            }
+        }
+        put("v.post_ln.weight".into(), ones(normal(h, 0.1)), &[h])?;
+        put("v.post_ln.bias".into(), normal(h, 0.1), &[h])?;
+        let r2 = v.scale_factor * v.scale_factor;
+        put(
+            "mm.model.fc.weight".into(),
+            normal(v.text_hidden_size * h * r2, sd(h * r2)),
+            &[v.text_hidden_size, h * r2],
+        )?;
+        Ok(Some(TensorStore::from_map(
+            t,
+            format!("{}#vision", self.name),
+        )))
     }
 }
 

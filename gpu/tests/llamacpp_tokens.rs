@@ -133,6 +133,7 @@ fn first_token_logprobs_equal_llama_cpp_s() {
                 block_table: vec![0],
                 want_logits: true,
                 all_logits: false,
+                embeds: Vec::new(),
             }],
         };
         let logits = engine.group().step(batch).unwrap().remove(0);

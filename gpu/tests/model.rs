@@ -69,6 +69,7 @@ fn prompt_logits(e: &Engine, p: &[u32]) -> Vec<f32> {
             block_table: (0..p.len().div_ceil(16) as u32).collect(),
             want_logits: true,
             all_logits: false,
+            embeds: Vec::new(),
         }],
     };
     e.group().step(batch).unwrap().remove(0)
@@ -88,6 +89,7 @@ fn all_logits_returns_every_position() {
                 block_table: vec![0, 1],
                 want_logits: true,
                 all_logits: true,
+                embeds: Vec::new(),
             }],
         };
         let rows = e.group().step(batch).unwrap();
@@ -286,6 +288,7 @@ fn kv_lands_at_the_layout_spans_on_every_rank() {
             block_table: blocks.clone(),
             want_logits: false,
             all_logits: false,
+            embeds: Vec::new(),
         }],
     };
     let d = cfg.hidden_size;

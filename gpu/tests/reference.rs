@@ -120,6 +120,7 @@ fn teacher_forced(engine: &Engine, prompt: &[u32], forced: &[u32]) -> Vec<Vec<f3
                 block_table: block_table.clone(),
                 want_logits: true,
                 all_logits: false,
+                embeds: Vec::new(),
             }],
         };
         engine.group().step(batch).unwrap().remove(0)
@@ -292,6 +293,7 @@ fn last_logits(engine: &Engine, tokens: &[u32]) -> Vec<f32> {
             block_table: (0..tokens.len().div_ceil(16) as u32).collect(),
             want_logits: true,
             all_logits: false,
+            embeds: Vec::new(),
         }],
     };
     engine.group().step(batch).unwrap().remove(0)

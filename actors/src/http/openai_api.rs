@@ -12,8 +12,9 @@ use super::error::ApiError;
 use super::state::AppState;
 use crate::error::RequestError;
 use crate::handoff::receiver::KvSource;
+use crate::multimodal::{self, MultimodalError};
 use crate::openai::{self, KvDirective, PromptInput};
-use crate::scheduler::{NewRequest, RequestEvent, RequestStream};
+use crate::scheduler::{NewRequest, PromptImage, RequestEvent, RequestStream};
 use crate::tools;
 use axum::body::Bytes;
 use axum::extract::State;
@@ -22,6 +23,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::stream::{self, Stream, StreamExt};
 use pdserve_gpu::sampling::TokenLogprobs;
+use pdserve_gpu::vision::ImageEmbeds;
 use pdserve_runtime::ids::TransferId;
 use serde_json::{json, Value};
 use std::net::SocketAddr;
@@ -83,13 +85,16 @@ impl Running {
 }
 
 async fn serve(app: Arc<AppState>, body: Bytes, chat: bool) -> Result<Response, ApiError> {
-    let req = openai::parse_request(&body, chat)?;
+    let mut req = openai::parse_request(&body, chat)?;
+    drop(body);
     if let Some(m) = &req.model {
         if !app.serves_model(m) {
             return Err(RequestError::UnknownModel(m.clone()).into());
         }
     }
     let permit = Arc::new(app.admit()?);
+    let urls = std::mem::take(&mut req.images);
+    let images = prepare_images(&app, &req, urls).await?;
     if !req.more_prompts.is_empty() && req.kv_transfer_params.is_some() {
         return Err(RequestError::BadRequest("a list of prompts cannot be combined with kv_transfer_params (a hand-off carries one prompt's KV)".into()).into());
     }
@@ -100,7 +105,8 @@ async fn serve(app: Arc<AppState>, body: Bytes, chat: bool) -> Result<Response, 
         .chain(&req.more_prompts)
         .enumerate()
     {
-        let (runs, meta) = start_prompt(&app, &req, input, chat, &permit, deadline).await?;
+        let (runs, meta) =
+            start_prompt(&app, &req, input, &images, chat, &permit, deadline).await?;
         let id = choices.first().map(|(_, m)| m.id.clone());
         for (i, r) in runs.into_iter().enumerate() {
             let mut m = meta.for_choice(j * req.n + i);
@@ -176,17 +182,59 @@ async fn compile_grammar(
         .map_err(|e| RequestError::BadRequest(e.to_string()))
 }
 
+/// Checks and encodes a chat request's images (`image_url` parts) with the model's vision
+/// tower on a blocking thread; every refusal is a 400 naming the image and the problem.
+async fn prepare_images(
+    app: &Arc<AppState>,
+    req: &openai::ParsedRequest,
+    urls: Vec<String>,
+) -> Result<Vec<Arc<ImageEmbeds>>, RequestError> {
+    if urls.is_empty() {
+        return Ok(Vec::new());
+    }
+    let Some(tower) = app.vision.clone() else {
+        return Err(MultimodalError::TextOnlyModel(app.model_name.clone()).into());
+    };
+    // vLLM's two hops send both instances the whole request, images included: the prefill
+    // hop computes the prompt with the image rows, the decode hop keys its prefix cache by
+    // the same digests and decodes unchanged. A decode instance that drives its prefill
+    // itself sends the peer protocol token ids only: refused until that carries images.
+    if app.kv.is_some() {
+        let directive = openai::kv_directive(req.kv_transfer_params.as_ref(), app.tls.scheme())?;
+        if matches!(directive, KvDirective::DriveRemote { .. }) {
+            return Err(MultimodalError::NotColocated.into());
+        }
+    }
+    let cfg = app.multimodal.clone();
+    if urls.len() > cfg.max_images_per_request {
+        return Err(MultimodalError::TooManyImages {
+            count: urls.len(),
+            max: cfg.max_images_per_request,
+        }
+        .into());
+    }
+    let cache = app.encoder_cache.clone();
+    tokio::task::spawn_blocking(move || multimodal::encode_images(&tower, &cfg, &cache, &urls))
+        .await
+        .map_err(|e| RequestError::Internal(format!("image encoding: {e}")))?
+}
+
 /// Starts the `n` choices of one prompt of `req`: their events and the answer's metadata (for
 /// choice 0 of this prompt).
 async fn start_prompt(
     app: &Arc<AppState>,
     req: &openai::ParsedRequest,
     input: &PromptInput,
+    images: &[Arc<ImageEmbeds>],
     chat: bool,
     permit: &Arc<OwnedSemaphorePermit>,
     deadline: tokio::time::Instant,
 ) -> Result<(Vec<Running>, ResponseMeta), ApiError> {
-    let prompt = tokenize(app, input)?;
+    let (prompt, prompt_images) = if images.is_empty() {
+        (tokenize(app, input)?, Vec::new())
+    } else {
+        tokenize_with_images(app, input, images)?
+    };
     let score_only = req.scores_only();
     let max_tokens = openai::resolve_max_tokens(
         req.max_tokens_to_run(),
@@ -265,7 +313,14 @@ async fn start_prompt(
     };
     let logprobs = params.logprobs.is_some();
     // Choices after the first: the same prompt, seed + i.
-    let branch_base = (req.n > 1).then(|| (prompt.clone(), params.clone(), constraint.clone()));
+    let branch_base = (req.n > 1).then(|| {
+        (
+            prompt.clone(),
+            params.clone(),
+            constraint.clone(),
+            prompt_images.clone(),
+        )
+    });
     let remote_kv = !matches!(directive, KvDirective::None);
     let mut hand_off = None;
     let mut request = NewRequest {
@@ -276,6 +331,7 @@ async fn start_prompt(
         push: false,
         resume: req.resume_tokens.clone(),
         constraint,
+        images: prompt_images,
     };
     let scheduler = &app.scheduler;
     let events = match (directive, app.kv.as_ref()) {
@@ -350,7 +406,7 @@ async fn start_prompt(
         ahead: None,
         _permit: permit.clone(),
     }];
-    if let Some((prompt, params, constraint)) = branch_base {
+    if let Some((prompt, params, constraint, images)) = branch_base {
         // The other choices start once the first has its prompt's KV (its first event): their
         // full prompt blocks then come from the prefix cache — on a decode instance, the
         // blocks the hand-off brought — so the prompt is prefilled (and handed over) once.
@@ -373,6 +429,7 @@ async fn start_prompt(
                 push: false,
                 resume: Vec::new(),
                 constraint: constraint.clone(),
+                images: images.clone(),
             };
             runs.push(Running {
                 events: scheduler.submit(branch)?,
@@ -453,6 +510,34 @@ fn merge_choices(answers: Vec<Value>, n: usize) -> Value {
         out["usage"] = u.to_json();
     }
     out
+}
+
+/// A chat with images as the model's prompt: rendered, each image's place turned into its
+/// rows' placeholder tokens ([`multimodal::splice_prompt`]).
+fn tokenize_with_images(
+    app: &AppState,
+    prompt: &PromptInput,
+    images: &[Arc<ImageEmbeds>],
+) -> Result<(Vec<u32>, Vec<PromptImage>), RequestError> {
+    let (PromptInput::Chat(messages), Some(tower)) = (prompt, &app.vision) else {
+        return Err(MultimodalError::Unsupported(
+            "images come in chat messages' image_url parts".into(),
+        )
+        .into());
+    };
+    let rendered = app
+        .chat_template
+        .render(messages, true)
+        .map_err(|e| RequestError::BadRequest(e.to_string()))?;
+    let image_token = tower.config().image_token_id;
+    let (ids, placed) = multimodal::splice_prompt(&app.tokenizer, &rendered, images, image_token)?;
+    if let Some(bad) = ids.iter().find(|&&t| t as usize >= app.vocab_size) {
+        return Err(RequestError::BadRequest(format!(
+            "token id {bad} is outside the vocabulary of {}",
+            app.vocab_size
+        )));
+    }
+    Ok((ids, placed))
 }
 
 fn tokenize(app: &AppState, prompt: &PromptInput) -> Result<Vec<u32>, RequestError> {

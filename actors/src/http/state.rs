@@ -58,6 +58,12 @@ pub struct AppState {
     /// Cancelled when a drain is asked for over the API (`POST /drain`); whoever owns the
     /// instance (`pdserve serve`) then stops it in phases, as on SIGTERM.
     pub drain: CancellationToken,
+    /// The vision tower of a vision-language model (`None`: images are refused).
+    pub vision: Option<Arc<pdserve_gpu::vision::VisionTower>>,
+    /// Limits on image input (`[multimodal]`).
+    pub multimodal: pdserve_runtime::config::MultimodalSection,
+    /// Image embeddings by image digest (`multimodal.encoder_cache_bytes`).
+    pub encoder_cache: Arc<crate::multimodal::EncoderCache>,
 }
 
 impl AppState {

@@ -6,11 +6,13 @@ use crate::block_manager::{extend_hashes, BlockAllocation, BlockHash, BlockManag
 use crate::error::RequestError;
 use pdserve_gpu::generation::{Generation, TokenOutcome};
 use pdserve_gpu::grammar::Constraint;
-use pdserve_gpu::model::{Batch, SeqChunk};
+use pdserve_gpu::model::{Batch, EmbedSpan, SeqChunk};
 use pdserve_gpu::sampling::{FinishReason, SamplingParams, TokenLogprobs};
 use pdserve_gpu::tokenizer::Tokenizer;
+use pdserve_gpu::vision::ImageEmbeds;
 use pdserve_runtime::ids::{RequestId, TransferId};
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Most prompt tokens one step computes for a request that wants prompt logprobs: each of
@@ -70,6 +72,33 @@ pub struct NewRequest {
     /// service through [`SchedulerHandle::with_tokenizer`](super::SchedulerHandle::with_tokenizer));
     /// `None` with [`SamplingParams::grammar`] set compiles it here, on the Scheduler's task.
     pub constraint: Option<Constraint>,
+    /// The prompt's images (vision-language models), in prompt order: each one's rows
+    /// replace the placeholder tokens it covers. Empty for text.
+    pub images: Vec<PromptImage>,
+}
+
+/// One image of a prompt: its embeddings' rows replace the prompt's tokens
+/// `at .. at + embeds.rows` (one position per row).
+///
+/// In the prefix cache those positions count as the image's [`ImageDigest`] words
+/// ([`image_key_token`]), not as the placeholder tokens, so two prompts that differ only in
+/// their images never share the KV of the blocks the images touch, nor of any block after.
+///
+/// [`ImageDigest`]: pdserve_gpu::vision::ImageDigest
+#[derive(Clone, Debug)]
+pub struct PromptImage {
+    /// Prompt position of the image's first row.
+    pub at: usize,
+    /// The image's rows (and digest).
+    pub embeds: Arc<ImageEmbeds>,
+}
+
+/// What the prefix cache's key holds at row `k` of an image with `digest` instead of the
+/// placeholder token: one of the digest's eight 32-bit words, top bit set. Token ids are below
+/// 2³¹, so no text prompt can present the key of an image's block; and each block of an
+/// image's rows compares its own slice of the digest on a hit, on top of the chained hash.
+pub fn image_key_token(digest: &pdserve_gpu::vision::ImageDigest, k: usize) -> u32 {
+    digest.words()[k % 8] | 0x8000_0000
 }
 
 /// What the scheduler tells a request's owner.
@@ -201,6 +230,8 @@ struct Seq {
     /// Prompt logprobs computed so far (entry `i`: prompt token `i + 1`), while the request
     /// wants them and they were not sent yet.
     prompt_lp: Option<Vec<TokenLogprobs>>,
+    /// The prompt's images, in prompt order (vision-language models).
+    images: Vec<PromptImage>,
 }
 
 impl Seq {
@@ -211,16 +242,42 @@ impl Seq {
     /// Hashes of the first `n` full blocks of the sequence (fewer when it has fewer).
     fn hashes_upto(&mut self, salt: u64, bs: usize, n: usize) -> &[BlockHash] {
         if self.hashes.len() < n {
-            let tokens: Vec<u32> = self
-                .prompt
-                .iter()
-                .chain(self.gen.output())
-                .take(n * bs)
-                .copied()
-                .collect();
+            let tokens = self.key_tokens(n * bs);
             extend_hashes(salt, &mut self.hashes, &tokens, bs);
         }
         &self.hashes[..n.min(self.hashes.len())]
+    }
+
+    /// The first `n` tokens as the prefix cache keys them: image rows as their image's
+    /// digest words ([`image_key_token`]), every other token as itself.
+    fn key_tokens(&self, n: usize) -> Vec<u32> {
+        let mut tokens = self.tokens(n);
+        for img in &self.images {
+            for k in 0..img.embeds.rows {
+                match tokens.get_mut(img.at + k) {
+                    Some(t) => *t = image_key_token(&img.embeds.digest, k),
+                    None => break,
+                }
+            }
+        }
+        tokens
+    }
+
+    /// The image rows a chunk of the prompt at positions `start .. start + n` replaces.
+    fn embeds(&self, start: usize, n: usize) -> Vec<EmbedSpan> {
+        let end = start + n;
+        self.images
+            .iter()
+            .filter_map(|img| {
+                let (lo, hi) = (img.at.max(start), (img.at + img.embeds.rows).min(end));
+                (lo < hi).then(|| EmbedSpan {
+                    at: lo - start,
+                    image: img.embeds.clone(),
+                    from: lo - img.at,
+                    len: hi - lo,
+                })
+            })
+            .collect()
     }
 
     /// Records the prompt logprobs of a chunk computed from `start` whose logits rows are
@@ -362,7 +419,7 @@ impl SchedulerCore {
         let max = if keep_last { (len - 1) / bs } else { len / bs };
         // Prompt logprobs need every prompt token's logits: no cached prefix.
         let hit = if self.blocks.caching() && max > 0 && s.prompt_lp.is_none() {
-            let tokens = s.tokens(max * bs);
+            let tokens = s.key_tokens(max * bs);
             let hashes = s.hashes_upto(salt, bs, max).to_vec();
             self.blocks.take_prefix(&mut s.blocks, &hashes, &tokens, bs)
         } else {
@@ -394,7 +451,7 @@ impl SchedulerCore {
         if full <= s.registered {
             return;
         }
-        let tokens = s.tokens(full * bs);
+        let tokens = s.key_tokens(full * bs);
         let hashes = s.hashes_upto(salt, bs, full).to_vec();
         self.blocks
             .register(&s.blocks, s.registered, &hashes, &tokens, bs);
@@ -438,6 +495,20 @@ impl SchedulerCore {
                 req.id
             )));
         }
+        // Images in prompt order, inside the prompt, not overlapping.
+        let mut next_free = 0;
+        for (i, img) in req.images.iter().enumerate() {
+            let end = img.at.checked_add(img.embeds.rows);
+            if img.at < next_free || end.is_none_or(|e| e > req.prompt.len()) {
+                return Err(RequestError::BadRequest(format!(
+                    "image {i} (prompt positions {}..+{}) is out of order or outside the prompt of {} tokens",
+                    img.at,
+                    img.embeds.rows,
+                    req.prompt.len()
+                )));
+            }
+            next_free = img.at + img.embeds.rows;
+        }
         let gen = Generation::constrained(&req.params, &self.tokenizer, req.constraint)
             .map_err(|e| RequestError::BadRequest(e.to_string()))?;
         let gen = if req.resume.is_empty() {
@@ -462,6 +533,7 @@ impl SchedulerCore {
             prompt_cached: 0,
             counted: false,
             prompt_lp: req.params.prompt_logprobs.map(|_| Vec::new()),
+            images: req.images,
         };
         self.seqs.insert(req.id, seq);
         self.waiting.push_back(req.id);
@@ -828,6 +900,7 @@ impl SchedulerCore {
                 block_table: s.blocks.blocks().to_vec(),
                 want_logits: samples,
                 all_logits,
+                embeds: s.embeds(s.computed, n),
             });
             members.push((id, n, samples));
         }
@@ -1023,6 +1096,7 @@ mod tests {
             push: false,
             resume: Vec::new(),
             constraint: None,
+            images: Vec::new(),
         }
     }
 
@@ -1332,6 +1406,95 @@ mod tests {
         drive(&mut c);
         assert_eq!(c.stats().blocks_in_use, 0, "{:?}", c.stats());
         assert_eq!(c.stats().blocks_free, 12);
+    }
+
+    fn image(tag: u8, rows: usize) -> Arc<ImageEmbeds> {
+        Arc::new(ImageEmbeds {
+            digest: pdserve_gpu::vision::ImageDigest([tag; 32]),
+            rows,
+            width: 8,
+            data: vec![f32::from(tag); rows * 8],
+        })
+    }
+
+    /// 5 text tokens, 6 rows of `img` (placeholder token 259), 4 text tokens: blocks of 4 are
+    /// [text], [text, 3 rows], [3 rows, text], [3 text] + a partial one.
+    fn image_req(id: u64, img: &Arc<ImageEmbeds>) -> NewRequest {
+        let mut r = req(id, 15, 1);
+        r.prompt = (0..5).map(|t| 100 + t).collect();
+        r.prompt.extend([259; 6]);
+        r.prompt.extend((0..4).map(|t| 120 + t));
+        r.images = vec![PromptImage {
+            at: 5,
+            embeds: img.clone(),
+        }];
+        r
+    }
+
+    #[test]
+    fn image_rows_ride_their_chunks_and_key_the_prefix_cache_by_digest() {
+        let (a, b) = (image(1, 6), image(2, 6));
+        // Budget 4: chunks [0,4) [4,8) [8,12) [12,15); the image spans positions 5..11.
+        let mut c = core(32, 4);
+        c.add(image_req(1, &a)).unwrap();
+        let mut spans = Vec::new();
+        for _ in 0..100 {
+            let Some(p) = c.schedule() else { break };
+            let seq = &p.batch.seqs[0];
+            spans.extend(
+                seq.embeds
+                    .iter()
+                    .map(|e| (seq.start_pos, e.at, e.from, e.len)),
+            );
+            let l = logits(&p);
+            c.complete(p, l);
+        }
+        // (chunk start, index in chunk, first row, rows): rows 0..3, 3..6.
+        assert_eq!(spans, vec![(4, 1, 0, 3), (8, 0, 3, 3)]);
+        assert_eq!(c.stats().blocks_cached, 3);
+
+        // The same text with another image: only the block before the image is shared.
+        c.add(image_req(2, &b)).unwrap();
+        let p = c.schedule().unwrap();
+        assert_eq!(
+            p.batch.seqs[0].start_pos, 4,
+            "one text block from the cache"
+        );
+        drive_from(&mut c, p);
+        // The same image again: everything up to the last partial block.
+        c.add(image_req(3, &a)).unwrap();
+        let p = c.schedule().unwrap();
+        assert_eq!(p.batch.seqs[0].start_pos, 12);
+        assert!(p.batch.seqs[0].embeds.is_empty(), "the image is all cached");
+        drive_from(&mut c, p);
+        // A text prompt of the placeholder tokens themselves never matches an image's blocks.
+        let mut text = image_req(4, &a);
+        text.images.clear();
+        c.add(text).unwrap();
+        let p = c.schedule().unwrap();
+        assert_eq!(p.batch.seqs[0].start_pos, 4);
+        drive_from(&mut c, p);
+        assert_eq!(c.stats().blocks_in_use, 0);
+        assert_eq!(c.stats().blocks_free, 32);
+    }
+
+    #[test]
+    fn images_outside_the_prompt_or_overlapping_are_refused() {
+        let mut c = core(32, 64);
+        let a = image(1, 6);
+        let mut r = image_req(1, &a);
+        r.images[0].at = 10; // 10 + 6 > 15
+        assert!(matches!(c.add(r), Err(RequestError::BadRequest(_))));
+        let mut r = image_req(2, &a);
+        r.images.push(PromptImage {
+            at: 7,
+            embeds: image(2, 2),
+        });
+        assert!(matches!(c.add(r), Err(RequestError::BadRequest(_))));
+        let mut r = image_req(3, &a);
+        r.images[0].at = usize::MAX;
+        assert!(matches!(c.add(r), Err(RequestError::BadRequest(_))));
+        assert_eq!(c.stats().waiting, 0);
     }
 
     #[test]

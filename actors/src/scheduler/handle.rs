@@ -289,6 +289,7 @@ impl PrefillHost for SchedulerHandle {
             push: job.push,
             resume: Vec::new(),
             constraint,
+            images: Vec::new(),
         };
         let mut events = self.submit(request).map_err(interrupted)?;
         let mut first = None;

@@ -62,6 +62,7 @@ pub fn prefill_logits(group: &impl StepGroup, tokens: &[u32], table: &[u32]) -> 
             block_table: table.to_vec(),
             want_logits: true,
             all_logits: false,
+            embeds: Vec::new(),
         }],
     })?;
     out.pop()
@@ -90,6 +91,7 @@ pub fn decode_greedy(
                 block_table: table.to_vec(),
                 want_logits: true,
                 all_logits: false,
+                embeds: Vec::new(),
             }],
         })?;
         last = crate::sampling::argmax(&logits[0]);

@@ -289,6 +289,11 @@ impl CudaShard {
         on_layer: &mut dyn FnMut(usize, &StepPlan) -> Result<()>,
     ) -> Result<Vec<Vec<f32>>> {
         let plan = StepPlan::validated(batch, kv.layout(), &self.config)?;
+        if batch.seqs.iter().any(|s| !s.embeds.is_empty()) {
+            return Err(crate::ModelError::InvalidBatch(
+                "image embeddings are not run by the CUDA backend yet (issue 33)".into(),
+            ));
+        }
         let g = &*self.gpu;
         let cfg = &self.config;
         let (d, hd) = (cfg.hidden_size, cfg.head_dim);

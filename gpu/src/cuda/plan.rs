@@ -182,6 +182,7 @@ mod tests {
                     block_table: vec![7, 2, 9, 30],
                     want_logits: false,
                     all_logits: false,
+                    embeds: Vec::new(),
                 },
                 // A decode token.
                 SeqChunk {
@@ -190,6 +191,7 @@ mod tests {
                     block_table: vec![1, 5, 6, 0],
                     want_logits: true,
                     all_logits: false,
+                    embeds: Vec::new(),
                 },
                 // A whole short prompt.
                 SeqChunk {
@@ -198,6 +200,7 @@ mod tests {
                     block_table: vec![4],
                     want_logits: true,
                     all_logits: false,
+                    embeds: Vec::new(),
                 },
             ],
         }

@@ -27,6 +27,80 @@ pub struct ServeConfig {
     pub control: ControlSection,
     /// Test-only fault injection (reliability suite, drills); all off by default.
     pub faults: crate::faults::FaultSection,
+    /// Image input of vision-language models: limits per request.
+    pub multimodal: MultimodalSection,
+}
+
+/// `[multimodal]`: what one request may send as images (vision-language models; a
+/// text-only model refuses every image). Checked before an image is decoded.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MultimodalSection {
+    /// Most images in one request (1..=64).
+    pub max_images_per_request: usize,
+    /// Most bytes of one encoded image (after base64 decoding), 1 byte ..= 64 MiB.
+    pub max_image_bytes: u64,
+    /// Widest image in pixels (1..=16384).
+    pub max_image_width: u32,
+    /// Tallest image in pixels (1..=16384).
+    pub max_image_height: u32,
+    /// Bytes of image embeddings the encoder cache keeps (by image digest, least recently
+    /// used evicted first); 0 turns it off. At most 16 GiB.
+    pub encoder_cache_bytes: u64,
+}
+
+impl Default for MultimodalSection {
+    fn default() -> Self {
+        Self {
+            max_images_per_request: 8,
+            max_image_bytes: 4 << 20,
+            max_image_width: 4096,
+            max_image_height: 4096,
+            encoder_cache_bytes: 64 << 20,
+        }
+    }
+}
+
+impl MultimodalSection {
+    /// The first key out of range and why.
+    pub fn invalid(&self) -> Option<(&'static str, String)> {
+        if !(1..=64).contains(&self.max_images_per_request) {
+            return Some((
+                "multimodal.max_images_per_request",
+                format!(
+                    "multimodal.max_images_per_request must be 1..=64, got {}",
+                    self.max_images_per_request
+                ),
+            ));
+        }
+        if !(1..=64 << 20).contains(&self.max_image_bytes) {
+            return Some((
+                "multimodal.max_image_bytes",
+                format!(
+                    "multimodal.max_image_bytes must be 1..=67108864 (64 MiB), got {}",
+                    self.max_image_bytes
+                ),
+            ));
+        }
+        if self.encoder_cache_bytes > 16 << 30 {
+            return Some((
+                "multimodal.encoder_cache_bytes",
+                format!(
+                    "multimodal.encoder_cache_bytes must be at most 17179869184 (16 GiB), got {}",
+                    self.encoder_cache_bytes
+                ),
+            ));
+        }
+        for (key, v) in [
+            ("multimodal.max_image_width", self.max_image_width),
+            ("multimodal.max_image_height", self.max_image_height),
+        ] {
+            if !(1..=16384).contains(&v) {
+                return Some((key, format!("{key} must be 1..=16384, got {v}")));
+            }
+        }
+        None
+    }
 }
 
 /// `[control]`: this instance's control-plane endpoint (mutual-TLS QUIC). It is enabled when

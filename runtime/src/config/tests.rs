@@ -29,6 +29,13 @@ fn defaults_validate_and_match_documented_values() {
     assert_eq!(c.scheduler.kv_cache_bytes, 512 << 20);
     assert_eq!(c.instance.role, Role::Colocated);
     assert_eq!(c.logging.format, LogFormat::Human);
+    assert_eq!(c.multimodal.max_images_per_request, 8);
+    assert_eq!(c.multimodal.max_image_bytes, 4 << 20);
+    assert_eq!(c.multimodal.encoder_cache_bytes, 64 << 20);
+    assert_eq!(
+        (c.multimodal.max_image_width, c.multimodal.max_image_height),
+        (4096, 4096)
+    );
 }
 
 #[test]
@@ -646,6 +653,18 @@ fn validate_rejects_out_of_range_values() {
     type Mutation = fn(&mut ServeConfig);
     let cases: Vec<(&str, Mutation)> = vec![
         ("server.port must be > 0", |c| c.server.port = 0),
+        ("multimodal.max_images_per_request must be 1..=64", |c| {
+            c.multimodal.max_images_per_request = 0
+        }),
+        ("multimodal.max_image_bytes", |c| {
+            c.multimodal.max_image_bytes = 1 << 30
+        }),
+        ("multimodal.encoder_cache_bytes", |c| {
+            c.multimodal.encoder_cache_bytes = 1 << 40
+        }),
+        ("multimodal.max_image_width must be 1..=16384", |c| {
+            c.multimodal.max_image_width = 0
+        }),
         ("model.tp must be ≥ 1", |c| c.model.tp = 0),
         ("model.device", |c| c.model.device = "gpu".into()),
         ("model.device", |c| c.model.device = "cuda:".into()),
@@ -812,7 +831,9 @@ fn every_config_key_is_settable_from_env() {
                 {
                     "0.5"
                 }
-                "scheduler.block_size" | "scheduler.max_num_seqs" => "32",
+                "scheduler.block_size"
+                | "scheduler.max_num_seqs"
+                | "multimodal.max_images_per_request" => "32",
                 "server.port" | "scheduler.num_blocks" | "scheduler.max_model_len" => "4096",
                 _ => "2048",
             };

@@ -53,6 +53,9 @@ impl ServeConfig {
         if let Some((key, message)) = self.faults.invalid() {
             return invalid(key, message);
         }
+        if let Some((key, message)) = self.multimodal.invalid() {
+            return invalid(key, message);
+        }
         if !self.instance.role.is_instance() {
             return invalid(
                 "instance.role",

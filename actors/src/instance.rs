@@ -551,6 +551,7 @@ impl Instance {
                         block_size: opts.block_size,
                         salt: cache_salt,
                     }),
+                    tiers: tiers.clone(),
                 };
                 let url = addr.map(|a| format!("{}://{a}", opts.tls.scheme()));
                 match ControlPlane::start(ctl, endpoint, source, url) {

@@ -237,6 +237,27 @@ pub struct TiersFigures {
     pub not_spilled: u64,
 }
 
+impl TiersFigures {
+    /// One line per tier that is on, for `pdserve inspect`.
+    pub fn snapshots(&self) -> Vec<pdserve_runtime::supervision::TierSnapshot> {
+        [(Tier::Host, self.host), (Tier::Disk, self.disk)]
+            .into_iter()
+            .filter_map(|(tier, f)| {
+                f.map(|f| pdserve_runtime::supervision::TierSnapshot {
+                    tier: tier.as_str().into(),
+                    blocks: f.blocks,
+                    bytes: f.bytes,
+                    capacity_bytes: f.capacity_bytes,
+                    hits: f.hits,
+                    misses: f.misses,
+                    bytes_written: f.bytes_written,
+                    bytes_read: f.bytes_read,
+                })
+            })
+            .collect()
+    }
+}
+
 impl TierCounters {
     fn figures(&self, blocks: u64, bytes: u64, capacity_bytes: u64) -> TierFigures {
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);

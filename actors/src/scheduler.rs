@@ -507,6 +507,14 @@ impl SchedulerState {
     /// Accepts a local request into the core.
     fn admit(&mut self, request: NewRequest, sink: EventSink) {
         let (id, hold_for) = (request.id, request.hold_for);
+        // Checked again here: a hand-off can be aborted while its prompt waits for the tiers.
+        if let Some(transfer) =
+            hold_for.filter(|&t| self.aborted_transfers.contains(t, Instant::now()))
+        {
+            tracing::info!(request = %id, %transfer, "hand-off aborted before its prompt arrived");
+            let _ = sink.try_send(RequestEvent::Failed(RequestError::Aborted));
+            return;
+        }
         let prompt_tokens = request.prompt.len();
         match self.core.add(request) {
             Ok(()) => {

@@ -212,6 +212,7 @@ fn tier_settings(cfg: &ServeConfig) -> Option<crate::kv_tiers::TierSettings> {
         host_capacity_bytes: t.host_capacity_bytes,
         disk_dir: t.disk_dir.as_ref().map(std::path::PathBuf::from),
         disk_capacity_bytes: t.disk_capacity_bytes,
+        load_timeout: std::time::Duration::from_millis(t.load_timeout_ms),
         write_policy: match t.write_policy {
             TierWritePolicy::WriteBack => crate::kv_tiers::WritePolicy::WriteBack,
             TierWritePolicy::Selective => crate::kv_tiers::WritePolicy::Selective {

@@ -116,7 +116,13 @@ pub struct TierSettings {
     pub disk_capacity_bytes: u64,
     /// What is written.
     pub write_policy: WritePolicy,
+    /// How long a request waits for its blocks to load before it is computed without them
+    /// (the disk tier then pauses for [`DISK_PAUSE`]).
+    pub load_timeout: std::time::Duration,
 }
+
+/// How long the disk tier stays off after a load ran past its timeout.
+pub const DISK_PAUSE: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// What one stored block must match: the instance's compatibility key and block geometry.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -235,6 +241,8 @@ pub struct TiersFigures {
     /// Evicted blocks not copied out: a tier holds them already, the policy's filter, busy
     /// ranks, a worker restart, or an eviction for a KV hand-off's destination.
     pub not_spilled: u64,
+    /// Loads that ran past `kv_tiers.load_timeout_ms` (their requests were computed).
+    pub load_timeouts: u64,
 }
 
 impl TiersFigures {
@@ -311,6 +319,10 @@ pub struct KvTiers {
     not_spilled: AtomicU64,
     /// Spill and restore batches whose rank jobs have not all ended.
     jobs_in_flight: Arc<AtomicUsize>,
+    load_timeout: std::time::Duration,
+    /// Until when the disk tier is off (a load ran past its timeout).
+    disk_paused_until: Mutex<Option<std::time::Instant>>,
+    load_timeouts: AtomicU64,
 }
 
 impl std::fmt::Debug for KvTiers {
@@ -355,6 +367,9 @@ impl KvTiers {
             offered: AtomicU64::new(0),
             not_spilled: AtomicU64::new(0),
             jobs_in_flight: Arc::new(AtomicUsize::new(0)),
+            load_timeout: settings.load_timeout,
+            disk_paused_until: Mutex::new(None),
+            load_timeouts: AtomicU64::new(0),
         })
     }
 
@@ -371,6 +386,40 @@ impl KvTiers {
     /// The disk tier (tests and `inspect`).
     pub fn disk(&self) -> Option<&DiskTier> {
         self.disk.as_ref()
+    }
+
+    /// The disk tier unless it is paused after a slow load.
+    fn live_disk(&self) -> Option<&DiskTier> {
+        let paused = self
+            .disk_paused_until
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        match *paused {
+            Some(until) if std::time::Instant::now() < until => None,
+            _ => self.disk.as_ref(),
+        }
+    }
+
+    /// How long a request waits for a load.
+    pub fn load_timeout(&self) -> std::time::Duration {
+        self.load_timeout
+    }
+
+    /// A load ran past its timeout: the disk tier turns itself off for [`DISK_PAUSE`] (no
+    /// lookups, no writes), then back on.
+    pub fn load_timed_out(&self) {
+        self.load_timeouts.fetch_add(1, Ordering::Relaxed);
+        if self.disk.is_some() {
+            *self
+                .disk_paused_until
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()) = Some(std::time::Instant::now() + DISK_PAUSE);
+            tracing::warn!(
+                pause_s = DISK_PAUSE.as_secs(),
+                timeout_ms = self.load_timeout.as_millis() as u64,
+                "KV tier load ran past its timeout: request computed without it, disk tier paused"
+            );
+        }
     }
 
     fn host(&self) -> Option<std::sync::MutexGuard<'_, host::HostTier>> {
@@ -418,7 +467,7 @@ impl KvTiers {
                 }
                 None => vec![(b, sum)],
             };
-            if let Some(d) = &self.disk {
+            if let Some(d) = self.live_disk() {
                 for (v, sum) in to_disk {
                     d.write(v, sum);
                 }
@@ -435,7 +484,7 @@ impl KvTiers {
             .iter()
             .take_while(|h| {
                 host.as_ref().is_some_and(|t| t.contains(**h))
-                    || self.disk.as_ref().is_some_and(|d| d.contains(**h))
+                    || self.live_disk().is_some_and(|d| d.contains(**h))
             })
             .count()
     }
@@ -501,7 +550,7 @@ impl KvTiers {
                 }
                 None => None,
             };
-            let found = match (found, &self.disk) {
+            let found = match (found, self.live_disk()) {
                 (Some(b), _) => Some(b),
                 (None, Some(d)) if d.contains(h) => match d.read(h).and_then(|b| {
                     check(&b)?;
@@ -537,6 +586,7 @@ impl KvTiers {
             disk: self.disk.as_ref().map(DiskTier::figures),
             offered: self.offered.load(Ordering::Relaxed),
             not_spilled: self.not_spilled.load(Ordering::Relaxed),
+            load_timeouts: self.load_timeouts.load(Ordering::Relaxed),
         }
     }
 
@@ -742,6 +792,7 @@ mod tests {
             disk_dir: disk,
             disk_capacity_bytes: 1 << 20,
             write_policy: WritePolicy::WriteBack,
+            load_timeout: std::time::Duration::from_secs(1),
         }
     }
 
@@ -777,6 +828,21 @@ mod tests {
         let got = t.load_run(&[2], &toks[4..8], Some(99));
         assert!(got.is_empty());
         assert_eq!(t.figures().host.unwrap().misses, 1);
+    }
+
+    #[test]
+    fn a_slow_load_pauses_the_disk_tier() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = KvTiers::open(settings(0, Some(dir.path().into())), shape(), 0).unwrap();
+        t.offer(vec![block(1, None, 1)]);
+        assert!(t.disk().unwrap().flush(std::time::Duration::from_secs(5)));
+        assert_eq!(t.contains_run(&[1]), 1);
+        t.load_timed_out();
+        assert_eq!(t.contains_run(&[1]), 0, "paused: no lookups");
+        t.offer(vec![block(2, Some(1), 2)]);
+        assert!(t.disk().unwrap().flush(std::time::Duration::from_secs(5)));
+        assert!(!t.disk().unwrap().contains(2), "paused: no writes");
+        assert_eq!(t.figures().load_timeouts, 1);
     }
 
     #[test]

@@ -132,13 +132,16 @@ pub enum SchedulerMsg {
     /// KV tiers: the ranks ended writing a request's restored blocks; register them (when
     /// every rank wrote them into the cache that is still current), then admit the request.
     TiersRestored(Box<TierRestore>),
+    /// KV tiers: a load ran past `kv_tiers.load_timeout_ms`; the request it holds is admitted
+    /// without the tiers (the late answer is dropped) and the disk tier pauses.
+    TierLoadTimedOut(u64),
 }
 
 /// A request waiting for its prompt's blocks from the KV tiers (see
 /// [`SchedulerMsg::TiersLoaded`]).
 pub struct TierLoad {
-    request: NewRequest,
-    sink: EventSink,
+    /// Which load (its request waits in the Scheduler's `tier_waiting`).
+    load_id: u64,
     /// The hashes of the prompt's full blocks (all but its last token).
     hashes: Vec<crate::block_manager::BlockHash>,
     /// Their tokens.
@@ -260,6 +263,9 @@ pub struct SchedulerState {
     tiers: Option<Arc<KvTiers>>,
     /// KV-tier loads in flight.
     tier_loads: usize,
+    /// Requests whose tier load is under way, by load id.
+    tier_waiting: HashMap<u64, (NewRequest, EventSink)>,
+    next_load_id: u64,
     /// Blocks held until the end of the current message (restored prefixes, so the step
     /// planned right after cannot evict them before their request is admitted).
     pins: Vec<BlockAllocation>,
@@ -297,6 +303,8 @@ impl Actor for Scheduler {
             core,
             tiers: args.tiers,
             tier_loads: 0,
+            tier_waiting: HashMap::new(),
+            next_load_id: 0,
             pins: Vec::new(),
             owners: HashMap::new(),
             workers: vec![None; args.tp],
@@ -423,6 +431,15 @@ impl Actor for Scheduler {
             }
             SchedulerMsg::TiersLoaded(load) => st.on_tiers_loaded(*load),
             SchedulerMsg::TiersRestored(restore) => st.on_tiers_restored(*restore),
+            SchedulerMsg::TierLoadTimedOut(load_id) => {
+                if let Some((request, sink)) = st.tier_waiting.remove(&load_id) {
+                    st.tier_loads = st.tier_loads.saturating_sub(1);
+                    if let Some(t) = &st.tiers {
+                        t.load_timed_out();
+                    }
+                    st.admit(request, sink);
+                }
+            }
             SchedulerMsg::Abort(id) => {
                 if st.abort_request(id) {
                     tracing::debug!(request = %id, "aborted by its owner");
@@ -566,7 +583,16 @@ impl SchedulerState {
             return Some((request, sink));
         }
         self.tier_loads += 1;
+        self.next_load_id += 1;
+        let load_id = self.next_load_id;
+        self.tier_waiting.insert(load_id, (request, sink));
         let me = self.me.clone();
+        let timeout = tiers.load_timeout();
+        let timer = self.me.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(timeout).await;
+            let _ = timer.cast(SchedulerMsg::TierLoadTimedOut(load_id));
+        });
         tokio::task::spawn_blocking(move || {
             let blocks = tiers.load_run(
                 &hashes[start..start + count],
@@ -574,8 +600,7 @@ impl SchedulerState {
                 start.checked_sub(1).map(|p| hashes[p]),
             );
             let load = TierLoad {
-                request,
-                sink,
+                load_id,
                 hashes,
                 tokens,
                 start,
@@ -590,15 +615,17 @@ impl SchedulerState {
     /// the allocation evicted); the request is admitted when the ranks are done
     /// ([`SchedulerState::on_tiers_restored`]), or now when nothing can be restored.
     fn on_tiers_loaded(&mut self, load: TierLoad) {
-        self.tier_loads = self.tier_loads.saturating_sub(1);
         let TierLoad {
-            request,
-            sink,
+            load_id,
             hashes,
             tokens,
             start,
             blocks,
         } = load;
+        let Some((request, sink)) = self.tier_waiting.remove(&load_id) else {
+            return; // timed out: the request went on without the tiers
+        };
+        self.tier_loads = self.tier_loads.saturating_sub(1);
         if sink.is_closed() {
             return; // the client left meanwhile
         }

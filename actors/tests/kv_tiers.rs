@@ -45,6 +45,7 @@ fn host_only() -> TierSettings {
         disk_dir: None,
         disk_capacity_bytes: 0,
         write_policy: WritePolicy::WriteBack,
+        load_timeout: Duration::from_secs(30),
     }
 }
 
@@ -54,6 +55,7 @@ fn disk_only(dir: &Path) -> TierSettings {
         disk_dir: Some(dir.to_path_buf()),
         disk_capacity_bytes: 256 << 20,
         write_policy: WritePolicy::WriteBack,
+        load_timeout: Duration::from_secs(30),
     }
 }
 
@@ -130,7 +132,9 @@ where
 
 /// The reference: the same conversations on an instance without tiers.
 async fn reference(revisit: &[usize], tp: usize) -> Run {
-    let inst = instance(&format!("ref-{}-tp{tp}", revisit.len()), tp, None).await;
+    static RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let inst = instance(&format!("ref-{n}-tp{tp}"), tp, None).await;
     let (run, inst) = conversation_run(inst, revisit, |i, _| async { i }).await;
     assert!(
         run.second_cached.iter().all(|&c| c == 0),
@@ -319,5 +323,28 @@ async fn the_selective_policy_writes_only_reused_blocks() {
         "{f:?}"
     );
     assert_pool_full(&inst).await;
+    inst.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_past_its_timeout_is_computed_without_the_tiers() {
+    let want = reference(&REVISIT, 1).await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut settings = disk_only(dir.path());
+    settings.load_timeout = Duration::ZERO;
+    let inst = instance("timeout", 1, Some(settings)).await;
+    let (run, inst) = conversation_run(inst, &REVISIT, |inst, _| async move {
+        flush(&inst);
+        inst
+    })
+    .await;
+    assert_eq!(run.first, want.first);
+    assert_eq!(
+        run.second, want.second,
+        "a timed-out load changes no answer"
+    );
+    let f = inst.kv_tiers().unwrap().figures();
+    // Each load either beat its (zero) timeout and was restored, or was abandoned.
+    assert!(f.load_timeouts + f.disk.unwrap().hits > 0, "{f:?}");
     inst.stop().await;
 }

@@ -458,6 +458,9 @@ pub struct KvTiersConfig {
     pub write_policy: TierWritePolicy,
     /// With `write_policy = "selective"`: prefix-cache hits a block needs to be written.
     pub selective_min_hits: u32,
+    /// Milliseconds a request waits for its blocks to load from the tiers; past that it is
+    /// computed without them and the disk tier turns itself off for 30 s.
+    pub load_timeout_ms: u64,
 }
 
 impl Default for KvTiersConfig {
@@ -469,6 +472,7 @@ impl Default for KvTiersConfig {
             disk_capacity_bytes: 16 << 30,
             write_policy: TierWritePolicy::WriteBack,
             selective_min_hits: 2,
+            load_timeout_ms: 1000,
         }
     }
 }

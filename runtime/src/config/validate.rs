@@ -78,6 +78,12 @@ impl ServeConfig {
         if tiers.disk_dir.as_deref() == Some("") {
             return invalid("kv_tiers.disk_dir", "kv_tiers.disk_dir must not be empty");
         }
+        if tiers.load_timeout_ms == 0 {
+            return invalid(
+                "kv_tiers.load_timeout_ms",
+                "kv_tiers.load_timeout_ms must be > 0",
+            );
+        }
         if tiers.selective_min_hits == 0 {
             return invalid(
                 "kv_tiers.selective_min_hits",

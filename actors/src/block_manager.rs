@@ -82,6 +82,25 @@ struct Entry {
     tokens: Vec<u32>,
     /// LRU stamp while evictable (no holder).
     stamp: Option<u64>,
+    /// Prefix-cache hits on this block (the KV tiers' `selective` write policy).
+    hits: u32,
+}
+
+/// A registered block the pool evicted, as the KV tiers need it (see
+/// [`BlockManager::spill_evictions`]): its id (its KV is still in place until the next write)
+/// and its cache key.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Evicted {
+    /// The block id.
+    pub block: u32,
+    /// Its chained hash.
+    pub hash: BlockHash,
+    /// Its parent's hash.
+    pub parent: Option<BlockHash>,
+    /// Its token ids.
+    pub tokens: Vec<u32>,
+    /// Prefix-cache hits it had.
+    pub hits: u32,
 }
 
 #[derive(Debug)]
@@ -102,6 +121,10 @@ struct Pool {
     evictions: u64,
     /// Registered/forgotten hashes since the last drain (told to the proxy).
     events: crate::kv_events::KvEventLog,
+    /// Whether evictions are recorded in `evicted` (KV tiers on).
+    spill: bool,
+    /// Evicted registered blocks since the last [`BlockManager::take_evicted`].
+    evicted: Vec<Evicted>,
 }
 
 impl Pool {
@@ -116,6 +139,18 @@ impl Pool {
             Some(b) => b,
             None => {
                 let (_, b) = self.lru.pop_first()?;
+                if self.spill {
+                    if let Some(e) = self.entries[b as usize].as_ref() {
+                        let ev = Evicted {
+                            block: b,
+                            hash: e.hash,
+                            parent: e.parent,
+                            tokens: e.tokens.clone(),
+                            hits: e.hits,
+                        };
+                        self.evicted.push(ev);
+                    }
+                }
                 self.forget(b);
                 self.evictions += 1;
                 b
@@ -221,6 +256,8 @@ impl BlockManager {
             hit_blocks: 0,
             evictions: 0,
             events: crate::kv_events::KvEventLog::default(),
+            spill: false,
+            evicted: Vec::new(),
         };
         Self {
             pool: Arc::new(Mutex::new(pool)),
@@ -339,6 +376,9 @@ impl BlockManager {
         let hit = Self::matching(&pool, hashes, tokens, block_size);
         for &b in &hit {
             pool.hold(b);
+            if let Some(e) = pool.entries[b as usize].as_mut() {
+                e.hits = e.hits.saturating_add(1);
+            }
         }
         pool.hit_blocks += hit.len() as u64;
         alloc.blocks.extend_from_slice(&hit);
@@ -374,6 +414,7 @@ impl BlockManager {
                 parent: i.checked_sub(1).map(|p| hashes[p]),
                 tokens: t.to_vec(),
                 stamp: None,
+                hits: 0,
             });
             pool.by_hash.insert(h, b);
             pool.events.stored(h);
@@ -382,10 +423,86 @@ impl BlockManager {
         n
     }
 
+    /// Records every registered block the pool evicts from now on (`on`), for
+    /// [`BlockManager::take_evicted`]: the KV tiers copy them out before they are rewritten.
+    pub fn spill_evictions(&self, on: bool) {
+        let mut pool = self.lock();
+        pool.spill = on;
+        pool.evicted.clear();
+    }
+
+    /// The registered blocks evicted since the last call (their KV is intact until the first
+    /// write after the eviction).
+    pub fn take_evicted(&self) -> Vec<Evicted> {
+        std::mem::take(&mut self.lock().evicted)
+    }
+
+    /// Holds the cached leading blocks of `hashes` (as [`BlockManager::take_prefix`], but not
+    /// counted as hits), so nothing evicts them while a restore of the following blocks runs.
+    pub fn pin_prefix(
+        &self,
+        hashes: &[BlockHash],
+        tokens: &[u32],
+        block_size: usize,
+    ) -> BlockAllocation {
+        let mut alloc = self.empty();
+        if !self.caching {
+            return alloc;
+        }
+        let mut pool = self.lock();
+        let hit = Self::matching(&pool, hashes, tokens, block_size);
+        for &b in &hit {
+            pool.hold(b);
+        }
+        alloc.blocks.extend_from_slice(&hit);
+        alloc
+    }
+
+    /// Registers the blocks of `alloc` (block `j` holds `hashes[j]`, the token ids
+    /// `tokens[j*bs..(j+1)*bs]`; the first block's parent is `parent`), whose KV was restored
+    /// from a KV tier, each with `hits[j]` hits. A hash already registered keeps its block.
+    /// Returns how many were registered.
+    pub fn register_run(
+        &self,
+        alloc: &BlockAllocation,
+        parent: Option<BlockHash>,
+        hashes: &[BlockHash],
+        tokens: &[u32],
+        block_size: usize,
+        hits: &[u32],
+    ) -> usize {
+        if !self.caching {
+            return 0;
+        }
+        let mut pool = self.lock();
+        let mut n = 0;
+        let mut parent = parent;
+        for (j, (&b, &h)) in alloc.blocks.iter().zip(hashes).enumerate() {
+            let Some(t) = tokens.get(j * block_size..(j + 1) * block_size) else {
+                break;
+            };
+            if pool.entries[b as usize].is_none() && !pool.by_hash.contains_key(&h) {
+                pool.entries[b as usize] = Some(Entry {
+                    hash: h,
+                    parent,
+                    tokens: t.to_vec(),
+                    stamp: None,
+                    hits: hits.get(j).copied().unwrap_or(0),
+                });
+                pool.by_hash.insert(h, b);
+                pool.events.stored(h);
+                n += 1;
+            }
+            parent = Some(h);
+        }
+        n
+    }
+
     /// Forgets every cache entry (the KV memory behind them is gone, e.g. a worker restarted
     /// with a fresh cache). Held blocks stay held and are freed normally.
     pub fn clear_cache(&self) {
         let mut pool = self.lock();
+        pool.evicted.clear();
         let cached: Vec<u32> = pool.lru.values().copied().collect();
         for b in 0..self.total as u32 {
             pool.forget(b);
@@ -641,6 +758,49 @@ mod tests {
         drop(a);
         assert_eq!(bm.num_free(), 8);
         assert_eq!(bm.cache_figures().cached_blocks, 0);
+    }
+
+    #[test]
+    fn evictions_are_recorded_for_the_tiers_and_restored_runs_chain() {
+        let bm = BlockManager::new(2, 0);
+        bm.spill_evictions(true);
+        let t = toks(8, 1);
+        let h = block_hashes(0, &t, BS);
+        let mut a = bm.empty();
+        assert!(bm.grow(&mut a, 2));
+        bm.register(&a, 0, &h, &t, BS);
+        drop(a);
+        let mut hit = bm.empty();
+        assert_eq!(bm.take_prefix(&mut hit, &h, &t, BS), 2);
+        drop(hit);
+        let mut c = bm.empty();
+        assert!(bm.grow(&mut c, 2), "both cached blocks are evicted");
+        let ev = bm.take_evicted();
+        assert_eq!(ev.len(), 2);
+        assert!(ev.iter().all(|e| e.hits == 1));
+        let first = ev.iter().find(|e| e.hash == h[0]).unwrap();
+        assert_eq!((first.parent, &first.tokens[..]), (None, &t[..BS]));
+        assert!(bm.take_evicted().is_empty(), "drained");
+        // Restored into other blocks, the second block alone: it chains to its parent.
+        drop(c);
+        let mut r = bm.empty();
+        assert!(bm.grow(&mut r, 1));
+        assert_eq!(
+            bm.register_run(&r, Some(h[0]), &h[1..], &t[BS..], BS, &[3]),
+            1
+        );
+        assert_eq!(bm.lookup(&h, &t, BS), 0, "the first block is gone");
+        let mut r0 = bm.empty();
+        assert!(bm.grow(&mut r0, 1));
+        assert_eq!(bm.register_run(&r0, None, &h[..1], &t[..BS], BS, &[0]), 1);
+        assert_eq!(bm.lookup(&h, &t, BS), 2, "the run is whole again");
+        let pin = bm.pin_prefix(&h, &t, BS);
+        assert_eq!(pin.len(), 2);
+        drop((r, r0));
+        assert_eq!(bm.num_in_use(), 2, "pinned");
+        drop(pin);
+        assert_eq!(bm.num_free(), 2);
+        assert_eq!(bm.cache_figures().hit_blocks, 2, "a pin is not a hit");
     }
 
     #[test]

@@ -269,6 +269,8 @@ pub(crate) struct InspectSource {
     pub(crate) peer: Option<Arc<PeerService<SchedulerHandle>>>,
     /// How its prefix cache hashes blocks; `None` with the cache off (no KV events).
     pub(crate) kv_scheme: Option<crate::kv_events::HashScheme>,
+    /// The KV cache tiers, when on.
+    pub(crate) tiers: Option<Arc<crate::kv_tiers::KvTiers>>,
 }
 
 /// KV hand-off figures of an instance (zeros without a transfer engine).
@@ -306,6 +308,11 @@ impl InspectSource {
             handoffs_done: kv.handoffs_done,
             handoff_bytes: kv.blocks_moved * kv.block_bytes,
             handoff_bytes_skipped: kv.blocks_skipped * kv.block_bytes,
+            kv_tiers: self
+                .tiers
+                .as_ref()
+                .map(|t| t.figures().snapshots())
+                .unwrap_or_default(),
             actors,
         })
     }

@@ -107,6 +107,9 @@ pub struct InstanceOptions {
     pub control: Option<InstanceControl>,
     /// Limits on image input (`[multimodal]`; vision-language models).
     pub multimodal: pdserve_runtime::config::MultimodalSection,
+    /// KV cache tiers below the block pool (`[kv_tiers]`); `None`: off. Needs the prefix
+    /// cache.
+    pub kv_tiers: Option<crate::kv_tiers::TierSettings>,
 }
 
 impl InstanceOptions {
@@ -161,6 +164,7 @@ impl InstanceOptions {
             faults: pdserve_runtime::faults::FaultInjector::new(&cfg.faults),
             control: InstanceControl::from_config(cfg)?,
             multimodal: cfg.multimodal.clone(),
+            kv_tiers: tier_settings(cfg),
         })
     }
 
@@ -199,8 +203,46 @@ impl InstanceOptions {
             faults: None,
             control: None,
             multimodal: Default::default(),
+            kv_tiers: None,
         }
     }
+}
+
+/// `[kv_tiers]` as the tiers take it (`None` when off).
+fn tier_settings(cfg: &ServeConfig) -> Option<crate::kv_tiers::TierSettings> {
+    use pdserve_runtime::config::TierWritePolicy;
+    let t = &cfg.kv_tiers;
+    t.enabled.then(|| crate::kv_tiers::TierSettings {
+        host_capacity_bytes: t.host_capacity_bytes,
+        disk_dir: t.disk_dir.as_ref().map(std::path::PathBuf::from),
+        disk_capacity_bytes: t.disk_capacity_bytes,
+        load_timeout: std::time::Duration::from_millis(t.load_timeout_ms),
+        write_policy: match t.write_policy {
+            TierWritePolicy::WriteBack => crate::kv_tiers::WritePolicy::WriteBack,
+            TierWritePolicy::Selective => crate::kv_tiers::WritePolicy::Selective {
+                min_hits: t.selective_min_hits,
+            },
+        },
+    })
+}
+
+/// A fingerprint of a model's weights for the KV tiers' compatibility key (two models of the
+/// same shape must never exchange KV): XXH3-64 over every tensor's name, type, shape and
+/// first 64 KiB of data, in name order.
+fn weights_fingerprint(store: &pdserve_gpu::weights::TensorStore) -> u64 {
+    let mut names: Vec<&String> = store.names().collect();
+    names.sort();
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    for name in names {
+        h.update(name.as_bytes());
+        if let Ok(t) = store.get(name) {
+            h.update(format!("{:?}{:?}", t.dtype(), t.shape().dims()).as_bytes());
+            if let Ok(data) = t.data() {
+                h.update(&data[..data.len().min(64 << 10)]);
+            }
+        }
+    }
+    h.digest()
 }
 
 /// The transfer engine of a `prefill` or `decode` instance (none for `colocated`).
@@ -251,6 +293,7 @@ impl ShutdownReport {
 
 /// A running instance.
 pub struct Instance {
+    tiers: Option<Arc<crate::kv_tiers::KvTiers>>,
     supervisor: SupervisorHandle,
     join: tokio::task::JoinHandle<()>,
     scheduler: SchedulerHandle,
@@ -434,6 +477,41 @@ impl Instance {
                 dtype: opts.kv_dtype,
             },
         ));
+        let tiers = match opts.kv_tiers.filter(|_| opts.prefix_cache) {
+            Some(settings) => {
+                let shape = crate::kv_tiers::TierShape {
+                    compat: format!(
+                        "{} tp={} weights={:016x}",
+                        compat_key(
+                            &cfg,
+                            opts.block_size,
+                            &pdserve_gpu::kv::KvLayout {
+                                num_layers: cfg.num_layers,
+                                num_blocks,
+                                block_size: opts.block_size,
+                                num_kv_heads: cfg.num_kv_heads / opts.tp,
+                                head_dim: cfg.head_dim,
+                                dtype: opts.kv_dtype,
+                            },
+                        ),
+                        opts.tp,
+                        weights_fingerprint(&worker.store),
+                    ),
+                    block_size: opts.block_size,
+                    payload_bytes: bytes_per_block_all_ranks,
+                    tp: opts.tp,
+                };
+                // Opening verifies every file of the disk tier: off the async threads.
+                let tiers = tokio::task::spawn_blocking(move || {
+                    crate::kv_tiers::KvTiers::open(settings, shape, cache_salt)
+                })
+                .await
+                .map_err(|e| StartError::config("kv_tiers", e))?
+                .map_err(|e| StartError::config("kv_tiers.disk_dir", e))?;
+                Some(Arc::new(tiers))
+            }
+            None => None,
+        };
         let args = InstanceArgs {
             name: opts.name.clone(),
             worker,
@@ -456,6 +534,7 @@ impl Instance {
             kv: kv.clone(),
             epochs,
             call_timeout: opts.call_timeout,
+            tiers: tiers.clone(),
         };
         let (supervisor, join) = Mailbox::spawn(
             Some(format!("{}/supervisor", opts.name)),
@@ -485,6 +564,7 @@ impl Instance {
                         block_size: opts.block_size,
                         salt: cache_salt,
                     }),
+                    tiers: tiers.clone(),
                 };
                 let url = addr.map(|a| format!("{}://{a}", opts.tls.scheme()));
                 match ControlPlane::start(ctl, endpoint, source, url) {
@@ -501,6 +581,7 @@ impl Instance {
             _ => None,
         };
         Ok(Self {
+            tiers,
             supervisor,
             join,
             scheduler,
@@ -513,6 +594,11 @@ impl Instance {
             max_concurrent_requests: opts.max_concurrent_requests,
             scheme: opts.tls.scheme(),
         })
+    }
+
+    /// The KV cache tiers, when on.
+    pub fn kv_tiers(&self) -> Option<&Arc<crate::kv_tiers::KvTiers>> {
+        self.tiers.as_ref()
     }
 
     /// KV hand-off figures (instances with a transfer engine).

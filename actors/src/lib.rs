@@ -23,6 +23,7 @@ pub mod handoff;
 pub mod http;
 pub mod instance;
 pub mod kv_events;
+pub mod kv_tiers;
 pub mod mailbox;
 pub mod multimodal;
 pub mod openai;

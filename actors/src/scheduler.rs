@@ -19,12 +19,14 @@ pub use self::core::{
 };
 pub use self::handle::{RequestStream, SchedulerHandle};
 
+use crate::block_manager::BlockAllocation;
 use crate::error::RequestError;
 use crate::handoff::protocol::unix_now_us;
 use crate::handoff::push::{PushChunk, PushEvent};
 use crate::handoff::receiver::{Fetch, FetchOutcome, FetchReply, KvReceiverMsg, KvSource};
 use crate::handoff::sender::KvSenderMsg;
 use crate::handoff::HandoffError;
+use crate::kv_tiers::KvTiers;
 use crate::mailbox::{Inbox, Mailbox};
 use crate::worker::{StepError, WorkerMsg, WorkerReport};
 use pdserve_gpu::model::Batch;
@@ -124,7 +126,53 @@ pub enum SchedulerMsg {
     Stats(RpcReplyPort<SchedulerStats>),
     /// The prefix cache's events since the last drain (a snapshot when asked or due).
     KvEvents(bool, RpcReplyPort<crate::kv_events::KvEventBatch>),
+    /// KV tiers: the blocks of a new request's prompt that a blocking task loaded and
+    /// verified (possibly none); restore them, then admit the request.
+    TiersLoaded(Box<TierLoad>),
+    /// KV tiers: the ranks ended writing a request's restored blocks; register them (when
+    /// every rank wrote them into the cache that is still current), then admit the request.
+    TiersRestored(Box<TierRestore>),
+    /// KV tiers: a load ran past `kv_tiers.load_timeout_ms`; the request it holds is admitted
+    /// without the tiers (the late answer is dropped) and the disk tier pauses.
+    TierLoadTimedOut(u64),
 }
+
+/// A request waiting for its prompt's blocks from the KV tiers (see
+/// [`SchedulerMsg::TiersLoaded`]).
+pub struct TierLoad {
+    /// Which load (its request waits in the Scheduler's `tier_waiting`).
+    load_id: u64,
+    /// The hashes of the prompt's full blocks (all but its last token).
+    hashes: Vec<crate::block_manager::BlockHash>,
+    /// Their tokens.
+    tokens: Vec<u32>,
+    /// The first block the tiers were asked for (the pool held those before it).
+    start: usize,
+    /// Blocks `start..` as loaded and verified.
+    blocks: Vec<Arc<crate::kv_tiers::TierBlock>>,
+}
+
+/// A restore whose rank jobs ended (see [`SchedulerMsg::TiersRestored`]).
+pub struct TierRestore {
+    request: NewRequest,
+    sink: EventSink,
+    /// The fresh blocks holding blocks `first..` of `hashes`.
+    alloc: BlockAllocation,
+    /// The pool's blocks `..first`, held meanwhile.
+    pin: BlockAllocation,
+    hashes: Vec<crate::block_manager::BlockHash>,
+    tokens: Vec<u32>,
+    first: usize,
+    hits: Vec<u32>,
+    /// Worker epochs when the jobs were queued.
+    epochs: Vec<Option<u64>>,
+    /// Whether every rank wrote every block.
+    ok: bool,
+}
+
+/// KV-tier loads (blocking tasks) in flight at most; past that a request is admitted without
+/// asking the tiers.
+const MAX_TIER_LOADS: usize = 16;
 
 /// The Scheduler actor (its mailbox count; state lives in [`SchedulerState`]).
 #[derive(Debug)]
@@ -147,6 +195,8 @@ pub struct SchedulerArgs {
     pub kv_sender: Option<Mailbox<KvSenderMsg>>,
     /// Vocabulary size (validates peer-supplied first tokens).
     pub vocab_size: usize,
+    /// The KV cache tiers below the block pool (`[kv_tiers]`), if on.
+    pub tiers: Option<Arc<KvTiers>>,
 }
 
 struct InFlight {
@@ -210,6 +260,15 @@ pub struct SchedulerState {
     aborted_transfers: crate::handoff::aborts::RecentAborts,
     me: Mailbox<SchedulerMsg>,
     vocab_size: usize,
+    tiers: Option<Arc<KvTiers>>,
+    /// KV-tier loads in flight.
+    tier_loads: usize,
+    /// Requests whose tier load is under way, by load id.
+    tier_waiting: HashMap<u64, (NewRequest, EventSink)>,
+    next_load_id: u64,
+    /// Blocks held until the end of the current message (restored prefixes, so the step
+    /// planned right after cannot evict them before their request is admitted).
+    pins: Vec<BlockAllocation>,
 }
 
 impl Actor for Scheduler {
@@ -235,9 +294,18 @@ impl Actor for Scheduler {
                 }
             }
         });
+        let core = SchedulerCore::new(args.config, args.tokenizer);
+        if args.tiers.is_some() {
+            core.block_manager().spill_evictions(true);
+        }
         Ok(SchedulerState {
             me,
-            core: SchedulerCore::new(args.config, args.tokenizer),
+            core,
+            tiers: args.tiers,
+            tier_loads: 0,
+            tier_waiting: HashMap::new(),
+            next_load_id: 0,
+            pins: Vec::new(),
             owners: HashMap::new(),
             workers: vec![None; args.tp],
             in_flight: None,
@@ -362,16 +430,19 @@ impl Actor for Scheduler {
                     let _ = sink.try_send(RequestEvent::Failed(RequestError::Aborted));
                     return Ok(());
                 }
-                let prompt_tokens = request.prompt.len();
-                match st.core.add(request) {
-                    Ok(()) => {
-                        metrics::counter!(pdserve_runtime::telemetry::PROMPT_TOKENS_TOTAL)
-                            .increment(prompt_tokens as u64);
-                        st.owners.insert(id, Owner::new(sink, hold_for, None));
+                if let Some((request, sink)) = st.load_from_tiers(request, sink) {
+                    st.admit(request, sink);
+                }
+            }
+            SchedulerMsg::TiersLoaded(load) => st.on_tiers_loaded(*load),
+            SchedulerMsg::TiersRestored(restore) => st.on_tiers_restored(*restore),
+            SchedulerMsg::TierLoadTimedOut(load_id) => {
+                if let Some((request, sink)) = st.tier_waiting.remove(&load_id) {
+                    st.tier_loads = st.tier_loads.saturating_sub(1);
+                    if let Some(t) = &st.tiers {
+                        t.load_timed_out();
                     }
-                    Err(e) => {
-                        let _ = sink.try_send(RequestEvent::Failed(e));
-                    }
+                    st.admit(request, sink);
                 }
             }
             SchedulerMsg::Abort(id) => {
@@ -428,6 +499,11 @@ impl Actor for Scheduler {
                     });
                 }
                 st.core.cache_lost();
+                // Evicted blocks not yet copied out name KV that is gone.
+                let lost = st.core.block_manager().take_evicted().len();
+                if let Some(t) = &st.tiers {
+                    t.not_spilled(lost);
+                }
                 st.dispatch(out);
             }
             SchedulerMsg::KvEvents(snapshot, reply) => {
@@ -443,12 +519,237 @@ impl Actor for Scheduler {
             }
         }
         st.maybe_step();
+        st.pins.clear();
         st.publish_gauges();
         Ok(())
     }
 }
 
 impl SchedulerState {
+    /// Accepts a local request into the core.
+    fn admit(&mut self, request: NewRequest, sink: EventSink) {
+        let (id, hold_for) = (request.id, request.hold_for);
+        // Checked again here: a hand-off can be aborted while its prompt waits for the tiers.
+        if let Some(transfer) =
+            hold_for.filter(|&t| self.aborted_transfers.contains(t, Instant::now()))
+        {
+            tracing::info!(request = %id, %transfer, "hand-off aborted before its prompt arrived");
+            let _ = sink.try_send(RequestEvent::Failed(RequestError::Aborted));
+            return;
+        }
+        let prompt_tokens = request.prompt.len();
+        match self.core.add(request) {
+            Ok(()) => {
+                metrics::counter!(pdserve_runtime::telemetry::PROMPT_TOKENS_TOTAL)
+                    .increment(prompt_tokens as u64);
+                self.owners.insert(id, Owner::new(sink, hold_for, None));
+            }
+            Err(e) => {
+                let _ = sink.try_send(RequestEvent::Failed(e));
+            }
+        }
+    }
+
+    /// KV tiers: when the tiers hold blocks of the request's prompt that the pool lacks
+    /// (right after the pool's cached prefix), loads them in a blocking task and returns
+    /// `None` (the request comes back as [`SchedulerMsg::TiersLoaded`]); else gives the
+    /// request back to be admitted now.
+    fn load_from_tiers(
+        &mut self,
+        request: NewRequest,
+        sink: EventSink,
+    ) -> Option<(NewRequest, EventSink)> {
+        let Some(tiers) = self.tiers.clone() else {
+            return Some((request, sink));
+        };
+        let cfg = self.core.config();
+        let (bs, salt) = (cfg.block_size, cfg.cache_salt);
+        let len = request.prompt.len() + request.resume.len();
+        let max = len.saturating_sub(1) / bs;
+        if !cfg.prefix_cache
+            || max == 0
+            || request.params.prompt_logprobs.is_some()
+            || self.tier_loads >= MAX_TIER_LOADS
+            || !tiers.may_queue_jobs()
+        {
+            return Some((request, sink));
+        }
+        let tokens: Vec<u32> = request
+            .prompt
+            .iter()
+            .chain(&request.resume)
+            .copied()
+            .take(max * bs)
+            .collect();
+        let hashes = crate::block_manager::block_hashes(salt, &tokens, bs);
+        let start = self.core.block_manager().lookup(&hashes, &tokens, bs);
+        let count = tiers.contains_run(&hashes[start..]);
+        if count == 0 {
+            return Some((request, sink));
+        }
+        self.tier_loads += 1;
+        self.next_load_id += 1;
+        let load_id = self.next_load_id;
+        self.tier_waiting.insert(load_id, (request, sink));
+        let me = self.me.clone();
+        let timeout = tiers.load_timeout();
+        let timer = self.me.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(timeout).await;
+            let _ = timer.cast(SchedulerMsg::TierLoadTimedOut(load_id));
+        });
+        tokio::task::spawn_blocking(move || {
+            let blocks = tiers.load_run(
+                &hashes[start..start + count],
+                &tokens[start * bs..],
+                start.checked_sub(1).map(|p| hashes[p]),
+            );
+            let load = TierLoad {
+                load_id,
+                hashes,
+                tokens,
+                start,
+                blocks,
+            };
+            let _ = me.cast(SchedulerMsg::TiersLoaded(Box::new(load)));
+        });
+        None
+    }
+
+    /// Writes the loaded blocks into fresh pool blocks on every rank (after copying out what
+    /// the allocation evicted); the request is admitted when the ranks are done
+    /// ([`SchedulerState::on_tiers_restored`]), or now when nothing can be restored.
+    fn on_tiers_loaded(&mut self, load: TierLoad) {
+        let TierLoad {
+            load_id,
+            hashes,
+            tokens,
+            start,
+            blocks,
+        } = load;
+        let Some((request, sink)) = self.tier_waiting.remove(&load_id) else {
+            return; // timed out: the request went on without the tiers
+        };
+        self.tier_loads = self.tier_loads.saturating_sub(1);
+        if sink.is_closed() {
+            return; // the client left meanwhile
+        }
+        let Some(tiers) = self.tiers.clone() else {
+            return self.admit(request, sink);
+        };
+        let bs = self.core.config().block_size;
+        let bm = self.core.block_manager().clone();
+        // The pool may have gained or lost blocks of this prefix meanwhile.
+        let now = bm.lookup(&hashes, &tokens, bs);
+        let end = start + blocks.len();
+        if now < start
+            || now >= end
+            || !tiers.may_queue_jobs()
+            || self.workers.iter().any(Option::is_none)
+        {
+            return self.admit(request, sink);
+        }
+        let pin = bm.pin_prefix(&hashes[..now], &tokens[..now * bs], bs);
+        let todo = &blocks[now - start..];
+        let mut alloc = bm.empty();
+        if !bm.can_admit(todo.len()) || !bm.grow(&mut alloc, todo.len()) {
+            drop(pin);
+            return self.admit(request, sink);
+        }
+        // What this allocation evicted is read before the restore overwrites it.
+        self.flush_spills();
+        let items: Vec<(u32, Arc<crate::kv_tiers::TierBlock>)> = alloc
+            .blocks()
+            .iter()
+            .copied()
+            .zip(todo.iter().cloned())
+            .collect();
+        let mut restore = TierRestore {
+            request,
+            sink,
+            alloc,
+            pin,
+            hashes,
+            tokens,
+            first: now,
+            hits: todo.iter().map(|b| b.hits.saturating_add(1)).collect(),
+            epochs: self.worker_epochs(),
+            ok: false,
+        };
+        let me = self.me.clone();
+        let jobs = crate::kv_tiers::restore_jobs(
+            &tiers,
+            items,
+            Box::new(move |ok| {
+                restore.ok = ok;
+                let _ = me.cast(SchedulerMsg::TiersRestored(Box::new(restore)));
+            }),
+        );
+        for (job, w) in jobs.into_iter().zip(&self.workers) {
+            if let Some((_, w)) = w {
+                let _ = w.cast(WorkerMsg::Kv(job));
+            }
+        }
+    }
+
+    /// Registers the restored blocks when every rank wrote them into the caches that are
+    /// still current, then admits the request (which takes them as its cached prefix).
+    fn on_tiers_restored(&mut self, r: TierRestore) {
+        let bs = self.core.config().block_size;
+        let bm = self.core.block_manager().clone();
+        if r.ok && self.worker_epochs() == r.epochs {
+            let parent = r.first.checked_sub(1).map(|p| r.hashes[p]);
+            let n = bm.register_run(
+                &r.alloc,
+                parent,
+                &r.hashes[r.first..],
+                &r.tokens[r.first * bs..],
+                bs,
+                &r.hits,
+            );
+            tracing::debug!(request = %r.request.id, blocks = n, "restored KV blocks from the tiers");
+        } else {
+            tracing::warn!(request = %r.request.id, "a KV tier restore did not reach every rank: recomputing");
+        }
+        self.pins.push(r.pin);
+        self.pins.push(r.alloc);
+        if r.sink.is_closed() {
+            return;
+        }
+        self.admit(r.request, r.sink);
+    }
+
+    /// Has every rank copy the blocks the pool evicted since the last call out of its cache,
+    /// ahead of anything that rewrites them, for the KV tiers.
+    fn flush_spills(&mut self) {
+        let Some(tiers) = self.tiers.clone() else {
+            return;
+        };
+        let evicted = self.core.block_manager().take_evicted();
+        let total = evicted.len();
+        let evicted: Vec<_> = evicted
+            .into_iter()
+            .filter(|e| tiers.admits(e.hits) && !tiers.holds(e.hash))
+            .collect();
+        let filtered = total - evicted.len();
+        if filtered > 0 {
+            tiers.not_spilled(filtered);
+        }
+        if evicted.is_empty() {
+            return;
+        }
+        if !tiers.may_queue_jobs() || self.workers.iter().any(Option::is_none) {
+            tiers.not_spilled(evicted.len());
+            return;
+        }
+        let jobs = crate::kv_tiers::spill_jobs(&tiers, evicted);
+        for (job, w) in jobs.into_iter().zip(&self.workers) {
+            if let Some((_, w)) = w {
+                let _ = w.cast(WorkerMsg::Kv(job));
+            }
+        }
+    }
+
     fn submit_remote(&mut self, request: NewRequest, sink: EventSink, source: KvSource) {
         let id = request.id;
         let Some(receiver) = self.kv_receiver.clone() else {
@@ -468,7 +769,14 @@ impl SchedulerState {
         }
         let (prompt, params) = (request.prompt.clone(), request.params.clone());
         let may_prefill_here = matches!(source, KvSource::Drive { .. });
-        match self.core.add_remote(request, may_prefill_here) {
+        let admitted = self.core.add_remote(request, may_prefill_here);
+        // Blocks evicted for a hand-off's destination are written by the transfer, not by a
+        // step queued behind a spill: they are not copied out (left for issue 30).
+        let evicted = self.core.block_manager().take_evicted().len();
+        if let Some(t) = &self.tiers {
+            t.not_spilled(evicted);
+        }
+        match admitted {
             Ok(RemoteAdmission::Local { cached_blocks }) => {
                 // Prefix-aware conditional disaggregation: the uncached suffix is cheaper here
                 // than a hand-off.
@@ -627,6 +935,8 @@ impl SchedulerState {
         let Some(plan) = self.core.schedule() else {
             return;
         };
+        // The blocks this plan evicted are copied out before the step rewrites them.
+        self.flush_spills();
         self.note_first_decode_steps(&plan);
         let batch: Arc<Batch> = Arc::new(plan.batch.clone());
         let hook = self.push_hook(&plan);

@@ -78,6 +78,8 @@ pub struct InstanceArgs {
     pub epochs: Arc<Epochs>,
     /// Bound on calls between the instance's actors.
     pub call_timeout: Duration,
+    /// The KV cache tiers below the block pool, if on.
+    pub tiers: Option<Arc<crate::kv_tiers::KvTiers>>,
 }
 
 /// A child's typed address: what restarting it and reading its queue need.
@@ -339,6 +341,7 @@ impl Actor for InstanceSupervisor {
                 kv_receiver,
                 kv_sender: kv_sender.clone(),
                 vocab_size: args.worker.config.vocab_size,
+                tiers: args.tiers.clone(),
             },
             sup(),
             hook("Scheduler"),

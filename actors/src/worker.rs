@@ -32,6 +32,10 @@ pub enum WorkerMsg {
     },
     /// A peer rank died: fail any collective this group waits in.
     Poison(String),
+    /// A job on this rank's KV cache (a KV tier spill or restore), queued on the executor in
+    /// message order: after the steps cast before it, before those cast after it. A full
+    /// queue drops it (its batch then reports failure).
+    Kv(pdserve_gpu::tp::KvJob),
 }
 
 /// Why a forward step failed on a rank (the executor's error, as reported).
@@ -171,6 +175,11 @@ impl Actor for TpWorker {
                 }
             }
             WorkerMsg::Poison(reason) => st.executor.poison(&reason),
+            WorkerMsg::Kv(job) => {
+                if let Err(e) = st.executor.submit_kv(job) {
+                    tracing::warn!(rank = st.args.rank, error = %e, "KV tier job dropped");
+                }
+            }
         }
         Ok(())
     }

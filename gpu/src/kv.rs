@@ -328,6 +328,51 @@ impl KvCache {
         }
     }
 
+    /// Bytes of one block over every layer, K and V, all of this rank's heads: what
+    /// [`KvCache::read_block`] returns and [`KvCache::write_block`] takes.
+    pub fn block_bytes_all_layers(&self) -> usize {
+        2 * self.layout.num_layers * self.layout.block_bytes()
+    }
+
+    /// Appends one block's KV over every layer to `out`: for each layer, its K block then its
+    /// V block (this rank's heads), as stored.
+    ///
+    /// # Panics
+    /// When `block` is out of range.
+    pub fn read_block(&self, block: usize, out: &mut Vec<u8>) {
+        let heads = 0..self.layout.num_kv_heads;
+        for layer in 0..self.layout.num_layers {
+            for kind in [KvKind::Key, KvKind::Value] {
+                let span = self.layout.span(layer, kind, block, heads.clone());
+                let region = &self.regions[span.region];
+                assert!(span.offset + span.len <= region.len());
+                // SAFETY: the span lies inside the region, which lives as long as `self`.
+                out.extend_from_slice(unsafe {
+                    std::slice::from_raw_parts(region.as_ptr().add(span.offset), span.len)
+                });
+            }
+        }
+    }
+
+    /// Writes one block's KV over every layer from `bytes`, laid out as
+    /// [`KvCache::read_block`] returns it.
+    ///
+    /// # Panics
+    /// When `block` is out of range or `bytes` is not [`KvCache::block_bytes_all_layers`]
+    /// long.
+    pub fn write_block(&mut self, block: usize, bytes: &[u8]) {
+        assert_eq!(bytes.len(), self.block_bytes_all_layers(), "block bytes");
+        let heads = 0..self.layout.num_kv_heads;
+        let mut at = 0;
+        for layer in 0..self.layout.num_layers {
+            for kind in [KvKind::Key, KvKind::Value] {
+                let span = self.layout.span(layer, kind, block, heads.clone());
+                self.write_span(span, &bytes[at..at + span.len]);
+                at += span.len;
+            }
+        }
+    }
+
     /// Writes one token's K or V for one head (rounded to the cache's dtype).
     pub(crate) fn write_slot(
         &mut self,

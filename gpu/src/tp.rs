@@ -23,7 +23,8 @@ pub const COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(120);
 /// Called with `(rank, layer)` once a layer's K/V of the current step are in that rank's cache.
 pub type LayerHook = Arc<dyn Fn(usize, usize) + Send + Sync>;
 
-type KvJob = Box<dyn FnOnce(&mut KvCache) + Send>;
+/// A job on a rank's KV cache, run on the rank thread between steps (in queue order).
+pub type KvJob = Box<dyn FnOnce(&mut KvCache) + Send>;
 
 /// Receives the outcome of one forward step on one rank (logits of rank 0; every rank returns
 /// the same values). Runs on the rank's thread: keep it short (send a message).
@@ -57,7 +58,7 @@ pub struct TpOptions {
 
 /// Jobs a rank thread may have queued beyond the one it runs (bounded: a caller that gets
 /// ahead is told so instead of queueing without limit).
-const RANK_QUEUE: usize = 4;
+const RANK_QUEUE: usize = 16;
 
 /// One tensor-parallel rank: a named OS thread (`pdserve-tp{rank}`) that owns the rank's model
 /// shard and KV cache and runs the jobs it is sent, reporting through callbacks.
@@ -198,6 +199,17 @@ impl RankExecutor {
         done: StepCallback,
     ) -> Result<()> {
         self.thread.send(Job::Forward { batch, hook, done })
+    }
+
+    /// Queues `job` on this rank's KV cache without waiting: it runs on the rank thread after
+    /// every job queued before it and before every job queued after it (KV tier spills and
+    /// restores, ordered against the steps that write the same blocks).
+    ///
+    /// # Errors
+    /// [`ModelError::RankFailed`] when the queue is full or the thread is gone (the job is
+    /// dropped unrun).
+    pub fn submit_kv(&self, job: KvJob) -> Result<()> {
+        self.thread.send(Job::WithKv { job })
     }
 
     /// Runs `f` on this rank's KV cache, on the rank thread, between steps, and waits for it.

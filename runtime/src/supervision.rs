@@ -282,8 +282,32 @@ pub struct InstanceSnapshot {
     /// Decode: KV bytes those hand-offs did not move: the prefix cache held them.
     #[serde(default)]
     pub handoff_bytes_skipped: u64,
+    /// The KV cache tiers below the block pool (empty: off).
+    #[serde(default)]
+    pub kv_tiers: Vec<TierSnapshot>,
     /// The root of the supervision tree.
     pub actors: ActorSnapshot,
+}
+
+/// One KV cache tier of an instance, as `pdserve inspect` shows it.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Default)]
+pub struct TierSnapshot {
+    /// `host` or `disk`.
+    pub tier: String,
+    /// Blocks it holds.
+    pub blocks: u64,
+    /// Bytes it holds.
+    pub bytes: u64,
+    /// Its capacity in bytes.
+    pub capacity_bytes: u64,
+    /// Blocks restored from it.
+    pub hits: u64,
+    /// Restores that failed verification (recomputed).
+    pub misses: u64,
+    /// Bytes stored into it.
+    pub bytes_written: u64,
+    /// Bytes restored from it.
+    pub bytes_read: u64,
 }
 
 /// The proxy's own part of a [`ClusterSnapshot`].
@@ -456,6 +480,20 @@ pub fn render_tree(snap: &InstanceSnapshot, color: bool) -> String {
         );
     }
     out.push('\n');
+    for t in &snap.kv_tiers {
+        let _ = writeln!(
+            out,
+            "  kv_tier {} blocks={} used={}/{} hits={} misses={} in={} out={}",
+            t.tier,
+            t.blocks,
+            format_bytes(t.bytes),
+            format_bytes(t.capacity_bytes),
+            t.hits,
+            t.misses,
+            format_bytes(t.bytes_written),
+            format_bytes(t.bytes_read),
+        );
+    }
     render_actor(&mut out, &snap.actors, "", None, color);
     out
 }
@@ -811,6 +849,16 @@ mod tests {
             handoffs_done: 0,
             handoff_bytes: 0,
             handoff_bytes_skipped: 0,
+            kv_tiers: vec![TierSnapshot {
+                tier: "host".into(),
+                blocks: 12,
+                bytes: 3 << 20,
+                capacity_bytes: 1 << 30,
+                hits: 7,
+                misses: 1,
+                bytes_written: 4 << 20,
+                bytes_read: 2 << 20,
+            }],
             actors: root,
         }
     }
@@ -891,6 +939,7 @@ proxy [Proxy] running restarts=0 mailbox=0 up 12.3s
 ├── decode-0 (decode) routable heartbeat 0.2s ago http=http://127.0.0.1:8200 control=127.0.0.1:7002
 │   decode-0 role=decode model=smollm2-135m tp=2 waiting=4 running=7 kv_blocks=300/512 free preemptions=1 transfers_in_flight=2 sent=3.0MiB received=0B transfer_failures=0
 │     prefix_cache hit_rate=25.0% prompt_tokens=1000 computed=750 cached=250 cached_blocks=40 evictions=3 local_prefills=0
+│     kv_tier host blocks=12 used=3.0MiB/1.0GiB hits=7 misses=1 in=4.0MiB out=2.0MiB
 │   decode-0 [InstanceSupervisor] running restarts=0 mailbox=0 up 12.3s
 └── prefill-0 (prefill) not routable heartbeat 1m15s ago http=http://127.0.0.1:8100 control=127.0.0.1:7001
     unreachable: control connection closed by peer
@@ -945,6 +994,7 @@ proxy [Proxy] running restarts=0 mailbox=0 up 12.3s
             "bytes_sent",
             "bytes_received",
             "transfer_failures",
+            "kv_tiers",
         ] {
             v.as_object_mut().unwrap().remove(key);
         }
@@ -965,6 +1015,7 @@ proxy [Proxy] running restarts=0 mailbox=0 up 12.3s
         let expected = "\
 instance-0 role=prefill model=smollm2-135m tp=2 waiting=4 running=7 kv_blocks=300/512 free preemptions=1 transfers_in_flight=2 sent=3.0MiB received=0B transfer_failures=0
   prefix_cache hit_rate=25.0% prompt_tokens=1000 computed=750 cached=250 cached_blocks=40 evictions=3 local_prefills=0
+  kv_tier host blocks=12 used=3.0MiB/1.0GiB hits=7 misses=1 in=4.0MiB out=2.0MiB
 instance-0 [InstanceSupervisor] running restarts=0 mailbox=0 up 12.3s
 ├── scheduler [Scheduler] running restarts=0 mailbox=3 up 12.3s
 │   ├── tp-worker-0 [TpWorker] running restarts=0 mailbox=0 up 12.3s

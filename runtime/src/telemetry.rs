@@ -49,6 +49,22 @@ pub const PREFIX_CACHE_QUERY_TOKENS_TOTAL: &str = "pdserve_prefix_cache_query_to
 pub const KV_BLOCKS_CACHED: &str = "pdserve_kv_blocks_cached";
 /// Counter: cached KV blocks evicted to make room.
 pub const PREFIX_CACHE_EVICTIONS_TOTAL: &str = "pdserve_prefix_cache_evictions_total";
+/// Counter: KV blocks restored from a KV cache tier (verified), labelled [`LABEL_TIER`].
+pub const KV_TIER_HITS_TOTAL: &str = "pdserve_kv_tier_hits_total";
+/// Counter: KV blocks a tier's index listed whose restore failed verification (recomputed),
+/// labelled [`LABEL_TIER`] and [`LABEL_REASON`] (`missing`, `checksum`, `short_read`,
+/// `compat`, `key`, `malformed`, `io`).
+pub const KV_TIER_MISSES_TOTAL: &str = "pdserve_kv_tier_misses_total";
+/// Counter: bytes stored into a KV cache tier, labelled [`LABEL_TIER`].
+pub const KV_TIER_WRITTEN_BYTES_TOTAL: &str = "pdserve_kv_tier_written_bytes_total";
+/// Counter: KV bytes restored from a KV cache tier, labelled [`LABEL_TIER`].
+pub const KV_TIER_READ_BYTES_TOTAL: &str = "pdserve_kv_tier_read_bytes_total";
+/// Gauge: blocks a KV cache tier holds, labelled [`LABEL_TIER`].
+pub const KV_TIER_BLOCKS: &str = "pdserve_kv_tier_blocks";
+/// Gauge: bytes a KV cache tier holds, labelled [`LABEL_TIER`].
+pub const KV_TIER_BYTES: &str = "pdserve_kv_tier_bytes";
+/// Label of the `KV_TIER_*` metrics: `host` or `disk`.
+pub const LABEL_TIER: &str = "tier";
 /// Histogram: KV bytes one decode-side hand-off moved (after the prefix-cache delta).
 pub const KV_TRANSFER_BYTES_PER_REQUEST: &str = "pdserve_kv_transfer_bytes_per_request";
 /// Counter: actor restarts by supervisors, labelled [`LABEL_ACTOR`].
@@ -317,6 +333,32 @@ fn describe_and_register() {
         PREFIX_CACHE_EVICTIONS_TOTAL,
         Unit::Count,
         "Cached KV blocks evicted to make room."
+    );
+    describe_counter!(
+        KV_TIER_HITS_TOTAL,
+        Unit::Count,
+        "KV blocks restored from a KV cache tier, by tier."
+    );
+    describe_counter!(
+        KV_TIER_MISSES_TOTAL,
+        Unit::Count,
+        "KV blocks whose restore from a tier failed verification (recomputed), by tier and reason."
+    );
+    describe_counter!(
+        KV_TIER_WRITTEN_BYTES_TOTAL,
+        Unit::Bytes,
+        "Bytes stored into a KV cache tier, by tier."
+    );
+    describe_counter!(
+        KV_TIER_READ_BYTES_TOTAL,
+        Unit::Bytes,
+        "KV bytes restored from a KV cache tier, by tier."
+    );
+    describe_gauge!(KV_TIER_BLOCKS, "Blocks a KV cache tier holds, by tier.");
+    describe_gauge!(
+        KV_TIER_BYTES,
+        Unit::Bytes,
+        "Bytes a KV cache tier holds, by tier."
     );
     describe_histogram!(
         KV_TRANSFER_BYTES_PER_REQUEST,

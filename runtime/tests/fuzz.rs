@@ -371,6 +371,7 @@ fn sample_snapshot() -> InstanceSnapshot {
         handoffs_done: 9,
         handoff_bytes: 9 << 20,
         handoff_bytes_skipped: 1 << 20,
+        kv_tiers: Vec::new(),
         actors: actor(
             "decode-0",
             "InstanceSupervisor",

@@ -60,6 +60,20 @@ pub async fn get_json(url: &str, path: &str) -> Value {
         .unwrap()
 }
 
+/// `GET {path}` at `url`, as text (`/metrics`).
+pub async fn get_text(url: &str, path: &str) -> String {
+    pdserve_actors::http::http_client()
+        .build()
+        .unwrap()
+        .get(format!("{url}{path}"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
 /// The token ids of a choice (`return_token_ids`), as a whole answer or a streamed chunk has
 /// them.
 fn token_ids_of(choice: &Value) -> impl Iterator<Item = u64> + '_ {

@@ -29,6 +29,8 @@ pub struct ServeConfig {
     pub faults: crate::faults::FaultSection,
     /// Image input of vision-language models: limits per request.
     pub multimodal: MultimodalSection,
+    /// KV cache tiers below the block pool: host spill region and local disk.
+    pub kv_tiers: KvTiersConfig,
 }
 
 /// `[multimodal]`: what one request may send as images (vision-language models; a
@@ -506,6 +508,45 @@ impl Default for SchedulerConfig {
             watermark: 0.01,
             max_model_len: None,
             prefix_cache: true,
+        }
+    }
+}
+
+/// `[kv_tiers]`: KV cache tiers below each instance's block pool (issue 30). Blocks the
+/// prefix cache evicts are copied into a host spill region (LRU by bytes), whose evictions
+/// move on to files in `disk_dir` (LRU by bytes, verified by checksum on every read and at
+/// start); a later prompt sharing the prefix restores them instead of computing them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct KvTiersConfig {
+    /// Turns the tiers on (needs `scheduler.prefix_cache`).
+    pub enabled: bool,
+    /// Bytes of the host spill region (0: no host tier; evicted blocks go straight to disk).
+    pub host_capacity_bytes: u64,
+    /// Directory of the disk tier (unset: no disk tier). Files go in a subdirectory named by
+    /// the compatibility key's hash, so instances of other models or layouts never share.
+    pub disk_dir: Option<String>,
+    /// Bytes of the disk tier.
+    pub disk_capacity_bytes: u64,
+    /// Which evicted blocks are written: `write_back` (all) or `selective`.
+    pub write_policy: TierWritePolicy,
+    /// With `write_policy = "selective"`: prefix-cache hits a block needs to be written.
+    pub selective_min_hits: u32,
+    /// Milliseconds a request waits for its blocks to load from the tiers; past that it is
+    /// computed without them and the disk tier turns itself off for 30 s.
+    pub load_timeout_ms: u64,
+}
+
+impl Default for KvTiersConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            host_capacity_bytes: 1 << 30,
+            disk_dir: None,
+            disk_capacity_bytes: 16 << 30,
+            write_policy: TierWritePolicy::WriteBack,
+            selective_min_hits: 2,
+            load_timeout_ms: 1000,
         }
     }
 }

@@ -811,6 +811,9 @@ fn every_config_key_is_settable_from_env() {
                 // The default is `true`: the variable must change it.
                 "transfer.require_auth" | "scheduler.prefix_cache" => "false",
                 "transfer.tcp_integrity" => "mac",
+                "kv_tiers.enabled" => "true",
+                "kv_tiers.write_policy" => "selective",
+                "kv_tiers.disk_dir" => "abc",
                 "transfer.rdma_devices" => "mlx5_0,mlx5_1",
                 "transfer.rdma_port" => "2",
                 "transfer.rdma_send_queue_depth" => "256",
@@ -959,4 +962,27 @@ fn the_proxy_router_settings_parse_and_bad_ones_are_named() {
         }
         Ok(())
     });
+}
+
+#[test]
+fn kv_tiers_need_a_place_to_spill_to_and_the_prefix_cache() {
+    let mut c = ServeConfig::default();
+    c.kv_tiers.enabled = true;
+    c.validate().unwrap();
+    c.kv_tiers.host_capacity_bytes = 0;
+    let e = c.validate().unwrap_err().to_string();
+    assert!(e.contains("kv_tiers.enabled"), "{e}");
+    c.kv_tiers.disk_dir = Some("/var/cache/pdserve".into());
+    c.validate().unwrap();
+    c.kv_tiers.disk_capacity_bytes = 0;
+    let e = c.validate().unwrap_err().to_string();
+    assert!(e.contains("kv_tiers.disk_capacity_bytes"), "{e}");
+    c.kv_tiers.disk_capacity_bytes = 1 << 30;
+    c.scheduler.prefix_cache = false;
+    let e = c.validate().unwrap_err().to_string();
+    assert!(e.contains("prefix_cache"), "{e}");
+    c.scheduler.prefix_cache = true;
+    c.kv_tiers.selective_min_hits = 0;
+    let e = c.validate().unwrap_err().to_string();
+    assert!(e.contains("kv_tiers.selective_min_hits"), "{e}");
 }

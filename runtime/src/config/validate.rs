@@ -65,6 +65,40 @@ impl ServeConfig {
                 ),
             );
         }
+        let tiers = &self.kv_tiers;
+        if tiers.enabled && tiers.host_capacity_bytes == 0 && tiers.disk_dir.is_none() {
+            return invalid(
+                "kv_tiers.enabled",
+                "kv_tiers.enabled needs kv_tiers.host_capacity_bytes > 0 or kv_tiers.disk_dir",
+            );
+        }
+        if tiers.enabled && tiers.disk_dir.is_some() && tiers.disk_capacity_bytes == 0 {
+            return invalid(
+                "kv_tiers.disk_capacity_bytes",
+                "kv_tiers.disk_capacity_bytes must be > 0 with kv_tiers.disk_dir",
+            );
+        }
+        if tiers.disk_dir.as_deref() == Some("") {
+            return invalid("kv_tiers.disk_dir", "kv_tiers.disk_dir must not be empty");
+        }
+        if tiers.load_timeout_ms == 0 {
+            return invalid(
+                "kv_tiers.load_timeout_ms",
+                "kv_tiers.load_timeout_ms must be > 0",
+            );
+        }
+        if tiers.selective_min_hits == 0 {
+            return invalid(
+                "kv_tiers.selective_min_hits",
+                "kv_tiers.selective_min_hits must be >= 1",
+            );
+        }
+        if tiers.enabled && !self.scheduler.prefix_cache {
+            return invalid(
+                "kv_tiers.enabled",
+                "kv_tiers needs scheduler.prefix_cache (the tiers hold the prefix cache's evicted blocks)",
+            );
+        }
         if self.transfer.timeout_s == 0 {
             return invalid("transfer.timeout_s", "transfer.timeout_s must be > 0");
         }

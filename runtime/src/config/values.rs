@@ -106,6 +106,18 @@ config_enum! {
 }
 
 config_enum! {
+    /// `kv_tiers.write_policy`: which blocks the pool's evictions offer to the KV cache tiers.
+    pub enum TierWritePolicy for "kv_tiers.write_policy" {
+        /// Every evicted block (host first; what the host region evicts moves on to disk).
+        #[default]
+        WriteBack = "write_back",
+        /// Only evicted blocks reused at least `kv_tiers.selective_min_hits` times (Dynamo
+        /// KVBM's frequency filter).
+        Selective = "selective",
+    }
+}
+
+config_enum! {
     /// `transfer.mode`: how KV moves from prefill to decode when the decode instance drives
     /// the hand-off.
     pub enum TransferMode for "transfer.mode" {

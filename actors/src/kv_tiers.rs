@@ -1,0 +1,856 @@
+//! KV cache tiers below an instance's block pool (issue 30): a **host** spill region and a
+//! **local disk** directory, both LRU by capacity.
+//!
+//! When the prefix cache evicts a full, registered block, the Scheduler has every TP rank copy
+//! the block's KV (all layers, K and V, its heads) out of its cache on the rank thread, ahead
+//! of the step that reuses the block ([`spill_jobs`]); the copies are joined rank by rank into
+//! one [`TierBlock`] and offered to the tiers ([`KvTiers::offer`]). On a prefix lookup that
+//! the pool misses, the Scheduler asks the tiers for the following blocks
+//! ([`KvTiers::contains_run`]), loads them off the actors' path ([`KvTiers::load_run`], in
+//! `spawn_blocking`: disk reads), writes them into freshly allocated pool blocks on the rank
+//! threads ([`restore_jobs`]) and registers them in the prefix cache; the request is then
+//! admitted and computes only the rest.
+//!
+//! **Write policy** ([`WritePolicy`]): `write_back` offers every evicted block; `selective`
+//! only blocks that were reused at least `min_hits` times (Dynamo KVBM's frequency filter).
+//! A block the host tier evicts moves on to the disk tier; with no host capacity, blocks go
+//! straight to disk. Both tiers keep a block after a hit (inclusive), so a block that leaves
+//! the pool again costs no second write.
+//!
+//! **Verified restores.** Every stored block carries an XXH3-64 checksum of its bytes and its
+//! full key: the chained block hash, its parent's hash, its token ids and the compatibility
+//! key ([`TierShape::compat`]: pdserve version, model shape and weight fingerprint, KV dtype,
+//! block size, TP size). A restore checks all of them; a checksum mismatch, a short read, a
+//! missing file, another compatibility key or another key is a **miss**: the block is
+//! recomputed, the miss is counted (`pdserve_kv_tier_misses_total{tier,reason}`) and logged
+//! at `warn`, and the bad file is removed. Never wrong KV.
+//!
+//! The disk tier's files live in `<dir>/<compat hash>/`; at start its index is rebuilt from
+//! what is there after verifying each file, so a restarted instance finds it warm. Writes go
+//! through one named thread (`pdserve-kv-disk`) fed by a bounded queue (a full queue drops
+//! the write, counted); reads run in the caller's blocking task.
+
+mod disk;
+mod host;
+
+use crate::block_manager::{BlockHash, Evicted};
+use pdserve_gpu::kv::KvCache;
+use pdserve_gpu::tp::KvJob;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+pub use disk::DiskTier;
+
+/// Why a block could not be restored from a tier (each is a miss, never wrong KV).
+#[derive(Debug, thiserror::Error)]
+pub enum TierError {
+    /// The tier does not hold the block (a missing file included).
+    #[error("block not stored")]
+    Missing,
+    /// The stored bytes do not match their checksum.
+    #[error("checksum mismatch")]
+    Checksum,
+    /// The stored block is shorter than its header says.
+    #[error("short read: {0}")]
+    ShortRead(String),
+    /// The block was stored for another model, KV layout, block size or TP size.
+    #[error("stored under another compatibility key")]
+    Compat,
+    /// The block was stored under another hash, parent or token ids.
+    #[error("stored under another key")]
+    Key,
+    /// A header field is out of bounds or the file is longer than a block.
+    #[error("malformed block: {0}")]
+    Malformed(String),
+    /// Reading or writing failed.
+    #[error("i/o: {0}")]
+    Io(std::io::Error),
+}
+
+impl TierError {
+    /// A stable label for metrics and logs.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            TierError::Missing => "missing",
+            TierError::Checksum => "checksum",
+            TierError::ShortRead(_) => "short_read",
+            TierError::Compat => "compat",
+            TierError::Key => "key",
+            TierError::Malformed(_) => "malformed",
+            TierError::Io(_) => "io",
+        }
+    }
+}
+
+impl From<std::io::Error> for TierError {
+    fn from(e: std::io::Error) -> Self {
+        match e.kind() {
+            std::io::ErrorKind::NotFound => TierError::Missing,
+            std::io::ErrorKind::UnexpectedEof => TierError::ShortRead(e.to_string()),
+            _ => TierError::Io(e),
+        }
+    }
+}
+
+/// What to offer to the tiers when the pool evicts a block (`kv_tiers.write_policy`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WritePolicy {
+    /// Every evicted block.
+    WriteBack,
+    /// Only blocks reused (prefix-cache hits) at least this many times.
+    Selective {
+        /// Least reuse count.
+        min_hits: u32,
+    },
+}
+
+/// Capacities and places of the tiers (`[kv_tiers]`).
+#[derive(Clone, Debug)]
+pub struct TierSettings {
+    /// Host spill region, in bytes (0: no host tier).
+    pub host_capacity_bytes: u64,
+    /// Disk tier directory (`None`: no disk tier).
+    pub disk_dir: Option<PathBuf>,
+    /// Disk tier capacity, in bytes.
+    pub disk_capacity_bytes: u64,
+    /// What is written.
+    pub write_policy: WritePolicy,
+    /// How long a request waits for its blocks to load before it is computed without them
+    /// (the disk tier then pauses for [`DISK_PAUSE`]).
+    pub load_timeout: std::time::Duration,
+}
+
+/// How long the disk tier stays off after a load ran past its timeout.
+pub const DISK_PAUSE: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// What one stored block must match: the instance's compatibility key and block geometry.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TierShape {
+    /// The compatibility key (model, weights fingerprint, KV dtype, block size, TP size).
+    pub compat: String,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// KV bytes of one block over every rank and layer.
+    pub payload_bytes: usize,
+    /// TP ranks (the payload is rank 0's bytes, then rank 1's, ...).
+    pub tp: usize,
+}
+
+impl TierShape {
+    /// The compatibility key's hash (names the disk tier's subdirectory).
+    pub fn compat_hash(&self) -> u64 {
+        xxhash_rust::xxh3::xxh3_64(self.compat.as_bytes())
+    }
+
+    /// Bytes of one rank's share of a block.
+    pub fn rank_bytes(&self) -> usize {
+        self.payload_bytes / self.tp.max(1)
+    }
+}
+
+/// One block as a tier stores it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TierBlock {
+    /// Its chained hash.
+    pub hash: BlockHash,
+    /// The previous block's hash (`None` for a first block).
+    pub parent: Option<BlockHash>,
+    /// Its token ids.
+    pub tokens: Vec<u32>,
+    /// Prefix-cache hits it had (the `selective` policy's count).
+    pub hits: u32,
+    /// KV bytes: each rank's share ([`KvCache::read_block`]) in rank order.
+    pub bytes: Vec<u8>,
+}
+
+impl TierBlock {
+    /// XXH3-64 of the bytes.
+    pub fn checksum(&self) -> u64 {
+        xxhash_rust::xxh3::xxh3_64(&self.bytes)
+    }
+
+    /// Bytes a tier charges for it.
+    pub fn footprint(&self) -> u64 {
+        (self.bytes.len() + 4 * self.tokens.len() + 64) as u64
+    }
+}
+
+/// The two tiers, for labels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tier {
+    /// The host spill region.
+    Host,
+    /// The disk directory.
+    Disk,
+}
+
+impl Tier {
+    /// The metrics label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Tier::Host => "host",
+            Tier::Disk => "disk",
+        }
+    }
+}
+
+/// Counters of one tier.
+#[derive(Debug, Default)]
+struct TierCounters {
+    hits: AtomicU64,
+    misses: AtomicU64,
+    bytes_written: AtomicU64,
+    bytes_read: AtomicU64,
+    dropped_writes: AtomicU64,
+    discarded: AtomicU64,
+}
+
+/// Figures of one tier.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct TierFigures {
+    /// Blocks restored from this tier.
+    pub hits: u64,
+    /// Blocks the index listed whose restore failed verification (recomputed).
+    pub misses: u64,
+    /// Bytes stored into it.
+    pub bytes_written: u64,
+    /// Bytes restored from it.
+    pub bytes_read: u64,
+    /// Writes dropped (a full write queue, an I/O error, a block larger than the tier).
+    pub dropped_writes: u64,
+    /// Stored blocks found bad and removed (at start or on a restore).
+    pub discarded: u64,
+    /// Blocks it holds now.
+    pub blocks: u64,
+    /// Bytes it holds now.
+    pub bytes: u64,
+    /// Its capacity in bytes.
+    pub capacity_bytes: u64,
+}
+
+/// Figures of every tier.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct TiersFigures {
+    /// The host spill region (`None`: off).
+    pub host: Option<TierFigures>,
+    /// The disk tier (`None`: off).
+    pub disk: Option<TierFigures>,
+    /// Evicted blocks offered to the tiers.
+    pub offered: u64,
+    /// Evicted blocks not copied out: a tier holds them already, the policy's filter, busy
+    /// ranks, a worker restart, or an eviction for a KV hand-off's destination.
+    pub not_spilled: u64,
+    /// Loads that ran past `kv_tiers.load_timeout_ms` (their requests were computed).
+    pub load_timeouts: u64,
+}
+
+impl TiersFigures {
+    /// One line per tier that is on, for `pdserve inspect`.
+    pub fn snapshots(&self) -> Vec<pdserve_runtime::supervision::TierSnapshot> {
+        [(Tier::Host, self.host), (Tier::Disk, self.disk)]
+            .into_iter()
+            .filter_map(|(tier, f)| {
+                f.map(|f| pdserve_runtime::supervision::TierSnapshot {
+                    tier: tier.as_str().into(),
+                    blocks: f.blocks,
+                    bytes: f.bytes,
+                    capacity_bytes: f.capacity_bytes,
+                    hits: f.hits,
+                    misses: f.misses,
+                    bytes_written: f.bytes_written,
+                    bytes_read: f.bytes_read,
+                })
+            })
+            .collect()
+    }
+}
+
+impl TierCounters {
+    fn figures(&self, blocks: u64, bytes: u64, capacity_bytes: u64) -> TierFigures {
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        TierFigures {
+            hits: l(&self.hits),
+            misses: l(&self.misses),
+            bytes_written: l(&self.bytes_written),
+            bytes_read: l(&self.bytes_read),
+            dropped_writes: l(&self.dropped_writes),
+            discarded: l(&self.discarded),
+            blocks,
+            bytes,
+            capacity_bytes,
+        }
+    }
+
+    fn hit(&self, tier: Tier, bytes: usize) {
+        use pdserve_runtime::telemetry as m;
+        self.hits.fetch_add(1, Ordering::Relaxed);
+        self.bytes_read.fetch_add(bytes as u64, Ordering::Relaxed);
+        metrics::counter!(m::KV_TIER_HITS_TOTAL, m::LABEL_TIER => tier.as_str()).increment(1);
+        metrics::counter!(m::KV_TIER_READ_BYTES_TOTAL, m::LABEL_TIER => tier.as_str())
+            .increment(bytes as u64);
+    }
+
+    fn miss(&self, tier: Tier, hash: BlockHash, e: &TierError) {
+        use pdserve_runtime::telemetry as m;
+        self.misses.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!(m::KV_TIER_MISSES_TOTAL, m::LABEL_TIER => tier.as_str(), m::LABEL_REASON => e.kind())
+            .increment(1);
+        tracing::warn!(tier = tier.as_str(), block = format_args!("{hash:016x}"), error = %e, "KV tier restore failed verification: recomputing the block");
+    }
+
+    fn written(&self, tier: Tier, bytes: u64) {
+        use pdserve_runtime::telemetry as m;
+        self.bytes_written.fetch_add(bytes, Ordering::Relaxed);
+        metrics::counter!(m::KV_TIER_WRITTEN_BYTES_TOTAL, m::LABEL_TIER => tier.as_str())
+            .increment(bytes);
+    }
+}
+
+/// The tiers of one instance.
+pub struct KvTiers {
+    shape: TierShape,
+    policy: WritePolicy,
+    salt: u64,
+    host: Option<Mutex<host::HostTier>>,
+    host_counters: TierCounters,
+    disk: Option<DiskTier>,
+    offered: AtomicU64,
+    not_spilled: AtomicU64,
+    /// Spill and restore batches whose rank jobs have not all ended.
+    jobs_in_flight: Arc<AtomicUsize>,
+    load_timeout: std::time::Duration,
+    /// Until when the disk tier is off (a load ran past its timeout).
+    disk_paused_until: Mutex<Option<std::time::Instant>>,
+    load_timeouts: AtomicU64,
+}
+
+impl std::fmt::Debug for KvTiers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvTiers")
+            .field("shape", &self.shape)
+            .field("policy", &self.policy)
+            .finish()
+    }
+}
+
+/// Rank-job batches (spills and restores) in flight at most: each queues one job per rank
+/// ahead of the next step, and a rank's queue must always have room for that step.
+pub const MAX_JOBS_IN_FLIGHT: usize = 8;
+
+impl KvTiers {
+    /// Opens the tiers: the host region (empty) and the disk tier, whose index is rebuilt from
+    /// its directory after verifying every file. Blocking (reads the directory): call it off
+    /// the async threads. `salt` is the prefix cache's hash salt.
+    ///
+    /// # Errors
+    /// [`TierError::Io`] when the disk directory cannot be created or listed, or its writer
+    /// thread cannot start.
+    pub fn open(settings: TierSettings, shape: TierShape, salt: u64) -> Result<Self, TierError> {
+        let disk = match &settings.disk_dir {
+            Some(dir) => Some(DiskTier::open(
+                dir,
+                settings.disk_capacity_bytes,
+                shape.clone(),
+            )?),
+            None => None,
+        };
+        let host = (settings.host_capacity_bytes > 0)
+            .then(|| Mutex::new(host::HostTier::new(settings.host_capacity_bytes)));
+        Ok(Self {
+            shape,
+            policy: settings.write_policy,
+            salt,
+            host,
+            host_counters: TierCounters::default(),
+            disk,
+            offered: AtomicU64::new(0),
+            not_spilled: AtomicU64::new(0),
+            jobs_in_flight: Arc::new(AtomicUsize::new(0)),
+            load_timeout: settings.load_timeout,
+            disk_paused_until: Mutex::new(None),
+            load_timeouts: AtomicU64::new(0),
+        })
+    }
+
+    /// What stored blocks must match.
+    pub fn shape(&self) -> &TierShape {
+        &self.shape
+    }
+
+    /// The chained block hashes of `tokens` as this instance's prefix cache computes them.
+    pub fn block_hashes(&self, tokens: &[u32]) -> Vec<BlockHash> {
+        crate::block_manager::block_hashes(self.salt, tokens, self.shape.block_size)
+    }
+
+    /// The disk tier (tests and `inspect`).
+    pub fn disk(&self) -> Option<&DiskTier> {
+        self.disk.as_ref()
+    }
+
+    /// The disk tier unless it is paused after a slow load.
+    fn live_disk(&self) -> Option<&DiskTier> {
+        let paused = self
+            .disk_paused_until
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        match *paused {
+            Some(until) if std::time::Instant::now() < until => None,
+            _ => self.disk.as_ref(),
+        }
+    }
+
+    /// How long a request waits for a load.
+    pub fn load_timeout(&self) -> std::time::Duration {
+        self.load_timeout
+    }
+
+    /// A load ran past its timeout: the disk tier turns itself off for [`DISK_PAUSE`] (no
+    /// lookups, no writes), then back on.
+    pub fn load_timed_out(&self) {
+        self.load_timeouts.fetch_add(1, Ordering::Relaxed);
+        if self.disk.is_some() {
+            *self
+                .disk_paused_until
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()) = Some(std::time::Instant::now() + DISK_PAUSE);
+            tracing::warn!(
+                pause_s = DISK_PAUSE.as_secs(),
+                timeout_ms = self.load_timeout.as_millis() as u64,
+                "KV tier load ran past its timeout: request computed without it, disk tier paused"
+            );
+        }
+    }
+
+    fn host(&self) -> Option<std::sync::MutexGuard<'_, host::HostTier>> {
+        self.host
+            .as_ref()
+            .map(|h| h.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Whether the policy lets a block reused `hits` times into the tiers.
+    pub fn admits(&self, hits: u32) -> bool {
+        match self.policy {
+            WritePolicy::WriteBack => true,
+            WritePolicy::Selective { min_hits } => hits >= min_hits,
+        }
+    }
+
+    /// Counts evicted blocks that were not copied out.
+    pub fn not_spilled(&self, n: usize) {
+        self.not_spilled.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    /// Stores evicted blocks: into the host region (its LRU victims move on to disk), or
+    /// straight to disk without one. Never blocks on I/O (disk writes are queued).
+    pub fn offer(&self, blocks: Vec<TierBlock>) {
+        self.offered
+            .fetch_add(blocks.len() as u64, Ordering::Relaxed);
+        for b in blocks {
+            if b.bytes.len() != self.shape.payload_bytes {
+                self.not_spilled(1);
+                continue;
+            }
+            let b = Arc::new(b);
+            let sum = b.checksum();
+            let to_disk = match self.host() {
+                Some(mut h) => {
+                    let (stored, victims) = h.insert(b.clone(), sum);
+                    if stored {
+                        self.host_counters.written(Tier::Host, b.footprint());
+                    } else {
+                        self.host_counters
+                            .dropped_writes
+                            .fetch_add(1, Ordering::Relaxed);
+                    }
+                    victims
+                }
+                None => vec![(b, sum)],
+            };
+            if let Some(d) = self.live_disk() {
+                for (v, sum) in to_disk {
+                    d.write(v, sum);
+                }
+            }
+        }
+        self.publish();
+    }
+
+    /// How many leading blocks of `hashes` the tiers hold (by their indexes; a restore still
+    /// verifies each).
+    pub fn contains_run(&self, hashes: &[BlockHash]) -> usize {
+        let host = self.host();
+        hashes
+            .iter()
+            .take_while(|h| {
+                host.as_ref().is_some_and(|t| t.contains(**h))
+                    || self.live_disk().is_some_and(|d| d.contains(**h))
+            })
+            .count()
+    }
+
+    /// Whether a tier holds block `h` already (an evicted block that needs no second copy).
+    pub fn holds(&self, h: BlockHash) -> bool {
+        self.host().is_some_and(|t| t.contains(h))
+            || self.disk.as_ref().is_some_and(|d| d.contains(h))
+    }
+
+    /// Loads and verifies the blocks `hashes` (with their token ids `tokens`, block by block;
+    /// the first one's parent is `parent`) from the host region, else from disk, stopping at
+    /// the first that cannot be restored (a miss, counted and logged). Blocking (disk reads):
+    /// call it off the async threads.
+    pub fn load_run(
+        &self,
+        hashes: &[BlockHash],
+        tokens: &[u32],
+        parent: Option<BlockHash>,
+    ) -> Vec<Arc<TierBlock>> {
+        let bs = self.shape.block_size;
+        let mut out = Vec::new();
+        let mut parent = parent;
+        for (i, &h) in hashes.iter().enumerate() {
+            let Some(want) = tokens.get(i * bs..(i + 1) * bs) else {
+                break;
+            };
+            let check = |b: &TierBlock| -> Result<(), TierError> {
+                if b.hash != h || b.parent != parent || b.tokens != want {
+                    return Err(TierError::Key);
+                }
+                if b.bytes.len() != self.shape.payload_bytes {
+                    return Err(TierError::ShortRead(format!(
+                        "{} of {} bytes",
+                        b.bytes.len(),
+                        self.shape.payload_bytes
+                    )));
+                }
+                Ok(())
+            };
+            let from_host = self.host().and_then(|mut t| t.get(h));
+            let found = match from_host {
+                Some((b, sum)) => {
+                    let verdict = if b.checksum() != sum {
+                        Err(TierError::Checksum)
+                    } else {
+                        check(&b)
+                    };
+                    match verdict {
+                        Ok(()) => {
+                            self.host_counters.hit(Tier::Host, b.bytes.len());
+                            Some(b)
+                        }
+                        Err(e) => {
+                            self.host_counters.miss(Tier::Host, h, &e);
+                            self.host_counters.discarded.fetch_add(1, Ordering::Relaxed);
+                            if let Some(mut t) = self.host() {
+                                t.remove(h);
+                            }
+                            None
+                        }
+                    }
+                }
+                None => None,
+            };
+            let found = match (found, self.live_disk()) {
+                (Some(b), _) => Some(b),
+                (None, Some(d)) if d.contains(h) => match d.read(h).and_then(|b| {
+                    check(&b)?;
+                    Ok(b)
+                }) {
+                    Ok(b) => {
+                        d.counters().hit(Tier::Disk, b.bytes.len());
+                        Some(Arc::new(b))
+                    }
+                    Err(e) => {
+                        d.counters().miss(Tier::Disk, h, &e);
+                        d.discard(h);
+                        None
+                    }
+                },
+                (None, _) => None,
+            };
+            let Some(b) = found else { break };
+            parent = Some(h);
+            out.push(b);
+        }
+        self.publish();
+        out
+    }
+
+    /// The figures of every tier.
+    pub fn figures(&self) -> TiersFigures {
+        TiersFigures {
+            host: self.host().map(|h| {
+                self.host_counters
+                    .figures(h.len() as u64, h.used(), h.capacity())
+            }),
+            disk: self.disk.as_ref().map(DiskTier::figures),
+            offered: self.offered.load(Ordering::Relaxed),
+            not_spilled: self.not_spilled.load(Ordering::Relaxed),
+            load_timeouts: self.load_timeouts.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Sets the per-tier gauges.
+    fn publish(&self) {
+        use pdserve_runtime::telemetry as m;
+        let f = self.figures();
+        for (tier, t) in [(Tier::Host, f.host), (Tier::Disk, f.disk)] {
+            if let Some(t) = t {
+                metrics::gauge!(m::KV_TIER_BLOCKS, m::LABEL_TIER => tier.as_str())
+                    .set(t.blocks as f64);
+                metrics::gauge!(m::KV_TIER_BYTES, m::LABEL_TIER => tier.as_str())
+                    .set(t.bytes as f64);
+            }
+        }
+    }
+
+    /// Whether another rank-job batch may start (see [`MAX_JOBS_IN_FLIGHT`]).
+    pub fn may_queue_jobs(&self) -> bool {
+        self.jobs_in_flight.load(Ordering::Acquire) < MAX_JOBS_IN_FLIGHT
+    }
+}
+
+/// Counts one batch of rank jobs in flight until dropped.
+struct JobTicket(Arc<AtomicUsize>);
+
+impl JobTicket {
+    fn new(c: &Arc<AtomicUsize>) -> Self {
+        c.fetch_add(1, Ordering::AcqRel);
+        Self(c.clone())
+    }
+}
+
+impl Drop for JobTicket {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// The ranks' copies of a batch of evicted blocks; offered to the tiers when the last rank's
+/// job ends (or is dropped unrun: then nothing is offered).
+struct SpillBatch {
+    entries: Vec<Evicted>,
+    parts: Mutex<Vec<Option<Vec<u8>>>>,
+    tiers: Arc<KvTiers>,
+    _ticket: JobTicket,
+}
+
+impl Drop for SpillBatch {
+    fn drop(&mut self) {
+        let parts = std::mem::take(&mut *self.parts.lock().unwrap_or_else(|e| e.into_inner()));
+        let rb = self.tiers.shape.rank_bytes();
+        let n = self.entries.len();
+        if parts
+            .iter()
+            .any(|p| p.as_ref().is_none_or(|p| p.len() != n * rb))
+        {
+            self.tiers.not_spilled(n);
+            return;
+        }
+        let parts: Vec<Vec<u8>> = parts.into_iter().flatten().collect();
+        let blocks = std::mem::take(&mut self.entries)
+            .into_iter()
+            .enumerate()
+            .map(|(i, e)| {
+                let mut bytes = Vec::with_capacity(rb * parts.len());
+                for p in &parts {
+                    bytes.extend_from_slice(&p[i * rb..(i + 1) * rb]);
+                }
+                TierBlock {
+                    hash: e.hash,
+                    parent: e.parent,
+                    tokens: e.tokens,
+                    hits: e.hits,
+                    bytes,
+                }
+            })
+            .collect();
+        self.tiers.offer(blocks);
+    }
+}
+
+/// One job per rank copying the evicted blocks `entries` out of its cache; the copies reach
+/// the tiers when every rank's job ran. Queue each on its rank before any job that writes
+/// those blocks (the step that reuses them).
+pub fn spill_jobs(tiers: &Arc<KvTiers>, entries: Vec<Evicted>) -> Vec<KvJob> {
+    let tp = tiers.shape.tp;
+    let batch = Arc::new(SpillBatch {
+        entries,
+        parts: Mutex::new(vec![None; tp]),
+        tiers: tiers.clone(),
+        _ticket: JobTicket::new(&tiers.jobs_in_flight),
+    });
+    (0..tp)
+        .map(|rank| {
+            let batch = batch.clone();
+            let job: KvJob = Box::new(move |kv: &mut KvCache| {
+                if kv.block_bytes_all_layers() != batch.tiers.shape.rank_bytes() {
+                    return; // another layout: the batch is incomplete, nothing is offered
+                }
+                let mut buf = Vec::with_capacity(batch.entries.len() * kv.block_bytes_all_layers());
+                for e in &batch.entries {
+                    if (e.block as usize) >= kv.layout().num_blocks {
+                        return;
+                    }
+                    kv.read_block(e.block as usize, &mut buf);
+                }
+                batch.parts.lock().unwrap_or_else(|e| e.into_inner())[rank] = Some(buf);
+            });
+            job
+        })
+        .collect()
+}
+
+/// What a restore's rank jobs report when the last one ended: whether every rank wrote
+/// every block.
+pub type RestoreDone = Box<dyn FnOnce(bool) + Send>;
+
+struct RestoreBatch {
+    items: Vec<(u32, Arc<TierBlock>)>,
+    rank_bytes: usize,
+    ranks_done: AtomicUsize,
+    tp: usize,
+    done: Mutex<Option<RestoreDone>>,
+    _ticket: JobTicket,
+}
+
+impl Drop for RestoreBatch {
+    fn drop(&mut self) {
+        let ok = self.ranks_done.load(Ordering::Acquire) == self.tp;
+        if let Some(done) = self.done.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            done(ok);
+        }
+    }
+}
+
+/// One job per rank writing its share of each restored block into pool block `items[i].0`;
+/// `done(all ranks wrote)` is called once the last job ended or was dropped unrun. The caller
+/// keeps the blocks allocated until then (a job may still write them).
+pub fn restore_jobs(
+    tiers: &Arc<KvTiers>,
+    items: Vec<(u32, Arc<TierBlock>)>,
+    done: RestoreDone,
+) -> Vec<KvJob> {
+    let tp = tiers.shape.tp;
+    let batch = Arc::new(RestoreBatch {
+        items,
+        rank_bytes: tiers.shape.rank_bytes(),
+        ranks_done: AtomicUsize::new(0),
+        tp,
+        done: Mutex::new(Some(done)),
+        _ticket: JobTicket::new(&tiers.jobs_in_flight),
+    });
+    (0..tp)
+        .map(|rank| {
+            let batch = batch.clone();
+            let job: KvJob = Box::new(move |kv: &mut KvCache| {
+                let rb = batch.rank_bytes;
+                if kv.block_bytes_all_layers() != rb {
+                    return;
+                }
+                for (block, b) in &batch.items {
+                    if (*block as usize) >= kv.layout().num_blocks
+                        || b.bytes.len() < (rank + 1) * rb
+                    {
+                        return;
+                    }
+                    kv.write_block(*block as usize, &b.bytes[rank * rb..(rank + 1) * rb]);
+                }
+                batch.ranks_done.fetch_add(1, Ordering::AcqRel);
+            });
+            job
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(crate) fn shape() -> TierShape {
+        TierShape {
+            compat: "test compat".into(),
+            block_size: 4,
+            payload_bytes: 64,
+            tp: 2,
+        }
+    }
+
+    pub(crate) fn block(hash: u64, parent: Option<u64>, fill: u8) -> TierBlock {
+        TierBlock {
+            hash,
+            parent,
+            tokens: vec![hash as u32; 4],
+            hits: 0,
+            bytes: vec![fill; 64],
+        }
+    }
+
+    fn settings(host: u64, disk: Option<PathBuf>) -> TierSettings {
+        TierSettings {
+            host_capacity_bytes: host,
+            disk_dir: disk,
+            disk_capacity_bytes: 1 << 20,
+            write_policy: WritePolicy::WriteBack,
+            load_timeout: std::time::Duration::from_secs(1),
+        }
+    }
+
+    #[test]
+    fn host_hits_verify_keys_and_lru_overflows_to_disk() {
+        let dir = tempfile::tempdir().unwrap();
+        let one = block(1, None, 0).footprint();
+        let t = KvTiers::open(settings(2 * one, Some(dir.path().into())), shape(), 0).unwrap();
+        t.offer(vec![
+            block(1, None, 1),
+            block(2, Some(1), 2),
+            block(3, Some(2), 3),
+        ]);
+        let f = t.figures();
+        assert_eq!(f.host.unwrap().blocks, 2, "two fit the host region");
+        // The oldest moved on to disk (written by the disk thread).
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while !t.disk().unwrap().contains(1) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "block 1 never reached disk"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert_eq!(t.contains_run(&[1, 2, 3, 4]), 3);
+        let toks: Vec<u32> = [1u32, 2, 3].iter().flat_map(|&h| [h; 4]).collect();
+        let got = t.load_run(&[1, 2, 3], &toks, None);
+        assert_eq!(got.len(), 3);
+        assert_eq!(got[2].bytes, vec![3; 64]);
+        let f = t.figures();
+        assert_eq!((f.host.unwrap().hits, f.disk.unwrap().hits), (2, 1));
+        // A wrong parent is another key: a miss, and the run stops there.
+        let got = t.load_run(&[2], &toks[4..8], Some(99));
+        assert!(got.is_empty());
+        assert_eq!(t.figures().host.unwrap().misses, 1);
+    }
+
+    #[test]
+    fn a_slow_load_pauses_the_disk_tier() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = KvTiers::open(settings(0, Some(dir.path().into())), shape(), 0).unwrap();
+        t.offer(vec![block(1, None, 1)]);
+        assert!(t.disk().unwrap().flush(std::time::Duration::from_secs(5)));
+        assert_eq!(t.contains_run(&[1]), 1);
+        t.load_timed_out();
+        assert_eq!(t.contains_run(&[1]), 0, "paused: no lookups");
+        t.offer(vec![block(2, Some(1), 2)]);
+        assert!(t.disk().unwrap().flush(std::time::Duration::from_secs(5)));
+        assert!(!t.disk().unwrap().contains(2), "paused: no writes");
+        assert_eq!(t.figures().load_timeouts, 1);
+    }
+
+    #[test]
+    fn selective_policy_filters_by_hits() {
+        let mut s = settings(1 << 20, None);
+        s.write_policy = WritePolicy::Selective { min_hits: 2 };
+        let t = KvTiers::open(s, shape(), 0).unwrap();
+        assert!(!t.admits(1));
+        assert!(t.admits(2));
+    }
+}

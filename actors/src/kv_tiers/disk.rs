@@ -1,0 +1,560 @@
+//! The disk tier: one file per block in `<dir>/<compat hash>/`, LRU by capacity, written by
+//! one named thread and read by the caller (a blocking task).
+//!
+//! # File format (little endian)
+//!
+//! ```text
+//! magic "PDKVBLK1" | compat hash u64 | compat key len u32 | compat key | block hash u64 |
+//! has parent u8 | parent u64 | hits u32 | tokens u32 | token ids u32 × tokens |
+//! payload len u64 | payload | XXH3-64 of every byte before it u64
+//! ```
+//!
+//! Every length is checked against the instance's shape before anything is allocated: the
+//! compat key is at most [`MAX_COMPAT_LEN`] bytes, the token count must be the block size, the
+//! payload length must be one block's bytes, and a file longer than that whole record is
+//! refused unread. A file is written under a temporary name and renamed, so a reader sees a
+//! whole file or none.
+
+use super::{Tier, TierBlock, TierCounters, TierError, TierFigures, TierShape};
+use crate::block_manager::BlockHash;
+use std::collections::{BTreeMap, HashMap};
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex};
+
+const MAGIC: &[u8; 8] = b"PDKVBLK1";
+/// Longest compatibility key a file may carry.
+pub const MAX_COMPAT_LEN: usize = 4096;
+/// Writes queued for the disk thread at most; past that a write is dropped (counted).
+const WRITE_QUEUE: usize = 256;
+const SUFFIX: &str = "kvb";
+
+/// Encodes `b` as a block file.
+pub(super) fn encode(shape: &TierShape, b: &TierBlock) -> Vec<u8> {
+    let mut out = Vec::with_capacity(b.bytes.len() + 4 * b.tokens.len() + shape.compat.len() + 64);
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&shape.compat_hash().to_le_bytes());
+    out.extend_from_slice(&(shape.compat.len() as u32).to_le_bytes());
+    out.extend_from_slice(shape.compat.as_bytes());
+    out.extend_from_slice(&b.hash.to_le_bytes());
+    out.push(u8::from(b.parent.is_some()));
+    out.extend_from_slice(&b.parent.unwrap_or(0).to_le_bytes());
+    out.extend_from_slice(&b.hits.to_le_bytes());
+    out.extend_from_slice(&(b.tokens.len() as u32).to_le_bytes());
+    for t in &b.tokens {
+        out.extend_from_slice(&t.to_le_bytes());
+    }
+    out.extend_from_slice(&(b.bytes.len() as u64).to_le_bytes());
+    out.extend_from_slice(&b.bytes);
+    let sum = xxhash_rust::xxh3::xxh3_64(&out);
+    out.extend_from_slice(&sum.to_le_bytes());
+    out
+}
+
+/// The longest file a block of `shape` can be.
+pub(super) fn max_file_len(shape: &TierShape) -> u64 {
+    (8 + 8
+        + 4
+        + MAX_COMPAT_LEN
+        + 8
+        + 1
+        + 8
+        + 4
+        + 4
+        + 4 * shape.block_size
+        + 8
+        + shape.payload_bytes
+        + 8) as u64
+}
+
+struct Cursor<'a> {
+    buf: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Cursor<'a> {
+    fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8], TierError> {
+        let end = self.at.checked_add(n).filter(|&e| e <= self.buf.len());
+        let Some(end) = end else {
+            return Err(TierError::ShortRead(format!(
+                "{} bytes end inside the {what}",
+                self.buf.len()
+            )));
+        };
+        let s = &self.buf[self.at..end];
+        self.at = end;
+        Ok(s)
+    }
+
+    fn u64(&mut self, what: &str) -> Result<u64, TierError> {
+        Ok(u64::from_le_bytes(
+            self.take(8, what)?.try_into().expect("8 bytes"),
+        ))
+    }
+
+    fn u32(&mut self, what: &str) -> Result<u32, TierError> {
+        Ok(u32::from_le_bytes(
+            self.take(4, what)?.try_into().expect("4 bytes"),
+        ))
+    }
+}
+
+/// Decodes and verifies a block file against `shape`.
+///
+/// # Errors
+/// [`TierError::ShortRead`] for a truncated file, [`TierError::Malformed`] for a bad magic, a
+/// length out of bounds or trailing bytes, [`TierError::Checksum`], [`TierError::Compat`].
+pub(super) fn decode(shape: &TierShape, buf: &[u8]) -> Result<TierBlock, TierError> {
+    let mut c = Cursor { buf, at: 0 };
+    if c.take(8, "magic")? != MAGIC {
+        return Err(TierError::Malformed("not a pdserve KV block file".into()));
+    }
+    let compat_hash = c.u64("compat hash")?;
+    let compat_len = c.u32("compat key length")? as usize;
+    if compat_len > MAX_COMPAT_LEN {
+        return Err(TierError::Malformed(format!(
+            "compat key of {compat_len} bytes (at most {MAX_COMPAT_LEN})"
+        )));
+    }
+    let compat = c.take(compat_len, "compat key")?;
+    let hash = c.u64("block hash")?;
+    let has_parent = c.take(1, "parent flag")?[0];
+    let parent = c.u64("parent hash")?;
+    let hits = c.u32("hit count")?;
+    let ntok = c.u32("token count")? as usize;
+    if ntok != shape.block_size {
+        return Err(TierError::Malformed(format!(
+            "{ntok} tokens in a block of {}",
+            shape.block_size
+        )));
+    }
+    let tokens = c
+        .take(4 * ntok, "token ids")?
+        .chunks_exact(4)
+        .map(|t| u32::from_le_bytes(t.try_into().expect("4 bytes")))
+        .collect();
+    let payload_len = c.u64("payload length")?;
+    if payload_len != shape.payload_bytes as u64 {
+        return Err(TierError::Malformed(format!(
+            "payload of {payload_len} bytes (a block is {})",
+            shape.payload_bytes
+        )));
+    }
+    let payload = c.take(shape.payload_bytes, "payload")?;
+    let body_end = c.at;
+    let sum = c.u64("checksum")?;
+    if c.at != buf.len() {
+        return Err(TierError::Malformed(format!(
+            "{} bytes after the checksum",
+            buf.len() - c.at
+        )));
+    }
+    if xxhash_rust::xxh3::xxh3_64(&buf[..body_end]) != sum {
+        return Err(TierError::Checksum);
+    }
+    if compat_hash != shape.compat_hash() || compat != shape.compat.as_bytes() {
+        return Err(TierError::Compat);
+    }
+    Ok(TierBlock {
+        hash,
+        parent: (has_parent != 0).then_some(parent),
+        tokens,
+        hits,
+        bytes: payload.to_vec(),
+    })
+}
+
+#[derive(Debug, Default)]
+struct Index {
+    /// Hash → (file length, LRU stamp).
+    files: HashMap<BlockHash, (u64, u64)>,
+    lru: BTreeMap<u64, BlockHash>,
+    used: u64,
+    clock: u64,
+}
+
+impl Index {
+    fn insert(&mut self, h: BlockHash, len: u64) {
+        self.remove(h);
+        self.clock += 1;
+        self.files.insert(h, (len, self.clock));
+        self.lru.insert(self.clock, h);
+        self.used += len;
+    }
+
+    fn remove(&mut self, h: BlockHash) -> bool {
+        match self.files.remove(&h) {
+            Some((len, stamp)) => {
+                self.lru.remove(&stamp);
+                self.used -= len;
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn touch(&mut self, h: BlockHash) {
+        if let Some((len, _)) = self.files.get(&h).copied() {
+            self.insert(h, len);
+        }
+    }
+}
+
+struct Shared {
+    dir: PathBuf,
+    capacity: u64,
+    shape: TierShape,
+    index: Mutex<Index>,
+    counters: TierCounters,
+}
+
+impl Shared {
+    fn index(&self) -> std::sync::MutexGuard<'_, Index> {
+        self.index.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn path(&self, h: BlockHash) -> PathBuf {
+        self.dir.join(format!("{h:016x}.{SUFFIX}"))
+    }
+
+    /// Writes one block (the disk thread).
+    fn store(&self, b: &TierBlock) -> std::io::Result<()> {
+        if self.index().files.contains_key(&b.hash) {
+            self.index().touch(b.hash);
+            return Ok(());
+        }
+        let bytes = encode(&self.shape, b);
+        let len = bytes.len() as u64;
+        if len > self.capacity {
+            self.counters.dropped_writes.fetch_add(1, Ordering::Relaxed);
+            return Ok(());
+        }
+        let tmp = self.dir.join(format!(".{:016x}.tmp", b.hash));
+        std::fs::write(&tmp, &bytes)?;
+        std::fs::rename(&tmp, self.path(b.hash))?;
+        self.counters.written(Tier::Disk, len);
+        let victims = {
+            let mut idx = self.index();
+            idx.insert(b.hash, len);
+            let mut victims = Vec::new();
+            while idx.used > self.capacity {
+                let Some((_, old)) = idx.lru.pop_first() else {
+                    break;
+                };
+                if let Some((l, _)) = idx.files.remove(&old) {
+                    idx.used -= l;
+                    victims.push(old);
+                }
+            }
+            victims
+        };
+        for v in victims {
+            let _ = std::fs::remove_file(self.path(v));
+        }
+        Ok(())
+    }
+}
+
+/// What the writer thread is sent.
+enum WriterJob {
+    /// Store a block.
+    Write(Arc<TierBlock>),
+    /// Answer once every job before this one ended.
+    Flush(SyncSender<()>),
+}
+
+/// The disk tier (see the module docs).
+pub struct DiskTier {
+    shared: Arc<Shared>,
+    writer: Mutex<Option<SyncSender<WriterJob>>>,
+}
+
+impl std::fmt::Debug for DiskTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DiskTier")
+            .field("dir", &self.shared.dir)
+            .finish()
+    }
+}
+
+impl DiskTier {
+    /// Opens `<base>/<compat hash>/`, verifies every block file there (bad ones are removed
+    /// and counted as discarded), rebuilds the index (oldest modification first in LRU
+    /// order, trimmed to `capacity`) and starts the writer thread. Blocking.
+    ///
+    /// # Errors
+    /// When the directory cannot be created or listed, or the thread cannot start.
+    pub fn open(base: &Path, capacity: u64, shape: TierShape) -> Result<Self, TierError> {
+        let dir = base.join(format!("{:016x}", shape.compat_hash()));
+        std::fs::create_dir_all(&dir).map_err(TierError::Io)?;
+        let shared = Arc::new(Shared {
+            dir,
+            capacity,
+            shape,
+            index: Mutex::new(Index::default()),
+            counters: TierCounters::default(),
+        });
+        let mut found = Vec::new();
+        for entry in std::fs::read_dir(&shared.dir).map_err(TierError::Io)? {
+            let Ok(entry) = entry else { continue };
+            let path = entry.path();
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            if name.ends_with(".tmp") {
+                let _ = std::fs::remove_file(&path); // a write cut off by a stop
+                continue;
+            }
+            let Some(h) = name
+                .strip_suffix(&format!(".{SUFFIX}"))
+                .and_then(|s| u64::from_str_radix(s, 16).ok())
+            else {
+                continue;
+            };
+            match read_verified(&shared.shape, &path).and_then(|b| {
+                if b.hash == h {
+                    Ok(b)
+                } else {
+                    Err(TierError::Key)
+                }
+            }) {
+                Ok(_) => {
+                    let meta = entry.metadata().ok();
+                    let len = meta.as_ref().map_or(0, |m| m.len());
+                    let mtime = meta.and_then(|m| m.modified().ok());
+                    found.push((mtime, h, len));
+                }
+                Err(e) => {
+                    tracing::warn!(file = %path.display(), error = %e, "KV disk tier: removing a block file that fails verification");
+                    shared.counters.discarded.fetch_add(1, Ordering::Relaxed);
+                    let _ = std::fs::remove_file(&path);
+                }
+            }
+        }
+        found.sort();
+        {
+            let mut idx = shared.index();
+            for (_, h, len) in &found {
+                idx.insert(*h, *len);
+            }
+        }
+        // Over capacity (a smaller capacity than last time): the oldest go.
+        let victims: Vec<BlockHash> = {
+            let mut idx = shared.index();
+            let mut v = Vec::new();
+            while idx.used > capacity {
+                let Some((_, old)) = idx.lru.pop_first() else {
+                    break;
+                };
+                if let Some((l, _)) = idx.files.remove(&old) {
+                    idx.used -= l;
+                    v.push(old);
+                }
+            }
+            v
+        };
+        for v in victims {
+            let _ = std::fs::remove_file(shared.path(v));
+        }
+        tracing::info!(dir = %shared.dir.display(), blocks = found.len(), "KV disk tier opened");
+        let (tx, rx) = sync_channel::<WriterJob>(WRITE_QUEUE);
+        let s = shared.clone();
+        std::thread::Builder::new()
+            .name("pdserve-kv-disk".into())
+            .spawn(move || {
+                while let Ok(job) = rx.recv() {
+                    match job {
+                        WriterJob::Write(b) => {
+                            if let Err(e) = s.store(&b) {
+                                s.counters.dropped_writes.fetch_add(1, Ordering::Relaxed);
+                                tracing::warn!(error = %e, "KV disk tier: a block write failed");
+                            }
+                        }
+                        WriterJob::Flush(done) => {
+                            let _ = done.try_send(());
+                        }
+                    }
+                }
+            })
+            .map_err(TierError::Io)?;
+        Ok(Self {
+            shared,
+            writer: Mutex::new(Some(tx)),
+        })
+    }
+
+    /// The directory its files are in.
+    pub fn dir(&self) -> &Path {
+        &self.shared.dir
+    }
+
+    /// The file of block `h` (whether or not it exists).
+    pub fn file_of(&self, h: BlockHash) -> PathBuf {
+        self.shared.path(h)
+    }
+
+    /// Whether the index lists `h`.
+    pub fn contains(&self, h: BlockHash) -> bool {
+        self.shared.index().files.contains_key(&h)
+    }
+
+    pub(super) fn counters(&self) -> &TierCounters {
+        &self.shared.counters
+    }
+
+    /// Queues `b` for writing; a full queue drops it (counted), never waits.
+    pub(super) fn write(&self, b: Arc<TierBlock>, _sum: u64) {
+        let w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+        let dropped = match w.as_ref().map(|tx| tx.try_send(WriterJob::Write(b))) {
+            Some(Ok(())) => false,
+            Some(Err(TrySendError::Full(_) | TrySendError::Disconnected(_))) | None => true,
+        };
+        if dropped {
+            self.shared
+                .counters
+                .dropped_writes
+                .fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Reads and verifies block `h` (most recently used now). Blocking.
+    ///
+    /// # Errors
+    /// Any [`TierError`]: the caller counts it as a miss.
+    pub fn read(&self, h: BlockHash) -> Result<TierBlock, TierError> {
+        let b = read_verified(&self.shared.shape, &self.shared.path(h))?;
+        if b.hash != h {
+            return Err(TierError::Key);
+        }
+        self.shared.index().touch(h);
+        Ok(b)
+    }
+
+    /// Forgets block `h` and removes its file (it failed verification).
+    pub(super) fn discard(&self, h: BlockHash) {
+        if self.shared.index().remove(h) {
+            self.shared
+                .counters
+                .discarded
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        let _ = std::fs::remove_file(self.shared.path(h));
+    }
+
+    /// Its figures.
+    pub fn figures(&self) -> TierFigures {
+        let (blocks, bytes) = {
+            let idx = self.shared.index();
+            (idx.files.len() as u64, idx.used)
+        };
+        self.shared
+            .counters
+            .figures(blocks, bytes, self.shared.capacity)
+    }
+
+    /// Waits (at most `timeout`) until every write queued before this call has been
+    /// written; `false` on a timeout or a stopped writer. Blocking: for tests and a clean
+    /// stop, off the async threads.
+    pub fn flush(&self, timeout: std::time::Duration) -> bool {
+        let (tx, rx) = sync_channel::<()>(1);
+        let sent = {
+            let w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+            match w.as_ref() {
+                // A blocking send: the marker must queue behind every write.
+                Some(q) => q.send(WriterJob::Flush(tx)).is_ok(),
+                None => false,
+            }
+        };
+        sent && rx.recv_timeout(timeout).is_ok()
+    }
+}
+
+impl Drop for DiskTier {
+    fn drop(&mut self) {
+        // Closing the queue ends the writer after the writes already queued.
+        self.writer.lock().unwrap_or_else(|e| e.into_inner()).take();
+    }
+}
+
+/// Reads `path` (refusing a file longer than a block record before reading it) and decodes it.
+fn read_verified(shape: &TierShape, path: &Path) -> Result<TierBlock, TierError> {
+    let max = max_file_len(shape);
+    let f = std::fs::File::open(path)?;
+    let len = f.metadata()?.len();
+    if len > max {
+        return Err(TierError::Malformed(format!(
+            "{len} bytes (a block file is at most {max})"
+        )));
+    }
+    let mut buf = Vec::with_capacity(len as usize);
+    f.take(max).read_to_end(&mut buf)?;
+    decode(shape, &buf)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv_tiers::tests::{block, shape};
+
+    #[test]
+    fn a_block_file_verifies_and_every_damage_is_a_typed_miss() {
+        let s = shape();
+        let b = block(7, Some(6), 9);
+        let file = encode(&s, &b);
+        assert_eq!(decode(&s, &file).unwrap(), b);
+        assert!(file.len() as u64 <= max_file_len(&s));
+        let mut flipped = file.clone();
+        let mid = file.len() - 20;
+        flipped[mid] ^= 1;
+        assert_eq!(decode(&s, &flipped).unwrap_err().kind(), "checksum");
+        assert_eq!(
+            decode(&s, &file[..file.len() - 1]).unwrap_err().kind(),
+            "short_read"
+        );
+        assert_eq!(decode(&s, &file[..30]).unwrap_err().kind(), "short_read");
+        let mut longer = file.clone();
+        longer.push(0);
+        assert_eq!(decode(&s, &longer).unwrap_err().kind(), "malformed");
+        let mut other = s.clone();
+        other.compat = "another model".into();
+        assert_eq!(
+            decode(&other, &encode(&s, &b)).unwrap_err().kind(),
+            "compat"
+        );
+        let mut bigger = s.clone();
+        bigger.payload_bytes = 128;
+        assert_eq!(decode(&bigger, &file).unwrap_err().kind(), "malformed");
+        // A huge length field is refused before anything is allocated.
+        let mut huge = file.clone();
+        huge[16..20].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(decode(&s, &huge).unwrap_err().kind(), "malformed");
+    }
+
+    #[test]
+    fn a_reopened_directory_is_warm_and_bad_files_are_dropped() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = DiskTier::open(dir.path(), 1 << 20, shape()).unwrap();
+        for h in 1..=3 {
+            t.write(Arc::new(block(h, None, h as u8)), 0);
+        }
+        assert!(t.flush(std::time::Duration::from_secs(5)));
+        assert_eq!(t.figures().blocks, 3);
+        assert_eq!(t.read(2).unwrap().bytes, vec![2; 64]);
+        let f3 = t.file_of(3);
+        drop(t);
+        let bytes = std::fs::read(&f3).unwrap();
+        std::fs::write(&f3, &bytes[..bytes.len() / 2]).unwrap();
+        let t = DiskTier::open(dir.path(), 1 << 20, shape()).unwrap();
+        assert!(t.contains(1) && t.contains(2) && !t.contains(3));
+        assert_eq!(t.figures().discarded, 1);
+        assert!(!f3.exists(), "the truncated file was removed");
+        // Capacity bounds the files kept: LRU goes first.
+        let one = encode(&shape(), &block(1, None, 1)).len() as u64;
+        let small = DiskTier::open(dir.path(), 2 * one, shape()).unwrap();
+        small.write(Arc::new(block(4, None, 4)), 0);
+        assert!(small.flush(std::time::Duration::from_secs(5)));
+        assert_eq!(small.figures().blocks, 2);
+        assert!(small.contains(4));
+    }
+}

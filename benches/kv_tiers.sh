@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# KV cache tiers (issue 30) on a multi-turn chat workload whose KV is several times a small
+# block pool: one colocated `pdserve serve` instance of MODEL, started twice in one run:
+#
+#   benches/kv_tiers.sh [OUT_DIR]
+#
+#   no-tiers   prefix cache on, [kv_tiers] off: an evicted session's next turn recomputes
+#   host       [kv_tiers] on, host spill region only (HOST_BYTES)
+#   disk       [kv_tiers] on, no host region, a fresh disk directory (in OUT_DIR)
+#
+# Each run drives the instance with `pdserve bench serve --multi-turn-sessions` (SESSIONS
+# sessions sharing a SYSTEM-token system prompt, TURN tokens per user turn, REQUESTS requests,
+# concurrency CONC, OUTPUT tokens each) and reads /metrics. Reported per run: TTFT p50/p99
+# (all turns, and turns 2+), prompt tokens computed (queried − served from the prefix cache)
+# and blocks restored per tier. The pool is NUM_BLOCKS blocks of 16 tokens.
+#
+# Then the cost when nothing hits: REQUESTS all-new random prompts of RANDOM_LEN tokens
+# (every evicted block is copied out, none is ever restored), without and with the host tier
+# (`new-no-tiers`, `new-host`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+out=${1:-$(mktemp -d)}
+mkdir -p "$out"
+[ -n "${NO_BUILD:-}" ] || cargo build --release --quiet -p pdserve --bin pdserve
+bin=target/release/pdserve
+model=${MODEL:-default}
+sessions=${SESSIONS:-8}
+requests=${REQUESTS:-32}
+system=${SYSTEM:-256}
+turn=${TURN:-64}
+conc=${CONC:-1}
+output=${OUTPUT:-8}
+blocks=${NUM_BLOCKS:-64}
+host_bytes=${HOST_BYTES:-1073741824}
+port=${PORT:-18431}
+random_len=${RANDOM_LEN:-512}
+multi_turn=(--endpoint chat --multi-turn-sessions "$sessions" --system-prompt-len "$system" --turn-len "$turn")
+
+run() {
+    local name=$1 workload=$2
+    shift 2
+    local url="http://127.0.0.1:$port"
+    env "$@" PDSERVE_SCHEDULER__NUM_BLOCKS="$blocks" \
+        "$bin" serve --model "$model" --port "$port" >"$out/$name.serve.log" 2>&1 &
+    local pid=$!
+    for _ in $(seq 1 600); do
+        curl -sf "$url/health" >/dev/null 2>&1 && break
+        sleep 0.5
+    done
+    curl -sf "$url/health" >/dev/null || { echo "$name did not start; see $out/$name.serve.log" >&2; kill "$pid"; exit 1; }
+    local args=("${multi_turn[@]}")
+    [ "$workload" = new ] && args=(--endpoint completions --input-len "$random_len")
+    "$bin" bench serve --url "$url" "${args[@]}" --num-requests "$requests" \
+        --output-len "$output" --concurrency "$conc" --json >"$out/$name.bench.json"
+    curl -sf "$url/metrics" >"$out/$name.metrics"
+    kill -TERM "$pid"
+    wait "$pid" || true
+}
+
+run no-tiers turns PDSERVE_KV_TIERS__ENABLED=false
+run host turns PDSERVE_KV_TIERS__ENABLED=true PDSERVE_KV_TIERS__HOST_CAPACITY_BYTES="$host_bytes"
+rm -rf "$out/disk-tier"
+run disk turns PDSERVE_KV_TIERS__ENABLED=true PDSERVE_KV_TIERS__HOST_CAPACITY_BYTES=0 \
+    PDSERVE_KV_TIERS__DISK_DIR="$out/disk-tier"
+run new-no-tiers new PDSERVE_KV_TIERS__ENABLED=false
+run new-host new PDSERVE_KV_TIERS__ENABLED=true PDSERVE_KV_TIERS__HOST_CAPACITY_BYTES="$host_bytes"
+
+python3 - "$out" <<'EOF'
+import json, sys
+out = sys.argv[1]
+HOST, DISK = 'tier="host"', 'tier="disk"'
+def metric(lines, name, label=None):
+    total = 0.0
+    for line in lines:
+        if line.startswith(name) and (label is None or label in line):
+            rest = line[len(name):]
+            if rest[:1] in ("{", " "):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+print(f"{'config':<9} {'TTFT p50':>9} {'TTFT p99':>9} {'turn2+ p50':>10} {'turn2+ p99':>10} "
+      f"{'computed':>9} {'cached':>7} {'host hits':>9} {'disk hits':>9} {'misses':>6}")
+for name in ["no-tiers", "host", "disk", "new-no-tiers", "new-host"]:
+    b = json.load(open(f"{out}/{name}.bench.json"))
+    m = open(f"{out}/{name}.metrics").read().splitlines()
+    query = metric(m, "pdserve_prefix_cache_query_tokens_total")
+    hit = metric(m, "pdserve_prefix_cache_hit_tokens_total")
+    later = b.get("ttft_ms_later_turns") or {}
+    print(f"{name:<9} {b['ttft_ms']['p50']:>7.0f}ms {b['ttft_ms']['p99']:>7.0f}ms "
+          f"{later.get('p50', 0):>8.0f}ms {later.get('p99', 0):>8.0f}ms "
+          f"{query - hit:>9.0f} {hit:>7.0f} "
+          f"{metric(m, 'pdserve_kv_tier_hits_total', HOST):>9.0f} "
+          f"{metric(m, 'pdserve_kv_tier_hits_total', DISK):>9.0f} "
+          f"{metric(m, 'pdserve_kv_tier_misses_total'):>6.0f}")
+print(f"(JSON and /metrics of every run in {out})")
+EOF

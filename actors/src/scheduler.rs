@@ -574,13 +574,17 @@ impl SchedulerState {
         {
             return Some((request, sink));
         }
-        let tokens: Vec<u32> = request
-            .prompt
-            .iter()
-            .chain(&request.resume)
-            .copied()
-            .take(max * bs)
-            .collect();
+        // Keyed as the prefix cache keys them: an image's rows by its digest.
+        let tokens = self::core::key_tokens(
+            request
+                .prompt
+                .iter()
+                .chain(&request.resume)
+                .copied()
+                .take(max * bs)
+                .collect(),
+            &request.images,
+        );
         let hashes = crate::block_manager::block_hashes(salt, &tokens, bs);
         let start = self.core.block_manager().lookup(&hashes, &tokens, bs);
         let count = tiers.contains_run(&hashes[start..]);

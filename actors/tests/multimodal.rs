@@ -360,3 +360,49 @@ async fn prefill_decode_with_images_equals_colocated() {
     p.stop().await;
     d.stop().await;
 }
+
+/// The KV tiers key an image's blocks by its digest as the prefix cache does: a prompt
+/// evicted to the host tier comes back for the same image (its image blocks included) and
+/// never for another image with the same placeholder tokens; every answer equals an
+/// instance without tiers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_tiers_restore_image_blocks_by_the_images_digest() {
+    let images: Vec<Value> = (11..14)
+        .map(|seed| image_part(&data_url("image/png", &png(40, 30, seed))))
+        .collect();
+    let reference = start("mm-tiers-ref", VLM, |_| {}).await;
+    let mut want = Vec::new();
+    for img in &images {
+        want.push(token_ids(
+            &ok(&reference.url(), &chat(std::slice::from_ref(img))).await,
+        ));
+    }
+    reference.stop().await;
+
+    // A pool of 8 blocks of 16: one conversation at a time, each evicting the last.
+    let tiers = pdserve_actors::kv_tiers::TierSettings {
+        host_capacity_bytes: 64 << 20,
+        disk_dir: None,
+        disk_capacity_bytes: 0,
+        write_policy: pdserve_actors::kv_tiers::WritePolicy::WriteBack,
+        load_timeout: std::time::Duration::from_secs(30),
+    };
+    let inst = start("mm-tiers", VLM, |o| {
+        o.num_blocks = Some(8);
+        o.watermark = 0.0;
+        o.kv_tiers = Some(tiers);
+    })
+    .await;
+    let url = inst.url();
+    for (img, want) in images.iter().zip(&want) {
+        let v = ok(&url, &chat(std::slice::from_ref(img))).await;
+        assert_eq!(&token_ids(&v), want, "{v}");
+    }
+    // The first image again: its whole prefix, image rows included, from the host tier.
+    let v = ok(&url, &chat(std::slice::from_ref(&images[0]))).await;
+    assert_eq!(token_ids(&v), want[0], "{v}");
+    let (prompt, cached) = usage(&v);
+    assert_eq!(cached, (prompt - 1) / 16 * 16, "{v}");
+    assert_pool_full(&inst).await;
+    inst.stop().await;
+}

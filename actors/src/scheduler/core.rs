@@ -101,6 +101,21 @@ pub fn image_key_token(digest: &pdserve_gpu::vision::ImageDigest, k: usize) -> u
     digest.words()[k % 8] | 0x8000_0000
 }
 
+/// Tokens as the prefix cache (and the KV tiers below it) key them: the rows of `images`
+/// as their image's digest words ([`image_key_token`]), every other token as itself. Two
+/// prompts whose placeholder tokens agree but whose images differ never share a key.
+pub fn key_tokens(mut tokens: Vec<u32>, images: &[PromptImage]) -> Vec<u32> {
+    for img in images {
+        for k in 0..img.embeds.rows {
+            match tokens.get_mut(img.at + k) {
+                Some(t) => *t = image_key_token(&img.embeds.digest, k),
+                None => break,
+            }
+        }
+    }
+    tokens
+}
+
 /// What the scheduler tells a request's owner.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Output {
@@ -248,19 +263,9 @@ impl Seq {
         &self.hashes[..n.min(self.hashes.len())]
     }
 
-    /// The first `n` tokens as the prefix cache keys them: image rows as their image's
-    /// digest words ([`image_key_token`]), every other token as itself.
+    /// The first `n` tokens as the prefix cache keys them ([`key_tokens`]).
     fn key_tokens(&self, n: usize) -> Vec<u32> {
-        let mut tokens = self.tokens(n);
-        for img in &self.images {
-            for k in 0..img.embeds.rows {
-                match tokens.get_mut(img.at + k) {
-                    Some(t) => *t = image_key_token(&img.embeds.digest, k),
-                    None => break,
-                }
-            }
-        }
-        tokens
+        key_tokens(self.tokens(n), &self.images)
     }
 
     /// The image rows a chunk of the prompt at positions `start .. start + n` replaces.

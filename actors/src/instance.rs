@@ -465,7 +465,7 @@ impl Instance {
                 })
             }
         };
-        let cache_salt = crate::block_manager::cache_salt(&compat_key(
+        let kv_compat = compat_key(
             &cfg,
             opts.block_size,
             &pdserve_gpu::kv::KvLayout {
@@ -476,24 +476,14 @@ impl Instance {
                 head_dim: cfg.head_dim,
                 dtype: opts.kv_dtype,
             },
-        ));
+        );
+        let cache_salt = crate::block_manager::cache_salt(&kv_compat);
         let tiers = match opts.kv_tiers.filter(|_| opts.prefix_cache) {
             Some(settings) => {
                 let shape = crate::kv_tiers::TierShape {
                     compat: format!(
                         "{} tp={} weights={:016x}",
-                        compat_key(
-                            &cfg,
-                            opts.block_size,
-                            &pdserve_gpu::kv::KvLayout {
-                                num_layers: cfg.num_layers,
-                                num_blocks,
-                                block_size: opts.block_size,
-                                num_kv_heads: cfg.num_kv_heads / opts.tp,
-                                head_dim: cfg.head_dim,
-                                dtype: opts.kv_dtype,
-                            },
-                        ),
+                        kv_compat,
                         opts.tp,
                         weights_fingerprint(&worker.store),
                     ),

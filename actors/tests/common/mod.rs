@@ -48,16 +48,8 @@ pub async fn stream_chunks(url: &str, path: &str, body: &Value) -> Vec<Value> {
 
 /// `GET {path}` at `url`, as JSON.
 pub async fn get_json(url: &str, path: &str) -> Value {
-    pdserve_actors::http::http_client()
-        .build()
-        .unwrap()
-        .get(format!("{url}{path}"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
+    let text = get_text(url, path).await;
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"))
 }
 
 /// `GET {path}` at `url`, as text (`/metrics`).

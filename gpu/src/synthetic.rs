@@ -147,17 +147,7 @@ impl SyntheticSpec {
     /// Only on a tensor-library failure.
     pub fn build(&self) -> Result<TensorStore> {
         let c = &self.config;
-        let mut rng = rand::rngs::StdRng::seed_from_u64(self.seed);
-        let mut normal = move |n: usize, std: f32| -> Vec<f32> {
-            // Box-Muller: two uniforms give one standard normal.
-            (0..n)
-                .map(|_| {
-                    let u1: f32 = rng.random::<f32>().max(1e-7);
-                    let u2: f32 = rng.random::<f32>();
-                    std * (-2.0 * u1.ln()).sqrt() * (2.0 * std::f32::consts::PI * u2).cos()
-                })
-                .collect()
-        };
+        let mut normal = normal_sampler(self.seed);
         let (d, hd, f) = (c.hidden_size, c.head_dim, c.intermediate_size);
         let mut t: HashMap<String, Arc<QTensor>> = HashMap::new();
         let mut put = |name: String, data: Vec<f32>, shape: &[usize]| -> Result<()> {
@@ -244,16 +234,7 @@ impl SyntheticSpec {
         let Some(v) = &self.vision else {
             return Ok(None);
         };
-        let mut rng = rand::rngs::StdRng::seed_from_u64(self.seed ^ 0x5649_5349_4f4e);
-        let mut normal = move |n: usize, std: f32| -> Vec<f32> {
-            (0..n)
-                .map(|_| {
-                    let u1: f32 = rng.random::<f32>().max(1e-7);
-                    let u2: f32 = rng.random::<f32>();
-                    std * (-2.0 * u1.ln()).sqrt() * (2.0 * std::f32::consts::PI * u2).cos()
-                })
-                .collect()
-        };
+        let mut normal = normal_sampler(self.seed ^ 0x5649_5349_4f4e);
         let mut t: HashMap<String, Arc<QTensor>> = HashMap::new();
         let mut put = |name: String, data: Vec<f32>, shape: &[usize]| -> Result<()> {
             let tensor = Tensor::from_vec(data, shape, &Device::Cpu)?;
@@ -489,6 +470,21 @@ pub fn write_safetensors_dir(spec: &SyntheticSpec, dir: &std::path::Path, f16: b
     )?;
     crate::tokenizer::Tokenizer::byte_level_synthetic().save_with_config(dir, None)?;
     Ok(())
+}
+
+/// Seeded normal samples: `normal(n, std)` draws `n` values of mean 0 and standard deviation
+/// `std` (Box-Muller: two uniforms give one standard normal).
+fn normal_sampler(seed: u64) -> impl FnMut(usize, f32) -> Vec<f32> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    move |n: usize, std: f32| -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                let u1: f32 = rng.random::<f32>().max(1e-7);
+                let u2: f32 = rng.random::<f32>();
+                std * (-2.0 * u1.ln()).sqrt() * (2.0 * std::f32::consts::PI * u2).cos()
+            })
+            .collect()
+    }
 }
 
 #[cfg(test)]

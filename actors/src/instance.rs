@@ -216,6 +216,9 @@ fn tier_settings(cfg: &ServeConfig) -> Option<crate::kv_tiers::TierSettings> {
         host_capacity_bytes: t.host_capacity_bytes,
         disk_dir: t.disk_dir.as_ref().map(std::path::PathBuf::from),
         disk_capacity_bytes: t.disk_capacity_bytes,
+        shared_dir: t.shared_dir.as_ref().map(std::path::PathBuf::from),
+        shared_url: t.shared_url.clone(),
+        shared_capacity_bytes: t.shared_capacity_bytes,
         load_timeout: std::time::Duration::from_millis(t.load_timeout_ms),
         write_policy: match t.write_policy {
             TierWritePolicy::WriteBack => crate::kv_tiers::WritePolicy::WriteBack,
@@ -497,7 +500,7 @@ impl Instance {
                 })
                 .await
                 .map_err(|e| StartError::config("kv_tiers", e))?
-                .map_err(|e| StartError::config("kv_tiers.disk_dir", e))?;
+                .map_err(|e| StartError::config(e.key, e.error))?;
                 Some(Arc::new(tiers))
             }
             None => None,

@@ -29,9 +29,18 @@
 //! what is there after verifying each file, so a restarted instance finds it warm. Writes go
 //! through one named thread (`pdserve-kv-disk`) fed by a bounded queue (a full queue drops
 //! the write, counted); reads run in the caller's blocking task.
+//!
+//! **The shared store** is a directory several instances read and write (`kv_tiers.shared_dir`,
+//! in the disk tier's format: [`disk::DirMode::Shared`]) or a Redis/Valkey server
+//! (`kv_tiers.shared_url`, [`redis_store`]: the same records as values). Every block offered to the
+//! tiers is also written there at once (write-through), so another instance finds a prefix
+//! as soon as one instance has evicted it; lookups go host, disk, then the shared store. The
+//! compatibility key names its subdirectory, so instances of other models or layouts never
+//! exchange blocks, and every restore verifies the block as from the disk tier.
 
 mod disk;
 mod host;
+pub mod redis_store;
 
 use crate::block_manager::{BlockHash, Evicted};
 use pdserve_gpu::kv::KvCache;
@@ -40,7 +49,8 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-pub use disk::DiskTier;
+pub use disk::{DirMode, DiskTier};
+pub use redis_store::RedisTier;
 
 /// Why a block could not be restored from a tier (each is a miss, never wrong KV).
 #[derive(Debug, thiserror::Error)]
@@ -93,6 +103,17 @@ impl From<std::io::Error> for TierError {
     }
 }
 
+/// Why the tiers could not open, and the `[kv_tiers]` key at fault.
+#[derive(Debug, thiserror::Error)]
+#[error("{key}: {error}")]
+pub struct TierOpenError {
+    /// The config key.
+    pub key: &'static str,
+    /// What failed.
+    #[source]
+    pub error: TierError,
+}
+
 /// What to offer to the tiers when the pool evicts a block (`kv_tiers.write_policy`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WritePolicy {
@@ -114,6 +135,12 @@ pub struct TierSettings {
     pub disk_dir: Option<PathBuf>,
     /// Disk tier capacity, in bytes.
     pub disk_capacity_bytes: u64,
+    /// The shared store's directory (`None`: none, or on Redis).
+    pub shared_dir: Option<PathBuf>,
+    /// The shared store's Redis URL (`None`: none, or a directory).
+    pub shared_url: Option<String>,
+    /// Bytes this instance lets the shared store hold (LRU among the files it knows).
+    pub shared_capacity_bytes: u64,
     /// What is written.
     pub write_policy: WritePolicy,
     /// How long a request waits for its blocks to load before it is computed without them
@@ -176,13 +203,15 @@ impl TierBlock {
     }
 }
 
-/// The two tiers, for labels.
+/// The tiers, for labels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Tier {
     /// The host spill region.
     Host,
     /// The disk directory.
     Disk,
+    /// The directory several instances share.
+    Shared,
 }
 
 impl Tier {
@@ -191,6 +220,7 @@ impl Tier {
         match self {
             Tier::Host => "host",
             Tier::Disk => "disk",
+            Tier::Shared => "shared",
         }
     }
 }
@@ -236,6 +266,8 @@ pub struct TiersFigures {
     pub host: Option<TierFigures>,
     /// The disk tier (`None`: off).
     pub disk: Option<TierFigures>,
+    /// The shared store (`None`: off).
+    pub shared: Option<TierFigures>,
     /// Evicted blocks offered to the tiers.
     pub offered: u64,
     /// Evicted blocks not copied out: a tier holds them already, the policy's filter, busy
@@ -246,9 +278,18 @@ pub struct TiersFigures {
 }
 
 impl TiersFigures {
+    /// Each tier with its figures (`None`: off), top down.
+    pub fn each(&self) -> [(Tier, Option<TierFigures>); 3] {
+        [
+            (Tier::Host, self.host),
+            (Tier::Disk, self.disk),
+            (Tier::Shared, self.shared),
+        ]
+    }
+
     /// One line per tier that is on, for `pdserve inspect`.
     pub fn snapshots(&self) -> Vec<pdserve_runtime::supervision::TierSnapshot> {
-        [(Tier::Host, self.host), (Tier::Disk, self.disk)]
+        self.each()
             .into_iter()
             .filter_map(|(tier, f)| {
                 f.map(|f| pdserve_runtime::supervision::TierSnapshot {
@@ -315,12 +356,13 @@ pub struct KvTiers {
     host: Option<Mutex<host::HostTier>>,
     host_counters: TierCounters,
     disk: Option<DiskTier>,
+    shared: Option<SharedStore>,
     offered: AtomicU64,
     not_spilled: AtomicU64,
     /// Spill and restore batches whose rank jobs have not all ended.
     jobs_in_flight: Arc<AtomicUsize>,
     load_timeout: std::time::Duration,
-    /// Until when the disk tier is off (a load ran past its timeout).
+    /// Until when the disk tier and the shared store are off (a load ran past its timeout).
     disk_paused_until: Mutex<Option<std::time::Instant>>,
     load_timeouts: AtomicU64,
 }
@@ -344,16 +386,37 @@ impl KvTiers {
     /// the async threads. `salt` is the prefix cache's hash salt.
     ///
     /// # Errors
-    /// [`TierError::Io`] when the disk directory cannot be created or listed, or its writer
-    /// thread cannot start.
-    pub fn open(settings: TierSettings, shape: TierShape, salt: u64) -> Result<Self, TierError> {
+    /// [`TierError::Io`] when a directory cannot be created or listed, or a store thread
+    /// cannot start; [`TierError::Malformed`] for a Redis URL the client refuses. The error
+    /// names the `[kv_tiers]` key at fault.
+    pub fn open(
+        settings: TierSettings,
+        shape: TierShape,
+        salt: u64,
+    ) -> Result<Self, TierOpenError> {
+        let at = |key: &'static str| move |error| TierOpenError { key, error };
         let disk = match &settings.disk_dir {
-            Some(dir) => Some(DiskTier::open(
-                dir,
-                settings.disk_capacity_bytes,
-                shape.clone(),
-            )?),
+            Some(dir) => Some(
+                DiskTier::open(dir, settings.disk_capacity_bytes, shape.clone())
+                    .map_err(at("kv_tiers.disk_dir"))?,
+            ),
             None => None,
+        };
+        let shared = match (&settings.shared_dir, &settings.shared_url) {
+            (Some(dir), _) => Some(SharedStore::Dir(
+                DiskTier::open_dir(
+                    dir,
+                    settings.shared_capacity_bytes,
+                    shape.clone(),
+                    DirMode::Shared,
+                )
+                .map_err(at("kv_tiers.shared_dir"))?,
+            )),
+            (None, Some(url)) => Some(SharedStore::Redis(
+                RedisTier::open(url, settings.shared_capacity_bytes, shape.clone())
+                    .map_err(at("kv_tiers.shared_url"))?,
+            )),
+            (None, None) => None,
         };
         let host = (settings.host_capacity_bytes > 0)
             .then(|| Mutex::new(host::HostTier::new(settings.host_capacity_bytes)));
@@ -364,6 +427,7 @@ impl KvTiers {
             host,
             host_counters: TierCounters::default(),
             disk,
+            shared,
             offered: AtomicU64::new(0),
             not_spilled: AtomicU64::new(0),
             jobs_in_flight: Arc::new(AtomicUsize::new(0)),
@@ -388,16 +452,28 @@ impl KvTiers {
         self.disk.as_ref()
     }
 
-    /// The disk tier unless it is paused after a slow load.
-    fn live_disk(&self) -> Option<&DiskTier> {
+    /// The shared store (tests and `inspect`).
+    pub fn shared(&self) -> Option<&SharedStore> {
+        self.shared.as_ref()
+    }
+
+    /// Whether the directory tiers are paused after a slow load.
+    fn paused(&self) -> bool {
         let paused = self
             .disk_paused_until
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        match *paused {
-            Some(until) if std::time::Instant::now() < until => None,
-            _ => self.disk.as_ref(),
-        }
+        matches!(*paused, Some(until) if std::time::Instant::now() < until)
+    }
+
+    /// The disk tier unless it is paused after a slow load.
+    fn live_disk(&self) -> Option<&DiskTier> {
+        self.disk.as_ref().filter(|_| !self.paused())
+    }
+
+    /// The shared store unless it is paused after a slow load.
+    fn live_shared(&self) -> Option<&SharedStore> {
+        self.shared.as_ref().filter(|_| !self.paused())
     }
 
     /// How long a request waits for a load.
@@ -405,11 +481,11 @@ impl KvTiers {
         self.load_timeout
     }
 
-    /// A load ran past its timeout: the disk tier turns itself off for [`DISK_PAUSE`] (no
-    /// lookups, no writes), then back on.
+    /// A load ran past its timeout: the disk tier and the shared store turn themselves off
+    /// for [`DISK_PAUSE`] (no lookups, no writes), then back on.
     pub fn load_timed_out(&self) {
         self.load_timeouts.fetch_add(1, Ordering::Relaxed);
-        if self.disk.is_some() {
+        if self.disk.is_some() || self.shared.is_some() {
             *self
                 .disk_paused_until
                 .lock()
@@ -417,7 +493,7 @@ impl KvTiers {
             tracing::warn!(
                 pause_s = DISK_PAUSE.as_secs(),
                 timeout_ms = self.load_timeout.as_millis() as u64,
-                "KV tier load ran past its timeout: request computed without it, disk tier paused"
+                "KV tier load ran past its timeout: request computed without it, disk tier and shared store paused"
             );
         }
     }
@@ -442,7 +518,8 @@ impl KvTiers {
     }
 
     /// Stores evicted blocks: into the host region (its LRU victims move on to disk), or
-    /// straight to disk without one. Never blocks on I/O (disk writes are queued).
+    /// straight to disk without one; every block also into the shared store (write-through).
+    /// Never blocks on I/O (directory writes are queued).
     pub fn offer(&self, blocks: Vec<TierBlock>) {
         self.offered
             .fetch_add(blocks.len() as u64, Ordering::Relaxed);
@@ -453,6 +530,11 @@ impl KvTiers {
             }
             let b = Arc::new(b);
             let sum = b.checksum();
+            if let Some(s) = self.live_shared() {
+                if !s.contains(b.hash) {
+                    s.write(b.clone(), sum);
+                }
+            }
             let to_disk = match self.host() {
                 Some(mut h) => {
                     let (stored, victims) = h.insert(b.clone(), sum);
@@ -485,20 +567,23 @@ impl KvTiers {
             .take_while(|h| {
                 host.as_ref().is_some_and(|t| t.contains(**h))
                     || self.live_disk().is_some_and(|d| d.contains(**h))
+                    || self.live_shared().is_some_and(|d| d.contains(**h))
             })
             .count()
     }
 
     /// Whether a tier holds block `h` already (an evicted block that needs no second copy).
+    /// With a shared store, only when it holds the block too (it is written through).
     pub fn holds(&self, h: BlockHash) -> bool {
-        self.host().is_some_and(|t| t.contains(h))
-            || self.disk.as_ref().is_some_and(|d| d.contains(h))
+        let local = self.host().is_some_and(|t| t.contains(h))
+            || self.disk.as_ref().is_some_and(|d| d.contains(h));
+        local && self.shared.as_ref().is_none_or(|s| s.contains(h))
     }
 
     /// Loads and verifies the blocks `hashes` (with their token ids `tokens`, block by block;
     /// the first one's parent is `parent`) from the host region, else from disk, stopping at
-    /// the first that cannot be restored (a miss, counted and logged). Blocking (disk reads):
-    /// call it off the async threads.
+    /// the first that cannot be restored (a miss, counted and logged); a block neither holds
+    /// comes from the shared store. Blocking (disk reads): call it off the async threads.
     pub fn load_run(
         &self,
         hashes: &[BlockHash],
@@ -550,24 +635,9 @@ impl KvTiers {
                 }
                 None => None,
             };
-            let found = match (found, self.live_disk()) {
-                (Some(b), _) => Some(b),
-                (None, Some(d)) if d.contains(h) => match d.read(h).and_then(|b| {
-                    check(&b)?;
-                    Ok(b)
-                }) {
-                    Ok(b) => {
-                        d.counters().hit(Tier::Disk, b.bytes.len());
-                        Some(Arc::new(b))
-                    }
-                    Err(e) => {
-                        d.counters().miss(Tier::Disk, h, &e);
-                        d.discard(h);
-                        None
-                    }
-                },
-                (None, _) => None,
-            };
+            let found = found
+                .or_else(|| restore_from(self.live_disk(), h, &check))
+                .or_else(|| restore_from(self.live_shared(), h, &check));
             let Some(b) = found else { break };
             parent = Some(h);
             out.push(b);
@@ -584,6 +654,7 @@ impl KvTiers {
                     .figures(h.len() as u64, h.used(), h.capacity())
             }),
             disk: self.disk.as_ref().map(DiskTier::figures),
+            shared: self.shared.as_ref().map(SharedStore::figures),
             offered: self.offered.load(Ordering::Relaxed),
             not_spilled: self.not_spilled.load(Ordering::Relaxed),
             load_timeouts: self.load_timeouts.load(Ordering::Relaxed),
@@ -594,7 +665,7 @@ impl KvTiers {
     fn publish(&self) {
         use pdserve_runtime::telemetry as m;
         let f = self.figures();
-        for (tier, t) in [(Tier::Host, f.host), (Tier::Disk, f.disk)] {
+        for (tier, t) in f.each() {
             if let Some(t) = t {
                 metrics::gauge!(m::KV_TIER_BLOCKS, m::LABEL_TIER => tier.as_str())
                     .set(t.blocks as f64);
@@ -607,6 +678,142 @@ impl KvTiers {
     /// Whether another rank-job batch may start (see [`MAX_JOBS_IN_FLIGHT`]).
     pub fn may_queue_jobs(&self) -> bool {
         self.jobs_in_flight.load(Ordering::Acquire) < MAX_JOBS_IN_FLIGHT
+    }
+}
+
+/// The shared store: a directory or a Redis server.
+#[derive(Debug)]
+pub enum SharedStore {
+    /// A directory several instances read and write.
+    Dir(DiskTier),
+    /// A Redis (or Valkey) server.
+    Redis(RedisTier),
+}
+
+impl SharedStore {
+    /// The directory store (`None` on Redis).
+    pub fn as_dir(&self) -> Option<&DiskTier> {
+        match self {
+            SharedStore::Dir(d) => Some(d),
+            SharedStore::Redis(_) => None,
+        }
+    }
+
+    /// The Redis store (`None` for a directory).
+    pub fn as_redis(&self) -> Option<&RedisTier> {
+        match self {
+            SharedStore::Redis(r) => Some(r),
+            SharedStore::Dir(_) => None,
+        }
+    }
+
+    /// Whether it holds `h`, by what this instance knows (see each store's docs).
+    pub fn contains(&self, h: BlockHash) -> bool {
+        match self {
+            SharedStore::Dir(d) => d.contains(h),
+            SharedStore::Redis(r) => r.contains(h),
+        }
+    }
+
+    /// Its figures.
+    pub fn figures(&self) -> TierFigures {
+        match self {
+            SharedStore::Dir(d) => d.figures(),
+            SharedStore::Redis(r) => r.figures(),
+        }
+    }
+
+    /// Waits (at most `timeout`) for the writes queued before this call. Blocking.
+    pub fn flush(&self, timeout: std::time::Duration) -> bool {
+        match self {
+            SharedStore::Dir(d) => d.flush(timeout),
+            SharedStore::Redis(r) => r.flush(timeout),
+        }
+    }
+
+    fn write(&self, b: Arc<TierBlock>, sum: u64) {
+        match self {
+            SharedStore::Dir(d) => d.write(b, sum),
+            SharedStore::Redis(r) => r.write(b),
+        }
+    }
+}
+
+/// A tier below the host region that restores blocks by hash (the disk tier, the shared store).
+trait BlockStore {
+    fn tier(&self) -> Tier;
+    fn contains(&self, h: BlockHash) -> bool;
+    fn read(&self, h: BlockHash) -> Result<TierBlock, TierError>;
+    fn counters(&self) -> &TierCounters;
+    fn discard(&self, h: BlockHash);
+}
+
+impl BlockStore for DiskTier {
+    fn tier(&self) -> Tier {
+        DiskTier::tier(self)
+    }
+    fn contains(&self, h: BlockHash) -> bool {
+        DiskTier::contains(self, h)
+    }
+    fn read(&self, h: BlockHash) -> Result<TierBlock, TierError> {
+        DiskTier::read(self, h)
+    }
+    fn counters(&self) -> &TierCounters {
+        DiskTier::counters(self)
+    }
+    fn discard(&self, h: BlockHash) {
+        DiskTier::discard(self, h)
+    }
+}
+
+impl BlockStore for SharedStore {
+    fn tier(&self) -> Tier {
+        Tier::Shared
+    }
+    fn contains(&self, h: BlockHash) -> bool {
+        SharedStore::contains(self, h)
+    }
+    fn read(&self, h: BlockHash) -> Result<TierBlock, TierError> {
+        match self {
+            SharedStore::Dir(d) => d.read(h),
+            SharedStore::Redis(r) => r.read(h),
+        }
+    }
+    fn counters(&self) -> &TierCounters {
+        match self {
+            SharedStore::Dir(d) => d.counters(),
+            SharedStore::Redis(r) => r.counters(),
+        }
+    }
+    fn discard(&self, h: BlockHash) {
+        match self {
+            SharedStore::Dir(d) => d.discard(h),
+            SharedStore::Redis(r) => r.discard(h),
+        }
+    }
+}
+
+/// Restores block `h` from `store` if it lists it: read, verified (`check`: its key), counted
+/// as a hit; a block that fails is a miss, counted, logged and discarded.
+fn restore_from<S: BlockStore>(
+    store: Option<&S>,
+    h: BlockHash,
+    check: &dyn Fn(&TierBlock) -> Result<(), TierError>,
+) -> Option<Arc<TierBlock>> {
+    let s = store.filter(|s| s.contains(h))?;
+    match s.read(h).and_then(|b| {
+        check(&b)?;
+        Ok(b)
+    }) {
+        Ok(b) => {
+            s.counters().hit(s.tier(), b.bytes.len());
+            Some(Arc::new(b))
+        }
+        Err(e) => {
+            s.counters().miss(s.tier(), h, &e);
+            s.discard(h);
+            None
+        }
     }
 }
 
@@ -791,6 +998,9 @@ mod tests {
             host_capacity_bytes: host,
             disk_dir: disk,
             disk_capacity_bytes: 1 << 20,
+            shared_dir: None,
+            shared_url: None,
+            shared_capacity_bytes: 0,
             write_policy: WritePolicy::WriteBack,
             load_timeout: std::time::Duration::from_secs(1),
         }
@@ -828,6 +1038,74 @@ mod tests {
         let got = t.load_run(&[2], &toks[4..8], Some(99));
         assert!(got.is_empty());
         assert_eq!(t.figures().host.unwrap().misses, 1);
+    }
+
+    #[test]
+    fn a_block_one_instance_offers_is_restored_by_another_from_the_shared_store() {
+        let dir = tempfile::tempdir().unwrap();
+        let shared = |host| TierSettings {
+            shared_dir: Some(dir.path().into()),
+            shared_capacity_bytes: 1 << 20,
+            ..settings(host, None)
+        };
+        let one = block(1, None, 0).footprint();
+        // Both open the store before anything is in it: b learns of a's blocks by looking.
+        let a = KvTiers::open(shared(4 * one), shape(), 0).unwrap();
+        let b = KvTiers::open(shared(0), shape(), 0).unwrap();
+        // Another writer's temporary file in progress survives b's open; an old one is a
+        // write cut off by a stop and goes.
+        let sub = a.shared().unwrap().as_dir().unwrap().dir().to_path_buf();
+        let (young, old) = (sub.join(".00.1.0.tmp"), sub.join(".00.2.0.tmp"));
+        std::fs::write(&young, b"partial").unwrap();
+        std::fs::write(&old, b"partial").unwrap();
+        let f = std::fs::File::options().write(true).open(&old).unwrap();
+        f.set_modified(std::time::SystemTime::now() - 2 * disk::STALE_TMP)
+            .unwrap();
+        drop(f);
+        let c = KvTiers::open(shared(0), shape(), 0).unwrap();
+        assert!(young.exists() && !old.exists());
+        drop(c);
+
+        a.offer(vec![block(1, None, 1), block(2, Some(1), 2)]);
+        assert!(a.shared().unwrap().flush(std::time::Duration::from_secs(5)));
+        assert_eq!(
+            a.figures().host.unwrap().blocks,
+            2,
+            "a keeps its own copies too"
+        );
+        assert_eq!(b.contains_run(&[1, 2, 3]), 2);
+        let toks: Vec<u32> = [1u32, 2].iter().flat_map(|&h| [h; 4]).collect();
+        let got = b.load_run(&[1, 2], &toks, None);
+        assert_eq!(got.len(), 2);
+        assert_eq!(got[1].bytes, vec![2; 64]);
+        let f = b.figures();
+        assert_eq!(f.shared.unwrap().hits, 2, "{f:?}");
+        assert!(f.host.is_none() && f.disk.is_none());
+        assert_eq!(
+            a.figures().shared.unwrap().bytes_written,
+            2 * disk::encode(&shape(), &block(1, None, 1)).len() as u64
+        );
+        // A block a writes again is not written twice; one b damages is a miss for a too.
+        a.offer(vec![block(1, None, 1)]);
+        assert!(a.shared().unwrap().flush(std::time::Duration::from_secs(5)));
+        assert_eq!(a.figures().shared.unwrap().blocks, 2);
+        let file = b.shared().unwrap().as_dir().unwrap().file_of(2);
+        let mut bytes = std::fs::read(&file).unwrap();
+        let at = bytes.len() / 2;
+        bytes[at] ^= 1;
+        std::fs::write(&file, bytes).unwrap();
+        let fresh = KvTiers::open(shared(0), shape(), 0).unwrap();
+        assert_eq!(
+            fresh.figures().shared.unwrap().discarded,
+            1,
+            "verified at open"
+        );
+        assert_eq!(
+            b.load_run(&[1, 2], &toks, None).len(),
+            1,
+            "the damaged block is a miss"
+        );
+        assert_eq!(b.figures().shared.unwrap().misses, 1);
     }
 
     #[test]

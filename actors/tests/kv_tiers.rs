@@ -1,4 +1,5 @@
-//! KV cache tiers below the block pool (issue 30): a host spill region and a disk directory.
+//! KV cache tiers below the block pool (issue 30): a host spill region, a disk directory and a
+//! directory several instances share.
 //!
 //! A pool too small for the conversations evicts their blocks; the second turn of an evicted
 //! conversation restores its prefix from a tier instead of computing it. Under greedy
@@ -11,7 +12,7 @@
 mod common;
 use common::{assert_pool_full, post};
 
-use pdserve_actors::kv_tiers::{TierSettings, WritePolicy};
+use pdserve_actors::kv_tiers::{TierFigures, TierSettings, WritePolicy};
 use pdserve_actors::{Instance, InstanceOptions};
 use pdserve_gpu::loader::{load_model, ModelSource};
 use serde_json::{json, Value};
@@ -44,6 +45,9 @@ fn host_only() -> TierSettings {
         host_capacity_bytes: 64 << 20,
         disk_dir: None,
         disk_capacity_bytes: 0,
+        shared_dir: None,
+        shared_url: None,
+        shared_capacity_bytes: 0,
         write_policy: WritePolicy::WriteBack,
         load_timeout: Duration::from_secs(30),
     }
@@ -54,6 +58,9 @@ fn disk_only(dir: &Path) -> TierSettings {
         host_capacity_bytes: 0,
         disk_dir: Some(dir.to_path_buf()),
         disk_capacity_bytes: 256 << 20,
+        shared_dir: None,
+        shared_url: None,
+        shared_capacity_bytes: 0,
         write_policy: WritePolicy::WriteBack,
         load_timeout: Duration::from_secs(30),
     }
@@ -296,6 +303,276 @@ async fn a_restarted_instance_finds_the_disk_tier_warm() {
     let disk = f.disk.unwrap();
     assert!(disk.hits >= (REVISIT.len() * TURN1 / BLOCK) as u64, "{f:?}");
     assert_eq!(disk.misses, 0, "{f:?}");
+    inst.stop().await;
+}
+
+fn shared_only(dir: &Path) -> TierSettings {
+    TierSettings {
+        host_capacity_bytes: 0,
+        disk_dir: None,
+        disk_capacity_bytes: 0,
+        shared_dir: Some(dir.to_path_buf()),
+        shared_url: None,
+        shared_capacity_bytes: 256 << 20,
+        write_policy: WritePolicy::WriteBack,
+        load_timeout: Duration::from_secs(30),
+    }
+}
+
+/// The first turns on instance `a`, the second turns on instance `b` running beside it, both
+/// on the shared store of `settings`; `between` runs once a's writes are done (damage). `b`
+/// opened the store before `a` wrote anything: it finds a's blocks by looking, not from its
+/// start-up scan. Checks the answers against a run without tiers and that the exported
+/// metrics carry shared-store hits; returns the run and both instances' shared figures.
+async fn across_a_shared_store<F>(
+    name: &str,
+    settings: TierSettings,
+    between: F,
+) -> (Run, TierFigures, TierFigures)
+where
+    F: FnOnce(&Instance, &[Vec<u32>]) + Send + 'static,
+{
+    let want = reference(&REVISIT, 1).await;
+    let a = instance(&format!("{name}-a"), 1, Some(settings.clone())).await;
+    let b = instance(&format!("{name}-b"), 1, Some(settings)).await;
+    assert_eq!(b.kv_tiers().unwrap().figures().shared.unwrap().blocks, 0);
+    let held = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let keep = held.clone();
+    let (run, b) = conversation_run(a, &REVISIT, |a, first| async move {
+        let store = a.kv_tiers().unwrap().shared().unwrap();
+        assert!(
+            store.flush(Duration::from_secs(10)),
+            "shared writes did not end"
+        );
+        between(&a, &first);
+        // b learns of a's blocks (a directory: by looking; Redis: its next key scan).
+        let seen = b.kv_tiers().unwrap().shared().unwrap();
+        assert!(
+            seen.flush(Duration::from_secs(10)),
+            "b's store thread did not answer"
+        );
+        *keep.lock().unwrap() = Some(a);
+        b
+    })
+    .await;
+    let a = held.lock().unwrap().take().unwrap();
+    assert_eq!(run.first, want.first, "first turns (on a)");
+    assert_eq!(
+        run.second, want.second,
+        "second turns (on b) equal a run without tiers"
+    );
+    let fa = a.kv_tiers().unwrap().figures().shared.unwrap();
+    let fb = b.kv_tiers().unwrap().figures().shared.unwrap();
+    assert!(fa.bytes_written > 0 && fa.hits == 0, "{fa:?}");
+    let metrics = common::get_text(&b.url(), "/metrics").await;
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("pdserve_kv_tier_hits_total{") && l.contains("tier=\"shared\"")),
+        "shared-store hits exported"
+    );
+    a.stop().await;
+    b.stop().await;
+    (run, fa, fb)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_one_instance_computed_is_restored_by_another_from_a_shared_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let (run, _, fb) =
+        across_a_shared_store("shared-dir", shared_only(dir.path()), |_, _| {}).await;
+    for &cached in &run.second_cached {
+        assert!(
+            cached >= TURN1 as u64,
+            "b restores a's evicted first turns: {:?}",
+            run.second_cached
+        );
+    }
+    assert!(
+        fb.hits >= (REVISIT.len() * TURN1 / BLOCK) as u64 && fb.misses == 0,
+        "{fb:?}"
+    );
+}
+
+/// A `redis-server` (Debian's package) for one test: a free port on 127.0.0.1, no
+/// persistence, killed on drop. `None` when the binary is missing outside CI (`.ci/run`
+/// installs it; under `CI=true` a missing server fails the test).
+struct RedisServer {
+    child: Option<std::process::Child>,
+    port: u16,
+}
+
+impl RedisServer {
+    fn start() -> Option<Self> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        Self::start_on(port)
+    }
+
+    fn start_on(port: u16) -> Option<Self> {
+        let spawned = std::process::Command::new("redis-server")
+            .args(["--bind", "127.0.0.1", "--port", &port.to_string()])
+            .args(["--save", "", "--appendonly", "no", "--protected-mode", "no"])
+            .stdout(std::process::Stdio::null())
+            .spawn();
+        let child = match spawned {
+            Ok(c) => c,
+            Err(e) if std::env::var_os("CI").is_none() => {
+                eprintln!("skipping: redis-server not runnable here ({e}); .ci/run installs it");
+                return None;
+            }
+            Err(e) => panic!("redis-server (Debian package redis-server) is needed: {e}"),
+        };
+        let server = Self {
+            child: Some(child),
+            port,
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while server.client().get_connection().is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "redis-server did not start"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Some(server)
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    fn client(&self) -> redis::Client {
+        redis::Client::open(self.url()).unwrap()
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn on_redis(url: &str) -> TierSettings {
+    TierSettings {
+        host_capacity_bytes: 0,
+        disk_dir: None,
+        disk_capacity_bytes: 0,
+        shared_dir: None,
+        shared_url: Some(url.into()),
+        shared_capacity_bytes: 256 << 20,
+        write_policy: WritePolicy::WriteBack,
+        load_timeout: Duration::from_secs(30),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_one_instance_computed_is_restored_by_another_from_redis_and_damage_is_a_miss() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let client = redis.client();
+    // Conversation 0's first block is damaged in the store (one flipped byte): b recomputes
+    // it (and all after it), the others are restored.
+    let (run, _, fb) = across_a_shared_store("redis", on_redis(&redis.url()), move |a, first| {
+        let tiers = a.kv_tiers().unwrap();
+        let store = tiers.shared().unwrap().as_redis().unwrap();
+        let mut tokens = first_turn(0);
+        tokens.extend_from_slice(&first[0]);
+        let key = store.key_of(tiers.block_hashes(&tokens)[0]);
+        let mut con = client.get_connection().unwrap();
+        let mut value: Vec<u8> = redis::cmd("GET").arg(&key).query(&mut con).unwrap();
+        let at = value.len() / 2;
+        value[at] ^= 0x40;
+        redis::cmd("SET")
+            .arg(&key)
+            .arg(value)
+            .query::<()>(&mut con)
+            .unwrap();
+    })
+    .await;
+    assert_eq!(
+        run.second_cached[0], 0,
+        "a damaged first block: {:?}",
+        run.second_cached
+    );
+    for &cached in &run.second_cached[1..] {
+        assert!(cached >= TURN1 as u64, "{:?}", run.second_cached);
+    }
+    assert_eq!(fb.misses, 1, "{fb:?}");
+    assert!(
+        fb.hits >= ((REVISIT.len() - 1) * TURN1 / BLOCK) as u64,
+        "{fb:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_going_down_never_stalls_serving_and_the_store_comes_back() {
+    let Some(mut redis) = RedisServer::start() else {
+        return;
+    };
+    let port = redis.port;
+    let want = reference(&REVISIT, 1).await;
+    let inst = instance("redis-outage", 1, Some(on_redis(&redis.url()))).await;
+    let (run, inst) = conversation_run(inst, &REVISIT, |inst, _| async move {
+        let store = inst.kv_tiers().unwrap().shared().unwrap();
+        assert!(store.flush(Duration::from_secs(10)));
+        assert!(store.figures().blocks > 0, "{:?}", store.figures());
+        redis.kill(); // the store dies with blocks this instance counts on
+        inst
+    })
+    .await;
+    // Every answer is still right: a restore the dead store cannot serve is computed.
+    assert_eq!(run.first, want.first);
+    assert_eq!(run.second, want.second, "second turns with the store down");
+    let f = inst.kv_tiers().unwrap().figures().shared.unwrap();
+    assert_eq!(f.hits, 0, "{f:?}");
+    let tiers = inst.kv_tiers().unwrap().clone();
+    let store = tiers.shared().unwrap().as_redis().unwrap();
+    assert_eq!(
+        store.outages(),
+        1,
+        "the failed restore found the store down"
+    );
+    // The store comes back (empty: no persistence); once its pause is over the instance
+    // relearns what the store holds (nothing), writes and restores again.
+    let _back = RedisServer::start_on(port).expect("redis-server restarts");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while store.is_down() {
+        assert!(std::time::Instant::now() < deadline, "the store stays down");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(store.flush(Duration::from_secs(10)));
+    assert_eq!(
+        store.figures().blocks,
+        0,
+        "the index follows the empty store"
+    );
+    let (again, inst) = conversation_run(inst, &[0], |inst, _| async move {
+        let store = inst.kv_tiers().unwrap().shared().unwrap();
+        assert!(store.flush(Duration::from_secs(10)));
+        inst
+    })
+    .await;
+    assert_eq!(again.first, want.first);
+    assert_eq!(again.second[0], want.second[0]);
+    assert!(
+        again.second_cached[0] >= TURN1 as u64,
+        "{:?}",
+        again.second_cached
+    );
+    let f = inst.kv_tiers().unwrap().figures().shared.unwrap();
+    assert!(f.hits >= (TURN1 / BLOCK) as u64, "{f:?}");
     inst.stop().await;
 }
 

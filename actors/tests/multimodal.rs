@@ -384,6 +384,9 @@ async fn kv_tiers_restore_image_blocks_by_the_images_digest() {
         host_capacity_bytes: 64 << 20,
         disk_dir: None,
         disk_capacity_bytes: 0,
+        shared_dir: None,
+        shared_url: None,
+        shared_capacity_bytes: 0,
         write_policy: pdserve_actors::kv_tiers::WritePolicy::WriteBack,
         load_timeout: std::time::Duration::from_secs(30),
     };

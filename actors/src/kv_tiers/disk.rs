@@ -1,6 +1,15 @@
 //! The disk tier: one file per block in `<dir>/<compat hash>/`, LRU by capacity, written by
 //! one named thread and read by the caller (a blocking task).
 //!
+//! The same code is the **shared directory store** ([`DirMode::Shared`]): a directory that
+//! several instances read and write (one host's instances, or a shared filesystem mounted on
+//! every host). Then the index is a cache of what this instance knows, not the truth: a
+//! lookup the index misses asks the filesystem, so a block another instance wrote is found;
+//! a write whose file exists already is skipped; temporary names carry the process id and a
+//! counter, so two writers never write one temporary file; at open only temporary files older
+//! than [`STALE_TMP`] are removed (younger ones may be another instance's write in progress).
+//! Each instance trims the directory to its own capacity, LRU among the files it knows.
+//!
 //! # File format (little endian)
 //!
 //! ```text
@@ -30,6 +39,26 @@ pub const MAX_COMPAT_LEN: usize = 4096;
 /// Writes queued for the disk thread at most; past that a write is dropped (counted).
 const WRITE_QUEUE: usize = 256;
 const SUFFIX: &str = "kvb";
+/// In a shared directory, a temporary file older than this is a write cut off by a stop.
+pub const STALE_TMP: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// Whether this instance alone writes the directory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DirMode {
+    /// This instance's own disk tier: its index is the truth.
+    Local,
+    /// A directory other instances write too (see the module docs).
+    Shared,
+}
+
+impl DirMode {
+    fn tier(self) -> Tier {
+        match self {
+            DirMode::Local => Tier::Disk,
+            DirMode::Shared => Tier::Shared,
+        }
+    }
+}
 
 /// Encodes `b` as a block file.
 pub(super) fn encode(shape: &TierShape, b: &TierBlock) -> Vec<u8> {
@@ -51,6 +80,11 @@ pub(super) fn encode(shape: &TierShape, b: &TierBlock) -> Vec<u8> {
     let sum = xxhash_rust::xxh3::xxh3_64(&out);
     out.extend_from_slice(&sum.to_le_bytes());
     out
+}
+
+/// The length of a block record of `shape` (its compatibility key included).
+pub(super) fn record_len(shape: &TierShape) -> u64 {
+    max_file_len(shape) - MAX_COMPAT_LEN as u64 + shape.compat.len() as u64
 }
 
 /// The longest file a block of `shape` can be.
@@ -166,17 +200,18 @@ pub(super) fn decode(shape: &TierShape, buf: &[u8]) -> Result<TierBlock, TierErr
     })
 }
 
+/// Stored blocks by hash, LRU by a logical clock, with their bytes summed.
 #[derive(Debug, Default)]
-struct Index {
+pub(super) struct Index {
     /// Hash → (file length, LRU stamp).
-    files: HashMap<BlockHash, (u64, u64)>,
-    lru: BTreeMap<u64, BlockHash>,
-    used: u64,
+    pub(super) files: HashMap<BlockHash, (u64, u64)>,
+    pub(super) lru: BTreeMap<u64, BlockHash>,
+    pub(super) used: u64,
     clock: u64,
 }
 
 impl Index {
-    fn insert(&mut self, h: BlockHash, len: u64) {
+    pub(super) fn insert(&mut self, h: BlockHash, len: u64) {
         self.remove(h);
         self.clock += 1;
         self.files.insert(h, (len, self.clock));
@@ -184,7 +219,7 @@ impl Index {
         self.used += len;
     }
 
-    fn remove(&mut self, h: BlockHash) -> bool {
+    pub(super) fn remove(&mut self, h: BlockHash) -> bool {
         match self.files.remove(&h) {
             Some((len, stamp)) => {
                 self.lru.remove(&stamp);
@@ -195,7 +230,7 @@ impl Index {
         }
     }
 
-    fn touch(&mut self, h: BlockHash) {
+    pub(super) fn touch(&mut self, h: BlockHash) {
         if let Some((len, _)) = self.files.get(&h).copied() {
             self.insert(h, len);
         }
@@ -206,8 +241,11 @@ struct Shared {
     dir: PathBuf,
     capacity: u64,
     shape: TierShape,
+    mode: DirMode,
     index: Mutex<Index>,
     counters: TierCounters,
+    /// Numbers this process's temporary files.
+    tmp_seq: std::sync::atomic::AtomicU64,
 }
 
 impl Shared {
@@ -219,11 +257,32 @@ impl Shared {
         self.dir.join(format!("{h:016x}.{SUFFIX}"))
     }
 
+    /// In a shared directory: whether the file of `h` exists, adopting it into the index
+    /// (another instance wrote it).
+    fn adopt(&self, h: BlockHash) -> bool {
+        if self.mode != DirMode::Shared {
+            return false;
+        }
+        match std::fs::metadata(self.path(h)) {
+            Ok(m) if m.is_file() => {
+                let mut idx = self.index();
+                if !idx.files.contains_key(&h) {
+                    idx.insert(h, m.len());
+                }
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Writes one block (the disk thread).
     fn store(&self, b: &TierBlock) -> std::io::Result<()> {
         if self.index().files.contains_key(&b.hash) {
             self.index().touch(b.hash);
             return Ok(());
+        }
+        if self.adopt(b.hash) {
+            return Ok(()); // another instance stored it first
         }
         let bytes = encode(&self.shape, b);
         let len = bytes.len() as u64;
@@ -231,10 +290,16 @@ impl Shared {
             self.counters.dropped_writes.fetch_add(1, Ordering::Relaxed);
             return Ok(());
         }
-        let tmp = self.dir.join(format!(".{:016x}.tmp", b.hash));
-        std::fs::write(&tmp, &bytes)?;
+        let seq = self.tmp_seq.fetch_add(1, Ordering::Relaxed);
+        let tmp = self
+            .dir
+            .join(format!(".{:016x}.{}.{seq}.tmp", b.hash, std::process::id()));
+        if let Err(e) = std::fs::write(&tmp, &bytes) {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(e);
+        }
         std::fs::rename(&tmp, self.path(b.hash))?;
-        self.counters.written(Tier::Disk, len);
+        self.counters.written(self.mode.tier(), len);
         let victims = {
             let mut idx = self.index();
             idx.insert(b.hash, len);
@@ -287,14 +352,29 @@ impl DiskTier {
     /// # Errors
     /// When the directory cannot be created or listed, or the thread cannot start.
     pub fn open(base: &Path, capacity: u64, shape: TierShape) -> Result<Self, TierError> {
+        Self::open_dir(base, capacity, shape, DirMode::Local)
+    }
+
+    /// [`DiskTier::open`] for a directory in `mode` (a shared one: see the module docs).
+    ///
+    /// # Errors
+    /// As [`DiskTier::open`].
+    pub fn open_dir(
+        base: &Path,
+        capacity: u64,
+        shape: TierShape,
+        mode: DirMode,
+    ) -> Result<Self, TierError> {
         let dir = base.join(format!("{:016x}", shape.compat_hash()));
         std::fs::create_dir_all(&dir).map_err(TierError::Io)?;
         let shared = Arc::new(Shared {
             dir,
             capacity,
             shape,
+            mode,
             index: Mutex::new(Index::default()),
             counters: TierCounters::default(),
+            tmp_seq: std::sync::atomic::AtomicU64::new(0),
         });
         let mut found = Vec::new();
         for entry in std::fs::read_dir(&shared.dir).map_err(TierError::Io)? {
@@ -303,7 +383,18 @@ impl DiskTier {
             let name = entry.file_name();
             let name = name.to_string_lossy();
             if name.ends_with(".tmp") {
-                let _ = std::fs::remove_file(&path); // a write cut off by a stop
+                // A write cut off by a stop; in a shared directory, only an old one (a young
+                // one may be another instance's write in progress).
+                let stale = mode == DirMode::Local
+                    || entry
+                        .metadata()
+                        .and_then(|m| m.modified())
+                        .ok()
+                        .and_then(|t| t.elapsed().ok())
+                        .is_some_and(|age| age > STALE_TMP);
+                if stale {
+                    let _ = std::fs::remove_file(&path);
+                }
                 continue;
             }
             let Some(h) = name
@@ -357,11 +448,15 @@ impl DiskTier {
         for v in victims {
             let _ = std::fs::remove_file(shared.path(v));
         }
-        tracing::info!(dir = %shared.dir.display(), blocks = found.len(), "KV disk tier opened");
+        tracing::info!(dir = %shared.dir.display(), blocks = found.len(), tier = mode.tier().as_str(), "KV disk tier opened");
         let (tx, rx) = sync_channel::<WriterJob>(WRITE_QUEUE);
         let s = shared.clone();
+        let thread = match mode {
+            DirMode::Local => "pdserve-kv-disk",
+            DirMode::Shared => "pdserve-kv-shared",
+        };
         std::thread::Builder::new()
-            .name("pdserve-kv-disk".into())
+            .name(thread.into())
             .spawn(move || {
                 while let Ok(job) = rx.recv() {
                     match job {
@@ -394,9 +489,15 @@ impl DiskTier {
         self.shared.path(h)
     }
 
-    /// Whether the index lists `h`.
+    /// Whether the index lists `h`; in a shared directory, else whether its file exists
+    /// (a block another instance wrote: it joins the index).
     pub fn contains(&self, h: BlockHash) -> bool {
-        self.shared.index().files.contains_key(&h)
+        self.shared.index().files.contains_key(&h) || self.shared.adopt(h)
+    }
+
+    /// Which tier this directory is (disk or the shared store), for labels.
+    pub fn tier(&self) -> Tier {
+        self.shared.mode.tier()
     }
 
     pub(super) fn counters(&self) -> &TierCounters {
@@ -503,6 +604,7 @@ mod tests {
         let b = block(7, Some(6), 9);
         let file = encode(&s, &b);
         assert_eq!(decode(&s, &file).unwrap(), b);
+        assert_eq!(file.len() as u64, record_len(&s));
         assert!(file.len() as u64 <= max_file_len(&s));
         let mut flipped = file.clone();
         let mid = file.len() - 20;

@@ -515,7 +515,9 @@ impl Default for SchedulerConfig {
 /// `[kv_tiers]`: KV cache tiers below each instance's block pool (issue 30). Blocks the
 /// prefix cache evicts are copied into a host spill region (LRU by bytes), whose evictions
 /// move on to files in `disk_dir` (LRU by bytes, verified by checksum on every read and at
-/// start); a later prompt sharing the prefix restores them instead of computing them.
+/// start); a later prompt sharing the prefix restores them instead of computing them. With
+/// `shared_dir`, every evicted block is also written to a directory that other instances
+/// read and write (a shared store), so one instance restores what another computed.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct KvTiersConfig {
@@ -528,6 +530,17 @@ pub struct KvTiersConfig {
     pub disk_dir: Option<String>,
     /// Bytes of the disk tier.
     pub disk_capacity_bytes: u64,
+    /// Directory of the shared store that several instances read and write (unset: none):
+    /// one host's instances, or a filesystem mounted on every host. Same subdirectory
+    /// scheme as the disk tier; must differ from `disk_dir`.
+    pub shared_dir: Option<String>,
+    /// The shared store on a Redis or Valkey server instead of a directory:
+    /// `redis://HOST:PORT/DB` or `redis+unix:///PATH` (unset: none). Exclusive with
+    /// `shared_dir`.
+    pub shared_url: Option<String>,
+    /// Bytes this instance lets the shared store hold (LRU among the blocks it wrote; give
+    /// every instance the same value).
+    pub shared_capacity_bytes: u64,
     /// Which evicted blocks are written: `write_back` (all) or `selective`.
     pub write_policy: TierWritePolicy,
     /// With `write_policy = "selective"`: prefix-cache hits a block needs to be written.
@@ -544,6 +557,9 @@ impl Default for KvTiersConfig {
             host_capacity_bytes: 1 << 30,
             disk_dir: None,
             disk_capacity_bytes: 16 << 30,
+            shared_dir: None,
+            shared_url: None,
+            shared_capacity_bytes: 64 << 30,
             write_policy: TierWritePolicy::WriteBack,
             selective_min_hits: 2,
             load_timeout_ms: 1000,

@@ -814,6 +814,8 @@ fn every_config_key_is_settable_from_env() {
                 "kv_tiers.enabled" => "true",
                 "kv_tiers.write_policy" => "selective",
                 "kv_tiers.disk_dir" => "abc",
+                "kv_tiers.shared_dir" => "def",
+                "kv_tiers.shared_url" => "redis://127.0.0.1:6379/1",
                 "transfer.rdma_devices" => "mlx5_0,mlx5_1",
                 "transfer.rdma_port" => "2",
                 "transfer.rdma_send_queue_depth" => "256",
@@ -985,4 +987,26 @@ fn kv_tiers_need_a_place_to_spill_to_and_the_prefix_cache() {
     c.kv_tiers.selective_min_hits = 0;
     let e = c.validate().unwrap_err().to_string();
     assert!(e.contains("kv_tiers.selective_min_hits"), "{e}");
+    c.kv_tiers.selective_min_hits = 2;
+    // A shared store alone is a place to spill to; it needs a capacity and its own directory.
+    c.kv_tiers.disk_dir = None;
+    c.kv_tiers.shared_dir = Some("/mnt/kv-shared".into());
+    c.validate().unwrap();
+    c.kv_tiers.shared_capacity_bytes = 0;
+    let e = c.validate().unwrap_err().to_string();
+    assert!(e.contains("kv_tiers.shared_capacity_bytes"), "{e}");
+    c.kv_tiers.shared_capacity_bytes = 1 << 30;
+    c.kv_tiers.disk_dir = Some("/mnt/kv-shared".into());
+    let e = c.validate().unwrap_err().to_string();
+    assert!(e.contains("kv_tiers.shared_dir must differ"), "{e}");
+    // Or on Redis: one shared store at a time, named by a redis URL.
+    c.kv_tiers.disk_dir = None;
+    c.kv_tiers.shared_url = Some("redis://127.0.0.1:6379/0".into());
+    let e = c.validate().unwrap_err().to_string();
+    assert!(e.contains("set one"), "{e}");
+    c.kv_tiers.shared_dir = None;
+    c.validate().unwrap();
+    c.kv_tiers.shared_url = Some("http://127.0.0.1:6379".into());
+    let e = c.validate().unwrap_err().to_string();
+    assert!(e.contains("kv_tiers.shared_url must be redis://"), "{e}");
 }

@@ -66,10 +66,16 @@ impl ServeConfig {
             );
         }
         let tiers = &self.kv_tiers;
-        if tiers.enabled && tiers.host_capacity_bytes == 0 && tiers.disk_dir.is_none() {
+        if tiers.enabled
+            && tiers.host_capacity_bytes == 0
+            && tiers.disk_dir.is_none()
+            && tiers.shared_dir.is_none()
+            && tiers.shared_url.is_none()
+        {
             return invalid(
                 "kv_tiers.enabled",
-                "kv_tiers.enabled needs kv_tiers.host_capacity_bytes > 0 or kv_tiers.disk_dir",
+                "kv_tiers.enabled needs kv_tiers.host_capacity_bytes > 0, kv_tiers.disk_dir, \
+                 kv_tiers.shared_dir or kv_tiers.shared_url",
             );
         }
         if tiers.enabled && tiers.disk_dir.is_some() && tiers.disk_capacity_bytes == 0 {
@@ -80,6 +86,43 @@ impl ServeConfig {
         }
         if tiers.disk_dir.as_deref() == Some("") {
             return invalid("kv_tiers.disk_dir", "kv_tiers.disk_dir must not be empty");
+        }
+        let shared = tiers.shared_dir.is_some() || tiers.shared_url.is_some();
+        if tiers.enabled && shared && tiers.shared_capacity_bytes == 0 {
+            return invalid(
+                "kv_tiers.shared_capacity_bytes",
+                "kv_tiers.shared_capacity_bytes must be > 0 with a shared store",
+            );
+        }
+        if tiers.shared_dir.is_some() && tiers.shared_url.is_some() {
+            return invalid(
+                "kv_tiers.shared_url",
+                "kv_tiers.shared_url and kv_tiers.shared_dir are two shared stores: set one",
+            );
+        }
+        if let Some(url) = &tiers.shared_url {
+            if !(url.starts_with("redis://") || url.starts_with("redis+unix://")) {
+                return invalid(
+                    "kv_tiers.shared_url",
+                    format!(
+                        "kv_tiers.shared_url must be redis://HOST:PORT/DB or \
+                         redis+unix:///PATH, got `{url}`"
+                    ),
+                );
+            }
+        }
+        if tiers.shared_dir.as_deref() == Some("") {
+            return invalid(
+                "kv_tiers.shared_dir",
+                "kv_tiers.shared_dir must not be empty",
+            );
+        }
+        if tiers.shared_dir.is_some() && tiers.shared_dir == tiers.disk_dir {
+            return invalid(
+                "kv_tiers.shared_dir",
+                "kv_tiers.shared_dir must differ from kv_tiers.disk_dir (the disk tier's \
+                 directory is this instance's alone)",
+            );
         }
         if tiers.load_timeout_ms == 0 {
             return invalid(

@@ -7,6 +7,11 @@
 #   no-tiers   prefix cache on, [kv_tiers] off: an evicted session's next turn recomputes
 #   host       [kv_tiers] on, host spill region only (HOST_BYTES)
 #   disk       [kv_tiers] on, no host region, a fresh disk directory (in OUT_DIR)
+#   shared-a   [kv_tiers] on, only a shared store: a fresh directory (in OUT_DIR)
+#   shared-b   a second instance on shared-a's store (a new process, an empty pool): the
+#              same sessions again, restored from what shared-a wrote
+#   redis-a/b  the same two on a Redis store (a redis-server this script starts on REDIS_PORT;
+#              skipped when redis-server is not installed)
 #
 # Each run drives the instance with `pdserve bench serve --multi-turn-sessions` (SESSIONS
 # sessions sharing a SYSTEM-token system prompt, TURN tokens per user turn, REQUESTS requests,
@@ -63,13 +68,35 @@ run host turns PDSERVE_KV_TIERS__ENABLED=true PDSERVE_KV_TIERS__HOST_CAPACITY_BY
 rm -rf "$out/disk-tier"
 run disk turns PDSERVE_KV_TIERS__ENABLED=true PDSERVE_KV_TIERS__HOST_CAPACITY_BYTES=0 \
     PDSERVE_KV_TIERS__DISK_DIR="$out/disk-tier"
+rm -rf "$out/shared-store"
+for who in a b; do
+    run "shared-$who" turns PDSERVE_KV_TIERS__ENABLED=true PDSERVE_KV_TIERS__HOST_CAPACITY_BYTES=0 \
+        PDSERVE_KV_TIERS__SHARED_DIR="$out/shared-store"
+done
+redis_runs=()
+if command -v redis-server >/dev/null; then
+    redis_port=${REDIS_PORT:-18432}
+    redis-server --bind 127.0.0.1 --port "$redis_port" --save "" --appendonly no \
+        >"$out/redis.log" 2>&1 &
+    redis_pid=$!
+    sleep 1
+    for who in a b; do
+        run "redis-$who" turns PDSERVE_KV_TIERS__ENABLED=true \
+            PDSERVE_KV_TIERS__HOST_CAPACITY_BYTES=0 \
+            PDSERVE_KV_TIERS__SHARED_URL="redis://127.0.0.1:$redis_port/0"
+    done
+    kill "$redis_pid"
+    redis_runs=(redis-a redis-b)
+else
+    echo "redis-server not installed: no Redis runs" >&2
+fi
 run new-no-tiers new PDSERVE_KV_TIERS__ENABLED=false
 run new-host new PDSERVE_KV_TIERS__ENABLED=true PDSERVE_KV_TIERS__HOST_CAPACITY_BYTES="$host_bytes"
 
-python3 - "$out" <<'EOF'
+python3 - "$out" "${redis_runs[@]}" <<'EOF'
 import json, sys
 out = sys.argv[1]
-HOST, DISK = 'tier="host"', 'tier="disk"'
+HOST, DISK, SHARED = 'tier="host"', 'tier="disk"', 'tier="shared"'
 def metric(lines, name, label=None):
     total = 0.0
     for line in lines:
@@ -78,19 +105,22 @@ def metric(lines, name, label=None):
             if rest[:1] in ("{", " "):
                 total += float(line.rsplit(" ", 1)[1])
     return total
-print(f"{'config':<9} {'TTFT p50':>9} {'TTFT p99':>9} {'turn2+ p50':>10} {'turn2+ p99':>10} "
-      f"{'computed':>9} {'cached':>7} {'host hits':>9} {'disk hits':>9} {'misses':>6}")
-for name in ["no-tiers", "host", "disk", "new-no-tiers", "new-host"]:
+print(f"{'config':<12} {'TTFT p50':>9} {'TTFT p99':>9} {'turn2+ p50':>10} {'turn2+ p99':>10} "
+      f"{'computed':>9} {'cached':>7} {'host hits':>9} {'disk hits':>9} {'shared hits':>11} "
+      f"{'misses':>6}")
+for name in ["no-tiers", "host", "disk", "shared-a", "shared-b", *sys.argv[2:], "new-no-tiers",
+             "new-host"]:
     b = json.load(open(f"{out}/{name}.bench.json"))
     m = open(f"{out}/{name}.metrics").read().splitlines()
     query = metric(m, "pdserve_prefix_cache_query_tokens_total")
     hit = metric(m, "pdserve_prefix_cache_hit_tokens_total")
     later = b.get("ttft_ms_later_turns") or {}
-    print(f"{name:<9} {b['ttft_ms']['p50']:>7.0f}ms {b['ttft_ms']['p99']:>7.0f}ms "
+    print(f"{name:<12} {b['ttft_ms']['p50']:>7.0f}ms {b['ttft_ms']['p99']:>7.0f}ms "
           f"{later.get('p50', 0):>8.0f}ms {later.get('p99', 0):>8.0f}ms "
           f"{query - hit:>9.0f} {hit:>7.0f} "
           f"{metric(m, 'pdserve_kv_tier_hits_total', HOST):>9.0f} "
           f"{metric(m, 'pdserve_kv_tier_hits_total', DISK):>9.0f} "
+          f"{metric(m, 'pdserve_kv_tier_hits_total', SHARED):>11.0f} "
           f"{metric(m, 'pdserve_kv_tier_misses_total'):>6.0f}")
 print(f"(JSON and /metrics of every run in {out})")
 EOF

@@ -280,6 +280,8 @@ pub struct ShutdownReport {
     pub blocks_total: usize,
     /// Whether every control-plane task had ended at the end.
     pub control_tasks_ended: bool,
+    /// Blocks of the KV tiers' host region written to the disk tier at the stop.
+    pub tier_blocks_persisted: usize,
     /// How long the stop took.
     pub elapsed: Duration,
 }
@@ -799,6 +801,19 @@ impl Instance {
         }
         self.supervisor.mailbox().stop(Some("shutdown".into()));
         let _ = tokio::time::timeout(Duration::from_secs(10), &mut self.join).await;
+        // The host region of the KV tiers dies with the process: what it holds goes to the
+        // disk tier so a restart finds it warm (bounded by what is left of the drain bound,
+        // at least a few seconds).
+        if let Some(tiers) = self.tiers.clone() {
+            let until = std::time::Instant::now()
+                + deadline
+                    .saturating_duration_since(tokio::time::Instant::now())
+                    .max(Duration::from_secs(5));
+            report.tier_blocks_persisted =
+                tokio::task::spawn_blocking(move || tiers.persist(until))
+                    .await
+                    .unwrap_or(0);
+        }
         // 5. Close the control plane and (with the last reference) the transfer engine.
         report.control_tasks_ended = match &mut self.control {
             Some(c) => {

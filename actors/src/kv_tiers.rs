@@ -675,6 +675,38 @@ impl KvTiers {
         }
     }
 
+    /// A clean stop: writes what the host region holds and the disk tier lacks to disk
+    /// (oldest first, so the most recent are the last an LRU trim would drop) and waits for
+    /// the disk writes, all before `deadline`; returns the blocks queued. The host region
+    /// dies with the process, so without this a restart would find only what had overflowed
+    /// to disk. (The shared store was written through already.) Blocking.
+    pub fn persist(&self, deadline: std::time::Instant) -> usize {
+        let (Some(disk), Some(blocks)) = (self.disk.as_ref(), self.host().map(|h| h.all())) else {
+            return 0;
+        };
+        let mut queued = 0;
+        for (b, sum) in blocks {
+            if std::time::Instant::now() >= deadline {
+                break;
+            }
+            if disk.contains(b.hash) || b.checksum() != sum {
+                continue;
+            }
+            if !disk.write_waiting(b) {
+                break;
+            }
+            queued += 1;
+        }
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if !disk.flush(left) {
+            tracing::warn!(
+                queued,
+                "KV tiers: the stop's disk writes did not end in time"
+            );
+        }
+        queued
+    }
+
     /// Whether another rank-job batch may start (see [`MAX_JOBS_IN_FLIGHT`]).
     pub fn may_queue_jobs(&self) -> bool {
         self.jobs_in_flight.load(Ordering::Acquire) < MAX_JOBS_IN_FLIGHT
@@ -1106,6 +1138,34 @@ mod tests {
             "the damaged block is a miss"
         );
         assert_eq!(b.figures().shared.unwrap().misses, 1);
+    }
+
+    #[test]
+    fn a_stop_persists_the_host_region_to_disk() {
+        let dir = tempfile::tempdir().unwrap();
+        let one = block(1, None, 0).footprint();
+        let t = KvTiers::open(settings(8 * one, Some(dir.path().into())), shape(), 0).unwrap();
+        t.offer(vec![block(1, None, 1), block(2, Some(1), 2)]);
+        assert!(t.disk().unwrap().flush(std::time::Duration::from_secs(5)));
+        assert_eq!(
+            t.figures().disk.unwrap().blocks,
+            0,
+            "all fit the host region"
+        );
+        let soon = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        assert_eq!(t.persist(soon), 2);
+        assert_eq!(t.persist(soon), 0, "what is on disk is not written twice");
+        drop(t);
+        let again = KvTiers::open(settings(8 * one, Some(dir.path().into())), shape(), 0).unwrap();
+        assert_eq!(
+            again.contains_run(&[1, 2]),
+            2,
+            "a restart finds them on disk"
+        );
+        // Without a disk tier there is nothing to persist to.
+        let host_only = KvTiers::open(settings(8 * one, None), shape(), 0).unwrap();
+        host_only.offer(vec![block(1, None, 1)]);
+        assert_eq!(host_only.persist(soon), 0);
     }
 
     #[test]

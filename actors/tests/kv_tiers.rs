@@ -282,16 +282,36 @@ async fn evicted_turns_restore_from_the_disk_tier_and_damage_is_a_counted_miss()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_instance_finds_the_disk_tier_warm() {
-    let want = reference(&REVISIT, 1).await;
     let dir = tempfile::tempdir().unwrap();
-    let settings = disk_only(dir.path());
-    let inst = instance("restart-a", 1, Some(settings.clone())).await;
+    restart_finds_the_disk_tier_warm(disk_only(dir.path()), "restart").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_writes_the_host_region_to_disk_so_a_restart_finds_it() {
+    let dir = tempfile::tempdir().unwrap();
+    // A host region large enough that nothing overflows to disk while serving: only the
+    // stop puts the blocks there.
+    let mut settings = disk_only(dir.path());
+    settings.host_capacity_bytes = 64 << 20;
+    restart_finds_the_disk_tier_warm(settings, "persist").await;
+}
+
+async fn restart_finds_the_disk_tier_warm(settings: TierSettings, name: &str) {
+    let want = reference(&REVISIT, 1).await;
+    let with_host = settings.host_capacity_bytes > 0;
+    let inst = instance(&format!("{name}-a"), 1, Some(settings.clone())).await;
+    let name = name.to_string();
     let (run, inst) = conversation_run(inst, &REVISIT, |inst, _| async move {
         flush(&inst);
+        if with_host {
+            let f = inst.kv_tiers().unwrap().figures();
+            assert_eq!(f.disk.unwrap().blocks, 0, "nothing overflowed: {f:?}");
+        }
         let report = inst.stop().await;
         assert!(report.clean(), "{report:?}");
+        assert_eq!(report.tier_blocks_persisted > 0, with_host, "{report:?}");
         // A new instance, a new pool: only the disk tier remembers.
-        instance("restart-b", 1, Some(settings)).await
+        instance(&format!("{name}-b"), 1, Some(settings)).await
     })
     .await;
     assert_eq!(run.first, want.first);

@@ -519,6 +519,14 @@ impl DiskTier {
         }
     }
 
+    /// Queues `b` for writing, waiting while the queue is full (a stop's persistence, off the
+    /// async threads); `false` when the writer is gone.
+    pub(super) fn write_waiting(&self, b: Arc<TierBlock>) -> bool {
+        let w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+        w.as_ref()
+            .is_some_and(|tx| tx.send(WriterJob::Write(b)).is_ok())
+    }
+
     /// Reads and verifies block `h` (most recently used now). Blocking.
     ///
     /// # Errors

@@ -87,6 +87,14 @@ impl HostTier {
         (true, victims)
     }
 
+    /// Every block held, with its stored checksum, least recently used first.
+    pub(super) fn all(&self) -> Vec<(Arc<TierBlock>, u64)> {
+        self.lru
+            .values()
+            .filter_map(|h| self.blocks.get(h).map(|(b, s, _)| (b.clone(), *s)))
+            .collect()
+    }
+
     /// The block under `h` and its stored checksum (most recently used now).
     pub(super) fn get(&mut self, h: BlockHash) -> Option<(Arc<TierBlock>, u64)> {
         self.touch(h);

@@ -10,7 +10,9 @@
 //! | [`prefix`] | prefix keys: the chained block hashes (a leaf) |
 //! | [`kv_events`] | the prefix-cache event log an instance drains for the proxy, the proxy's `KvIndex` |
 //! | [`block_manager`] | the KV block pool: allocation, reference counts, watermark, the prefix cache |
+//! | [`router`] | the proxy's routing decision: least loaded, round-robin, conditional disaggregation, the KV router's cost |
 
 pub mod block_manager;
 pub mod kv_events;
 pub mod prefix;
+pub mod router;

@@ -10,9 +10,11 @@
 //! | [`prefix`] | prefix keys: the chained block hashes (a leaf) |
 //! | [`kv_events`] | the prefix-cache event log an instance drains for the proxy, the proxy's `KvIndex` |
 //! | [`block_manager`] | the KV block pool: allocation, reference counts, watermark, the prefix cache |
+//! | [`handoff`] | the hand-off's error and the joining of its per-rank reports (`Aggregation`, `Epochs`) |
 //! | [`router`] | the proxy's routing decision: least loaded, round-robin, conditional disaggregation, the KV router's cost |
 
 pub mod block_manager;
+pub mod handoff;
 pub mod kv_events;
 pub mod prefix;
 pub mod router;

@@ -14,15 +14,14 @@
 //! | [`openai`] | OpenAI request parsing and response shapes (pure) |
 //! | [`tools`] | chat tool calling: tools in the prompt, forced calls, calls parsed (pure) |
 //! | [`multimodal`] | image input: limits, `data:` URLs, encoding, the prompt's image places |
-//! | [`block_manager`], [`mailbox`], [`error`] | shared pieces |
+//! | [`block_manager`], [`kv_events`] | re-exported from `pdserve-core` (the block pool, the KV events) |
+//! | [`mailbox`], [`error`] | shared pieces |
 
-pub mod block_manager;
 pub mod control_plane;
 pub mod error;
 pub mod handoff;
 pub mod http;
 pub mod instance;
-pub mod kv_events;
 pub mod kv_tiers;
 pub mod mailbox;
 pub mod multimodal;
@@ -36,3 +35,4 @@ pub mod worker;
 
 pub use error::{RequestError, StartError};
 pub use instance::{Instance, InstanceOptions, ShutdownReport};
+pub use pdserve_core::{block_manager, kv_events};

@@ -360,6 +360,7 @@ impl Actor for Scheduler {
                             first_token,
                             outcome.first_logprobs,
                             outcome.prefill_cached_tokens.map_or(0, |n| n as usize),
+                            Instant::now(),
                         )
                         .unwrap_or_default(),
                     Err(e) => {
@@ -909,7 +910,7 @@ impl SchedulerState {
             }
         }
         let out = match (failure, logits) {
-            (None, Some(l)) => self.core.complete(inf.plan, l),
+            (None, Some(l)) => self.core.complete(inf.plan, l, Instant::now()),
             (Some(e), _) => {
                 self.needs_reset = true;
                 self.step_failed(inf.plan.step_id, inf.pushes);

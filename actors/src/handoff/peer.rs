@@ -17,6 +17,7 @@
 //! And it renews the leases of held blocks being read, batched per peer.
 
 use super::plan::validate_peer;
+use super::protocol::TransferFailure;
 use super::protocol::{
     decode_answer, encode_request, HandoffError, KvPeerInfo, PeerAnswer, PeerRequest, SessionOffer,
     PEER_CONTENT_TYPE, PEER_TOPIC,

@@ -20,6 +20,7 @@ use super::aggregator::{next_attempt, AggregatorMsg, RankReport, Tag};
 use super::context::KvContext;
 use super::peer::{PeerAddr, RenewGuard};
 use super::plan::{check_blocks, plan_pull};
+use super::protocol::TransferFailure;
 use super::protocol::{
     HandoffError, KvPeerInfo, PeerAnswer, PeerRequest, PrefillMode, PrefillRequest, SessionOffer,
 };

@@ -20,7 +20,7 @@
 
 use super::aggregator::{AggregatorMsg, HandoffOutcome, Tag};
 use super::context::KvContext;
-use super::protocol::HandoffError;
+use super::protocol::{HandoffError, TransferFailure};
 use super::push::{PushAction, PushEvent, PushShape, PushTarget, PushTracker};
 use super::session::{fence_id, submit_ops};
 use crate::mailbox::{Inbox, Mailbox};

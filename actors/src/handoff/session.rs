@@ -20,7 +20,7 @@
 //! | `shm` | yes | — (the initiator copies into the mapping itself): the grant covers the whole regions |
 //! | `tcp`, `quic`, `rdma` | yes | yes |
 
-use super::protocol::HandoffError;
+use super::protocol::{HandoffError, TransferFailure};
 use pdserve_gpu::kv::{KvKind, KvLayout};
 use pdserve_runtime::ids::TransferId;
 use pdserve_transport::{

@@ -4,8 +4,9 @@
 
 use super::{MISSED_HEARTBEATS_TO_DROP, MISSED_POLLS_TO_DROP};
 use pdserve_runtime::Role;
-use std::net::SocketAddr;
 use std::time::{Duration, Instant};
+
+pub use pdserve_core::router::Upstream;
 
 /// Liveness of an entry that registered over the control plane (heartbeat-driven).
 #[derive(Debug, Clone)]
@@ -16,21 +17,6 @@ struct Registered {
     last_seen: Instant,
     connected: bool,
     generation: u64,
-}
-
-/// One instance the proxy may route to, as routing sees it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Upstream {
-    /// Its HTTP API (`http://host:port`).
-    pub url: String,
-    /// `(host, port)` of the URL, parsed once when the entry was added.
-    pub host_port: Option<(String, u16)>,
-    /// Its role.
-    pub role: Role,
-    /// Its last load: `(queued + running, free blocks)`.
-    pub load: Option<(usize, usize)>,
-    /// Its control address and node name, when it registered over the control plane.
-    pub control: Option<(SocketAddr, String)>,
 }
 
 #[derive(Debug, Clone)]

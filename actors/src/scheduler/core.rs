@@ -630,6 +630,7 @@ impl SchedulerCore {
         first_token: u32,
         first_logprobs: Option<TokenLogprobs>,
         prefill_cached: usize,
+        now: Instant,
     ) -> Result<Vec<Output>, RequestError> {
         let s = self
             .seqs
@@ -656,7 +657,7 @@ impl SchedulerCore {
         self.running.push(id);
         // The landed KV is final: later requests may share its full blocks.
         self.register_computed(id);
-        Ok(self.accept_token(id, first_token, first_logprobs))
+        Ok(self.accept_token(id, first_token, first_logprobs, now))
     }
 
     /// A decode instance read the blocks held for `transfer`: free them. Returns whether
@@ -922,9 +923,10 @@ impl SchedulerCore {
         self.blocks.grow(&mut s.blocks, n)
     }
 
-    /// Applies a finished step: advances positions, samples, checks stops. Requests aborted
-    /// while the step ran are skipped.
-    pub fn complete(&mut self, plan: StepPlan, logits: Vec<Vec<f32>>) -> Vec<Output> {
+    /// Applies a finished step at `now`: advances positions, samples, checks stops (a finished
+    /// request whose blocks are held for a transfer gets its lease from `now`). Requests
+    /// aborted while the step ran are skipped.
+    pub fn complete(&mut self, plan: StepPlan, logits: Vec<Vec<f32>>, now: Instant) -> Vec<Output> {
         let mut out = Vec::new();
         let mut logits = logits.into_iter();
         for ((id, n, samples), chunk) in plan.members.into_iter().zip(&plan.batch.seqs) {
@@ -958,7 +960,7 @@ impl SchedulerCore {
                 continue;
             };
             match s.gen.sample_with_logprobs(&mut row, &s.prompt) {
-                Ok((token, logprobs)) => out.extend(self.accept_token(id, token, logprobs)),
+                Ok((token, logprobs)) => out.extend(self.accept_token(id, token, logprobs, now)),
                 Err(e) => {
                     out.push(Output::Failed {
                         id,
@@ -984,12 +986,13 @@ impl SchedulerCore {
         }
     }
 
-    /// Appends a sampled token to a running request and applies its stop conditions.
+    /// Appends a sampled token to a running request and applies its stop conditions at `now`.
     fn accept_token(
         &mut self,
         id: RequestId,
         token: u32,
         logprobs: Option<TokenLogprobs>,
+        now: Instant,
     ) -> Vec<Output> {
         let Some(s) = self.seqs.get_mut(&id) else {
             return Vec::new();
@@ -1015,7 +1018,7 @@ impl SchedulerCore {
                     let blocks = std::mem::replace(&mut s.blocks, self.blocks.empty());
                     let ids = blocks.blocks().to_vec();
                     self.held
-                        .insert(transfer, (blocks, Instant::now() + self.cfg.kv_lease));
+                        .insert(transfer, (blocks, now + self.cfg.kv_lease));
                     ids
                 });
                 self.abort(id);
@@ -1122,7 +1125,7 @@ mod tests {
         for _ in 0..1000 {
             let Some(plan) = c.schedule() else { break };
             let l = logits(&plan);
-            all.extend(c.complete(plan, l));
+            all.extend(c.complete(plan, l, Instant::now()));
         }
         all
     }
@@ -1135,7 +1138,7 @@ mod tests {
         assert_eq!(p.members, vec![(RequestId(1), 5, false)]);
         assert_eq!(p.batch.seqs[0].block_table.len(), 2);
         let l = logits(&p);
-        assert!(c.complete(p, l).is_empty());
+        assert!(c.complete(p, l, Instant::now()).is_empty());
         let p = c.schedule().unwrap();
         assert_eq!(p.batch.seqs[0].start_pos, 5);
         let out = drive_from(&mut c, p);
@@ -1151,7 +1154,7 @@ mod tests {
 
     fn drive_from(c: &mut SchedulerCore, first: StepPlan) -> Vec<Output> {
         let l = logits(&first);
-        let mut out = c.complete(first, l);
+        let mut out = c.complete(first, l, Instant::now());
         out.extend(drive(c));
         out
     }
@@ -1229,7 +1232,7 @@ mod tests {
                 panic!("a cold cache moves the whole prompt")
             };
             c.remote_kv_transferring(RequestId(id)).unwrap();
-            c.remote_kv_ready(RequestId(id), 97, None, prefill_cached)
+            c.remote_kv_ready(RequestId(id), 97, None, prefill_cached, Instant::now())
                 .unwrap();
             let p = c.schedule().unwrap();
             match drive_from(c, p).last() {
@@ -1275,7 +1278,9 @@ mod tests {
         );
         c.remote_kv_transferring(RequestId(1)).unwrap();
         assert_eq!(c.state(RequestId(1)), Some(RequestState::Transferring));
-        let out = c.remote_kv_ready(RequestId(1), 97, None, 0).unwrap();
+        let out = c
+            .remote_kv_ready(RequestId(1), 97, None, 0, Instant::now())
+            .unwrap();
         assert_eq!(
             out,
             vec![Output::Token {
@@ -1314,7 +1319,9 @@ mod tests {
             c.add_remote(req(2, 9, 3), false).unwrap(),
             RemoteAdmission::Remote { cached_blocks: 2, ref blocks } if blocks.len() == 3
         ));
-        assert!(c.remote_kv_ready(RequestId(3), 1, None, 0).is_err());
+        assert!(c
+            .remote_kv_ready(RequestId(3), 1, None, 0, Instant::now())
+            .is_err());
         assert!(c.abort(RequestId(2)));
         assert_eq!(c.stats().blocks_free, 16);
     }
@@ -1370,7 +1377,7 @@ mod tests {
             (8, 1)
         );
         let l = logits(&p);
-        c.complete(p, l);
+        c.complete(p, l, Instant::now());
         assert_eq!(c.stats().prompt_tokens_cached, 8);
         // A decode-side request takes the cached prefix and waits for the rest; others then
         // need every unpinned block: the pinned prefix is never handed out.
@@ -1396,7 +1403,7 @@ mod tests {
         }
         assert!(c.stats().cache_evictions > 0, "{:?}", c.stats());
         let l = logits(&p);
-        c.complete(p, l);
+        c.complete(p, l, Instant::now());
         drive(&mut c);
         assert_eq!(
             c.block_manager().lookup(
@@ -1407,7 +1414,9 @@ mod tests {
             2,
             "the pinned prefix is still cached"
         );
-        assert!(c.remote_kv_ready(RequestId(3), 97, None, 0).is_ok());
+        assert!(c
+            .remote_kv_ready(RequestId(3), 97, None, 0, Instant::now())
+            .is_ok());
         drive(&mut c);
         assert_eq!(c.stats().blocks_in_use, 0, "{:?}", c.stats());
         assert_eq!(c.stats().blocks_free, 12);
@@ -1452,7 +1461,7 @@ mod tests {
                     .map(|e| (seq.start_pos, e.at, e.from, e.len)),
             );
             let l = logits(&p);
-            c.complete(p, l);
+            c.complete(p, l, Instant::now());
         }
         // (chunk start, index in chunk, first row, rows): rows 0..3, 3..6.
         assert_eq!(spans, vec![(4, 1, 0, 3), (8, 0, 3, 3)]);

@@ -9,9 +9,9 @@
 //! # Prefix cache
 //!
 //! A full block whose KV is computed (or has landed from a prefill instance) can be
-//! *registered* under its [`BlockHash`]: a hash chained over the parent block's hash, the
-//! block's token ids and the instance's compatibility salt (model, KV dtype, layout, block
-//! size), so instances with different KV layouts never match. A registered block whose last
+//! *registered* under its [`BlockHash`] ([`crate::prefix`]): a hash chained over the parent
+//! block's hash, the block's token ids and the instance's compatibility salt (model, KV
+//! dtype, layout, block size), so instances with different KV layouts never match. A registered block whose last
 //! holder drops it is not freed but kept as *cached*: evictable, in LRU order. A new request
 //! takes the longest run of its leading blocks that are cached ([`BlockManager::take_prefix`])
 //! by reference: the block's reference count goes up, and a block with holders is never
@@ -28,52 +28,11 @@
 //! nobody holds: after every request ended, `num_free() == total()` proves nothing leaked;
 //! [`BlockManager::num_in_use`] counts blocks with holders.
 
+use crate::kv_events::{KvEventBatch, KvEventLog};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
-/// The chained hash of one full block of tokens (see the module docs).
-pub type BlockHash = u64;
-
-const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
-
-/// FNV-1a 64 folded over `words`, starting from `seed`.
-fn fnv(seed: u64, words: impl IntoIterator<Item = u64>) -> u64 {
-    let mut h = seed;
-    for w in words {
-        for b in w.to_le_bytes() {
-            h ^= b as u64;
-            h = h.wrapping_mul(0x0100_0000_01b3);
-        }
-    }
-    h
-}
-
-/// The salt of an instance's block hashes: FNV-1a 64 of its compatibility key (stable across
-/// builds and processes).
-pub fn cache_salt(compat_key: &str) -> u64 {
-    fnv(FNV_OFFSET, compat_key.bytes().map(u64::from))
-}
-
-/// The chained hashes of the full blocks of `tokens` (a trailing partial block has none).
-pub fn block_hashes(salt: u64, tokens: &[u32], block_size: usize) -> Vec<BlockHash> {
-    let mut out = Vec::new();
-    extend_hashes(salt, &mut out, tokens, block_size);
-    out
-}
-
-/// Appends to `hashes` (those of the first `hashes.len()` blocks of `tokens`) the hashes of
-/// the following full blocks of `tokens`.
-pub fn extend_hashes(salt: u64, hashes: &mut Vec<BlockHash>, tokens: &[u32], block_size: usize) {
-    let bs = block_size.max(1);
-    let mut parent = hashes.last().copied().unwrap_or(salt);
-    for block in tokens.chunks_exact(bs).skip(hashes.len()) {
-        let words = [parent, salt]
-            .into_iter()
-            .chain(block.iter().map(|&t| u64::from(t)));
-        parent = fnv(FNV_OFFSET, words);
-        hashes.push(parent);
-    }
-}
+pub use crate::prefix::{block_hashes, cache_salt, extend_hashes, BlockHash};
 
 #[derive(Debug)]
 struct Entry {
@@ -120,7 +79,7 @@ struct Pool {
     /// Evictions of cached blocks.
     evictions: u64,
     /// Registered/forgotten hashes since the last drain (told to the proxy).
-    events: crate::kv_events::KvEventLog,
+    events: KvEventLog,
     /// Whether evictions are recorded in `evicted` (KV tiers on).
     spill: bool,
     /// Evicted registered blocks since the last [`BlockManager::take_evicted`].
@@ -255,7 +214,7 @@ impl BlockManager {
             clock: 0,
             hit_blocks: 0,
             evictions: 0,
-            events: crate::kv_events::KvEventLog::default(),
+            events: KvEventLog::default(),
             spill: false,
             evicted: Vec::new(),
         };
@@ -514,7 +473,7 @@ impl BlockManager {
     /// The prefix-cache events since the last call (see [`crate::kv_events`]): a snapshot of
     /// every registered hash when `snapshot` asks for one or events were lost, else the
     /// stored/removed hashes in order.
-    pub fn kv_events(&self, snapshot: bool) -> crate::kv_events::KvEventBatch {
+    pub fn kv_events(&self, snapshot: bool) -> KvEventBatch {
         let mut pool = self.lock();
         let pool = &mut *pool;
         let by_hash = &pool.by_hash;
@@ -603,26 +562,6 @@ mod tests {
 
     fn toks(n: usize, seed: u32) -> Vec<u32> {
         (0..n as u32).map(|i| seed * 1000 + i).collect()
-    }
-
-    #[test]
-    fn hashes_chain_over_the_prefix_and_the_salt() {
-        let t = toks(10, 1);
-        let h = block_hashes(7, &t, BS);
-        assert_eq!(h.len(), 2, "the partial third block has no hash");
-        let mut other = t.clone();
-        other[0] += 1;
-        let h2 = block_hashes(7, &other, BS);
-        assert_ne!(
-            h[1], h2[1],
-            "a different first block changes every later hash"
-        );
-        assert_ne!(
-            block_hashes(8, &t, BS)[0],
-            h[0],
-            "another layout never matches"
-        );
-        assert_eq!(block_hashes(7, &t[..8], BS), h, "stable");
     }
 
     #[test]

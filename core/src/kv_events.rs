@@ -4,7 +4,7 @@
 //! An instance's [`BlockManager`](crate::block_manager::BlockManager) logs every block hash it
 //! registers (*stored*) and every one it forgets (*removed*: evicted, or the cache cleared),
 //! in order, in a bounded [`KvEventLog`]. Its control plane drains the log every
-//! [`KV_EVENTS_INTERVAL`](crate::control_plane::KV_EVENTS_INTERVAL) and sends the batch to the proxy (`Opaque` topic [`TOPIC_KV_EVENTS`], JSON
+//! `KV_EVENTS_INTERVAL` (`pdserve_actors::control_plane`) and sends the batch to the proxy (`Opaque` topic [`TOPIC_KV_EVENTS`], JSON
 //! [`KvEventBatch`]). Right after each (re)registration, and whenever the log overflowed or
 //! the cache was cleared, the batch is a *snapshot*: every hash the instance holds, which
 //! replaces what the proxy knew. A restarted proxy or instance therefore converges within
@@ -16,7 +16,7 @@
 //! The overlap of a prompt with an instance is the number of its leading block hashes, chained
 //! with that instance's salt and block size as given in its registration, found in that set.
 
-use crate::block_manager::{block_hashes, BlockHash};
+use crate::prefix::{block_hashes, BlockHash};
 use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, HashSet};
 

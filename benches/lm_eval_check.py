@@ -6,27 +6,26 @@ The task is multiple choice over the shipped `benches/data/lm_eval_mc.jsonl` (13
 capitals, arithmetic, opposites, animal sounds, colours; four choices each): the harness scores
 each choice by the log-likelihood of its tokens after the question, which it gets from
 `/v1/completions` with `echo: true, logprobs: 1, max_tokens: 1` (prompt log-probabilities).
-Prompts go as text (`tokenized_requests=False`): llama.cpp's Python server takes no token ids
-in a batch; both servers tokenize with the GGUF's tokenizer.
+Prompts go as text (`tokenized_requests=False`),
+as both servers tokenize with the GGUF's tokenizer.
 
-The llama.cpp side: `llama-server` refuses such requests ("Only no echo is supported"), so the
-harness cannot run log-likelihood tasks against it; the oracle is llama.cpp through its Python
-binding's OpenAI server (`llama-cpp-python[server]`, built from the PyPI sdist with the flags
-below, `logits_all` on), same harness, same GGUF, same tokenizer files.
+The llama.cpp side: neither of llama.cpp's servers can answer these requests as the OpenAI API
+does. `llama-server` refuses them ("Only no echo is supported"); `llama-cpp-python[server]`
+0.3.36 leaves the sampled token out of `echo` log-probabilities, and the harness drops the last
+entry, so every one-token continuation scored 0 there (302 of 556; accuracy 19 %, below chance).
+The oracle is therefore llama.cpp's own logits on the same GGUF, evaluated by llama-cpp-python's
+`Llama` (the library under its server, built from the PyPI sdist with the flags below) and
+answered by `benches/llama_cpp_logprobs.py`, a thin `/v1/completions` that puts log-softmax of
+those logits in OpenAI's shape. Same harness, same task, same tokenizer files.
 
 Passes when pdserve's accuracy is within 1 point of llama.cpp's. Also reports how many of the
 questions the two answer differently and the largest per-choice log-likelihood difference.
-
-Known problem (2026-11-27, llama-cpp-python 0.3.36): its server reuses the previous request's
-matching prompt prefix ("prefix-match hit") and then reports a log-likelihood of 0 for most
-continuations, so its accuracy on this task came out at 19 % (below chance) against pdserve's
-65 %: as run here it is not a valid oracle. See docs/benchmarks.md.
 
 usage: benches/lm_eval_check.py [--pdserve PATH] [--colocated] [--threads 2] [--out DIR]
            [--llama-cmake-args "..."]
 
 Installs `lm-eval` and `transformers` (pinned; the tokenizer files come from
-`pdserve model tokenizer`) and, in a second venv, `llama-cpp-python[server]` from PyPI on first
+`pdserve model tokenizer`) and, in a second venv, `llama-cpp-python` from PyPI on first
 use (the latter compiles llama.cpp: several minutes).
 """
 import argparse
@@ -85,6 +84,11 @@ def run_harness(name, url, model, tokenizer, tasks, out):
         r = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=3600)
     if r.returncode != 0:
         sys.exit(f"lm_eval against {name} exited with {r.returncode}; see {dest}.log")
+    return read_results(dest)
+
+
+def read_results(dest):
+    """(accuracy, {doc_id: [log-likelihood per choice]}) of a finished `lm_eval` run."""
     results = json.load(open(glob.glob(f"{dest}/**/results_*.json", recursive=True)[0]))
     acc = results["results"][TASK]["acc,none"]
     scores = {}
@@ -103,6 +107,9 @@ def main():
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
     ap.add_argument("--llama-cmake-args", default=DEFAULT_CMAKE)
     ap.add_argument("--out", help="results directory (default: a temp dir)")
+    ap.add_argument("--llama-results", metavar="DIR",
+                    help="reuse the llama.cpp run of an earlier --out DIR (same dataset) "
+                         "instead of running llama.cpp again")
     args = ap.parse_args()
     binary = pyenv.pdserve_binary(args.pdserve)
     out = args.out or tempfile.mkdtemp(prefix="lm-eval-")
@@ -112,10 +119,6 @@ def main():
     subprocess.run([binary, "model", "tokenizer", "--out", tokenizer], check=True,
                    stdout=subprocess.DEVNULL)
     tasks = task_dir(out)
-    oracle = pyenv.venv_python(["llama-cpp-python[server]==0.3.36"],
-                               {"CMAKE_ARGS": args.llama_cmake_args,
-                                "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count())})
-
     # pdserve, then llama.cpp: one server on the machine at a time.
     if args.colocated:
         server, url = pyenv.serve(binary, log=os.path.join(out, "pdserve.log"))
@@ -127,28 +130,44 @@ def main():
         pd_acc, pd_scores = run_harness("pdserve", url, model, tokenizer, tasks, out)
     finally:
         server.stop()
+    if args.llama_results:
+        ll_acc, ll_scores = read_results(os.path.join(args.llama_results, "llama.cpp"))
+    else:
+        oracle = pyenv.venv_python(["llama-cpp-python==0.3.36"],
+                                   {"CMAKE_ARGS": args.llama_cmake_args,
+                                    "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count())})
+        ll_acc, ll_scores = run_llama(oracle, gguf, model, tokenizer, tasks, out, args.threads)
+    compare(pd_acc, pd_scores, ll_acc, ll_scores, out, args)
+
+
+def run_llama(oracle, gguf, model, tokenizer, tasks, out, threads):
+    """The harness against llama.cpp (benches/llama_cpp_logprobs.py) on the same GGUF."""
     port = pyenv.free_port()
     llama_url = f"http://127.0.0.1:{port}"
-    llama = pyenv.Server([oracle, "-m", "llama_cpp.server", "--model", gguf, "--model_alias",
-                          model, "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048",
-                          "--n_threads", str(args.threads), "--n_batch", "512",
-                          "--logits_all", "true"],
-                         llama_url + "/v1/models", "llama_cpp.server",
+    llama = pyenv.Server([oracle, os.path.join(pyenv.HERE, "llama_cpp_logprobs.py"),
+                          "--model", gguf, "--alias", model, "--port", str(port),
+                          "--n-ctx", "2048", "--threads", str(threads)],
+                         llama_url + "/v1/models", "llama.cpp (llama_cpp_logprobs.py)",
                          os.path.join(out, "llama.log"))
     try:
-        ll_acc, ll_scores = run_harness("llama.cpp", llama_url, model, tokenizer, tasks, out)
+        return run_harness("llama.cpp", llama_url, model, tokenizer, tasks, out)
     finally:
         llama.stop()
 
+
+def compare(pd_acc, pd_scores, ll_acc, ll_scores, out, args):
     differ = [d for d in pd_scores if d in ll_scores and
               max(range(len(pd_scores[d])), key=pd_scores[d].__getitem__) !=
               max(range(len(ll_scores[d])), key=ll_scores[d].__getitem__)]
-    worst = max(abs(a - b) for d in pd_scores if d in ll_scores
-                for a, b in zip(pd_scores[d], ll_scores[d]))
+    gaps = sorted(abs(a - b) for d in pd_scores if d in ll_scores
+                  for a, b in zip(pd_scores[d], ll_scores[d]))
+    worst = gaps[-1]
     summary = {"pdserve_acc": pd_acc, "llama_cpp_acc": ll_acc,
                "points_apart": round(abs(pd_acc - ll_acc) * 100, 3),
                "questions": len(pd_scores), "answers_differ": len(differ),
                "largest_loglik_difference": worst,
+               "median_loglik_difference": gaps[len(gaps) // 2],
+               "pdserve_weights": os.environ.get("PDSERVE_MODEL__WEIGHTS", "default"),
                "deployment": "colocated" if args.colocated else "1P1D", "results": out}
     print(json.dumps(summary))
     ok = abs(pd_acc - ll_acc) * 100 <= 1.0 and len(pd_scores) == len(ll_scores) > 0

@@ -17,7 +17,7 @@
 //! thread- and tp-invariant.
 
 use crate::kv::{HeadBlock, KvCache, KvKind};
-use crate::model::Batch;
+use crate::batch::Batch;
 use crate::quant;
 
 /// Queries per attention work item, bounding the score matrix of long prefills.
@@ -491,7 +491,7 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 mod tests {
     use super::*;
     use crate::kv::{KvDtype, KvLayout};
-    use crate::model::SeqChunk;
+    use crate::batch::SeqChunk;
     use pdserve_runtime::memory::AnonAllocator;
 
     const NKV: usize = 2;

@@ -7,7 +7,7 @@
 //! busy-loop child processes ([`BusyLoops`], `nice 19` by default) competing for the CPUs.
 
 use crate::engine::StepGroup;
-use crate::model::{Batch, SeqChunk};
+use crate::batch::{Batch, SeqChunk};
 use crate::Result;
 use serde::Serialize;
 use std::time::{Duration, Instant};

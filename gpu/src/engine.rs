@@ -9,7 +9,7 @@ use crate::config::ModelConfig;
 use crate::generation::{Generation, TokenOutcome};
 use crate::kv::{BlockAllocator, DEFAULT_BLOCK_SIZE};
 use crate::loader::LoadedModel;
-use crate::model::{Batch, SeqChunk};
+use crate::batch::{Batch, SeqChunk};
 use crate::sampling::{FinishReason, SamplingParams};
 use crate::tokenizer::Tokenizer;
 use crate::tp::{TpGroup, TpOptions};

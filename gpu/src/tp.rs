@@ -8,7 +8,8 @@
 use crate::collective::{Collective, ThreadCollective};
 use crate::config::ModelConfig;
 use crate::kv::{KvCache, KvLayout};
-use crate::model::{Batch, ModelShard};
+use crate::batch::Batch;
+use crate::model::ModelShard;
 use crate::weights::{TensorStore, WeightFormat};
 use crate::{ModelError, Result};
 use pdserve_runtime::memory::HostMemoryAllocator;

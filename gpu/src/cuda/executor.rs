@@ -21,7 +21,7 @@ use crate::config::ModelConfig;
 use crate::device::DeviceError;
 use crate::engine::StepGroup;
 use crate::kv::{KvDtype, KvLayout, KvSpan};
-use crate::model::Batch;
+use crate::batch::Batch;
 use crate::tp::{
     panic_message, step_ranks, LayerHook, RankThread, StepCallback, StepRank, TpOptions,
     COLLECTIVE_TIMEOUT,

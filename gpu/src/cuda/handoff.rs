@@ -6,7 +6,7 @@
 
 use crate::engine::StepGroup;
 use crate::kv::{KvKind, KvLayout, KvSpan};
-use crate::model::{Batch, SeqChunk};
+use crate::batch::{Batch, SeqChunk};
 use crate::{ModelError, Result};
 use pdserve_runtime::memory::HostMemory;
 use std::path::{Path, PathBuf};

@@ -25,7 +25,7 @@ use crate::collective::Collective;
 use crate::config::{ModelConfig, RopeStyle};
 use crate::device::DeviceError;
 use crate::kv::KvDtype;
-use crate::model::Batch;
+use crate::batch::Batch;
 use crate::weights::{concat_rows, slice_cols, slice_rows, TensorStore};
 use crate::Result;
 use candle_core::quantized::QTensor;

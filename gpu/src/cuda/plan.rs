@@ -10,7 +10,7 @@
 
 use crate::config::ModelConfig;
 use crate::kv::KvLayout;
-use crate::model::Batch;
+use crate::batch::Batch;
 use crate::{ModelError, Result};
 
 /// Index arrays of one step.
@@ -159,7 +159,7 @@ mod tests {
     use super::*;
     use crate::cuda::layout::slot_elem_offset;
     use crate::kv::{KvDtype, KvKind};
-    use crate::model::SeqChunk;
+    use crate::batch::SeqChunk;
 
     fn layout() -> KvLayout {
         KvLayout {

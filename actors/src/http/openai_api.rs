@@ -22,6 +22,7 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::stream::{self, Stream, StreamExt};
+use pdserve_gpu::grammar::GrammarCompiler;
 use pdserve_gpu::sampling::TokenLogprobs;
 use pdserve_gpu::vision::ImageEmbeds;
 use pdserve_runtime::ids::TransferId;
@@ -175,7 +176,7 @@ async fn compile_grammar(
         return Ok(None);
     };
     let tokenizer = app.tokenizer.clone();
-    tokio::task::spawn_blocking(move || tokenizer.grammar_compiler()?.compile(&spec))
+    tokio::task::spawn_blocking(move || GrammarCompiler::for_tokenizer(&tokenizer)?.compile(&spec))
         .await
         .map_err(|e| RequestError::Internal(format!("grammar compilation: {e}")))?
         .map(Some)

@@ -284,7 +284,7 @@ async fn start_prompt(
                 (None, None) => None,
                 (Some(_), None) => Some("given, but the request asks no `logprobs`".to_string()),
                 (None, Some(_)) => Some("missing: the request asks `logprobs`".to_string()),
-                (Some(lp), Some(n)) => lp.validate(app.vocab_size, n).err(),
+                (Some(lp), Some(n)) => lp.validate(app.vocab_size, n).err().map(|e| e.to_string()),
             };
             if let Some(p) = problem {
                 return Err(RequestError::BadRequest(format!(

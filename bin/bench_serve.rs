@@ -1252,10 +1252,7 @@ async fn stream_request(
     let mut acc = StreamAccumulator::default();
     let mut done = false;
     'read: loop {
-        let chunk = resp
-            .chunk()
-            .await
-            .map_err(StreamError::MidStream)?;
+        let chunk = resp.chunk().await.map_err(StreamError::MidStream)?;
         let t = start.elapsed().as_secs_f64();
         let events = match &chunk {
             Some(bytes) => parser.push(bytes),
@@ -1574,7 +1571,10 @@ mod tests {
         let e = a
             .on_event(&SseEvent::Data("not json".into()), 0.1)
             .unwrap_err();
-        assert!(matches!(e, StreamError::BadChunk { ref data, .. } if data == "not json"), "{e}");
+        assert!(
+            matches!(e, StreamError::BadChunk { ref data, .. } if data == "not json"),
+            "{e}"
+        );
         assert!(e.to_string().starts_with("bad stream chunk ("), "{e}");
         // A stream that ends with nothing at all is a failure.
         let r = StreamAccumulator::default().finish(5, 0.4, 1);

@@ -383,7 +383,10 @@ mod tests {
         let again = GrammarCompiler::for_tokenizer(&tok.clone()).unwrap();
         assert!(Arc::ptr_eq(&first, &again), "a clone shares the compiler");
         let other = GrammarCompiler::for_tokenizer(&Tokenizer::byte_level_synthetic()).unwrap();
-        assert!(!Arc::ptr_eq(&first, &other), "another tokenizer builds its own");
+        assert!(
+            !Arc::ptr_eq(&first, &other),
+            "another tokenizer builds its own"
+        );
     }
 
     /// Greedy over uniform logits with a preference for low ids: whatever the grammar allows.

@@ -342,7 +342,11 @@ impl TokenLogprobs {
     ///
     /// # Errors
     /// The first [`LogprobsError`] found.
-    pub fn validate(&self, vocab_size: usize, max_top: usize) -> std::result::Result<(), LogprobsError> {
+    pub fn validate(
+        &self,
+        vocab_size: usize,
+        max_top: usize,
+    ) -> std::result::Result<(), LogprobsError> {
         if self.top.len() > max_top {
             return Err(LogprobsError::TooManyTop {
                 got: self.top.len(),
@@ -1046,7 +1050,13 @@ mod tests {
         assert_eq!(e.to_string(), "2 top logprobs, more than the 1 asked");
         let e = good.validate(2, 2).unwrap_err();
         assert!(
-            matches!(e, LogprobsError::OutsideVocabulary { token: 2, vocab_size: 2 }),
+            matches!(
+                e,
+                LogprobsError::OutsideVocabulary {
+                    token: 2,
+                    vocab_size: 2
+                }
+            ),
             "{e:?}"
         );
         assert_eq!(e.to_string(), "token 2 is outside the vocabulary of 2");
@@ -1054,7 +1064,10 @@ mod tests {
             let mut b = good.clone();
             b.top[1].logprob = bad;
             let e = b.validate(3, 2).unwrap_err();
-            assert!(matches!(e, LogprobsError::NotALogprob { .. }), "{bad}: {e:?}");
+            assert!(
+                matches!(e, LogprobsError::NotALogprob { .. }),
+                "{bad}: {e:?}"
+            );
             assert!(e.to_string().contains("not a finite value <= 0"), "{e}");
         }
     }

@@ -16,9 +16,9 @@
 //! [`DecodeStream`] turns generated ids into text one token at a time, holding back bytes of a
 //! multi-byte character until the character is complete.
 
+use std::any::Any;
 use std::collections::HashMap;
 use std::path::Path;
-use std::any::Any;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use candle_core::quantized::gguf_file;
@@ -906,7 +906,10 @@ impl Tokenizer {
     pub(crate) fn derived<T: Any + Send + Sync>(&self, build: impl FnOnce(&Self) -> T) -> Arc<T> {
         // A build that panicked pushed nothing: the list is still whole.
         let mut built = self.derived.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(t) = built.iter().find_map(|d| Arc::clone(d).downcast::<T>().ok()) {
+        if let Some(t) = built
+            .iter()
+            .find_map(|d| Arc::clone(d).downcast::<T>().ok())
+        {
             return t;
         }
         let t = Arc::new(build(self));

@@ -942,7 +942,10 @@ fn the_proxy_router_settings_parse_and_bad_ones_are_named() {
         );
         let e = "random".parse::<RouterKind>().unwrap_err();
         assert_eq!((e.key, e.value.as_str()), ("proxy.router", "random"));
-        assert!(e.to_string().contains("kv, least-loaded, round-robin"), "{e}");
+        assert!(
+            e.to_string().contains("kv, least-loaded, round-robin"),
+            "{e}"
+        );
         for name in RouterKind::NAMES {
             assert_eq!(name.parse::<RouterKind>().unwrap().as_str(), *name);
         }

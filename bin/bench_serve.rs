@@ -93,22 +93,51 @@ pub struct LenRange {
     pub max: usize,
 }
 
+/// Why a length range (`A:B`) was refused.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum LenRangeError {
+    /// The text has no `:`.
+    #[error("expected A:B, got {0:?}")]
+    NotARange(String),
+    /// One end is not a whole number.
+    #[error("bad range {end} {text:?}: {source}")]
+    NotANumber {
+        /// `start` or `end`.
+        end: &'static str,
+        /// That end's text.
+        text: String,
+        /// Why it does not parse.
+        source: std::num::ParseIntError,
+    },
+    /// The start is above the end.
+    #[error("range start {min} is above its end {max}")]
+    Reversed {
+        /// The start.
+        min: usize,
+        /// The end.
+        max: usize,
+    },
+}
+
 impl std::str::FromStr for LenRange {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
+    type Err = LenRangeError;
+    fn from_str(s: &str) -> std::result::Result<Self, LenRangeError> {
         let (a, b) = s
             .split_once(':')
-            .ok_or_else(|| format!("expected A:B, got {s:?}"))?;
-        let min = a
-            .trim()
-            .parse()
-            .map_err(|e| format!("bad range start {a:?}: {e}"))?;
-        let max = b
-            .trim()
-            .parse()
-            .map_err(|e| format!("bad range end {b:?}: {e}"))?;
+            .ok_or_else(|| LenRangeError::NotARange(s.to_string()))?;
+        let number = |end, text: &str| {
+            text.trim()
+                .parse()
+                .map_err(|source| LenRangeError::NotANumber {
+                    end,
+                    text: text.to_string(),
+                    source,
+                })
+        };
+        let min = number("start", a)?;
+        let max = number("end", b)?;
         if min > max {
-            return Err(format!("range start {min} is above its end {max}"));
+            return Err(LenRangeError::Reversed { min, max });
         }
         Ok(LenRange { min, max })
     }
@@ -716,6 +745,36 @@ impl RequestRecord {
     }
 }
 
+/// Why one streamed request failed (its [`RequestRecord::error`], in words).
+#[derive(Debug, thiserror::Error)]
+pub enum StreamError {
+    /// The request could not be sent, or its answer's head not read.
+    #[error("transport error: {}", error_chain(.0))]
+    Transport(reqwest::Error),
+    /// The answer's body broke off.
+    #[error("transport error mid-stream: {}", error_chain(.0))]
+    MidStream(reqwest::Error),
+    /// The server answered with an error status.
+    #[error("HTTP {status}: {body}")]
+    Status {
+        /// The status.
+        status: reqwest::StatusCode,
+        /// The start of its body.
+        body: String,
+    },
+    /// A stream event whose data is not JSON.
+    #[error("bad stream chunk ({source}): {data}")]
+    BadChunk {
+        /// The parse error.
+        source: serde_json::Error,
+        /// The start of the data.
+        data: String,
+    },
+    /// The server sent an error object inside the stream.
+    #[error("error in stream: {0}")]
+    Server(String),
+}
+
 /// Whether to keep reading a stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Flow {
@@ -740,7 +799,7 @@ impl StreamAccumulator {
     /// # Errors
     /// The server's message when the event is an error object, or a parse error for data that
     /// is not JSON.
-    pub fn on_event(&mut self, event: &SseEvent, t: f64) -> std::result::Result<Flow, String> {
+    pub fn on_event(&mut self, event: &SseEvent, t: f64) -> std::result::Result<Flow, StreamError> {
         let data = match event {
             SseEvent::Done => {
                 self.done = true;
@@ -748,17 +807,12 @@ impl StreamAccumulator {
             }
             SseEvent::Data(d) => d,
         };
-        let v: Value = serde_json::from_str(data).map_err(|e| {
-            format!(
-                "bad stream chunk ({e}): {}",
-                truncate(data, MAX_ERROR_CHARS)
-            )
+        let v: Value = serde_json::from_str(data).map_err(|source| StreamError::BadChunk {
+            source,
+            data: truncate(data, MAX_ERROR_CHARS),
         })?;
         if let Some(msg) = stream_error_message(&v) {
-            return Err(format!(
-                "error in stream: {}",
-                truncate(&msg, MAX_ERROR_CHARS)
-            ));
+            return Err(StreamError::Server(truncate(&msg, MAX_ERROR_CHARS)));
         }
         if chunk_has_content(&v) {
             self.content_times.push(t);
@@ -1162,7 +1216,9 @@ async fn send_request(ctx: &RequestContext, spec: RequestSpec) -> RequestRecord 
     let start = Instant::now();
     match tokio::time::timeout(ctx.timeout, stream_request(ctx, &spec, start)).await {
         Ok(Ok(record)) => record,
-        Ok(Err(e)) => RequestRecord::failed(spec.index, start.elapsed().as_secs_f64(), e),
+        Ok(Err(e)) => {
+            RequestRecord::failed(spec.index, start.elapsed().as_secs_f64(), e.to_string())
+        }
         Err(_) => RequestRecord::failed(
             spec.index,
             start.elapsed().as_secs_f64(),
@@ -1175,7 +1231,7 @@ async fn stream_request(
     ctx: &RequestContext,
     spec: &RequestSpec,
     start: Instant,
-) -> std::result::Result<RequestRecord, String> {
+) -> std::result::Result<RequestRecord, StreamError> {
     let mut req = ctx
         .client
         .post(&ctx.url)
@@ -1183,26 +1239,20 @@ async fn stream_request(
     if let Some(key) = &ctx.api_key {
         req = req.bearer_auth(key);
     }
-    let mut resp = req
-        .send()
-        .await
-        .map_err(|e| format!("transport error: {}", error_chain(&e)))?;
+    let mut resp = req.send().await.map_err(StreamError::Transport)?;
     let status = resp.status();
     if !status.is_success() {
         let body = resp.text().await.unwrap_or_default();
-        return Err(format!(
-            "HTTP {status}: {}",
-            truncate(&body, MAX_ERROR_CHARS)
-        ));
+        return Err(StreamError::Status {
+            status,
+            body: truncate(&body, MAX_ERROR_CHARS),
+        });
     }
     let mut parser = SseParser::default();
     let mut acc = StreamAccumulator::default();
     let mut done = false;
     'read: loop {
-        let chunk = resp
-            .chunk()
-            .await
-            .map_err(|e| format!("transport error mid-stream: {}", error_chain(&e)))?;
+        let chunk = resp.chunk().await.map_err(StreamError::MidStream)?;
         let t = start.elapsed().as_secs_f64();
         let events = match &chunk {
             Some(bytes) => parser.push(bytes),
@@ -1468,9 +1518,9 @@ mod tests {
             ),
         ];
         for (c, t) in chunks {
-            assert_eq!(a.on_event(&ev(c), t), Ok(Flow::Continue));
+            assert_eq!(a.on_event(&ev(c), t).unwrap(), Flow::Continue);
         }
-        assert_eq!(a.on_event(&SseEvent::Done, 0.21), Ok(Flow::Done));
+        assert_eq!(a.on_event(&SseEvent::Done, 0.21).unwrap(), Flow::Done);
         let r = a.finish(3, 0.25, 999);
         assert_eq!(r.index, 3);
         assert_eq!(r.error, None);
@@ -1514,13 +1564,18 @@ mod tests {
         ] {
             let mut a = StreamAccumulator::default();
             let e = a.on_event(&SseEvent::Data(chunk.into()), 0.1).unwrap_err();
-            assert!(e.contains(msg), "{e}");
+            assert!(matches!(e, StreamError::Server(ref m) if m == msg), "{e}");
+            assert_eq!(e.to_string(), format!("error in stream: {msg}"));
         }
         let mut a = StreamAccumulator::default();
-        assert!(a
+        let e = a
             .on_event(&SseEvent::Data("not json".into()), 0.1)
-            .unwrap_err()
-            .contains("bad stream chunk"));
+            .unwrap_err();
+        assert!(
+            matches!(e, StreamError::BadChunk { ref data, .. } if data == "not json"),
+            "{e}"
+        );
+        assert!(e.to_string().starts_with("bad stream chunk ("), "{e}");
         // A stream that ends with nothing at all is a failure.
         let r = StreamAccumulator::default().finish(5, 0.4, 1);
         assert!(r.error.as_deref().unwrap().contains("before any data"));
@@ -1764,7 +1819,16 @@ mod tests {
         assert_eq!(normalize_base_url("http://h:8000/v1/"), "http://h:8000");
         assert_eq!(normalize_base_url("http://h:8000"), "http://h:8000");
         assert_eq!("3:7".parse::<LenRange>(), Ok(LenRange { min: 3, max: 7 }));
-        assert!("7:3".parse::<LenRange>().is_err() && "7".parse::<LenRange>().is_err());
+        assert_eq!(
+            "7:3".parse::<LenRange>(),
+            Err(LenRangeError::Reversed { min: 7, max: 3 })
+        );
+        assert_eq!(
+            "7".parse::<LenRange>().unwrap_err().to_string(),
+            "expected A:B, got \"7\""
+        );
+        let e = "3:x".parse::<LenRange>().unwrap_err();
+        assert!(e.to_string().starts_with("bad range end \"x\": "), "{e}");
         let ok = config(
             PromptSource::Synthetic(LenSpec::Fixed(4)),
             LenSpec::Fixed(4),

@@ -658,6 +658,26 @@ async fn register(
     }
 }
 
+/// Why a batch of prefix-cache events did not reach the proxy ([`send_kv_events`]).
+#[derive(Debug, thiserror::Error)]
+enum KvEventsError {
+    /// The scheduler did not answer within the wait.
+    #[error("the scheduler did not answer within {0:?}")]
+    SchedulerSlow(Duration),
+    /// The scheduler could not be asked (it is gone).
+    #[error(transparent)]
+    Scheduler(#[from] crate::error::RequestError),
+    /// The batch could not be encoded.
+    #[error(transparent)]
+    Encode(#[from] serde_json::Error),
+    /// The control connection refused the message.
+    #[error(transparent)]
+    Send(#[from] pdserve_transport::TransportError),
+    /// The control connection did not take the message within the wait.
+    #[error("not sent in time")]
+    SendSlow,
+}
+
 /// Drains the scheduler's prefix-cache events and sends them to the proxy (one-way). On an
 /// error whatever was drained is lost, and the next batch must be a snapshot.
 async fn send_kv_events(
@@ -665,24 +685,22 @@ async fn send_kv_events(
     source: &InspectSource,
     snapshot: bool,
     within: Duration,
-) -> Result<(), String> {
+) -> Result<(), KvEventsError> {
     let batch = tokio::time::timeout(within, source.scheduler.kv_events(snapshot))
         .await
-        .map_err(|_| format!("the scheduler did not answer within {within:?}"))?
-        .map_err(|e| e.to_string())?;
+        .map_err(|_| KvEventsError::SchedulerSlow(within))??;
     if batch.is_empty() {
         return Ok(());
     }
-    let body = serde_json::to_vec(&batch).map_err(|e| e.to_string())?;
+    let body = serde_json::to_vec(&batch)?;
     let send = conn.send(ControlMessage::Opaque {
         topic: crate::kv_events::TOPIC_KV_EVENTS.into(),
         body,
     });
-    match tokio::time::timeout(within, send).await {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(e)) => Err(e.to_string()),
-        Err(_) => Err("not sent in time".into()),
-    }
+    tokio::time::timeout(within, send)
+        .await
+        .map_err(|_| KvEventsError::SendSlow)?
+        .map_err(KvEventsError::from)
 }
 
 /// Connect, register, heartbeat until the connection breaks; then again, with backoff.

@@ -191,7 +191,7 @@ impl SupervisorState {
         let reports: ReportSink = Arc::new(move |r| {
             scheduler
                 .cast(SchedulerMsg::Worker(r))
-                .map_err(|_| StepError("the scheduler is gone".into()))
+                .map_err(|_| StepError::SchedulerGone)
         });
         WorkerArgs {
             rank,

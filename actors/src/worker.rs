@@ -15,6 +15,7 @@ use pdserve_gpu::config::ModelConfig;
 use pdserve_gpu::model::Batch;
 use pdserve_gpu::tp::{LayerHook, RankExecutor, StepCallback, TpOptions};
 use pdserve_gpu::weights::TensorStore;
+use pdserve_gpu::ModelError;
 use pdserve_runtime::memory::HostMemoryAllocator;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use std::sync::Arc;
@@ -38,10 +39,23 @@ pub enum WorkerMsg {
     Kv(pdserve_gpu::tp::KvJob),
 }
 
-/// Why a forward step failed on a rank (the executor's error, as reported).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{0}")]
-pub struct StepError(pub String);
+/// Why a forward step failed on a rank, or a rank could not report on it.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum StepError {
+    /// The rank's executor failed the step, or refused it (its queue full, its thread gone):
+    /// the model's error, as the executor reported it.
+    #[error(transparent)]
+    RankFailed(Arc<ModelError>),
+    /// The rank's report could not be delivered: the scheduler it goes to is gone.
+    #[error("the scheduler is gone")]
+    SchedulerGone,
+}
+
+impl From<ModelError> for StepError {
+    fn from(e: ModelError) -> Self {
+        Self::RankFailed(Arc::new(e))
+    }
+}
 
 /// What a worker reports.
 pub enum WorkerReport {
@@ -157,7 +171,7 @@ impl Actor for TpWorker {
                 let reports = st.args.reports.clone();
                 let (rank, epoch) = (st.args.rank, st.args.epoch);
                 let done: StepCallback = Box::new(move |result| {
-                    let result = result.map_err(|e| StepError(e.to_string()));
+                    let result = result.map_err(StepError::from);
                     let _ = reports(WorkerReport::StepDone {
                         epoch,
                         step_id,
@@ -170,7 +184,7 @@ impl Actor for TpWorker {
                         epoch,
                         step_id,
                         rank,
-                        result: Err(StepError(e.to_string())),
+                        result: Err(e.into()),
                     })?;
                 }
             }

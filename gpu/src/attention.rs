@@ -16,8 +16,8 @@
 //! on the rest of the batch or on the number of threads or ranks, so results stay batch-,
 //! thread- and tp-invariant.
 
+use crate::batch::Batch;
 use crate::kv::{HeadBlock, KvCache, KvKind};
-use crate::model::Batch;
 use crate::quant;
 
 /// Queries per attention work item, bounding the score matrix of long prefills.
@@ -490,8 +490,8 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::batch::SeqChunk;
     use crate::kv::{KvDtype, KvLayout};
-    use crate::model::SeqChunk;
     use pdserve_runtime::memory::AnonAllocator;
 
     const NKV: usize = 2;

@@ -6,8 +6,8 @@
 //! the cores are shared: per-token decode time with the machine otherwise idle, and with `N`
 //! busy-loop child processes ([`BusyLoops`], `nice 19` by default) competing for the CPUs.
 
+use crate::batch::{Batch, SeqChunk};
 use crate::engine::StepGroup;
-use crate::model::{Batch, SeqChunk};
 use crate::Result;
 use serde::Serialize;
 use std::time::{Duration, Instant};

@@ -171,7 +171,11 @@ pub fn probe_cuda_in(libraries: &[&str], min_devices: usize) -> Result<CudaProbe
     Err(DeviceError::NoDriver {
         reason: format!(
             "no NVIDIA driver library could be loaded ({})",
-            failures.join("; ")
+            failures
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join("; ")
         ),
     })
 }
@@ -230,13 +234,24 @@ fn probe_library(lib: &DynLib, name: &str, min_devices: usize) -> Result<CudaPro
 /// never unloaded: cudarc holds it too).
 struct DynLib(*mut c_void);
 
+/// Why `dlopen` refused a library name.
+#[derive(Debug, thiserror::Error)]
+enum DlopenError {
+    /// The name holds a NUL byte, so it cannot be passed to `dlopen`.
+    #[error(transparent)]
+    Name(#[from] std::ffi::NulError),
+    /// `dlopen` failed; `dlerror`'s text, which names the library.
+    #[error("{0}")]
+    Refused(String),
+}
+
 impl DynLib {
-    fn open(name: &str) -> Result<Self, String> {
-        let c = CString::new(name).map_err(|e| e.to_string())?;
+    fn open(name: &str) -> Result<Self, DlopenError> {
+        let c = CString::new(name)?;
         // SAFETY: `c` is a valid C string; RTLD_NOW resolves symbols up front.
         let handle = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
         if handle.is_null() {
-            return Err(dl_error());
+            return Err(DlopenError::Refused(dl_error()));
         }
         Ok(DynLib(handle))
     }

@@ -4,12 +4,12 @@
 //! [`BlockAllocator`]. The serving scheduler (actors crate) replaces this loop with continuous
 //! batching, admission and preemption, on the same [`TpGroup`].
 
+use crate::batch::{Batch, SeqChunk};
 use crate::chat::{ChatMessage, ChatTemplate};
 use crate::config::ModelConfig;
 use crate::generation::{Generation, TokenOutcome};
 use crate::kv::{BlockAllocator, DEFAULT_BLOCK_SIZE};
 use crate::loader::LoadedModel;
-use crate::model::{Batch, SeqChunk};
 use crate::sampling::{FinishReason, SamplingParams};
 use crate::tokenizer::Tokenizer;
 use crate::tp::{TpGroup, TpOptions};

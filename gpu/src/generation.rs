@@ -2,7 +2,7 @@
 //! detokenizer, applied token by token. The standalone [`Engine`](crate::engine::Engine) and
 //! the serving scheduler both drive sequences through this one type.
 
-use crate::grammar::Constraint;
+use crate::grammar::{Constraint, GrammarCompiler};
 use crate::sampling::{
     FinishReason, Sampler, SamplingParams, StopChecker, StopDecision, StopReason, TokenLogprobs,
 };
@@ -68,7 +68,7 @@ impl Generation {
     ) -> Result<Self> {
         let constraint = match (constraint, &params.grammar) {
             (Some(c), _) => Some(c),
-            (None, Some(spec)) => Some(tokenizer.grammar_compiler()?.compile(spec)?),
+            (None, Some(spec)) => Some(GrammarCompiler::for_tokenizer(tokenizer)?.compile(spec)?),
             (None, None) => None,
         };
         Ok(Self::new(params, tokenizer).with_constraint(constraint))

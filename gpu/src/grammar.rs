@@ -7,7 +7,7 @@
 //!   (HTTP, the P/D peer protocol), bounded by [`GrammarSpec::validate`].
 //! - [`GrammarCompiler`] holds llguidance's `ParserFactory` over the model's vocabulary (its
 //!   token trie, built once per tokenizer from [`Tokenizer::token_bytes`], see
-//!   [`Tokenizer::grammar_compiler`]), with [`ParserLimits`] that bound what a remote grammar
+//!   [`GrammarCompiler::for_tokenizer`]), with [`ParserLimits`] that bound what a remote grammar
 //!   may cost: lexer construction fuel, per-token fuel and Earley items, lexer states, grammar
 //!   size.
 //! - [`Constraint`]: [`Constraint::prepare_mask`] computes the mask of the next token (the
@@ -177,7 +177,7 @@ impl TokenizerEnv for VocabEnv {
 }
 
 /// Compiles [`GrammarSpec`]s for one model's vocabulary. Built once per tokenizer
-/// ([`Tokenizer::grammar_compiler`]); cheap to share.
+/// ([`GrammarCompiler::for_tokenizer`]); cheap to share.
 pub struct GrammarCompiler {
     factory: ParserFactory,
 }
@@ -206,6 +206,19 @@ fn limits() -> ParserLimits {
 }
 
 impl GrammarCompiler {
+    /// The compiler over `tokenizer`'s vocabulary, built on first use (a trie of the whole
+    /// vocabulary: tens of milliseconds) and shared by every clone of that tokenizer.
+    ///
+    /// # Errors
+    /// [`ModelError::InvalidGrammar`] when the vocabulary cannot serve grammars (no EOS).
+    pub fn for_tokenizer(tokenizer: &Tokenizer) -> Result<Arc<Self>> {
+        match &*tokenizer.derived(|t| Self::new(t).map(Arc::new)) {
+            Ok(compiler) => Ok(Arc::clone(compiler)),
+            Err(ModelError::InvalidGrammar(why)) => Err(ModelError::InvalidGrammar(why.clone())),
+            Err(other) => Err(ModelError::InvalidGrammar(other.to_string())),
+        }
+    }
+
     /// A compiler over `tokenizer`'s vocabulary.
     ///
     /// # Errors
@@ -361,6 +374,19 @@ mod tests {
         let tok = Tokenizer::byte_level_synthetic();
         let c = GrammarCompiler::new(&tok).unwrap();
         (tok, c)
+    }
+
+    #[test]
+    fn grammar_compiler_is_built_once_per_vocabulary() {
+        let tok = Tokenizer::byte_level_synthetic();
+        let first = GrammarCompiler::for_tokenizer(&tok).unwrap();
+        let again = GrammarCompiler::for_tokenizer(&tok.clone()).unwrap();
+        assert!(Arc::ptr_eq(&first, &again), "a clone shares the compiler");
+        let other = GrammarCompiler::for_tokenizer(&Tokenizer::byte_level_synthetic()).unwrap();
+        assert!(
+            !Arc::ptr_eq(&first, &other),
+            "another tokenizer builds its own"
+        );
     }
 
     /// Greedy over uniform logits with a preference for low ids: whatever the grammar allows.

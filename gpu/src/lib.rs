@@ -17,6 +17,7 @@ pub use sampling::{FinishReason, Sampler, SamplingParams, StopChecker, StopDecis
 pub use tokenizer::{DecodeStream, Tokenizer};
 
 pub(crate) mod attention;
+pub mod batch;
 pub mod bench;
 pub mod collective;
 pub mod config;

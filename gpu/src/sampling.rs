@@ -341,31 +341,60 @@ impl TokenLogprobs {
     /// most `max_top` alternatives, ids inside the vocabulary, every value finite and ≤ 0.
     ///
     /// # Errors
-    /// What is wrong, in words.
-    pub fn validate(&self, vocab_size: usize, max_top: usize) -> std::result::Result<(), String> {
+    /// The first [`LogprobsError`] found.
+    pub fn validate(
+        &self,
+        vocab_size: usize,
+        max_top: usize,
+    ) -> std::result::Result<(), LogprobsError> {
         if self.top.len() > max_top {
-            return Err(format!(
-                "{} top logprobs, more than the {max_top} asked",
-                self.top.len()
-            ));
+            return Err(LogprobsError::TooManyTop {
+                got: self.top.len(),
+                max_top,
+            });
         }
         let ok = |lp: f32| lp.is_finite() && lp <= 0.0;
         std::iter::once((self.token, self.logprob))
             .chain(self.top.iter().map(|t| (t.token, t.logprob)))
             .try_for_each(|(token, logprob)| {
                 if token as usize >= vocab_size {
-                    Err(format!(
-                        "token {token} is outside the vocabulary of {vocab_size}"
-                    ))
+                    Err(LogprobsError::OutsideVocabulary { token, vocab_size })
                 } else if !ok(logprob) {
-                    Err(format!(
-                        "logprob {logprob} of token {token} is not a finite value <= 0"
-                    ))
+                    Err(LogprobsError::NotALogprob { token, logprob })
                 } else {
                     Ok(())
                 }
             })
     }
+}
+
+/// Why logprobs that came from elsewhere were refused ([`TokenLogprobs::validate`]).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum LogprobsError {
+    /// More alternatives than the request asked for.
+    #[error("{got} top logprobs, more than the {max_top} asked")]
+    TooManyTop {
+        /// Alternatives given.
+        got: usize,
+        /// Alternatives asked.
+        max_top: usize,
+    },
+    /// A token id (the chosen one or an alternative) outside the vocabulary.
+    #[error("token {token} is outside the vocabulary of {vocab_size}")]
+    OutsideVocabulary {
+        /// The id.
+        token: u32,
+        /// The vocabulary's size.
+        vocab_size: usize,
+    },
+    /// A value that is no log probability (NaN, infinite or above 0).
+    #[error("logprob {logprob} of token {token} is not a finite value <= 0")]
+    NotALogprob {
+        /// The token it is for.
+        token: u32,
+        /// The value.
+        logprob: f32,
+    },
 }
 
 /// Counts of each distinct token in `tokens` (sorted by id), reusing `scratch`.
@@ -1016,15 +1045,30 @@ mod tests {
     fn remote_logprobs_are_checked() {
         let good = TokenLogprobs::compute(&[1.0, 2.0, 3.0], 2, 2);
         assert!(good.validate(3, 2).is_ok());
-        assert!(good.validate(3, 1).unwrap_err().contains("more than"));
-        assert!(good.validate(2, 2).unwrap_err().contains("outside"));
+        let e = good.validate(3, 1).unwrap_err();
+        assert_eq!(e, LogprobsError::TooManyTop { got: 2, max_top: 1 });
+        assert_eq!(e.to_string(), "2 top logprobs, more than the 1 asked");
+        let e = good.validate(2, 2).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                LogprobsError::OutsideVocabulary {
+                    token: 2,
+                    vocab_size: 2
+                }
+            ),
+            "{e:?}"
+        );
+        assert_eq!(e.to_string(), "token 2 is outside the vocabulary of 2");
         for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.5] {
             let mut b = good.clone();
             b.top[1].logprob = bad;
+            let e = b.validate(3, 2).unwrap_err();
             assert!(
-                b.validate(3, 2).unwrap_err().contains("not a finite"),
-                "{bad}"
+                matches!(e, LogprobsError::NotALogprob { .. }),
+                "{bad}: {e:?}"
             );
+            assert!(e.to_string().contains("not a finite value <= 0"), "{e}");
         }
     }
 

@@ -16,14 +16,14 @@
 //! [`DecodeStream`] turns generated ids into text one token at a time, holding back bytes of a
 //! multi-byte character until the character is complete.
 
+use std::any::Any;
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use candle_core::quantized::gguf_file;
 use serde_json::{json, Map, Value as Json};
 
-use crate::grammar::GrammarCompiler;
 use crate::{ModelError, Result};
 
 /// GGUF token type of a normal vocabulary entry.
@@ -60,8 +60,10 @@ pub struct Tokenizer {
     add_bos: bool,
     vocab_size: usize,
     chat_template: Option<String>,
-    /// The structured-output compiler over this vocabulary, built on first use.
-    grammar: Arc<OnceLock<std::result::Result<Arc<GrammarCompiler>, String>>>,
+    /// Indexes that other modules build once from the whole vocabulary (the grammar
+    /// compiler's token trie, [`crate::grammar`]), at most one of each type, shared by every
+    /// clone: see [`Tokenizer::derived`].
+    derived: Arc<Mutex<Vec<Arc<dyn Any + Send + Sync>>>>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -499,7 +501,7 @@ impl Tokenizer {
             pad_id,
             add_bos,
             vocab_size: tokens.len(),
-            grammar: Arc::default(),
+            derived: Arc::default(),
             chat_template,
         })
     }
@@ -626,7 +628,7 @@ impl Tokenizer {
             pad_id,
             add_bos,
             vocab_size,
-            grammar: Arc::default(),
+            derived: Arc::default(),
             chat_template,
         })
     }
@@ -673,7 +675,7 @@ impl Tokenizer {
             pad_id: None,
             add_bos: false,
             vocab_size: 259,
-            grammar: Arc::default(),
+            derived: Arc::default(),
             chat_template: None,
         }
     }
@@ -897,21 +899,22 @@ impl Tokenizer {
         ids
     }
 
-    /// The structured-output compiler over this vocabulary (see [`crate::grammar`]), built
-    /// on first use (a trie of the whole vocabulary: tens of milliseconds) and shared by
-    /// every clone of this tokenizer.
-    ///
-    /// # Errors
-    /// [`ModelError::InvalidGrammar`] when the vocabulary cannot serve grammars (no EOS).
-    pub fn grammar_compiler(&self) -> Result<Arc<GrammarCompiler>> {
-        self.grammar
-            .get_or_init(|| {
-                GrammarCompiler::new(self)
-                    .map(Arc::new)
-                    .map_err(|e| e.to_string())
-            })
-            .clone()
-            .map_err(ModelError::InvalidGrammar)
+    /// The `T` that `build` makes from this vocabulary, built on the first call for that type
+    /// and shared by every clone of this tokenizer afterwards: for indexes of the whole
+    /// vocabulary that take tens of milliseconds, such as [`crate::grammar`]'s token trie.
+    /// Concurrent first calls wait for one build.
+    pub(crate) fn derived<T: Any + Send + Sync>(&self, build: impl FnOnce(&Self) -> T) -> Arc<T> {
+        // A build that panicked pushed nothing: the list is still whole.
+        let mut built = self.derived.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(t) = built
+            .iter()
+            .find_map(|d| Arc::clone(d).downcast::<T>().ok())
+        {
+            return t;
+        }
+        let t = Arc::new(build(self));
+        built.push(t.clone());
+        t
     }
 
     /// The wrapped Hugging Face tokenizer, shared.

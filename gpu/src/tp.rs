@@ -5,10 +5,11 @@
 //! that fails or panics poisons the group's collective, so the others stop waiting at once;
 //! the step fails with [`ModelError::RankFailed`] and the group is usable again afterwards.
 
+use crate::batch::Batch;
 use crate::collective::{Collective, ThreadCollective};
 use crate::config::ModelConfig;
 use crate::kv::{KvCache, KvLayout};
-use crate::model::{Batch, ModelShard};
+use crate::model::ModelShard;
 use crate::weights::{TensorStore, WeightFormat};
 use crate::{ModelError, Result};
 use pdserve_runtime::memory::HostMemoryAllocator;

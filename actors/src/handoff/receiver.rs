@@ -212,6 +212,29 @@ type Call = Pin<Box<dyn Future<Output = PullEvent> + Send>>;
 /// held until the blocks are released.
 type WriteScope = Arc<Mutex<Option<(Arc<Grant>, Option<FenceScope>)>>>;
 
+/// How the logprobs a prefill instance sent with T0 differ from what we asked
+/// ([`check_first_logprobs`]).
+#[derive(Debug, thiserror::Error)]
+enum FirstLogprobsError {
+    /// Logprobs came, but the request asked for none.
+    #[error("the prefill instance sent logprobs nobody asked for")]
+    Unasked,
+    /// The request asked for logprobs and none came.
+    #[error("the prefill instance sent no logprobs for the first token")]
+    Missing,
+    /// The logprobs are for another token than T0.
+    #[error("the first token's logprobs are for token {got}, not {first_token}")]
+    OtherToken {
+        /// The token they are for.
+        got: u32,
+        /// T0.
+        first_token: u32,
+    },
+    /// The values themselves are refused.
+    #[error("the first token's logprobs: {0}")]
+    Invalid(#[from] pdserve_gpu::sampling::LogprobsError),
+}
+
 /// Checks the logprobs a prefill instance sent with T0 against what we asked: present
 /// exactly when asked, for T0, at most the alternatives asked, ids inside the vocabulary,
 /// finite values ≤ 0.
@@ -219,18 +242,16 @@ fn check_first_logprobs(
     a: &super::protocol::PrefillAnswer,
     asked: Option<u32>,
     vocab: usize,
-) -> Result<(), String> {
+) -> Result<(), FirstLogprobsError> {
     match (&a.first_logprobs, asked) {
         (None, None) => Ok(()),
-        (Some(_), None) => Err("the prefill instance sent logprobs nobody asked for".into()),
-        (None, Some(_)) => Err("the prefill instance sent no logprobs for the first token".into()),
-        (Some(lp), Some(_)) if lp.token != a.first_token => Err(format!(
-            "the first token's logprobs are for token {}, not {}",
-            lp.token, a.first_token
-        )),
-        (Some(lp), Some(n)) => lp
-            .validate(vocab, n as usize)
-            .map_err(|e| format!("the first token's logprobs: {e}")),
+        (Some(_), None) => Err(FirstLogprobsError::Unasked),
+        (None, Some(_)) => Err(FirstLogprobsError::Missing),
+        (Some(lp), Some(_)) if lp.token != a.first_token => Err(FirstLogprobsError::OtherToken {
+            got: lp.token,
+            first_token: a.first_token,
+        }),
+        (Some(lp), Some(n)) => Ok(lp.validate(vocab, n as usize)?),
     }
 }
 
@@ -524,7 +545,7 @@ impl Driver {
                         a.first_token
                     )))
                 } else if let Err(e) = check_first_logprobs(&a, asked, vocab) {
-                    not_sent(HandoffError::Protocol(e))
+                    not_sent(HandoffError::Protocol(e.to_string()))
                 } else if a.cached_tokens as usize >= prompt_len {
                     // Its last token at least was computed: that is where T0 came from.
                     not_sent(HandoffError::Protocol(format!(

@@ -22,6 +22,7 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::stream::{self, Stream, StreamExt};
+use pdserve_gpu::grammar::GrammarCompiler;
 use pdserve_gpu::sampling::TokenLogprobs;
 use pdserve_gpu::vision::ImageEmbeds;
 use pdserve_runtime::ids::TransferId;
@@ -175,7 +176,7 @@ async fn compile_grammar(
         return Ok(None);
     };
     let tokenizer = app.tokenizer.clone();
-    tokio::task::spawn_blocking(move || tokenizer.grammar_compiler()?.compile(&spec))
+    tokio::task::spawn_blocking(move || GrammarCompiler::for_tokenizer(&tokenizer)?.compile(&spec))
         .await
         .map_err(|e| RequestError::Internal(format!("grammar compilation: {e}")))?
         .map(Some)
@@ -283,7 +284,7 @@ async fn start_prompt(
                 (None, None) => None,
                 (Some(_), None) => Some("given, but the request asks no `logprobs`".to_string()),
                 (None, Some(_)) => Some("missing: the request asks `logprobs`".to_string()),
-                (Some(lp), Some(n)) => lp.validate(app.vocab_size, n).err(),
+                (Some(lp), Some(n)) => lp.validate(app.vocab_size, n).err().map(|e| e.to_string()),
             };
             if let Some(p) = problem {
                 return Err(RequestError::BadRequest(format!(

@@ -424,13 +424,14 @@ impl Job {
         Ok((body, transfer))
     }
 
-    /// Sends one attempt; `Err` only when `decode` could not be reached at all.
+    /// Sends one attempt: the outer `Err` when the request cannot be built, the inner one
+    /// when `decode` could not be reached at all.
     async fn send(
         &self,
         decode: &Upstream,
         prefill: Option<&Upstream>,
         resume: &[u32],
-    ) -> Result<Result<reqwest::Response, String>, RequestError> {
+    ) -> Result<Result<reqwest::Response, reqwest::Error>, RequestError> {
         let (body, transfer) = self.body(prefill, resume)?;
         match (transfer, prefill) {
             (Some(transfer), Some(p)) => {
@@ -447,8 +448,7 @@ impl Job {
             .body(body)
             .timeout(self.s.timeout)
             .send()
-            .await
-            .map_err(|e| e.to_string()))
+            .await)
     }
 
     /// Starts the request on `decode` (prefilled on `prefill`): reroutes while a decode

@@ -8,6 +8,7 @@ use crate::handoff::protocol::HandoffError;
 use crate::handoff::receiver::KvSource;
 use crate::handoff::service::{PrefillDone, PrefillHost, PrefillJob};
 use crate::mailbox::Mailbox;
+use pdserve_gpu::grammar::GrammarCompiler;
 use pdserve_runtime::ids::{RequestId, TransferId};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -273,7 +274,7 @@ impl PrefillHost for SchedulerHandle {
             (Some(spec), Some(tokenizer)) => {
                 let (spec, tokenizer) = (spec.clone(), tokenizer.clone());
                 let compiled = tokio::task::spawn_blocking(move || {
-                    tokenizer.grammar_compiler()?.compile(&spec)
+                    GrammarCompiler::for_tokenizer(&tokenizer)?.compile(&spec)
                 })
                 .await
                 .map_err(|e| HandoffError::Interrupted(format!("grammar compilation: {e}")))?;

@@ -16,12 +16,12 @@ use super::context::{GemmDtype, GpuContext};
 use super::kv::{DeviceKvCache, IpcRegionHandle, MirrorMode, PeerDeviceKv};
 use super::model::CudaShard;
 use super::nvrtc::KernelCache;
+use crate::batch::Batch;
 use crate::collective::{Collective, ThreadCollective};
 use crate::config::ModelConfig;
 use crate::device::DeviceError;
 use crate::engine::StepGroup;
 use crate::kv::{KvDtype, KvLayout, KvSpan};
-use crate::model::Batch;
 use crate::tp::{
     panic_message, step_ranks, LayerHook, RankThread, StepCallback, StepRank, TpOptions,
     COLLECTIVE_TIMEOUT,

@@ -4,9 +4,9 @@
 //! (what a transfer does with the bytes), reads/writes of host KV regions, and the synthetic
 //! model the verification runs by default.
 
+use crate::batch::{Batch, SeqChunk};
 use crate::engine::StepGroup;
 use crate::kv::{KvKind, KvLayout, KvSpan};
-use crate::model::{Batch, SeqChunk};
 use crate::{ModelError, Result};
 use pdserve_runtime::memory::HostMemory;
 use std::path::{Path, PathBuf};

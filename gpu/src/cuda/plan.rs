@@ -8,9 +8,9 @@
 //! `j` of token `t` at [`StepPlan::key_location`]; the K/V write kernel puts token `t` at
 //! [`StepPlan::slot_of`]. Both are tested against the batch's own block tables.
 
+use crate::batch::Batch;
 use crate::config::ModelConfig;
 use crate::kv::KvLayout;
-use crate::model::Batch;
 use crate::{ModelError, Result};
 
 /// Index arrays of one step.
@@ -157,9 +157,9 @@ impl StepPlan {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::batch::SeqChunk;
     use crate::cuda::layout::slot_elem_offset;
     use crate::kv::{KvDtype, KvKind};
-    use crate::model::SeqChunk;
 
     fn layout() -> KvLayout {
         KvLayout {

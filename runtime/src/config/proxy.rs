@@ -9,6 +9,7 @@ use super::layers::{extract_validated, layered};
 use super::lenient;
 use super::serve::{LoggingConfig, MAX_CONNECTIONS};
 use super::validate::check_tls;
+use super::values::UnknownValue;
 use crate::error::ConfigError;
 
 /// The name of the proxy's section (`[proxy]`, `PDSERVE_PROXY__<KEY>`).
@@ -120,6 +121,9 @@ pub enum RouterKind {
 }
 
 impl RouterKind {
+    /// The accepted spellings, in declaration order.
+    pub const NAMES: &'static [&'static str] = &["kv", "least-loaded", "round-robin"];
+
     /// The config spelling.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -131,15 +135,20 @@ impl RouterKind {
 }
 
 impl std::str::FromStr for RouterKind {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = UnknownValue;
+
+    /// # Errors
+    /// [`UnknownValue`] naming `proxy.router`, the value and [`RouterKind::NAMES`].
+    fn from_str(s: &str) -> Result<Self, UnknownValue> {
         match s {
             "kv" => Ok(Self::Kv),
             "least-loaded" => Ok(Self::LeastLoaded),
             "round-robin" => Ok(Self::RoundRobin),
-            other => Err(format!(
-                "unknown router `{other}` (expected kv, least-loaded or round-robin)"
-            )),
+            other => Err(UnknownValue {
+                key: "proxy.router",
+                value: other.to_string(),
+                expected: Self::NAMES,
+            }),
         }
     }
 }

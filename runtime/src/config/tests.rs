@@ -942,10 +942,15 @@ fn the_proxy_router_settings_parse_and_bad_ones_are_named() {
             "least-loaded".parse::<RouterKind>().unwrap().as_str(),
             "least-loaded"
         );
-        assert!("random"
-            .parse::<RouterKind>()
-            .unwrap_err()
-            .contains("kv, least-loaded"));
+        let e = "random".parse::<RouterKind>().unwrap_err();
+        assert_eq!((e.key, e.value.as_str()), ("proxy.router", "random"));
+        assert!(
+            e.to_string().contains("kv, least-loaded, round-robin"),
+            "{e}"
+        );
+        for name in RouterKind::NAMES {
+            assert_eq!(name.parse::<RouterKind>().unwrap().as_str(), *name);
+        }
         let e = load(serde_json::json!({"proxy": {"router": "random"}}))
             .unwrap_err()
             .to_string();

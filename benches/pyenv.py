@@ -121,8 +121,13 @@ class Cluster(Server):
         self.log_path = log or f"/tmp/pdserve-launch-{port}.log"
         super().__init__([binary, "launch", "--port", str(port), *args],
                          self.url + "/v1/models", "pdserve launch", self.log_path)
-        text = open(self.log_path).read()
-        m = re.search(r"--credentials-dir (\S+)", text)
+        # The proxy answers before `launch` has printed its inspect line: read until it is.
+        m = None
+        for _ in range(100):
+            m = re.search(r"--credentials-dir (\S+)", open(self.log_path).read())
+            if m:
+                break
+            time.sleep(0.1)
         if not m:
             sys.exit(f"no credentials dir in the output of pdserve launch ({self.log_path})")
         self.credentials = m.group(1)

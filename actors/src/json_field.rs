@@ -5,14 +5,14 @@
 
 use serde::de::value::MapAccessDeserializer;
 use serde::de::{MapAccess, Visitor};
-use serde::{Deserialize, Deserializer};
+use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::Value;
 use std::fmt;
 use std::marker::PhantomData;
 
 /// A field read as `T` when it has that shape, else kept as sent for the message that
 /// refuses it.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, Serialize)]
 #[serde(untagged)]
 pub(crate) enum Lenient<T> {
     /// The expected shape.

@@ -811,17 +811,23 @@ impl StreamAccumulator {
             source,
             data: truncate(data, MAX_ERROR_CHARS),
         })?;
-        if let Some(msg) = stream_error_message(&v) {
+        // Read through the `Value`: a chunk that is no object has none of these fields (serde's
+        // structs would take a list).
+        let chunk = match v.is_object().then(|| StreamChunk::deserialize(&v)) {
+            Some(Ok(chunk)) => chunk,
+            _ => StreamChunk::default(),
+        };
+        if let Some(msg) = stream_error_message(&chunk) {
             return Err(StreamError::Server(truncate(&msg, MAX_ERROR_CHARS)));
         }
-        if chunk_has_content(&v) {
+        if chunk_has_content(&chunk) {
             self.content_times.push(t);
         }
-        if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
-            if let Some(c) = u.get("completion_tokens").and_then(Value::as_u64) {
+        if let Some(u) = chunk.usage.and_then(Loose::get) {
+            if let Some(c) = u.completion_tokens.and_then(Loose::get) {
                 self.completion_tokens = Some(c);
             }
-            if let Some(p) = u.get("prompt_tokens").and_then(Value::as_u64) {
+            if let Some(p) = u.prompt_tokens.and_then(Loose::get) {
                 self.prompt_tokens = Some(p);
             }
         }
@@ -849,45 +855,113 @@ impl StreamAccumulator {
     }
 }
 
+/// A field of a server's JSON read when it has its type; another type reads as absent.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum Loose<T> {
+    Is(T),
+    Other(serde::de::IgnoredAny),
+}
+
+impl<T> Loose<T> {
+    fn get(self) -> Option<T> {
+        match self {
+            Self::Is(t) => Some(t),
+            Self::Other(_) => None,
+        }
+    }
+}
+
+/// The fields of a streamed chunk the load generator reads.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct StreamChunk {
+    error: Option<ChunkError>,
+    object: Option<Loose<String>>,
+    message: Option<Loose<String>>,
+    choices: Option<Loose<Vec<Loose<ChunkChoice>>>>,
+    usage: Option<Loose<ChunkUsage>>,
+}
+
+/// A chunk's `error`: `{"message": ...}`, a string, or anything else (shown as JSON).
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum ChunkError {
+    Text(String),
+    Object(ErrorObject),
+    Other(Value),
+}
+
+#[derive(Debug, Deserialize)]
+struct ErrorObject {
+    message: String,
+}
+
+#[derive(Debug, Deserialize)]
+struct ChunkChoice {
+    text: Option<Loose<String>>,
+    delta: Option<Loose<ChunkDelta>>,
+}
+
+#[derive(Debug, Deserialize)]
+struct ChunkDelta {
+    content: Option<Loose<String>>,
+    reasoning_content: Option<Loose<String>>,
+    reasoning: Option<Loose<String>>,
+}
+
+#[derive(Debug, Deserialize)]
+struct ChunkUsage {
+    completion_tokens: Option<Loose<u64>>,
+    prompt_tokens: Option<Loose<u64>>,
+}
+
 /// An error object sent inside a stream: `{"error": {...}}`, `{"error": "..."}` or vLLM's
 /// `{"object": "error", "message": ...}`.
-fn stream_error_message(v: &Value) -> Option<String> {
-    if let Some(e) = v.get("error").filter(|e| !e.is_null()) {
-        return Some(match e.get("message").and_then(Value::as_str) {
-            Some(m) => m.to_string(),
-            None => e
-                .as_str()
-                .map(str::to_string)
-                .unwrap_or_else(|| e.to_string()),
+fn stream_error_message(v: &StreamChunk) -> Option<String> {
+    if let Some(e) = &v.error {
+        return Some(match e {
+            ChunkError::Object(o) => o.message.clone(),
+            ChunkError::Text(m) => m.clone(),
+            ChunkError::Other(e) => e.to_string(),
         });
     }
-    if v.get("object").and_then(Value::as_str) == Some("error") {
-        return Some(
-            v.get("message")
-                .and_then(Value::as_str)
-                .unwrap_or("unknown error")
-                .to_string(),
-        );
+    if matches!(&v.object, Some(Loose::Is(o)) if o == "error") {
+        return Some(match &v.message {
+            Some(Loose::Is(m)) => m.clone(),
+            _ => "unknown error".to_string(),
+        });
     }
     None
 }
 
 /// Whether a chunk carries generated text (completions `text`, chat `delta.content` or a
 /// reasoning field).
-fn chunk_has_content(v: &Value) -> bool {
-    let non_empty = |x: Option<&Value>| x.and_then(Value::as_str).is_some_and(|s| !s.is_empty());
-    v.get("choices")
-        .and_then(Value::as_array)
-        .is_some_and(|choices| {
-            choices.iter().any(|c| {
-                non_empty(c.get("text"))
-                    || c.get("delta").is_some_and(|d| {
-                        non_empty(d.get("content"))
-                            || non_empty(d.get("reasoning_content"))
-                            || non_empty(d.get("reasoning"))
-                    })
-            })
-        })
+fn chunk_has_content(v: &StreamChunk) -> bool {
+    let non_empty = |x: &Option<Loose<String>>| matches!(x, Some(Loose::Is(s)) if !s.is_empty());
+    let Some(Loose::Is(choices)) = &v.choices else {
+        return false;
+    };
+    choices.iter().any(|c| match c {
+        Loose::Is(c) => {
+            non_empty(&c.text)
+                || matches!(&c.delta, Some(Loose::Is(d)) if non_empty(&d.content)
+                    || non_empty(&d.reasoning_content)
+                    || non_empty(&d.reasoning))
+        }
+        Loose::Other(_) => false,
+    })
+}
+
+/// `GET /v1/models`' answer, as far as the load generator reads it.
+#[derive(Debug, Deserialize)]
+struct ModelList {
+    data: Option<Loose<Vec<Loose<ModelEntry>>>>,
+}
+
+#[derive(Debug, Deserialize)]
+struct ModelEntry {
+    id: Option<Loose<String>>,
 }
 
 fn truncate(s: &str, max_chars: usize) -> String {
@@ -1315,9 +1389,10 @@ async fn resolve_model(client: &reqwest::Client, cfg: &BenchConfig) -> Result<St
         .json()
         .await
         .with_context(|| format!("GET {models_url}: bad JSON"))?;
-    v["data"][0]["id"]
-        .as_str()
-        .map(str::to_string)
+    v.is_object()
+        .then(|| ModelList::deserialize(&v).ok())
+        .flatten()
+        .and_then(|m| m.data?.get()?.into_iter().next()?.get()?.id?.get())
         .with_context(|| format!("GET {models_url} lists no model; pass --model"))
 }
 

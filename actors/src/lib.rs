@@ -22,6 +22,7 @@ pub mod error;
 pub mod handoff;
 pub mod http;
 pub mod instance;
+mod json_field;
 pub mod kv_tiers;
 pub mod mailbox;
 pub mod multimodal;

@@ -2,13 +2,17 @@
 //! checked here and a bad one becomes a [`RequestError::BadRequest`] naming it.
 
 use crate::error::RequestError;
+use crate::json_field::{present, Lenient, Object};
 use crate::tools::{self, Tools};
 use pdserve_gpu::chat::ChatMessage;
 use pdserve_gpu::grammar::GrammarSpec;
 use pdserve_gpu::sampling::{
     LogitBias, SamplingParams, TokenLogprobs, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS,
 };
+use serde::de::IgnoredAny;
+use serde::Deserialize;
 use serde_json::{json, Value};
+use std::collections::BTreeMap;
 
 /// What an `image_url` part of a chat message becomes in the message's text: the image's
 /// place, which the instance turns into the image's placeholder tokens
@@ -105,74 +109,185 @@ fn bad(msg: impl Into<String>) -> RequestError {
     RequestError::BadRequest(msg.into())
 }
 
+/// A request body as serde reads it: every field in the shape it should have, or as sent
+/// ([`Lenient`]) for [`parse_value`] to refuse by name, in its own order. Unknown fields are
+/// ignored, as OpenAI's own clients send some (`user`, `metadata`). Structured output and tools
+/// are read by [`GrammarFields`] and [`tools::parse`].
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct RawRequest {
+    model: Option<Lenient<String>>,
+    messages: Option<Lenient<Vec<Lenient<Object<RawMessage>>>>>,
+    prompt: Option<RawPrompt>,
+    max_tokens: Option<Lenient<u64>>,
+    /// Sent at all (`null` included): it then replaces `max_tokens` on chat.
+    #[serde(deserialize_with = "present")]
+    max_completion_tokens: Option<Option<Lenient<u64>>>,
+    echo: Option<Lenient<bool>>,
+    n: Option<Lenient<u64>>,
+    best_of: Option<Lenient<u64>>,
+    logprobs: Option<Lenient<LogprobsArg>>,
+    top_logprobs: Option<Lenient<u64>>,
+    temperature: Option<Lenient<f64>>,
+    top_p: Option<Lenient<f64>>,
+    min_p: Option<Lenient<f64>>,
+    presence_penalty: Option<Lenient<f64>>,
+    frequency_penalty: Option<Lenient<f64>>,
+    repetition_penalty: Option<Lenient<f64>>,
+    top_k: Option<Lenient<i64>>,
+    seed: Option<Lenient<u64>>,
+    stop: Option<Lenient<Strings>>,
+    stop_token_ids: Option<Lenient<Vec<u32>>>,
+    ignore_eos: Option<Lenient<bool>>,
+    logit_bias: Option<Lenient<BTreeMap<String, Lenient<f64>>>>,
+    /// Only whether it was sent (completions refuse it; chat reads it in [`tools::parse`]).
+    tools: Option<IgnoredAny>,
+    stream: Option<Lenient<bool>>,
+    stream_options: Option<Lenient<Object<StreamOptions>>>,
+    /// Passed through untouched; read by [`kv_directive`].
+    kv_transfer_params: Option<Value>,
+    return_token_ids: Option<Lenient<bool>>,
+    resume_tokens: Option<Lenient<Vec<u32>>>,
+}
+
+/// One chat message.
+#[derive(Debug, Deserialize)]
+struct RawMessage {
+    role: Option<Lenient<String>>,
+    content: Option<RawContent>,
+    /// An assistant turn's calls, read by [`tools::render_calls`].
+    tool_calls: Option<Value>,
+    tool_call_id: Option<Lenient<String>>,
+}
+
+/// A message's `content`: text or a list of parts.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum RawContent {
+    Text(String),
+    Parts(Vec<Lenient<Object<RawPart>>>),
+    Other(IgnoredAny),
+}
+
+/// One part of a message's content: `{"type": "text", "text"}` or `{"type": "image_url",
+/// "image_url": {"url"} | url}`.
+#[derive(Debug, Deserialize)]
+struct RawPart {
+    #[serde(rename = "type")]
+    kind: Option<Lenient<String>>,
+    text: Option<Lenient<String>>,
+    #[serde(default, deserialize_with = "present")]
+    image_url: Option<ImageUrl>,
+}
+
+/// An `image_url` part's image: OpenAI's `{"url": ...}`, or the bare string some clients send.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum ImageUrl {
+    Bare(String),
+    Object(Object<UrlObject>),
+    Other(IgnoredAny),
+}
+
+#[derive(Debug, Deserialize)]
+struct UrlObject {
+    url: Option<Lenient<String>>,
+}
+
+/// Completions' `prompt`: a string, token ids, or a list of those.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum RawPrompt {
+    Text(String),
+    List(Vec<PromptItem>),
+    Other(IgnoredAny),
+}
+
+/// One item of a `prompt` list.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum PromptItem {
+    Text(String),
+    /// A token id.
+    Token(u32),
+    /// A number that is no token id (its value is not needed, only its shape).
+    Number(#[allow(dead_code)] serde_json::Number),
+    Tokens(Vec<u32>),
+    /// A list that is not all token ids.
+    List(#[allow(dead_code)] Vec<IgnoredAny>),
+    Other(IgnoredAny),
+}
+
+/// `logprobs`: a flag on chat, a count on completions.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum LogprobsArg {
+    Flag(bool),
+    Count(u64),
+}
+
+/// `stop`: one string or a list of them.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum Strings {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Deserialize)]
+struct StreamOptions {
+    include_usage: Option<Lenient<bool>>,
+}
+
 fn opt_f32(
-    v: &Value,
+    field: Option<Lenient<f64>>,
     key: &str,
     lo: f32,
     hi: f32,
     lo_open: bool,
 ) -> Result<Option<f32>, RequestError> {
-    match v.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(x) => {
-            let f = x
-                .as_f64()
-                .ok_or_else(|| bad(format!("`{key}` must be a number")))?
-                as f32;
-            let below = if lo_open { f <= lo } else { f < lo };
-            if !f.is_finite() || below || f > hi {
-                let lb = if lo_open { "(" } else { "[" };
-                return Err(bad(format!("`{key}` must be in {lb}{lo}, {hi}], got {f}")));
-            }
-            Ok(Some(f))
-        }
+    let Some(x) = field else { return Ok(None) };
+    let f = x
+        .ok()
+        .ok_or_else(|| bad(format!("`{key}` must be a number")))? as f32;
+    let below = if lo_open { f <= lo } else { f < lo };
+    if !f.is_finite() || below || f > hi {
+        let lb = if lo_open { "(" } else { "[" };
+        return Err(bad(format!("`{key}` must be in {lb}{lo}, {hi}], got {f}")));
+    }
+    Ok(Some(f))
+}
+
+fn opt_uint(field: Option<Lenient<u64>>, key: &str) -> Result<Option<u64>, RequestError> {
+    match field.map(Lenient::into_result) {
+        None => Ok(None),
+        Some(Ok(n)) => Ok(Some(n)),
+        Some(Err(x)) => Err(not_uint(&x, key)),
     }
 }
 
-fn opt_uint(v: &Value, key: &str) -> Result<Option<u64>, RequestError> {
-    match v.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(x) => match x.as_u64() {
-            Some(n) => Ok(Some(n)),
-            None if x.as_i64().is_some() => Err(bad(format!(
-                "`{key}` must be a non-negative integer, got {x}"
-            ))),
-            None => Err(bad(format!("`{key}` must be an integer, got {x}"))),
-        },
+/// The refusal of `x` where a non-negative integer belongs.
+fn not_uint(x: &Value, key: &str) -> RequestError {
+    if x.as_i64().is_some() {
+        bad(format!("`{key}` must be a non-negative integer, got {x}"))
+    } else {
+        bad(format!("`{key}` must be an integer, got {x}"))
     }
 }
 
-fn opt_bool(v: &Value, key: &str) -> Result<bool, RequestError> {
-    match v.get(key) {
-        None | Some(Value::Null) => Ok(false),
-        Some(Value::Bool(b)) => Ok(*b),
-        Some(x) => Err(bad(format!("`{key}` must be a boolean, got {x}"))),
+fn opt_bool(field: Option<Lenient<bool>>, key: &str) -> Result<bool, RequestError> {
+    match field.map(Lenient::into_result) {
+        None => Ok(false),
+        Some(Ok(b)) => Ok(b),
+        Some(Err(x)) => Err(bad(format!("`{key}` must be a boolean, got {x}"))),
     }
 }
 
-fn strings(v: &Value, key: &str) -> Result<Vec<String>, RequestError> {
-    match v.get(key) {
-        None | Some(Value::Null) => Ok(Vec::new()),
-        Some(Value::String(s)) => Ok(vec![s.clone()]),
-        Some(Value::Array(a)) => a
-            .iter()
-            .map(|x| {
-                x.as_str()
-                    .map(str::to_string)
-                    .ok_or_else(|| bad(format!("`{key}` must be a string or a list of strings")))
-            })
-            .collect(),
-        Some(_) => Err(bad(format!(
-            "`{key}` must be a string or a list of strings"
-        ))),
+fn token_list(field: Option<Lenient<Vec<u32>>>, what: &str) -> Result<Vec<u32>, RequestError> {
+    match field {
+        None => Ok(Vec::new()),
+        Some(x) => x.ok().ok_or_else(|| bad(what)),
     }
-}
-
-fn token_list(v: &Value) -> Option<Vec<u32>> {
-    v.as_array()?
-        .iter()
-        .map(|t| t.as_u64().and_then(|n| u32::try_from(n).ok()))
-        .collect()
 }
 
 /// Parses a body for `/v1/completions` (`chat == false`) or `/v1/chat/completions`.
@@ -191,6 +306,192 @@ pub fn parse_json(body: &[u8]) -> Result<Value, RequestError> {
     serde_json::from_slice(body).map_err(|e| bad(format!("invalid JSON body: {e}")))
 }
 
+/// Reads `v` as `T`, whose fields all take any shape: only a body that is no object fails.
+fn read<T: serde::de::DeserializeOwned>(v: &Value) -> Result<T, RequestError> {
+    T::deserialize(v).map_err(|e| bad(format!("the request body: {e}")))
+}
+
+/// Chat's `messages`, rendered; each `image_url` part's url is pushed onto `images`.
+fn parse_messages(
+    messages: Option<Lenient<Vec<Lenient<Object<RawMessage>>>>>,
+    images: &mut Vec<String>,
+) -> Result<Vec<ChatMessage>, RequestError> {
+    let msgs = messages
+        .and_then(Lenient::ok)
+        .filter(|m| !m.is_empty())
+        .ok_or_else(|| bad("`messages` must be a non-empty list"))?;
+    let mut out = Vec::with_capacity(msgs.len());
+    for (i, m) in msgs.into_iter().enumerate() {
+        let images_before = images.len();
+        let role_error = || bad(format!("`messages[{i}].role` must be a string"));
+        let Some(Object(m)) = m.ok() else {
+            return Err(role_error());
+        };
+        let Some(Lenient::Ok(role)) = m.role else {
+            return Err(role_error());
+        };
+        let role = role.as_str();
+        if !matches!(role, "system" | "user" | "assistant" | "tool" | "developer") {
+            return Err(bad(format!("`messages[{i}].role` `{role}` is not one of system, user, assistant, tool, developer")));
+        }
+        let content = match m.content {
+            Some(RawContent::Text(s)) => s,
+            Some(RawContent::Parts(parts)) => {
+                let mut text = String::new();
+                for (j, p) in parts.into_iter().enumerate() {
+                    let at = format!("`messages[{i}].content[{j}]");
+                    let Some(Object(p)) = p.ok() else {
+                        return Err(bad(format!(
+                            "{at}.type` must be a string (text, image_url)"
+                        )));
+                    };
+                    match p.kind.and_then(Lenient::ok).as_deref() {
+                        Some("text") => match p.text.and_then(Lenient::ok) {
+                            Some(t) => text.push_str(&t),
+                            None => return Err(bad(format!("{at}.text` must be a string"))),
+                        },
+                        Some("image_url") => {
+                            if role != "user" {
+                                return Err(bad(format!(
+                                    "{at}`: image parts belong to user messages, not {role}"
+                                )));
+                            }
+                            let url = match p.image_url {
+                                Some(ImageUrl::Bare(u)) => u,
+                                Some(ImageUrl::Object(Object(UrlObject {
+                                    url: Some(Lenient::Ok(u)),
+                                }))) => u,
+                                Some(_) => {
+                                    return Err(bad(format!(
+                                        "{at}.image_url.url` must be a string"
+                                    )))
+                                }
+                                None => {
+                                    return Err(bad(format!(
+                                        "{at}.image_url` is required for an image_url part"
+                                    )))
+                                }
+                            };
+                            if images.len() == MAX_IMAGE_PARTS {
+                                return Err(bad(format!(
+                                    "a request holds at most {MAX_IMAGE_PARTS} image_url parts"
+                                )));
+                            }
+                            images.push(url);
+                            text.push_str(IMAGE_MARKER);
+                        }
+                        Some(other) => {
+                            return Err(bad(format!(
+                                "{at}.type` `{}` is not supported (text, image_url)",
+                                other.chars().take(64).collect::<String>()
+                            )))
+                        }
+                        None => {
+                            return Err(bad(format!(
+                                "{at}.type` must be a string (text, image_url)"
+                            )))
+                        }
+                    }
+                }
+                text
+            }
+            None if role == "assistant" || role == "tool" => String::new(),
+            _ => {
+                return Err(bad(format!(
+                    "`messages[{i}].content` must be a string or a list of text parts"
+                )))
+            }
+        };
+        let content = match (role, m.tool_calls) {
+            // The calls an assistant turn made, as the model writes them.
+            ("assistant", Some(calls)) => {
+                let calls = tools::render_calls(&calls, i)?;
+                if content.is_empty() {
+                    calls
+                } else {
+                    format!("{content}\n{calls}")
+                }
+            }
+            (_, Some(_)) => {
+                return Err(bad(format!(
+                    "`messages[{i}].tool_calls` belongs to assistant messages"
+                )))
+            }
+            _ if images.len() > images_before
+                && content.matches(IMAGE_MARKER).count() != images.len() - images_before =>
+            {
+                return Err(bad(format!(
+                    "`messages[{i}].content` text may not contain `{IMAGE_MARKER}` beside images"
+                )));
+            }
+            ("tool", None) => {
+                if let Some(Lenient::Bad(_)) = m.tool_call_id {
+                    return Err(bad(format!(
+                        "`messages[{i}].tool_call_id` must be a string"
+                    )));
+                }
+                tools::render_response(&content)
+            }
+            _ => content,
+        };
+        out.push(ChatMessage::new(role, content));
+    }
+    Ok(out)
+}
+
+/// Completions' `prompt`: the first prompt and the ones after it.
+fn parse_prompt(
+    prompt: Option<RawPrompt>,
+) -> Result<(PromptInput, Vec<PromptInput>), RequestError> {
+    let bad_ids = || bad("`prompt` token ids must be non-negative integers");
+    let is_number = |p: &PromptItem| matches!(p, PromptItem::Token(_) | PromptItem::Number(_));
+    let items = match prompt {
+        Some(RawPrompt::Text(s)) => return Ok((PromptInput::Text(s), Vec::new())),
+        Some(RawPrompt::List(items)) => items,
+        None => return Err(bad("`prompt` is required")),
+        Some(RawPrompt::Other(_)) => Vec::new(),
+    };
+    let one = match items.as_slice() {
+        [PromptItem::Text(s)] => Some(PromptInput::Text(s.clone())),
+        [PromptItem::Tokens(t)] => Some(PromptInput::Tokens(t.clone())),
+        [PromptItem::List(_)] => return Err(bad_ids()),
+        _ => None,
+    };
+    if let Some(p) = one {
+        return Ok((p, Vec::new()));
+    }
+    if !items.is_empty() && items.iter().all(is_number) {
+        let tokens = items
+            .into_iter()
+            .map(|p| match p {
+                PromptItem::Token(t) => Some(t),
+                _ => None,
+            })
+            .collect::<Option<_>>()
+            .ok_or_else(bad_ids)?;
+        return Ok((PromptInput::Tokens(tokens), Vec::new()));
+    }
+    if items.len() <= 1 {
+        return Err(bad(
+            "`prompt` must be a string, a list of token ids, or a list with one of those",
+        ));
+    }
+    if items.len() > MAX_PROMPTS {
+        return Err(bad(format!(
+            "`prompt` lists at most {MAX_PROMPTS} prompts, got {}",
+            items.len()
+        )));
+    }
+    let mut prompts = items.into_iter().map(|p| match p {
+        PromptItem::Text(s) => Ok(PromptInput::Text(s)),
+        PromptItem::Tokens(t) => Ok(PromptInput::Tokens(t)),
+        PromptItem::List(_) => Err(bad_ids()),
+        _ => Err(bad("a list of prompts holds strings or lists of token ids")),
+    });
+    let first = prompts.next().expect("more than one")?;
+    Ok((first, prompts.collect::<Result<_, _>>()?))
+}
+
 /// Validates an already parsed request body (the proxy parses a body once, validates it, and
 /// forwards the same value).
 ///
@@ -200,179 +501,27 @@ pub fn parse_value(v: &Value, chat: bool) -> Result<ParsedRequest, RequestError>
     if !v.is_object() {
         return Err(bad("the request body must be a JSON object"));
     }
-    let model = match v.get("model") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(s)) => Some(s.clone()),
-        Some(_) => return Err(bad("`model` must be a string")),
+    let raw: RawRequest = read(v)?;
+    let model = match raw.model.map(Lenient::into_result) {
+        None => None,
+        Some(Ok(s)) => Some(s),
+        Some(Err(_)) => return Err(bad("`model` must be a string")),
     };
-    let mut more_prompts = Vec::new();
     let mut images = Vec::new();
-    let prompt = if chat {
-        let msgs = v
-            .get("messages")
-            .and_then(Value::as_array)
-            .ok_or_else(|| bad("`messages` must be a non-empty list"))?;
-        if msgs.is_empty() {
-            return Err(bad("`messages` must be a non-empty list"));
-        }
-        let mut out = Vec::with_capacity(msgs.len());
-        for (i, m) in msgs.iter().enumerate() {
-            let images_before = images.len();
-            let role = m
-                .get("role")
-                .and_then(Value::as_str)
-                .ok_or_else(|| bad(format!("`messages[{i}].role` must be a string")))?;
-            if !matches!(role, "system" | "user" | "assistant" | "tool" | "developer") {
-                return Err(bad(format!("`messages[{i}].role` `{role}` is not one of system, user, assistant, tool, developer")));
-            }
-            let content = match m.get("content") {
-                Some(Value::String(s)) => s.clone(),
-                Some(Value::Array(parts)) => {
-                    let mut text = String::new();
-                    for (j, p) in parts.iter().enumerate() {
-                        let at = format!("`messages[{i}].content[{j}]");
-                        match p.get("type").and_then(Value::as_str) {
-                            Some("text") => match p.get("text").and_then(Value::as_str) {
-                                Some(t) => text.push_str(t),
-                                None => return Err(bad(format!("{at}.text` must be a string"))),
-                            },
-                            Some("image_url") => {
-                                if role != "user" {
-                                    return Err(bad(format!(
-                                        "{at}`: image parts belong to user messages, not {role}"
-                                    )));
-                                }
-                                // OpenAI's `{"url": ...}`; the bare string some clients send too.
-                                let url = match p.get("image_url") {
-                                    Some(Value::String(u)) => u,
-                                    Some(o) => {
-                                        o.get("url").and_then(Value::as_str).ok_or_else(|| {
-                                            bad(format!("{at}.image_url.url` must be a string"))
-                                        })?
-                                    }
-                                    None => {
-                                        return Err(bad(format!(
-                                            "{at}.image_url` is required for an image_url part"
-                                        )))
-                                    }
-                                };
-                                if images.len() == MAX_IMAGE_PARTS {
-                                    return Err(bad(format!(
-                                        "a request holds at most {MAX_IMAGE_PARTS} image_url parts"
-                                    )));
-                                }
-                                images.push(url.to_string());
-                                text.push_str(IMAGE_MARKER);
-                            }
-                            Some(other) => {
-                                return Err(bad(format!(
-                                    "{at}.type` `{}` is not supported (text, image_url)",
-                                    other.chars().take(64).collect::<String>()
-                                )))
-                            }
-                            None => {
-                                return Err(bad(format!(
-                                    "{at}.type` must be a string (text, image_url)"
-                                )))
-                            }
-                        }
-                    }
-                    text
-                }
-                None | Some(Value::Null) if role == "assistant" || role == "tool" => String::new(),
-                _ => {
-                    return Err(bad(format!(
-                        "`messages[{i}].content` must be a string or a list of text parts"
-                    )))
-                }
-            };
-            let content = match (role, m.get("tool_calls").filter(|c| !c.is_null())) {
-                // The calls an assistant turn made, as the model writes them.
-                ("assistant", Some(calls)) => {
-                    let calls = tools::render_calls(calls, i)?;
-                    if content.is_empty() {
-                        calls
-                    } else {
-                        format!("{content}\n{calls}")
-                    }
-                }
-                (_, Some(_)) => {
-                    return Err(bad(format!(
-                        "`messages[{i}].tool_calls` belongs to assistant messages"
-                    )))
-                }
-                _ if images.len() > images_before
-                    && content.matches(IMAGE_MARKER).count() != images.len() - images_before =>
-                {
-                    return Err(bad(format!("`messages[{i}].content` text may not contain `{IMAGE_MARKER}` beside images")));
-                }
-                ("tool", None) => {
-                    match m.get("tool_call_id") {
-                        None | Some(Value::Null | Value::String(_)) => {}
-                        Some(_) => {
-                            return Err(bad(format!(
-                                "`messages[{i}].tool_call_id` must be a string"
-                            )))
-                        }
-                    }
-                    tools::render_response(&content)
-                }
-                _ => content,
-            };
-            out.push(ChatMessage::new(role, content));
-        }
-        PromptInput::Chat(out)
+    let (prompt, more_prompts) = if chat {
+        (
+            PromptInput::Chat(parse_messages(raw.messages, &mut images)?),
+            Vec::new(),
+        )
     } else {
-        match v.get("prompt") {
-            Some(Value::String(s)) => PromptInput::Text(s.clone()),
-            Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
-                PromptInput::Text(a[0].as_str().unwrap_or_default().to_string())
-            }
-            Some(Value::Array(a)) if a.len() == 1 && a[0].is_array() => PromptInput::Tokens(
-                token_list(&a[0])
-                    .ok_or_else(|| bad("`prompt` token ids must be non-negative integers"))?,
-            ),
-            Some(a @ Value::Array(items))
-                if !items.is_empty() && items.iter().all(Value::is_number) =>
-            {
-                PromptInput::Tokens(
-                    token_list(a)
-                        .ok_or_else(|| bad("`prompt` token ids must be non-negative integers"))?,
-                )
-            }
-            Some(Value::Array(a)) if a.len() > 1 => {
-                if a.len() > MAX_PROMPTS {
-                    return Err(bad(format!(
-                        "`prompt` lists at most {MAX_PROMPTS} prompts, got {}",
-                        a.len()
-                    )));
-                }
-                let mut prompts = a.iter().map(|p| match p {
-                    Value::String(s) => Ok(PromptInput::Text(s.clone())),
-                    Value::Array(_) => token_list(p)
-                        .map(PromptInput::Tokens)
-                        .ok_or_else(|| bad("`prompt` token ids must be non-negative integers")),
-                    _ => Err(bad("a list of prompts holds strings or lists of token ids")),
-                });
-                let first = prompts.next().expect("more than one")?;
-                more_prompts = prompts.collect::<Result<_, _>>()?;
-                first
-            }
-            None | Some(Value::Null) => return Err(bad("`prompt` is required")),
-            _ => {
-                return Err(bad(
-                    "`prompt` must be a string, a list of token ids, or a list with one of those",
-                ))
-            }
-        }
+        parse_prompt(raw.prompt)?
     };
-    let key_max = if chat && v.get("max_completion_tokens").is_some() {
-        "max_completion_tokens"
-    } else {
-        "max_tokens"
+    let (key_max, max_tokens) = match raw.max_completion_tokens {
+        Some(n) if chat => ("max_completion_tokens", n),
+        _ => ("max_tokens", raw.max_tokens),
     };
-    let max_tokens = opt_uint(v, key_max)?.map(|n| n as usize);
-    let echo = opt_bool(v, "echo")?;
+    let max_tokens = opt_uint(max_tokens, key_max)?.map(|n| n as usize);
+    let echo = opt_bool(raw.echo, "echo")?;
     if echo && chat {
         return Err(bad("`echo` is not supported on chat completions"));
     }
@@ -383,12 +532,12 @@ pub fn parse_value(v: &Value, chat: bool) -> Result<ParsedRequest, RequestError>
             "`{key_max}` must be at least 1 (0 only with `echo`)"
         )));
     }
-    let n = match opt_uint(v, "n")? {
+    let n = match opt_uint(raw.n, "n")? {
         None => 1,
         Some(n) if (1..=MAX_CHOICES as u64).contains(&n) => n as usize,
         Some(n) => return Err(bad(format!("`n` must be in [1, {MAX_CHOICES}], got {n}"))),
     };
-    match opt_uint(v, "best_of") {
+    match opt_uint(raw.best_of, "best_of") {
         Ok(None | Some(1)) => {}
         _ => {
             return Err(bad(
@@ -396,62 +545,74 @@ pub fn parse_value(v: &Value, chat: bool) -> Result<ParsedRequest, RequestError>
             ))
         }
     }
-    let logprobs = parse_logprobs(v, chat)?;
+    let logprobs = parse_logprobs(raw.logprobs, raw.top_logprobs, chat)?;
     let mut params = SamplingParams {
         logprobs,
         // With `echo`, the prompt's tokens get as many alternatives as the generated ones.
         prompt_logprobs: logprobs.filter(|_| echo),
         ..SamplingParams::default()
     };
-    if let Some(t) = opt_f32(v, "temperature", 0.0, 2.0, false)? {
+    if let Some(t) = opt_f32(raw.temperature, "temperature", 0.0, 2.0, false)? {
         params.temperature = t;
     }
-    if let Some(p) = opt_f32(v, "top_p", 0.0, 1.0, true)? {
+    if let Some(p) = opt_f32(raw.top_p, "top_p", 0.0, 1.0, true)? {
         params.top_p = p;
     }
-    if let Some(p) = opt_f32(v, "min_p", 0.0, 1.0, false)? {
+    if let Some(p) = opt_f32(raw.min_p, "min_p", 0.0, 1.0, false)? {
         params.min_p = p;
     }
-    if let Some(p) = opt_f32(v, "presence_penalty", -2.0, 2.0, false)? {
+    if let Some(p) = opt_f32(raw.presence_penalty, "presence_penalty", -2.0, 2.0, false)? {
         params.presence_penalty = p;
     }
-    if let Some(p) = opt_f32(v, "frequency_penalty", -2.0, 2.0, false)? {
+    if let Some(p) = opt_f32(raw.frequency_penalty, "frequency_penalty", -2.0, 2.0, false)? {
         params.frequency_penalty = p;
     }
-    if let Some(p) = opt_f32(v, "repetition_penalty", 0.0, 10.0, true)? {
+    if let Some(p) = opt_f32(
+        raw.repetition_penalty,
+        "repetition_penalty",
+        0.0,
+        10.0,
+        true,
+    )? {
         params.repetition_penalty = p;
     }
-    match v.get("top_k") {
-        None | Some(Value::Null) => {}
-        Some(x) => match x.as_i64() {
-            Some(-1) | Some(0) => params.top_k = None,
-            // Clamped, never truncated: 2^32 + 1 is not 1 (greedy). Sampling clamps to the
-            // vocabulary anyway.
-            Some(k) if k > 0 => params.top_k = Some(u32::try_from(k).unwrap_or(u32::MAX)),
-            _ => {
-                return Err(bad(format!(
-                    "`top_k` must be -1, 0 or a positive integer, got {x}"
-                )))
-            }
-        },
+    match raw.top_k.map(Lenient::into_result) {
+        None => {}
+        Some(Ok(-1 | 0)) => params.top_k = None,
+        // Clamped, never truncated: 2^32 + 1 is not 1 (greedy). Sampling clamps to the
+        // vocabulary anyway.
+        Some(Ok(k)) if k > 0 => params.top_k = Some(u32::try_from(k).unwrap_or(u32::MAX)),
+        Some(Ok(k)) => {
+            return Err(bad(format!(
+                "`top_k` must be -1, 0 or a positive integer, got {k}"
+            )))
+        }
+        Some(Err(x)) => {
+            return Err(bad(format!(
+                "`top_k` must be -1, 0 or a positive integer, got {x}"
+            )))
+        }
     }
-    params.seed = opt_uint(v, "seed")?;
-    params.stop = strings(v, "stop")?;
+    params.seed = opt_uint(raw.seed, "seed")?;
+    params.stop = match raw.stop.map(Lenient::into_result) {
+        None => Vec::new(),
+        Some(Ok(Strings::One(s))) => vec![s],
+        Some(Ok(Strings::Many(s))) => s,
+        Some(Err(_)) => return Err(bad("`stop` must be a string or a list of strings")),
+    };
     if params.stop.len() > 16 {
         return Err(bad("`stop` takes at most 16 strings"));
     }
-    params.stop_token_ids = match v.get("stop_token_ids") {
-        None | Some(Value::Null) => Vec::new(),
-        Some(x) => {
-            token_list(x).ok_or_else(|| bad("`stop_token_ids` must be a list of token ids"))?
-        }
-    };
-    params.ignore_eos = opt_bool(v, "ignore_eos")?;
-    params.logit_bias = parse_logit_bias(v)?;
-    params.grammar = parse_grammar(v)?;
+    params.stop_token_ids = token_list(
+        raw.stop_token_ids,
+        "`stop_token_ids` must be a list of token ids",
+    )?;
+    params.ignore_eos = opt_bool(raw.ignore_eos, "ignore_eos")?;
+    params.logit_bias = parse_logit_bias(raw.logit_bias)?;
+    params.grammar = parse_grammar(read(v)?)?;
     let tools = if chat {
         tools::parse(v)?.filter(Tools::active)
-    } else if v.get("tools").is_some_and(|t| !t.is_null()) {
+    } else if raw.tools.is_some() {
         return Err(bad("`tools` is supported on chat completions only"));
     } else {
         None
@@ -473,23 +634,18 @@ pub fn parse_value(v: &Value, chat: bool) -> Result<ParsedRequest, RequestError>
             params.grammar = Some(grammar);
         }
     }
-    let stream = opt_bool(v, "stream")?;
-    let include_usage = match v.get("stream_options") {
-        None | Some(Value::Null) => false,
-        Some(o) if o.is_object() => opt_bool(o, "include_usage")?,
-        Some(_) => return Err(bad("`stream_options` must be an object")),
+    let stream = opt_bool(raw.stream, "stream")?;
+    let include_usage = match raw.stream_options.map(Lenient::into_result) {
+        None => false,
+        Some(Ok(Object(o))) => opt_bool(o.include_usage, "include_usage")?,
+        Some(Err(_)) => return Err(bad("`stream_options` must be an object")),
     };
-    let kv_transfer_params = v
-        .get("kv_transfer_params")
-        .filter(|x| !x.is_null())
-        .cloned();
-    let return_token_ids = opt_bool(v, "return_token_ids")?;
-    let resume_tokens = match v.get("resume_tokens") {
-        None | Some(Value::Null) => Vec::new(),
-        Some(x) => {
-            token_list(x).ok_or_else(|| bad("`resume_tokens` must be a list of token ids"))?
-        }
-    };
+    let kv_transfer_params = raw.kv_transfer_params;
+    let return_token_ids = opt_bool(raw.return_token_ids, "return_token_ids")?;
+    let resume_tokens = token_list(
+        raw.resume_tokens,
+        "`resume_tokens` must be a list of token ids",
+    )?;
     if !resume_tokens.is_empty() && kv_transfer_params.is_some() {
         return Err(bad(
             "`resume_tokens` cannot be combined with `kv_transfer_params`: a resumed request is prefilled where it continues",
@@ -530,102 +686,149 @@ pub fn parse_value(v: &Value, chat: bool) -> Result<ParsedRequest, RequestError>
     })
 }
 
-/// The fields that ask for structured output; a request may use one of them.
-const GRAMMAR_FIELDS: [&str; 6] = [
-    "response_format",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "structured_outputs",
-];
+/// The fields that ask for structured output; a request may use one of them. Read in this
+/// order; the first two found are named in the refusal.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct GrammarFields {
+    response_format: Option<Lenient<Object<ResponseFormat>>>,
+    guided_json: Option<GrammarArg>,
+    guided_regex: Option<GrammarArg>,
+    guided_choice: Option<GrammarArg>,
+    guided_grammar: Option<GrammarArg>,
+    structured_outputs: Option<Lenient<BTreeMap<String, Option<GrammarArg>>>>,
+}
+
+/// OpenAI's `response_format`.
+#[derive(Debug, Deserialize)]
+struct ResponseFormat {
+    #[serde(rename = "type")]
+    kind: Option<Lenient<String>>,
+    json_schema: Option<Lenient<Object<JsonSchemaFormat>>>,
+}
+
+/// `response_format.json_schema`.
+#[derive(Debug, Deserialize)]
+struct JsonSchemaFormat {
+    strict: Option<Lenient<bool>>,
+    schema: Option<GrammarArg>,
+}
+
+/// What a structured-output field holds; which shapes it may take depends on the field.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum GrammarArg {
+    Flag(bool),
+    Text(String),
+    Strings(Vec<String>),
+    /// A JSON schema, handed to the grammar compiler untouched.
+    Schema(serde_json::Map<String, Value>),
+    Other(IgnoredAny),
+}
 
 /// Structured output: OpenAI's `response_format` (`text`, `json_object`, `json_schema`), vLLM's
 /// `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` (Lark) and its newer
 /// `structured_outputs: {json | regex | choice | grammar | json_object}`. At most one of them
 /// may constrain a request. Bounds (size, choices) and compilation are checked later
 /// ([`SamplingParams::validate`], the grammar compiler), each a 400 naming the problem.
-fn parse_grammar(v: &Value) -> Result<Option<GrammarSpec>, RequestError> {
+fn parse_grammar(fields: GrammarFields) -> Result<Option<GrammarSpec>, RequestError> {
+    let GrammarFields {
+        response_format: format,
+        guided_json,
+        guided_regex,
+        guided_choice,
+        guided_grammar,
+        structured_outputs: outputs,
+    } = fields;
+    let specs = [
+        ("response_format", format.map(response_format)),
+        (
+            "guided_json",
+            guided_json.map(|x| json_schema(x, "guided_json").map(Some)),
+        ),
+        (
+            "guided_regex",
+            guided_regex
+                .map(|x| string_field(x, "guided_regex").map(|r| Some(GrammarSpec::Regex(r)))),
+        ),
+        (
+            "guided_choice",
+            guided_choice.map(|x| choice(x, "guided_choice").map(Some)),
+        ),
+        (
+            "guided_grammar",
+            guided_grammar
+                .map(|x| string_field(x, "guided_grammar").map(|g| Some(GrammarSpec::Lark(g)))),
+        ),
+        ("structured_outputs", outputs.map(structured_outputs)),
+    ];
     let mut found: Option<(&str, GrammarSpec)> = None;
-    for field in GRAMMAR_FIELDS {
-        let Some(x) = v.get(field).filter(|x| !x.is_null()) else {
+    for (field, spec) in specs {
+        let Some(spec) = spec.transpose()?.flatten() else {
             continue;
         };
-        let spec = match field {
-            "response_format" => response_format(x)?,
-            "structured_outputs" => structured_outputs(x)?,
-            "guided_json" => Some(json_schema(x, field)?),
-            "guided_regex" => Some(GrammarSpec::Regex(string_field(x, field)?)),
-            "guided_grammar" => Some(GrammarSpec::Lark(string_field(x, field)?)),
-            _ => Some(choice(x, field)?),
-        };
-        if let Some(spec) = spec {
-            if let Some((first, _)) = &found {
-                return Err(bad(format!(
-                    "`{first}` and `{field}` both constrain the output: send one of them"
-                )));
-            }
-            found = Some((field, spec));
+        if let Some((first, _)) = &found {
+            return Err(bad(format!(
+                "`{first}` and `{field}` both constrain the output: send one of them"
+            )));
         }
+        found = Some((field, spec));
     }
     Ok(found.map(|(_, spec)| spec))
 }
 
-fn string_field(x: &Value, name: &str) -> Result<String, RequestError> {
-    x.as_str()
-        .map(str::to_string)
-        .ok_or_else(|| bad(format!("`{name}` must be a string")))
+fn string_field(x: GrammarArg, name: &str) -> Result<String, RequestError> {
+    match x {
+        GrammarArg::Text(s) => Ok(s),
+        _ => Err(bad(format!("`{name}` must be a string"))),
+    }
 }
 
 /// A JSON schema given as an object (or a boolean), or as its JSON text (vLLM accepts both).
-fn json_schema(x: &Value, name: &str) -> Result<GrammarSpec, RequestError> {
+fn json_schema(x: GrammarArg, name: &str) -> Result<GrammarSpec, RequestError> {
     match x {
-        Value::Object(_) | Value::Bool(_) => Ok(GrammarSpec::JsonSchema(x.to_string())),
-        Value::String(text) => Ok(GrammarSpec::JsonSchema(text.clone())),
+        GrammarArg::Schema(schema) => {
+            Ok(GrammarSpec::JsonSchema(Value::Object(schema).to_string()))
+        }
+        GrammarArg::Flag(b) => Ok(GrammarSpec::JsonSchema(b.to_string())),
+        GrammarArg::Text(text) => Ok(GrammarSpec::JsonSchema(text)),
         _ => Err(bad(format!("`{name}` must be a JSON schema (an object)"))),
     }
 }
 
-fn choice(x: &Value, name: &str) -> Result<GrammarSpec, RequestError> {
-    let items = x
-        .as_array()
-        .ok_or_else(|| bad(format!("`{name}` must be a list of strings")))?;
-    items
-        .iter()
-        .map(|c| {
-            c.as_str()
-                .map(str::to_string)
-                .ok_or_else(|| bad(format!("`{name}` must be a list of strings")))
-        })
-        .collect::<Result<_, _>>()
-        .map(GrammarSpec::Choice)
+fn choice(x: GrammarArg, name: &str) -> Result<GrammarSpec, RequestError> {
+    match x {
+        GrammarArg::Strings(items) => Ok(GrammarSpec::Choice(items)),
+        _ => Err(bad(format!("`{name}` must be a list of strings"))),
+    }
 }
 
-fn response_format(x: &Value) -> Result<Option<GrammarSpec>, RequestError> {
-    let kind = x
-        .get("type")
-        .and_then(Value::as_str)
-        .ok_or_else(|| bad("`response_format.type` must be a string"))?;
-    match kind {
+fn response_format(
+    x: Lenient<Object<ResponseFormat>>,
+) -> Result<Option<GrammarSpec>, RequestError> {
+    let (kind, json_schema_format) = match x {
+        Lenient::Ok(Object(ResponseFormat {
+            kind: Some(Lenient::Ok(kind)),
+            json_schema,
+        })) => (kind, json_schema),
+        _ => return Err(bad("`response_format.type` must be a string")),
+    };
+    match kind.as_str() {
         "text" => Ok(None),
         "json_object" => Ok(Some(GrammarSpec::JsonObject)),
         "json_schema" => {
-            let js = x
-                .get("json_schema")
-                .filter(|j| j.is_object())
-                .ok_or_else(|| {
-                    bad("`response_format.json_schema` must be an object with `name` and `schema`")
-                })?;
-            match js.get("strict") {
-                None | Some(Value::Null | Value::Bool(_)) => {}
-                Some(_) => {
-                    return Err(bad(
-                        "`response_format.json_schema.strict` must be a boolean",
-                    ))
-                }
+            let Some(Lenient::Ok(Object(js))) = json_schema_format else {
+                return Err(bad(
+                    "`response_format.json_schema` must be an object with `name` and `schema`",
+                ));
+            };
+            if let Some(Lenient::Bad(_)) = js.strict {
+                return Err(bad(
+                    "`response_format.json_schema.strict` must be a boolean",
+                ));
             }
             // OpenAI's schema is optional; without one any JSON value is allowed.
-            match js.get("schema").filter(|s| !s.is_null()) {
+            match js.schema {
                 Some(schema) => json_schema(schema, "response_format.json_schema.schema").map(Some),
                 None => Ok(Some(GrammarSpec::JsonSchema("{}".into()))),
             }
@@ -636,22 +839,24 @@ fn response_format(x: &Value) -> Result<Option<GrammarSpec>, RequestError> {
     }
 }
 
-fn structured_outputs(x: &Value) -> Result<Option<GrammarSpec>, RequestError> {
+fn structured_outputs(
+    x: Lenient<BTreeMap<String, Option<GrammarArg>>>,
+) -> Result<Option<GrammarSpec>, RequestError> {
     let map = x
-        .as_object()
+        .ok()
         .ok_or_else(|| bad("`structured_outputs` must be an object"))?;
     let mut found = None;
     for (key, val) in map {
-        if val.is_null() || val == &Value::Bool(false) {
+        let Some(val) = val.filter(|v| !matches!(v, GrammarArg::Flag(false))) else {
             continue;
-        }
+        };
         let name = format!("structured_outputs.{key}");
-        let spec = match key.as_str() {
-            "json" => json_schema(val, &name)?,
-            "regex" => GrammarSpec::Regex(string_field(val, &name)?),
-            "choice" => choice(val, &name)?,
-            "grammar" => GrammarSpec::Lark(string_field(val, &name)?),
-            "json_object" if val == &Value::Bool(true) => GrammarSpec::JsonObject,
+        let spec = match (key.as_str(), val) {
+            ("json", val) => json_schema(val, &name)?,
+            ("regex", val) => GrammarSpec::Regex(string_field(val, &name)?),
+            ("choice", val) => choice(val, &name)?,
+            ("grammar", val) => GrammarSpec::Lark(string_field(val, &name)?),
+            ("json_object", GrammarArg::Flag(true)) => GrammarSpec::JsonObject,
             _ => {
                 return Err(bad(format!(
                     "`{name}` is not supported (json, regex, choice, grammar, json_object are)"
@@ -670,11 +875,13 @@ fn structured_outputs(x: &Value) -> Result<Option<GrammarSpec>, RequestError> {
 /// OpenAI's `logit_bias`: an object from token ids (as decimal strings) to biases in
 /// [-100, 100], at most 300 entries; sorted by token id. Ids are checked against the
 /// vocabulary by [`SamplingParams::validate`].
-fn parse_logit_bias(v: &Value) -> Result<Vec<LogitBias>, RequestError> {
-    let map = match v.get("logit_bias") {
-        None | Some(Value::Null) => return Ok(Vec::new()),
-        Some(Value::Object(m)) => m,
-        Some(x) => {
+fn parse_logit_bias(
+    field: Option<Lenient<BTreeMap<String, Lenient<f64>>>>,
+) -> Result<Vec<LogitBias>, RequestError> {
+    let map = match field.map(Lenient::into_result) {
+        None => return Ok(Vec::new()),
+        Some(Ok(m)) => m,
+        Some(Err(x)) => {
             return Err(bad(format!(
                 "`logit_bias` must be an object from token ids to biases, got {x}"
             )))
@@ -691,14 +898,18 @@ fn parse_logit_bias(v: &Value) -> Result<Vec<LogitBias>, RequestError> {
         let token: u32 = key
             .parse()
             .map_err(|_| bad(format!("`logit_bias` key {key:?} is not a token id")))?;
-        let bias = value
-            .as_f64()
-            .filter(|b| (-(MAX_LOGIT_BIAS as f64)..=MAX_LOGIT_BIAS as f64).contains(b))
-            .ok_or_else(|| {
-                bad(format!(
+        let bias = match value {
+            Lenient::Ok(b) if (-(MAX_LOGIT_BIAS as f64)..=MAX_LOGIT_BIAS as f64).contains(&b) => b,
+            value => {
+                let value = match value {
+                    Lenient::Ok(b) => Value::from(b),
+                    Lenient::Bad(x) => x,
+                };
+                return Err(bad(format!(
                     "`logit_bias` values must be numbers in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {value} for token {key}"
-                ))
-            })?;
+                )));
+            }
+        };
         out.push(LogitBias {
             token,
             bias: bias as f32,
@@ -715,8 +926,8 @@ fn parse_logit_bias(v: &Value) -> Result<Vec<LogitBias>, RequestError> {
 }
 
 /// A count of logprobs in `0..=MAX_LOGPROBS` under `key`.
-fn logprob_count(v: &Value, key: &str) -> Result<Option<u32>, RequestError> {
-    match opt_uint(v, key)? {
+fn logprob_count(n: Option<Result<u64, Value>>, key: &str) -> Result<Option<u32>, RequestError> {
+    match n.transpose().map_err(|x| not_uint(&x, key))? {
         Some(n) if n > u64::from(MAX_LOGPROBS) => Err(bad(format!(
             "`{key}` must be in [0, {MAX_LOGPROBS}], got {n}"
         ))),
@@ -727,25 +938,38 @@ fn logprob_count(v: &Value, key: &str) -> Result<Option<u32>, RequestError> {
 /// How many alternatives per generated token the request asks for, `None` for no logprobs.
 /// Chat: `logprobs: true` and `top_logprobs` (0..=20, which needs `logprobs: true`), as
 /// OpenAI. Completions: `logprobs: N`, 0..=20 (vLLM's bound; OpenAI's is 5).
-fn parse_logprobs(v: &Value, chat: bool) -> Result<Option<u32>, RequestError> {
+fn parse_logprobs(
+    logprobs: Option<Lenient<LogprobsArg>>,
+    top_logprobs: Option<Lenient<u64>>,
+    chat: bool,
+) -> Result<Option<u32>, RequestError> {
+    let logprobs = logprobs.map(Lenient::into_result);
     if !chat {
-        return match v.get("logprobs") {
-            Some(Value::Bool(_)) => Err(bad(
+        let count = match logprobs {
+            Some(Ok(LogprobsArg::Flag(_))) => return Err(bad(
                 "`logprobs` must be an integer on completions (how many alternatives per token)",
             )),
-            _ => logprob_count(v, "logprobs"),
+            Some(Ok(LogprobsArg::Count(n))) => Some(Ok(n)),
+            Some(Err(x)) => Some(Err(x)),
+            None => None,
         };
+        return logprob_count(count, "logprobs");
     }
-    let wants = match v.get("logprobs") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
-        Some(x) => {
+    let wants = match logprobs {
+        None => false,
+        Some(Ok(LogprobsArg::Flag(b))) => b,
+        Some(Ok(LogprobsArg::Count(n))) => {
+            return Err(bad(format!(
+                "`logprobs` must be a boolean on chat completions, got {n}"
+            )))
+        }
+        Some(Err(x)) => {
             return Err(bad(format!(
                 "`logprobs` must be a boolean on chat completions, got {x}"
             )))
         }
     };
-    let top = logprob_count(v, "top_logprobs")?;
+    let top = logprob_count(top_logprobs.map(Lenient::into_result), "top_logprobs")?;
     match (wants, top) {
         (true, top) => Ok(Some(top.unwrap_or(0))),
         (false, Some(n)) if n > 0 => Err(bad("`top_logprobs` needs `logprobs: true`")),
@@ -1195,6 +1419,26 @@ fn is_host(host: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'-' || b == b'_')
 }
 
+/// `kv_transfer_params` as serde reads them, each field in its shape or as sent (see
+/// [`kv_directive`] for what they mean).
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct RawKvParams {
+    transfer_id: Option<Lenient<String>>,
+    do_remote_decode: Option<Lenient<bool>>,
+    do_remote_prefill: Option<Lenient<bool>>,
+    remote_host: Option<Lenient<String>>,
+    remote_port: Option<Lenient<u64>>,
+    remote_control_addr: Option<Lenient<String>>,
+    remote_engine_id: Option<Lenient<String>>,
+    remote_block_ids: Option<Lenient<Vec<u32>>>,
+    first_token_id: Option<Lenient<u32>>,
+    /// Read as [`TokenLogprobs`], whose serde message the refusal quotes.
+    first_token_logprobs: Option<Value>,
+    kv_lease_ms: Option<Lenient<u64>>,
+    cached_tokens: Option<Lenient<u32>>,
+}
+
 /// Reads `kv_transfer_params` (vLLM's field names plus pdserve's `transfer_id`,
 /// `first_token_id`, `kv_lease_ms` and `remote_control_addr`). The prefill peer is reached at
 /// `scheme://remote_host:remote_port` (`scheme`: this instance's own, `http` or `https`).
@@ -1209,35 +1453,36 @@ pub fn kv_directive(params: Option<&Value>, scheme: &str) -> Result<KvDirective,
     if !p.is_object() {
         return Err(bad("`kv_transfer_params` must be an object"));
     }
-    let transfer_id = match p.get("transfer_id") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(s)) => Some(
+    let p = RawKvParams::deserialize(p).map_err(|e| bad(format!("`kv_transfer_params`: {e}")))?;
+    let transfer_id = match p.transfer_id.map(Lenient::into_result) {
+        None => None,
+        Some(Ok(s)) => Some(
             s.parse::<TransferId>()
                 .map_err(|e| bad(format!("`kv_transfer_params.transfer_id`: {e}")))?,
         ),
-        Some(_) => return Err(bad("`kv_transfer_params.transfer_id` must be a string")),
+        Some(Err(_)) => return Err(bad("`kv_transfer_params.transfer_id` must be a string")),
     };
-    if opt_bool(p, "do_remote_decode")? {
+    if opt_bool(p.do_remote_decode, "do_remote_decode")? {
         return Ok(KvDirective::HoldForDecode(
             transfer_id.unwrap_or_else(TransferId::new_random),
         ));
     }
-    if !opt_bool(p, "do_remote_prefill")? {
+    if !opt_bool(p.do_remote_prefill, "do_remote_prefill")? {
         return Ok(KvDirective::None);
     }
     let field = |k: &str| format!("`kv_transfer_params.{k}`");
     let host = p
-        .get("remote_host")
-        .and_then(Value::as_str)
+        .remote_host
+        .and_then(Lenient::ok)
         .ok_or_else(|| bad(format!("{} must be a string", field("remote_host"))))?;
     let port = p
-        .get("remote_port")
-        .and_then(Value::as_u64)
+        .remote_port
+        .and_then(Lenient::ok)
         .filter(|&n| n > 0 && n <= 65535)
         .ok_or_else(|| bad(format!("{} must be a port number", field("remote_port"))))?;
     let host = match host.parse::<std::net::Ipv6Addr>() {
         Ok(v6) => format!("[{v6}]"),
-        Err(_) if is_host(host) => host.to_string(),
+        Err(_) if is_host(&host) => host,
         Err(_) => {
             return Err(bad(format!(
                 "{} is not a host name or an IP address",
@@ -1245,17 +1490,17 @@ pub fn kv_directive(params: Option<&Value>, scheme: &str) -> Result<KvDirective,
             )))
         }
     };
-    let control = match p.get("remote_control_addr") {
-        None | Some(Value::Null) => None,
+    let control = match p.remote_control_addr {
+        None => None,
         Some(v) => Some(
-            v.as_str()
+            v.ok()
                 .and_then(|a| a.parse::<std::net::SocketAddr>().ok())
                 .ok_or_else(|| bad(format!("{} must be IP:port", field("remote_control_addr"))))?,
         ),
     };
-    let engine_id = match p.get("remote_engine_id") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
+    let engine_id = match p.remote_engine_id {
+        None => None,
+        Some(Lenient::Ok(s)) if !s.is_empty() => Some(s),
         Some(_) => {
             return Err(bad(format!(
                 "{} must be a non-empty string",
@@ -1268,25 +1513,21 @@ pub fn kv_directive(params: Option<&Value>, scheme: &str) -> Result<KvDirective,
         control,
         engine_id,
     };
-    if p.get("remote_block_ids").is_none_or(Value::is_null) {
+    let Some(block_ids) = p.remote_block_ids else {
         return Ok(KvDirective::DriveRemote {
             peer,
             transfer: transfer_id.unwrap_or_else(TransferId::new_random),
         });
-    }
-    let block_ids = p
-        .get("remote_block_ids")
-        .and_then(token_list)
-        .ok_or_else(|| {
-            bad(format!(
-                "{} must be a list of block ids",
-                field("remote_block_ids")
-            ))
-        })?;
+    };
+    let block_ids = block_ids.ok().ok_or_else(|| {
+        bad(format!(
+            "{} must be a list of block ids",
+            field("remote_block_ids")
+        ))
+    })?;
     let first_token = p
-        .get("first_token_id")
-        .and_then(Value::as_u64)
-        .and_then(|n| u32::try_from(n).ok())
+        .first_token_id
+        .and_then(Lenient::ok)
         .ok_or_else(|| bad(format!("{} must be a token id", field("first_token_id"))))?;
     let transfer = transfer_id.ok_or_else(|| {
         bad(format!(
@@ -1294,11 +1535,11 @@ pub fn kv_directive(params: Option<&Value>, scheme: &str) -> Result<KvDirective,
             field("transfer_id")
         ))
     })?;
-    let first_logprobs = match p.get("first_token_logprobs") {
-        None | Some(Value::Null) => None,
+    let first_logprobs = match p.first_token_logprobs {
+        None => None,
         Some(v) => {
             let what = field("first_token_logprobs");
-            let lp: TokenLogprobs = serde_json::from_value(v.clone()).map_err(|e| {
+            let lp: TokenLogprobs = serde_json::from_value(v).map_err(|e| {
                 bad(format!(
                     "{what} must be {{\"token\", \"logprob\", \"top\": [{{\"token\", \"logprob\"}}]}}: {e}"
                 ))
@@ -1314,9 +1555,9 @@ pub fn kv_directive(params: Option<&Value>, scheme: &str) -> Result<KvDirective,
             Some(lp)
         }
     };
-    let lease = match p.get("kv_lease_ms") {
-        None | Some(Value::Null) => None,
-        Some(v) => Some(std::time::Duration::from_millis(v.as_u64().ok_or_else(
+    let lease = match p.kv_lease_ms {
+        None => None,
+        Some(v) => Some(std::time::Duration::from_millis(v.ok().ok_or_else(
             || {
                 bad(format!(
                     "{} must be a number of milliseconds",
@@ -1325,17 +1566,14 @@ pub fn kv_directive(params: Option<&Value>, scheme: &str) -> Result<KvDirective,
             },
         )?)),
     };
-    let cached_tokens = match p.get("cached_tokens") {
-        None | Some(Value::Null) => 0,
-        Some(v) => v
-            .as_u64()
-            .and_then(|n| u32::try_from(n).ok())
-            .ok_or_else(|| {
-                bad(format!(
-                    "{} must be a count of tokens",
-                    field("cached_tokens")
-                ))
-            })?,
+    let cached_tokens = match p.cached_tokens {
+        None => 0,
+        Some(v) => v.ok().ok_or_else(|| {
+            bad(format!(
+                "{} must be a count of tokens",
+                field("cached_tokens")
+            ))
+        })?,
     };
     Ok(KvDirective::FromPrefill {
         peer,

@@ -11,8 +11,11 @@
 //! `tool` message's content is wrapped in `<tool_response></tool_response>`.
 
 use crate::error::RequestError;
+use crate::json_field::{present, Lenient, Object};
 use pdserve_gpu::grammar::{GrammarSpec, MAX_GRAMMAR_BYTES};
-use serde_json::{json, Value};
+use serde::de::IgnoredAny;
+use serde::Deserialize;
+use serde_json::{json, Map, Value};
 
 /// Most tools one request may declare.
 pub const MAX_TOOLS: usize = 128;
@@ -87,6 +90,56 @@ fn valid_name(name: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
+/// A chat request's `tools` and `tool_choice` as serde reads them, each in its shape or as
+/// sent, for [`parse`] to refuse by name.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct ToolFields {
+    /// The declared tools; each read as [`RawTool`] after the list's size is checked.
+    tools: Option<Lenient<Vec<Value>>>,
+    tool_choice: Option<RawChoice>,
+}
+
+/// One entry of `tools`: `{"type": "function", "function": {...}}`.
+#[derive(Debug, Deserialize)]
+struct RawTool {
+    #[serde(rename = "type")]
+    kind: Option<Lenient<String>>,
+    #[serde(default, deserialize_with = "present")]
+    function: Option<Lenient<Object<RawFunction>>>,
+}
+
+/// A declared function.
+#[derive(Debug, Deserialize)]
+struct RawFunction {
+    name: Option<Lenient<String>>,
+    description: Option<Lenient<String>>,
+    /// Its arguments' JSON schema, passed through untouched.
+    parameters: Option<Lenient<Map<String, Value>>>,
+}
+
+/// `tool_choice`: `none` / `auto` / `required`, or a named function.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum RawChoice {
+    Mode(String),
+    Function(Object<NamedChoice>),
+    Other(IgnoredAny),
+}
+
+/// `{"type": "function", "function": {"name": ...}}`.
+#[derive(Debug, Deserialize)]
+struct NamedChoice {
+    #[serde(rename = "type")]
+    kind: Option<Lenient<String>>,
+    function: Option<Lenient<Object<NamedFunction>>>,
+}
+
+#[derive(Debug, Deserialize)]
+struct NamedFunction {
+    name: Option<Lenient<String>>,
+}
+
 /// Reads `tools` and `tool_choice` of a chat request: `None` without tools (a `tool_choice`
 /// other than `none` then is a 400).
 ///
@@ -96,14 +149,15 @@ fn valid_name(name: &str) -> bool {
 /// [`MAX_TOOLS`] tools or more than [`MAX_GRAMMAR_BYTES`] of them, a `tool_choice` that is
 /// not `none`/`auto`/`required`/a declared function.
 pub fn parse(v: &Value) -> Result<Option<Tools>, RequestError> {
-    let list = match v.get("tools") {
-        None | Some(Value::Null) => None,
-        Some(Value::Array(list)) => Some(list),
-        Some(_) => return Err(bad("`tools` must be a list")),
+    let fields = ToolFields::deserialize(v).map_err(|e| bad(format!("the request body: {e}")))?;
+    let list = match fields.tools.map(Lenient::into_result) {
+        None => None,
+        Some(Ok(list)) => Some(list),
+        Some(Err(_)) => return Err(bad("`tools` must be a list")),
     };
-    let choice = match v.get("tool_choice") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(s)) => Some(match s.as_str() {
+    let choice = match fields.tool_choice {
+        None => None,
+        Some(RawChoice::Mode(s)) => Some(match s.as_str() {
             "none" => ToolChoice::None,
             "auto" => ToolChoice::Auto,
             "required" => ToolChoice::Required,
@@ -113,18 +167,16 @@ pub fn parse(v: &Value) -> Result<Option<Tools>, RequestError> {
                 )))
             }
         }),
-        Some(c @ Value::Object(_)) => {
-            let name = c
-                .get("function")
-                .and_then(|f| f.get("name"))
-                .and_then(Value::as_str)
-                .filter(|_| c.get("type").and_then(Value::as_str) == Some("function"))
-                .ok_or_else(|| {
-                    bad("`tool_choice` must be none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}")
-                })?;
-            Some(ToolChoice::Named(name.to_string()))
-        }
-        Some(_) => return Err(bad("`tool_choice` must be a string or an object")),
+        Some(RawChoice::Function(Object(c))) => match (c.kind, c.function) {
+            (
+                Some(Lenient::Ok(kind)),
+                Some(Lenient::Ok(Object(NamedFunction {
+                    name: Some(Lenient::Ok(name)),
+                }))),
+            ) if kind == "function" => Some(ToolChoice::Named(name)),
+            _ => return Err(bad("`tool_choice` must be none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}")),
+        },
+        Some(RawChoice::Other(_)) => return Err(bad("`tool_choice` must be a string or an object")),
     };
     let Some(list) = list.filter(|l| !l.is_empty()) else {
         return match choice {
@@ -138,52 +190,59 @@ pub fn parse(v: &Value) -> Result<Option<Tools>, RequestError> {
             list.len()
         )));
     }
-    let size = Value::Array(list.clone()).to_string().len();
+    let size = serde_json::to_string(&list).map_or(usize::MAX, |s| s.len());
     if size > MAX_GRAMMAR_BYTES {
         return Err(bad(format!(
             "`tools` is {size} bytes, more than the {MAX_GRAMMAR_BYTES} allowed"
         )));
     }
     let mut tools: Vec<Tool> = Vec::with_capacity(list.len());
-    for (i, t) in list.iter().enumerate() {
-        let f = t
-            .get("function")
-            .filter(|_| t.get("type").and_then(Value::as_str) == Some("function"))
-            .ok_or_else(|| {
-                bad(format!(
+    for (i, t) in list.into_iter().enumerate() {
+        let f = match Lenient::<Object<RawTool>>::deserialize(t).ok() {
+            Some(Lenient::Ok(Object(RawTool {
+                kind: Some(Lenient::Ok(kind)),
+                function: Some(f),
+            }))) if kind == "function" => f.ok(),
+            _ => {
+                return Err(bad(format!(
                     "`tools[{i}]` must be {{\"type\": \"function\", \"function\": {{...}}}}"
-                ))
-            })?;
+                )))
+            }
+        };
+        let name_error = || {
+            bad(format!("`tools[{i}].function.name` must be 1 to {MAX_TOOL_NAME} characters of a-z, A-Z, 0-9, _ and -"))
+        };
+        let Some(Object(f)) = f else {
+            return Err(name_error());
+        };
         let name = f
-            .get("name")
-            .and_then(Value::as_str)
+            .name
+            .and_then(Lenient::ok)
             .filter(|n| valid_name(n))
-            .ok_or_else(|| {
-                bad(format!("`tools[{i}].function.name` must be 1 to {MAX_TOOL_NAME} characters of a-z, A-Z, 0-9, _ and -"))
-            })?;
+            .ok_or_else(name_error)?;
         if tools.iter().any(|t| t.name == name) {
             return Err(bad(format!("`tools` declares `{name}` twice")));
         }
-        let description = match f.get("description") {
-            None | Some(Value::Null) => None,
-            Some(Value::String(d)) => Some(d.clone()),
-            Some(_) => {
+        let description = match f.description.map(Lenient::into_result) {
+            None => None,
+            Some(Ok(d)) => Some(d),
+            Some(Err(_)) => {
                 return Err(bad(format!(
                     "`tools[{i}].function.description` must be a string"
                 )))
             }
         };
-        let parameters = match f.get("parameters") {
-            None | Some(Value::Null) => json!({"type": "object", "properties": {}}),
-            Some(p @ Value::Object(_)) => p.clone(),
-            Some(_) => {
+        let parameters = match f.parameters.map(Lenient::into_result) {
+            None => json!({"type": "object", "properties": {}}),
+            Some(Ok(p)) => Value::Object(p),
+            Some(Err(_)) => {
                 return Err(bad(format!(
                     "`tools[{i}].function.parameters` must be a JSON schema object"
                 )))
             }
         };
         tools.push(Tool {
-            name: name.to_string(),
+            name,
             description,
             parameters,
         });
@@ -263,14 +322,19 @@ pub fn render_calls(calls: &Value, i: usize) -> Result<String, RequestError> {
     let what = || {
         bad(format!("`messages[{i}].tool_calls` must be a list of {{\"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}"))
     };
-    let list = calls.as_array().ok_or_else(what)?;
+    let list = Vec::<Lenient<Object<HistoryCall>>>::deserialize(calls).map_err(|_| what())?;
     let mut out = Vec::with_capacity(list.len());
     for c in list {
-        let f = c.get("function").ok_or_else(what)?;
-        let name = f.get("name").and_then(Value::as_str).ok_or_else(what)?;
-        let arguments = match f.get("arguments") {
-            Some(Value::String(s)) => serde_json::from_str(s).unwrap_or(Value::String(s.clone())),
-            Some(v @ Value::Object(_)) => v.clone(),
+        let Some(Object(HistoryCall {
+            function: Some(Lenient::Ok(Object(f))),
+        })) = c.ok()
+        else {
+            return Err(what());
+        };
+        let name = f.name.and_then(Lenient::ok).ok_or_else(what)?;
+        let arguments = match f.arguments {
+            Some(Arguments::Text(s)) => serde_json::from_str(&s).unwrap_or(Value::String(s)),
+            Some(Arguments::Object(m)) => Value::Object(m),
             _ => return Err(what()),
         };
         out.push(format!(
@@ -279,6 +343,34 @@ pub fn render_calls(calls: &Value, i: usize) -> Result<String, RequestError> {
         ));
     }
     Ok(out.join("\n"))
+}
+
+/// One call of an assistant message in the history.
+#[derive(Debug, Deserialize)]
+struct HistoryCall {
+    function: Option<Lenient<Object<HistoryFunction>>>,
+}
+
+#[derive(Debug, Deserialize)]
+struct HistoryFunction {
+    name: Option<Lenient<String>>,
+    arguments: Option<Arguments>,
+}
+
+/// A call's `arguments`: OpenAI's JSON text, or the object some clients send.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum Arguments {
+    Text(String),
+    Object(Map<String, Value>),
+    Other(IgnoredAny),
+}
+
+/// A call as the model writes it inside a `<tool_call>` block.
+#[derive(Debug, Deserialize)]
+struct ModelCall {
+    name: String,
+    arguments: Map<String, Value>,
 }
 
 /// A `tool` message's content as the model sees it.
@@ -305,9 +397,10 @@ pub fn parse_calls(text: &str) -> Option<(Option<String>, Vec<ToolCall>)> {
             // An unclosed last block (the answer ended at EOS or length): what it holds.
             None => (&rest[body_start..], ""),
         };
+        // Through a `Value`, so that a repeated key is read as JSON reads it (the last wins).
         let v: Value = serde_json::from_str(body.trim()).ok()?;
-        let name = v.get("name")?.as_str()?.to_string();
-        let arguments = v.get("arguments").filter(|a| a.is_object())?.to_string();
+        let Object(ModelCall { name, arguments }) = Object::deserialize(&v).ok()?;
+        let arguments = Value::Object(arguments).to_string();
         calls.push(ToolCall { name, arguments });
         rest = next;
     }

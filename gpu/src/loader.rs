@@ -8,6 +8,8 @@ use crate::tokenizer::Tokenizer;
 use crate::weights::TensorStore;
 use crate::{ModelError, Result};
 use candle_core::quantized::gguf_file;
+use serde::de::IgnoredAny;
+use serde::Deserialize;
 use std::path::{Path, PathBuf};
 
 /// Which model to serve, as a user writes it (`--model`).
@@ -306,6 +308,59 @@ pub fn load_hf_dir(dir: &Path) -> Result<LoadedModel> {
     })
 }
 
+/// A field of a model's JSON file (`config.json`, `tokenizer_config.json`) read when it has
+/// its type; another type reads as absent (the defaults and errors then apply, as to a
+/// missing field).
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub(crate) enum Loose<T> {
+    Is(T),
+    Other(IgnoredAny),
+}
+
+impl<T> Loose<T> {
+    /// The value, if it had its type.
+    pub(crate) fn get(self) -> Option<T> {
+        match self {
+            Self::Is(t) => Some(t),
+            Self::Other(_) => None,
+        }
+    }
+}
+
+/// The fields of an HF `config.json` pdserve reads.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct HfConfig {
+    architectures: Option<Loose<Vec<Loose<String>>>>,
+    model_type: Option<Loose<String>>,
+    vocab_size: Option<Loose<f64>>,
+    hidden_size: Option<Loose<f64>>,
+    num_hidden_layers: Option<Loose<f64>>,
+    num_attention_heads: Option<Loose<f64>>,
+    num_key_value_heads: Option<Loose<f64>>,
+    head_dim: Option<Loose<f64>>,
+    intermediate_size: Option<Loose<f64>>,
+    rms_norm_eps: Option<Loose<f64>>,
+    rope_theta: Option<Loose<f64>>,
+    max_position_embeddings: Option<Loose<f64>>,
+    attention_bias: Option<Loose<bool>>,
+    rope_scaling: Option<Loose<HfRopeScaling>>,
+}
+
+/// `config.json`'s `rope_scaling`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct HfRopeScaling {
+    rope_type: Option<Loose<String>>,
+    #[serde(rename = "type")]
+    kind: Option<Loose<String>>,
+    factor: Option<Loose<f64>>,
+    low_freq_factor: Option<Loose<f64>>,
+    high_freq_factor: Option<Loose<f64>>,
+    original_max_position_embeddings: Option<Loose<u64>>,
+}
+
 /// Parses an HF `config.json`.
 ///
 /// # Errors
@@ -313,36 +368,52 @@ pub fn load_hf_dir(dir: &Path) -> Result<LoadedModel> {
 pub fn hf_config(text: &str) -> Result<ModelConfig> {
     let v: serde_json::Value = serde_json::from_str(text)
         .map_err(|e| ModelError::BadMetadata(format!("config.json: {e}")))?;
-    let arch = v["architectures"][0]
-        .as_str()
-        .unwrap_or(v["model_type"].as_str().unwrap_or(""));
-    let (name, qkv_bias) = match arch {
+    // Read through the `Value`: a list is no config (serde's structs would take one).
+    let c = match v.is_object().then(|| HfConfig::deserialize(&v)) {
+        Some(Ok(c)) => c,
+        Some(Err(e)) => return Err(ModelError::BadMetadata(format!("config.json: {e}"))),
+        None => HfConfig::default(),
+    };
+    let arch = c
+        .architectures
+        .and_then(Loose::get)
+        .and_then(|a| a.into_iter().next())
+        .and_then(Loose::get)
+        .or_else(|| c.model_type.and_then(Loose::get))
+        .unwrap_or_default();
+    let (name, qkv_bias) = match arch.as_str() {
         "LlamaForCausalLM" | "llama" | "MistralForCausalLM" | "mistral" => ("llama", false),
         "Qwen2ForCausalLM" | "qwen2" => ("qwen2", true),
         other => return Err(ModelError::UnsupportedArchitecture(other.to_string())),
     };
-    let num = |k: &str| v[k].as_f64();
-    let need = |k: &str| {
-        num(k)
+    let num = |x: Option<Loose<f64>>| x.and_then(Loose::get);
+    let need = |x: Option<Loose<f64>>, k: &str| {
+        num(x)
             .map(|x| x as usize)
             .ok_or_else(|| ModelError::BadMetadata(format!("config.json: `{k}`")))
     };
-    let hidden = need("hidden_size")?;
-    let heads = need("num_attention_heads")?;
-    let rope_scaling = match v.get("rope_scaling") {
-        Some(s) if !s.is_null() => {
-            let kind = s["rope_type"].as_str().or(s["type"].as_str()).unwrap_or("");
-            let f = |k: &str| s[k].as_f64().unwrap_or(1.0) as f32;
-            match kind {
+    let hidden = need(c.hidden_size, "hidden_size")?;
+    let heads = need(c.num_attention_heads, "num_attention_heads")?;
+    let rope_scaling = match c.rope_scaling {
+        Some(s) => {
+            let s = s.get().unwrap_or_default();
+            let kind = s
+                .rope_type
+                .and_then(Loose::get)
+                .or_else(|| s.kind.and_then(Loose::get))
+                .unwrap_or_default();
+            let f = |x: Option<Loose<f64>>| num(x).unwrap_or(1.0) as f32;
+            match kind.as_str() {
                 "linear" => RopeScaling::Linear {
-                    factor: f("factor"),
+                    factor: f(s.factor),
                 },
                 "llama3" => RopeScaling::Llama3 {
-                    factor: f("factor"),
-                    low_freq_factor: f("low_freq_factor"),
-                    high_freq_factor: f("high_freq_factor"),
-                    original_max_position: s["original_max_position_embeddings"]
-                        .as_u64()
+                    factor: f(s.factor),
+                    low_freq_factor: f(s.low_freq_factor),
+                    high_freq_factor: f(s.high_freq_factor),
+                    original_max_position: s
+                        .original_max_position_embeddings
+                        .and_then(Loose::get)
                         .unwrap_or(8192) as usize,
                 },
                 "default" => RopeScaling::None,
@@ -353,23 +424,23 @@ pub fn hf_config(text: &str) -> Result<ModelConfig> {
                 }
             }
         }
-        _ => RopeScaling::None,
+        None => RopeScaling::None,
     };
     let config = ModelConfig {
         architecture: name.to_string(),
-        vocab_size: need("vocab_size")?,
+        vocab_size: need(c.vocab_size, "vocab_size")?,
         hidden_size: hidden,
-        num_layers: need("num_hidden_layers")?,
+        num_layers: need(c.num_hidden_layers, "num_hidden_layers")?,
         num_heads: heads,
-        num_kv_heads: num("num_key_value_heads").map_or(heads, |x| x as usize),
-        head_dim: num("head_dim").map_or(hidden / heads.max(1), |x| x as usize),
-        intermediate_size: need("intermediate_size")?,
-        rms_norm_eps: num("rms_norm_eps").unwrap_or(1e-6) as f32,
-        rope_theta: num("rope_theta").unwrap_or(10_000.0) as f32,
+        num_kv_heads: num(c.num_key_value_heads).map_or(heads, |x| x as usize),
+        head_dim: num(c.head_dim).map_or(hidden / heads.max(1), |x| x as usize),
+        intermediate_size: need(c.intermediate_size, "intermediate_size")?,
+        rms_norm_eps: num(c.rms_norm_eps).unwrap_or(1e-6) as f32,
+        rope_theta: num(c.rope_theta).unwrap_or(10_000.0) as f32,
         rope_scaling,
         rope_style: RopeStyle::Half,
-        context_length: need("max_position_embeddings")?,
-        qkv_bias: v["attention_bias"].as_bool().unwrap_or(qkv_bias),
+        context_length: need(c.max_position_embeddings, "max_position_embeddings")?,
+        qkv_bias: c.attention_bias.and_then(Loose::get).unwrap_or(qkv_bias),
         rope_freq_factors: None,
     };
     config.validate()?;

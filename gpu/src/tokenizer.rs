@@ -24,7 +24,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 use candle_core::quantized::gguf_file;
 use serde_json::{json, Map, Value as Json};
 
+use crate::loader::Loose;
 use crate::{ModelError, Result};
+use serde::Deserialize;
 
 /// GGUF token type of a normal vocabulary entry.
 const TOKEN_TYPE_NORMAL: i64 = 1;
@@ -522,51 +524,50 @@ impl Tokenizer {
         let inner = tokenizers::Tokenizer::from_file(path)
             .map_err(|e| tok_err(format!("{}: {e}", path.display())))?;
         let dir = path.parent().unwrap_or(Path::new("."));
-        let read_json = |name: &str| -> Result<Option<Json>> {
+        // A missing file, or one that is no JSON object, reads as all fields absent.
+        fn read_json<T: serde::de::DeserializeOwned + Default>(
+            dir: &Path,
+            name: &str,
+        ) -> Result<T> {
             let p = dir.join(name);
             if !p.exists() {
-                return Ok(None);
+                return Ok(T::default());
             }
             let text = std::fs::read_to_string(&p)?;
-            serde_json::from_str(&text)
-                .map(Some)
-                .map_err(|e| ModelError::BadMetadata(format!("{}: {e}", p.display())))
-        };
-        let config = read_json("tokenizer_config.json")?.unwrap_or(Json::Null);
-        let gen_config = read_json("generation_config.json")?.unwrap_or(Json::Null);
+            let bad =
+                |e: serde_json::Error| ModelError::BadMetadata(format!("{}: {e}", p.display()));
+            // Through a `Value`: a list is no config (serde's structs would take one).
+            let v: Json = serde_json::from_str(&text).map_err(bad)?;
+            if !v.is_object() {
+                return Ok(T::default());
+            }
+            T::deserialize(&v).map_err(bad)
+        }
+        let config: TokenizerConfig = read_json(dir, "tokenizer_config.json")?;
+        let gen_config: GenerationConfig = read_json(dir, "generation_config.json")?;
         // `bos_token` is either a string or an AddedToken object with a `content` field.
-        let token_text = |v: &Json| -> Option<String> {
-            match v {
-                Json::String(s) => Some(s.clone()),
-                Json::Object(o) => o.get("content").and_then(Json::as_str).map(str::to_string),
-                _ => None,
+        let token_id = |v: Option<Loose<TokenText>>| {
+            match v.and_then(Loose::get)? {
+                TokenText::Text(s) => Some(s),
+                TokenText::Added(a) => a.content.and_then(Loose::get),
             }
-        };
-        let bos_id = config
-            .get("bos_token")
-            .and_then(token_text)
             .and_then(|t| inner.token_to_id(&t))
-            .or_else(|| {
-                gen_config
-                    .get("bos_token_id")
-                    .and_then(Json::as_u64)
-                    .map(|v| v as u32)
-            });
-        let eos_id = config
-            .get("eos_token")
-            .and_then(token_text)
-            .and_then(|t| inner.token_to_id(&t));
-        let pad_id = config
-            .get("pad_token")
-            .and_then(token_text)
-            .and_then(|t| inner.token_to_id(&t));
+        };
+        let bos_id = token_id(config.bos_token).or_else(|| {
+            gen_config
+                .bos_token_id
+                .and_then(Loose::get)
+                .map(|v| v as u32)
+        });
+        let eos_id = token_id(config.eos_token);
+        let pad_id = token_id(config.pad_token);
         let mut eos_ids: Vec<u32> = eos_id.into_iter().collect();
-        match gen_config.get("eos_token_id") {
-            Some(Json::Number(n)) => eos_ids.extend(n.as_u64().map(|v| v as u32)),
-            Some(Json::Array(a)) => {
-                eos_ids.extend(a.iter().filter_map(|v| v.as_u64()).map(|v| v as u32))
+        match gen_config.eos_token_id.and_then(Loose::get) {
+            Some(EosIds::One(n)) => eos_ids.push(n as u32),
+            Some(EosIds::Many(a)) => {
+                eos_ids.extend(a.into_iter().filter_map(Loose::get).map(|v| v as u32))
             }
-            _ => {}
+            None => {}
         }
         for (id, tok) in inner.get_added_tokens_decoder() {
             if tok.special && EOG_TEXTS.contains(&tok.content.as_str()) {
@@ -581,32 +582,31 @@ impl Tokenizer {
         dedup_keep_order(&mut eos_ids);
         let eos_id = eos_id.or_else(|| eos_ids.first().copied());
         // Whether BOS is added: say what the post-processor does, unless the config says.
-        let add_bos = match config.get("add_bos_token").and_then(Json::as_bool) {
+        let add_bos = match config.add_bos_token.and_then(Loose::get) {
             Some(b) => b,
             None => {
                 let enc = inner.encode("a", true).map_err(tok_err)?;
                 bos_id.is_some() && enc.get_ids().first().copied() == bos_id
             }
         };
-        let chat_template = match config.get("chat_template") {
-            Some(Json::String(s)) => Some(s.clone()),
-            Some(Json::Array(list)) => {
+        let chat_template = match config.chat_template.and_then(Loose::get) {
+            Some(ChatTemplates::One(s)) => Some(s),
+            Some(ChatTemplates::Named(list)) => {
+                let list: Vec<Option<NamedTemplate>> = list.into_iter().map(Loose::get).collect();
                 let named = |want: &str| {
-                    list.iter().find_map(|t| {
-                        (t.get("name").and_then(Json::as_str) == Some(want))
-                            .then(|| t.get("template").and_then(Json::as_str))
+                    list.iter().flatten().find_map(|t| {
+                        (t.name.as_deref() == Some(want))
+                            .then(|| t.template.clone())
                             .flatten()
                     })
                 };
-                named("default")
-                    .or_else(|| {
-                        list.first()
-                            .and_then(|t| t.get("template"))
-                            .and_then(Json::as_str)
-                    })
-                    .map(str::to_string)
+                named("default").or_else(|| {
+                    list.first()
+                        .and_then(Option::as_ref)
+                        .and_then(|t| t.template.clone())
+                })
             }
-            _ => None,
+            None => None,
         };
         let chat_template = match chat_template {
             Some(t) => Some(t),
@@ -1011,6 +1011,69 @@ impl DecodeStream {
         self.prefix_index = 0;
         Ok(rest)
     }
+}
+
+/// The fields of a Hugging Face `tokenizer_config.json` pdserve reads.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct TokenizerConfig {
+    bos_token: Option<Loose<TokenText>>,
+    eos_token: Option<Loose<TokenText>>,
+    pad_token: Option<Loose<TokenText>>,
+    add_bos_token: Option<Loose<bool>>,
+    chat_template: Option<Loose<ChatTemplates>>,
+}
+
+/// A special token: its text, or an AddedToken object with a `content` field.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum TokenText {
+    Text(String),
+    Added(AddedToken),
+}
+
+#[derive(Debug, Deserialize)]
+struct AddedToken {
+    content: Option<Loose<String>>,
+}
+
+/// `chat_template`: one template, or a list of named ones.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum ChatTemplates {
+    One(String),
+    Named(Vec<Loose<NamedTemplate>>),
+}
+
+#[derive(Debug, Deserialize)]
+struct NamedTemplate {
+    #[serde(default, deserialize_with = "loose")]
+    name: Option<String>,
+    #[serde(default, deserialize_with = "loose")]
+    template: Option<String>,
+}
+
+/// Reads a field that is absent when it has another type.
+fn loose<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(
+    d: D,
+) -> std::result::Result<Option<T>, D::Error> {
+    Ok(Option::<Loose<T>>::deserialize(d)?.and_then(Loose::get))
+}
+
+/// The fields of a Hugging Face `generation_config.json` pdserve reads.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct GenerationConfig {
+    bos_token_id: Option<Loose<u64>>,
+    eos_token_id: Option<Loose<EosIds>>,
+}
+
+/// `eos_token_id`: one id or a list of them.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum EosIds {
+    One(u64),
+    Many(Vec<Loose<u64>>),
 }
 
 #[cfg(test)]

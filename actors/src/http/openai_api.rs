@@ -26,6 +26,7 @@ use pdserve_gpu::grammar::GrammarCompiler;
 use pdserve_gpu::sampling::TokenLogprobs;
 use pdserve_gpu::vision::ImageEmbeds;
 use pdserve_runtime::ids::TransferId;
+use serde::Deserialize;
 use serde_json::{json, Value};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -489,15 +490,37 @@ fn total_usage(choices: &[Option<openai::Usage>], n: usize) -> Option<openai::Us
         })
 }
 
+/// An answer's `usage`, as [`openai::Usage::to_json`] writes it (a missing count reads as 0).
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct AnswerUsage {
+    usage: UsageCounts,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct UsageCounts {
+    prompt_tokens: usize,
+    completion_tokens: usize,
+    prompt_tokens_details: CachedTokens,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct CachedTokens {
+    cached_tokens: usize,
+}
+
 /// One answer of several choices (each a whole answer of its own, in choice order, `n` per
 /// prompt): their choices, the first's id, usage as [`total_usage`].
 fn merge_choices(answers: Vec<Value>, n: usize) -> Value {
-    let usage = |v: &Value| openai::Usage {
-        prompt_tokens: v["usage"]["prompt_tokens"].as_u64().unwrap_or(0) as usize,
-        completion_tokens: v["usage"]["completion_tokens"].as_u64().unwrap_or(0) as usize,
-        cached_tokens: v["usage"]["prompt_tokens_details"]["cached_tokens"]
-            .as_u64()
-            .unwrap_or(0) as usize,
+    let usage = |v: &Value| {
+        let u = AnswerUsage::deserialize(v).unwrap_or_default().usage;
+        openai::Usage {
+            prompt_tokens: u.prompt_tokens,
+            completion_tokens: u.completion_tokens,
+            cached_tokens: u.prompt_tokens_details.cached_tokens,
+        }
     };
     let usages: Vec<_> = answers.iter().map(|v| Some(usage(v))).collect();
     let mut answers = answers.into_iter();

@@ -30,6 +30,7 @@ use super::state::ProxyState;
 use super::state::{Charge, PromptInfo};
 use crate::error::RequestError;
 use crate::http::{bearer_matches, unauthorized, ApiError};
+use crate::json_field::{present, Lenient, Object};
 use crate::openai;
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -41,7 +42,8 @@ use pdserve_runtime::config::PrefillRetry;
 use pdserve_runtime::ids::TransferId;
 use pdserve_runtime::telemetry as m;
 use pdserve_runtime::Role;
-use serde_json::{json, Value};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Map, Value};
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
@@ -212,8 +214,8 @@ async fn admitted(s: Arc<ProxyState>, body: Bytes, chat: bool, arrived: Instant)
         o.remove("kv_transfer_params");
         o.remove("resume_tokens");
     }
-    let stream = request.get("stream").and_then(Value::as_bool) == Some(true);
-    let client_token_ids = request.get("return_token_ids").and_then(Value::as_bool) == Some(true);
+    let stream = parsed.stream;
+    let client_token_ids = parsed.return_token_ids;
     let choices = parsed.n;
     let prompts = 1 + parsed.more_prompts.len();
     let prompt = prompt_info(&s, parsed).await;
@@ -341,8 +343,117 @@ struct Job {
 
 /// The `type` of an OpenAI error body, if `body` is one.
 fn error_kind(body: &[u8]) -> Option<String> {
-    let v: Value = serde_json::from_slice(body).ok()?;
-    v.get("error")?.get("type")?.as_str().map(str::to_string)
+    let Object(ErrorBody { error }) = serde_json::from_slice(body).ok()?;
+    error?.ok()?.0.kind?.ok()
+}
+
+/// An OpenAI error body, `{"error": {"type": ...}}`, as far as the relay reads it.
+#[derive(Debug, Deserialize)]
+struct ErrorBody {
+    error: Option<Lenient<Object<ErrorObject>>>,
+}
+
+#[derive(Debug, Deserialize)]
+struct ErrorObject {
+    #[serde(rename = "type")]
+    kind: Option<Lenient<String>>,
+}
+
+/// An upstream SSE chunk as the relay reads and rewrites it: the fields it looks at, typed,
+/// and the rest passed through untouched.
+#[derive(Debug, Deserialize, Serialize)]
+struct Chunk {
+    #[serde(
+        default,
+        deserialize_with = "present",
+        skip_serializing_if = "Option::is_none"
+    )]
+    id: Option<Value>,
+    #[serde(
+        default,
+        deserialize_with = "present",
+        skip_serializing_if = "Option::is_none"
+    )]
+    created: Option<Value>,
+    #[serde(
+        default,
+        deserialize_with = "present",
+        skip_serializing_if = "Option::is_none"
+    )]
+    prompt_token_ids: Option<Value>,
+    #[serde(
+        default,
+        deserialize_with = "present",
+        skip_serializing_if = "Option::is_none"
+    )]
+    error: Option<Lenient<ErrorFields>>,
+    /// The first choice is read as [`ChunkChoice`] (an instance's chunk holds one).
+    #[serde(
+        default,
+        deserialize_with = "present",
+        skip_serializing_if = "Option::is_none"
+    )]
+    choices: Option<Lenient<Vec<Value>>>,
+    #[serde(flatten)]
+    rest: Map<String, Value>,
+}
+
+/// A chunk's `error`, passed through; its `type` is read.
+#[derive(Debug, Deserialize, Serialize)]
+struct ErrorFields {
+    #[serde(
+        rename = "type",
+        default,
+        deserialize_with = "present",
+        skip_serializing_if = "Option::is_none"
+    )]
+    kind: Option<Lenient<String>>,
+    #[serde(flatten)]
+    rest: Map<String, Value>,
+}
+
+/// A chunk's choice as the relay reads and rewrites it.
+#[derive(Debug, Deserialize, Serialize)]
+struct ChunkChoice {
+    #[serde(
+        default,
+        deserialize_with = "present",
+        skip_serializing_if = "Option::is_none"
+    )]
+    index: Option<Lenient<u64>>,
+    #[serde(
+        default,
+        deserialize_with = "present",
+        skip_serializing_if = "Option::is_none"
+    )]
+    token_ids: Option<Lenient<Vec<Lenient<u64>>>>,
+    #[serde(
+        default,
+        deserialize_with = "present",
+        skip_serializing_if = "Option::is_none"
+    )]
+    finish_reason: Option<Value>,
+    #[serde(
+        default,
+        deserialize_with = "present",
+        skip_serializing_if = "Option::is_none"
+    )]
+    delta: Option<Lenient<Delta>>,
+    #[serde(flatten)]
+    rest: Map<String, Value>,
+}
+
+/// A chat chunk's `delta`: its `role` may be dropped.
+#[derive(Debug, Deserialize, Serialize)]
+struct Delta {
+    #[serde(
+        default,
+        deserialize_with = "present",
+        skip_serializing_if = "Option::is_none"
+    )]
+    role: Option<Value>,
+    #[serde(flatten)]
+    rest: Map<String, Value>,
 }
 
 /// An error kind after which the same request may go on elsewhere: the instance is stopping
@@ -690,6 +801,38 @@ impl StreamView {
         out
     }
 
+    /// Reads a chunk's (first) choice: its token ids and whether it finished; strips the
+    /// token ids the client did not ask for and a migrated stream's repeated `role`.
+    fn see_choice(&mut self, choice: &mut ChunkChoice) {
+        if let Some(Lenient::Ok(ids)) = &choice.token_ids {
+            self.generated.extend(ids.iter().filter_map(|t| match t {
+                Lenient::Ok(t) => Some(*t as u32),
+                Lenient::Bad(_) => None,
+            }));
+        }
+        if !self.client_token_ids {
+            choice.token_ids = None;
+        }
+        if choice.finish_reason.as_ref().is_some_and(|f| !f.is_null()) {
+            self.choices_finished += 1;
+            self.finished = self.choices_finished >= self.choices;
+        }
+        // Each choice opens with its own `role` delta; only a migrated stream's repeat
+        // (one choice) is dropped.
+        let first_choice = match &choice.index {
+            Some(Lenient::Ok(i)) => *i == 0,
+            _ => true,
+        };
+        if let (true, Some(Lenient::Ok(delta))) = (first_choice, &mut choice.delta) {
+            if delta.role.is_some() {
+                if self.role_sent {
+                    delta.role = None;
+                }
+                self.role_sent = true;
+            }
+        }
+    }
+
     fn event(&mut self, event: &[u8]) -> Option<Seen> {
         let text = String::from_utf8_lossy(event);
         let data: String = text
@@ -706,67 +849,52 @@ impl StreamView {
             self.done = true;
             return Some(Seen::Relay(Bytes::from_static(b"data: [DONE]\n\n")));
         }
-        let Ok(mut v) = serde_json::from_str::<Value>(&data) else {
+        let Ok(v) = serde_json::from_str::<Value>(&data) else {
             return Some(Seen::Relay(Bytes::from(format!("data: {data}\n\n"))));
         };
-        if let Some(kind) = v
-            .get("error")
-            .and_then(|e| e.get("type"))
-            .and_then(Value::as_str)
+        // Not an object: nothing to read or rewrite (read through the `Value`, so that a
+        // repeated key counts once, as JSON reads it).
+        let chunk = match v.is_object().then(|| Chunk::deserialize(&v)) {
+            Some(Ok(chunk)) => chunk,
+            _ => {
+                self.started = true;
+                return Some(Seen::Relay(Bytes::from(format!("data: {v}\n\n"))));
+            }
+        };
+        let mut chunk = chunk;
+        if let Some(Lenient::Ok(ErrorFields {
+            kind: Some(Lenient::Ok(kind)),
+            ..
+        })) = chunk.error
         {
-            return Some(Seen::Error(
-                kind.to_string(),
-                Bytes::from(format!("data: {data}\n\n")),
-            ));
+            return Some(Seen::Error(kind, Bytes::from(format!("data: {data}\n\n"))));
         }
-        if let Some(choice) = v
-            .get_mut("choices")
-            .and_then(|c| c.get_mut(0))
-            .and_then(Value::as_object_mut)
-        {
-            if let Some(ids) = choice.get("token_ids").and_then(Value::as_array) {
-                self.generated
-                    .extend(ids.iter().filter_map(|t| t.as_u64()).map(|t| t as u32));
-            }
-            if !self.client_token_ids {
-                choice.remove("token_ids");
-            }
-            if choice.get("finish_reason").is_some_and(|f| !f.is_null()) {
-                self.choices_finished += 1;
-                self.finished = self.choices_finished >= self.choices;
-            }
-            // Each choice opens with its own `role` delta; only a migrated stream's repeat
-            // (one choice) is dropped.
-            let first_choice = choice.get("index").and_then(Value::as_u64).unwrap_or(0) == 0;
-            if let (true, Some(delta)) = (
-                first_choice,
-                choice.get_mut("delta").and_then(Value::as_object_mut),
-            ) {
-                if delta.contains_key("role") {
-                    if self.role_sent {
-                        delta.remove("role");
+        if let Some(Lenient::Ok(choices)) = &mut chunk.choices {
+            if let Some(first) = choices.first_mut().filter(|c| c.is_object()) {
+                if let Ok(mut choice) = ChunkChoice::deserialize(&*first) {
+                    self.see_choice(&mut choice);
+                    if let Ok(c) = serde_json::to_value(choice) {
+                        *first = c;
                     }
-                    self.role_sent = true;
                 }
             }
         }
-        if let Some(o) = v.as_object_mut() {
-            if !self.client_token_ids {
-                o.remove("prompt_token_ids");
+        if !self.client_token_ids {
+            chunk.prompt_token_ids = None;
+        }
+        match &self.first_id {
+            None => {
+                self.first_id = Some((
+                    chunk.id.clone().unwrap_or(Value::Null),
+                    chunk.created.clone().unwrap_or(Value::Null),
+                ))
             }
-            match &self.first_id {
-                None => {
-                    self.first_id = Some((
-                        o.get("id").cloned().unwrap_or(Value::Null),
-                        o.get("created").cloned().unwrap_or(Value::Null),
-                    ))
-                }
-                Some((id, created)) => {
-                    o.insert("id".into(), id.clone());
-                    o.insert("created".into(), created.clone());
-                }
+            Some((id, created)) => {
+                chunk.id = Some(id.clone());
+                chunk.created = Some(created.clone());
             }
         }
+        let v = serde_json::to_value(chunk).unwrap_or(v);
         self.started = true;
         Some(Seen::Relay(Bytes::from(format!("data: {v}\n\n"))))
     }

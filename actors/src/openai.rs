@@ -42,12 +42,12 @@ impl PromptInput {
     /// prompt (text with special tokens, chat rendered then encoded without them).
     ///
     /// # Errors
-    /// The tokenizer's or the template's message.
+    /// The tokenizer's or the template's error.
     pub fn token_ids(
         &self,
         tokenizer: &pdserve_gpu::Tokenizer,
         template: &pdserve_gpu::ChatTemplate,
-    ) -> Result<Vec<u32>, String> {
+    ) -> pdserve_gpu::Result<Vec<u32>> {
         match self {
             Self::Text(t) => tokenizer.encode(t, true),
             Self::Tokens(t) => Ok(t.clone()),
@@ -55,7 +55,6 @@ impl PromptInput {
                 .render(messages, true)
                 .and_then(|text| tokenizer.encode(&text, false)),
         }
-        .map_err(|e| e.to_string())
     }
 }
 

@@ -567,7 +567,7 @@ fn tokenize_with_images(
 fn tokenize(app: &AppState, prompt: &PromptInput) -> Result<Vec<u32>, RequestError> {
     let ids = prompt
         .token_ids(&app.tokenizer, &app.chat_template)
-        .map_err(RequestError::BadRequest)?;
+        .map_err(|e| RequestError::BadRequest(e.to_string()))?;
     if ids.is_empty() {
         return Err(RequestError::BadRequest("the prompt is empty".into()));
     }

@@ -40,6 +40,7 @@
 
 mod disk;
 mod host;
+mod queue;
 pub mod redis_store;
 
 use crate::block_manager::{BlockHash, Evicted};

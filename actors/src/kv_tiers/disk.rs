@@ -24,13 +24,13 @@
 //! refused unread. A file is written under a temporary name and renamed, so a reader sees a
 //! whole file or none.
 
+use super::queue::{Job, WriteQueue};
 use super::{Tier, TierBlock, TierCounters, TierError, TierFigures, TierShape};
 use crate::block_manager::BlockHash;
 use std::collections::{BTreeMap, HashMap};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
-use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 
 const MAGIC: &[u8; 8] = b"PDKVBLK1";
@@ -322,18 +322,10 @@ impl Shared {
     }
 }
 
-/// What the writer thread is sent.
-enum WriterJob {
-    /// Store a block.
-    Write(Arc<TierBlock>),
-    /// Answer once every job before this one ended.
-    Flush(SyncSender<()>),
-}
-
 /// The disk tier (see the module docs).
 pub struct DiskTier {
     shared: Arc<Shared>,
-    writer: Mutex<Option<SyncSender<WriterJob>>>,
+    writer: WriteQueue,
 }
 
 impl std::fmt::Debug for DiskTier {
@@ -449,34 +441,27 @@ impl DiskTier {
             let _ = std::fs::remove_file(shared.path(v));
         }
         tracing::info!(dir = %shared.dir.display(), blocks = found.len(), tier = mode.tier().as_str(), "KV disk tier opened");
-        let (tx, rx) = sync_channel::<WriterJob>(WRITE_QUEUE);
         let s = shared.clone();
         let thread = match mode {
             DirMode::Local => "pdserve-kv-disk",
             DirMode::Shared => "pdserve-kv-shared",
         };
-        std::thread::Builder::new()
-            .name(thread.into())
-            .spawn(move || {
-                while let Ok(job) = rx.recv() {
-                    match job {
-                        WriterJob::Write(b) => {
-                            if let Err(e) = s.store(&b) {
-                                s.counters.dropped_writes.fetch_add(1, Ordering::Relaxed);
-                                tracing::warn!(error = %e, "KV disk tier: a block write failed");
-                            }
-                        }
-                        WriterJob::Flush(done) => {
-                            let _ = done.try_send(());
+        let writer = WriteQueue::spawn(thread, WRITE_QUEUE, move |rx| {
+            while let Ok(job) = rx.recv() {
+                match job {
+                    Job::Write(b) => {
+                        if let Err(e) = s.store(&b) {
+                            s.counters.dropped_writes.fetch_add(1, Ordering::Relaxed);
+                            tracing::warn!(error = %e, "KV disk tier: a block write failed");
                         }
                     }
+                    Job::Flush(done) => {
+                        let _ = done.try_send(());
+                    }
                 }
-            })
-            .map_err(TierError::Io)?;
-        Ok(Self {
-            shared,
-            writer: Mutex::new(Some(tx)),
-        })
+            }
+        })?;
+        Ok(Self { shared, writer })
     }
 
     /// The directory its files are in.
@@ -506,12 +491,7 @@ impl DiskTier {
 
     /// Queues `b` for writing; a full queue drops it (counted), never waits.
     pub(super) fn write(&self, b: Arc<TierBlock>, _sum: u64) {
-        let w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
-        let dropped = match w.as_ref().map(|tx| tx.try_send(WriterJob::Write(b))) {
-            Some(Ok(())) => false,
-            Some(Err(TrySendError::Full(_) | TrySendError::Disconnected(_))) | None => true,
-        };
-        if dropped {
+        if !self.writer.try_write(b) {
             self.shared
                 .counters
                 .dropped_writes
@@ -522,9 +502,7 @@ impl DiskTier {
     /// Queues `b` for writing, waiting while the queue is full (a stop's persistence, off the
     /// async threads); `false` when the writer is gone.
     pub(super) fn write_waiting(&self, b: Arc<TierBlock>) -> bool {
-        let w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
-        w.as_ref()
-            .is_some_and(|tx| tx.send(WriterJob::Write(b)).is_ok())
+        self.writer.write_waiting(b)
     }
 
     /// Reads and verifies block `h` (most recently used now). Blocking.
@@ -566,23 +544,7 @@ impl DiskTier {
     /// written; `false` on a timeout or a stopped writer. Blocking: for tests and a clean
     /// stop, off the async threads.
     pub fn flush(&self, timeout: std::time::Duration) -> bool {
-        let (tx, rx) = sync_channel::<()>(1);
-        let sent = {
-            let w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
-            match w.as_ref() {
-                // A blocking send: the marker must queue behind every write.
-                Some(q) => q.send(WriterJob::Flush(tx)).is_ok(),
-                None => false,
-            }
-        };
-        sent && rx.recv_timeout(timeout).is_ok()
-    }
-}
-
-impl Drop for DiskTier {
-    fn drop(&mut self) {
-        // Closing the queue ends the writer after the writes already queued.
-        self.writer.lock().unwrap_or_else(|e| e.into_inner()).take();
+        self.writer.flush(timeout)
     }
 }
 

@@ -21,10 +21,11 @@
 //! the first that succeeds logs that the store is back.
 
 use super::disk::{decode, encode, Index};
+use super::queue::{Job, WriteQueue};
 use super::{Tier, TierBlock, TierCounters, TierError, TierFigures, TierShape};
 use crate::block_manager::BlockHash;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender};
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -261,15 +262,10 @@ impl Inner {
     }
 }
 
-enum Job {
-    Write(Arc<TierBlock>),
-    Flush(SyncSender<()>),
-}
-
 /// The Redis shared store (see the module docs).
 pub struct RedisTier {
     inner: Arc<Inner>,
-    writer: Mutex<Option<SyncSender<Job>>>,
+    writer: WriteQueue,
 }
 
 impl std::fmt::Debug for RedisTier {
@@ -305,16 +301,11 @@ impl RedisTier {
             reads: Mutex::new(Vec::new()),
         });
         inner.refresh();
-        let (tx, rx) = sync_channel::<Job>(WRITE_QUEUE);
         let s = inner.clone();
-        std::thread::Builder::new()
-            .name("pdserve-kv-redis".into())
-            .spawn(move || store_thread(&s, &rx))
-            .map_err(TierError::Io)?;
-        Ok(Self {
-            inner,
-            writer: Mutex::new(Some(tx)),
-        })
+        let writer = WriteQueue::spawn("pdserve-kv-redis", WRITE_QUEUE, move |rx| {
+            store_thread(&s, &rx)
+        })?;
+        Ok(Self { inner, writer })
     }
 
     /// Whether the index lists `h` and the store is up (never asks the network).
@@ -333,12 +324,7 @@ impl RedisTier {
 
     /// Queues `b` for writing; a full queue or a down store drops it (counted).
     pub(super) fn write(&self, b: Arc<TierBlock>) {
-        let w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
-        let queued = !self.inner.is_down()
-            && matches!(
-                w.as_ref().map(|tx| tx.try_send(Job::Write(b))),
-                Some(Ok(()))
-            );
+        let queued = !self.inner.is_down() && self.writer.try_write(b);
         if !queued {
             self.inner
                 .counters
@@ -417,22 +403,7 @@ impl RedisTier {
     /// Waits (at most `timeout`) until every write queued before this call has been done and
     /// the index refreshed once more; `false` on a timeout. Blocking: tests and a clean stop.
     pub fn flush(&self, timeout: Duration) -> bool {
-        let (tx, rx) = sync_channel::<()>(1);
-        let sent = {
-            let w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
-            match w.as_ref() {
-                Some(q) => q.send(Job::Flush(tx)).is_ok(),
-                None => false,
-            }
-        };
-        sent && rx.recv_timeout(timeout).is_ok()
-    }
-}
-
-impl Drop for RedisTier {
-    fn drop(&mut self) {
-        // Closing the queue ends the store thread after the writes already queued.
-        self.writer.lock().unwrap_or_else(|e| e.into_inner()).take();
+        self.writer.flush(timeout)
     }
 }
 

@@ -320,6 +320,10 @@ impl Instance {
     /// Model sharding, memory, bind or control-plane failures, naming the failing part.
     pub async fn start(opts: InstanceOptions) -> Result<Self, StartError> {
         let model = opts.model;
+        // The structured-output compiler (a token trie over the vocabulary) is built in the
+        // background now, not by the first constrained request.
+        let warm = model.tokenizer.clone();
+        tokio::task::spawn_blocking(move || pdserve_gpu::grammar::GrammarCompiler::warm(&warm));
         let cfg = model.config.clone();
         cfg.check_tp(opts.tp)
             .map_err(|e| StartError::config("model.tp", e))?;

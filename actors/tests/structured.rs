@@ -21,6 +21,29 @@ async fn start(name: &str) -> Instance {
         .unwrap()
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_builds_the_grammar_compiler_at_start() {
+    use pdserve_gpu::grammar::GrammarCompiler;
+    let model = load_model(&ModelSource::Synthetic("small,context=4096".into())).unwrap();
+    // A clone shares what is built from the vocabulary.
+    let tokenizer = model.tokenizer.clone();
+    assert!(!GrammarCompiler::is_built(&tokenizer));
+    let inst = Instance::start(InstanceOptions::local("warm", model))
+        .await
+        .unwrap();
+    // Built in the background, before any constrained request (bounded wait, no timing
+    // asserted).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !GrammarCompiler::is_built(&tokenizer) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the compiler was not built after start"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    inst.stop().await;
+}
+
 fn chat(extra: Value) -> Value {
     let mut b = json!({
         "messages": [{"role": "user", "content": "Describe a person as JSON."}],

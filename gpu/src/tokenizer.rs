@@ -917,6 +917,12 @@ impl Tokenizer {
         t
     }
 
+    /// Whether the `T` of [`Tokenizer::derived`] is built already (never builds it).
+    pub(crate) fn has_derived<T: Any + Send + Sync>(&self) -> bool {
+        let built = self.derived.lock().unwrap_or_else(PoisonError::into_inner);
+        built.iter().any(|d| d.is::<T>())
+    }
+
     /// The wrapped Hugging Face tokenizer, shared.
     pub(crate) fn shared_inner(&self) -> Arc<tokenizers::Tokenizer> {
         Arc::clone(&self.inner)

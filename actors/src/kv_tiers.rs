@@ -5,8 +5,9 @@
 //! the block's KV (all layers, K and V, its heads) out of its cache on the rank thread, ahead
 //! of the step that reuses the block ([`spill_jobs`]); the copies are joined rank by rank into
 //! one [`TierBlock`] and offered to the tiers ([`KvTiers::offer`]). On a prefix lookup that
-//! the pool misses, the Scheduler asks the tiers for the following blocks
-//! ([`KvTiers::contains_run`]), loads them off the actors' path ([`KvTiers::load_run`], in
+//! the pool misses (a local request's, or a decode instance's P/D request's before its KV is
+//! fetched, which then fetches only the rest), the Scheduler asks the tiers for the following
+//! blocks ([`KvTiers::contains_run`]), loads them off the actors' path ([`KvTiers::load_run`], in
 //! `spawn_blocking`: disk reads), writes them into freshly allocated pool blocks on the rank
 //! threads ([`restore_jobs`]) and registers them in the prefix cache; the request is then
 //! admitted and computes only the rest.

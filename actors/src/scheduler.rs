@@ -152,10 +152,16 @@ pub struct TierLoad {
     blocks: Vec<Arc<crate::kv_tiers::TierBlock>>,
 }
 
+/// What waits on a KV-tier load: a request, where its answers go, and for a P/D request the
+/// prefill instance its KV comes from (after the load it goes to `submit_remote`, which then
+/// fetches only what the pool and the restored blocks lack).
+type Waiting = (NewRequest, EventSink, Option<KvSource>);
+
 /// A restore whose rank jobs ended (see [`SchedulerMsg::TiersRestored`]).
 pub struct TierRestore {
     request: NewRequest,
     sink: EventSink,
+    source: Option<KvSource>,
     /// The fresh blocks holding blocks `first..` of `hashes`.
     alloc: BlockAllocation,
     /// The pool's blocks `..first`, held meanwhile.
@@ -264,7 +270,7 @@ pub struct SchedulerState {
     /// KV-tier loads in flight.
     tier_loads: usize,
     /// Requests whose tier load is under way, by load id.
-    tier_waiting: HashMap<u64, (NewRequest, EventSink)>,
+    tier_waiting: HashMap<u64, Waiting>,
     next_load_id: u64,
     /// Blocks held until the end of the current message (restored prefixes, so the step
     /// planned right after cannot evict them before their request is admitted).
@@ -332,7 +338,14 @@ impl Actor for Scheduler {
                 sink,
                 source,
             } => {
-                st.submit_remote(request, sink, source);
+                // The decode side of a hand-off: blocks of the prompt that its own KV tiers
+                // (or the shared store) hold are restored first, then only the rest is
+                // fetched from the prefill instance.
+                if let Some((request, sink, source)) =
+                    st.load_from_tiers(request, sink, Some(source))
+                {
+                    st.proceed(request, sink, source);
+                }
             }
             SchedulerMsg::RemoteKvDone { id, outcome } => {
                 // KV that landed in a cache a restarted worker has replaced is gone; so is KV
@@ -431,19 +444,19 @@ impl Actor for Scheduler {
                     let _ = sink.try_send(RequestEvent::Failed(RequestError::Aborted));
                     return Ok(());
                 }
-                if let Some((request, sink)) = st.load_from_tiers(request, sink) {
-                    st.admit(request, sink);
+                if let Some((request, sink, source)) = st.load_from_tiers(request, sink, None) {
+                    st.proceed(request, sink, source);
                 }
             }
             SchedulerMsg::TiersLoaded(load) => st.on_tiers_loaded(*load),
             SchedulerMsg::TiersRestored(restore) => st.on_tiers_restored(*restore),
             SchedulerMsg::TierLoadTimedOut(load_id) => {
-                if let Some((request, sink)) = st.tier_waiting.remove(&load_id) {
+                if let Some((request, sink, source)) = st.tier_waiting.remove(&load_id) {
                     st.tier_loads = st.tier_loads.saturating_sub(1);
                     if let Some(t) = &st.tiers {
                         t.load_timed_out();
                     }
-                    st.admit(request, sink);
+                    st.proceed(request, sink, source);
                 }
             }
             SchedulerMsg::Abort(id) => {
@@ -551,17 +564,26 @@ impl SchedulerState {
         }
     }
 
+    /// Admits a local request, or hands a P/D request (`source`) to the KV receiver.
+    fn proceed(&mut self, request: NewRequest, sink: EventSink, source: Option<KvSource>) {
+        match source {
+            None => self.admit(request, sink),
+            Some(source) => self.submit_remote(request, sink, source),
+        }
+    }
+
     /// KV tiers: when the tiers hold blocks of the request's prompt that the pool lacks
     /// (right after the pool's cached prefix), loads them in a blocking task and returns
     /// `None` (the request comes back as [`SchedulerMsg::TiersLoaded`]); else gives the
-    /// request back to be admitted now.
+    /// request back to go on now ([`SchedulerState::proceed`]).
     fn load_from_tiers(
         &mut self,
         request: NewRequest,
         sink: EventSink,
-    ) -> Option<(NewRequest, EventSink)> {
+        source: Option<KvSource>,
+    ) -> Option<Waiting> {
         let Some(tiers) = self.tiers.clone() else {
-            return Some((request, sink));
+            return Some((request, sink, source));
         };
         let cfg = self.core.config();
         let (bs, salt) = (cfg.block_size, cfg.cache_salt);
@@ -573,7 +595,7 @@ impl SchedulerState {
             || self.tier_loads >= MAX_TIER_LOADS
             || !tiers.may_queue_jobs()
         {
-            return Some((request, sink));
+            return Some((request, sink, source));
         }
         // Keyed as the prefix cache keys them: an image's rows by its digest.
         let tokens = self::core::key_tokens(
@@ -590,12 +612,12 @@ impl SchedulerState {
         let start = self.core.block_manager().lookup(&hashes, &tokens, bs);
         let count = tiers.contains_run(&hashes[start..]);
         if count == 0 {
-            return Some((request, sink));
+            return Some((request, sink, source));
         }
         self.tier_loads += 1;
         self.next_load_id += 1;
         let load_id = self.next_load_id;
-        self.tier_waiting.insert(load_id, (request, sink));
+        self.tier_waiting.insert(load_id, (request, sink, source));
         let me = self.me.clone();
         let timeout = tiers.load_timeout();
         let timer = self.me.clone();
@@ -632,15 +654,17 @@ impl SchedulerState {
             start,
             blocks,
         } = load;
-        let Some((request, sink)) = self.tier_waiting.remove(&load_id) else {
+        let Some((request, sink, source)) = self.tier_waiting.remove(&load_id) else {
             return; // timed out: the request went on without the tiers
         };
         self.tier_loads = self.tier_loads.saturating_sub(1);
         if sink.is_closed() {
-            return; // the client left meanwhile
+            // The client left meanwhile (a prefill instance holding this request's KV lets
+            // it go when its lease ends).
+            return;
         }
         let Some(tiers) = self.tiers.clone() else {
-            return self.admit(request, sink);
+            return self.proceed(request, sink, source);
         };
         let bs = self.core.config().block_size;
         let bm = self.core.block_manager().clone();
@@ -652,14 +676,14 @@ impl SchedulerState {
             || !tiers.may_queue_jobs()
             || self.workers.iter().any(Option::is_none)
         {
-            return self.admit(request, sink);
+            return self.proceed(request, sink, source);
         }
         let pin = bm.pin_prefix(&hashes[..now], &tokens[..now * bs], bs);
         let todo = &blocks[now - start..];
         let mut alloc = bm.empty();
         if !bm.can_admit(todo.len()) || !bm.grow(&mut alloc, todo.len()) {
             drop(pin);
-            return self.admit(request, sink);
+            return self.proceed(request, sink, source);
         }
         // What this allocation evicted is read before the restore overwrites it.
         self.flush_spills();
@@ -672,6 +696,7 @@ impl SchedulerState {
         let mut restore = TierRestore {
             request,
             sink,
+            source,
             alloc,
             pin,
             hashes,
@@ -721,7 +746,7 @@ impl SchedulerState {
         if r.sink.is_closed() {
             return;
         }
-        self.admit(r.request, r.sink);
+        self.proceed(r.request, r.sink, r.source);
     }
 
     /// Has every rank copy the blocks the pool evicted since the last call out of its cache,

@@ -2173,3 +2173,69 @@ async fn pd_cached_tokens_count_the_prefill_instances_prefix_hits() {
     assert_eq!(status, 200, "{v}");
     c.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decode_restores_a_prompt_from_the_shared_store_and_fetches_only_the_rest() {
+    use pdserve_actors::kv_tiers::{TierSettings, WritePolicy};
+    let dir = tempfile::tempdir().unwrap();
+    // Both instances on one shared store, with pools far smaller than the prompts' KV.
+    let tiers = TierSettings {
+        host_capacity_bytes: 0,
+        disk_dir: None,
+        disk_capacity_bytes: 0,
+        shared_dir: Some(dir.path().to_path_buf()),
+        shared_url: None,
+        shared_capacity_bytes: 256 << 20,
+        write_policy: WritePolicy::WriteBack,
+        load_timeout: Duration::from_secs(30),
+    };
+    let small = |o: &mut InstanceOptions| {
+        o.block_size = 8;
+        o.num_blocks = Some(16);
+        o.watermark = 0.0;
+        o.kv_tiers = Some(tiers.clone());
+    };
+    let lease = Duration::from_secs(30);
+    let p = instance_with("p-tiers", "small", 1, Some(BackendKind::Shm), lease, small).await;
+    let d = instance_with("d-tiers", "small", 1, Some(BackendKind::Shm), lease, small).await;
+    // 41 tokens: five whole blocks and one token.
+    let request = |k: usize| {
+        let prompt: Vec<u32> = (0..41)
+            .map(|t| ((t * 31 + k * 57 + 3) % 250) as u32)
+            .collect();
+        json!({"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": true, "return_token_ids": true})
+    };
+    let (status, first) = via_pd(&p.url(), &d.url(), &request(0)).await;
+    assert_eq!(status, 200, "{first}");
+    // Other prompts push prompt 0 out of both pools; the prefill instance copies what its
+    // pool evicts into the shared store.
+    for k in 1..=4 {
+        let (status, v) = via_pd(&p.url(), &d.url(), &request(k)).await;
+        assert_eq!(status, 200, "{v}");
+    }
+    let store = p.kv_tiers().unwrap().shared().unwrap();
+    assert!(
+        store.flush(Duration::from_secs(10)),
+        "shared writes did not end"
+    );
+    let hits = |i: &Instance| i.kv_tiers().unwrap().figures().shared.unwrap().hits;
+    let (hits_before, cached_before) = (hits(&d), d.stats().await.unwrap().prompt_tokens_cached);
+    let (status, again) = via_pd(&p.url(), &d.url(), &request(0)).await;
+    assert_eq!(status, 200, "{again}");
+    assert_eq!(
+        ids(&again),
+        ids(&first),
+        "the same tokens with the prompt restored"
+    );
+    // The decode instance took the prompt's five blocks from the store, not from prefill.
+    assert!(
+        hits(&d) >= hits_before + 5,
+        "decode restored from the shared store: {:?}",
+        d.kv_tiers().unwrap().figures()
+    );
+    assert!(
+        d.stats().await.unwrap().prompt_tokens_cached >= cached_before + 40,
+        "the restored blocks are decode's cached prefix"
+    );
+    stop_pair(p, d).await;
+}

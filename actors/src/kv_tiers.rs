@@ -1083,7 +1083,7 @@ mod tests {
             ..settings(host, None)
         };
         let one = block(1, None, 0).footprint();
-        // Both open the store before anything is in it: b learns of a's blocks by looking.
+        // Both open the store before anything is in it: b learns of a's blocks from its listing.
         let a = KvTiers::open(shared(4 * one), shape(), 0).unwrap();
         let b = KvTiers::open(shared(0), shape(), 0).unwrap();
         // Another writer's temporary file in progress survives b's open; an old one is a
@@ -1107,6 +1107,8 @@ mod tests {
             2,
             "a keeps its own copies too"
         );
+        // b's thread lists the directory (every 500 ms; a flush does it now).
+        assert!(b.shared().unwrap().flush(std::time::Duration::from_secs(5)));
         assert_eq!(b.contains_run(&[1, 2, 3]), 2);
         let toks: Vec<u32> = [1u32, 2].iter().flat_map(|&h| [h; 4]).collect();
         let got = b.load_run(&[1, 2], &toks, None);

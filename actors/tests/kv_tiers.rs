@@ -341,7 +341,7 @@ fn shared_only(dir: &Path) -> TierSettings {
 
 /// The first turns on instance `a`, the second turns on instance `b` running beside it, both
 /// on the shared store of `settings`; `between` runs once a's writes are done (damage). `b`
-/// opened the store before `a` wrote anything: it finds a's blocks by looking, not from its
+/// opened the store before `a` wrote anything: it finds a's blocks by listing the store, not from its
 /// start-up scan. Checks the answers against a run without tiers and that the exported
 /// metrics carry shared-store hits; returns the run and both instances' shared figures.
 async fn across_a_shared_store<F>(
@@ -365,7 +365,7 @@ where
             "shared writes did not end"
         );
         between(&a, &first);
-        // b learns of a's blocks (a directory: by looking; Redis: its next key scan).
+        // b learns of a's blocks (a directory listing or a Redis key scan; a flush runs one now).
         let seen = b.kv_tiers().unwrap().shared().unwrap();
         assert!(
             seen.flush(Duration::from_secs(10)),

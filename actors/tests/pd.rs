@@ -2218,6 +2218,9 @@ async fn decode_restores_a_prompt_from_the_shared_store_and_fetches_only_the_res
         store.flush(Duration::from_secs(10)),
         "shared writes did not end"
     );
+    // Decode lists the store's directory (every 500 ms; a flush does it now).
+    let seen = d.kv_tiers().unwrap().shared().unwrap();
+    assert!(seen.flush(Duration::from_secs(10)));
     let hits = |i: &Instance| i.kv_tiers().unwrap().figures().shared.unwrap().hits;
     let (hits_before, cached_before) = (hits(&d), d.stats().await.unwrap().prompt_tokens_cached);
     let (status, again) = via_pd(&p.url(), &d.url(), &request(0)).await;

@@ -3,8 +3,9 @@
 //!
 //! The same code is the **shared directory store** ([`DirMode::Shared`]): a directory that
 //! several instances read and write (one host's instances, or a shared filesystem mounted on
-//! every host). Then the index is a cache of what this instance knows, not the truth: a
-//! lookup the index misses asks the filesystem, so a block another instance wrote is found;
+//! every host). Then the index is a cache of what this instance knows, not the truth: the
+//! writer thread lists the directory every [`RESCAN`] (and on a flush), so a block another
+//! instance wrote is found while lookups never touch the filesystem;
 //! a write whose file exists already is skipped; temporary names carry the process id and a
 //! counter, so two writers never write one temporary file; at open only temporary files older
 //! than [`STALE_TMP`] are removed (younger ones may be another instance's write in progress).
@@ -31,6 +32,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
+use std::sync::mpsc::RecvTimeoutError;
 use std::sync::{Arc, Mutex};
 
 const MAGIC: &[u8; 8] = b"PDKVBLK1";
@@ -39,6 +41,8 @@ pub const MAX_COMPAT_LEN: usize = 4096;
 /// Writes queued for the disk thread at most; past that a write is dropped (counted).
 const WRITE_QUEUE: usize = 256;
 const SUFFIX: &str = "kvb";
+/// How often a shared directory is listed for other instances' blocks.
+pub const RESCAN: std::time::Duration = std::time::Duration::from_millis(500);
 /// In a shared directory, a temporary file older than this is a write cut off by a stop.
 pub const STALE_TMP: std::time::Duration = std::time::Duration::from_secs(600);
 
@@ -275,6 +279,51 @@ impl Shared {
         }
     }
 
+    /// In a shared directory: lists its block files into the index (the writer thread, every
+    /// [`RESCAN`] and on a flush), so lookups from the Scheduler never touch the filesystem;
+    /// at most as many as the capacity holds. A listing that saw every file also drops from
+    /// the index what another instance removed.
+    fn rescan(&self) {
+        let Ok(entries) = std::fs::read_dir(&self.dir) else {
+            return;
+        };
+        let most = (self.capacity / record_len(&self.shape).max(1)).max(1) as usize;
+        let mut found = HashMap::new();
+        let mut complete = true;
+        for entry in entries.flatten() {
+            if found.len() >= most {
+                complete = false;
+                break;
+            }
+            let name = entry.file_name();
+            let Some(h) = name
+                .to_string_lossy()
+                .strip_suffix(&format!(".{SUFFIX}"))
+                .and_then(|s| u64::from_str_radix(s, 16).ok())
+            else {
+                continue;
+            };
+            found.insert(h, entry.metadata().map_or(0, |m| m.len()));
+        }
+        let mut idx = self.index();
+        if complete {
+            let gone: Vec<BlockHash> = idx
+                .files
+                .keys()
+                .filter(|h| !found.contains_key(h))
+                .copied()
+                .collect();
+            for h in gone {
+                idx.remove(h);
+            }
+        }
+        for (h, len) in found {
+            if !idx.files.contains_key(&h) {
+                idx.insert(h, len);
+            }
+        }
+    }
+
     /// Writes one block (the disk thread).
     fn store(&self, b: &TierBlock) -> std::io::Result<()> {
         if self.index().files.contains_key(&b.hash) {
@@ -447,7 +496,18 @@ impl DiskTier {
             DirMode::Shared => "pdserve-kv-shared",
         };
         let writer = WriteQueue::spawn(thread, WRITE_QUEUE, move |rx| {
-            while let Ok(job) = rx.recv() {
+            let shared_dir = s.mode == DirMode::Shared;
+            loop {
+                let job = match rx.recv_timeout(RESCAN) {
+                    Ok(job) => job,
+                    Err(RecvTimeoutError::Timeout) => {
+                        if shared_dir {
+                            s.rescan();
+                        }
+                        continue;
+                    }
+                    Err(RecvTimeoutError::Disconnected) => return,
+                };
                 match job {
                     Job::Write(b) => {
                         if let Err(e) = s.store(&b) {
@@ -456,6 +516,9 @@ impl DiskTier {
                         }
                     }
                     Job::Flush(done) => {
+                        if shared_dir {
+                            s.rescan();
+                        }
                         let _ = done.try_send(());
                     }
                 }
@@ -474,10 +537,10 @@ impl DiskTier {
         self.shared.path(h)
     }
 
-    /// Whether the index lists `h`; in a shared directory, else whether its file exists
-    /// (a block another instance wrote: it joins the index).
+    /// Whether the index lists `h` (never touches the filesystem: in a shared directory the
+    /// writer thread lists other instances' files into it).
     pub fn contains(&self, h: BlockHash) -> bool {
-        self.shared.index().files.contains_key(&h) || self.shared.adopt(h)
+        self.shared.index().files.contains_key(&h)
     }
 
     /// Which tier this directory is (disk or the shared store), for labels.

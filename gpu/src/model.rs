@@ -22,9 +22,10 @@ use std::sync::Arc;
 pub use crate::batch::{Batch, EmbedSpan, SeqChunk};
 
 /// A matmul weight. The block formats [`crate::quant`] runs (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K:
-/// the file's own in [`WeightFormat::Native`], Q8_0 after the default requantization) are on
-/// this crate's llama.cpp-exact kernels and its compute pool; only what those kernels do not
-/// take (f32 weights, Q5_* in native) is on candle's.
+/// the file's own in [`WeightFormat::Native`]) are on this crate's llama.cpp-exact kernels,
+/// the default's on its packed kernel where the CPU runs it (else Q8_0 on the exact kernels),
+/// all on its compute pool; only what those kernels do not take (f32 weights, Q5_* in native)
+/// is on candle's.
 ///
 /// Until issue 28 the default path's Q8_0 ran on candle's `QMatMul` (VNNI-packed). Each of its
 /// matmuls is a barrier over a fixed set of threads that the caller waits on by spinning, so
@@ -33,9 +34,9 @@ pub use crate::batch::{Batch, EmbedSpan, SeqChunk};
 /// "Sharing the cores"). Our pool hands out work item by item instead.
 enum LinearWeight {
     Quant(QMatrix),
-    /// Requantized Q8_0 (not [`WeightFormat::Native`]) on AVX-512 VNNI CPUs: sixteen rows
-    /// per vector ([`quant::PackedQ8`]), about 1.7× faster than [`QMatrix`]'s llama.cpp-exact
-    /// order for prefill and batched decode.
+    /// Q8_0, Q4_0 or Q4_1 weights with their exact values (not [`WeightFormat::Native`]) on
+    /// AVX-512 VNNI CPUs: sixteen rows per vector ([`quant::PackedQ8`]), about 2× faster
+    /// than [`QMatrix`]'s llama.cpp-exact order for prefill and batched decode.
     Packed(quant::PackedQ8),
     Candle(QMatMul),
 }
@@ -56,14 +57,13 @@ fn own_kernel_weight(w: &QTensor) -> Result<Option<QMatrix>> {
 }
 
 impl Linear {
-    /// On [`crate::quant`]'s kernels when the weight's format is one of theirs (Q8_0 packed
-    /// when `packed` allows and the CPU runs it), otherwise on candle's.
+    /// On [`crate::quant`]'s kernels when the weight's format is one of theirs (Q8_0, Q4_0
+    /// and Q4_1 packed when `packed` allows and the CPU runs it), otherwise on candle's.
     fn new(w: QTensor, bias: Option<Vec<f32>>, packed: bool) -> Result<Self> {
         let (out_features, cols) = w.shape().dims2()?;
-        let packed = if packed && w.dtype() == candle_core::quantized::GgmlDType::Q8_0 {
-            quant::PackedQ8::from_gguf(out_features, cols, &w.data()?)
-        } else {
-            None
+        let packed = match QType::from_ggml(w.dtype()) {
+            Some(qt) if packed => quant::PackedQ8::from_gguf(qt, out_features, cols, &w.data()?),
+            _ => None,
         };
         let weight = match packed {
             Some(p) => LinearWeight::Packed(p),

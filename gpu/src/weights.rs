@@ -326,7 +326,12 @@ pub fn convert(t: QTensor, format: WeightFormat) -> Result<QTensor> {
         WeightFormat::Native => return Ok(t),
         WeightFormat::F32 => GgmlDType::F32,
         WeightFormat::Q8_0 => GgmlDType::Q8_0,
+        // Q4_0 and Q4_1 keep their exact values on the packed kernel where the CPU runs it
+        // (`quant::PackedQ8`); elsewhere, and for the other sub-8-bit formats, Q8_0.
         WeightFormat::Auto => match t.dtype() {
+            GgmlDType::Q4_0 | GgmlDType::Q4_1 if crate::quant::PackedQ8::supported() => {
+                return Ok(t)
+            }
             GgmlDType::Q4_0
             | GgmlDType::Q4_1
             | GgmlDType::Q5_0

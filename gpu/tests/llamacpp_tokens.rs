@@ -4,8 +4,8 @@
 //! greedy ids from llama.cpp (made by `data/gen_llamacpp_fixture.py`, whose commands the
 //! fixture records). With `model.weights = native` pdserve runs the file's Q4_1 weights as
 //! stored on its llama.cpp-exact kernels, activations quantized to Q8_1 as llama.cpp does, so
-//! its tokens must follow llama.cpp's for at least 32 tokens. (The default, `auto`,
-//! requantizes to Q8_0 for speed and is not held to this.)
+//! its tokens must follow llama.cpp's for at least 32 tokens. (The default, `auto`, keeps the
+//! same weight values but sums in another order for speed, and is not held to this.)
 //!
 //! `data/llamacpp_first_logprobs.json` holds `llama-server`'s top-5 log-probabilities after
 //! one-token prompts (the fixture records how they were made). Attention over one position

@@ -134,9 +134,10 @@ config_enum! {
 config_enum! {
     /// `model.weights`: the in-memory weight format of the CPU backend.
     pub enum WeightFormat for "model.weights" {
-        /// Sub-8-bit quantized weights (Q4_*, Q5_*, k-quants) are requantized to Q8_0 at load
-        /// and run on candle's VNNI-packed Q8_0 kernels: the fastest CPU path. Everything else
-        /// stays as stored.
+        /// The fastest CPU path. On AVX-512 VNNI CPUs Q8_0, Q4_0 and Q4_1 weights keep their
+        /// exact values, one byte per weight, on pdserve's 16-row packed kernel, and the other
+        /// sub-8-bit formats (Q5_*, k-quants) are requantized to Q8_0 for it; elsewhere
+        /// sub-8-bit weights are requantized to Q8_0. Everything else stays as stored.
         #[default]
         Auto = "auto",
         /// Exactly as stored in the file. Q4_0, Q4_1, Q8_0, Q4_K and Q6_K run on pdserve's own

@@ -317,8 +317,8 @@ def tool_round_trip(checks, where, client, model):
             problems.append(f"{label}: bad call {call.function.name} {args}")
         if c.finish_reason != "tool_calls":
             problems.append(f"{label}: finish_reason {c.finish_reason}")
-        # Streamed: the same call, assembled from deltas.
-        name, arguments = "", ""
+        # Streamed: the same call, its arguments assembled from pieces as they come.
+        name, arguments, pieces = "", "", 0
         for chunk in client.chat.completions.create(
                 model=model, messages=messages, tools=[WEATHER_TOOL], tool_choice=choice,
                 temperature=0, max_tokens=100, stream=True):
@@ -327,8 +327,12 @@ def tool_round_trip(checks, where, client, model):
             for d in chunk.choices[0].delta.tool_calls or []:
                 name += d.function.name or ""
                 arguments += d.function.arguments or ""
-        if name != call.function.name or json.loads(arguments or "null") != args:
-            problems.append(f"{label}: streamed call {name} {arguments!r} ≠ {args}")
+                pieces += bool(d.function.arguments)
+        if name != call.function.name or arguments != call.function.arguments:
+            problems.append(f"{label}: streamed call {name} {arguments!r} ≠ "
+                            f"{call.function.arguments!r}")
+        elif pieces < 2:
+            problems.append(f"{label}: the streamed arguments came in {pieces} piece(s)")
         # The tool's answer goes back; the model answers in text.
         messages.append({"role": "assistant", "content": None, "tool_calls": [
             {"id": call.id, "type": "function",

@@ -1,7 +1,9 @@
 //! Tool calling on chat completions (`tools`, `tool_choice`), as pure functions: the tools
 //! are read and bounded, described to the model in a system prompt, forced through the
 //! structured-output engine when the request asks (`required`, a named function), and the
-//! model's calls are parsed out of its text into OpenAI's `tool_calls`.
+//! model's calls are parsed out of its text into OpenAI's `tool_calls` — as the text is
+//! generated ([`CallParser`], in `stream`), so a streamed answer sends each call's arguments
+//! piece by piece, and a whole answer is read by the same parser fed at once.
 //!
 //! The prompt format is the generic Hermes one (Qwen2.5, Hermes-2-Pro and others use it; the
 //! default model's ChatML template has no tool support of its own, so pdserve never depends on
@@ -16,6 +18,9 @@ use pdserve_gpu::grammar::{GrammarSpec, MAX_GRAMMAR_BYTES};
 use serde::de::IgnoredAny;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
+
+mod stream;
+pub use stream::{CallEvent, CallParser, MAX_HEADER, MAX_HELD_WHITESPACE};
 
 /// Most tools one request may declare.
 pub const MAX_TOOLS: usize = 128;
@@ -67,19 +72,16 @@ pub struct Tools {
 pub struct ToolCall {
     /// The function's name.
     pub name: String,
-    /// Its arguments, as JSON text (OpenAI's `function.arguments`).
+    /// Its arguments, as JSON text (OpenAI's `function.arguments`): the object's text as the
+    /// model wrote it.
     pub arguments: String,
 }
 
 impl ToolCall {
-    /// OpenAI's `tool_calls[]` entry; `index` is set on streamed deltas.
-    pub fn to_json(&self, id: &str, index: Option<usize>) -> Value {
-        let mut v = json!({"id": id, "type": "function",
-                           "function": {"name": self.name, "arguments": self.arguments}});
-        if let Some(i) = index {
-            v["index"] = json!(i);
-        }
-        v
+    /// OpenAI's `tool_calls[]` entry of a whole answer.
+    pub fn to_json(&self, id: &str) -> Value {
+        json!({"id": id, "type": "function",
+               "function": {"name": self.name, "arguments": self.arguments}})
     }
 }
 
@@ -366,45 +368,38 @@ enum Arguments {
     Other(IgnoredAny),
 }
 
-/// A call as the model writes it inside a `<tool_call>` block.
-#[derive(Debug, Deserialize)]
-struct ModelCall {
-    name: String,
-    arguments: Map<String, Value>,
-}
-
 /// A `tool` message's content as the model sees it.
 pub fn render_response(content: &str) -> String {
     format!("<tool_response>\n{content}\n</tool_response>")
 }
 
-/// The calls in a model's answer: the text before the first `<tool_call>` (trimmed; `None`
-/// when empty) and each block's call. `None` when the answer holds no well-formed call (it
-/// is then plain content). A block whose JSON is not `{"name": string, "arguments": object}`
-/// makes the whole answer plain content.
+/// The calls in a model's answer, read as a streamed answer reads them ([`CallParser`] fed the
+/// whole text): the content before the first call (`None` when empty) and each call, its
+/// `arguments` the object's text as the model wrote it. `None` when no call starts (the answer
+/// is then plain content). See [`CallParser`] for blocks that are not calls and unfinished calls.
 pub fn parse_calls(text: &str) -> Option<(Option<String>, Vec<ToolCall>)> {
-    let start = text.find(CALL_OPEN)?;
-    let content = text[..start].trim();
-    let mut calls = Vec::new();
-    let mut rest = &text[start..];
-    while let Some(open) = rest.find(CALL_OPEN) {
-        let body_start = open + CALL_OPEN.len();
-        let (body, next) = match rest[body_start..].find(CALL_CLOSE) {
-            Some(end) => (
-                &rest[body_start..body_start + end],
-                &rest[body_start + end + CALL_CLOSE.len()..],
-            ),
-            // An unclosed last block (the answer ended at EOS or length): what it holds.
-            None => (&rest[body_start..], ""),
-        };
-        // Through a `Value`, so that a repeated key is read as JSON reads it (the last wins).
-        let v: Value = serde_json::from_str(body.trim()).ok()?;
-        let Object(ModelCall { name, arguments }) = Object::deserialize(&v).ok()?;
-        let arguments = Value::Object(arguments).to_string();
-        calls.push(ToolCall { name, arguments });
-        rest = next;
+    let (events, calls) = stream::parse_all(text);
+    if calls == 0 {
+        return None;
     }
-    Some(((!content.is_empty()).then(|| content.to_string()), calls))
+    let mut content = String::new();
+    let mut out: Vec<ToolCall> = Vec::with_capacity(calls);
+    for e in events {
+        match e {
+            CallEvent::Content(t) => content.push_str(&t),
+            CallEvent::CallStart { name, .. } => out.push(ToolCall {
+                name,
+                arguments: String::new(),
+            }),
+            CallEvent::ArgsDelta { index, text } => {
+                if let Some(c) = out.get_mut(index) {
+                    c.arguments.push_str(&text);
+                }
+            }
+            CallEvent::CallEnd { .. } => {}
+        }
+    }
+    Some(((!content.is_empty()).then_some(content), out))
 }
 
 #[cfg(test)]
@@ -473,7 +468,7 @@ mod tests {
             vec![
                 ToolCall {
                     name: "get_weather".into(),
-                    arguments: "{\"city\":\"Paris\"}".into()
+                    arguments: "{\"city\": \"Paris\"}".into()
                 },
                 ToolCall {
                     name: "t".into(),
@@ -483,6 +478,13 @@ mod tests {
         );
         assert_eq!(parse_calls("no calls here"), None);
         assert_eq!(parse_calls("<tool_call>\nnot json\n</tool_call>"), None);
+        // Whitespace before the call is dropped; content that is only whitespace is none.
+        assert_eq!(
+            parse_calls(" \n<tool_call>{\"name\": \"t\", \"arguments\": {}}")
+                .unwrap()
+                .0,
+            None
+        );
         let rendered = render_calls(
             &json!([{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}]),
             1,

@@ -1,8 +1,9 @@
 //! Structured output and tools on one colocated instance over HTTP: `response_format`
 //! (`json_object`, `json_schema`), vLLM's `guided_*` and `structured_outputs`, the 400s of bad
 //! or oversized grammars (nothing stays queued), a grammar continued over `resume_tokens`
-//! (request migration), and tool calls (forced, parsed, streamed, and the follow-up turn with
-//! the tool's result). The disaggregated case is in pd.rs.
+//! (request migration), and tool calls (forced, parsed, streamed with their arguments piece by
+//! piece — `n` > 1 and a stream migrated mid-call included — and the follow-up turn with the
+//! tool's result). The disaggregated case is in pd.rs.
 
 mod common;
 use common::{assert_pool_full, post, post_to, stream_chunks};
@@ -358,6 +359,57 @@ fn check_call(call: &Value, tools: &Value) {
     check_schema(&args, &tool["function"]["parameters"]);
 }
 
+/// One choice's streamed chunks carry `call` (the non-streamed answer's): a first delta with
+/// `index`, `id`, `type`, `function.name` and empty arguments, then deltas of `index` and
+/// `function.arguments` only — more than one — whose pieces join into the call's arguments;
+/// no content, and `finish_reason: tool_calls` once.
+#[track_caller]
+fn check_streamed_call(chunks: &[&Value], call: &Value) {
+    let deltas: Vec<&Value> = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array())
+        .flatten()
+        .collect();
+    assert!(deltas.len() > 2, "{chunks:?}");
+    let start = deltas[0];
+    assert_eq!(start["index"], 0, "{start}");
+    assert!(
+        start["id"]
+            .as_str()
+            .is_some_and(|id| id.starts_with("call_")),
+        "{start}"
+    );
+    assert_eq!(start["type"], "function", "{start}");
+    assert_eq!(
+        start["function"]["name"], call["function"]["name"],
+        "{start}"
+    );
+    assert_eq!(start["function"]["arguments"], "", "{start}");
+    let mut arguments = String::new();
+    for d in &deltas[1..] {
+        let mut keys: Vec<&String> = d.as_object().unwrap().keys().collect();
+        keys.sort();
+        assert_eq!(keys, ["function", "index"], "{d}");
+        assert_eq!(d["index"], 0, "{d}");
+        assert_eq!(d["function"].as_object().unwrap().len(), 1, "{d}");
+        arguments.push_str(d["function"]["arguments"].as_str().unwrap());
+    }
+    assert_eq!(arguments, call["function"]["arguments"].as_str().unwrap());
+    for c in chunks {
+        let content = &c["choices"][0]["delta"]["content"];
+        assert!(
+            content.is_null() || content == "",
+            "content in a forced call: {c}"
+        );
+    }
+    let finish: Vec<&Value> = chunks
+        .iter()
+        .map(|c| &c["choices"][0]["finish_reason"])
+        .filter(|f| !f.is_null())
+        .collect();
+    assert_eq!(finish, [&json!("tool_calls")], "{chunks:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tool_calls_round_trip_streamed_and_not() {
     let inst = start("tools").await;
@@ -380,25 +432,71 @@ async fn tool_calls_round_trip_streamed_and_not() {
             assert_eq!(calls[0]["function"]["name"], "get_time", "{v}");
         }
 
-        // Streamed: the same call as `delta.tool_calls`, then `finish_reason: tool_calls`.
+        // Streamed: the same call as `delta.tool_calls`, its arguments piece by piece, then
+        // `finish_reason: tool_calls`; with `n` = 2, each choice's the same (greedy).
+        for n in [1, 2] {
+            let mut streamed = body.clone();
+            streamed["stream"] = json!(true);
+            streamed["n"] = json!(n);
+            let chunks = stream_chunks(&url, CHAT, &streamed).await;
+            for choice in 0..n {
+                let of_choice: Vec<&Value> = chunks
+                    .iter()
+                    .filter(|c| c["choices"][0]["index"] == choice)
+                    .collect();
+                check_streamed_call(&of_choice, &calls[0]);
+                assert_eq!(of_choice[0]["choices"][0]["delta"]["role"], "assistant");
+            }
+        }
+
+        // A migrated stream (`resume_tokens`: the tokens of the chunks the client has, cut in
+        // the middle of the arguments) goes on with the call: no second start, the rest of
+        // its arguments.
         let mut streamed = body.clone();
         streamed["stream"] = json!(true);
+        streamed["return_token_ids"] = json!(true);
         let chunks = stream_chunks(&url, CHAT, &streamed).await;
-        let deltas: Vec<&Value> = chunks
+        let deltas = |chunks: &[Value]| -> Vec<Value> {
+            chunks
+                .iter()
+                .filter_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array())
+                .flatten()
+                .cloned()
+                .collect()
+        };
+        let arguments = |chunks: &[Value]| -> String {
+            deltas(chunks)
+                .iter()
+                .filter_map(|d| d["function"]["arguments"].as_str().map(String::from))
+                .collect()
+        };
+        let with_args: Vec<usize> = (0..chunks.len())
+            .filter(|&i| !arguments(&chunks[i..=i]).is_empty())
+            .collect();
+        let have = with_args[with_args.len() / 2] + 1;
+        let tokens: Vec<u64> = chunks[..have]
             .iter()
-            .filter_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array())
+            .filter_map(|c| c["choices"][0]["token_ids"].as_array())
             .flatten()
+            .map(|t| t.as_u64().unwrap())
             .collect();
-        assert_eq!(deltas.len(), 1, "{chunks:?}");
-        assert_eq!(deltas[0]["index"], 0);
-        assert_eq!(deltas[0]["function"], calls[0]["function"], "{chunks:?}");
-        assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
-        let finish: Vec<&Value> = chunks
-            .iter()
-            .map(|c| &c["choices"][0]["finish_reason"])
-            .filter(|f| !f.is_null())
-            .collect();
-        assert_eq!(finish, [&json!("tool_calls")], "{chunks:?}");
+        let mut resumed = streamed.clone();
+        resumed["resume_tokens"] = json!(tokens);
+        let rest = stream_chunks(&url, CHAT, &resumed).await;
+        assert!(
+            deltas(&rest).iter().all(|d| d.get("id").is_none()),
+            "{rest:?}"
+        );
+        assert!(!arguments(&rest).is_empty(), "{rest:?}");
+        assert_eq!(
+            arguments(&chunks[..have]) + &arguments(&rest),
+            calls[0]["function"]["arguments"].as_str().unwrap(),
+            "{chunks:?} {rest:?}"
+        );
+        assert_eq!(
+            rest.last().unwrap()["choices"][0]["finish_reason"],
+            "tool_calls"
+        );
 
         // The follow-up turn: the call and its result in the history.
         let mut messages = ask.as_array().unwrap().clone();
@@ -415,15 +513,19 @@ async fn tool_calls_round_trip_streamed_and_not() {
             "{v}"
         );
     }
-    // With `auto`, an answer without a call is plain content.
-    let (status, v) = post_to(
-        &url,
-        CHAT,
-        &chat(json!({"messages": ask, "tools": tools, "max_tokens": 8})),
-    )
-    .await;
+    // With `auto`, an answer without a call is plain content, streamed as it comes.
+    let body = chat(json!({"messages": ask, "tools": tools, "max_tokens": 8}));
+    let (status, v) = post_to(&url, CHAT, &body).await;
     assert_eq!(status, 200, "{v}");
-    assert!(v["choices"][0]["message"]["content"].is_string(), "{v}");
+    let content = v["choices"][0]["message"]["content"].as_str().unwrap();
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let chunks = stream_chunks(&url, CHAT, &streamed).await;
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(text, content, "{chunks:?}");
     // Bad tools are 400s naming the field.
     for (extra, needle) in [
         (
@@ -509,6 +611,14 @@ async fn default_model_answers_follow_schemas_and_call_tools() {
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
     check_call(&v["choices"][0]["message"]["tool_calls"][0], &tools);
+    // Streamed, with the model's own tokenizer: the same call, its arguments piece by piece.
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let chunks = stream_chunks(&url, CHAT, &streamed).await;
+    check_streamed_call(
+        &chunks.iter().collect::<Vec<_>>(),
+        &v["choices"][0]["message"]["tool_calls"][0],
+    );
     assert_pool_full(&inst).await;
     inst.stop().await;
 }

@@ -6,7 +6,10 @@
 //! its KV blocks return to the pool. `kv_transfer_params` (vLLM's P/D fields) turn a request
 //! into the prefill or the decode half of a hand-off. A request of `n` > 1 choices runs as `n`
 //! scheduler requests: the first alone, the others once it has the prompt's KV (they take the
-//! full prompt blocks from the prefix cache), merged into one answer or one SSE stream.
+//! full prompt blocks from the prefix cache), merged into one answer or one SSE stream. A chat
+//! with tools reads the model's calls out of its text as it is generated
+//! ([`tools::CallParser`]): a stream sends content as it comes and each call as a start delta
+//! then its arguments piece by piece; a whole answer is read by the same parser, so both agree.
 
 use super::error::ApiError;
 use super::state::AppState;
@@ -15,7 +18,7 @@ use crate::handoff::receiver::KvSource;
 use crate::multimodal::{self, MultimodalError};
 use crate::openai::{self, KvDirective, PromptInput};
 use crate::scheduler::{NewRequest, PromptImage, RequestEvent, RequestStream};
-use crate::tools;
+use crate::tools::{self, CallEvent, CallParser};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -314,6 +317,14 @@ async fn start_prompt(
         None
     };
     let logprobs = params.logprobs.is_some();
+    let resumed_text = match (&req.tools, req.resume_tokens.is_empty()) {
+        (Some(_), false) => Some(
+            app.tokenizer
+                .decode(&req.resume_tokens, true)
+                .map_err(|e| RequestError::Internal(e.to_string()))?,
+        ),
+        _ => None,
+    };
     // Choices after the first: the same prompt, seed + i.
     let branch_base = (req.n > 1).then(|| {
         (
@@ -454,6 +465,7 @@ async fn start_prompt(
         echo,
         score_only,
         tools: req.tools.is_some(),
+        resumed_text,
         lease_ms: app
             .kv
             .as_ref()
@@ -623,6 +635,9 @@ struct ResponseMeta {
     lease_ms: u64,
     /// Chat with tools the model may call: its calls are parsed into `tool_calls`.
     tools: bool,
+    /// Chat with tools continuing an earlier attempt (`resume_tokens`): the text that attempt
+    /// generated, read by the stream's call parser first (the client has its events).
+    resumed_text: Option<String>,
 }
 
 impl ResponseMeta {
@@ -704,30 +719,83 @@ impl ResponseMeta {
         ))
     }
 
+    /// The id of the choice's call `k`, the same streamed and not.
+    fn call_id(&self, k: usize) -> String {
+        let id = self.id.trim_start_matches("chatcmpl-");
+        format!("call_{id}_{}_{k}", self.index)
+    }
+
     /// The calls the model wrote in `text`, when the request has tools: the content before
-    /// them and OpenAI's `tool_calls` entries (`index` set for streamed deltas).
-    fn tool_calls(&self, text: &str, streamed: bool) -> Option<(Option<String>, Vec<Value>)> {
+    /// them and OpenAI's `tool_calls` entries.
+    fn tool_calls(&self, text: &str) -> Option<(Option<String>, Vec<Value>)> {
         if !self.tools {
             return None;
         }
         let (content, calls) = tools::parse_calls(text)?;
-        let id = self.id.trim_start_matches("chatcmpl-");
         let calls = calls
             .iter()
             .enumerate()
-            .map(|(k, c)| {
-                let call_id = format!("call_{id}_{}_{k}", self.index);
-                c.to_json(&call_id, streamed.then_some(k))
-            })
+            .map(|(k, c)| c.to_json(&self.call_id(k)))
             .collect();
         Some((content, calls))
     }
 
-    /// The streamed chunk of a choice's tool calls (with the `role` when it opens the choice).
-    fn tool_calls_chunk(&self, content: Option<String>, calls: Vec<Value>, first: bool) -> Value {
-        let mut delta = json!({"content": content, "tool_calls": calls});
+    /// The streamed deltas of what the call parser read, in order: content runs as
+    /// `{"content"}`, a call's start as `{"tool_calls": [{index, id, type, function: {name,
+    /// arguments: ""}}]}`, each run of its arguments' pieces as `{"tool_calls": [{index,
+    /// function: {arguments}}]}`.
+    fn call_deltas(&self, events: Vec<CallEvent>) -> Vec<Value> {
+        let mut deltas: Vec<Value> = Vec::new();
+        // The kind of the last delta, to join runs: content, or call k's arguments.
+        let mut last: Option<Option<usize>> = None;
+        for e in events {
+            match e {
+                CallEvent::Content(t) => {
+                    if last == Some(None) {
+                        if let Some(Value::String(c)) =
+                            deltas.last_mut().and_then(|d| d.get_mut("content"))
+                        {
+                            c.push_str(&t);
+                            continue;
+                        }
+                    }
+                    deltas.push(json!({"content": t}));
+                    last = Some(None);
+                }
+                CallEvent::CallStart { index, name } => {
+                    deltas.push(json!({"tool_calls": [{
+                        "index": index, "id": self.call_id(index), "type": "function",
+                        "function": {"name": name, "arguments": ""}}]}));
+                    last = None;
+                }
+                CallEvent::ArgsDelta { index, text } => {
+                    if last == Some(Some(index)) {
+                        if let Some(Value::String(a)) = deltas
+                            .last_mut()
+                            .and_then(|d| d.pointer_mut("/tool_calls/0/function/arguments"))
+                        {
+                            a.push_str(&text);
+                            continue;
+                        }
+                    }
+                    deltas.push(
+                        json!({"tool_calls": [{"index": index, "function": {"arguments": text}}]}),
+                    );
+                    last = Some(Some(index));
+                }
+                CallEvent::CallEnd { .. } => {}
+            }
+        }
+        deltas
+    }
+
+    /// A chat chunk of `delta` (with the `role` when it opens the choice).
+    fn delta_chunk(&self, mut delta: Value, first: bool) -> Value {
         if first {
             delta["role"] = json!("assistant");
+            if delta.get("content").is_none() {
+                delta["content"] = Value::Null;
+            }
         }
         json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
                "choices": [{"index": self.index, "delta": delta, "logprobs": null, "finish_reason": null}]})
@@ -755,7 +823,7 @@ impl ResponseMeta {
         first_logprobs: Option<&TokenLogprobs>,
     ) -> Value {
         let mut v = if self.chat {
-            let (message, finish) = match self.tool_calls(text, false) {
+            let (message, finish) = match self.tool_calls(text) {
                 Some((content, calls)) => (
                     json!({"role": "assistant", "content": content, "tool_calls": calls}),
                     "tool_calls",
@@ -899,12 +967,20 @@ fn sse_stream(
         offset: usize,
         /// Events to send before the next read, emitted from the end.
         pending: Vec<Event>,
-        /// Chat with tools: the answer's text, held until it ends (then sent as
-        /// `delta.tool_calls` or as content).
-        tool_text: Option<String>,
+        /// Chat with tools: reads the calls out of the answer's text as it comes (content,
+        /// then each call's start and its arguments piece by piece, as `delta.tool_calls`).
+        calls: Option<CallParser>,
     }
+    let calls = meta.tools.then(|| {
+        let mut parser = CallParser::new();
+        if let Some(earlier) = &meta.resumed_text {
+            // What the earlier attempt read; its events reached the client through it.
+            parser.push(earlier, &mut Vec::new());
+        }
+        parser
+    });
     let state = S {
-        tool_text: meta.tools.then(String::new),
+        calls,
         end,
         first: !meta.resumed,
         echo_pending: meta.echo.is_some() && !meta.resumed,
@@ -964,9 +1040,37 @@ fn sse_stream(
                 } => {
                     held.push(token);
                     held_lps.extend(logprobs);
-                    if let Some(buffer) = &mut s.tool_text {
-                        buffer.push_str(&text);
-                        continue;
+                    if let Some(parser) = &mut s.calls {
+                        let mut events = Vec::new();
+                        parser.push(&text, &mut events);
+                        let mut deltas = s.meta.call_deltas(events).into_iter();
+                        let Some(delta) = deltas.next() else {
+                            // Held by the parser: its tokens go with the next chunk.
+                            continue;
+                        };
+                        // The tokens (and their logprobs) ride on the first chunk.
+                        let mut chunk = s.meta.delta_chunk(delta, s.first);
+                        if s.meta.token_ids.is_some() {
+                            chunk["choices"][0]["token_ids"] = json!(held);
+                        }
+                        if let Some(lp) =
+                            s.meta.logprobs_value(None, false, &held_lps, &mut s.offset)
+                        {
+                            chunk["choices"][0]["logprobs"] = lp;
+                        }
+                        s.first = false;
+                        let mut rest: Vec<Event> = deltas
+                            .map(|d| {
+                                let mut c = s.meta.delta_chunk(d, false);
+                                if s.meta.token_ids.is_some() {
+                                    c["choices"][0]["token_ids"] = json!([]);
+                                }
+                                data(c)
+                            })
+                            .collect();
+                        rest.reverse();
+                        s.pending.extend(rest);
+                        return Some((Ok(data(chunk)), s));
                     }
                     if text.is_empty() && !(s.first && s.meta.chat) && echoed.is_none() {
                         continue;
@@ -1019,25 +1123,30 @@ fn sse_stream(
                     let lp = (!held_lps.is_empty())
                         .then(|| s.meta.logprobs_value(None, false, &held_lps, &mut s.offset))
                         .flatten();
-                    let mut calls_chunk = None;
-                    if let Some(buffer) = s.tool_text.take() {
-                        let whole = buffer + &text;
-                        match s.meta.tool_calls(&whole, true) {
-                            Some((content, calls)) => {
-                                calls_chunk =
-                                    Some(s.meta.tool_calls_chunk(content, calls, s.first));
-                                s.first = false;
-                                (text, finish) = (String::new(), "tool_calls");
-                            }
-                            None => text = whole,
+                    let mut deltas = Vec::new();
+                    if let Some(mut parser) = s.calls.take() {
+                        let mut events = Vec::new();
+                        parser.push(&text, &mut events);
+                        parser.finish(&mut events);
+                        deltas = s.meta.call_deltas(events);
+                        text.clear();
+                        if parser.calls() > 0 {
+                            finish = "tool_calls";
                         }
                     }
+                    // The parser's last deltas go before the finishing chunk, which carries
+                    // the tokens not sent yet (`pending` is emitted from the end).
+                    let first = s.first && deltas.is_empty();
                     s.pending
-                        .push(data(s.meta.chunk(&text, Some(finish), s.first, &held, lp)));
-                    if let Some(chunk) = calls_chunk {
-                        // Sent before the finishing chunk (`pending` is emitted from the end).
-                        s.pending.push(data(chunk));
+                        .push(data(s.meta.chunk(&text, Some(finish), first, &held, lp)));
+                    for (k, delta) in deltas.into_iter().enumerate().rev() {
+                        let mut c = s.meta.delta_chunk(delta, s.first && k == 0);
+                        if s.meta.token_ids.is_some() {
+                            c["choices"][0]["token_ids"] = json!([]);
+                        }
+                        s.pending.push(data(c));
                     }
+                    s.first = false;
                     break echoed.unwrap_or_else(|| s.pending.pop().expect("just pushed"));
                 }
                 RequestEvent::Failed(e) => {

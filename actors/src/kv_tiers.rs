@@ -38,6 +38,11 @@
 //! as soon as one instance has evicted it; lookups go host, disk, then the shared store. The
 //! compatibility key names its subdirectory, so instances of other models or layouts never
 //! exchange blocks, and every restore verifies the block as from the disk tier.
+//!
+//! **KV events.** Each tier logs the hashes it gains and drops (the host region's inserts and
+//! LRU victims, the disk tier's and the shared store's index), drained with the pool's events
+//! for the proxy ([`KvTiers::kv_events`], medium `host`, `disk`, `shared`): the KV router
+//! credits a prefix found in a tier at `proxy.kv_tier_credit` (see `pdserve_core::kv_events`).
 
 mod disk;
 mod host;
@@ -45,6 +50,7 @@ mod queue;
 pub mod redis_store;
 
 use crate::block_manager::{BlockHash, Evicted};
+use crate::kv_events::{Medium, TierEvents};
 use pdserve_gpu::kv::KvCache;
 use pdserve_gpu::tp::KvJob;
 use std::path::PathBuf;
@@ -707,6 +713,31 @@ impl KvTiers {
             );
         }
         queued
+    }
+
+    /// Each tier's hashes stored and dropped since the last call, for the proxy's KV index
+    /// (`kv_events`: the host region, the disk tier and, for the shared store, what this
+    /// instance's index of it lists, whoever wrote it). A tier's first call, and every call
+    /// with `snapshot`, lists everything it holds. A tier without events is left out.
+    pub fn kv_events(&self, snapshot: bool) -> Vec<TierEvents> {
+        let mut out = Vec::with_capacity(3);
+        let mut push = |medium, batch: crate::kv_events::KvEventBatch| {
+            if !batch.is_empty() {
+                out.push(TierEvents::new(medium, batch));
+            }
+        };
+        if let Some(mut h) = self.host() {
+            push(Medium::Host, h.kv_events(snapshot));
+        }
+        if let Some(d) = &self.disk {
+            push(Medium::Disk, d.kv_events(snapshot));
+        }
+        match &self.shared {
+            Some(SharedStore::Dir(d)) => push(Medium::Shared, d.kv_events(snapshot)),
+            Some(SharedStore::Redis(r)) => push(Medium::Shared, r.kv_events(snapshot)),
+            None => {}
+        }
+        out
     }
 
     /// Whether another rank-job batch may start (see [`MAX_JOBS_IN_FLIGHT`]).

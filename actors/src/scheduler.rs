@@ -521,7 +521,10 @@ impl Actor for Scheduler {
                 st.dispatch(out);
             }
             SchedulerMsg::KvEvents(snapshot, reply) => {
-                let batch = st.core.block_manager().kv_events(snapshot);
+                let mut batch = st.core.block_manager().kv_events(snapshot);
+                if let Some(t) = &st.tiers {
+                    batch.tiers = t.kv_events(snapshot);
+                }
                 if !reply.is_closed() {
                     let _ = reply.send(batch);
                 }

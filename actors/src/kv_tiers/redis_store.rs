@@ -97,7 +97,7 @@ impl Inner {
         if self.reported_down.swap(false, Ordering::Relaxed) {
             // The server may have restarted empty: what the index listed is relearned by
             // the next scan.
-            *self.index() = Index::default();
+            *self.index() = Index::logged();
             tracing::info!("KV shared store (Redis) reachable again");
         }
     }
@@ -180,20 +180,7 @@ impl Inner {
 
     /// Deletes what this instance wrote beyond its capacity, oldest first.
     fn trim(&self) {
-        let victims: Vec<BlockHash> = {
-            let mut mine = self.mine();
-            let mut v = Vec::new();
-            while mine.used > self.capacity {
-                let Some((_, old)) = mine.lru.pop_first() else {
-                    break;
-                };
-                if let Some((l, _)) = mine.files.remove(&old) {
-                    mine.used -= l;
-                    v.push(old);
-                }
-            }
-            v
-        };
+        let victims: Vec<BlockHash> = self.mine().trim_to(self.capacity);
         if victims.is_empty() {
             return;
         }
@@ -292,7 +279,7 @@ impl RedisTier {
             prefix: format!("pdserve:kv:{:016x}:", shape.compat_hash()),
             shape,
             capacity,
-            index: Mutex::new(Index::default()),
+            index: Mutex::new(Index::logged()),
             mine: Mutex::new(Index::default()),
             counters: TierCounters::default(),
             down_until: Mutex::new(None),
@@ -362,6 +349,12 @@ impl RedisTier {
         }
         self.inner.index().touch(h);
         Ok(b)
+    }
+
+    /// The keys its index gained and lost since the last call (see
+    /// [`crate::kv_events::KvEventLog::drain`]).
+    pub(super) fn kv_events(&self, snapshot: bool) -> crate::kv_events::KvEventBatch {
+        self.inner.index().kv_events(snapshot).unwrap_or_default()
     }
 
     /// Forgets block `h` and deletes its key (it failed verification, or is gone).

@@ -320,27 +320,36 @@ impl RedisTier {
         }
     }
 
-    /// Reads and verifies block `h`. Blocking (one round trip, at most [`TIMEOUT`]).
+    /// Reads and verifies block `h`. Blocking (one round trip, at most [`TIMEOUT`]). At most
+    /// one byte more than a block record is fetched (`GETRANGE`), so a longer value under
+    /// the key is refused without being transferred or decoded.
     ///
     /// # Errors
-    /// [`TierError::Missing`] when the store lost the key, [`TierError::Io`] when the store
-    /// is down, and what [`decode`] finds.
+    /// [`TierError::Missing`] when the store lost the key (or holds an empty value),
+    /// [`TierError::Io`] when the store is down, [`TierError::Malformed`] for a value longer
+    /// than a block record, and what [`decode`] finds.
     pub fn read(&self, h: BlockHash) -> Result<TierBlock, TierError> {
         let key = self.inner.key(h);
+        let record = super::disk::max_file_len(&self.inner.shape);
         let got = self
             .inner
             .with_con("read", |c| {
-                redis::cmd("GET").arg(&key).query::<Option<Vec<u8>>>(c)
+                redis::cmd("GETRANGE")
+                    .arg(&key)
+                    .arg(0)
+                    .arg(record)
+                    .query::<Vec<u8>>(c)
             })
             .ok_or_else(|| {
                 TierError::Io(std::io::Error::other("the shared store is unreachable"))
             })?;
-        let bytes = got.ok_or(TierError::Missing)?;
-        let record = super::disk::max_file_len(&self.inner.shape);
+        // GETRANGE answers an empty string for a missing key.
+        let bytes = Some(got)
+            .filter(|b| !b.is_empty())
+            .ok_or(TierError::Missing)?;
         if bytes.len() as u64 > record {
             return Err(TierError::Malformed(format!(
-                "{} bytes (a block record is at most {record})",
-                bytes.len()
+                "a value longer than a block record ({record} bytes)"
             )));
         }
         let b = decode(&self.inner.shape, &bytes)?;

@@ -170,10 +170,11 @@ pub fn kv_cost(v: &KvView, prefill_load_scale: f64) -> f64 {
 /// Why the router picked an instance (`pdserve_router_decisions_total{reason}`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Reason {
-    /// KV router: the pick holds the longest cached prefix of the prompt (in its pool or
-    /// its tiers).
+    /// KV router: the pick's cached prefix of the prompt (in its pool or its tiers) is worth
+    /// the most credit.
     KvOverlap,
-    /// KV router: another instance holds more of the prefix but is busier than the credit.
+    /// KV router: another instance's cached prefix is worth more, but it is busier than the
+    /// credit.
     Load,
     /// KV router: no instance holds any of the prefix; lowest load.
     NoOverlap,
@@ -222,9 +223,10 @@ pub fn kv_pick<'a>(
     let pick = least_loaded(&tied, role, rr)?;
     let i = ties[tied.iter().position(|u| u.url == pick.url)?];
     let most = views.iter().map(|v| v.overlap).max().unwrap_or(0);
+    let best_credit = views.iter().map(|v| v.credit).fold(0.0, f64::max);
     let reason = if most == 0 {
         Reason::NoOverlap
-    } else if views[i].overlap == most {
+    } else if views[i].credit >= best_credit && views[i].overlap > 0 {
         Reason::KvOverlap
     } else {
         Reason::Load
@@ -313,6 +315,18 @@ mod tests {
         assert_eq!(
             pick([view(0, 0), lower(5)]),
             ("http://d0:1".to_string(), Reason::Load)
+        );
+        // 3 pool blocks (credit 3) beat 5 disk blocks (credit 2.5): the better credit, not
+        // the longer prefix, is the overlap reason.
+        assert_eq!(
+            pick([
+                KvView {
+                    credit: 2.5,
+                    ..view(5, 0)
+                },
+                view(3, 0)
+            ]),
+            ("http://d1:1".to_string(), Reason::KvOverlap)
         );
         // Any credit beats none; a credit is never worth more than its blocks.
         assert_eq!(

@@ -602,6 +602,7 @@ fn proxy(args: ProxyArgs) -> Result<()> {
         router: p.router,
         prefill_load_scale: p.prefill_load_scale,
         kv_index_max_blocks: p.kv_index_max_blocks,
+        kv_tier_credit: p.kv_tier_credit,
         tokenizer: match &p.model {
             Some(m) => Some(std::sync::Arc::new(proxy_tokenizer(m)?)),
             None => None,

@@ -38,6 +38,11 @@
 //! as soon as one instance has evicted it; lookups go host, disk, then the shared store. The
 //! compatibility key names its subdirectory, so instances of other models or layouts never
 //! exchange blocks, and every restore verifies the block as from the disk tier.
+//!
+//! **KV events.** Each tier logs the hashes it gains and drops (the host region's inserts and
+//! LRU victims, the disk tier's and the shared store's index), drained with the pool's events
+//! for the proxy ([`KvTiers::kv_events`], medium `host`, `disk`, `shared`): the KV router
+//! credits a prefix found in a tier at `proxy.kv_tier_credit` (see `pdserve_core::kv_events`).
 
 mod disk;
 mod host;
@@ -45,6 +50,7 @@ mod queue;
 pub mod redis_store;
 
 use crate::block_manager::{BlockHash, Evicted};
+use crate::kv_events::{Medium, TierEvents};
 use pdserve_gpu::kv::KvCache;
 use pdserve_gpu::tp::KvJob;
 use std::path::PathBuf;
@@ -378,6 +384,10 @@ impl std::fmt::Debug for KvTiers {
     }
 }
 
+/// Hashes one tier's KV-event snapshot lists at most: three tiers' snapshots (about 21 bytes
+/// of JSON per hash) and the pool's stay well inside one 16 MiB control frame.
+pub const MAX_TIER_SNAPSHOT: usize = 1 << 17;
+
 /// Rank-job batches (spills and restores) in flight at most: each queues one job per rank
 /// ahead of the next step, and a rank's queue must always have room for that step.
 pub const MAX_JOBS_IN_FLIGHT: usize = 8;
@@ -707,6 +717,36 @@ impl KvTiers {
             );
         }
         queued
+    }
+
+    /// Each tier's hashes stored and dropped since the last call, for the proxy's KV index
+    /// (`kv_events`: the host region, the disk tier and, for the shared store, what this
+    /// instance's index of it lists, whoever wrote it). A tier's first call, and every call
+    /// with `snapshot`, lists what it holds, at most [`MAX_TIER_SNAPSHOT`] hashes (the batch
+    /// must fit one control frame; the proxy then under-reports, never over-reports). A tier
+    /// without events is left out.
+    pub fn kv_events(&self, snapshot: bool) -> Vec<TierEvents> {
+        let mut out = Vec::with_capacity(3);
+        let mut push = |medium, mut batch: crate::kv_events::KvEventBatch| {
+            if let Some(all) = batch.snapshot.as_mut() {
+                all.truncate(MAX_TIER_SNAPSHOT);
+            }
+            if !batch.is_empty() {
+                out.push(TierEvents::new(medium, batch));
+            }
+        };
+        if let Some(mut h) = self.host() {
+            push(Medium::Host, h.kv_events(snapshot));
+        }
+        if let Some(d) = &self.disk {
+            push(Medium::Disk, d.kv_events(snapshot));
+        }
+        match &self.shared {
+            Some(SharedStore::Dir(d)) => push(Medium::Shared, d.kv_events(snapshot)),
+            Some(SharedStore::Redis(r)) => push(Medium::Shared, r.kv_events(snapshot)),
+            None => {}
+        }
+        out
     }
 
     /// Whether another rank-job batch may start (see [`MAX_JOBS_IN_FLIGHT`]).
@@ -1185,6 +1225,51 @@ mod tests {
         assert!(t.disk().unwrap().flush(std::time::Duration::from_secs(5)));
         assert!(!t.disk().unwrap().contains(2), "paused: no writes");
         assert_eq!(t.figures().load_timeouts, 1);
+    }
+
+    #[test]
+    fn each_tier_reports_what_it_gains_and_drops_as_kv_events() {
+        use crate::kv_events::KvOp;
+        let dir = tempfile::tempdir().unwrap();
+        let one = block(1, None, 0).footprint();
+        let t = KvTiers::open(settings(2 * one, Some(dir.path().into())), shape(), 0).unwrap();
+        let medium = |e: &[TierEvents], m: &str| e.iter().find(|t| t.medium == m).cloned();
+        // The first drain is a snapshot of each tier (empty here).
+        let first = t.kv_events(false);
+        assert_eq!(medium(&first, "host").unwrap().snapshot, Some(vec![]));
+        assert_eq!(medium(&first, "disk").unwrap().snapshot, Some(vec![]));
+        assert!(t.kv_events(false).is_empty(), "nothing happened since");
+        // Three blocks into a two-block host region: the oldest moves on to disk.
+        t.offer(vec![
+            block(1, None, 1),
+            block(2, Some(1), 2),
+            block(3, Some(2), 3),
+        ]);
+        assert!(t.disk().unwrap().flush(std::time::Duration::from_secs(5)));
+        let e = t.kv_events(false);
+        assert_eq!(
+            medium(&e, "host").unwrap().ops,
+            vec![
+                KvOp::Stored(vec![1, 2]),
+                KvOp::Removed(vec![1]),
+                KvOp::Stored(vec![3])
+            ]
+        );
+        assert_eq!(medium(&e, "disk").unwrap().ops, vec![KvOp::Stored(vec![1])]);
+        // A snapshot on demand lists what each holds.
+        let snap = t.kv_events(true);
+        let mut host = medium(&snap, "host").unwrap().snapshot.unwrap();
+        host.sort();
+        assert_eq!(host, vec![2, 3]);
+        assert_eq!(medium(&snap, "disk").unwrap().snapshot, Some(vec![1]));
+        // A block that fails verification is dropped, and reported dropped.
+        let toks: Vec<u32> = [2u32; 4].to_vec();
+        assert!(t.load_run(&[2], &toks, Some(99)).is_empty());
+        let e = t.kv_events(false);
+        assert_eq!(
+            medium(&e, "host").unwrap().ops,
+            vec![KvOp::Removed(vec![2])]
+        );
     }
 
     #[test]

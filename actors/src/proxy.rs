@@ -168,6 +168,7 @@ impl Actor for Proxy {
             router: args.router,
             prefill_load_scale: args.prefill_load_scale,
             kv_index: Mutex::new(crate::kv_events::KvIndex::new(args.kv_index_max_blocks)),
+            kv_tier_credit: args.kv_tier_credit,
             tokenizer: args.tokenizer.clone(),
             outstanding: Mutex::new(Default::default()),
             decisions: Mutex::new(Default::default()),

@@ -521,7 +521,10 @@ impl Actor for Scheduler {
                 st.dispatch(out);
             }
             SchedulerMsg::KvEvents(snapshot, reply) => {
-                let batch = st.core.block_manager().kv_events(snapshot);
+                let mut batch = st.core.block_manager().kv_events(snapshot);
+                if let Some(t) = &st.tiers {
+                    batch.tiers = t.kv_events(snapshot);
+                }
                 if !reply.is_closed() {
                     let _ = reply.send(batch);
                 }
@@ -659,9 +662,7 @@ impl SchedulerState {
         };
         self.tier_loads = self.tier_loads.saturating_sub(1);
         if sink.is_closed() {
-            // The client left meanwhile (a prefill instance holding this request's KV lets
-            // it go when its lease ends).
-            return;
+            return self.abandon(request.id, source); // the client left meanwhile
         }
         let Some(tiers) = self.tiers.clone() else {
             return self.proceed(request, sink, source);
@@ -744,7 +745,7 @@ impl SchedulerState {
         self.pins.push(r.pin);
         self.pins.push(r.alloc);
         if r.sink.is_closed() {
-            return;
+            return self.abandon(r.request.id, r.source); // the client left meanwhile
         }
         self.proceed(r.request, r.sink, r.source);
     }
@@ -777,6 +778,23 @@ impl SchedulerState {
             if let Some((_, w)) = w {
                 let _ = w.cast(WorkerMsg::Kv(job));
             }
+        }
+    }
+
+    /// A request whose client left while its prefix loaded from the KV tiers, before it was
+    /// admitted: a P/D request's prefill side is told to drop the hand-off (as when the
+    /// client leaves during the KV fetch), so that it frees the blocks it holds for it at
+    /// once rather than when their lease ends.
+    fn abandon(&self, id: RequestId, source: Option<KvSource>) {
+        metrics::counter!(pdserve_runtime::telemetry::REQUESTS_TOTAL, "outcome" => "aborted")
+            .increment(1);
+        let Some(source) = source else {
+            tracing::debug!(request = %id, "client gone while its prefix loaded from the KV tiers");
+            return;
+        };
+        tracing::info!(request = %id, transfer = %source.transfer(), "client gone while its prefix loaded from the KV tiers: aborting the hand-off");
+        if let Some(r) = &self.kv_receiver {
+            let _ = r.cast(KvReceiverMsg::Abandon(source));
         }
     }
 

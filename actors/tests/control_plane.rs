@@ -813,3 +813,123 @@ async fn the_kv_router_follows_cached_prefixes_spreads_a_hot_one_and_rebuilds_af
         inst.stop().await;
     }
 }
+
+/// What the proxy's KV index holds of `url` at `medium`.
+async fn indexed_at(px: &Proxy, url: &str, medium: &str) -> usize {
+    let snap = inspect_cluster(px).await;
+    let router = snap.proxy.router.expect("the proxy reports its router");
+    router
+        .kv_index
+        .iter()
+        .find(|ix| ix.url == url)
+        .and_then(|ix| ix.by_medium.iter().find(|(m, _)| m == medium))
+        .map_or(0, |(_, n)| *n)
+}
+
+/// A decode instance whose pool evicted a session's prefix into its host tier still holds
+/// it: its KV events say so (medium `host`), the KV router credits that overlap (at
+/// `proxy.kv_tier_credit.host`) and sends the session's next turn there rather than to an
+/// instance that never saw the prefix, and the instance restores the prefix from the tier.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_kv_router_prefers_an_instance_holding_the_prefix_in_its_host_tier() {
+    let px = proxy("kvt-proxy").await;
+    let joined = |name: &'static str, role| {
+        let control = px.control;
+        async move {
+            let model = load_model(&ModelSource::Synthetic("tiny".into())).unwrap();
+            let mut o = InstanceOptions::local(name, model);
+            o.transfer = Some(TransferConfig::new(BackendKind::Local, name));
+            if role == Role::Decode {
+                // Room for one request (7 blocks of 16 tokens) and little else.
+                o.num_blocks = Some(12);
+                o.watermark = 0.0;
+                o.kv_tiers = Some(pdserve_actors::kv_tiers::TierSettings {
+                    host_capacity_bytes: 64 << 20,
+                    disk_dir: None,
+                    disk_capacity_bytes: 0,
+                    shared_dir: None,
+                    shared_url: None,
+                    shared_capacity_bytes: 0,
+                    write_policy: pdserve_actors::kv_tiers::WritePolicy::WriteBack,
+                    load_timeout: Duration::from_secs(30),
+                });
+            }
+            let mut c = InstanceControl::new(member(name), role);
+            c.proxy = Some(control);
+            c.heartbeat = HEARTBEAT;
+            o.control = Some(c);
+            Instance::start(o).await.unwrap()
+        }
+    };
+    let p = joined("kvt-prefill", Role::Prefill).await;
+    let d0 = joined("kvt-decode-0", Role::Decode).await;
+    let d1 = joined("kvt-decode-1", Role::Decode).await;
+    wait_for("all three routable", Duration::from_secs(10), || async {
+        let s = inspect_cluster(&px).await.proxy;
+        (s.routable_prefill, s.routable_decode) == (1, 2)
+    })
+    .await;
+    // d0 serves the session's first turn itself, then four others that evict it from its
+    // pool into its host tier; d1 sees none of it.
+    let first = session(7, 80);
+    let (status, v) = complete_tokens(&d0.url(), &first, 2).await;
+    assert_eq!(status, 200, "{v}");
+    for k in 0..4 {
+        let (status, v) = complete_tokens(&d0.url(), &session(50 + k, 80), 2).await;
+        assert_eq!(status, 200, "{v}");
+    }
+    let tiers = d0.kv_tiers().expect("d0 has tiers").clone();
+    let hashes = tiers.block_hashes(&first);
+    assert_eq!(hashes.len(), 5);
+    wait_for(
+        "the prefix in d0's host tier",
+        Duration::from_secs(10),
+        || async { tiers.contains_run(&hashes) == 5 },
+    )
+    .await;
+    wait_for(
+        "the proxy indexes d0's host tier",
+        Duration::from_secs(10),
+        || async { indexed_at(&px, &d0.url(), "host").await >= 5 },
+    )
+    .await;
+    assert_eq!(indexed_at(&px, &d1.url(), "host").await, 0);
+    let decisions = |snap: &ClusterSnapshot| {
+        snap.proxy
+            .router
+            .as_ref()
+            .unwrap()
+            .decisions
+            .iter()
+            .find(|d| d.role == "decode" && d.reason == "kv_overlap")
+            .map_or(0, |d| d.count)
+    };
+    let overlap_before = decisions(&inspect_cluster(&px).await);
+    let hits_before = tiers.figures().host.unwrap().hits;
+    // The second turn through the proxy (prefill on p, decode on the pick).
+    let mut second = first.clone();
+    second.extend(session(99, 16));
+    let decodes = [&d0, &d1];
+    let before = prompt_tokens(&decodes).await;
+    let (status, v) = complete_tokens(&px.url, &second, 2).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(
+        served_by(&before, &prompt_tokens(&decodes).await),
+        0,
+        "the turn left the instance holding its prefix in a tier"
+    );
+    assert_eq!(
+        decisions(&inspect_cluster(&px).await),
+        overlap_before + 1,
+        "picked for its overlap"
+    );
+    assert!(
+        tiers.figures().host.unwrap().hits >= hits_before + 5,
+        "the prefix came back from the host tier: {:?}",
+        tiers.figures()
+    );
+    px.stop().await;
+    for i in [p, d0, d1] {
+        i.stop().await;
+    }
+}

@@ -24,7 +24,7 @@ use pdserve_actors::handoff::protocol::{
     MAX_RANK_REGIONS, MAX_RENEW_IDS,
 };
 use pdserve_actors::handoff::service::{validate_prefill, PromptLimits};
-use pdserve_actors::kv_events::{HashScheme, KvEventBatch, KvIndex, KvOp};
+use pdserve_actors::kv_events::{HashScheme, KvEventBatch, KvIndex, KvOp, TierEvents};
 use pdserve_actors::openai::{
     kv_directive, parse_json, parse_request, resolve_max_tokens, KvDirective, KvTransferParams,
     PromptInput, MAX_CHOICES, MAX_CHOICES_TOTAL,
@@ -843,14 +843,31 @@ fn check_kv_events(input: &[u8]) -> Result<Verdict, String> {
             salt: 1,
         },
     );
-    index.apply("http://10.0.0.1:8000", batch.clone());
-    index.apply("http://10.0.0.1:8000", batch);
-    for (url, held, _) in index.sizes() {
-        if held > INDEX_MAX {
-            return Err(format!("{url} indexes {held} hashes, bound {INDEX_MAX}"));
+    // A batch the index refuses (an unknown medium, too many events) changes nothing but
+    // dropping what it knew of the instance; either way the bound holds.
+    let verdict = match batch.check() {
+        Ok(_) => Verdict::Accepted,
+        Err(_) => Verdict::Rejected,
+    };
+    let first = index.apply("http://10.0.0.1:8000", batch.clone());
+    let second = index.apply("http://10.0.0.1:8000", batch);
+    if first.is_ok() != (verdict == Verdict::Accepted) || first != second {
+        return Err(format!(
+            "apply disagrees with check: {first:?} / {second:?}"
+        ));
+    }
+    for size in index.sizes() {
+        if size.blocks > INDEX_MAX {
+            return Err(format!(
+                "{} indexes {} hashes, bound {INDEX_MAX}",
+                size.url, size.blocks
+            ));
+        }
+        if verdict == Verdict::Rejected && size.blocks != 0 {
+            return Err(format!("a refused batch left {} hashes", size.blocks));
         }
     }
-    Ok(Verdict::Accepted)
+    Ok(verdict)
 }
 
 #[test]
@@ -858,18 +875,36 @@ fn kv_events() {
     let report = Target::new("kv_events")
         .dictionary(fuzz_support::JSON_TOKENS)
         .run(check_kv_events, |runner| {
-            let (snapshot, ops) = draw(
+            let (snapshot, ops, tiers) = draw(
                 runner,
                 (
                     proptest::option::of(vec(any::<u64>(), 0..80)),
                     vec((any::<bool>(), vec(0u64..100, 0..40)), 0..4),
+                    vec(
+                        (
+                            0usize..5,
+                            proptest::option::of(vec(0u64..100, 0..40)),
+                            vec((any::<bool>(), vec(0u64..100, 0..20)), 0..3),
+                        ),
+                        0..3,
+                    ),
                 ),
             );
+            let ops_of = |ops: Vec<(bool, Vec<u64>)>| -> Vec<KvOp> {
+                ops.into_iter()
+                    .map(|(s, v)| if s { KvOp::Stored(v) } else { KvOp::Removed(v) })
+                    .collect()
+            };
             let batch = KvEventBatch {
                 snapshot,
-                ops: ops
+                ops: ops_of(ops),
+                tiers: tiers
                     .into_iter()
-                    .map(|(s, v)| if s { KvOp::Stored(v) } else { KvOp::Removed(v) })
+                    .map(|(m, snapshot, ops)| TierEvents {
+                        medium: ["host", "disk", "shared", "pool", "tape"][m].into(),
+                        snapshot,
+                        ops: ops_of(ops),
+                    })
                     .collect(),
             };
             serde_json::to_vec(&batch).expect("encodes")
@@ -1241,10 +1276,16 @@ fn regenerate_corpus() {
     let batch = KvEventBatch {
         snapshot: Some(vec![1, 2, 3]),
         ops: vec![KvOp::Stored(vec![4, 5]), KvOp::Removed(vec![1])],
+        tiers: vec![TierEvents {
+            medium: "host".into(),
+            snapshot: Some(vec![7]),
+            ops: vec![KvOp::Stored(vec![1])],
+        }],
     };
     let delta = KvEventBatch {
         snapshot: None,
         ops: vec![KvOp::Removed(vec![u64::MAX]), KvOp::Stored(vec![9])],
+        tiers: Vec::new(),
     };
     let many = format!(
         "{{\"snapshot\":[{}0],\"ops\":[{{\"stored\":[{}0]}}]}}",

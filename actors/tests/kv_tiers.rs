@@ -536,6 +536,49 @@ async fn a_prefix_one_instance_computed_is_restored_by_another_from_redis_and_da
     );
 }
 
+/// Hostile input in the store: under a valid key, a value longer than one block record (a
+/// whole record with a megabyte after it). It is refused before decoding — at most one byte
+/// past a record is fetched — and counted as a miss; b recomputes that conversation, restores
+/// the others, and answers exactly as a run without tiers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_value_longer_than_a_block_record_is_a_miss_and_answers_stay_exact() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let client = redis.client();
+    let (run, _, fb) =
+        across_a_shared_store("redis-long", on_redis(&redis.url()), move |a, first| {
+            let tiers = a.kv_tiers().unwrap();
+            let store = tiers.shared().unwrap().as_redis().unwrap();
+            let mut tokens = first_turn(0);
+            tokens.extend_from_slice(&first[0]);
+            let key = store.key_of(tiers.block_hashes(&tokens)[0]);
+            let mut con = client.get_connection().unwrap();
+            let mut value: Vec<u8> = redis::cmd("GET").arg(&key).query(&mut con).unwrap();
+            assert!(!value.is_empty(), "a wrote the block");
+            value.extend_from_slice(&vec![0x5a; 1 << 20]);
+            redis::cmd("SET")
+                .arg(&key)
+                .arg(value)
+                .query::<()>(&mut con)
+                .unwrap();
+        })
+        .await;
+    assert_eq!(
+        run.second_cached[0], 0,
+        "the oversized first block is recomputed: {:?}",
+        run.second_cached
+    );
+    for &cached in &run.second_cached[1..] {
+        assert!(cached >= TURN1 as u64, "{:?}", run.second_cached);
+    }
+    assert_eq!(fb.misses, 1, "{fb:?}");
+    assert!(
+        fb.hits >= ((REVISIT.len() - 1) * TURN1 / BLOCK) as u64,
+        "{fb:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_going_down_never_stalls_serving_and_the_store_comes_back() {
     let Some(mut redis) = RedisServer::start() else {

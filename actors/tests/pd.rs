@@ -2242,3 +2242,164 @@ async fn decode_restores_a_prompt_from_the_shared_store_and_fetches_only_the_res
     );
     stop_pair(p, d).await;
 }
+
+/// A decode request whose client leaves while its prefix is being restored from decode's KV
+/// tiers (before its KV fetch starts) tells the prefill instance to drop the hand-off, as a
+/// client gone during the fetch does: the prefill instance's pool is full again long before
+/// the lease of the blocks it held would have ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_gone_while_decode_restores_from_its_tiers_frees_the_prefill_side_at_once() {
+    use pdserve_actors::kv_tiers::{TierSettings, WritePolicy};
+    use pdserve_actors::openai::{kv_directive, KvDirective};
+    use pdserve_actors::scheduler::NewRequest;
+    use std::os::unix::fs::OpenOptionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let lease = Duration::from_secs(60);
+    let p = instance_with(
+        "p-gone-tiers",
+        "small",
+        1,
+        Some(BackendKind::Shm),
+        lease,
+        |o| o.block_size = 8,
+    )
+    .await;
+    let d = instance_with(
+        "d-gone-tiers",
+        "small",
+        1,
+        Some(BackendKind::Shm),
+        lease,
+        |o| {
+            o.block_size = 8;
+            o.num_blocks = Some(16);
+            o.watermark = 0.0;
+            o.kv_tiers = Some(TierSettings {
+                host_capacity_bytes: 0,
+                disk_dir: Some(dir.path().to_path_buf()),
+                disk_capacity_bytes: 256 << 20,
+                shared_dir: None,
+                shared_url: None,
+                shared_capacity_bytes: 0,
+                write_policy: WritePolicy::WriteBack,
+                load_timeout: Duration::from_secs(30),
+            });
+        },
+    )
+    .await;
+    // 41 tokens: five whole blocks and one token.
+    let prompt = |k: usize| -> Vec<u32> {
+        (0..41)
+            .map(|t| ((t * 31 + k * 57 + 3) % 250) as u32)
+            .collect()
+    };
+    let body = |k: usize| json!({"prompt": prompt(k), "max_tokens": 4, "temperature": 0, "ignore_eos": true});
+    // Decode computes prompt 0 itself, then others push it out of its pool onto its disk.
+    for k in 0..=6 {
+        let (status, v) = post(&d.url(), &body(k)).await;
+        assert_eq!(status, 200, "{v}");
+    }
+    let tiers = d.kv_tiers().unwrap().clone();
+    let disk = tiers.disk().unwrap();
+    assert!(disk.flush(Duration::from_secs(10)));
+    let hashes = tiers.block_hashes(&prompt(0)[..40]);
+    assert_eq!(tiers.contains_run(&hashes), 5, "{:?}", tiers.figures());
+    // The first block's file becomes a FIFO: the restore blocks reading it until the test
+    // writes the block, so the client can leave while the load is in progress.
+    let file = disk.file_of(hashes[0]);
+    let bytes = std::fs::read(&file).unwrap();
+    std::fs::remove_file(&file).unwrap();
+    let made = std::process::Command::new("mkfifo")
+        .arg(&file)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    // Prefill computes prompt 0 and holds its KV for decode (lease 60 s).
+    let mut hop = body(0);
+    hop["max_tokens"] = json!(1);
+    hop["kv_transfer_params"] = json!({"do_remote_decode": true});
+    let (status, answer) = post(&p.url(), &hop).await;
+    assert_eq!(status, 200, "{answer}");
+    assert!(
+        p.stats().await.unwrap().blocks_in_use > 0,
+        "prefill holds the KV"
+    );
+    let KvDirective::FromPrefill {
+        peer,
+        transfer,
+        block_ids,
+        first_token,
+        first_logprobs,
+        lease: held_for,
+        cached_tokens,
+    } = kv_directive(Some(&answer["kv_transfer_params"]), "http").unwrap()
+    else {
+        panic!("not a held hand-off: {answer}");
+    };
+    let source = pdserve_actors::handoff::receiver::KvSource::Held {
+        peer: PeerAddr::Http { url: peer.url },
+        transfer,
+        block_ids,
+        first_token,
+        first_logprobs,
+        lease: held_for,
+        cached_tokens,
+    };
+    let request = NewRequest {
+        id: d.scheduler().next_request_id(),
+        prompt: prompt(0),
+        params: pdserve_gpu::sampling::SamplingParams::greedy(4),
+        hold_for: None,
+        push: false,
+        resume: Vec::new(),
+        constraint: None,
+        images: Vec::new(),
+    };
+    let events = d.scheduler().submit_remote(request, source).unwrap();
+    // Opening a FIFO to write without blocking fails until a reader has it open: then the
+    // restore is in progress.
+    const O_NONBLOCK: i32 = 0o4000; // Linux
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut writer = loop {
+        match std::fs::OpenOptions::new()
+            .write(true)
+            .custom_flags(O_NONBLOCK)
+            .open(&file)
+        {
+            Ok(w) => break w,
+            Err(e) => assert!(Instant::now() < deadline, "the restore never read: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    // The client leaves; then the block arrives and the load ends.
+    drop(events);
+    let started = Instant::now();
+    tokio::task::spawn_blocking(move || {
+        use std::io::Write;
+        // The FIFO's buffer may be smaller than the block: a full pipe is waited out.
+        let mut rest = &bytes[..];
+        while !rest.is_empty() {
+            match writer.write(rest) {
+                Ok(n) => rest = &rest[n..],
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    std::thread::sleep(Duration::from_millis(1))
+                }
+                Err(e) => panic!("writing the FIFO: {e}"),
+            }
+        }
+    })
+    .await
+    .unwrap();
+    assert_pool_full(&p).await;
+    assert!(
+        started.elapsed() < lease / 4,
+        "freed after {:?}, not at once",
+        started.elapsed()
+    );
+    assert_pool_full(&d).await;
+    let _ = std::fs::remove_file(&file);
+    // Both still serve.
+    let (status, v) = via_pd(&p.url(), &d.url(), &body(9)).await;
+    assert_eq!(status, 200, "{v}");
+    stop_pair(p, d).await;
+}

@@ -9,7 +9,8 @@
 //! `max_prefill_queue` set, a request arriving while even the least-loaded prefill instance has
 //! more requests than that goes to the decode instance alone, which prefills it itself
 //! (conditional disaggregation). The KV router ([`kv_pick`]) weighs each instance's cached
-//! prefix of the prompt against its outstanding work ([`kv_cost`]).
+//! prefix of the prompt — each block at its medium's credit: 1 in the block pool, less in a KV
+//! tier it must be loaded back from — against its outstanding work ([`kv_cost`]).
 
 use pdserve_runtime::Role;
 use std::net::SocketAddr;
@@ -141,10 +142,13 @@ pub fn round_robin<'a>(
 }
 
 /// One candidate instance as the KV router sees it, in blocks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct KvView {
-    /// Leading prompt blocks the instance holds in its prefix cache.
+    /// Leading prompt blocks the instance holds, in its prefix cache or its KV tiers.
     pub overlap: usize,
+    /// What those blocks are worth: each counts its medium's credit (1 in the pool, less in
+    /// a tier it must be loaded back from: `kv_events::KvIndex::credit`). At most `overlap`.
+    pub credit: f64,
     /// Full blocks of the prompt.
     pub prompt_blocks: usize,
     /// Prompt blocks of requests this proxy sent it that it still prefills.
@@ -153,22 +157,24 @@ pub struct KvView {
     pub active_decode_blocks: usize,
 }
 
-/// Dynamo's cost: `scale·max(active_prefill + prompt − overlap, 0) + active_decode`. The
-/// overlap is a credit against the work a request adds; the load terms keep one hot prefix
-/// from piling onto the instance that holds it (it moves once that instance is busier, in
-/// blocks, than the credit is worth).
+/// Dynamo's cost: `scale·max(active_prefill + prompt − credit, 0) + active_decode`. The
+/// overlap's credit (blocks, each weighed by the medium it is held at) is a credit against
+/// the work a request adds; the load terms keep one hot prefix from piling onto the instance
+/// that holds it (it moves once that instance is busier, in blocks, than the credit is worth).
 pub fn kv_cost(v: &KvView, prefill_load_scale: f64) -> f64 {
-    prefill_load_scale
-        * (v.active_prefill_blocks + v.prompt_blocks).saturating_sub(v.overlap) as f64
+    let credit = v.credit.clamp(0.0, v.overlap as f64);
+    prefill_load_scale * ((v.active_prefill_blocks + v.prompt_blocks) as f64 - credit).max(0.0)
         + v.active_decode_blocks as f64
 }
 
 /// Why the router picked an instance (`pdserve_router_decisions_total{reason}`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Reason {
-    /// KV router: the pick holds the longest cached prefix of the prompt.
+    /// KV router: the pick's cached prefix of the prompt (in its pool or its tiers) is worth
+    /// the most credit.
     KvOverlap,
-    /// KV router: another instance holds more of the prefix but is busier than the credit.
+    /// KV router: another instance's cached prefix is worth more, but it is busier than the
+    /// credit.
     Load,
     /// KV router: no instance holds any of the prefix; lowest load.
     NoOverlap,
@@ -217,9 +223,10 @@ pub fn kv_pick<'a>(
     let pick = least_loaded(&tied, role, rr)?;
     let i = ties[tied.iter().position(|u| u.url == pick.url)?];
     let most = views.iter().map(|v| v.overlap).max().unwrap_or(0);
+    let best_credit = views.iter().map(|v| v.credit).fold(0.0, f64::max);
     let reason = if most == 0 {
         Reason::NoOverlap
-    } else if views[i].overlap == most {
+    } else if views[i].credit >= best_credit && views[i].overlap > 0 {
         Reason::KvOverlap
     } else {
         Reason::Load
@@ -251,8 +258,9 @@ mod tests {
     fn the_kv_router_follows_the_prefix_until_load_outweighs_it() {
         let c = ups(2);
         let rr = RoundRobin::default();
-        let view = |overlap, active| KvView {
+        let view = |overlap: usize, active| KvView {
             overlap,
+            credit: overlap as f64,
             prompt_blocks: 10,
             active_prefill_blocks: 0,
             active_decode_blocks: active,
@@ -294,6 +302,54 @@ mod tests {
         let (u, r) = kv_pick(&c, &views, 2.0, Role::Prefill, &rr).unwrap();
         assert_eq!((u.url.as_str(), r), ("http://d0:1", Reason::Load));
         assert_eq!(kv_cost(&views[1], 0.5), 7.0);
+        // An overlap in a lower tier is credited at its discount: 8 blocks on disk at 0.5
+        // are worth 4, so 5 blocks of extra load outweigh them where 7 did not in the pool.
+        let lower = |active| KvView {
+            credit: 4.0,
+            ..view(8, active)
+        };
+        assert_eq!(
+            pick([view(0, 0), lower(3)]),
+            ("http://d1:1".to_string(), Reason::KvOverlap)
+        );
+        assert_eq!(
+            pick([view(0, 0), lower(5)]),
+            ("http://d0:1".to_string(), Reason::Load)
+        );
+        // 3 pool blocks (credit 3) beat 5 disk blocks (credit 2.5): the better credit, not
+        // the longer prefix, is the overlap reason.
+        assert_eq!(
+            pick([
+                KvView {
+                    credit: 2.5,
+                    ..view(5, 0)
+                },
+                view(3, 0)
+            ]),
+            ("http://d1:1".to_string(), Reason::KvOverlap)
+        );
+        // Any credit beats none; a credit is never worth more than its blocks.
+        assert_eq!(
+            pick([
+                view(0, 0),
+                KvView {
+                    credit: 0.4,
+                    ..view(1, 0)
+                }
+            ])
+            .0,
+            "http://d1:1"
+        );
+        assert_eq!(
+            kv_cost(
+                &KvView {
+                    credit: 99.0,
+                    ..view(2, 0)
+                },
+                1.0
+            ),
+            8.0
+        );
     }
 
     #[test]

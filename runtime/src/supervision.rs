@@ -367,6 +367,10 @@ pub struct IndexedInstance {
     pub blocks: usize,
     /// Hashes not indexed because of `proxy.kv_index_max_blocks`.
     pub dropped: u64,
+    /// Hashes held at each medium that holds any (`pool`, `host`, `disk`, `shared`; a block
+    /// in two counts in both), top down.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub by_medium: Vec<(String, usize)>,
 }
 
 /// What the proxy could learn of one registered instance.
@@ -535,6 +539,14 @@ pub fn render_cluster(snap: &ClusterSnapshot, color: bool) -> String {
             line.push_str(" kv_index_blocks");
             for ix in &r.kv_index {
                 let _ = write!(line, " {}={}", ix.url, ix.blocks);
+                if ix.by_medium.iter().any(|(m, _)| m != "pool") {
+                    let media: Vec<String> = ix
+                        .by_medium
+                        .iter()
+                        .map(|(m, n)| format!("{m}:{n}"))
+                        .collect();
+                    let _ = write!(line, "[{}]", media.join(" "));
+                }
                 if ix.dropped > 0 {
                     let _ = write!(line, "(+{} over the bound)", ix.dropped);
                 }
@@ -901,6 +913,7 @@ mod tests {
                         url: "http://127.0.0.1:8200".into(),
                         blocks: 40,
                         dropped: 0,
+                        by_medium: vec![("pool".into(), 30), ("host".into(), 12)],
                     }],
                 }),
                 actors: actor("proxy", "Proxy", ActorState::Running, vec![]),
@@ -934,7 +947,7 @@ mod tests {
     fn render_cluster_golden_without_color() {
         let expected = "\
 cluster demo proxy=proxy http=http://127.0.0.1:8000 control=127.0.0.1:7000 registered=2 routable_prefill=0 routable_decode=1 refused_connections=3
-router kv decisions decode:kv_overlap=12 decode:no_overlap=3 kv_index_blocks http://127.0.0.1:8200=40
+router kv decisions decode:kv_overlap=12 decode:no_overlap=3 kv_index_blocks http://127.0.0.1:8200=40[pool:30 host:12]
 proxy [Proxy] running restarts=0 mailbox=0 up 12.3s
 ├── decode-0 (decode) routable heartbeat 0.2s ago http=http://127.0.0.1:8200 control=127.0.0.1:7002
 │   decode-0 role=decode model=smollm2-135m tp=2 waiting=4 running=7 kv_blocks=300/512 free preemptions=1 transfers_in_flight=2 sent=3.0MiB received=0B transfer_failures=0

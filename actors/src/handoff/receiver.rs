@@ -158,6 +158,11 @@ pub enum KvReceiverMsg {
     Fetch(Box<Fetch>),
     /// The request was aborted: stop its hand-off (the prefill side is told).
     Abort(RequestId),
+    /// A request dropped before its fetch started (its client left while its prefix was
+    /// restored from the KV tiers): tell the prefill side to drop the hand-off, as an abort
+    /// during the fetch does, so that it frees what it holds for it now, not when the lease
+    /// ends.
+    Abandon(KvSource),
 }
 
 /// The KvReceiver actor (its mailbox count).
@@ -201,6 +206,27 @@ impl Actor for KvReceiver {
                 st.kv.tasks.spawn(driver.run(*fetch, cancel));
             }
             KvReceiverMsg::Abort(id) => st.kv.cancel_handoff(id),
+            KvReceiverMsg::Abandon(source) => {
+                let kv = st.kv.clone();
+                st.kv.tasks.spawn(async move {
+                    let (peer, transfer) = (source.peer().clone(), source.transfer());
+                    let r = kv
+                        .peers
+                        .call(&peer, &PeerRequest::Abort(transfer), kv.bounds().transfer)
+                        .await;
+                    match r {
+                        Ok(PeerAnswer::Aborted { .. }) => {
+                            tracing::debug!(%transfer, %peer, "abandoned hand-off aborted on the prefill side")
+                        }
+                        Ok(PeerAnswer::Failed(e)) | Err(e) => {
+                            tracing::info!(%transfer, %peer, error = %e, "the prefill instance did not confirm the abort")
+                        }
+                        Ok(other) => {
+                            tracing::info!(%transfer, %peer, answer = other.name(), "the prefill instance answered Abort unexpectedly")
+                        }
+                    }
+                });
+            }
         }
         Ok(())
     }

@@ -28,6 +28,7 @@
 use super::queue::{Job, WriteQueue};
 use super::{Tier, TierBlock, TierCounters, TierError, TierFigures, TierShape};
 use crate::block_manager::BlockHash;
+use crate::kv_events::{KvEventBatch, KvEventLog};
 use std::collections::{BTreeMap, HashMap};
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -204,34 +205,77 @@ pub(super) fn decode(shape: &TierShape, buf: &[u8]) -> Result<TierBlock, TierErr
     })
 }
 
-/// Stored blocks by hash, LRU by a logical clock, with their bytes summed.
+/// Stored blocks by hash, LRU by a logical clock, with their bytes summed; a logged index
+/// ([`Index::logged`]) also logs the hashes it gains and loses for the proxy's KV index.
 #[derive(Debug, Default)]
 pub(super) struct Index {
     /// Hash → (file length, LRU stamp).
     pub(super) files: HashMap<BlockHash, (u64, u64)>,
-    pub(super) lru: BTreeMap<u64, BlockHash>,
+    lru: BTreeMap<u64, BlockHash>,
     pub(super) used: u64,
     clock: u64,
+    events: Option<KvEventLog>,
 }
 
 impl Index {
+    /// An empty index that logs its stored/removed hashes ([`Index::kv_events`]).
+    pub(super) fn logged() -> Self {
+        Self {
+            events: Some(KvEventLog::default()),
+            ..Self::default()
+        }
+    }
+
+    /// Removes `h` without logging it; its length.
+    fn take(&mut self, h: BlockHash) -> Option<u64> {
+        let (len, stamp) = self.files.remove(&h)?;
+        self.lru.remove(&stamp);
+        self.used -= len;
+        Some(len)
+    }
+
     pub(super) fn insert(&mut self, h: BlockHash, len: u64) {
-        self.remove(h);
+        let had = self.take(h).is_some();
         self.clock += 1;
         self.files.insert(h, (len, self.clock));
         self.lru.insert(self.clock, h);
         self.used += len;
+        if let (false, Some(log)) = (had, self.events.as_mut()) {
+            log.stored(h);
+        }
     }
 
     pub(super) fn remove(&mut self, h: BlockHash) -> bool {
-        match self.files.remove(&h) {
-            Some((len, stamp)) => {
-                self.lru.remove(&stamp);
-                self.used -= len;
-                true
-            }
-            None => false,
+        let had = self.take(h).is_some();
+        if let (true, Some(log)) = (had, self.events.as_mut()) {
+            log.removed(h);
         }
+        had
+    }
+
+    /// Removes the least recently used block; its hash.
+    pub(super) fn pop_oldest(&mut self) -> Option<BlockHash> {
+        let (_, old) = self.lru.first_key_value()?;
+        let old = *old;
+        self.remove(old);
+        Some(old)
+    }
+
+    /// Removes blocks, oldest first, until at most `capacity` bytes are held; their hashes.
+    pub(super) fn trim_to(&mut self, capacity: u64) -> Vec<BlockHash> {
+        let mut victims = Vec::new();
+        while self.used > capacity {
+            let Some(old) = self.pop_oldest() else { break };
+            victims.push(old);
+        }
+        victims
+    }
+
+    /// Its events since the last call (`None`: not logged; see [`KvEventLog::drain`]).
+    pub(super) fn kv_events(&mut self, snapshot: bool) -> Option<KvEventBatch> {
+        let files = &self.files;
+        let log = self.events.as_mut()?;
+        Some(log.drain(snapshot, || files.keys().copied().collect()))
     }
 
     pub(super) fn touch(&mut self, h: BlockHash) {
@@ -352,17 +396,7 @@ impl Shared {
         let victims = {
             let mut idx = self.index();
             idx.insert(b.hash, len);
-            let mut victims = Vec::new();
-            while idx.used > self.capacity {
-                let Some((_, old)) = idx.lru.pop_first() else {
-                    break;
-                };
-                if let Some((l, _)) = idx.files.remove(&old) {
-                    idx.used -= l;
-                    victims.push(old);
-                }
-            }
-            victims
+            idx.trim_to(self.capacity)
         };
         for v in victims {
             let _ = std::fs::remove_file(self.path(v));
@@ -413,7 +447,7 @@ impl DiskTier {
             capacity,
             shape,
             mode,
-            index: Mutex::new(Index::default()),
+            index: Mutex::new(Index::logged()),
             counters: TierCounters::default(),
             tmp_seq: std::sync::atomic::AtomicU64::new(0),
         });
@@ -472,20 +506,7 @@ impl DiskTier {
             }
         }
         // Over capacity (a smaller capacity than last time): the oldest go.
-        let victims: Vec<BlockHash> = {
-            let mut idx = shared.index();
-            let mut v = Vec::new();
-            while idx.used > capacity {
-                let Some((_, old)) = idx.lru.pop_first() else {
-                    break;
-                };
-                if let Some((l, _)) = idx.files.remove(&old) {
-                    idx.used -= l;
-                    v.push(old);
-                }
-            }
-            v
-        };
+        let victims: Vec<BlockHash> = shared.index().trim_to(capacity);
         for v in victims {
             let _ = std::fs::remove_file(shared.path(v));
         }
@@ -579,6 +600,12 @@ impl DiskTier {
         }
         self.shared.index().touch(h);
         Ok(b)
+    }
+
+    /// The hashes its index gained and lost since the last call (see
+    /// [`crate::kv_events::KvEventLog::drain`]).
+    pub(super) fn kv_events(&self, snapshot: bool) -> KvEventBatch {
+        self.shared.index().kv_events(snapshot).unwrap_or_default()
     }
 
     /// Forgets block `h` and removes its file (it failed verification).

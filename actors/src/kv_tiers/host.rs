@@ -2,6 +2,7 @@
 
 use super::TierBlock;
 use crate::block_manager::BlockHash;
+use crate::kv_events::{KvEventBatch, KvEventLog};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
@@ -16,6 +17,8 @@ pub(super) struct HostTier {
     blocks: HashMap<BlockHash, Slot>,
     lru: BTreeMap<u64, BlockHash>,
     clock: u64,
+    /// Hashes stored and dropped, for the proxy's KV index (medium `host`).
+    events: KvEventLog,
 }
 
 impl HostTier {
@@ -26,6 +29,7 @@ impl HostTier {
             blocks: HashMap::new(),
             lru: BTreeMap::new(),
             clock: 0,
+            events: KvEventLog::default(),
         }
     }
 
@@ -77,12 +81,14 @@ impl HostTier {
             };
             if let Some((v, s, _)) = self.blocks.remove(&old) {
                 self.used -= v.footprint();
+                self.events.removed(old);
                 victims.push((v, s));
             }
         }
         self.clock += 1;
         self.used += size;
         self.lru.insert(self.clock, b.hash);
+        self.events.stored(b.hash);
         self.blocks.insert(b.hash, (b, sum, self.clock));
         (true, victims)
     }
@@ -105,7 +111,15 @@ impl HostTier {
         if let Some((b, _, stamp)) = self.blocks.remove(&h) {
             self.lru.remove(&stamp);
             self.used -= b.footprint();
+            self.events.removed(h);
         }
+    }
+
+    /// Its events since the last call (see [`KvEventLog::drain`]).
+    pub(super) fn kv_events(&mut self, snapshot: bool) -> KvEventBatch {
+        let blocks = &self.blocks;
+        self.events
+            .drain(snapshot, || blocks.keys().copied().collect())
     }
 }
 

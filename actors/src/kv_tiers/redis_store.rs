@@ -97,7 +97,7 @@ impl Inner {
         if self.reported_down.swap(false, Ordering::Relaxed) {
             // The server may have restarted empty: what the index listed is relearned by
             // the next scan.
-            *self.index() = Index::default();
+            *self.index() = Index::logged();
             tracing::info!("KV shared store (Redis) reachable again");
         }
     }
@@ -180,20 +180,7 @@ impl Inner {
 
     /// Deletes what this instance wrote beyond its capacity, oldest first.
     fn trim(&self) {
-        let victims: Vec<BlockHash> = {
-            let mut mine = self.mine();
-            let mut v = Vec::new();
-            while mine.used > self.capacity {
-                let Some((_, old)) = mine.lru.pop_first() else {
-                    break;
-                };
-                if let Some((l, _)) = mine.files.remove(&old) {
-                    mine.used -= l;
-                    v.push(old);
-                }
-            }
-            v
-        };
+        let victims: Vec<BlockHash> = self.mine().trim_to(self.capacity);
         if victims.is_empty() {
             return;
         }
@@ -292,7 +279,7 @@ impl RedisTier {
             prefix: format!("pdserve:kv:{:016x}:", shape.compat_hash()),
             shape,
             capacity,
-            index: Mutex::new(Index::default()),
+            index: Mutex::new(Index::logged()),
             mine: Mutex::new(Index::default()),
             counters: TierCounters::default(),
             down_until: Mutex::new(None),
@@ -333,27 +320,36 @@ impl RedisTier {
         }
     }
 
-    /// Reads and verifies block `h`. Blocking (one round trip, at most [`TIMEOUT`]).
+    /// Reads and verifies block `h`. Blocking (one round trip, at most [`TIMEOUT`]). At most
+    /// one byte more than a block record is fetched (`GETRANGE`), so a longer value under
+    /// the key is refused without being transferred or decoded.
     ///
     /// # Errors
-    /// [`TierError::Missing`] when the store lost the key, [`TierError::Io`] when the store
-    /// is down, and what [`decode`] finds.
+    /// [`TierError::Missing`] when the store lost the key (or holds an empty value),
+    /// [`TierError::Io`] when the store is down, [`TierError::Malformed`] for a value longer
+    /// than a block record, and what [`decode`] finds.
     pub fn read(&self, h: BlockHash) -> Result<TierBlock, TierError> {
         let key = self.inner.key(h);
+        let record = super::disk::max_file_len(&self.inner.shape);
         let got = self
             .inner
             .with_con("read", |c| {
-                redis::cmd("GET").arg(&key).query::<Option<Vec<u8>>>(c)
+                redis::cmd("GETRANGE")
+                    .arg(&key)
+                    .arg(0)
+                    .arg(record)
+                    .query::<Vec<u8>>(c)
             })
             .ok_or_else(|| {
                 TierError::Io(std::io::Error::other("the shared store is unreachable"))
             })?;
-        let bytes = got.ok_or(TierError::Missing)?;
-        let record = super::disk::max_file_len(&self.inner.shape);
+        // GETRANGE answers an empty string for a missing key.
+        let bytes = Some(got)
+            .filter(|b| !b.is_empty())
+            .ok_or(TierError::Missing)?;
         if bytes.len() as u64 > record {
             return Err(TierError::Malformed(format!(
-                "{} bytes (a block record is at most {record})",
-                bytes.len()
+                "a value longer than a block record ({record} bytes)"
             )));
         }
         let b = decode(&self.inner.shape, &bytes)?;
@@ -362,6 +358,12 @@ impl RedisTier {
         }
         self.inner.index().touch(h);
         Ok(b)
+    }
+
+    /// The keys its index gained and lost since the last call (see
+    /// [`crate::kv_events::KvEventLog::drain`]).
+    pub(super) fn kv_events(&self, snapshot: bool) -> crate::kv_events::KvEventBatch {
+        self.inner.index().kv_events(snapshot).unwrap_or_default()
     }
 
     /// Forgets block `h` and deletes its key (it failed verification, or is gone).

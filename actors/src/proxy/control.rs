@@ -54,9 +54,9 @@ pub(super) struct ProxyControl {
 
 /// `pdserve_router_kv_index_blocks{instance}` from the index.
 fn publish_index_sizes(index: &KvIndex) {
-    for (url, blocks, _) in index.sizes() {
-        metrics::gauge!(pdserve_runtime::telemetry::ROUTER_KV_INDEX_BLOCKS, "instance" => url)
-            .set(blocks as f64);
+    for size in index.sizes() {
+        metrics::gauge!(pdserve_runtime::telemetry::ROUTER_KV_INDEX_BLOCKS, "instance" => size.url)
+            .set(size.blocks as f64);
     }
 }
 
@@ -176,7 +176,9 @@ impl ProxyControl {
                     ) {
                         (Some(url), Ok(batch)) => {
                             let mut index = self.state.kv_index();
-                            index.apply(url, batch);
+                            if let Err(e) = index.apply(url, batch) {
+                                tracing::warn!(instance = %url, kind = e.kind(), error = %e, "KV events refused: the instance's index entries are dropped until its next snapshot");
+                            }
                             publish_index_sizes(&index);
                         }
                         (None, _) => tracing::debug!(
@@ -339,10 +341,15 @@ impl ProxyControl {
                 .kv_index()
                 .sizes()
                 .into_iter()
-                .map(|(url, blocks, dropped)| IndexedInstance {
-                    url,
-                    blocks,
-                    dropped,
+                .map(|s| IndexedInstance {
+                    url: s.url,
+                    blocks: s.blocks,
+                    dropped: s.dropped,
+                    by_medium: s
+                        .by_medium
+                        .into_iter()
+                        .map(|(m, n)| (m.as_str().to_string(), n))
+                        .collect(),
                 })
                 .collect(),
         }

@@ -50,6 +50,8 @@ pub struct ProxyArgs {
     pub prefill_load_scale: f64,
     /// Bound on the hashes indexed per instance (`proxy.kv_index_max_blocks`).
     pub kv_index_max_blocks: usize,
+    /// What the KV router credits a prefix block held in a KV tier (`proxy.kv_tier_credit`).
+    pub kv_tier_credit: pdserve_runtime::config::TierCredit,
     /// The tokenizer of `proxy.model`: text and chat prompts become token ids for the KV
     /// router (without it, only token-id prompts are matched).
     pub tokenizer: Option<std::sync::Arc<super::state::PromptTokenizer>>,
@@ -80,6 +82,7 @@ impl ProxyArgs {
             router: d.router,
             prefill_load_scale: d.prefill_load_scale,
             kv_index_max_blocks: d.kv_index_max_blocks,
+            kv_tier_credit: d.kv_tier_credit,
             tokenizer: None,
         }
     }

@@ -93,6 +93,8 @@ pub struct ProxyState {
     pub(super) prefill_load_scale: f64,
     /// Which cached blocks each registered instance holds (from its KV events).
     pub(super) kv_index: Mutex<KvIndex>,
+    /// What a prefix block held in a KV tier is worth to the KV router.
+    pub(super) kv_tier_credit: pdserve_runtime::config::TierCredit,
     /// Turns text and chat prompts into token ids for the KV router.
     pub(super) tokenizer: Option<Arc<PromptTokenizer>>,
     /// Load this proxy put on each instance (instance URL → blocks), fresher than heartbeats.
@@ -156,10 +158,13 @@ impl ProxyState {
             .map(|u| {
                 let scheme = index.scheme(&u.url);
                 let block_size = scheme.map_or(DEFAULT_BLOCK_SIZE, |s| s.block_size).max(1);
-                let overlap = scheme.map_or(0, |s| index.overlap(&u.url, hashes.hashes(s)));
+                let (overlap, credit) = scheme.map_or((0, 0.0), |s| {
+                    index.credit(&u.url, hashes.hashes(s), &self.kv_tier_credit)
+                });
                 let load = outstanding.get(&u.url).copied().unwrap_or_default();
                 KvView {
                     overlap,
+                    credit,
                     prompt_blocks: tokens.len() / block_size,
                     active_prefill_blocks: if role == Role::Prefill {
                         load.prefill_blocks

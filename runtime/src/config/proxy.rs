@@ -104,6 +104,39 @@ pub struct ProxySection {
     pub prefill_load_scale: f64,
     /// Bound on the block hashes the proxy indexes per instance.
     pub kv_index_max_blocks: usize,
+    /// What the KV router credits a prefix block found in an instance's KV tier, against 1
+    /// for one in its block pool (`[proxy.kv_tier_credit]`).
+    pub kv_tier_credit: TierCredit,
+}
+
+/// The KV router's credit for a prompt block an instance holds below its block pool
+/// (`[proxy.kv_tier_credit]`): a block in the pool saves computing it (credit 1); one in a
+/// tier saves the compute less its load-back (copied from host memory, read from a file,
+/// fetched from the shared store), so it counts less. Each is in `0..=1`.
+///
+/// The defaults reflect the restore paths' costs against recomputing a block: a host copy is
+/// a memory copy (0.8), a disk read a file read and checksum (0.5), the shared store a
+/// network or shared-filesystem read (0.4); every instance that reads a shared store reports
+/// the blocks it lists, so each of them is credited.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TierCredit {
+    /// A block in the host spill region.
+    pub host: f64,
+    /// A block in the local disk tier.
+    pub disk: f64,
+    /// A block in the shared store (directory or Redis).
+    pub shared: f64,
+}
+
+impl Default for TierCredit {
+    fn default() -> Self {
+        Self {
+            host: 0.8,
+            disk: 0.5,
+            shared: 0.4,
+        }
+    }
 }
 
 /// How the proxy picks a request's instances (`proxy.router`).
@@ -204,6 +237,7 @@ impl Default for ProxySection {
             model: None,
             prefill_load_scale: 1.0,
             kv_index_max_blocks: 1 << 20,
+            kv_tier_credit: TierCredit::default(),
         }
     }
 }
@@ -287,6 +321,15 @@ impl ProxyConfig {
                     p.prefill_load_scale
                 ),
             );
+        }
+        for (key, v) in [
+            ("proxy.kv_tier_credit.host", p.kv_tier_credit.host),
+            ("proxy.kv_tier_credit.disk", p.kv_tier_credit.disk),
+            ("proxy.kv_tier_credit.shared", p.kv_tier_credit.shared),
+        ] {
+            if !(0.0..=1.0).contains(&v) {
+                return invalid(key, format!("{key} must be a number in 0..=1, got {v}"));
+            }
         }
         if p.kv_index_max_blocks == 0 {
             return invalid(

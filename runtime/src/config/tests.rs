@@ -930,6 +930,13 @@ fn the_proxy_router_settings_parse_and_bad_ones_are_named() {
         let load = |flags: serde_json::Value| ProxyConfig::load(None, flags);
         let c = load(serde_json::json!({})).unwrap();
         assert_eq!(c.proxy.router, RouterKind::Kv, "kv is the default");
+        assert_eq!(c.proxy.kv_tier_credit, TierCredit::default());
+        let c = load(serde_json::json!({"proxy": {"kv_tier_credit": {"host": 0.9}}})).unwrap();
+        assert_eq!(
+            (c.proxy.kv_tier_credit.host, c.proxy.kv_tier_credit.disk),
+            (0.9, 0.5),
+            "unset tiers keep their default"
+        );
         let c = load(
             serde_json::json!({"proxy": {"router": "round-robin", "prefill_load_scale": 2.5}}),
         )
@@ -958,6 +965,7 @@ fn the_proxy_router_settings_parse_and_bad_ones_are_named() {
         for (key, bad) in [
             ("prefill_load_scale", serde_json::json!(-1.0)),
             ("kv_index_max_blocks", serde_json::json!(0)),
+            ("kv_tier_credit", serde_json::json!({"disk": 1.5})),
             ("max_concurrent_requests", serde_json::json!(0)),
             ("max_connections", serde_json::json!(0)),
             ("header_read_timeout_s", serde_json::json!(0)),

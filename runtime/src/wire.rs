@@ -1,7 +1,8 @@
 //! The control-plane wire format: typed messages encoded with rkyv, in length-prefixed frames.
 //!
 //! A frame is a 4-byte little-endian payload length followed by the payload, the rkyv archive of
-//! one [`Envelope`]. Decoding always validates the archive (`rkyv::from_bytes`, bytecheck): a
+//! one [`Envelope`]. Decoding always validates the archive (`rkyv::access`, bytecheck), then checks
+//! its bounds, then deserializes (`rkyv::deserialize`): a
 //! malformed, truncated or oversized frame is a [`WireError`], never a panic or undefined
 //! behaviour. `access_unchecked` is not used anywhere.
 //!

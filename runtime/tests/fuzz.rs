@@ -1,8 +1,9 @@
 //! Fuzz targets of the decoders in `pdserve-runtime` that read remote bytes: control-plane
 //! frames (`wire::decode_frame`, the streaming `FrameDecoder`), region descriptors (the
 //! archive `wire::from_archive::<Vec<RegionDescriptor>>` a transfer engine decodes from a
-//! peer's `GET_REGIONS` answer), and an instance's inspect snapshot (JSON the proxy reads from
-//! each instance and `pdserve inspect` renders). See `fuzz_support` and docs/testing.md,
+//! peer's `GET_REGIONS` answer), and an instance's inspect snapshot as JSON (what
+//! `pdserve inspect --json` prints and renders; on the control plane the snapshot travels as a
+//! typed `Inspect` message, fuzzed with the control frames). See `fuzz_support` and docs/testing.md,
 //! "Fuzzing".
 
 #[path = "fuzz_support/mod.rs"]
@@ -12,9 +13,9 @@ use fuzz_support::{draw, Target, Verdict};
 use pdserve_runtime::supervision::{render_tree, ActorSnapshot, ActorState, InstanceSnapshot};
 use pdserve_runtime::wire::{
     decode_frame, encode_frame, from_archive, to_archive, ControlMessage, Envelope, EnvelopeKind,
-    ErrorMessage, FrameDecoder, Heartbeat, Hello, LoadFigures, RegionChunk, RegionDescriptor,
-    Registration, RegistrationError, RegistrationField, Role, ShmHandle, WireError,
-    FRAME_HEADER_BYTES,
+    ErrorMessage, FrameDecoder, Heartbeat, Hello, InspectAnswer, LoadFigures, RegionChunk,
+    RegionDescriptor, Registration, RegistrationError, RegistrationField, Role, ShmHandle,
+    WireError, FRAME_HEADER_BYTES,
 };
 use proptest::collection::vec;
 use proptest::prelude::*;
@@ -140,6 +141,9 @@ fn typed_control() -> impl Strategy<Value = ControlMessage> {
         Just(ControlMessage::Draining),
         Just(ControlMessage::DrainingAck),
         Just(ControlMessage::InspectRequest),
+        Just(ControlMessage::Inspect(Box::new(InspectAnswer::Instance(
+            sample_snapshot()
+        )))),
     ]
 }
 

@@ -1,18 +1,19 @@
 //! The proxy's control plane: where instances register and `pdserve inspect` connects.
 //!
 //! Instances connect to the proxy's mutual-TLS QUIC endpoint and register (`Register`, a typed
-//! [`Registration`], answered `Registered` or `RegistrationRefused` with the field at fault);
-//! a registration adds a dynamic registry entry keyed
-//! by node name (replacing an older one of the same node, or a static entry of the same URL),
-//! and the instance's heartbeats carry its load. A registered instance is routed to while its
-//! connection is open and its last heartbeat is younger than [`MISSED_HEARTBEATS_TO_DROP`]
-//! intervals; it comes back when it heartbeats or registers again.
+//! [`Registration`], answered `Registered` or `RegistrationRefused` with the field at fault); a
+//! registration adds a dynamic registry entry keyed by node name (replacing an older one of the
+//! same node, or a static entry of the same URL), and the instance's heartbeats carry its load.
+//! A registered instance is routed to while its connection is open and its last heartbeat is
+//! younger than [`MISSED_HEARTBEATS_TO_DROP`] intervals; it comes back when it heartbeats or
+//! registers again.
 //!
 //! A registered instance that drains says so (`Draining`, answered `DrainingAck`): it is no
 //! longer routed to but keeps its entry. An `InspectRequest` on any control connection is
-//! answered with `Inspect` carrying a [`ClusterSnapshot`]: the proxy itself, and every registered instance's snapshot fetched
-//! over its own control connection within the inspect timeout (all at once); an instance that
-//! cannot answer is listed as unreachable with the reason. Every task here is tracked and ends
+//! answered with `Inspect` carrying a [`ClusterSnapshot`]: the proxy itself, and every
+//! registered instance's snapshot fetched over its own control connection within the inspect
+//! timeout (all at once); an instance that cannot answer is listed as unreachable with the
+//! reason. Every task here is tracked and ends
 //! with the proxy.
 
 use super::messages::{ProxyControlArgs, ProxyMsg, SupervisedFigures};

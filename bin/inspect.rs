@@ -8,11 +8,10 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use pdserve_actors::control_plane::TOPIC_INSPECT;
 use pdserve_runtime::supervision::{
     render_cluster, render_tree, ClusterSnapshot, InstanceSnapshot,
 };
-use pdserve_runtime::wire::{ControlMessage, Role};
+use pdserve_runtime::wire::{ControlMessage, InspectAnswer, Role};
 use pdserve_transport::control::tls::{ClusterCredentials, MemberCredentials};
 use pdserve_transport::control::{ControlConfig, ControlConnection, ControlEndpoint};
 use pdserve_transport::TransportError;
@@ -140,25 +139,20 @@ fn connect_error(addr: SocketAddr, cluster: &str, e: TransportError) -> anyhow::
 
 async fn fetch(conn: &ControlConnection) -> Result<Snapshot> {
     let answer = conn
-        .request(ControlMessage::Opaque {
-            topic: TOPIC_INSPECT.into(),
-            body: Vec::new(),
-        })
+        .request(ControlMessage::InspectRequest)
         .await
         .with_context(|| format!("inspect request to {}", conn.remote_address()))?;
-    let body = match answer {
-        ControlMessage::Opaque { topic, body } if topic == TOPIC_INSPECT => body,
-        other => bail!("{} answered inspect with {other:?}", conn.remote_address()),
-    };
-    Ok(if conn.peer().role == Role::Proxy {
-        Snapshot::Cluster(
-            serde_json::from_slice(&body).context("the proxy's cluster snapshot is malformed")?,
-        )
-    } else {
-        Snapshot::Instance(
-            serde_json::from_slice(&body).context("the instance's snapshot is malformed")?,
-        )
-    })
+    match answer {
+        ControlMessage::Inspect(answer) => Ok(match *answer {
+            InspectAnswer::Cluster(c) => Snapshot::Cluster(c),
+            InspectAnswer::Instance(i) => Snapshot::Instance(i),
+        }),
+        other => bail!(
+            "{} answered inspect with {}",
+            conn.remote_address(),
+            other.name()
+        ),
+    }
 }
 
 /// Runs `pdserve inspect`.

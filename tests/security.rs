@@ -18,13 +18,14 @@
 mod common;
 
 use common::{free_port, inspect, Procs};
-use pdserve_actors::control_plane::Registration;
+use pdserve_actors::control_plane::{Registration, RegistrationField};
 use pdserve_actors::handoff::peer::{PeerAddr, Peers};
 use pdserve_actors::handoff::protocol::{
     KvPeerInfo, PeerAnswer, PeerRequest, PrefillMode, PrefillRequest,
 };
+use pdserve_runtime::wire::bounds::MAX_NAME_BYTES;
 use pdserve_runtime::wire::{
-    encode_frame, ControlMessage, Envelope, EnvelopeKind, Heartbeat, LoadFigures,
+    encode_frame, ArchivedEnvelope, ControlMessage, Envelope, EnvelopeKind, Heartbeat, LoadFigures,
     DEFAULT_MAX_FRAME_BYTES,
 };
 use pdserve_runtime::Role;
@@ -881,6 +882,40 @@ fn garbage_and_malformed_control_frames_are_refused_and_the_proxy_keeps_its_regi
                 let answer = raw_request(&conn, &bytes).await;
                 assert_eq!(error_kind(&answer), kind, "{what}: {answer:?}");
             }
+            // Typed messages past their bounds, and a tag from a newer version: refused by
+            // name before anything is built; the connection lives on (it registers below).
+            let request_frame = |message: ControlMessage| {
+                encode_frame(
+                    &Envelope {
+                        id: 9,
+                        kind: EnvelopeKind::Request,
+                        message,
+                    },
+                    DEFAULT_MAX_FRAME_BYTES,
+                )
+                .unwrap()
+            };
+            let long_node = request_frame(ControlMessage::Register(Box::new(Registration {
+                node: "x".repeat(MAX_NAME_BYTES + 1),
+                role: Role::Decode,
+                url: "http://127.0.0.1:1".into(),
+                control_addr: "127.0.0.1:1".into(),
+                heartbeat_ms: 500,
+                block_size: None,
+                cache_salt: None,
+            })));
+            assert_eq!(
+                error_kind(&raw_request(&conn, &long_node).await),
+                "field_too_long"
+            );
+            let mut newer = request_frame(ControlMessage::InspectRequest);
+            let tag_at = newer.len() - std::mem::size_of::<ArchivedEnvelope>()
+                + std::mem::offset_of!(ArchivedEnvelope, message);
+            newer[tag_at] = 0xf0;
+            assert_eq!(
+                error_kind(&raw_request(&conn, &newer).await),
+                "unknown_message"
+            );
             // A frame really larger than the proxy's limit, sent whole: refused on its header
             // (the proxy stops the stream instead of reading 16 MiB).
             let big = encode_frame(
@@ -901,38 +936,46 @@ fn garbage_and_malformed_control_frames_are_refused_and_the_proxy_keeps_its_regi
             );
             // Registrations it may not make: malformed, for another node (hijacking
             // decode-0), or with absurd settings.
-            let registration = |node: &str, heartbeat_ms: u64| {
-                serde_json::to_vec(&Registration {
-                    node: node.into(),
-                    role: Role::Decode,
-                    url: "http://127.0.0.1:1".into(),
-                    control_addr: "127.0.0.1:1".into(),
-                    heartbeat_ms,
-                    block_size: None,
-                    cache_salt: None,
-                })
-                .unwrap()
+            let registration = |node: &str, heartbeat_ms: u64| Registration {
+                node: node.into(),
+                role: Role::Decode,
+                url: "http://127.0.0.1:1".into(),
+                control_addr: "127.0.0.1:1".into(),
+                heartbeat_ms,
+                block_size: None,
+                cache_salt: None,
             };
-            for (what, body, needle) in [
-                ("garbage", b"{not json".to_vec(), "malformed registration"),
+            for (what, reg, field, needle) in [
+                (
+                    "an unparsable url",
+                    Registration {
+                        url: "{not a url".into(),
+                        ..registration("prober", 500)
+                    },
+                    RegistrationField::Url,
+                    "does not parse",
+                ),
                 (
                     "for decode-0",
                     registration("decode-0", 500),
+                    RegistrationField::Node,
                     "control connection of `prober`",
                 ),
-                ("heartbeat 0 ms", registration("prober", 0), "heartbeat_ms"),
+                (
+                    "heartbeat 0 ms",
+                    registration("prober", 0),
+                    RegistrationField::HeartbeatMs,
+                    "heartbeat_ms",
+                ),
             ] {
-                let err = conn
-                    .request(ControlMessage::Opaque {
-                        topic: "register".into(),
-                        body,
-                    })
+                let answer = conn
+                    .request(ControlMessage::Register(Box::new(reg)))
                     .await
-                    .unwrap_err();
-                match &err {
-                    TransportError::Remote { kind, message } => {
-                        assert_eq!(kind, "bad_registration", "{what}: {err:?}");
-                        assert!(message.contains(needle), "{what}: {message}");
+                    .unwrap();
+                match &answer {
+                    ControlMessage::RegistrationRefused(refusal) => {
+                        assert_eq!(refusal.field, field, "{what}: {refusal:?}");
+                        assert!(refusal.message.contains(needle), "{what}: {refusal:?}");
                     }
                     other => panic!("{what}: {other:?}"),
                 }
@@ -1032,7 +1075,7 @@ fn a_member_cannot_claim_another_members_node_name() {
                     "{e:?}"
                 ),
                 Ok(conn) => {
-                    let body = serde_json::to_vec(&Registration {
+                    let reg = Registration {
                         node: "decode-0".into(),
                         role: Role::Decode,
                         url: "http://127.0.0.1:1".into(),
@@ -1040,16 +1083,10 @@ fn a_member_cannot_claim_another_members_node_name() {
                         heartbeat_ms: 500,
                         block_size: None,
                         cache_salt: None,
-                    })
-                    .unwrap();
-                    let answer = conn
-                        .request(ControlMessage::Opaque {
-                            topic: "register".into(),
-                            body,
-                        })
-                        .await;
+                    };
+                    let answer = conn.request(ControlMessage::Register(Box::new(reg))).await;
                     assert!(
-                        matches!(&answer, Err(TransportError::Remote { kind, .. }) if kind == "bad_registration"),
+                        matches!(&answer, Ok(ControlMessage::RegistrationRefused(r)) if r.field == RegistrationField::Node),
                         "`prober` registered as decode-0: {answer:?}"
                     );
                     c.assert_registrations();

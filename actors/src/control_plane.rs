@@ -2,15 +2,15 @@
 //! `pdserve_transport::control`), what it answers there, and its registration with a proxy.
 //!
 //! - **Answers** (on every control connection, accepted or opened by the instance):
-//!   `Opaque` topic [`TOPIC_INSPECT`] → the JSON of this instance's [`InstanceSnapshot`] (live
-//!   supervision tree, queue, KV block and transfer figures); `Opaque` topic
-//!   [`PEER_TOPIC`] → the P/D peer protocol (rkyv frames, answered by the instance's
-//!   [`PeerService`]). Anything else is answered with `ControlMessage::Error` kind
+//!   `InspectRequest` → `Inspect` with this instance's [`InstanceSnapshot`] (live supervision
+//!   tree, queue, KV block and transfer figures; typed rkyv, see `pdserve_runtime::wire`);
+//!   `Opaque` topic [`PEER_TOPIC`] → the P/D peer protocol (rkyv frames, answered by the
+//!   instance's [`PeerService`]). Anything else is answered with `ControlMessage::Error` kind
 //!   `unsupported`.
 //! - **Registration** (when a proxy address is configured): the instance connects to the proxy,
-//!   sends `Opaque` topic [`TOPIC_REGISTER`] with a JSON [`Registration`] (node, role, HTTP API
-//!   URL, control address, heartbeat interval), then a `Heartbeat` with its scheduler's
-//!   [`LoadFigures`] every interval. When the connection breaks (the proxy restarted, the
+//!   sends `Register` with its [`Registration`] (node, role, HTTP API URL, control address,
+//!   heartbeat interval), answered `Registered` or `RegistrationRefused` (the field at fault
+//!   and why), then a `Heartbeat` with its scheduler's [`LoadFigures`] every interval. When the connection breaks (the proxy restarted, the
 //!   network failed) it reconnects with exponential backoff and registers again. The proxy asks
 //!   for `inspect` over the same connection, so it needs no route back to the instance.
 //! - A heartbeat reflects the scheduler's health: when the scheduler does not answer its stats
@@ -33,31 +33,21 @@ use crate::supervisor::SupervisorHandle;
 use pdserve_runtime::config::ServeConfig;
 use pdserve_runtime::faults::ControlFault;
 use pdserve_runtime::supervision::InstanceSnapshot;
-use pdserve_runtime::wire::{ControlMessage, ErrorMessage, Heartbeat, LoadFigures};
+use pdserve_runtime::wire::{ControlMessage, ErrorMessage, Heartbeat, InspectAnswer, LoadFigures};
 use pdserve_runtime::Role;
 use pdserve_transport::control::tls::MemberCredentials;
 use pdserve_transport::control::{ControlConfig, ControlConnection, ControlEndpoint};
 use tokio_util::task::TaskTracker;
 
-use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// `Opaque` topic asking a member for its live snapshot (instance: [`InstanceSnapshot`];
-/// proxy: `ClusterSnapshot`), answered with the same topic and the snapshot's JSON.
-pub const TOPIC_INSPECT: &str = "inspect";
-/// `Opaque` topic of an instance registering with a proxy (body: JSON [`Registration`]).
-pub const TOPIC_REGISTER: &str = "register";
-/// `Opaque` topic of the proxy's answer to a registration.
-pub const TOPIC_REGISTERED: &str = "registered";
-/// `Opaque` topic of a registered instance telling the proxy it is draining (empty body): the
-/// proxy stops routing to it at once, keeps its entry (shown `draining` by `pdserve inspect`)
-/// and answers with the same topic.
-pub const TOPIC_DRAINING: &str = "draining";
-/// Bound on the proxy's answer to [`TOPIC_DRAINING`]; without one in time the instance
-/// deregisters (closes its control connection) instead.
+/// Bound on the proxy's answer to `Draining` (a registered instance telling the proxy it is
+/// draining: the proxy stops routing to it at once, keeps its entry, shown `draining` by
+/// `pdserve inspect`, and answers `DrainingAck`); without one in time the instance deregisters
+/// (closes its control connection) instead.
 pub const DRAINING_ANSWER_TIMEOUT: Duration = Duration::from_secs(1);
 /// Heartbeat intervals an instance may miss before the proxy stops routing to it.
 pub const MISSED_HEARTBEATS_TO_DROP: u32 = 3;
@@ -69,113 +59,7 @@ pub const KV_EVENTS_INTERVAL: Duration = Duration::from_millis(100);
 /// Longest pause between reconnect attempts to the proxy.
 pub const MAX_RECONNECT_DELAY: Duration = Duration::from_secs(2);
 
-/// What an instance tells the proxy when it registers.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
-pub struct Registration {
-    /// Node name; must equal the name the connection's greeting announced.
-    pub node: String,
-    /// `prefill`, `decode` or `colocated`.
-    pub role: Role,
-    /// The instance's OpenAI-compatible HTTP API (`http://host:port`).
-    pub url: String,
-    /// Its control-plane address (`IP:port`).
-    pub control_addr: String,
-    /// Milliseconds between its heartbeats.
-    pub heartbeat_ms: u64,
-    /// Tokens per KV block, when its prefix cache is on and it sends KV events.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub block_size: Option<usize>,
-    /// The salt its block hashes start from (model and KV layout), with `block_size`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub cache_salt: Option<u64>,
-}
-
-impl Registration {
-    /// Checks a registration received from the peer `peer_node` (peer-supplied metadata is
-    /// validated before it is used).
-    ///
-    /// # Errors
-    /// [`RegistrationError`] naming the first bad field.
-    pub fn validate(&self, peer_node: &str) -> Result<(), RegistrationError> {
-        let bad = |field: &'static str, message: String| RegistrationError { field, message };
-        if !self.role.is_instance() {
-            return Err(bad("role", format!("role `{}` cannot serve", self.role)));
-        }
-        if self.node.is_empty()
-            || self
-                .node
-                .chars()
-                .any(|c| c.is_whitespace() || c.is_control())
-        {
-            return Err(bad("node", format!("invalid node name {:?}", self.node)));
-        }
-        if self.node != peer_node {
-            return Err(bad(
-                "node",
-                format!(
-                    "registration for node `{}` on the control connection of `{peer_node}`",
-                    self.node
-                ),
-            ));
-        }
-        let url = reqwest::Url::parse(&self.url)
-            .map_err(|e| bad("url", format!("url {:?} does not parse: {e}", self.url)))?;
-        if !matches!(url.scheme(), "http" | "https")
-            || url.host().is_none()
-            || url.port_or_known_default().is_none()
-        {
-            return Err(bad(
-                "url",
-                format!("url {:?} must be http(s)://host:port", self.url),
-            ));
-        }
-        self.control_addr.parse::<SocketAddr>().map_err(|e| {
-            bad(
-                "control_addr",
-                format!("control_addr {:?}: {e}", self.control_addr),
-            )
-        })?;
-        let range = pdserve_runtime::config::HEARTBEAT_MS_RANGE;
-        if !range.contains(&self.heartbeat_ms) {
-            return Err(bad(
-                "heartbeat_ms",
-                format!(
-                    "heartbeat_ms {} is outside {}..={}",
-                    self.heartbeat_ms,
-                    range.start(),
-                    range.end()
-                ),
-            ));
-        }
-        match (self.block_size, self.cache_salt) {
-            (None, None) => {}
-            (Some(bs), Some(_)) if (1..=4096).contains(&bs) => {}
-            (Some(bs), Some(_)) => {
-                return Err(bad(
-                    "block_size",
-                    format!("block_size {bs} is outside 1..=4096"),
-                ))
-            }
-            _ => {
-                return Err(bad(
-                    "block_size",
-                    "block_size and cache_salt come together".into(),
-                ))
-            }
-        }
-        Ok(())
-    }
-}
-
-/// A registration the proxy refuses.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{message}")]
-pub struct RegistrationError {
-    /// The field at fault.
-    pub field: &'static str,
-    /// What is wrong with it.
-    pub message: String,
-}
+pub use pdserve_runtime::wire::{Registration, RegistrationError, RegistrationField};
 
 /// An instance's control-plane settings ([`crate::InstanceOptions::control`]).
 #[derive(Clone, Debug)]
@@ -379,15 +263,11 @@ async fn serve_requests(conn: Arc<ControlConnection>, source: InspectSource, tas
                         Err(e) => error_answer("internal", e.to_string()),
                     }
                 }
-                ControlMessage::Opaque { topic, .. } if topic == TOPIC_INSPECT => {
+                ControlMessage::InspectRequest => {
                     match tokio::time::timeout(INSPECT_TIMEOUT, source.snapshot()).await {
-                        Ok(Ok(snap)) => match serde_json::to_vec(&snap) {
-                            Ok(body) => ControlMessage::Opaque {
-                                topic: TOPIC_INSPECT.into(),
-                                body,
-                            },
-                            Err(e) => error_answer("internal", e.to_string()),
-                        },
+                        Ok(Ok(snap)) => {
+                            ControlMessage::Inspect(Box::new(InspectAnswer::Instance(snap)))
+                        }
                         Ok(Err(e)) => error_answer("inspect_failed", e.to_string()),
                         Err(_) => error_answer(
                             "timeout",
@@ -400,28 +280,13 @@ async fn serve_requests(conn: Arc<ControlConnection>, source: InspectSource, tas
                 }
                 other => error_answer(
                     "unsupported",
-                    format!("an instance does not answer {}", message_name(&other)),
+                    format!("an instance does not answer {}", other.name()),
                 ),
             };
             if let Err(e) = responder.respond(answer).await {
                 tracing::debug!(error = %e, "control answer not delivered");
             }
         });
-    }
-}
-
-/// The variant name of a message, for error texts.
-pub(crate) fn message_name(m: &ControlMessage) -> &'static str {
-    match m {
-        ControlMessage::Hello(_) => "Hello",
-        ControlMessage::Heartbeat(_) => "Heartbeat",
-        ControlMessage::GetRegisteredMemory => "GetRegisteredMemory",
-        ControlMessage::RegisteredMemory { .. } => "RegisteredMemory",
-        ControlMessage::Notify { .. } => "Notify",
-        ControlMessage::Ping { .. } => "Ping",
-        ControlMessage::Pong { .. } => "Pong",
-        ControlMessage::Error(_) => "Error",
-        ControlMessage::Opaque { .. } => "Opaque",
     }
 }
 
@@ -581,13 +446,10 @@ impl ControlPlane {
         let Some(conn) = conn else {
             return false;
         };
-        let ask = conn.request(ControlMessage::Opaque {
-            topic: TOPIC_DRAINING.into(),
-            body: Vec::new(),
-        });
+        let ask = conn.request(ControlMessage::Draining);
         matches!(
             tokio::time::timeout(DRAINING_ANSWER_TIMEOUT, ask).await,
-            Ok(Ok(ControlMessage::Opaque { topic, .. })) if topic == TOPIC_DRAINING
+            Ok(Ok(ControlMessage::DrainingAck))
         )
     }
 
@@ -637,22 +499,16 @@ async fn register(
     conn: &ControlConnection,
     registration: &Registration,
 ) -> Result<(), RegistrationError> {
-    let failed = |message: String| RegistrationError {
-        field: "registration",
-        message,
-    };
-    let body = serde_json::to_vec(registration).map_err(|e| failed(e.to_string()))?;
+    let failed = |message: String| RegistrationError::new(RegistrationField::Registration, message);
     match conn
-        .request(ControlMessage::Opaque {
-            topic: TOPIC_REGISTER.into(),
-            body,
-        })
+        .request(ControlMessage::Register(Box::new(registration.clone())))
         .await
     {
-        Ok(ControlMessage::Opaque { topic, .. }) if topic == TOPIC_REGISTERED => Ok(()),
+        Ok(ControlMessage::Registered { .. }) => Ok(()),
+        Ok(ControlMessage::RegistrationRefused(refusal)) => Err(refusal),
         Ok(other) => Err(failed(format!(
             "the proxy answered the registration with {}",
-            message_name(&other)
+            other.name()
         ))),
         Err(e) => Err(failed(e.to_string())),
     }
@@ -791,12 +647,12 @@ async fn register_and_heartbeat(
                 ControlFault::Drop => continue,
                 ControlFault::Delay(d) => tokio::time::sleep(d).await,
                 ControlFault::Corrupt => {
-                    // A registration whose body does not parse: the proxy must refuse it and
-                    // keep the registration it has.
-                    let bad = ControlMessage::Opaque {
-                        topic: "register".into(),
-                        body: b"{injected fault".to_vec(),
-                    };
+                    // A registration with a field that does not parse: the proxy must refuse
+                    // it and keep the registration it has.
+                    let bad = ControlMessage::Register(Box::new(Registration {
+                        url: "\u{0}injected fault".into(),
+                        ..registration.clone()
+                    }));
                     let _ = tokio::time::timeout(interval, conn.request(bad)).await;
                     continue;
                 }
@@ -824,18 +680,6 @@ async fn register_and_heartbeat(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn registration() -> Registration {
-        Registration {
-            node: "decode-0".into(),
-            role: Role::Decode,
-            url: "http://127.0.0.1:8200".into(),
-            control_addr: "127.0.0.1:7200".into(),
-            heartbeat_ms: 500,
-            block_size: Some(16),
-            cache_salt: Some(u64::MAX),
-        }
-    }
 
     #[test]
     fn config_enables_the_control_plane_only_with_credentials() {
@@ -870,42 +714,5 @@ mod tests {
             e.contains("no usable member credentials for `decode-8`"),
             "{e}"
         );
-    }
-
-    #[test]
-    fn registration_json_uses_lowercase_roles_and_round_trips() {
-        let json = serde_json::to_string(&registration()).unwrap();
-        assert!(json.contains("\"role\":\"decode\""), "{json}");
-        let back: Registration = serde_json::from_str(&json).unwrap();
-        assert_eq!(back, registration());
-    }
-
-    #[test]
-    fn registration_validation_refuses_bad_fields() {
-        registration().validate("decode-0").unwrap();
-        type Mutation = fn(&mut Registration);
-        let cases: Vec<(&str, Mutation)> = vec![
-            ("on the control connection", |r| r.node = "decode-1".into()),
-            ("invalid node name", |r| r.node = "".into()),
-            ("does not parse", |r| r.url = "not a url".into()),
-            ("http(s)://host:port", |r| {
-                r.url = "ftp://127.0.0.1:1".into()
-            }),
-            ("control_addr", |r| r.control_addr = "nowhere".into()),
-            ("heartbeat_ms", |r| r.heartbeat_ms = 0),
-            ("outside 1..=4096", |r| r.block_size = Some(0)),
-            ("come together", |r| r.cache_salt = None),
-        ];
-        for (needle, mutate) in cases {
-            let mut r = registration();
-            mutate(&mut r);
-            let peer = if needle == "invalid node name" {
-                ""
-            } else {
-                "decode-0"
-            };
-            let e = r.validate(peer).expect_err(needle).to_string();
-            assert!(e.contains(needle), "{needle}: {e}");
-        }
     }
 }

@@ -8,14 +8,14 @@
 //! Every instance and proxy gets a unique name (actor names are process-global and tests run
 //! in parallel); every wait polls a condition under a deadline.
 
-use pdserve_actors::control_plane::{InstanceControl, TOPIC_INSPECT};
+use pdserve_actors::control_plane::InstanceControl;
 use pdserve_actors::proxy::{start_proxy_with_control, ProxyArgs, ProxyControlArgs, StartedProxy};
 use pdserve_actors::{Instance, InstanceOptions};
 use pdserve_gpu::loader::{load_model, ModelSource};
 use pdserve_runtime::supervision::{
     ActorSnapshot, ActorState, ClusterSnapshot, InstanceSnapshot, MemberStatus,
 };
-use pdserve_runtime::wire::ControlMessage;
+use pdserve_runtime::wire::{ControlMessage, InspectAnswer};
 use pdserve_runtime::Role;
 use pdserve_transport::control::tls::{ClusterCredentials, MemberCredentials};
 use pdserve_transport::control::{ControlConfig, ControlEndpoint};
@@ -161,8 +161,9 @@ async fn healthy(url: &str) -> bool {
     }
 }
 
-/// Asks the member at `addr` for its snapshot, as `pdserve inspect` does: the raw JSON and
-/// the greeting's role.
+/// Asks the member at `addr` for its snapshot, as `pdserve inspect` does (a typed
+/// `InspectRequest`): the greeting's role and the answer's JSON, as `pdserve inspect --json`
+/// prints it.
 async fn inspect_raw(addr: SocketAddr, as_node: &str) -> (Role, Vec<u8>) {
     let endpoint = ControlEndpoint::bind(
         &member(as_node),
@@ -173,19 +174,15 @@ async fn inspect_raw(addr: SocketAddr, as_node: &str) -> (Role, Vec<u8>) {
     )
     .unwrap();
     let conn = endpoint.connect(addr).await.unwrap();
-    let answer = conn
-        .request(ControlMessage::Opaque {
-            topic: TOPIC_INSPECT.into(),
-            body: Vec::new(),
-        })
-        .await
-        .unwrap();
-    match answer {
-        ControlMessage::Opaque { topic, body } if topic == TOPIC_INSPECT => {
-            (conn.peer().role, body)
-        }
+    let answer = conn.request(ControlMessage::InspectRequest).await.unwrap();
+    let json = match answer {
+        ControlMessage::Inspect(answer) => match *answer {
+            InspectAnswer::Cluster(c) => serde_json::to_vec(&c).unwrap(),
+            InspectAnswer::Instance(i) => serde_json::to_vec(&i).unwrap(),
+        },
         other => panic!("inspect answered with {other:?}"),
-    }
+    };
+    (conn.peer().role, json)
 }
 
 async fn inspect_cluster(proxy: &Proxy) -> ClusterSnapshot {

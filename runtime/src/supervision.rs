@@ -5,7 +5,9 @@
 //!
 //! Nothing here touches tokio or ractor: a supervisor actor feeds the tracker the time of each
 //! child failure and acts on the returned [`RestartDecision`]; the snapshot types are plain
-//! serde data the actors fill in and the CLI renders.
+//! data the actors fill in and the CLI renders: serde for `pdserve inspect --json`, rkyv for
+//! the control plane's typed inspect answer (`wire::ControlMessage::Inspect`), where an actor
+//! tree travels flattened ([`ActorTree`]).
 
 use std::collections::VecDeque;
 use std::fmt::Write as _;
@@ -163,7 +165,18 @@ impl std::fmt::Display for Epoch {
 }
 
 /// The lifecycle state of an actor as `inspect` shows it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Serialize,
+    Deserialize,
+    rkyv::Archive,
+    rkyv::Serialize,
+    rkyv::Deserialize,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum ActorState {
     /// Spawned, `pre_start` not finished.
@@ -222,7 +235,16 @@ pub struct ActorSnapshot {
 }
 
 /// One instance's live picture: identity, queue and KV figures, and its actor tree.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[derive(
+    Serialize,
+    Deserialize,
+    Clone,
+    Debug,
+    PartialEq,
+    rkyv::Archive,
+    rkyv::Serialize,
+    rkyv::Deserialize,
+)]
 pub struct InstanceSnapshot {
     /// Instance name (`instance.name`).
     pub instance: String,
@@ -286,11 +308,23 @@ pub struct InstanceSnapshot {
     #[serde(default)]
     pub kv_tiers: Vec<TierSnapshot>,
     /// The root of the supervision tree.
+    #[rkyv(with = ActorTree)]
     pub actors: ActorSnapshot,
 }
 
 /// One KV cache tier of an instance, as `pdserve inspect` shows it.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Default)]
+#[derive(
+    Serialize,
+    Deserialize,
+    Clone,
+    Debug,
+    PartialEq,
+    Eq,
+    Default,
+    rkyv::Archive,
+    rkyv::Serialize,
+    rkyv::Deserialize,
+)]
 pub struct TierSnapshot {
     /// `host` or `disk`.
     pub tier: String,
@@ -311,7 +345,16 @@ pub struct TierSnapshot {
 }
 
 /// The proxy's own part of a [`ClusterSnapshot`].
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[derive(
+    Serialize,
+    Deserialize,
+    Clone,
+    Debug,
+    PartialEq,
+    rkyv::Archive,
+    rkyv::Serialize,
+    rkyv::Deserialize,
+)]
 pub struct ProxySnapshot {
     /// The proxy's node name (its member certificate's name).
     pub node: String,
@@ -333,11 +376,23 @@ pub struct ProxySnapshot {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub router: Option<RouterSnapshot>,
     /// The proxy's actors.
+    #[rkyv(with = ActorTree)]
     pub actors: ActorSnapshot,
 }
 
 /// The proxy's router as `pdserve inspect` shows it.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Default)]
+#[derive(
+    Serialize,
+    Deserialize,
+    Clone,
+    Debug,
+    PartialEq,
+    Eq,
+    Default,
+    rkyv::Archive,
+    rkyv::Serialize,
+    rkyv::Deserialize,
+)]
 pub struct RouterSnapshot {
     /// `kv`, `least-loaded` or `round-robin`.
     pub kind: String,
@@ -348,7 +403,17 @@ pub struct RouterSnapshot {
 }
 
 /// Router picks of one role for one reason.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[derive(
+    Serialize,
+    Deserialize,
+    Clone,
+    Debug,
+    PartialEq,
+    Eq,
+    rkyv::Archive,
+    rkyv::Serialize,
+    rkyv::Deserialize,
+)]
 pub struct RouterDecisions {
     /// `prefill` or `decode`.
     pub role: String,
@@ -359,7 +424,17 @@ pub struct RouterDecisions {
 }
 
 /// What the router's KV index holds of one instance.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[derive(
+    Serialize,
+    Deserialize,
+    Clone,
+    Debug,
+    PartialEq,
+    Eq,
+    rkyv::Archive,
+    rkyv::Serialize,
+    rkyv::Deserialize,
+)]
 pub struct IndexedInstance {
     /// The instance's URL.
     pub url: String,
@@ -374,7 +449,16 @@ pub struct IndexedInstance {
 }
 
 /// What the proxy could learn of one registered instance.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[derive(
+    Serialize,
+    Deserialize,
+    Clone,
+    Debug,
+    PartialEq,
+    rkyv::Archive,
+    rkyv::Serialize,
+    rkyv::Deserialize,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum MemberStatus {
     /// Its live snapshot, fetched over its control connection.
@@ -385,7 +469,16 @@ pub enum MemberStatus {
 
 /// One registered instance as the proxy sees it. In JSON the status is flattened: a member
 /// carries either `"snapshot": {..}` or `"unreachable": "<reason>"`.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[derive(
+    Serialize,
+    Deserialize,
+    Clone,
+    Debug,
+    PartialEq,
+    rkyv::Archive,
+    rkyv::Serialize,
+    rkyv::Deserialize,
+)]
 pub struct ClusterMember {
     /// Node name it registered under.
     pub node: String,
@@ -409,12 +502,180 @@ pub struct ClusterMember {
 }
 
 /// A whole cluster as its proxy sees it: the proxy and every registered instance.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[derive(
+    Serialize,
+    Deserialize,
+    Clone,
+    Debug,
+    PartialEq,
+    rkyv::Archive,
+    rkyv::Serialize,
+    rkyv::Deserialize,
+)]
 pub struct ClusterSnapshot {
     /// The proxy.
     pub proxy: ProxySnapshot,
     /// Registered instances, in registration order.
     pub instances: Vec<ClusterMember>,
+}
+
+/// One actor of a supervision tree flattened for the control plane's wire (see
+/// [`ActorTree`]): the tree in pre-order, each node with its depth below the root.
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct ActorNode {
+    /// 0 for the root; a node's children follow it at its depth + 1.
+    pub depth: u32,
+    /// [`ActorSnapshot::name`].
+    pub name: String,
+    /// [`ActorSnapshot::kind`].
+    pub kind: String,
+    /// [`ActorSnapshot::state`].
+    pub state: ActorState,
+    /// [`ActorSnapshot::restarts`].
+    pub restarts: u32,
+    /// [`ActorSnapshot::mailbox_depth`].
+    pub mailbox_depth: u64,
+    /// [`ActorSnapshot::last_error`].
+    pub last_error: Option<String>,
+    /// [`ActorSnapshot::uptime_s`].
+    pub uptime_s: f64,
+}
+
+/// Why a flattened actor tree does not describe a tree.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ActorTreeError {
+    /// No node at all (a tree has a root).
+    #[error("an actor tree without a root")]
+    Empty,
+    /// Node `at` is at `depth`, which is not the root's 0 for the first node, not below the
+    /// root for a later one, or more than one level below the node before it.
+    #[error("actor node {at} at depth {depth} does not continue the tree")]
+    BadDepth {
+        /// Index of the node in pre-order.
+        at: usize,
+        /// Its depth.
+        depth: u32,
+    },
+}
+
+/// The wire form of an [`ActorSnapshot`] tree (`#[rkyv(with = ActorTree)]`): a flat list of
+/// [`ActorNode`]s in pre-order. A tree on the wire is never a recursive archive, so neither
+/// validating nor rebuilding a hostile one recurses: its size and depth are checked on the
+/// archive before anything is built (`wire::bounds`), and it is rebuilt with a loop.
+#[derive(Debug, Clone, Copy)]
+pub struct ActorTree;
+
+impl ActorTree {
+    /// `root` and everything below it, in pre-order.
+    pub fn flatten(root: &ActorSnapshot) -> Vec<ActorNode> {
+        let mut out = Vec::new();
+        let mut stack = vec![(0u32, root)];
+        while let Some((depth, a)) = stack.pop() {
+            out.push(ActorNode {
+                depth,
+                name: a.name.clone(),
+                kind: a.kind.clone(),
+                state: a.state,
+                restarts: a.restarts,
+                mailbox_depth: a.mailbox_depth as u64,
+                last_error: a.last_error.clone(),
+                uptime_s: a.uptime_s,
+            });
+            stack.extend(a.children.iter().rev().map(|c| (depth + 1, c)));
+        }
+        out
+    }
+
+    /// The tree a pre-order list describes.
+    ///
+    /// # Errors
+    /// [`ActorTreeError`] when the list is empty or its depths do not form one tree.
+    pub fn build(
+        nodes: impl IntoIterator<Item = ActorNode>,
+    ) -> Result<ActorSnapshot, ActorTreeError> {
+        // The path from the root to the node last added; a node closes every deeper one.
+        let mut path: Vec<ActorSnapshot> = Vec::new();
+        for (at, n) in nodes.into_iter().enumerate() {
+            let depth = n.depth as usize;
+            let fits = if at == 0 {
+                depth == 0
+            } else {
+                depth >= 1 && depth <= path.len()
+            };
+            if !fits {
+                return Err(ActorTreeError::BadDepth { at, depth: n.depth });
+            }
+            while path.len() > depth {
+                close_last(&mut path);
+            }
+            path.push(ActorSnapshot {
+                name: n.name,
+                kind: n.kind,
+                state: n.state,
+                restarts: n.restarts,
+                mailbox_depth: usize::try_from(n.mailbox_depth).unwrap_or(usize::MAX),
+                last_error: n.last_error,
+                uptime_s: n.uptime_s,
+                children: Vec::new(),
+            });
+        }
+        while path.len() > 1 {
+            close_last(&mut path);
+        }
+        path.pop().ok_or(ActorTreeError::Empty)
+    }
+}
+
+/// Moves the last node of `path` into its parent's children.
+fn close_last(path: &mut Vec<ActorSnapshot>) {
+    if let Some(done) = path.pop() {
+        if let Some(parent) = path.last_mut() {
+            parent.children.push(done);
+        }
+    }
+}
+
+impl rkyv::with::ArchiveWith<ActorSnapshot> for ActorTree {
+    type Archived = rkyv::vec::ArchivedVec<ArchivedActorNode>;
+    type Resolver = (usize, rkyv::vec::VecResolver);
+
+    fn resolve_with(_: &ActorSnapshot, resolver: Self::Resolver, out: rkyv::Place<Self::Archived>) {
+        rkyv::vec::ArchivedVec::resolve_from_len(resolver.0, resolver.1, out);
+    }
+}
+
+impl<S> rkyv::with::SerializeWith<ActorSnapshot, S> for ActorTree
+where
+    S: rkyv::rancor::Fallible + rkyv::ser::Allocator + rkyv::ser::Writer + ?Sized,
+    ActorNode: rkyv::Serialize<S, Archived = ArchivedActorNode>,
+{
+    fn serialize_with(
+        field: &ActorSnapshot,
+        serializer: &mut S,
+    ) -> Result<Self::Resolver, S::Error> {
+        let nodes = Self::flatten(field);
+        let resolver = rkyv::vec::ArchivedVec::serialize_from_slice(&nodes, serializer)?;
+        Ok((nodes.len(), resolver))
+    }
+}
+
+impl<D> rkyv::with::DeserializeWith<rkyv::vec::ArchivedVec<ArchivedActorNode>, ActorSnapshot, D>
+    for ActorTree
+where
+    D: rkyv::rancor::Fallible + ?Sized,
+    D::Error: rkyv::rancor::Source,
+    ArchivedActorNode: rkyv::Deserialize<ActorNode, D>,
+{
+    fn deserialize_with(
+        field: &rkyv::vec::ArchivedVec<ArchivedActorNode>,
+        deserializer: &mut D,
+    ) -> Result<ActorSnapshot, D::Error> {
+        let mut nodes = Vec::with_capacity(field.len());
+        for n in field.iter() {
+            nodes.push(rkyv::Deserialize::deserialize(n, deserializer)?);
+        }
+        Self::build(nodes).map_err(<D::Error as rkyv::rancor::Source>::new)
+    }
 }
 
 const ANSI_RESET: &str = "\x1b[0m";

@@ -398,8 +398,12 @@ fn describe_and_register() {
         PREFILL_RETRIES_TOTAL,
         "Proxy: requests whose prefill instance failed before the hand-off, by action."
     );
+    // The hand-off histogram is only ever observed with its mode: registered with each mode,
+    // never bare (a bare registration would export a second, unlabeled series of the name).
+    for mode in ["pull", "push"] {
+        let _ = metrics::histogram!(KV_TRANSFER_SECONDS, LABEL_MODE => mode);
+    }
     for name in [
-        KV_TRANSFER_SECONDS,
         KV_HANDOFF_GAP_SECONDS,
         TIME_TO_FIRST_TOKEN_SECONDS,
         TIME_PER_OUTPUT_TOKEN_SECONDS,
@@ -510,6 +514,35 @@ mod tests {
             text.contains("# TYPE pdserve_kv_blocks_free gauge"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn every_kv_transfer_series_carries_its_mode() {
+        let handle = install_metrics();
+        metrics::histogram!(KV_TRANSFER_SECONDS, LABEL_MODE => "pull").record(0.5);
+        let text = handle.render();
+        let samples: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with(KV_TRANSFER_SECONDS))
+            .collect();
+        assert!(
+            samples
+                .iter()
+                .any(|l| l.starts_with("pdserve_kv_transfer_seconds_count{mode=\"pull\"} ")),
+            "{text}"
+        );
+        assert!(
+            samples
+                .iter()
+                .any(|l| l.starts_with("pdserve_kv_transfer_seconds_count{mode=\"push\"} ")),
+            "both modes are exported from the start: {text}"
+        );
+        for line in samples {
+            assert!(
+                line.contains("mode=\""),
+                "an unlabeled series: {line}\n{text}"
+            );
+        }
     }
 
     #[test]

@@ -1,15 +1,36 @@
 //! The control-plane wire format: typed messages encoded with rkyv, in length-prefixed frames.
 //!
 //! A frame is a 4-byte little-endian payload length followed by the payload, the rkyv archive of
-//! one [`Envelope`]. Decoding always validates the archive (`rkyv::from_bytes`, bytecheck): a
+//! one [`Envelope`]. Decoding always validates the archive (`rkyv::access`, bytecheck), then checks
+//! its bounds, then deserializes (`rkyv::deserialize`): a
 //! malformed, truncated or oversized frame is a [`WireError`], never a panic or undefined
 //! behaviour. `access_unchecked` is not used anywhere.
 //!
 //! The message set is an enum that grows by appending variants; peers of different versions meet
-//! at [`Hello`], which carries the pdserve version.
+//! at [`Hello`], which carries the pdserve version. A message whose tag this version does not
+//! know (a newer peer's) is a [`WireError::UnknownMessage`].
+//!
+//! Every string and list in a message is bounded ([`bounds`]): after an archive validates, its
+//! lengths and counts are checked on the archive itself, before anything is deserialized, and
+//! a field past its bound is a typed [`WireError`] naming it.
+//!
+//! The control plane's exchanges are all typed messages here: the greeting, heartbeats,
+//! registration with the proxy ([`ControlMessage::Register`], answered
+//! [`ControlMessage::Registered`] or [`ControlMessage::RegistrationRefused`]), draining
+//! ([`ControlMessage::Draining`] / [`ControlMessage::DrainingAck`]) and inspection
+//! ([`ControlMessage::InspectRequest`] / [`ControlMessage::Inspect`]). Only protocols layered on
+//! top that encode their own bodies use [`ControlMessage::Opaque`]: the P/D peer protocol (rkyv
+//! frames of its own) and the prefix cache's KV events.
+
+pub mod bounds;
+mod registration;
 
 use rkyv::rancor;
 use rkyv::util::AlignedVec;
+
+pub use registration::{Registration, RegistrationError, RegistrationField};
+
+use crate::supervision::{ClusterSnapshot, InstanceSnapshot};
 
 /// The largest frame payload accepted unless a caller says otherwise (16 MiB).
 pub const DEFAULT_MAX_FRAME_BYTES: usize = 16 << 20;
@@ -42,6 +63,46 @@ pub enum WireError {
     /// The message could not be serialized.
     #[error("cannot encode frame: {0}")]
     Encode(String),
+    /// A string field is longer than its bound ([`bounds`]).
+    #[error("{field} of {len} bytes exceeds the maximum of {max} bytes")]
+    FieldTooLong {
+        /// The field (`hello.node`, `registration.url`, ...).
+        field: &'static str,
+        /// Its length in bytes.
+        len: usize,
+        /// The maximum accepted.
+        max: usize,
+    },
+    /// A list holds more items than its bound ([`bounds`]).
+    #[error("{field} holds {count} items, more than the maximum of {max}")]
+    TooManyItems {
+        /// The list (`regions`, `actors`, `cluster.instances`, ...).
+        field: &'static str,
+        /// Its item count.
+        count: usize,
+        /// The maximum accepted.
+        max: usize,
+    },
+    /// A flattened actor tree ([`crate::supervision::ActorTree`]) is empty, deeper than its
+    /// bound, or its depths do not form one tree.
+    #[error("actor node {at} at depth {depth} does not continue a tree at most {max_depth} deep")]
+    BadActorTree {
+        /// Index of the node at fault, in pre-order.
+        at: usize,
+        /// Its depth.
+        depth: u32,
+        /// The deepest accepted.
+        max_depth: u32,
+    },
+    /// A well-formed envelope around a message tag this version does not know (a newer peer's
+    /// message, or a corrupted tag).
+    #[error("unknown control message tag {tag} (this pdserve knows tags below {known})")]
+    UnknownMessage {
+        /// The tag received.
+        tag: u8,
+        /// How many tags this version knows.
+        known: u8,
+    },
 }
 
 impl WireError {
@@ -52,6 +113,10 @@ impl WireError {
             Self::Truncated { .. } => "truncated_frame",
             Self::Malformed(_) => "malformed_frame",
             Self::Encode(_) => "encode",
+            Self::FieldTooLong { .. } => "field_too_long",
+            Self::TooManyItems { .. } => "too_many_items",
+            Self::BadActorTree { .. } => "bad_actor_tree",
+            Self::UnknownMessage { .. } => "unknown_message",
         }
     }
 }
@@ -150,8 +215,18 @@ pub struct ErrorMessage {
     pub message: String,
 }
 
-/// Every control-plane message. New variants are appended at the end.
-#[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+/// The answer to [`ControlMessage::InspectRequest`]: what the member that answers sees.
+#[derive(Debug, Clone, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub enum InspectAnswer {
+    /// An instance answers with its own snapshot.
+    Instance(InstanceSnapshot),
+    /// A proxy answers with the whole cluster: itself and every registered instance.
+    Cluster(ClusterSnapshot),
+}
+
+/// Every control-plane message. New variants are appended at the end (a variant's tag is its
+/// position; [`ControlMessage::TAGS`] counts them).
+#[derive(Debug, Clone, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub enum ControlMessage {
     /// Connection greeting (see [`Hello`]).
     Hello(Hello),
@@ -189,6 +264,55 @@ pub enum ControlMessage {
         /// The body.
         body: Vec<u8>,
     },
+    /// An instance registers with the proxy (a request, on the connection it then heartbeats
+    /// on); answered [`ControlMessage::Registered`] or [`ControlMessage::RegistrationRefused`].
+    /// Boxed, as [`ControlMessage::Inspect`] is: a variant larger than the first nine would
+    /// grow every archived message, and older peers could read none of them.
+    Register(Box<Registration>),
+    /// The proxy accepted a registration.
+    Registered {
+        /// The proxy's node name.
+        proxy: String,
+    },
+    /// The proxy refused a registration: the field at fault and why. The registration the
+    /// connection had before (if any) stands.
+    RegistrationRefused(RegistrationError),
+    /// A registered instance tells the proxy it is draining (a request): the proxy stops
+    /// routing to it at once, keeps its entry, and answers [`ControlMessage::DrainingAck`].
+    Draining,
+    /// The proxy's answer to [`ControlMessage::Draining`].
+    DrainingAck,
+    /// Asks a member for its live snapshot (a request); answered [`ControlMessage::Inspect`].
+    InspectRequest,
+    /// The answer to [`ControlMessage::InspectRequest`].
+    Inspect(Box<InspectAnswer>),
+}
+
+impl ControlMessage {
+    /// How many message tags this version knows (the variants above, in order).
+    pub const TAGS: u8 = 16;
+
+    /// The variant's name, for logs and error texts.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Hello(_) => "Hello",
+            Self::Heartbeat(_) => "Heartbeat",
+            Self::GetRegisteredMemory => "GetRegisteredMemory",
+            Self::RegisteredMemory { .. } => "RegisteredMemory",
+            Self::Notify { .. } => "Notify",
+            Self::Ping { .. } => "Ping",
+            Self::Pong { .. } => "Pong",
+            Self::Error(_) => "Error",
+            Self::Opaque { .. } => "Opaque",
+            Self::Register(_) => "Register",
+            Self::Registered { .. } => "Registered",
+            Self::RegistrationRefused(_) => "RegistrationRefused",
+            Self::Draining => "Draining",
+            Self::DrainingAck => "DrainingAck",
+            Self::InspectRequest => "InspectRequest",
+            Self::Inspect(_) => "Inspect",
+        }
+    }
 }
 
 /// How an [`Envelope`] relates to others.
@@ -203,7 +327,7 @@ pub enum EnvelopeKind {
 }
 
 /// The unit carried by one frame: a message plus request/response correlation.
-#[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+#[derive(Debug, Clone, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct Envelope {
     /// Request id (per connection and direction); 0 for one-way messages.
     pub id: u64,
@@ -284,12 +408,42 @@ pub fn frame_len(
     Ok(len)
 }
 
-/// Decodes a frame payload (the bytes after the length prefix).
+/// Decodes a frame payload (the bytes after the length prefix): validates the archive, checks
+/// every bound ([`bounds`]) on it, and only then deserializes.
 ///
 /// # Errors
-/// [`WireError::Malformed`] when the payload is not a valid [`Envelope`] archive.
+/// [`WireError::UnknownMessage`] when a well-formed envelope carries a tag this version does
+/// not know; [`WireError::Malformed`] when the payload is not a valid [`Envelope`] archive
+/// otherwise; [`WireError::FieldTooLong`], [`WireError::TooManyItems`] and
+/// [`WireError::BadActorTree`] when it is one but a field is out of bounds.
 pub fn decode_payload(payload: &[u8]) -> Result<Envelope, WireError> {
-    from_archive::<Envelope>(payload)
+    // Copy into an aligned buffer: validation would reject unaligned input anyway.
+    let mut aligned = AlignedVec::<16>::with_capacity(payload.len());
+    aligned.extend_from_slice(payload);
+    let archived = match rkyv::access::<ArchivedEnvelope, rancor::Error>(&aligned) {
+        Ok(a) => a,
+        Err(e) => {
+            return Err(unknown_tag(&aligned).unwrap_or(WireError::Malformed(e.to_string())));
+        }
+    };
+    bounds::check_envelope(archived)?;
+    rkyv::deserialize::<Envelope, rancor::Error>(archived)
+        .map_err(|e| WireError::Malformed(e.to_string()))
+}
+
+/// For a payload that did not validate: [`WireError::UnknownMessage`] when its envelope's
+/// kind is one we know but its message tag is past ours (rkyv places the root, an
+/// [`ArchivedEnvelope`], at the end of the buffer; an archived enum starts with its `u8` tag).
+fn unknown_tag(payload: &[u8]) -> Option<WireError> {
+    let root = payload
+        .len()
+        .checked_sub(std::mem::size_of::<ArchivedEnvelope>())?;
+    let kind = payload[root + std::mem::offset_of!(ArchivedEnvelope, kind)];
+    let tag = payload[root + std::mem::offset_of!(ArchivedEnvelope, message)];
+    (kind <= 2 && tag >= ControlMessage::TAGS).then_some(WireError::UnknownMessage {
+        tag,
+        known: ControlMessage::TAGS,
+    })
 }
 
 /// Decodes one complete frame at the start of `bytes`, returning the envelope and the number of
@@ -367,6 +521,10 @@ impl FrameDecoder {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::supervision::{
+        ActorSnapshot, ActorState, ClusterMember, IndexedInstance, MemberStatus, ProxySnapshot,
+        RouterDecisions, RouterSnapshot, TierSnapshot,
+    };
     use proptest::prelude::*;
 
     fn samples() -> Vec<ControlMessage> {
@@ -418,7 +576,355 @@ mod tests {
                 topic: "kv".into(),
                 body: vec![0; 100],
             },
+            ControlMessage::Register(Box::new(registration())),
+            ControlMessage::Registered {
+                proxy: "proxy".into(),
+            },
+            ControlMessage::RegistrationRefused(RegistrationError::new(
+                RegistrationField::HeartbeatMs,
+                "heartbeat_ms 0 is outside 10..=60000",
+            )),
+            ControlMessage::Draining,
+            ControlMessage::DrainingAck,
+            ControlMessage::InspectRequest,
+            ControlMessage::Inspect(Box::new(InspectAnswer::Instance(instance("decode-0")))),
+            ControlMessage::Inspect(Box::new(InspectAnswer::Cluster(cluster()))),
         ]
+    }
+
+    fn registration() -> Registration {
+        Registration {
+            node: "decode-0".into(),
+            role: Role::Decode,
+            url: "http://127.0.0.1:8200".into(),
+            control_addr: "127.0.0.1:7200".into(),
+            heartbeat_ms: 500,
+            block_size: Some(16),
+            cache_salt: Some(u64::MAX),
+        }
+    }
+
+    fn actor(name: &str, children: Vec<ActorSnapshot>) -> ActorSnapshot {
+        ActorSnapshot {
+            name: name.into(),
+            kind: "Kind".into(),
+            state: ActorState::Running,
+            restarts: 1,
+            mailbox_depth: 2,
+            last_error: Some("boom".into()),
+            uptime_s: 1.5,
+            children,
+        }
+    }
+
+    fn tree() -> ActorSnapshot {
+        actor(
+            "supervisor",
+            vec![
+                actor(
+                    "scheduler",
+                    vec![actor("tp-0", vec![]), actor("tp-1", vec![])],
+                ),
+                actor("kv", vec![actor("sender", vec![actor("leaf", vec![])])]),
+                actor("http", vec![]),
+            ],
+        )
+    }
+
+    fn instance(name: &str) -> InstanceSnapshot {
+        InstanceSnapshot {
+            instance: name.into(),
+            role: "decode".into(),
+            model: "tiny".into(),
+            tp: 2,
+            waiting: 1,
+            running: 2,
+            kv_blocks_total: 100,
+            kv_blocks_free: 40,
+            kv_blocks_used: 60,
+            preemptions: 3,
+            transfers_in_flight: 4,
+            bytes_sent: 5,
+            bytes_received: 6,
+            transfer_failures: 7,
+            kv_blocks_cached: 8,
+            prompt_tokens: 9,
+            prompt_tokens_cached: 10,
+            cache_evictions: 11,
+            local_prefills: 12,
+            handoffs_done: 13,
+            handoff_bytes: 14,
+            handoff_bytes_skipped: 15,
+            kv_tiers: vec![TierSnapshot {
+                tier: "host".into(),
+                blocks: 1,
+                ..TierSnapshot::default()
+            }],
+            actors: tree(),
+        }
+    }
+
+    fn cluster() -> ClusterSnapshot {
+        ClusterSnapshot {
+            proxy: ProxySnapshot {
+                node: "proxy".into(),
+                cluster: "c".into(),
+                url: "http://127.0.0.1:8000".into(),
+                control_addr: "127.0.0.1:7000".into(),
+                registered: 2,
+                routable_prefill: 1,
+                routable_decode: 0,
+                refused_connections: 3,
+                router: Some(RouterSnapshot {
+                    kind: "kv".into(),
+                    decisions: vec![RouterDecisions {
+                        role: "decode".into(),
+                        reason: "load".into(),
+                        count: 4,
+                    }],
+                    kv_index: vec![IndexedInstance {
+                        url: "http://127.0.0.1:8200".into(),
+                        blocks: 5,
+                        dropped: 6,
+                    }],
+                }),
+                actors: actor("proxy", vec![]),
+            },
+            instances: vec![
+                ClusterMember {
+                    node: "decode-0".into(),
+                    role: "decode".into(),
+                    url: "http://127.0.0.1:8200".into(),
+                    control_addr: "127.0.0.1:7200".into(),
+                    routable: true,
+                    draining: false,
+                    last_heartbeat_s: 0.25,
+                    status: MemberStatus::Snapshot(Box::new(instance("decode-0"))),
+                },
+                ClusterMember {
+                    node: "prefill-0".into(),
+                    role: "prefill".into(),
+                    url: "http://127.0.0.1:8100".into(),
+                    control_addr: "127.0.0.1:7100".into(),
+                    routable: false,
+                    draining: true,
+                    last_heartbeat_s: 9.0,
+                    status: MemberStatus::Unreachable("no inspect answer".into()),
+                },
+            ],
+        }
+    }
+
+    /// The raw archive of `message` in a request envelope, past every sender-side check.
+    fn payload(message: ControlMessage) -> Vec<u8> {
+        to_archive(&Envelope {
+            id: 1,
+            kind: EnvelopeKind::Request,
+            message,
+        })
+        .unwrap()
+        .to_vec()
+    }
+
+    #[test]
+    fn tags_count_every_variant() {
+        // The last variant's tag is TAGS - 1: the tag sits where `unknown_tag` reads it.
+        let all = samples();
+        let last = payload(all.last().unwrap().clone());
+        let root = last.len() - std::mem::size_of::<ArchivedEnvelope>();
+        let at = root + std::mem::offset_of!(ArchivedEnvelope, message);
+        assert_eq!(last[at], ControlMessage::TAGS - 1);
+        let names: std::collections::HashSet<_> = all.iter().map(ControlMessage::name).collect();
+        assert_eq!(names.len(), usize::from(ControlMessage::TAGS));
+    }
+
+    #[test]
+    fn unknown_tags_are_refused_by_name() {
+        let mut bytes = payload(ControlMessage::InspectRequest);
+        let root = bytes.len() - std::mem::size_of::<ArchivedEnvelope>();
+        let at = root + std::mem::offset_of!(ArchivedEnvelope, message);
+        for tag in [ControlMessage::TAGS, ControlMessage::TAGS + 1, 0xff] {
+            bytes[at] = tag;
+            let e = decode_payload(&bytes).unwrap_err();
+            assert_eq!(
+                e,
+                WireError::UnknownMessage {
+                    tag,
+                    known: ControlMessage::TAGS
+                }
+            );
+            assert_eq!(e.kind(), "unknown_message");
+        }
+    }
+
+    #[test]
+    fn actor_trees_travel_flat_and_come_back_whole() {
+        let nodes = crate::supervision::ActorTree::flatten(&tree());
+        let depths: Vec<u32> = nodes.iter().map(|n| n.depth).collect();
+        assert_eq!(depths, [0, 1, 2, 2, 1, 2, 3, 1]);
+        assert_eq!(crate::supervision::ActorTree::build(nodes).unwrap(), tree());
+        assert!(crate::supervision::ActorTree::build(Vec::new()).is_err());
+    }
+
+    #[test]
+    fn oversized_strings_are_refused_naming_the_field() {
+        let long = |n: usize| "x".repeat(n);
+        let cases = [
+            (
+                ControlMessage::Register(Box::new(Registration {
+                    node: long(bounds::MAX_NAME_BYTES + 1),
+                    ..registration()
+                })),
+                "registration.node",
+            ),
+            (
+                ControlMessage::Register(Box::new(Registration {
+                    url: long(bounds::MAX_ADDRESS_BYTES + 1),
+                    ..registration()
+                })),
+                "registration.url",
+            ),
+            (
+                ControlMessage::Opaque {
+                    topic: long(bounds::MAX_NAME_BYTES + 1),
+                    body: Vec::new(),
+                },
+                "opaque.topic",
+            ),
+            (
+                ControlMessage::Error(ErrorMessage {
+                    kind: "k".into(),
+                    message: long(bounds::MAX_TEXT_BYTES + 1),
+                }),
+                "error.message",
+            ),
+            (
+                ControlMessage::Inspect(Box::new(InspectAnswer::Instance(InstanceSnapshot {
+                    actors: actor(&long(bounds::MAX_NAME_BYTES + 1), vec![]),
+                    ..instance("decode-0")
+                }))),
+                "actor.name",
+            ),
+        ];
+        for (message, field) in cases {
+            match decode_payload(&payload(message)) {
+                Err(WireError::FieldTooLong { field: f, len, max }) => {
+                    assert_eq!(f, field);
+                    assert_eq!(len, max + 1, "{field}");
+                }
+                other => panic!("{field}: {other:?}"),
+            }
+        }
+        // At the bound exactly, accepted.
+        let at_bound = ControlMessage::Register(Box::new(Registration {
+            node: long(bounds::MAX_NAME_BYTES),
+            ..registration()
+        }));
+        assert_eq!(
+            decode_payload(&payload(at_bound.clone())).unwrap().message,
+            at_bound
+        );
+    }
+
+    #[test]
+    fn oversized_lists_are_refused_naming_the_list() {
+        let mut c = cluster();
+        let member = c.instances[1].clone();
+        c.instances = vec![member; bounds::MAX_MEMBERS + 1];
+        let wide = ControlMessage::Inspect(Box::new(InspectAnswer::Cluster(c)));
+        let e = decode_payload(&payload(wide)).unwrap_err();
+        assert_eq!(
+            e,
+            WireError::TooManyItems {
+                field: "cluster.instances",
+                count: bounds::MAX_MEMBERS + 1,
+                max: bounds::MAX_MEMBERS
+            }
+        );
+        assert_eq!(e.kind(), "too_many_items");
+
+        let region = RegionDescriptor {
+            id: 1,
+            len: 1,
+            chunks: Vec::new(),
+            shm: None,
+        };
+        let many = ControlMessage::RegisteredMemory {
+            regions: vec![region; bounds::MAX_REGIONS + 1],
+        };
+        assert!(matches!(
+            decode_payload(&payload(many)),
+            Err(WireError::TooManyItems {
+                field: "regions",
+                ..
+            })
+        ));
+
+        let mut snap = instance("decode-0");
+        snap.actors.children = vec![actor("a", vec![]); bounds::MAX_ACTORS];
+        let crowded = ControlMessage::Inspect(Box::new(InspectAnswer::Instance(snap)));
+        assert!(matches!(
+            decode_payload(&payload(crowded)),
+            Err(WireError::TooManyItems {
+                field: "actors",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn deep_actor_trees_are_refused_before_anything_is_built() {
+        let mut deep = actor("leaf", vec![]);
+        for _ in 0..=bounds::MAX_ACTOR_DEPTH {
+            deep = actor("a", vec![deep]);
+        }
+        let snap = InstanceSnapshot {
+            actors: deep,
+            ..instance("decode-0")
+        };
+        let e = decode_payload(&payload(ControlMessage::Inspect(Box::new(
+            InspectAnswer::Instance(snap),
+        ))))
+        .unwrap_err();
+        assert!(
+            matches!(e, WireError::BadActorTree { depth, .. } if depth == bounds::MAX_ACTOR_DEPTH + 1),
+            "{e:?}"
+        );
+        assert_eq!(e.kind(), "bad_actor_tree");
+    }
+
+    #[test]
+    fn truncated_typed_bodies_are_errors() {
+        for message in [
+            ControlMessage::Register(Box::new(registration())),
+            ControlMessage::Inspect(Box::new(InspectAnswer::Cluster(cluster()))),
+        ] {
+            let env = Envelope {
+                id: 2,
+                kind: EnvelopeKind::Response,
+                message,
+            };
+            let frame = encode_frame(&env, DEFAULT_MAX_FRAME_BYTES).unwrap();
+            let step = (frame.len() / 64).max(1);
+            for cut in (0..frame.len()).step_by(step) {
+                assert!(
+                    matches!(
+                        decode_frame(&frame[..cut], DEFAULT_MAX_FRAME_BYTES),
+                        Err(WireError::Truncated { .. })
+                    ),
+                    "cut {cut}"
+                );
+            }
+            // A payload cut short under a header claiming the short length: rkyv reads its
+            // root at the end, so a prefix can happen to be another valid archive, but never
+            // the message cut, and never a panic.
+            let payload = &frame[FRAME_HEADER_BYTES..];
+            for cut in (0..payload.len()).step_by(step) {
+                if let Ok(other) = decode_payload(&payload[..cut]) {
+                    assert_ne!(other, env, "cut {cut}");
+                }
+            }
+        }
     }
 
     #[test]
@@ -533,7 +1039,7 @@ mod tests {
 
         #[test]
         fn decoding_mutated_frames_never_panics_and_valid_results_reencode(
-            which in 0usize..9,
+            which in 0usize..17,
             flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..8),
             cut in any::<usize>(),
         ) {

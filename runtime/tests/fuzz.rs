@@ -1,8 +1,9 @@
 //! Fuzz targets of the decoders in `pdserve-runtime` that read remote bytes: control-plane
 //! frames (`wire::decode_frame`, the streaming `FrameDecoder`), region descriptors (the
 //! archive `wire::from_archive::<Vec<RegionDescriptor>>` a transfer engine decodes from a
-//! peer's `GET_REGIONS` answer), and an instance's inspect snapshot (JSON the proxy reads from
-//! each instance and `pdserve inspect` renders). See `fuzz_support` and docs/testing.md,
+//! peer's `GET_REGIONS` answer), and an instance's inspect snapshot as JSON (what
+//! `pdserve inspect --json` prints and renders; on the control plane the snapshot travels as a
+//! typed `Inspect` message, fuzzed with the control frames). See `fuzz_support` and docs/testing.md,
 //! "Fuzzing".
 
 #[path = "fuzz_support/mod.rs"]
@@ -12,8 +13,9 @@ use fuzz_support::{draw, Target, Verdict};
 use pdserve_runtime::supervision::{render_tree, ActorSnapshot, ActorState, InstanceSnapshot};
 use pdserve_runtime::wire::{
     decode_frame, encode_frame, from_archive, to_archive, ControlMessage, Envelope, EnvelopeKind,
-    ErrorMessage, FrameDecoder, Heartbeat, Hello, LoadFigures, RegionChunk, RegionDescriptor, Role,
-    ShmHandle, WireError, FRAME_HEADER_BYTES,
+    ErrorMessage, FrameDecoder, Heartbeat, Hello, InspectAnswer, LoadFigures, RegionChunk,
+    RegionDescriptor, Registration, RegistrationError, RegistrationField, Role, ShmHandle,
+    WireError, FRAME_HEADER_BYTES,
 };
 use proptest::collection::vec;
 use proptest::prelude::*;
@@ -99,6 +101,49 @@ fn message() -> impl Strategy<Value = ControlMessage> {
             .prop_map(|(kind, message)| ControlMessage::Error(ErrorMessage { kind, message })),
         (text(), vec(any::<u8>(), 0..256))
             .prop_map(|(topic, body)| ControlMessage::Opaque { topic, body }),
+        typed_control(),
+    ]
+}
+
+/// The control plane's typed exchanges (registration, draining, inspect requests).
+fn typed_control() -> impl Strategy<Value = ControlMessage> {
+    let text = || ".{0,24}";
+    prop_oneof![
+        (
+            text(),
+            role(),
+            text(),
+            text(),
+            any::<u64>(),
+            any::<Option<u32>>(),
+            any::<Option<u64>>()
+        )
+            .prop_map(
+                |(node, role, url, control_addr, heartbeat_ms, block_size, cache_salt)| {
+                    ControlMessage::Register(Box::new(Registration {
+                        node,
+                        role,
+                        url,
+                        control_addr,
+                        heartbeat_ms,
+                        block_size: block_size.map(|b| b as usize),
+                        cache_salt,
+                    }))
+                }
+            ),
+        text().prop_map(|proxy| ControlMessage::Registered { proxy }),
+        text().prop_map(
+            |message| ControlMessage::RegistrationRefused(RegistrationError::new(
+                RegistrationField::Url,
+                message
+            ))
+        ),
+        Just(ControlMessage::Draining),
+        Just(ControlMessage::DrainingAck),
+        Just(ControlMessage::InspectRequest),
+        Just(ControlMessage::Inspect(Box::new(InspectAnswer::Instance(
+            sample_snapshot()
+        )))),
     ]
 }
 

@@ -1,36 +1,35 @@
 //! The proxy's control plane: where instances register and `pdserve inspect` connects.
 //!
-//! Instances connect to the proxy's mutual-TLS QUIC endpoint and register (`Opaque` topic
-//! `register`, a JSON [`Registration`]); a registration adds a dynamic registry entry keyed
-//! by node name (replacing an older one of the same node, or a static entry of the same URL),
-//! and the instance's heartbeats carry its load. A registered instance is routed to while its
-//! connection is open and its last heartbeat is younger than [`MISSED_HEARTBEATS_TO_DROP`]
-//! intervals; it comes back when it heartbeats or registers again.
+//! Instances connect to the proxy's mutual-TLS QUIC endpoint and register (`Register`, a typed
+//! [`Registration`], answered `Registered` or `RegistrationRefused` with the field at fault); a
+//! registration adds a dynamic registry entry keyed by node name (replacing an older one of the
+//! same node, or a static entry of the same URL), and the instance's heartbeats carry its load.
+//! A registered instance is routed to while its connection is open and its last heartbeat is
+//! younger than [`MISSED_HEARTBEATS_TO_DROP`] intervals; it comes back when it heartbeats or
+//! registers again.
 //!
-//! An `Opaque` request with topic `inspect` on any control connection is answered with a
-//! [`ClusterSnapshot`]: the proxy itself, and every registered instance's snapshot fetched
-//! over its own control connection within the inspect timeout (all at once); an instance that
-//! cannot answer is listed as unreachable with the reason. Every task here is tracked and ends
+//! A registered instance that drains says so (`Draining`, answered `DrainingAck`): it is no
+//! longer routed to but keeps its entry. An `InspectRequest` on any control connection is
+//! answered with `Inspect` carrying a [`ClusterSnapshot`]: the proxy itself, and every
+//! registered instance's snapshot fetched over its own control connection within the inspect
+//! timeout (all at once); an instance that cannot answer is listed as unreachable with the
+//! reason. Every task here is tracked and ends
 //! with the proxy.
 
 use super::messages::{ProxyControlArgs, ProxyMsg, SupervisedFigures};
 use super::registry::Registry;
 use super::state::ProxyState;
-use crate::control_plane::{
-    message_name, Registration, RegistrationError, TOPIC_DRAINING, TOPIC_INSPECT, TOPIC_REGISTER,
-    TOPIC_REGISTERED,
-};
+use crate::control_plane::{Registration, RegistrationError, RegistrationField};
 use crate::error::StartError;
 use crate::kv_events::{KvEventBatch, KvIndex, TOPIC_KV_EVENTS};
 use pdserve_runtime::supervision::{
-    ActorSnapshot, ActorState, ClusterMember, ClusterSnapshot, IndexedInstance, InstanceSnapshot,
-    MemberStatus, ProxySnapshot, RouterDecisions, RouterSnapshot,
+    ActorSnapshot, ActorState, ClusterMember, ClusterSnapshot, IndexedInstance, MemberStatus,
+    ProxySnapshot, RouterDecisions, RouterSnapshot,
 };
-use pdserve_runtime::wire::{ControlMessage, ErrorMessage};
+use pdserve_runtime::wire::{ControlMessage, ErrorMessage, InspectAnswer};
 use pdserve_runtime::Role;
 use pdserve_transport::control::{ControlConfig, ControlConnection, ControlEndpoint};
 use ractor::{ActorCell, ActorRef};
-use serde_json::json;
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -145,24 +144,18 @@ impl ProxyControl {
                         "heartbeat from an unregistered connection ignored"
                     ),
                 },
-                (ControlMessage::Opaque { topic, body }, Some(responder))
-                    if topic == TOPIC_REGISTER =>
-                {
-                    let answer = match self.register(&conn, &body) {
+                (ControlMessage::Register(reg), Some(responder)) => {
+                    let answer = match self.register(&conn, *reg) {
                         Ok((node, generation, url)) => {
                             registered = Some((node, generation));
                             registered_url = Some(url);
-                            ControlMessage::Opaque {
-                                topic: TOPIC_REGISTERED.into(),
-                                body: serde_json::to_vec(
-                                    &json!({"proxy": self.endpoint.hello().node}),
-                                )
-                                .unwrap_or_default(),
+                            ControlMessage::Registered {
+                                proxy: self.endpoint.hello().node.clone(),
                             }
                         }
                         Err(e) => {
-                            tracing::warn!(peer = %conn.peer().node, error = %e, "registration refused");
-                            control_error("bad_registration", e.to_string())
+                            tracing::warn!(peer = %conn.peer().node, field = %e.field, error = %e, "registration refused");
+                            ControlMessage::RegistrationRefused(e)
                         }
                     };
                     self.tasks.spawn(async move {
@@ -190,16 +183,11 @@ impl ProxyControl {
                         }
                     }
                 }
-                (ControlMessage::Opaque { topic, .. }, Some(responder))
-                    if topic == TOPIC_DRAINING =>
-                {
+                (ControlMessage::Draining, Some(responder)) => {
                     let answer = match &registered {
                         Some((node, generation)) if self.registry().draining(node, *generation) => {
                             tracing::info!(%node, "instance draining: no longer routed to");
-                            ControlMessage::Opaque {
-                                topic: TOPIC_DRAINING.into(),
-                                body: Vec::new(),
-                            }
+                            ControlMessage::DrainingAck
                         }
                         _ => control_error(
                             "not_registered",
@@ -210,26 +198,21 @@ impl ProxyControl {
                         let _ = responder.respond(answer).await;
                     });
                 }
-                (ControlMessage::Opaque { topic, .. }, Some(responder))
-                    if topic == TOPIC_INSPECT =>
-                {
+                (ControlMessage::InspectRequest, Some(responder)) => {
                     let me = self.clone();
                     self.tasks.spawn(async move {
                         let snap = me.cluster_snapshot().await;
-                        let answer = match serde_json::to_vec(&snap) {
-                            Ok(body) => ControlMessage::Opaque {
-                                topic: TOPIC_INSPECT.into(),
-                                body,
-                            },
-                            Err(e) => control_error("internal", e.to_string()),
-                        };
-                        let _ = responder.respond(answer).await;
+                        let answer =
+                            ControlMessage::Inspect(Box::new(InspectAnswer::Cluster(snap)));
+                        if let Err(e) = responder.respond(answer).await {
+                            tracing::debug!(error = %e, "inspect answer not delivered");
+                        }
                     });
                 }
                 (other, Some(responder)) => {
                     let answer = control_error(
                         "unsupported",
-                        format!("the proxy does not answer {}", message_name(&other)),
+                        format!("the proxy does not answer {}", other.name()),
                     );
                     self.tasks.spawn(async move {
                         let _ = responder.respond(answer).await;
@@ -259,14 +242,13 @@ impl ProxyControl {
     fn register(
         &self,
         conn: &Arc<ControlConnection>,
-        body: &[u8],
+        reg: Registration,
     ) -> Result<(String, u64, String), RegistrationError> {
-        let bad = |field: &'static str, message: String| RegistrationError { field, message };
-        let reg: Registration = serde_json::from_slice(body)
-            .map_err(|e| bad("registration", format!("malformed registration: {e}")))?;
+        use RegistrationField as F;
+        let bad = RegistrationError::new;
         reg.validate(&conn.peer().node)?;
         let peer_ip = conn.remote_address().ip();
-        let mut url = reqwest::Url::parse(&reg.url).map_err(|e| bad("url", e.to_string()))?;
+        let mut url = reqwest::Url::parse(&reg.url).map_err(|e| bad(F::Url, e.to_string()))?;
         if let Some(host) = url.host_str() {
             if host
                 .trim_matches(['[', ']'])
@@ -274,14 +256,14 @@ impl ProxyControl {
                 .is_ok_and(|ip| ip.is_unspecified())
             {
                 url.set_ip_host(peer_ip)
-                    .map_err(|()| bad("url", format!("cannot rewrite the host of {}", reg.url)))?;
+                    .map_err(|()| bad(F::Url, format!("cannot rewrite the host of {}", reg.url)))?;
             }
         }
         let url = url.as_str().trim_end_matches('/').to_string();
         let control_addr: SocketAddr = reg
             .control_addr
             .parse()
-            .map_err(|e| bad("control_addr", format!("{e}")))?;
+            .map_err(|e| bad(F::ControlAddr, format!("{e}")))?;
         let control_addr = reachable(control_addr, peer_ip).to_string();
         let role = reg.role;
         let heartbeat = Duration::from_millis(reg.heartbeat_ms);
@@ -442,21 +424,18 @@ async fn fetch_instance(conn: &ControlConnection, timeout: Duration) -> MemberSt
     if let Some(reason) = conn.quic_connection().close_reason() {
         return MemberStatus::Unreachable(format!("control connection closed: {reason}"));
     }
-    let ask = conn.request(ControlMessage::Opaque {
-        topic: TOPIC_INSPECT.into(),
-        body: Vec::new(),
-    });
+    let ask = conn.request(ControlMessage::InspectRequest);
     match tokio::time::timeout(timeout, ask).await {
         Err(_) => MemberStatus::Unreachable(format!("no inspect answer within {timeout:?}")),
         Ok(Err(e)) => MemberStatus::Unreachable(e.to_string()),
-        Ok(Ok(ControlMessage::Opaque { topic, body })) if topic == TOPIC_INSPECT => {
-            match serde_json::from_slice::<InstanceSnapshot>(&body) {
-                Ok(snap) => MemberStatus::Snapshot(Box::new(snap)),
-                Err(e) => MemberStatus::Unreachable(format!("malformed inspect answer: {e}")),
+        Ok(Ok(ControlMessage::Inspect(answer))) => match *answer {
+            InspectAnswer::Instance(snap) => MemberStatus::Snapshot(Box::new(snap)),
+            InspectAnswer::Cluster(_) => {
+                MemberStatus::Unreachable("inspect answered with a cluster snapshot".into())
             }
-        }
+        },
         Ok(Ok(other)) => {
-            MemberStatus::Unreachable(format!("inspect answered with {}", message_name(&other)))
+            MemberStatus::Unreachable(format!("inspect answered with {}", other.name()))
         }
     }
 }

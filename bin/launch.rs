@@ -221,13 +221,16 @@ struct Member {
     cpus: Option<Vec<usize>>,
 }
 
+/// The CPUs of each instance, then the proxy's (`None`: it shares every CPU).
+type CpuPlan = (Vec<Vec<usize>>, Option<Vec<usize>>);
+
 /// `--pin-cpus`: `cpus` (the CPUs the launcher may use) cut into `instances` disjoint,
 /// contiguous sets of equal size, and the CPUs left over for the proxy (`None` when there are
 /// none: it then shares every CPU).
 ///
 /// # Errors
 /// Fewer CPUs than instances.
-fn cpu_plan(cpus: &[usize], instances: usize) -> Result<(Vec<Vec<usize>>, Option<Vec<usize>>)> {
+fn cpu_plan(cpus: &[usize], instances: usize) -> Result<CpuPlan> {
     if instances == 0 || cpus.len() < instances {
         bail!(
             "--pin-cpus needs at least one CPU per instance: {instances} instance(s), {} CPU(s) available to this process",

@@ -249,7 +249,7 @@ async fn one(url: String, i: usize) -> Outcome {
                 tokio::time::timeout(Duration::from_millis(30 + 10 * (i as u64 % 5)), send).await;
             Outcome::Aborted
         }
-        _ if i % 2 == 0 => {
+        _ if i.is_multiple_of(2) => {
             let r = client
                 .post(format!("{url}/v1/completions"))
                 .json(&body(i, true))

@@ -686,6 +686,7 @@ mod tests {
                         url: "http://127.0.0.1:8200".into(),
                         blocks: 5,
                         dropped: 6,
+                        by_medium: vec![("pool".into(), 3), ("host".into(), 2)],
                     }],
                 }),
                 actors: actor("proxy", vec![]),
@@ -856,6 +857,19 @@ mod tests {
             decode_payload(&payload(many)),
             Err(WireError::TooManyItems {
                 field: "regions",
+                ..
+            })
+        ));
+
+        let mut c = cluster();
+        if let Some(r) = c.proxy.router.as_mut() {
+            r.kv_index[0].by_medium = vec![("host".into(), 1); bounds::MAX_MEDIA + 1];
+        }
+        let media = ControlMessage::Inspect(Box::new(InspectAnswer::Cluster(c)));
+        assert!(matches!(
+            decode_payload(&payload(media)),
+            Err(WireError::TooManyItems {
+                field: "router.kv_index.by_medium",
                 ..
             })
         ));

@@ -43,6 +43,8 @@ pub const MAX_TIERS: usize = 16;
 pub const MAX_ROUTER_DECISIONS: usize = 1024;
 /// Most instances in a router's KV index figures.
 pub const MAX_INDEXED_INSTANCES: usize = 4096;
+/// Most storage media in one indexed instance's figures (pool, host, disk, shared today).
+pub const MAX_MEDIA: usize = 16;
 
 fn string(field: &'static str, s: &ArchivedString, max: usize) -> Result<(), WireError> {
     let len = s.len();
@@ -191,6 +193,10 @@ fn check_proxy(p: &ArchivedProxySnapshot) -> Result<(), WireError> {
         count("router.kv_index", &r.kv_index, MAX_INDEXED_INSTANCES)?;
         for k in r.kv_index.iter() {
             address("router.kv_index.url", &k.url)?;
+            count("router.kv_index.by_medium", &k.by_medium, MAX_MEDIA)?;
+            for m in k.by_medium.iter() {
+                name("router.kv_index.by_medium.medium", &m.0)?;
+            }
         }
     }
     check_actors(&p.actors)

@@ -520,6 +520,7 @@ impl FrameDecoder {
 
 #[cfg(test)]
 mod tests {
+    use super::registration::tests::registration;
     use super::*;
     use crate::supervision::{
         ActorSnapshot, ActorState, ClusterMember, IndexedInstance, MemberStatus, ProxySnapshot,
@@ -590,18 +591,6 @@ mod tests {
             ControlMessage::Inspect(Box::new(InspectAnswer::Instance(instance("decode-0")))),
             ControlMessage::Inspect(Box::new(InspectAnswer::Cluster(cluster()))),
         ]
-    }
-
-    fn registration() -> Registration {
-        Registration {
-            node: "decode-0".into(),
-            role: Role::Decode,
-            url: "http://127.0.0.1:8200".into(),
-            control_addr: "127.0.0.1:7200".into(),
-            heartbeat_ms: 500,
-            block_size: Some(16),
-            cache_salt: Some(u64::MAX),
-        }
     }
 
     fn actor(name: &str, children: Vec<ActorSnapshot>) -> ActorSnapshot {

@@ -183,10 +183,11 @@ impl Registration {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
-    fn registration() -> Registration {
+    /// A valid registration of `decode-0`, for the wire's tests too.
+    pub(in crate::wire) fn registration() -> Registration {
         Registration {
             node: "decode-0".into(),
             role: Role::Decode,

@@ -3,12 +3,12 @@
 
 use crate::chat::ChatTemplate;
 use crate::config::{ModelConfig, RopeScaling, RopeStyle};
+use crate::loose::Loose;
 use crate::synthetic::SyntheticSpec;
 use crate::tokenizer::Tokenizer;
 use crate::weights::TensorStore;
 use crate::{ModelError, Result};
 use candle_core::quantized::gguf_file;
-use serde::de::IgnoredAny;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 
@@ -306,26 +306,6 @@ pub fn load_hf_dir(dir: &Path) -> Result<LoadedModel> {
         chat_template,
         vision: None,
     })
-}
-
-/// A field of a model's JSON file (`config.json`, `tokenizer_config.json`) read when it has
-/// its type; another type reads as absent (the defaults and errors then apply, as to a
-/// missing field).
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-pub(crate) enum Loose<T> {
-    Is(T),
-    Other(IgnoredAny),
-}
-
-impl<T> Loose<T> {
-    /// The value, if it had its type.
-    pub(crate) fn get(self) -> Option<T> {
-        match self {
-            Self::Is(t) => Some(t),
-            Self::Other(_) => None,
-        }
-    }
 }
 
 /// The fields of an HF `config.json` pdserve reads.

@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use candle_core::quantized::gguf_file;
 use serde_json::{json, Map, Value as Json};
 
-use crate::loader::Loose;
+use crate::loose::Loose;
 use crate::{ModelError, Result};
 use serde::Deserialize;
 

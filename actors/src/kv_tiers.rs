@@ -156,6 +156,32 @@ pub struct TierSettings {
     pub load_timeout: std::time::Duration,
 }
 
+impl TierSettings {
+    /// Only a host spill region of `bytes`: write-back, loads wait at most 30 s.
+    pub fn host_only(bytes: u64) -> Self {
+        Self {
+            host_capacity_bytes: bytes,
+            disk_dir: None,
+            disk_capacity_bytes: 0,
+            shared_dir: None,
+            shared_url: None,
+            shared_capacity_bytes: 0,
+            write_policy: WritePolicy::WriteBack,
+            load_timeout: std::time::Duration::from_secs(30),
+        }
+    }
+
+    /// Only a disk tier of `bytes` in `dir`: write-back, loads wait at most 30 s.
+    pub fn disk_only(dir: impl Into<PathBuf>, bytes: u64) -> Self {
+        Self {
+            host_capacity_bytes: 0,
+            disk_dir: Some(dir.into()),
+            disk_capacity_bytes: bytes,
+            ..Self::host_only(0)
+        }
+    }
+}
+
 /// How long the disk tier stays off after a load ran past its timeout.
 pub const DISK_PAUSE: std::time::Duration = std::time::Duration::from_secs(30);
 

@@ -840,16 +840,7 @@ async fn the_kv_router_prefers_an_instance_holding_the_prefix_in_its_host_tier()
                 // Room for one request (7 blocks of 16 tokens) and little else.
                 o.num_blocks = Some(12);
                 o.watermark = 0.0;
-                o.kv_tiers = Some(pdserve_actors::kv_tiers::TierSettings {
-                    host_capacity_bytes: 64 << 20,
-                    disk_dir: None,
-                    disk_capacity_bytes: 0,
-                    shared_dir: None,
-                    shared_url: None,
-                    shared_capacity_bytes: 0,
-                    write_policy: pdserve_actors::kv_tiers::WritePolicy::WriteBack,
-                    load_timeout: Duration::from_secs(30),
-                });
+                o.kv_tiers = Some(pdserve_actors::kv_tiers::TierSettings::host_only(64 << 20));
             }
             let mut c = InstanceControl::new(member(name), role);
             c.proxy = Some(control);

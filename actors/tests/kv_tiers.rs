@@ -41,29 +41,11 @@ async fn instance(name: &str, tp: usize, tiers: Option<TierSettings>) -> Instanc
 }
 
 fn host_only() -> TierSettings {
-    TierSettings {
-        host_capacity_bytes: 64 << 20,
-        disk_dir: None,
-        disk_capacity_bytes: 0,
-        shared_dir: None,
-        shared_url: None,
-        shared_capacity_bytes: 0,
-        write_policy: WritePolicy::WriteBack,
-        load_timeout: Duration::from_secs(30),
-    }
+    TierSettings::host_only(64 << 20)
 }
 
 fn disk_only(dir: &Path) -> TierSettings {
-    TierSettings {
-        host_capacity_bytes: 0,
-        disk_dir: Some(dir.to_path_buf()),
-        disk_capacity_bytes: 256 << 20,
-        shared_dir: None,
-        shared_url: None,
-        shared_capacity_bytes: 0,
-        write_policy: WritePolicy::WriteBack,
-        load_timeout: Duration::from_secs(30),
-    }
+    TierSettings::disk_only(dir, 256 << 20)
 }
 
 fn first_turn(c: usize) -> Vec<u32> {

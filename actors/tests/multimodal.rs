@@ -380,16 +380,7 @@ async fn kv_tiers_restore_image_blocks_by_the_images_digest() {
     reference.stop().await;
 
     // A pool of 8 blocks of 16: one conversation at a time, each evicting the last.
-    let tiers = pdserve_actors::kv_tiers::TierSettings {
-        host_capacity_bytes: 64 << 20,
-        disk_dir: None,
-        disk_capacity_bytes: 0,
-        shared_dir: None,
-        shared_url: None,
-        shared_capacity_bytes: 0,
-        write_policy: pdserve_actors::kv_tiers::WritePolicy::WriteBack,
-        load_timeout: std::time::Duration::from_secs(30),
-    };
+    let tiers = pdserve_actors::kv_tiers::TierSettings::host_only(64 << 20);
     let inst = start("mm-tiers", VLM, |o| {
         o.num_blocks = Some(8);
         o.watermark = 0.0;

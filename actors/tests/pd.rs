@@ -2249,7 +2249,7 @@ async fn decode_restores_a_prompt_from_the_shared_store_and_fetches_only_the_res
 /// the lease of the blocks it held would have ended.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_gone_while_decode_restores_from_its_tiers_frees_the_prefill_side_at_once() {
-    use pdserve_actors::kv_tiers::{TierSettings, WritePolicy};
+    use pdserve_actors::kv_tiers::TierSettings;
     use pdserve_actors::openai::{kv_directive, KvDirective};
     use pdserve_actors::scheduler::NewRequest;
     use std::os::unix::fs::OpenOptionsExt;
@@ -2274,16 +2274,7 @@ async fn a_client_gone_while_decode_restores_from_its_tiers_frees_the_prefill_si
             o.block_size = 8;
             o.num_blocks = Some(16);
             o.watermark = 0.0;
-            o.kv_tiers = Some(TierSettings {
-                host_capacity_bytes: 0,
-                disk_dir: Some(dir.path().to_path_buf()),
-                disk_capacity_bytes: 256 << 20,
-                shared_dir: None,
-                shared_url: None,
-                shared_capacity_bytes: 0,
-                write_policy: WritePolicy::WriteBack,
-                load_timeout: Duration::from_secs(30),
-            });
+            o.kv_tiers = Some(TierSettings::disk_only(dir.path(), 256 << 20));
         },
     )
     .await;

@@ -4,7 +4,7 @@ pdserve's GPU tokens, and prefill / decode tokens/s at batch 1 and 32 (f16, KV c
 
     python3 benches/cuda_hf_reference.py HF_DIR VERIFY_JSON > hf.json
 
-Run by benches/cuda_verify.sh on a machine with PyTorch, transformers and a GPU.
+Run by benches/device_check.sh on a machine with PyTorch, transformers and a GPU.
 """
 import json
 import sys

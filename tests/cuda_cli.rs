@@ -26,7 +26,7 @@ fn has_cuda_driver() -> bool {
 fn generate_on_cuda_without_a_usable_gpu_is_a_clear_error() {
     if has_cuda_driver() && cfg!(feature = "cuda") {
         // A usable GPU: there is no error to check; the GPU paths are checked by
-        // benches/cuda_verify.sh. Never under CI (built without the `cuda` feature).
+        // benches/device_check.sh. Never under CI (built without the `cuda` feature).
         println!("SKIPPED: a CUDA driver answers and this build has `cuda`: no error to check");
         return;
     }

@@ -449,8 +449,13 @@ pub fn write_safetensors_dir(spec: &SyntheticSpec, dir: &std::path::Path, f16: b
     } else {
         "LlamaForCausalLM"
     };
+    // HF transformers finds the model class by `model_type`; a file without `output.weight`
+    // ties the LM head to the embedding.
+    let model_type = if c.qkv_bias { "qwen2" } else { "llama" };
+    let tied = !store.contains("output.weight");
     let config = serde_json::json!({
         "architectures": [arch],
+        "model_type": model_type,
         "vocab_size": c.vocab_size,
         "hidden_size": c.hidden_size,
         "num_hidden_layers": c.num_layers,
@@ -461,7 +466,7 @@ pub fn write_safetensors_dir(spec: &SyntheticSpec, dir: &std::path::Path, f16: b
         "rms_norm_eps": c.rms_norm_eps,
         "rope_theta": c.rope_theta,
         "max_position_embeddings": c.context_length,
-        "tie_word_embeddings": false,
+        "tie_word_embeddings": tied,
         "torch_dtype": if f16 { "float16" } else { "float32" },
     });
     std::fs::write(

@@ -15,7 +15,7 @@ pub const ELEMENTWISE_THREADS: u32 = 256;
 /// Most blocks of a grid-stride kernel (enough to fill any GPU; the loop covers the rest).
 pub const ELEMENTWISE_MAX_BLOCKS: u32 = 65_535;
 /// Warps per attention block (`PD_ATTN_WARPS` in `attention.cu`).
-pub const ATTN_WARPS: u32 = 4;
+pub const ATTN_WARPS: u32 = 16;
 /// Largest head size the attention kernel holds (`PD_ATTN_MAX_HEAD_DIM`).
 pub const ATTN_MAX_HEAD_DIM: usize = 256;
 /// Largest `gridDim.y` (and `z`).
@@ -150,7 +150,7 @@ mod tests {
     fn attention_grid_and_limits() {
         let l = attention(37, 9, 64).unwrap();
         assert_eq!(l.grid, (37, 9, 1));
-        assert_eq!(l.block, (128, 1, 1));
+        assert_eq!(l.block, (512, 1, 1));
         assert_eq!(attention(1, 1, 257).unwrap_err().kind(), "cuda_unsupported");
         assert!(attention(1, 70_000, 64).is_err());
     }

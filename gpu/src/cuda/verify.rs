@@ -1,5 +1,5 @@
 //! The checks and measurements a machine with a GPU runs to verify the CUDA backend
-//! (`pdserve cuda verify`, driven by `benches/cuda_verify.sh`):
+//! (`pdserve cuda verify`, driven by `benches/device_check.sh`):
 //!
 //! 1. greedy tokens of the GPU against the CPU backend on the same weights, for several
 //!    prompts; at the first divergence, both sides' logit margins (top-1 minus top-2) with the

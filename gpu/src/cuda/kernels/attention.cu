@@ -12,7 +12,7 @@
 // context length is bounded only by the block table. head_dim <= 32 * PD_ATTN_MAX_DIMS_PER_LANE.
 // Launch: grid (tokens, q_heads), block 32 * ATTN_WARPS (launch.rs).
 
-#define PD_ATTN_WARPS 4
+#define PD_ATTN_WARPS 16
 #define PD_ATTN_MAX_DIMS_PER_LANE 8
 #define PD_ATTN_MAX_HEAD_DIM (32 * PD_ATTN_MAX_DIMS_PER_LANE)
 

@@ -1,0 +1,285 @@
+#!/usr/bin/env bash
+# The device check of issue 31 (docs/cuda.md, "Verifying on a GPU"): one call on a lent GPU
+# machine, from a binary built elsewhere with `--features cuda` and carried.
+#
+#   benches/device_check.sh [PDSERVE_BINARY] [OUT_DIR]
+#
+# Default binary .gpu/pdserve, default OUT_DIR $OUT (else ./device-check-out). Environment:
+#   DEVICE_CHECK_STEPS     steps to run, space-separated (default: all, in this order)
+#                          verify bench transfer verify16 serve launch hf
+#   DEVICE_CHECK_BUDGET_S  wall-clock budget in seconds (default 420): a step that would start
+#                          with under 20 s left is skipped and marked so; each step also has
+#                          its own timeout.
+#
+# Writes to OUT_DIR (at most 8 files come back from a lent machine, so it keeps to four):
+#   summary.json   one object: every step's status, exit code and seconds, and the figures
+#                  (greedy agreement GPU vs CPU with margins at a divergence, P/D hand-offs,
+#                  tokens/s, GB/s beside cuMemcpy, serve/launch answers, quic/tcp ratios)
+#   log.txt        everything the steps printed
+#   results.tgz    each step's raw output (verify JSON, bench tables, server logs)
+#   env.txt        GPU, driver, libraries found
+#
+# Steps:
+#   verify    `cuda verify --dtype f32 --cpu-weights f32 --bench`: greedy tokens, 3 prompts x 32,
+#             GPU vs CPU on the same f32 weights, first divergence with logit margins; P/D
+#             hand-offs GPU prefill -> host mirror -> CPU decode and -> second GPU group;
+#             prefill/decode tokens/s at batch 1 and 32; KV GB/s beside cuMemcpy
+#   bench     `bench model --device cuda --dtype f16` on the same synthetic GGUF
+#   transfer  `bench transfer --backend tcp --backend quic --io-threads N` for N = 2, 4, 8
+#             (the machine's 16 cores; quic's target is >= 0.8x plain tcp)
+#   verify16  `cuda verify --dtype f16 --cpu-weights auto`: GPU f16 vs the CPU default
+#   serve     `serve --device cuda` answering a greedy chat completion, compared with
+#             `serve` on the CPU (f32 weights both)
+#   launch    `launch --device cuda` 1P1D (prefill and decode on the one GPU) against a
+#             colocated `serve --device cuda`: greedy tokens identical
+#   hf        HF transformers (f16, KV cache on) on the HF export of the same weights:
+#             greedy tokens and tokens/s (benches/cuda_hf_reference.py)
+#
+# The model is a seeded synthetic model of SmolLM2-135M's shape written as a Q4_1 GGUF (the
+# real 93 MB GGUF does not fit what can be carried to a GPU machine).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+root="$PWD"
+bin="$(realpath "${1:-.gpu/pdserve}")"
+out="$(mkdir -p "${2:-${OUT:-device-check-out}}" && realpath "${2:-${OUT:-device-check-out}}")"
+steps="${DEVICE_CHECK_STEPS:-verify bench transfer verify16 serve launch hf}"
+budget="${DEVICE_CHECK_BUDGET_S:-420}"
+start=$(date +%s)
+work="$(mktemp -d)"
+raw="$work/raw"
+mkdir -p "$raw"
+export PDSERVE_HOME="$work/home"
+export PYTHONUNBUFFERED=1
+exec > >(tee -a "$out/log.txt") 2>&1
+
+# Kernels: PTX precompiled elsewhere (`pdserve cuda compile --out .gpu/cuda-kernels`) needs no
+# NVRTC here; NVRTC of the CUDA toolkit or the Python install's wheels compiles what is missing.
+if [ -d .gpu/cuda-kernels ]; then
+    export PDSERVE_CUDA_KERNELS="$root/.gpu/cuda-kernels"
+fi
+libdirs=(/usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib)
+while IFS= read -r d; do libdirs+=("$d"); done < <(python3 - <<'PY' 2>/dev/null || true
+import glob, os, site
+for base in site.getsitepackages():
+    for d in glob.glob(os.path.join(base, "nvidia", "*", "lib")):
+        print(d)
+PY
+)
+if [ -z "${PDSERVE_NVRTC_LIB:-}" ]; then
+    for d in "${libdirs[@]}"; do
+        for n in libnvrtc.so.13 libnvrtc.so.12; do
+            if [ -f "$d/$n" ]; then export PDSERVE_NVRTC_LIB="$d/$n"; break 2; fi
+        done
+    done
+fi
+# cuBLAS is loaded by cudarc by its soname: make its directory findable.
+for d in "${libdirs[@]}"; do
+    if ls "$d"/libcublas.so* >/dev/null 2>&1; then
+        export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
+    fi
+done
+{
+    echo "binary: $bin"
+    echo "NVRTC: ${PDSERVE_NVRTC_LIB:-none}; PTX cache: ${PDSERVE_CUDA_KERNELS:-none}"
+    echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv || true
+    nproc
+} >"$out/env.txt" 2>&1
+cat "$out/env.txt"
+"$bin" cuda probe --json >"$raw/probe.json"
+cat "$raw/probe.json"
+
+status="$work/status.jsonl"
+: >"$status"
+# run_step NAME TIMEOUT_S COMMAND...: runs unless the budget is spent, records status.
+run_step() {
+    local name="$1" limit="$2"
+    shift 2
+    case " $steps " in *" $name "*) ;; *) return 0 ;; esac
+    local now left rc t0
+    now=$(date +%s)
+    left=$((budget - (now - start)))
+    if [ "$left" -lt 20 ]; then
+        echo "{\"step\":\"$name\",\"status\":\"skipped\",\"why\":\"budget spent\"}" >>"$status"
+        echo "== $name: skipped (budget spent)"
+        return 0
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
+    echo "== $name (timeout ${limit}s)"
+    t0=$(date +%s)
+    timeout --kill-after=5 "$limit" bash -c '"$@"' _ "$@"
+    rc=$?
+    local st=ok
+    [ "$rc" -ne 0 ] && st=failed
+    [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && st=timeout
+    echo "{\"step\":\"$name\",\"status\":\"$st\",\"rc\":$rc,\"seconds\":$(($(date +%s) - t0))}" >>"$status"
+    echo "== $name: $st (rc $rc, $(($(date +%s) - t0)) s)"
+}
+
+# The model of serve, launch and bench (DEVICE_CHECK_MODEL overrides it, e.g. to try the
+# script's plumbing with `synthetic:tiny` on a machine without a GPU).
+gguf="${DEVICE_CHECK_MODEL:-$PDSERVE_HOME/cuda-verify/synthetic-smollm.Q4_1.gguf}"
+ensure_model() {
+    [ -n "${DEVICE_CHECK_MODEL:-}" ] || [ -f "$gguf" ] || "$bin" cuda verify --tokens 1 --json >/dev/null
+}
+
+step_verify() {
+    "$bin" cuda verify --dtype f32 --cpu-weights f32 --tokens 32 --bench --json \
+        --export-hf "$work/hf-model" >"$raw/verify-f32.json"
+}
+step_bench() {
+    ensure_model || return 1
+    "$bin" bench model --device cuda --dtype f16 --model "$gguf" | tee "$raw/bench-model.txt"
+}
+step_transfer() {
+    for n in 2 4 8; do
+        "$bin" bench transfer --backend tcp --backend quic --tcp-integrity none \
+            --io-threads "$n" --json >"$raw/transfer-io$n.json" || return 1
+    done
+}
+step_verify16() {
+    "$bin" cuda verify --dtype f16 --cpu-weights auto --tokens 32 --json >"$raw/verify-f16.json"
+}
+step_hf() {
+    [ -f "$raw/verify-f32.json" ] || return 1
+    python3 benches/cuda_hf_reference.py "$work/hf-model" "$raw/verify-f32.json" >"$raw/hf.json"
+}
+
+# wait_health URL LIMIT_S PID: waits for /health while PID lives, at most LIMIT_S seconds.
+wait_health() {
+    local url="$1" limit="$2" pid="$3" i
+    for ((i = 0; i < limit * 5; i++)); do
+        curl -sf "$url/health" >/dev/null 2>&1 && return 0
+        kill -0 "$pid" 2>/dev/null || return 1
+        sleep 0.2
+    done
+    return 1
+}
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+# chat BASE_URL OUTFILE: one greedy chat completion, 48 tokens, ignoring EOS.
+chat() {
+    curl -sS --max-time 60 "$1/v1/chat/completions" -H 'content-type: application/json' -d '{
+      "model": "m", "temperature": 0, "max_tokens": 48, "ignore_eos": true, "return_token_ids": true,
+      "messages": [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
+    }' >"$2"
+}
+# serve_one NAME DEVICE PORT ARGS...: starts `serve` in the background, waits for health.
+serve_one() {
+    local name="$1" device="$2" port="$3"
+    shift 3
+    "$bin" serve --model "$gguf" --served-model-name m --device "$device" \
+        --host 127.0.0.1 --port "$port" "$@" >"$raw/$name.log" 2>&1 &
+    echo $! >"$work/$name.pid"
+    wait_health "http://127.0.0.1:$port" 90 "$(cat "$work/$name.pid")"
+}
+stop_one() { kill "$(cat "$work/$1.pid")" 2>/dev/null; wait "$(cat "$work/$1.pid")" 2>/dev/null; true; }
+
+step_serve() {
+    ensure_model || return 1
+    local rc=0 name device
+    # CPU f32 and GPU f32 (agreement, as `verify` measures it); GPU f16, the default dtype
+    # (what `launch` is compared with).
+    for spec in "serve-cpu cpu --weights f32" "serve-cuda-f32 cuda --dtype f32" "serve-cuda cuda"; do
+        set -- $spec
+        name=$1 device=$2
+        shift 2
+        local port
+        port=$(free_port)
+        if serve_one "$name" "$device" "$port" "$@"; then
+            chat "http://127.0.0.1:$port" "$raw/$name.json" || rc=1
+        else
+            rc=1
+            tail -5 "$raw/$name.log"
+        fi
+        stop_one "$name"
+    done
+    return $rc
+}
+step_launch() {
+    ensure_model || return 1
+    local port rc=0
+    port=$(free_port)
+    "$bin" launch --model "$gguf" --served-model-name m --device cuda \
+        --prefill 1 --decode 1 --port "$port" >"$raw/launch.log" 2>&1 &
+    local pid=$!
+    if wait_health "http://127.0.0.1:$port" 120 "$pid"; then
+        chat "http://127.0.0.1:$port" "$raw/launch.json" || rc=1
+    else
+        rc=1
+        tail -20 "$raw/launch.log"
+    fi
+    kill -INT "$pid" 2>/dev/null
+    for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+    kill -9 "$pid" 2>/dev/null
+    wait "$pid" 2>/dev/null
+    return $rc
+}
+
+export bin raw work gguf root
+export -f ensure_model step_verify step_bench step_transfer step_verify16 step_hf wait_health \
+    free_port chat serve_one stop_one step_serve step_launch
+run_step verify 150 step_verify
+run_step bench 90 step_bench
+run_step transfer 100 step_transfer
+run_step verify16 90 step_verify16
+run_step serve 120 step_serve
+run_step launch 120 step_launch
+run_step hf 90 step_hf
+
+python3 - "$raw" "$status" "$out/summary.json" <<'PY'
+import glob, json, os, sys
+raw, status, dest = sys.argv[1:4]
+def load(name):
+    try:
+        return json.load(open(os.path.join(raw, name)))
+    except Exception as e:
+        return None
+s = {"steps": [json.loads(l) for l in open(status) if l.strip()]}
+s["probe"] = load("probe.json")
+for name in ["verify-f32", "verify-f16"]:
+    r = load(name + ".json")
+    if r is None:
+        continue
+    s[name] = {
+        "dtype": r.get("dtype"), "cpu_format": r.get("cpu_format"),
+        "greedy": [{"prompt_tokens": len(g["prompt_ids"]), "matched": g["matched"],
+                    "of": len(g["cpu"]), "divergence": g["divergence"]} for g in r["greedy"]],
+        "handoff": [{"name": h["name"], "identical": h["identical"]} for h in r["handoff"]],
+        "speed": r.get("speed"), "transfer": r.get("transfer"),
+    }
+s["hf"] = load("hf.json")
+try:
+    s["bench_model"] = open(os.path.join(raw, "bench-model.txt")).read()[-3000:]
+except OSError:
+    pass
+tr = {}
+for f in sorted(glob.glob(os.path.join(raw, "transfer-io*.json"))):
+    n = f.rsplit("io", 1)[1].split(".")[0]
+    rows = json.load(open(f))
+    by = {}
+    for row in rows:
+        by.setdefault(row.get("size_bytes", row.get("size")), {})[row["backend"]] = row.get("gbps", row.get("GB/s"))
+    tr[n] = {"rows": rows, "quic_over_tcp": {str(k): (v["quic"] / v["tcp"] if v.get("tcp") and v.get("quic") else None) for k, v in by.items()}}
+s["transfer_io_threads"] = tr
+def text(name):
+    # The synthetic model's tokens mostly decode to nothing: compare token ids.
+    r = load(name)
+    try:
+        return r["choices"][0]["token_ids"]
+    except Exception:
+        return None if r is None else r
+for k in ["serve-cpu", "serve-cuda-f32", "serve-cuda", "launch"]:
+    s[k] = text(k + ".json")
+if isinstance(s.get("serve-cpu"), list) and isinstance(s.get("serve-cuda-f32"), list):
+    s["serve_cuda_f32_equals_cpu_f32"] = s["serve-cpu"] == s["serve-cuda-f32"]
+if isinstance(s.get("launch"), list) and isinstance(s.get("serve-cuda"), list):
+    s["launch_1p1d_equals_colocated_cuda"] = s["launch"] == s["serve-cuda"]
+json.dump(s, open(dest, "w"), indent=1)
+print(json.dumps({k: v for k, v in s.items() if k not in ("bench_model", "transfer_io_threads")}, indent=1)[:6000])
+for n, t in tr.items():
+    print("quic/tcp io_threads", n, t["quic_over_tcp"])
+PY
+# Servers of a step that ran out of time.
+pkill -f "$bin (serve|launch)" 2>/dev/null
+tar czf "$out/results.tgz" -C "$work" raw 2>/dev/null
+echo "device check: $(($(date +%s) - start)) s"

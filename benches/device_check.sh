@@ -25,8 +25,8 @@
 #             hand-offs GPU prefill -> host mirror -> CPU decode and -> second GPU group;
 #             prefill/decode tokens/s at batch 1 and 32; KV GB/s beside cuMemcpy
 #   bench     `bench model --device cuda --dtype f16` on the same synthetic GGUF
-#   transfer  `bench transfer --backend tcp --backend quic --io-threads N` for N = 2, 4, 8
-#             (the machine's 16 cores; quic's target is >= 0.8x plain tcp)
+#   transfer  `bench transfer --backend tcp --backend quic --io-threads N` for N = 2, 4, 8,
+#             and reads at 8 (the machine's 16 cores; quic's target is >= 0.8x plain tcp)
 #   verify16  `cuda verify --dtype f16 --cpu-weights auto`: GPU f16 vs the CPU default
 #   serve     `serve --device cuda` answering a greedy chat completion, compared with
 #             `serve` on the CPU (f32 weights both)
@@ -136,6 +136,9 @@ step_transfer() {
         "$bin" bench transfer --backend tcp --backend quic --tcp-integrity none \
             --io-threads "$n" --json >"$raw/transfer-io$n.json" || return 1
     done
+    # Reads: pull mode's direction (decode reads what prefill holds).
+    "$bin" bench transfer --backend tcp --backend quic --tcp-integrity none --reads \
+        --io-threads 8 --json >"$raw/transfer-io8r.json"
 }
 step_verify16() {
     "$bin" cuda verify --dtype f16 --cpu-weights auto --tokens 32 --json >"$raw/verify-f16.json"
@@ -254,7 +257,7 @@ except OSError:
     pass
 tr = {}
 for f in sorted(glob.glob(os.path.join(raw, "transfer-io*.json"))):
-    n = f.rsplit("io", 1)[1].split(".")[0]
+    n = f.rsplit("io", 1)[1].split(".")[0]  # "8r": reads at 8 I/O threads
     rows = json.load(open(f))
     by = {}
     for row in rows:

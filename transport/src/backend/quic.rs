@@ -62,6 +62,8 @@ use crate::seam::{Backend, BoxFut, EngineCore, Link};
 
 /// Streams in flight per connection.
 const MAX_STREAMS: usize = 64;
+/// Most server endpoints (sockets of the `SO_REUSEPORT` group), one per I/O thread.
+const MAX_SERVER_ENDPOINTS: usize = 16;
 /// Socket send and receive buffers asked for (the kernel caps them at `wmem_max`/`rmem_max`).
 const SOCKET_BUFFER: usize = 8 << 20;
 /// Largest UDP payload MTU discovery may reach: the largest IPv4 UDP datagram. Discovery
@@ -140,10 +142,21 @@ impl quinn::AsyncUdpSocket for BoundedGsoSocket {
 }
 
 /// A UDP socket bound to `addr` with large buffers, sending batches through
-/// [`BoundedGsoSocket`].
-fn bulk_socket(addr: SocketAddr) -> Result<Arc<dyn quinn::AsyncUdpSocket>> {
+/// [`BoundedGsoSocket`]. With `reuse_port` it joins `addr`'s `SO_REUSEPORT` group: the kernel
+/// hands each remote (address, port) to one socket of the group, so the server's endpoints
+/// share its one advertised port and split its connections.
+fn bulk_socket(addr: SocketAddr, reuse_port: bool) -> Result<Arc<dyn quinn::AsyncUdpSocket>> {
     use std::os::fd::AsRawFd;
-    let socket = std::net::UdpSocket::bind(addr)?;
+    let raw = socket2::Socket::new(
+        socket2::Domain::for_address(addr),
+        socket2::Type::DGRAM,
+        Some(socket2::Protocol::UDP),
+    )?;
+    if reuse_port {
+        raw.set_reuse_port(true)?;
+    }
+    raw.bind(&addr.into())?;
+    let socket: std::net::UdpSocket = raw.into();
     for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
         let size = SOCKET_BUFFER as libc::c_int;
         // SAFETY: a valid socket and a c_int option value of the right size.
@@ -200,9 +213,35 @@ fn bulk_transport(peer_timeout: std::time::Duration) -> Result<Arc<quinn::Transp
 }
 
 pub(crate) struct QuicBackend {
-    endpoint: quinn::Endpoint,
+    /// The server's endpoints: one per I/O thread, all on the advertised port (one
+    /// `SO_REUSEPORT` group), so the kernel spreads incoming connections over their sockets
+    /// and receive paths instead of funnelling every datagram through one.
+    endpoints: Vec<quinn::Endpoint>,
+    /// What a client endpoint is built from (one per outgoing connection).
+    client: ClientEndpoints,
     addr: SocketAddr,
     max_reg: Option<u64>,
+}
+
+/// Builds the client side's endpoints: each outgoing connection gets its own socket (its own
+/// local port, so the server's `SO_REUSEPORT` group may hand it to another endpoint, and its
+/// own receive path for pull-mode reads).
+#[derive(Clone)]
+struct ClientEndpoints {
+    creds: crate::control::tls::MemberCredentials,
+    bind: SocketAddr,
+    peer_timeout: std::time::Duration,
+}
+
+impl ClientEndpoints {
+    fn endpoint(&self) -> Result<quinn::Endpoint> {
+        self.creds.quic_endpoint_on(
+            bulk_socket(self.bind, false)?,
+            ALPN_TRANSFER,
+            bulk_transport(self.peer_timeout)?,
+            bulk_endpoint()?,
+        )
+    }
 }
 
 impl QuicBackend {
@@ -212,70 +251,94 @@ impl QuicBackend {
             .credentials
             .as_ref()
             .ok_or_else(|| TransportError::Config("quic needs credentials".into()))?;
-        let endpoint = creds.quic_endpoint_on(
-            bulk_socket(core.config.listen)?,
-            ALPN_TRANSFER,
-            bulk_transport(core.config.peer_timeout)?,
-            bulk_endpoint()?,
-        )?;
-        let addr = endpoint.local_addr()?;
-        let ep = endpoint.clone();
-        let core2 = core.clone();
-        tokio::spawn(async move {
-            while let Some(incoming) = ep.accept().await {
-                let core = core2.clone();
-                tokio::spawn(async move {
-                    let remote = incoming.remote_address();
-                    let conn = match incoming.await {
-                        Ok(c) => c,
-                        Err(e) => {
-                            tracing::warn!(%remote, error = %e, "refused transfer connection (TLS handshake failed)");
-                            return;
-                        }
-                    };
-                    // The peer's name is the node its certificate is bound to; a HELLO
-                    // announcing another engine name is refused (`proto::serve`).
-                    let certified = match peer_certificate(&conn).and_then(|c| certified_node(&c)) {
-                        Ok(node) => node,
-                        Err(e) => {
-                            tracing::warn!(%remote, error = %e, "refused transfer connection");
-                            let reason = e.to_string();
-                            let reason = &reason.as_bytes()[..reason.len().min(256)];
-                            conn.close(quinn::VarInt::from_u32(1), reason);
-                            return;
-                        }
-                    };
-                    // Shared by the connection's streams: its name, nonce and proven key (a
-                    // grant's peer must be the certified node).
-                    let shared = ConnShared::named(certified);
-                    while let Ok((mut send, mut recv)) = conn.accept_bi().await {
-                        let ctx = ServerCtx {
-                            core: core.clone(),
-                            backend: BackendKind::Quic,
-                            conn: shared.clone(),
-                            remote_addr: remote.to_string(),
-                            rdma_accept: None,
-                        };
-                        tokio::spawn(async move {
-                            match proto::serve(&ctx, &mut recv, &mut send).await {
-                                Ok(()) => {
-                                    let _ = send.finish();
-                                }
-                                Err(e) => {
-                                    tracing::debug!(peer = %ctx.remote_addr, error = %e, "transfer stream ended")
-                                }
-                            }
-                        });
-                    }
-                });
-            }
-        });
+        let group = core.config.io_threads.clamp(1, MAX_SERVER_ENDPOINTS);
+        let mut endpoints = Vec::with_capacity(group);
+        let mut bind = core.config.listen;
+        for _ in 0..group {
+            let endpoint = creds.quic_endpoint_on(
+                bulk_socket(bind, true)?,
+                ALPN_TRANSFER,
+                bulk_transport(core.config.peer_timeout)?,
+                bulk_endpoint()?,
+            )?;
+            // The rest of the group binds the port the first one got.
+            bind = endpoint.local_addr()?;
+            serve_endpoint(endpoint.clone(), core.clone());
+            endpoints.push(endpoint);
+        }
+        let addr = bind;
         Ok(Self {
-            endpoint,
+            endpoints,
+            client: ClientEndpoints {
+                creds: creds.clone(),
+                bind: SocketAddr::new(addr.ip(), 0),
+                peer_timeout: core.config.peer_timeout,
+            },
             addr,
             max_reg: core.config.max_registration_bytes,
         })
     }
+}
+
+impl Drop for QuicBackend {
+    fn drop(&mut self) {
+        for e in &self.endpoints {
+            e.close(quinn::VarInt::from_u32(0), b"engine stopped");
+        }
+    }
+}
+
+/// Accepts transfer connections on one server endpoint, each stream served by its own task.
+fn serve_endpoint(ep: quinn::Endpoint, core: Arc<EngineCore>) {
+    tokio::spawn(async move {
+        while let Some(incoming) = ep.accept().await {
+            let core = core.clone();
+            tokio::spawn(async move {
+                let remote = incoming.remote_address();
+                let conn = match incoming.await {
+                    Ok(c) => c,
+                    Err(e) => {
+                        tracing::warn!(%remote, error = %e, "refused transfer connection (TLS handshake failed)");
+                        return;
+                    }
+                };
+                // The peer's name is the node its certificate is bound to; a HELLO
+                // announcing another engine name is refused (`proto::serve`).
+                let certified = match peer_certificate(&conn).and_then(|c| certified_node(&c)) {
+                    Ok(node) => node,
+                    Err(e) => {
+                        tracing::warn!(%remote, error = %e, "refused transfer connection");
+                        let reason = e.to_string();
+                        let reason = &reason.as_bytes()[..reason.len().min(256)];
+                        conn.close(quinn::VarInt::from_u32(1), reason);
+                        return;
+                    }
+                };
+                // Shared by the connection's streams: its name, nonce and proven key (a
+                // grant's peer must be the certified node).
+                let shared = ConnShared::named(certified);
+                while let Ok((mut send, mut recv)) = conn.accept_bi().await {
+                    let ctx = ServerCtx {
+                        core: core.clone(),
+                        backend: BackendKind::Quic,
+                        conn: shared.clone(),
+                        remote_addr: remote.to_string(),
+                        rdma_accept: None,
+                    };
+                    tokio::spawn(async move {
+                        match proto::serve(&ctx, &mut recv, &mut send).await {
+                            Ok(()) => {
+                                let _ = send.finish();
+                            }
+                            Err(e) => {
+                                tracing::debug!(peer = %ctx.remote_addr, error = %e, "transfer stream ended")
+                            }
+                        }
+                    });
+                }
+            });
+        }
+    });
 }
 
 impl Backend for QuicBackend {
@@ -301,7 +364,7 @@ impl Backend for QuicBackend {
         addr: String,
         auth: Option<ClientAuth>,
     ) -> BoxFut<Result<Arc<dyn Link>>> {
-        let endpoint = self.endpoint.clone();
+        let client = self.client.clone();
         Box::pin(async move {
             let sock: SocketAddr = addr
                 .parse()
@@ -309,7 +372,8 @@ impl Backend for QuicBackend {
             let mut conns = Vec::with_capacity(core.config.tcp_connections);
             let mut node = None;
             for _ in 0..core.config.tcp_connections {
-                let conn = endpoint
+                let conn = client
+                    .endpoint()?
                     .connect(sock, MEMBER_SERVER_NAME)
                     .map_err(|e| TransportError::Config(e.to_string()))?
                     .await

@@ -32,8 +32,9 @@
 #             `serve` on the CPU (f32 weights both)
 #   launch    `launch --device cuda` 1P1D (prefill and decode on the one GPU) against a
 #             colocated `serve --device cuda`: greedy tokens identical
-#   hf        HF transformers (f16, KV cache on) on the HF export of the same weights:
-#             greedy tokens and tokens/s (benches/cuda_hf_reference.py)
+#   hf        pdserve (`cuda verify --model HF_EXPORT --dtype f16 --bench`) and HF transformers
+#             (f16, KV cache on) on the HF export of the synthetic model's unquantized weights:
+#             greedy tokens compared, tokens/s beside each other (benches/cuda_hf_reference.py)
 #
 # The model is a seeded synthetic model of SmolLM2-135M's shape written as a Q4_1 GGUF (the
 # real 93 MB GGUF does not fit what can be carried to a GPU machine).
@@ -144,10 +145,13 @@ step_verify16() {
     "$bin" cuda verify --dtype f16 --cpu-weights auto --tokens 32 --json >"$raw/verify-f16.json"
 }
 step_hf() {
-    [ -f "$raw/verify-f32.json" ] || return 1
-    python3 benches/cuda_hf_reference.py "$work/hf-model" "$raw/verify-f32.json" >"$raw/hf.json"
+    # The HF export holds the synthetic model's unquantized weights (the GGUF is Q4_1), so
+    # pdserve runs on the export itself (f16, as HF does) and HF is compared with that.
+    [ -d "$work/hf-model" ] || return 1
+    "$bin" cuda verify --model "$work/hf-model" --dtype f16 --cpu-weights f32 --tokens 32 \
+        --bench --json >"$raw/verify-hf.json" || return 1
+    python3 benches/cuda_hf_reference.py "$work/hf-model" "$raw/verify-hf.json" >"$raw/hf.json"
 }
-
 # wait_health URL LIMIT_S PID: waits for /health while PID lives, at most LIMIT_S seconds.
 wait_health() {
     local url="$1" limit="$2" pid="$3" i
@@ -239,7 +243,7 @@ def load(name):
         return None
 s = {"steps": [json.loads(l) for l in open(status) if l.strip()]}
 s["probe"] = load("probe.json")
-for name in ["verify-f32", "verify-f16"]:
+for name in ["verify-f32", "verify-f16", "verify-hf"]:
     r = load(name + ".json")
     if r is None:
         continue

@@ -90,8 +90,9 @@ fn serve_and_launch_on_cuda_without_a_usable_gpu_are_clear_errors() {
             "cuda",
             "--model",
             "synthetic:tiny",
+            // It fails before binding: the port is never taken.
             "--port",
-            "0",
+            "18731",
         ][..],
         &[
             "launch",

@@ -6,7 +6,7 @@
 //! without `--features cuda` says so) instead of a panic.
 
 use super::ModelArgs;
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
 use pdserve_gpu::bench::{ModelBenchOptions, ModelBenchResult};
 use pdserve_gpu::device::{check_device, probe_cuda, Device};
@@ -85,8 +85,9 @@ pub(crate) fn check(device: Device, tp: usize) -> Result<()> {
         .with_context(|| format!("--device {device}"))
 }
 
-/// `serve` with `model.device` other than cpu: the device must be usable, and then serving is
-/// refused until the actors layer drives CUDA ranks (docs/cuda.md says what to wire).
+/// `serve` with `model.device` other than cpu: the device must be usable (a binary built
+/// with `--features cuda`, a driver, enough GPUs for `model.tp`) before anything is loaded;
+/// then the instance's TP workers start CUDA ranks (docs/cuda.md, "Wiring into the actors").
 pub(crate) fn check_serving(cfg: &pdserve_runtime::config::ServeConfig) -> Result<()> {
     let device: Device = cfg
         .model
@@ -96,12 +97,7 @@ pub(crate) fn check_serving(cfg: &pdserve_runtime::config::ServeConfig) -> Resul
     if !device.is_cuda() {
         return Ok(());
     }
-    check(device, cfg.model.tp)?;
-    bail!(
-        "model.device {device}: this build runs CUDA in `pdserve generate`, `bench model` and \
-         `cuda verify`; serving on CUDA needs the actors layer to start CUDA ranks \
-         (see docs/cuda.md, \"Wiring into the actors\")"
-    )
+    check(device, cfg.model.tp)
 }
 
 pub(crate) fn run(cmd: CudaCommand) -> Result<()> {

@@ -55,6 +55,14 @@ pub struct LaunchArgs {
     /// Tensor-parallel ranks per instance.
     #[arg(long, default_value_t = 1)]
     tp: usize,
+    /// Where every instance's ranks run (`model.device`): cpu, cuda or cuda:N (a binary built
+    /// with `--features cuda` and an NVIDIA driver; checked before anything starts). On one
+    /// GPU, prefill and decode instances share it.
+    #[arg(long, default_value = "cpu")]
+    device: pdserve_gpu::device::Device,
+    /// CUDA matmul weight type of every instance (`model.dtype`): auto, f16, bf16, f32.
+    #[arg(long, default_value = "auto")]
+    dtype: String,
     /// KV transport between instances: shm, tcp or quic (mutual TLS with the launcher's
     /// ephemeral cluster credentials).
     #[arg(long, default_value = "shm")]
@@ -395,6 +403,9 @@ struct InstanceTemplate {
     api_key: Option<String>,
     /// `--no-prefix-cache` on every instance.
     no_prefix_cache: bool,
+    /// `--device` and `--dtype` of every instance.
+    device: String,
+    dtype: String,
 }
 
 impl InstanceTemplate {
@@ -424,6 +435,10 @@ impl InstanceTemplate {
             self.mode,
             "--drain-timeout",
             &self.drain_timeout.to_string(),
+            "--device",
+            &self.device,
+            "--dtype",
+            &self.dtype,
         ]
         .iter()
         .map(|s| s.to_string())
@@ -571,6 +586,8 @@ pub fn run(args: LaunchArgs) -> Result<()> {
     if args.prefill == 0 || args.decode == 0 {
         bail!("a cluster needs at least one prefill and one decode instance");
     }
+    // A device that cannot run fails here, with its reason, before any child starts.
+    crate::cuda::check(args.device, args.tp)?;
     // Fetch the model once, here, with its progress bar, before children race for it.
     if args.model == "default" {
         pdserve_gpu::fetch::pull_default_model(pdserve_gpu::fetch::Progress::Show)?;
@@ -621,6 +638,8 @@ pub fn run(args: LaunchArgs) -> Result<()> {
             drain_timeout: args.drain_timeout,
             api_key: args.api_key.clone(),
             no_prefix_cache: args.no_prefix_cache,
+            device: args.device.to_string(),
+            dtype: args.dtype.clone(),
         };
         let mut members = Vec::new();
         for (role, count) in [("prefill", args.prefill), ("decode", args.decode)] {
@@ -777,6 +796,8 @@ async fn run_in_process(args: LaunchArgs, threads: usize, creds: &LaunchCredenti
             o.drain_timeout = Duration::from_secs(args.drain_timeout);
             o.num_blocks = None;
             o.kv_cache_bytes = 256 << 20;
+            o.device =
+                pdserve_actors::worker::RankDevice::for_device(args.device, &args.dtype, role)?;
             o.transfer = Some(pdserve_transport::TransferConfig::new(
                 pdserve_transport::BackendKind::Local,
                 name.clone(),

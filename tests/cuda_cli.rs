@@ -69,3 +69,45 @@ fn bad_device_names_and_cpu_formats_on_cuda_are_refused() {
         "{err}"
     );
 }
+
+#[test]
+fn serve_and_launch_on_cuda_without_a_usable_gpu_are_clear_errors() {
+    if has_cuda_driver() && cfg!(feature = "cuda") {
+        println!("SKIPPED: a CUDA driver answers and this build has `cuda`: no error to check");
+        return;
+    }
+    let want = if cfg!(feature = "cuda") {
+        "no CUDA driver"
+    } else {
+        "built without CUDA support"
+    };
+    // `serve` accepts model.device = cuda (the actors start CUDA ranks) once the device is
+    // usable: here it is not, and it fails on that before loading anything.
+    for args in [
+        &[
+            "serve",
+            "--device",
+            "cuda",
+            "--model",
+            "synthetic:tiny",
+            // It fails before binding: the port is never taken.
+            "--port",
+            "18731",
+        ][..],
+        &[
+            "launch",
+            "--device",
+            "cuda:0",
+            "--model",
+            "synthetic:tiny",
+            "--port",
+            "0",
+        ][..],
+    ] {
+        let (ok, err) = pdserve(args);
+        assert!(!ok, "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+        assert!(!err.contains("actors do not start"), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}

@@ -23,7 +23,7 @@ use crate::scheduler::{
     NewRequest, RequestStream, SchedulerConfig, SchedulerHandle, SchedulerStats,
 };
 use crate::supervisor::{InstanceArgs, InstanceSupervisor, SupervisorHandle};
-use crate::worker::WorkerSpec;
+use crate::worker::{KvMirror, RankDevice, WorkerSpec};
 use pdserve_gpu::kv::KvDtype;
 use pdserve_gpu::loader::LoadedModel;
 use pdserve_gpu::tp::TpOptions;
@@ -108,8 +108,11 @@ pub struct InstanceOptions {
     /// Limits on image input (`[multimodal]`; vision-language models).
     pub multimodal: pdserve_runtime::config::MultimodalSection,
     /// KV cache tiers below the block pool (`[kv_tiers]`); `None`: off. Needs the prefix
-    /// cache.
+    /// cache; refused with a device KV cache ([`RankDevice::private_kv`]).
     pub kv_tiers: Option<crate::kv_tiers::TierSettings>,
+    /// Where the ranks run (`model.device`) and, with a device KV cache, its host mirror
+    /// (by `instance.role`): CPU by default.
+    pub device: RankDevice,
 }
 
 impl InstanceOptions {
@@ -165,6 +168,7 @@ impl InstanceOptions {
             control: InstanceControl::from_config(cfg)?,
             multimodal: cfg.multimodal.clone(),
             kv_tiers: tier_settings(cfg),
+            device: rank_device(cfg)?,
         })
     }
 
@@ -204,8 +208,65 @@ impl InstanceOptions {
             control: None,
             multimodal: Default::default(),
             kv_tiers: None,
+            device: RankDevice::Cpu,
         }
     }
+}
+
+/// `model.device` (and `model.dtype`) as the workers take it; a CUDA rank's KV mirror by
+/// `instance.role` ([`KvMirror::for_role`]).
+fn rank_device(cfg: &ServeConfig) -> Result<RankDevice, StartError> {
+    let device: pdserve_gpu::device::Device = cfg
+        .model
+        .device
+        .parse()
+        .map_err(|e| StartError::config("model.device", e))?;
+    RankDevice::for_device(device, &cfg.model.dtype, cfg.instance.role)
+        .map_err(|e| StartError::config("model.device", e))
+}
+
+/// Refuses what a device KV cache cannot do (docs/cuda.md, "Wiring into the actors"): the
+/// KV tiers read and write the host KV cache directly; an instance with a transfer engine
+/// needs a KV mirror for peers to reach its KV; the CUDA cache is f32.
+fn check_device(opts: &InstanceOptions) -> Result<(), StartError> {
+    let device = &opts.device;
+    if !device.private_kv() {
+        return Ok(());
+    }
+    if opts.kv_tiers.is_some() && opts.prefix_cache {
+        return Err(StartError::config(
+            "kv_tiers",
+            format!(
+                "the KV cache tiers copy blocks out of and into the host KV cache, and this                  instance keeps its KV on the device (model.device {}): turn kv_tiers off",
+                device.name()
+            ),
+        ));
+    }
+    if opts.transfer.is_some() && device.mirror() == KvMirror::Off {
+        return Err(StartError::config(
+            "instance.role",
+            format!(
+                "a KV transfer engine on a device KV cache (model.device {}) needs a host                  mirror: role prefill (write-through) or decode (receive)",
+                device.name()
+            ),
+        ));
+    }
+    #[cfg(feature = "cuda")]
+    if matches!(device, RankDevice::Cuda { .. }) {
+        if opts.kv_dtype != KvDtype::F32 {
+            return Err(StartError::config(
+                "scheduler.kv_cache_dtype",
+                "the CUDA KV cache is f32 (f16 on the device waits for KvDtype::F16 wiring)",
+            ));
+        }
+        if opts.weights != WeightFormat::Auto {
+            return Err(StartError::config(
+                "model.weights",
+                "on CUDA the weight type is model.dtype; model.weights must be auto",
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// `[kv_tiers]` as the tiers take it (`None` when off).
@@ -319,6 +380,7 @@ impl Instance {
     /// # Errors
     /// Model sharding, memory, bind or control-plane failures, naming the failing part.
     pub async fn start(opts: InstanceOptions) -> Result<Self, StartError> {
+        check_device(&opts)?;
         let model = opts.model;
         // The structured-output compiler (a token trie over the vocabulary) is built in the
         // background now, not by the first constrained request.
@@ -360,6 +422,7 @@ impl Instance {
             },
             alloc: opts.alloc,
             faults: opts.faults.clone(),
+            device: opts.device.clone(),
         };
         let epochs = Epochs::new(opts.tp);
         let endpoint = opts

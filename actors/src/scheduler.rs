@@ -97,6 +97,18 @@ pub enum SchedulerMsg {
         /// T0 from the prefill side, or the failure.
         outcome: FetchOutcome,
     },
+    /// A rank ended uploading a request's landed KV from its host mirror to its device
+    /// (device KV caches only; see [`SchedulerArgs::upload_landed_kv`]).
+    KvUploaded {
+        /// Request.
+        id: RequestId,
+        /// Rank.
+        rank: usize,
+        /// The worker epoch the upload was sent to.
+        epoch: u64,
+        /// Done, or why not.
+        result: Result<(), String>,
+    },
     /// A decode instance renews the leases of blocks held for it; answers the transfers no
     /// longer held.
     RenewHeld(Vec<TransferId>, RpcReplyPort<Vec<TransferId>>),
@@ -203,6 +215,24 @@ pub struct SchedulerArgs {
     pub vocab_size: usize,
     /// The KV cache tiers below the block pool (`[kv_tiers]`), if on.
     pub tiers: Option<Arc<KvTiers>>,
+    /// Whether KV that a hand-off landed must be uploaded to each rank's device before the
+    /// request decodes (ranks with a device KV cache and a host mirror).
+    pub upload_landed_kv: bool,
+    /// Whether peers can read the KV this instance computes (false for a device KV cache
+    /// whose mirror only receives: requests that hold KV for a peer are refused).
+    pub serves_kv: bool,
+}
+
+/// Decode side, device KV: a request whose KV landed in the ranks' host mirrors, waiting for
+/// every rank's upload to the device before it may decode.
+struct PendingUpload {
+    first_token: u32,
+    first_logprobs: Option<TokenLogprobs>,
+    prefill_cached: usize,
+    /// The epoch of each rank's worker the upload went to.
+    epochs: Vec<u64>,
+    /// Ranks whose upload completed.
+    done: Vec<bool>,
 }
 
 struct InFlight {
@@ -275,6 +305,12 @@ pub struct SchedulerState {
     /// Blocks held until the end of the current message (restored prefixes, so the step
     /// planned right after cannot evict them before their request is admitted).
     pins: Vec<BlockAllocation>,
+    /// See [`SchedulerArgs::upload_landed_kv`].
+    upload_landed_kv: bool,
+    /// See [`SchedulerArgs::serves_kv`].
+    serves_kv: bool,
+    /// Requests whose landed KV is being uploaded, by request.
+    uploads: HashMap<RequestId, PendingUpload>,
 }
 
 impl Actor for Scheduler {
@@ -322,6 +358,9 @@ impl Actor for Scheduler {
             kv_sender: args.kv_sender,
             aborted_transfers: Default::default(),
             vocab_size: args.vocab_size,
+            upload_landed_kv: args.upload_landed_kv,
+            serves_kv: args.serves_kv,
+            uploads: HashMap::new(),
         })
     }
 
@@ -365,6 +404,30 @@ impl Actor for Scheduler {
                     r => r,
                 };
                 let out = match result {
+                    // With a device KV cache the KV landed in the host mirrors: every rank
+                    // uploads it before the request may decode.
+                    Ok(first_token)
+                        if st.upload_landed_kv
+                            && !outcome.landed_blocks.is_empty()
+                            && matches!(
+                                st.core.state(id),
+                                Some(RequestState::WaitingForRemoteKv | RequestState::Transferring)
+                            ) =>
+                    {
+                        st.start_upload(
+                            id,
+                            outcome.landed_blocks,
+                            PendingUpload {
+                                first_token,
+                                first_logprobs: outcome.first_logprobs,
+                                prefill_cached: outcome
+                                    .prefill_cached_tokens
+                                    .map_or(0, |n| n as usize),
+                                epochs: Vec::new(),
+                                done: Vec::new(),
+                            },
+                        )
+                    }
                     // An abort while the KV was landing leaves nothing to resume.
                     Ok(first_token) => st
                         .core
@@ -387,6 +450,15 @@ impl Actor for Scheduler {
                         }
                     }
                 };
+                st.dispatch(out);
+            }
+            SchedulerMsg::KvUploaded {
+                id,
+                rank,
+                epoch,
+                result,
+            } => {
+                let out = st.on_uploaded(id, rank, epoch, result);
                 st.dispatch(out);
             }
             SchedulerMsg::HeldBlocks(transfer, reply) => {
@@ -504,6 +576,7 @@ impl Actor for Scheduler {
                 // gone, so those requests fail.
                 let mut out = Vec::new();
                 for id in st.core.receiving() {
+                    st.uploads.remove(&id);
                     st.abort_request(id);
                     out.push(Output::Failed {
                         id,
@@ -552,6 +625,14 @@ impl SchedulerState {
         {
             tracing::info!(request = %id, %transfer, "hand-off aborted before its prompt arrived");
             let _ = sink.try_send(RequestEvent::Failed(RequestError::Aborted));
+            return;
+        }
+        if hold_for.is_some() && !self.serves_kv {
+            let _ = sink.try_send(RequestEvent::Failed(RequestError::BadRequest(
+                "this instance keeps its KV on the device with a receive-only host mirror \
+                 (role decode): it cannot hand KV to a peer"
+                    .into(),
+            )));
             return;
         }
         let prompt_tokens = request.prompt.len();
@@ -879,6 +960,97 @@ impl SchedulerState {
         }
     }
 
+    /// Sends the upload of `blocks` (landed in the host mirrors) to every rank; the request
+    /// decodes once all of them answered ([`SchedulerState::on_uploaded`]). Fails it at once
+    /// when a rank is down.
+    fn start_upload(
+        &mut self,
+        id: RequestId,
+        blocks: Vec<u32>,
+        mut pending: PendingUpload,
+    ) -> Vec<Output> {
+        let mut epochs = Vec::with_capacity(self.workers.len());
+        for (rank, w) in self.workers.iter().enumerate() {
+            let Some((epoch, worker)) = w else {
+                return self.upload_failed(id, format!("TP rank {rank} is restarting"));
+            };
+            epochs.push((*epoch, worker.clone(), rank));
+        }
+        pending.epochs = epochs.iter().map(|(e, _, _)| *e).collect();
+        pending.done = vec![false; epochs.len()];
+        self.uploads.insert(id, pending);
+        tracing::debug!(request = %id, blocks = blocks.len(), "uploading landed KV to the device");
+        for (epoch, worker, rank) in epochs {
+            let me = self.me.clone();
+            let done: crate::worker::UploadCallback = Box::new(move |r| {
+                let _ = me.cast(SchedulerMsg::KvUploaded {
+                    id,
+                    rank,
+                    epoch,
+                    result: r.map_err(|e| e.to_string()),
+                });
+            });
+            let msg = WorkerMsg::UploadKv {
+                blocks: blocks.clone(),
+                done,
+            };
+            if worker.cast(msg).is_err() {
+                // The worker is gone (its restart is reported as WorkerDown, which fails
+                // the request).
+                tracing::warn!(request = %id, rank, "KV upload not sent: the worker is gone");
+            }
+        }
+        Vec::new()
+    }
+
+    /// One rank's upload of a request's landed KV ended.
+    fn on_uploaded(
+        &mut self,
+        id: RequestId,
+        rank: usize,
+        epoch: u64,
+        result: Result<(), String>,
+    ) -> Vec<Output> {
+        let Some(p) = self.uploads.get_mut(&id) else {
+            return Vec::new(); // failed or aborted meanwhile
+        };
+        if p.epochs.get(rank) != Some(&epoch) {
+            return Vec::new();
+        }
+        if let Err(e) = result {
+            self.uploads.remove(&id);
+            return self.upload_failed(id, format!("TP rank {rank}: {e}"));
+        }
+        p.done[rank] = true;
+        if !p.done.iter().all(|&d| d) {
+            return Vec::new();
+        }
+        let p = self.uploads.remove(&id).expect("present");
+        self.core
+            .remote_kv_ready(
+                id,
+                p.first_token,
+                p.first_logprobs,
+                p.prefill_cached,
+                Instant::now(),
+            )
+            .unwrap_or_default()
+    }
+
+    /// A request's landed KV could not be uploaded: it fails like a failed transfer (its
+    /// blocks go back to the pool).
+    fn upload_failed(&mut self, id: RequestId, reason: String) -> Vec<Output> {
+        tracing::warn!(request = %id, %reason, "KV upload to the device failed");
+        if self.core.abort(id) {
+            vec![Output::Failed {
+                id,
+                error: RequestError::KvTransfer(HandoffError::Upload(reason)),
+            }]
+        } else {
+            Vec::new()
+        }
+    }
+
     /// Each rank's worker epoch (`None` while it is down).
     fn worker_epochs(&self) -> Vec<Option<u64>> {
         self.workers
@@ -890,6 +1062,7 @@ impl SchedulerState {
     /// Drops a request; one whose KV is still arriving has its hand-off stopped too (the
     /// receiver tells the prefill side). Returns whether it existed.
     fn abort_request(&mut self, id: RequestId) -> bool {
+        self.uploads.remove(&id);
         let receiving = matches!(
             self.core.state(id),
             Some(RequestState::WaitingForRemoteKv | RequestState::Transferring)

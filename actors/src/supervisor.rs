@@ -342,6 +342,9 @@ impl Actor for InstanceSupervisor {
                 kv_sender: kv_sender.clone(),
                 vocab_size: args.worker.config.vocab_size,
                 tiers: args.tiers.clone(),
+                upload_landed_kv: args.worker.device.private_kv(),
+                serves_kv: !args.worker.device.private_kv()
+                    || args.worker.device.mirror() == crate::worker::KvMirror::WriteThrough,
             },
             sup(),
             hook("Scheduler"),

@@ -1,19 +1,30 @@
-//! The TpWorker actor: one tensor-parallel rank. It owns a [`RankExecutor`] — the rank's model
-//! shard and KV region on a dedicated OS thread — forwards each step to it and lets the
-//! executor report straight back through the worker's [`ReportSink`] (a
-//! [`WorkerReport::StepDone`] tagged with this worker's epoch; the supervisor points the sink
-//! at the Scheduler). The mailbox never waits on compute.
+//! The TpWorker actor: one tensor-parallel rank. It owns the rank's executor — the model
+//! shard and KV cache on a dedicated OS thread: the CPU `RankExecutor`, a
+//! `CudaRankExecutor` (feature `cuda`) or the tests' CPU stand-in of one, by
+//! [`WorkerSpec::device`] (see [`executor`]) — forwards each step to it and lets the executor
+//! report straight back through the worker's [`ReportSink`] (a [`WorkerReport::StepDone`]
+//! tagged with this worker's epoch; the supervisor points the sink at the Scheduler). The
+//! mailbox never waits on compute.
 //!
 //! Messages: [`WorkerMsg`]. Supervised by the `InstanceSupervisor`, which restarts a failed
 //! worker with a new epoch (a fresh executor, shard and KV region) under a restart budget and
 //! escalates when the budget is spent. The executor thread of a dead worker exits when its
-//! queue closes; reports it still sends carry the old epoch and are dropped.
+//! queue closes; reports it still sends carry the old epoch and are dropped. A device-backed
+//! executor whose step fails with a device runtime error is presumed lost (CUDA errors are
+//! sticky): the worker then fails on purpose, so the supervisor starts a fresh executor.
+
+pub mod executor;
+pub mod standin;
+
+pub use executor::{KvMirror, RankDevice};
+pub use standin::{StandInFaults, UploadCallback};
 
 use crate::mailbox::{Inbox, Mailbox};
+use executor::RankExec;
 use pdserve_gpu::collective::ThreadCollective;
 use pdserve_gpu::config::ModelConfig;
 use pdserve_gpu::model::Batch;
-use pdserve_gpu::tp::{LayerHook, RankExecutor, StepCallback, TpOptions};
+use pdserve_gpu::tp::{LayerHook, StepCallback, TpOptions};
 use pdserve_gpu::weights::TensorStore;
 use pdserve_gpu::ModelError;
 use pdserve_runtime::memory::HostMemoryAllocator;
@@ -37,6 +48,19 @@ pub enum WorkerMsg {
     /// message order: after the steps cast before it, before those cast after it. A full
     /// queue drops it (its batch then reports failure).
     Kv(pdserve_gpu::tp::KvJob),
+    /// Copy `blocks` (every layer) from the KV mirror, where a transfer landed them, to the
+    /// device, queued after the steps cast before it; `done` runs once it completed (at once
+    /// on the CPU executor). A refused upload (queue full, executor gone) calls `done` with
+    /// the error.
+    UploadKv {
+        /// The blocks that landed.
+        blocks: Vec<u32>,
+        /// Where the outcome goes.
+        done: UploadCallback,
+    },
+    /// The executor's device is lost (a step failed with a device runtime error): the worker
+    /// fails, so its supervisor starts a fresh executor.
+    DeviceLost(String),
 }
 
 /// Why a forward step failed on a rank, or a rank could not report on it.
@@ -97,6 +121,8 @@ pub struct WorkerSpec {
     pub alloc: Arc<dyn HostMemoryAllocator>,
     /// Test-only fault injection (the instance's injector: the supervisor's panic hooks).
     pub faults: Option<Arc<pdserve_runtime::faults::FaultInjector>>,
+    /// Where the ranks run (CPU, CUDA, the tests' stand-in) and their KV mirror.
+    pub device: RankDevice,
 }
 
 /// Everything one incarnation of one rank's worker needs.
@@ -121,7 +147,7 @@ pub struct TpWorker(pub Inbox);
 /// A worker's state.
 pub struct WorkerState {
     args: WorkerArgs,
-    executor: RankExecutor,
+    executor: RankExec,
 }
 
 impl Actor for TpWorker {
@@ -137,13 +163,7 @@ impl Actor for TpWorker {
         // Cutting the shard and mapping the KV region are blocking work: off the async threads.
         let a = args.clone();
         let executor = tokio::task::spawn_blocking(move || {
-            RankExecutor::spawn(
-                &a.spec.config,
-                &a.spec.store,
-                a.comm.clone(),
-                &a.spec.opts,
-                a.spec.alloc.as_ref(),
-            )
+            RankExec::spawn(&a.spec, a.comm.clone(), a.spec.alloc.as_ref())
         })
         .await??;
         (args.reports)(WorkerReport::Up {
@@ -151,13 +171,19 @@ impl Actor for TpWorker {
             epoch: args.epoch,
             worker: Mailbox::of(&myself, &self.0),
         })?;
-        tracing::info!(rank = args.rank, epoch = args.epoch, "TP worker ready");
+        tracing::info!(
+            rank = args.rank,
+            epoch = args.epoch,
+            device = args.spec.device.name(),
+            mirror = ?args.spec.device.mirror(),
+            "TP worker ready"
+        );
         Ok(WorkerState { args, executor })
     }
 
     async fn handle(
         &self,
-        _myself: ActorRef<Self::Msg>,
+        myself: ActorRef<Self::Msg>,
         msg: Self::Msg,
         st: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
@@ -170,7 +196,17 @@ impl Actor for TpWorker {
             } => {
                 let reports = st.args.reports.clone();
                 let (rank, epoch) = (st.args.rank, st.args.epoch);
+                // A device-backed executor that fails with a device error is lost: tell the
+                // worker (after the failure is reported, so the step fails first).
+                let lost_to = st
+                    .executor
+                    .device_backed()
+                    .then(|| Mailbox::of(&myself, &self.0));
                 let done: StepCallback = Box::new(move |result| {
+                    let lost = match (&result, lost_to) {
+                        (Err(e), Some(me)) if executor::device_lost(e) => Some((me, e.to_string())),
+                        _ => None,
+                    };
                     let result = result.map_err(StepError::from);
                     let _ = reports(WorkerReport::StepDone {
                         epoch,
@@ -178,6 +214,9 @@ impl Actor for TpWorker {
                         rank,
                         result,
                     });
+                    if let Some((me, reason)) = lost {
+                        let _ = me.cast(WorkerMsg::DeviceLost(reason));
+                    }
                 });
                 if let Err(e) = st.executor.submit(batch, hook, done) {
                     (st.args.reports)(WorkerReport::StepDone {
@@ -193,6 +232,30 @@ impl Actor for TpWorker {
                 if let Err(e) = st.executor.submit_kv(job) {
                     tracing::warn!(rank = st.args.rank, error = %e, "KV tier job dropped");
                 }
+            }
+            WorkerMsg::UploadKv { blocks, done } => {
+                // A refused job is dropped with its callback: keep `done` in a slot both the
+                // queued job and the refusal can take it from (exactly once).
+                let slot = Arc::new(std::sync::Mutex::new(Some(done)));
+                let take = |slot: &std::sync::Mutex<Option<UploadCallback>>| {
+                    slot.lock().unwrap_or_else(|e| e.into_inner()).take()
+                };
+                let queued_slot = slot.clone();
+                let queued: UploadCallback = Box::new(move |r| {
+                    if let Some(f) = take(&queued_slot) {
+                        f(r)
+                    }
+                });
+                if let Err(e) = st.executor.upload_kv(blocks, queued) {
+                    tracing::warn!(rank = st.args.rank, error = %e, "KV upload refused");
+                    if let Some(f) = take(&slot) {
+                        f(Err(e));
+                    }
+                }
+            }
+            WorkerMsg::DeviceLost(reason) => {
+                tracing::error!(rank = st.args.rank, %reason, "device lost: restarting the rank");
+                return Err(format!("TP rank {}: device lost: {reason}", st.args.rank).into());
             }
         }
         Ok(())

@@ -28,6 +28,8 @@
 //! role = "decode"
 //! host = "10.0.0.3"
 //! port = 8100
+//! # device = "cuda"        # model.device of this node: cpu (default), cuda, cuda:N
+//! # dtype = "f16"          # model.dtype on CUDA: auto, f16, bf16, f32
 //! ```
 //!
 //! With `cluster.credentials_dir` set, every node gets a control-plane endpoint (mutual-TLS
@@ -118,6 +120,13 @@ pub struct NodeSection {
     /// PEM private key of `tls_cert`.
     #[serde(default)]
     pub tls_key: Option<String>,
+    /// `model.device` of an instance node: `cpu` (default), `cuda` or `cuda:N` (needs a
+    /// binary built with `--features cuda` and a driver on that host).
+    #[serde(default)]
+    pub device: Option<String>,
+    /// `model.dtype` of an instance node on CUDA: `auto`, `f16`, `bf16`, `f32`.
+    #[serde(default)]
+    pub dtype: Option<String>,
 }
 
 /// HTTPS files of one node: `server.tls_*` of an instance, `proxy.tls_*` of the proxy.
@@ -240,6 +249,22 @@ impl Deployment {
                         "node `{}`: tls_cert and tls_key go together (HTTPS needs both)",
                         n.name
                     ),
+                );
+            }
+            if let Some(d) = n.device.as_deref().filter(|d| !crate::config::is_device(d)) {
+                return invalid(
+                    "node.device",
+                    format!("node `{}`: device `{d}` (cpu, cuda, cuda:N)", n.name),
+                );
+            }
+            if let Some(d) = n
+                .dtype
+                .as_deref()
+                .filter(|d| !crate::config::CUDA_DTYPES.contains(d))
+            {
+                return invalid(
+                    "node.dtype",
+                    format!("node `{}`: dtype `{d}` (auto, f16, bf16, f32)", n.name),
                 );
             }
             if n.host.parse::<std::net::IpAddr>().is_err() {
@@ -371,6 +396,8 @@ impl Deployment {
             tls_cert: node.tls_cert.clone(),
             tls_key: node.tls_key.clone(),
             tls_ca: self.cluster.tls_ca.clone(),
+            device: node.device.clone(),
+            dtype: node.dtype.clone(),
             ..ServeFlags::default()
         }
     }
@@ -459,6 +486,31 @@ port = 8200
         );
         let e = Deployment::parse(&missing, "test").unwrap_err().to_string();
         assert!(e.contains("control_port"), "{e}");
+    }
+
+    #[test]
+    fn a_node_may_run_on_cuda_and_bad_devices_are_refused_by_key() {
+        let text = GOOD.replace(
+            "port = 8200",
+            "port = 8200\ndevice = \"cuda:1\"\ndtype = \"bf16\"",
+        );
+        let d = Deployment::parse(&text, "test").unwrap();
+        let flags = d.instance_flags(d.node("decode-0").unwrap());
+        assert_eq!(
+            (flags.device.as_deref(), flags.dtype.as_deref()),
+            (Some("cuda:1"), Some("bf16"))
+        );
+        let p = d.instance_flags(d.node("prefill-0").unwrap());
+        assert_eq!((p.device, p.dtype), (None, None), "cpu unless a node says");
+        let bad = GOOD.replace("port = 8200", "port = 8200\ndevice = \"gpu\"");
+        let e = Deployment::parse(&bad, "test").unwrap_err().to_string();
+        assert!(
+            e.contains("node.device") || e.contains("device `gpu`"),
+            "{e}"
+        );
+        let bad = GOOD.replace("port = 8200", "port = 8200\ndtype = \"f64\"");
+        let e = Deployment::parse(&bad, "test").unwrap_err().to_string();
+        assert!(e.contains("dtype `f64`"), "{e}");
     }
 
     #[test]

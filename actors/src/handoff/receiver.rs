@@ -99,6 +99,10 @@ pub struct FetchOutcome {
     /// Leading prompt tokens the prefill instance took from its prefix cache, when it said
     /// (a hand-off it drove; checked below the prompt's length).
     pub prefill_cached_tokens: Option<u32>,
+    /// Our blocks the hand-off wrote (after its landing fence), in prompt order: with a
+    /// device KV cache they landed in the host mirror and are uploaded before the first
+    /// decode step. Empty when it failed.
+    pub landed_blocks: Vec<u32>,
 }
 
 /// The Scheduler's end of a hand-off: answered exactly once, by the hand-off or, if the
@@ -128,6 +132,7 @@ impl Drop for FetchReply {
                 first_logprobs: None,
                 computed_at_unix_us: None,
                 prefill_cached_tokens: None,
+                landed_blocks: Vec::new(),
             });
         }
     }
@@ -394,12 +399,23 @@ impl Driver {
                                 }
                             }
                         }
+                        let landed_blocks = if r.is_ok() {
+                            landed(
+                                &local,
+                                cached_blocks,
+                                prompt.len(),
+                                self.kv.settings.block_size,
+                            )
+                        } else {
+                            Vec::new()
+                        };
                         if let Some(reply) = reply.take() {
                             reply.send(FetchOutcome {
                                 result: r,
                                 first_logprobs: first_logprobs.take(),
                                 computed_at_unix_us: computed_at,
                                 prefill_cached_tokens,
+                                landed_blocks,
                             });
                         }
                     }
@@ -766,6 +782,15 @@ impl Driver {
             ))),
         })
     }
+}
+
+/// The destination blocks a completed hand-off wrote: the prompt's blocks past the ones our
+/// prefix cache held, the last one always (a read moves it even when it was cached; a push
+/// is refused when everything is cached).
+fn landed(local: &[u32], cached_blocks: usize, prompt_len: usize, block_size: usize) -> Vec<u32> {
+    let n = prompt_len.div_ceil(block_size).min(local.len());
+    let skip = cached_blocks.min(n.saturating_sub(1));
+    local[skip..n].to_vec()
 }
 
 /// Sleeps until `deadline` (forever without one; the caller guards the branch).

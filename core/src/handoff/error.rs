@@ -99,6 +99,10 @@ pub enum HandoffError {
     /// fit the request.
     #[error("peer protocol error: {0}")]
     Protocol(String),
+    /// The KV landed in a rank's host mirror but could not be moved to its device (decode
+    /// with a device KV cache). Last, so earlier variants keep their archived tags.
+    #[error("the KV landed but its upload to the device failed: {0}")]
+    Upload(String),
 }
 
 impl HandoffError {
@@ -127,6 +131,7 @@ impl HandoffError {
             Self::Interrupted(_) => "interrupted",
             Self::Overloaded(_) => "overloaded",
             Self::Protocol(_) => "protocol",
+            Self::Upload(_) => "upload",
         }
     }
 

@@ -82,7 +82,11 @@ fn serve_and_launch_on_cuda_without_a_usable_gpu_are_clear_errors() {
         "built without CUDA support"
     };
     // `serve` accepts model.device = cuda (the actors start CUDA ranks) once the device is
-    // usable: here it is not, and it fails on that before loading anything.
+    // usable: here it is not, and it fails on that before loading anything (or binding).
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port().to_string())
+        .unwrap();
     for args in [
         &[
             "serve",
@@ -90,9 +94,8 @@ fn serve_and_launch_on_cuda_without_a_usable_gpu_are_clear_errors() {
             "cuda",
             "--model",
             "synthetic:tiny",
-            // It fails before binding: the port is never taken.
             "--port",
-            "18731",
+            &port,
         ][..],
         &[
             "launch",

@@ -2440,7 +2440,7 @@ impl pdserve_actors::handoff::device::DeviceKvPeer for StandInDevice {
 
 fn stand_in(inst: &Instance, gpu: u8) -> std::sync::Arc<StandInDevice> {
     let kv = inst.kv_context().unwrap();
-    let layout = kv.info().ranks[0].layout.clone();
+    let layout = kv.info().ranks[0].layout;
     let dev = std::sync::Arc::new(StandInDevice {
         gpu_uuid: [gpu; 16],
         copies: std::sync::Mutex::default(),

@@ -464,7 +464,7 @@ impl DeviceRead {
         let skip = cached_blocks.min(n.saturating_sub(1));
         Ok(Some(Self {
             remote: placement,
-            layouts: theirs.ranks.iter().map(|r| r.layout.clone()).collect(),
+            layouts: theirs.ranks.iter().map(|r| r.layout).collect(),
             pairs: remote[skip..n]
                 .iter()
                 .copied()
@@ -544,7 +544,7 @@ impl DeviceRead {
         };
         let (tx, rx) = tokio::sync::oneshot::channel();
         device.copy_from_peer(
-            layout.clone(),
+            *layout,
             d.handles.clone(),
             self.pairs.clone(),
             Box::new(move |r| {

@@ -1046,10 +1046,47 @@ fn registrations() {
     assert!(report.accepted > 0, "no input decoded: {report:?}");
 }
 
+/// A same-GPU placement of `ours()`'s one rank, with or without its IPC handles.
+fn placement_for_corpus(handles: bool) -> KvPlacement {
+    let rank = &ours().ranks[0];
+    let bytes = rank.layout.region_bytes() as u64;
+    KvPlacement {
+        engine_id: ours().engine_id,
+        host: kv_path::HostIdentity {
+            boot_id: "0f4c2d8e-5b1a-4c7e-9d3f-2a6b8c1e4f70".into(),
+            proof_id: 0x1234_5678_9abc_def0,
+            nonce: [0x5a; 32],
+        },
+        ranks: vec![RankPlacement::Device(kv_path::DeviceRank {
+            gpu_uuid: [0x11; 16],
+            ordinal: 0,
+            ipc_export: true,
+            region_bytes: vec![bytes; rank.layout.num_layers],
+            handles: if handles {
+                (0..rank.layout.num_layers)
+                    .map(|l| kv_path::IpcRegion {
+                        handle: vec![l as u8; kv_path::IPC_HANDLE_BYTES],
+                        bytes,
+                    })
+                    .collect()
+            } else {
+                Vec::new()
+            },
+        })],
+    }
+}
+
 fn requests_for_corpus() -> Vec<(&'static str, PeerRequest)> {
     let t = TransferId(0xabc);
     vec![
         ("info", PeerRequest::Info),
+        (
+            "placement",
+            PeerRequest::Placement(Box::new(PlacementAsk {
+                info: ours(),
+                placement: placement_for_corpus(false),
+            })),
+        ),
         (
             "prefill-pull",
             PeerRequest::Prefill(PrefillRequest {
@@ -1162,6 +1199,10 @@ fn answers_for_corpus() -> Vec<(&'static str, PeerAnswer)> {
             }),
         ),
         ("read-opened", PeerAnswer::ReadOpened),
+        (
+            "placement",
+            PeerAnswer::Placement(Box::new(placement_for_corpus(true))),
+        ),
         (
             "failed",
             PeerAnswer::Failed(HandoffError::Timeout {

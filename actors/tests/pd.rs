@@ -2533,6 +2533,12 @@ async fn same_gpu_instances_negotiate_cuda_ipc_and_other_gpus_the_host_path() {
         1,
         "no device copy on the host path"
     );
+    let paths = d.kv_context().unwrap().peers.kv_paths();
+    assert_eq!(paths.len(), 1, "{paths:?}");
+    assert_eq!(
+        (paths[0].path.as_str(), paths[0].reason.as_str()),
+        ("host", "other_gpu (rank 0)")
+    );
     assert_pool_full(&p).await;
     assert_pool_full(&d).await;
     p.stop().await;

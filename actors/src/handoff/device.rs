@@ -301,6 +301,34 @@ pub struct Negotiated {
 }
 
 impl Peers {
+    /// The KV paths negotiated so far, per peer, for `inspect` (at most
+    /// [`pdserve_runtime::wire::bounds::MAX_KV_PATHS`], names cut to their wire bounds).
+    pub fn kv_paths(&self) -> Vec<pdserve_runtime::supervision::KvPathSnapshot> {
+        use pdserve_runtime::wire::bounds::{MAX_ADDRESS_BYTES, MAX_KV_PATHS, MAX_NAME_BYTES};
+        let cut = |s: String, max: usize| -> String {
+            let mut end = s.len().min(max);
+            while !s.is_char_boundary(end) {
+                end -= 1;
+            }
+            s[..end].to_string()
+        };
+        let mut paths: Vec<_> = self
+            .paths
+            .iter()
+            .take(MAX_KV_PATHS)
+            .map(|e| pdserve_runtime::supervision::KvPathSnapshot {
+                peer: cut(e.key().to_string(), MAX_ADDRESS_BYTES),
+                path: e.value().path.as_str().to_string(),
+                reason: match &e.value().path {
+                    KvPath::CudaIpc => String::new(),
+                    KvPath::Host(r) => cut(r.to_string(), MAX_NAME_BYTES),
+                },
+            })
+            .collect();
+        paths.sort_by(|a, b| a.peer.cmp(&b.peer));
+        paths
+    }
+
     /// The KV path from `peer` (whose handshake answer is `theirs`) to us: with no device
     /// placement of ours, the host path at once (no request); otherwise the placement
     /// exchange, negotiated and cached per peer until [`Peers::forget`].

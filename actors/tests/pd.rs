@@ -84,13 +84,14 @@ fn cluster() -> &'static pdserve_transport::control::tls::ClusterCredentials {
     })
 }
 
-/// A client of the peer protocol, as a decode instance with cluster credentials is.
-fn peer_client() -> std::sync::Arc<Peers> {
+/// A client of the peer protocol, as a decode instance with cluster credentials is,
+/// authenticated as the cluster member `name`.
+fn peer_client_as(name: &str) -> std::sync::Arc<Peers> {
     use pdserve_transport::control::{ControlConfig, ControlEndpoint};
     // A cluster member: instances with credentials take the peer protocol on their control
     // plane only (found through `GET /v1/kv/info`).
     let endpoint = ControlEndpoint::bind(
-        &cluster().issue("test-client").unwrap(),
+        &cluster().issue(name).unwrap(),
         ControlConfig {
             listen: "127.0.0.1:0".parse().unwrap(),
             ..ControlConfig::default()
@@ -98,7 +99,7 @@ fn peer_client() -> std::sync::Arc<Peers> {
     )
     .unwrap();
     Peers::new(
-        "test-client".into(),
+        name.into(),
         Some(std::sync::Arc::new(endpoint)),
         None,
         None,
@@ -109,7 +110,12 @@ fn peer_client() -> std::sync::Arc<Peers> {
 
 /// Sends one peer-protocol request to the instance at `url` over HTTP.
 async fn peer_call(url: &str, request: PeerRequest) -> PeerAnswer {
-    peer_client()
+    peer_call_as("test-client", url, request).await
+}
+
+/// As [`peer_call`], from the cluster member `name`.
+async fn peer_call_as(name: &str, url: &str, request: PeerRequest) -> PeerAnswer {
+    peer_client_as(name)
         .call(
             &PeerAddr::Http {
                 url: url.to_string(),
@@ -2477,8 +2483,18 @@ async fn cpu_instances_keep_the_host_path() {
             ranks: vec![pdserve_core::handoff::kv_path::RankPlacement::Host],
         },
     };
-    match peer_call(&p.url(), PeerRequest::Placement(Box::new(ask))).await {
-        PeerAnswer::Failed(e) => assert_eq!(e.kind(), "refused", "{e}"),
+    let ask = PeerRequest::Placement(Box::new(ask));
+    // Only the node itself may ask as itself...
+    match peer_call(&p.url(), ask.clone()).await {
+        PeerAnswer::Failed(e) => assert!(e.to_string().contains("cannot ask"), "{e}"),
+        other => panic!("a placement asked as another node was answered {other:?}"),
+    }
+    // ...and a CPU prefill instance has no placement to answer.
+    match peer_call_as("d-cpu-path", &p.url(), ask).await {
+        PeerAnswer::Failed(e) => {
+            assert_eq!(e.kind(), "refused", "{e}");
+            assert!(e.to_string().contains("host memory"), "{e}");
+        }
         other => panic!("a CPU prefill instance answered {other:?}"),
     }
     for (i, want) in reference.iter().enumerate() {
@@ -2522,6 +2538,48 @@ async fn same_gpu_instances_negotiate_cuda_ipc_and_other_gpus_the_host_path() {
     assert_no_hand_off_in_flight(&d).await;
     assert_pool_full(&p).await;
     assert_pool_full(&d).await;
+
+    // The prefill side shares its handles only with an asker it verified on this host, and
+    // refuses a same-host claim whose nonce is not the one of its proof file.
+    {
+        use pdserve_actors::handoff::protocol::PlacementAsk;
+        use pdserve_core::handoff::kv_path::RankPlacement;
+        let dkv = d.kv_context().unwrap();
+        let layers = dkv.info().ranks[0].layout.num_layers;
+        let ask = |placement| {
+            PeerRequest::Placement(Box::new(PlacementAsk {
+                info: dkv.info(),
+                placement,
+            }))
+        };
+        let handles = |answer: PeerAnswer| match answer {
+            PeerAnswer::Placement(p) => match &p.ranks[0] {
+                RankPlacement::Device(x) => x.handles.len(),
+                RankPlacement::Host => panic!("{p:?}"),
+            },
+            other => panic!("{other:?}"),
+        };
+        let mine = dkv.placement().unwrap().without_handles();
+        assert_eq!(
+            handles(peer_call_as("d-ipc-path", &p.url(), ask(mine.clone())).await),
+            layers
+        );
+        let mut unproven = mine.clone();
+        unproven.host.proof_id ^= 1;
+        assert_eq!(
+            handles(peer_call_as("d-ipc-path", &p.url(), ask(unproven)).await),
+            0
+        );
+        let mut forged = mine.clone();
+        forged.host.nonce[0] ^= 1;
+        match peer_call_as("d-ipc-path", &p.url(), ask(forged)).await {
+            PeerAnswer::Failed(e) => {
+                assert_eq!(e.kind(), "handshake", "{e}");
+                assert!(e.to_string().contains("forged_host"), "{e}");
+            }
+            other => panic!("a forged host claim was answered {other:?}"),
+        }
+    }
 
     // The prefill rank moves to another GPU: the failed hand-off made the decode side forget
     // the peer, so it negotiates again and takes the host path.

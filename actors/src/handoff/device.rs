@@ -71,7 +71,9 @@ pub type CopyDone = Box<dyn FnOnce(Result<(), String>) + Send>;
 pub trait DeviceKvPeer: Send + Sync {
     /// This rank's GPU and the IPC handles of its current KV regions (a restarted rank has
     /// new regions, so new handles: peers that cached the old ones fail their next copy and
-    /// handshake again).
+    /// handshake again). Called on every pull and placement answer, from async code: answer
+    /// from what was exported once when the executor started (`export_ipc` waits on the rank
+    /// thread), never by asking the device.
     fn device(&self) -> DeviceRankKv;
 
     /// Copies `pairs` of `(peer block, own block)` — every layer, K and V — from a process on

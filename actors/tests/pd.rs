@@ -2410,6 +2410,8 @@ async fn a_client_gone_while_decode_restores_from_its_tiers_frees_the_prefill_si
 struct StandInDevice {
     gpu_uuid: [u8; 16],
     copies: std::sync::Mutex<Vec<Vec<(u32, u32)>>>,
+    /// Copies that never end (their `done` kept, never called): a hung device.
+    hung: Option<std::sync::Mutex<Vec<pdserve_actors::handoff::device::CopyDone>>>,
     layers: usize,
     region_bytes: u64,
 }
@@ -2440,16 +2442,24 @@ impl pdserve_actors::handoff::device::DeviceKvPeer for StandInDevice {
     ) {
         assert_eq!(handles.len(), self.layers);
         self.copies.lock().unwrap().push(pairs);
-        done(Err("stand-in device: no GPU here".into()));
+        match &self.hung {
+            Some(hung) => hung.lock().unwrap().push(done),
+            None => done(Err("stand-in device: no GPU here".into())),
+        }
     }
 }
 
 fn stand_in(inst: &Instance, gpu: u8) -> std::sync::Arc<StandInDevice> {
+    stand_in_with(inst, gpu, false)
+}
+
+fn stand_in_with(inst: &Instance, gpu: u8, hangs: bool) -> std::sync::Arc<StandInDevice> {
     let kv = inst.kv_context().unwrap();
     let layout = kv.info().ranks[0].layout;
     let dev = std::sync::Arc::new(StandInDevice {
         gpu_uuid: [gpu; 16],
         copies: std::sync::Mutex::default(),
+        hung: hangs.then(std::sync::Mutex::default),
         layers: layout.num_layers,
         region_bytes: layout.region_bytes() as u64,
     });
@@ -2597,6 +2607,38 @@ async fn same_gpu_instances_negotiate_cuda_ipc_and_other_gpus_the_host_path() {
         (paths[0].path.as_str(), paths[0].reason.as_str()),
         ("host", "other_gpu (rank 0)")
     );
+    assert_pool_full(&p).await;
+    assert_pool_full(&d).await;
+    p.stop().await;
+    d.stop().await;
+}
+
+/// Issue 31: a device copy that never ends fails its request at the transfer bound (after one
+/// more bound for the copy to land: it cannot be cancelled), and both pools come back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_device_copy_fails_the_request_within_its_bounds() {
+    let lease = Duration::from_secs(30);
+    let bound = Duration::from_secs(1);
+    let p = instance("p-ipc-hang", "small", 1, Some(BackendKind::Tcp), lease).await;
+    let d = instance_with(
+        "d-ipc-hang",
+        "small",
+        1,
+        Some(BackendKind::Tcp),
+        lease,
+        |o| {
+            o.kv_timeout = bound;
+        },
+    )
+    .await;
+    let _pdev = stand_in(&p, 3);
+    let ddev = stand_in_with(&d, 3, true);
+    let started = Instant::now();
+    let (status, v) = via_pd(&p.url(), &d.url(), &body(1)).await;
+    assert_error(status, &v, 502, "the CUDA IPC copy timed out");
+    assert!(started.elapsed() >= 2 * bound, "{:?}", started.elapsed());
+    assert_eq!(ddev.copies.lock().unwrap().len(), 1);
+    assert_no_hand_off_in_flight(&d).await;
     assert_pool_full(&p).await;
     assert_pool_full(&d).await;
     p.stop().await;

@@ -504,7 +504,8 @@ impl DeviceRead {
     }
 
     /// Runs the copies, one per rank, joined by the Aggregator like a pull's batches; every
-    /// copy is awaited to its end (a late one could still land in our blocks).
+    /// copy is awaited to its end, or, past the transfer bound, for one more bound (a copy
+    /// queued on a stream cannot be cancelled, and a late one would land in our blocks).
     pub(crate) async fn run(
         self,
         kv: &KvContext,
@@ -582,7 +583,8 @@ impl DeviceRead {
             }),
         );
         let what = "the CUDA IPC copy";
-        match tokio::time::timeout(bound, rx).await {
+        let mut rx = rx;
+        match tokio::time::timeout(bound, &mut rx).await {
             Ok(Ok(Ok(()))) => Ok(self.pairs.len() as u64
                 * 2
                 * layout.num_layers as u64
@@ -594,7 +596,12 @@ impl DeviceRead {
             Ok(Err(_)) => Err(HandoffError::Interrupted(format!(
                 "{what} of rank {rank} was dropped"
             ))),
-            Err(_) => Err(HandoffError::timeout(what, bound)),
+            Err(_) => {
+                // A queued device copy cannot be cancelled: give it one more bound to end
+                // before this rank reports (after which the blocks may be reused).
+                let _ = tokio::time::timeout(bound, rx).await;
+                Err(HandoffError::timeout(what, bound))
+            }
         }
     }
 }

@@ -192,6 +192,11 @@ impl InspectSource {
             handoffs_done: kv.handoffs_done,
             handoff_bytes: kv.blocks_moved * kv.block_bytes,
             handoff_bytes_skipped: kv.blocks_skipped * kv.block_bytes,
+            kv_paths: self
+                .kv
+                .as_ref()
+                .map(|k| k.peers.kv_paths())
+                .unwrap_or_default(),
             kv_tiers: self
                 .tiers
                 .as_ref()

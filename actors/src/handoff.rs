@@ -14,6 +14,7 @@
 //! | [`receiver`] | the KvReceiver actor: one driver task per decode-side hand-off running a [`PullCore`] |
 //! | [`sender`] | the KvSender actor: drives the [`PushTracker`] |
 //! | [`context`] | [`KvContext`]: what both actors share about their instance |
+//! | [`device`] | device KV: the [`device::DeviceKvPeer`] seam, host proofs, the placement exchange and CUDA IPC reads (same-GPU P/D) |
 //!
 //! Dependencies point one way: this module knows nothing of the Scheduler (the service reaches
 //! it through [`service::PrefillHost`], the receiver answers through a [`receiver::FetchReply`]
@@ -22,6 +23,7 @@
 pub mod aborts;
 pub mod aggregator;
 pub mod context;
+pub mod device;
 pub mod peer;
 pub mod plan;
 pub mod protocol;

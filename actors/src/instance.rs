@@ -663,6 +663,12 @@ impl Instance {
         self.tiers.as_ref()
     }
 
+    /// The KV hand-off context (instances with a transfer engine): where TP ranks with
+    /// device KV register it ([`KvContext::set_device`]).
+    pub fn kv_context(&self) -> Option<&Arc<KvContext>> {
+        self.kv.as_ref()
+    }
+
     /// KV hand-off figures (instances with a transfer engine).
     pub fn kv_figures(&self) -> Option<KvFigures> {
         self.kv.as_ref().map(|k| k.figures())

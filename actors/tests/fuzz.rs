@@ -19,9 +19,9 @@ use pdserve_actors::control_plane::Registration;
 use pdserve_actors::handoff::plan::{check_blocks, plan_pull, validate_peer};
 use pdserve_actors::handoff::protocol::{
     compat_hash, decode_answer, decode_request, encode_answer, encode_request, HandoffError,
-    HeldKv, KvPeerInfo, PeerAnswer, PeerRequest, PrefillAnswer, PrefillMode, PrefillRequest,
-    RankKv, SessionOffer, MAX_HANDOFF_BLOCKS, MAX_NAME_BYTES, MAX_PROMPT_TOKENS, MAX_RANKS,
-    MAX_RANK_REGIONS, MAX_RENEW_IDS,
+    HeldKv, KvPeerInfo, PeerAnswer, PeerRequest, PlacementAsk, PrefillAnswer, PrefillMode,
+    PrefillRequest, RankKv, SessionOffer, MAX_HANDOFF_BLOCKS, MAX_NAME_BYTES, MAX_PROMPT_TOKENS,
+    MAX_RANKS, MAX_RANK_REGIONS, MAX_RENEW_IDS,
 };
 use pdserve_actors::handoff::service::{validate_prefill, PromptLimits};
 use pdserve_actors::kv_events::{HashScheme, KvEventBatch, KvIndex, KvOp, TierEvents};
@@ -30,6 +30,7 @@ use pdserve_actors::openai::{
     PromptInput, MAX_CHOICES, MAX_CHOICES_TOTAL,
 };
 use pdserve_actors::RequestError;
+use pdserve_core::handoff::kv_path::{self, KvPlacement, RankPlacement};
 use pdserve_gpu::kv::{KvDtype, KvLayout};
 use pdserve_gpu::sampling::{
     LogitBias, SamplingParams, TokenLogprobs, TopLogprob, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES,
@@ -111,6 +112,23 @@ fn info_bounds(info: &KvPeerInfo) -> Result<(), String> {
     Ok(())
 }
 
+/// A KV placement's counts and lengths (the placement exchange, issue 31).
+fn placement_bounds(p: &KvPlacement) -> Result<(), String> {
+    bound("placement engine_id", p.engine_id.len(), MAX_NAME_BYTES)?;
+    bound("boot_id", p.host.boot_id.len(), kv_path::MAX_BOOT_ID_BYTES)?;
+    bound("placement ranks", p.ranks.len(), MAX_RANKS)?;
+    for r in &p.ranks {
+        if let RankPlacement::Device(d) = r {
+            bound("region sizes", d.region_bytes.len(), MAX_RANK_REGIONS)?;
+            bound("handles", d.handles.len(), MAX_RANK_REGIONS)?;
+            for h in &d.handles {
+                bound("handle bytes", h.handle.len(), kv_path::IPC_HANDLE_BYTES)?;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Every bias within [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (NaN is not).
 fn logit_bias_in_range(biases: &[LogitBias]) -> bool {
     biases
@@ -158,6 +176,10 @@ fn request_bounds(req: &PeerRequest) -> Result<(), String> {
             bound("initiator", initiator.len(), MAX_NAME_BYTES)
         }
         PeerRequest::Info | PeerRequest::Release(_) | PeerRequest::Abort(_) => Ok(()),
+        PeerRequest::Placement(ask) => {
+            info_bounds(&ask.info)?;
+            placement_bounds(&ask.placement)
+        }
     }
 }
 
@@ -243,6 +265,7 @@ fn check_answer(input: &[u8]) -> Result<Verdict, String> {
         }
         PeerAnswer::Renewed { unknown } => bound("Renewed ids", unknown.len(), MAX_RENEW_IDS)?,
         PeerAnswer::Session(s) => bound("session address", s.transfer_addr.len(), MAX_NAME_BYTES)?,
+        PeerAnswer::Placement(p) => placement_bounds(p)?,
         _ => {}
     }
     let bytes = encode_answer(&answer).map_err(|e| e.to_string())?;
@@ -429,9 +452,48 @@ fn peer_info() -> impl Strategy<Value = KvPeerInfo> {
         })
 }
 
+fn placement() -> impl Strategy<Value = KvPlacement> {
+    let device = (
+        any::<[u8; 16]>(),
+        any::<bool>(),
+        vec(any::<u64>(), 0..4),
+        vec((vec(any::<u8>(), 60..68), any::<u64>()), 0..4),
+    )
+        .prop_map(|(gpu_uuid, ipc_export, region_bytes, handles)| {
+            RankPlacement::Device(kv_path::DeviceRank {
+                gpu_uuid,
+                ordinal: 0,
+                ipc_export,
+                region_bytes,
+                handles: handles
+                    .into_iter()
+                    .map(|(handle, bytes)| kv_path::IpcRegion { handle, bytes })
+                    .collect(),
+            })
+        });
+    (
+        ".{0,16}",
+        ".{0,40}",
+        any::<u64>(),
+        vec(prop_oneof![Just(RankPlacement::Host), device], 0..3),
+    )
+        .prop_map(|(engine_id, boot_id, proof_id, ranks)| KvPlacement {
+            engine_id,
+            host: kv_path::HostIdentity {
+                boot_id,
+                proof_id,
+                nonce: [4; 32],
+            },
+            ranks,
+        })
+}
+
 fn request() -> impl Strategy<Value = PeerRequest> {
     prop_oneof![
         Just(PeerRequest::Info),
+        (peer_info(), placement()).prop_map(|(info, placement)| PeerRequest::Placement(Box::new(
+            PlacementAsk { info, placement }
+        ))),
         (
             transfer_id(),
             vec(0u32..1100, 0..40),
@@ -473,6 +535,7 @@ fn request() -> impl Strategy<Value = PeerRequest> {
 fn answer() -> impl Strategy<Value = PeerAnswer> {
     prop_oneof![
         peer_info().prop_map(PeerAnswer::Info),
+        placement().prop_map(|p| PeerAnswer::Placement(Box::new(p))),
         (
             transfer_id(),
             any::<u32>(),
@@ -983,10 +1046,47 @@ fn registrations() {
     assert!(report.accepted > 0, "no input decoded: {report:?}");
 }
 
+/// A same-GPU placement of `ours()`'s one rank, with or without its IPC handles.
+fn placement_for_corpus(handles: bool) -> KvPlacement {
+    let rank = &ours().ranks[0];
+    let bytes = rank.layout.region_bytes() as u64;
+    KvPlacement {
+        engine_id: ours().engine_id,
+        host: kv_path::HostIdentity {
+            boot_id: "0f4c2d8e-5b1a-4c7e-9d3f-2a6b8c1e4f70".into(),
+            proof_id: 0x1234_5678_9abc_def0,
+            nonce: [0x5a; 32],
+        },
+        ranks: vec![RankPlacement::Device(kv_path::DeviceRank {
+            gpu_uuid: [0x11; 16],
+            ordinal: 0,
+            ipc_export: true,
+            region_bytes: vec![bytes; rank.layout.num_layers],
+            handles: if handles {
+                (0..rank.layout.num_layers)
+                    .map(|l| kv_path::IpcRegion {
+                        handle: vec![l as u8; kv_path::IPC_HANDLE_BYTES],
+                        bytes,
+                    })
+                    .collect()
+            } else {
+                Vec::new()
+            },
+        })],
+    }
+}
+
 fn requests_for_corpus() -> Vec<(&'static str, PeerRequest)> {
     let t = TransferId(0xabc);
     vec![
         ("info", PeerRequest::Info),
+        (
+            "placement",
+            PeerRequest::Placement(Box::new(PlacementAsk {
+                info: ours(),
+                placement: placement_for_corpus(false),
+            })),
+        ),
         (
             "prefill-pull",
             PeerRequest::Prefill(PrefillRequest {
@@ -1099,6 +1199,10 @@ fn answers_for_corpus() -> Vec<(&'static str, PeerAnswer)> {
             }),
         ),
         ("read-opened", PeerAnswer::ReadOpened),
+        (
+            "placement",
+            PeerAnswer::Placement(Box::new(placement_for_corpus(true))),
+        ),
         (
             "failed",
             PeerAnswer::Failed(HandoffError::Timeout {

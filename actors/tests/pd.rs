@@ -84,13 +84,14 @@ fn cluster() -> &'static pdserve_transport::control::tls::ClusterCredentials {
     })
 }
 
-/// A client of the peer protocol, as a decode instance with cluster credentials is.
-fn peer_client() -> std::sync::Arc<Peers> {
+/// A client of the peer protocol, as a decode instance with cluster credentials is,
+/// authenticated as the cluster member `name`.
+fn peer_client_as(name: &str) -> std::sync::Arc<Peers> {
     use pdserve_transport::control::{ControlConfig, ControlEndpoint};
     // A cluster member: instances with credentials take the peer protocol on their control
     // plane only (found through `GET /v1/kv/info`).
     let endpoint = ControlEndpoint::bind(
-        &cluster().issue("test-client").unwrap(),
+        &cluster().issue(name).unwrap(),
         ControlConfig {
             listen: "127.0.0.1:0".parse().unwrap(),
             ..ControlConfig::default()
@@ -98,7 +99,7 @@ fn peer_client() -> std::sync::Arc<Peers> {
     )
     .unwrap();
     Peers::new(
-        "test-client".into(),
+        name.into(),
         Some(std::sync::Arc::new(endpoint)),
         None,
         None,
@@ -109,7 +110,12 @@ fn peer_client() -> std::sync::Arc<Peers> {
 
 /// Sends one peer-protocol request to the instance at `url` over HTTP.
 async fn peer_call(url: &str, request: PeerRequest) -> PeerAnswer {
-    peer_client()
+    peer_call_as("test-client", url, request).await
+}
+
+/// As [`peer_call`], from the cluster member `name`.
+async fn peer_call_as(name: &str, url: &str, request: PeerRequest) -> PeerAnswer {
+    peer_client_as(name)
         .call(
             &PeerAddr::Http {
                 url: url.to_string(),
@@ -1191,7 +1197,7 @@ async fn a_panicked_kv_actor_is_restarted_in_place_and_the_pair_keeps_serving() 
 /// comes from the real instance `like`, so the decode side's handshake accepts it.
 async fn unresponsive_peer(like: KvPeerInfo) -> (String, std::net::TcpListener) {
     use pdserve_actors::handoff::protocol::{
-        decode_request, encode_answer, HeldKv, PrefillAnswer, SessionOffer,
+        decode_request, encode_answer, HandoffError, HeldKv, PrefillAnswer, SessionOffer,
     };
     let blackhole = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let mut info = like;
@@ -1221,6 +1227,9 @@ async fn unresponsive_peer(like: KvPeerInfo) -> (String, std::net::TcpListener) 
                 Ok(PeerRequest::Renew(_)) => PeerAnswer::Renewed { unknown: vec![] },
                 Ok(PeerRequest::Release(_)) => PeerAnswer::Released { was_held: true },
                 Ok(PeerRequest::Abort(_)) => PeerAnswer::Aborted { found: true },
+                Ok(PeerRequest::Placement(_)) => {
+                    PeerAnswer::Failed(HandoffError::NotSupported("stand-in".into()))
+                }
                 Err(e) => PeerAnswer::Failed(e),
             };
             encode_answer(&answer).unwrap()
@@ -2393,4 +2402,245 @@ async fn a_client_gone_while_decode_restores_from_its_tiers_frees_the_prefill_si
     let (status, v) = via_pd(&p.url(), &d.url(), &body(9)).await;
     assert_eq!(status, 200, "{v}");
     stop_pair(p, d).await;
+}
+
+/// Issue 31: a TP rank's device KV as the hand-off sees it, without a GPU: the seam
+/// (`DeviceKvPeer`) with a GPU identity and 64-byte "handles", whose copies are recorded and
+/// fail (nothing is emulated: the copy itself runs only on a GPU).
+struct StandInDevice {
+    gpu_uuid: [u8; 16],
+    copies: std::sync::Mutex<Vec<Vec<(u32, u32)>>>,
+    /// Copies that never end (their `done` kept, never called): a hung device.
+    hung: Option<std::sync::Mutex<Vec<pdserve_actors::handoff::device::CopyDone>>>,
+    layers: usize,
+    region_bytes: u64,
+}
+
+impl pdserve_actors::handoff::device::DeviceKvPeer for StandInDevice {
+    fn device(&self) -> pdserve_actors::handoff::device::DeviceRankKv {
+        use pdserve_core::handoff::kv_path::IpcRegion;
+        pdserve_actors::handoff::device::DeviceRankKv {
+            gpu_uuid: self.gpu_uuid,
+            ordinal: 0,
+            handles: Some(
+                (0..self.layers)
+                    .map(|l| IpcRegion {
+                        handle: vec![l as u8; 64],
+                        bytes: self.region_bytes,
+                    })
+                    .collect(),
+            ),
+        }
+    }
+
+    fn copy_from_peer(
+        &self,
+        _peer_layout: pdserve_gpu::kv::KvLayout,
+        handles: Vec<pdserve_core::handoff::kv_path::IpcRegion>,
+        pairs: Vec<(u32, u32)>,
+        done: pdserve_actors::handoff::device::CopyDone,
+    ) {
+        assert_eq!(handles.len(), self.layers);
+        self.copies.lock().unwrap().push(pairs);
+        match &self.hung {
+            Some(hung) => hung.lock().unwrap().push(done),
+            None => done(Err("stand-in device: no GPU here".into())),
+        }
+    }
+}
+
+fn stand_in(inst: &Instance, gpu: u8) -> std::sync::Arc<StandInDevice> {
+    stand_in_with(inst, gpu, false)
+}
+
+fn stand_in_with(inst: &Instance, gpu: u8, hangs: bool) -> std::sync::Arc<StandInDevice> {
+    let kv = inst.kv_context().unwrap();
+    let layout = kv.info().ranks[0].layout;
+    let dev = std::sync::Arc::new(StandInDevice {
+        gpu_uuid: [gpu; 16],
+        copies: std::sync::Mutex::default(),
+        hung: hangs.then(std::sync::Mutex::default),
+        layers: layout.num_layers,
+        region_bytes: layout.region_bytes() as u64,
+    });
+    kv.set_device(0, Some(dev.clone()));
+    dev
+}
+
+/// Issue 31: CPU instances advertise no KV placement, refuse the placement exchange, and
+/// hand off over the host path as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cpu_instances_keep_the_host_path() {
+    use pdserve_actors::handoff::protocol::PlacementAsk;
+    let lease = Duration::from_secs(30);
+    let reference = colocated_reference("small", 2).await;
+    let p = instance("p-cpu-path", "small", 1, Some(BackendKind::Tcp), lease).await;
+    let d = instance("d-cpu-path", "small", 1, Some(BackendKind::Tcp), lease).await;
+    let dkv = d.kv_context().unwrap();
+    assert!(
+        dkv.placement().is_none(),
+        "a CPU instance advertises nothing"
+    );
+    let ask = PlacementAsk {
+        info: dkv.info(),
+        placement: pdserve_core::handoff::kv_path::KvPlacement {
+            engine_id: dkv.info().engine_id,
+            host: pdserve_core::handoff::kv_path::HostIdentity {
+                boot_id: pdserve_actors::handoff::device::boot_id(),
+                proof_id: 1,
+                nonce: [0; 32],
+            },
+            ranks: vec![pdserve_core::handoff::kv_path::RankPlacement::Host],
+        },
+    };
+    let ask = PeerRequest::Placement(Box::new(ask));
+    // Only the node itself may ask as itself...
+    match peer_call(&p.url(), ask.clone()).await {
+        PeerAnswer::Failed(e) => assert!(e.to_string().contains("cannot ask"), "{e}"),
+        other => panic!("a placement asked as another node was answered {other:?}"),
+    }
+    // ...and a CPU prefill instance has no placement to answer.
+    match peer_call_as("d-cpu-path", &p.url(), ask).await {
+        PeerAnswer::Failed(e) => {
+            assert_eq!(e.kind(), "refused", "{e}");
+            assert!(e.to_string().contains("host memory"), "{e}");
+        }
+        other => panic!("a CPU prefill instance answered {other:?}"),
+    }
+    for (i, want) in reference.iter().enumerate() {
+        let (status, v) = via_pd(&p.url(), &d.url(), &body(i)).await;
+        assert_eq!((status, &ids(&v)), (200, want), "{v}");
+    }
+    assert_pool_full(&p).await;
+    assert_pool_full(&d).await;
+    p.stop().await;
+    d.stop().await;
+}
+
+/// Issue 31: two instances whose ranks registered device KV on one GPU of this host negotiate
+/// CUDA IPC, and the decode side's pull goes to the device seam with the prompt's block pairs
+/// (the stand-in's copy fails: the request fails clearly and both pools come back); on two
+/// different GPUs the same pair negotiates the host path and hands off exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_gpu_instances_negotiate_cuda_ipc_and_other_gpus_the_host_path() {
+    let lease = Duration::from_secs(30);
+    let reference = colocated_reference("small", 1).await;
+    let p = instance("p-ipc-path", "small", 1, Some(BackendKind::Tcp), lease).await;
+    let d = instance("d-ipc-path", "small", 1, Some(BackendKind::Tcp), lease).await;
+    let _pdev = stand_in(&p, 1);
+    let ddev = stand_in(&d, 1);
+    let placement = d
+        .kv_context()
+        .unwrap()
+        .placement()
+        .expect("device ranks advertise");
+    assert!(placement.all_device());
+
+    let (status, v) = via_pd(&p.url(), &d.url(), &body(0)).await;
+    assert_error(status, &v, 502, "cuda_ipc");
+    {
+        let copies = ddev.copies.lock().unwrap();
+        assert_eq!(copies.len(), 1, "one copy for the one rank");
+        let prompt = body(0)["prompt"].as_array().unwrap().len();
+        let block_size = d.kv_context().unwrap().settings.block_size;
+        assert_eq!(copies[0].len(), prompt.div_ceil(block_size), "{copies:?}");
+    }
+    assert_no_hand_off_in_flight(&d).await;
+    assert_pool_full(&p).await;
+    assert_pool_full(&d).await;
+
+    // The prefill side shares its handles only with an asker it verified on this host, and
+    // refuses a same-host claim whose nonce is not the one of its proof file.
+    {
+        use pdserve_actors::handoff::protocol::PlacementAsk;
+        use pdserve_core::handoff::kv_path::RankPlacement;
+        let dkv = d.kv_context().unwrap();
+        let layers = dkv.info().ranks[0].layout.num_layers;
+        let ask = |placement| {
+            PeerRequest::Placement(Box::new(PlacementAsk {
+                info: dkv.info(),
+                placement,
+            }))
+        };
+        let handles = |answer: PeerAnswer| match answer {
+            PeerAnswer::Placement(p) => match &p.ranks[0] {
+                RankPlacement::Device(x) => x.handles.len(),
+                RankPlacement::Host => panic!("{p:?}"),
+            },
+            other => panic!("{other:?}"),
+        };
+        let mine = dkv.placement().unwrap().without_handles();
+        assert_eq!(
+            handles(peer_call_as("d-ipc-path", &p.url(), ask(mine.clone())).await),
+            layers
+        );
+        let mut unproven = mine.clone();
+        unproven.host.proof_id ^= 1;
+        assert_eq!(
+            handles(peer_call_as("d-ipc-path", &p.url(), ask(unproven)).await),
+            0
+        );
+        let mut forged = mine.clone();
+        forged.host.nonce[0] ^= 1;
+        match peer_call_as("d-ipc-path", &p.url(), ask(forged)).await {
+            PeerAnswer::Failed(e) => {
+                assert_eq!(e.kind(), "handshake", "{e}");
+                assert!(e.to_string().contains("forged_host"), "{e}");
+            }
+            other => panic!("a forged host claim was answered {other:?}"),
+        }
+    }
+
+    // The prefill rank moves to another GPU: the failed hand-off made the decode side forget
+    // the peer, so it negotiates again and takes the host path.
+    let _pdev = stand_in(&p, 2);
+    let (status, v) = via_pd(&p.url(), &d.url(), &body(0)).await;
+    assert_eq!((status, &ids(&v)), (200, &reference[0]), "{v}");
+    assert_eq!(
+        ddev.copies.lock().unwrap().len(),
+        1,
+        "no device copy on the host path"
+    );
+    let paths = d.kv_context().unwrap().peers.kv_paths();
+    assert_eq!(paths.len(), 1, "{paths:?}");
+    assert_eq!(
+        (paths[0].path.as_str(), paths[0].reason.as_str()),
+        ("host", "other_gpu (rank 0)")
+    );
+    assert_pool_full(&p).await;
+    assert_pool_full(&d).await;
+    p.stop().await;
+    d.stop().await;
+}
+
+/// Issue 31: a device copy that never ends fails its request at the transfer bound (after one
+/// more bound for the copy to land: it cannot be cancelled), and both pools come back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_device_copy_fails_the_request_within_its_bounds() {
+    let lease = Duration::from_secs(30);
+    let bound = Duration::from_secs(1);
+    let p = instance("p-ipc-hang", "small", 1, Some(BackendKind::Tcp), lease).await;
+    let d = instance_with(
+        "d-ipc-hang",
+        "small",
+        1,
+        Some(BackendKind::Tcp),
+        lease,
+        |o| {
+            o.kv_timeout = bound;
+        },
+    )
+    .await;
+    let _pdev = stand_in(&p, 3);
+    let ddev = stand_in_with(&d, 3, true);
+    let started = Instant::now();
+    let (status, v) = via_pd(&p.url(), &d.url(), &body(1)).await;
+    assert_error(status, &v, 502, "the CUDA IPC copy timed out");
+    assert!(started.elapsed() >= 2 * bound, "{:?}", started.elapsed());
+    assert_eq!(ddev.copies.lock().unwrap().len(), 1);
+    assert_no_hand_off_in_flight(&d).await;
+    assert_pool_full(&p).await;
+    assert_pool_full(&d).await;
+    p.stop().await;
+    d.stop().await;
 }

@@ -307,6 +307,11 @@ pub struct InstanceSnapshot {
     /// The KV cache tiers below the block pool (empty: off).
     #[serde(default)]
     pub kv_tiers: Vec<TierSnapshot>,
+    /// Decode: the KV path negotiated with each prefill peer at the handshake (host or CUDA
+    /// IPC, with the reason for the host path); empty: none yet, not a decode instance, or
+    /// one without device KV (always the host path).
+    #[serde(default)]
+    pub kv_paths: Vec<KvPathSnapshot>,
     /// The root of the supervision tree.
     #[rkyv(with = ActorTree)]
     pub actors: ActorSnapshot,
@@ -342,6 +347,29 @@ pub struct TierSnapshot {
     pub bytes_written: u64,
     /// Bytes restored from it.
     pub bytes_read: u64,
+}
+
+/// The KV path a decode instance negotiated with one prefill peer
+/// (`pdserve_core::handoff::kv_path`).
+#[derive(
+    Serialize,
+    Deserialize,
+    Clone,
+    Debug,
+    PartialEq,
+    Eq,
+    Default,
+    rkyv::Archive,
+    rkyv::Serialize,
+    rkyv::Deserialize,
+)]
+pub struct KvPathSnapshot {
+    /// The peer (its address as the hand-off names it).
+    pub peer: String,
+    /// `host` or `cuda_ipc`.
+    pub path: String,
+    /// Why the host path (`other_gpu (rank 0)`, `not_advertised`, ...); empty for CUDA IPC.
+    pub reason: String,
 }
 
 /// The proxy's own part of a [`ClusterSnapshot`].
@@ -745,6 +773,13 @@ pub fn render_tree(snap: &InstanceSnapshot, color: bool) -> String {
         );
     }
     out.push('\n');
+    for p in &snap.kv_paths {
+        let _ = write!(out, "  kv_path {} {}", p.peer, p.path);
+        if !p.reason.is_empty() {
+            let _ = write!(out, " ({})", p.reason);
+        }
+        out.push('\n');
+    }
     for t in &snap.kv_tiers {
         let _ = writeln!(
             out,
@@ -1122,6 +1157,11 @@ mod tests {
             handoffs_done: 0,
             handoff_bytes: 0,
             handoff_bytes_skipped: 0,
+            kv_paths: vec![KvPathSnapshot {
+                peer: "http://127.0.0.1:8001".into(),
+                path: "host".into(),
+                reason: "other_gpu (rank 0)".into(),
+            }],
             kv_tiers: vec![TierSnapshot {
                 tier: "host".into(),
                 blocks: 12,
@@ -1213,6 +1253,7 @@ proxy [Proxy] running restarts=0 mailbox=0 up 12.3s
 ├── decode-0 (decode) routable heartbeat 0.2s ago http=http://127.0.0.1:8200 control=127.0.0.1:7002
 │   decode-0 role=decode model=smollm2-135m tp=2 waiting=4 running=7 kv_blocks=300/512 free preemptions=1 transfers_in_flight=2 sent=3.0MiB received=0B transfer_failures=0
 │     prefix_cache hit_rate=25.0% prompt_tokens=1000 computed=750 cached=250 cached_blocks=40 evictions=3 local_prefills=0
+│     kv_path http://127.0.0.1:8001 host (other_gpu (rank 0))
 │     kv_tier host blocks=12 used=3.0MiB/1.0GiB hits=7 misses=1 in=4.0MiB out=2.0MiB
 │   decode-0 [InstanceSupervisor] running restarts=0 mailbox=0 up 12.3s
 └── prefill-0 (prefill) not routable heartbeat 1m15s ago http=http://127.0.0.1:8100 control=127.0.0.1:7001
@@ -1289,6 +1330,7 @@ proxy [Proxy] running restarts=0 mailbox=0 up 12.3s
         let expected = "\
 instance-0 role=prefill model=smollm2-135m tp=2 waiting=4 running=7 kv_blocks=300/512 free preemptions=1 transfers_in_flight=2 sent=3.0MiB received=0B transfer_failures=0
   prefix_cache hit_rate=25.0% prompt_tokens=1000 computed=750 cached=250 cached_blocks=40 evictions=3 local_prefills=0
+  kv_path http://127.0.0.1:8001 host (other_gpu (rank 0))
   kv_tier host blocks=12 used=3.0MiB/1.0GiB hits=7 misses=1 in=4.0MiB out=2.0MiB
 instance-0 [InstanceSupervisor] running restarts=0 mailbox=0 up 12.3s
 ├── scheduler [Scheduler] running restarts=0 mailbox=3 up 12.3s

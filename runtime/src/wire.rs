@@ -644,6 +644,7 @@ mod tests {
             handoffs_done: 13,
             handoff_bytes: 14,
             handoff_bytes_skipped: 15,
+            kv_paths: Vec::new(),
             kv_tiers: vec![TierSnapshot {
                 tier: "host".into(),
                 blocks: 1,
@@ -870,6 +871,48 @@ mod tests {
             decode_payload(&payload(crowded)),
             Err(WireError::TooManyItems {
                 field: "actors",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn kv_paths_are_bounded() {
+        use crate::supervision::KvPathSnapshot;
+        let path = |peer: &str, reason: &str| KvPathSnapshot {
+            peer: peer.into(),
+            path: "host".into(),
+            reason: reason.into(),
+        };
+        let inspect = |kv_paths| {
+            payload(ControlMessage::Inspect(Box::new(InspectAnswer::Instance(
+                InstanceSnapshot {
+                    kv_paths,
+                    ..instance("decode-0")
+                },
+            ))))
+        };
+        assert!(decode_payload(&inspect(vec![path("p", "other_gpu (rank 0)")])).is_ok());
+        assert!(matches!(
+            decode_payload(&inspect(vec![path("p", "x"); bounds::MAX_KV_PATHS + 1])),
+            Err(WireError::TooManyItems {
+                field: "instance.kv_paths",
+                ..
+            })
+        ));
+        let long = "r".repeat(bounds::MAX_NAME_BYTES + 1);
+        assert!(matches!(
+            decode_payload(&inspect(vec![path("p", &long)])),
+            Err(WireError::FieldTooLong {
+                field: "instance.kv_paths.reason",
+                ..
+            })
+        ));
+        let far = "p".repeat(bounds::MAX_ADDRESS_BYTES + 1);
+        assert!(matches!(
+            decode_payload(&inspect(vec![path(&far, "x")])),
+            Err(WireError::FieldTooLong {
+                field: "instance.kv_paths.peer",
                 ..
             })
         ));

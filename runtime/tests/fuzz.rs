@@ -417,6 +417,7 @@ fn sample_snapshot() -> InstanceSnapshot {
         handoff_bytes: 9 << 20,
         handoff_bytes_skipped: 1 << 20,
         kv_tiers: Vec::new(),
+        kv_paths: Vec::new(),
         actors: actor(
             "decode-0",
             "InstanceSupervisor",

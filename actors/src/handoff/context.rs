@@ -3,6 +3,7 @@
 //! registered with its transfer engine.
 
 use super::aggregator::{DroppedReports, Epochs};
+use super::device::{DeviceKvPeer, HostProofs, PublishedProof};
 use super::peer::Peers;
 use super::protocol::{compat_hash, compat_key, HandoffError, KvPeerInfo, RankKv};
 use super::pull::PullBounds;
@@ -182,6 +183,11 @@ pub struct KvContext {
     /// (e.g. the sweep of expired read scopes), so draining waits only for hand-offs.
     pub background: CancellationToken,
     handoffs: dashmap::DashMap<RequestId, CancellationToken>,
+    /// Per TP rank, its device KV when it lives on a GPU (see [`KvContext::set_device`]).
+    devices: Mutex<Vec<Option<Arc<dyn DeviceKvPeer>>>>,
+    /// This host's proof files, and ours once a rank registered a device.
+    proofs: HostProofs,
+    proof: Mutex<Option<PublishedProof>>,
     orphan_writes_until: Mutex<Option<Instant>>,
     in_flight: AtomicU64,
     bytes_sent: AtomicU64,
@@ -201,6 +207,7 @@ impl KvContext {
         epochs: Arc<Epochs>,
     ) -> Self {
         let shutdown = CancellationToken::new();
+        let settings_tp = settings.tp;
         Self {
             background: shutdown.child_token(),
             grants: Grants::new(registry.engine().clone()),
@@ -212,6 +219,9 @@ impl KvContext {
             tasks: TaskTracker::new(),
             shutdown,
             handoffs: dashmap::DashMap::new(),
+            devices: Mutex::new(vec![None; settings_tp]),
+            proofs: HostProofs::from_env(),
+            proof: Mutex::new(None),
             orphan_writes_until: Mutex::new(None),
             in_flight: AtomicU64::new(0),
             bytes_sent: AtomicU64::new(0),
@@ -308,6 +318,63 @@ impl KvContext {
                 })
                 .collect(),
         }
+    }
+
+    /// Registers (or, with `None`, clears) rank `rank`'s device KV: the TpWorker calls it once
+    /// its CUDA executor runs, and with `None` when the executor goes. The first registration
+    /// publishes this process's host proof; without any, the instance advertises no placement
+    /// and every hand-off takes the host path.
+    pub fn set_device(&self, rank: usize, device: Option<Arc<dyn DeviceKvPeer>>) {
+        if device.is_some() {
+            let mut proof = self.proof.lock().unwrap_or_else(|e| e.into_inner());
+            if proof.is_none() {
+                match self
+                    .proofs
+                    .publish(&self.settings.engine_id, super::device::boot_id())
+                {
+                    Ok(p) => *proof = Some(p),
+                    Err(e) => tracing::warn!(
+                        dir = %self.proofs.dir().display(),
+                        error = %e,
+                        "cannot publish a host proof: KV hand-offs keep the host path"
+                    ),
+                }
+            }
+        }
+        let mut devices = self.devices.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(slot) = devices.get_mut(rank) {
+            *slot = device;
+        }
+    }
+
+    /// Rank `rank`'s device KV, when it registered one.
+    pub fn device(&self, rank: usize) -> Option<Arc<dyn DeviceKvPeer>> {
+        let devices = self.devices.lock().unwrap_or_else(|e| e.into_inner());
+        devices.get(rank).cloned().flatten()
+    }
+
+    /// Where this instance keeps its KV, with its IPC handles (the placement exchange strips
+    /// them for peers not verified as local): `None` when no rank registered a device or no
+    /// host proof could be published.
+    pub fn placement(&self) -> Option<pdserve_core::handoff::kv_path::KvPlacement> {
+        let identity = self
+            .proof
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()?
+            .identity
+            .clone();
+        let devices = self
+            .devices
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        super::device::placement_of(&self.settings.engine_id, &identity, &self.info(), &devices)
+    }
+
+    /// This host's proof files.
+    pub fn host_proofs(&self) -> &HostProofs {
+        &self.proofs
     }
 
     /// A hand-off starts (counted in flight until [`KvContext::handoff_ended`]).

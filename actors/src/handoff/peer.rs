@@ -88,9 +88,11 @@ pub struct Peers {
     http: reqwest::Client,
     api_key: Option<String>,
     faults: Option<Arc<FaultInjector>>,
-    timeout: Duration,
+    pub(super) timeout: Duration,
     conns: Slots<Arc<ControlConnection>>,
     infos: dashmap::DashMap<PeerAddr, KvPeerInfo>,
+    /// The KV path negotiated per peer (`super::device`), forgotten with its handshake.
+    pub(super) paths: dashmap::DashMap<PeerAddr, super::device::Negotiated>,
     /// Per peer URL, its control address and node when it has one ([`Peers::control_of`]).
     discovered: dashmap::DashMap<String, Option<(SocketAddr, String)>>,
     sessions: Slots<Cached>,
@@ -121,6 +123,7 @@ impl Peers {
             timeout,
             conns: Slots::default(),
             infos: dashmap::DashMap::new(),
+            paths: dashmap::DashMap::new(),
             discovered: dashmap::DashMap::new(),
             sessions: Slots::default(),
             renewals: Mutex::new(HashMap::new()),
@@ -400,6 +403,7 @@ impl Peers {
     /// have restarted a worker and registered new regions, or restarted altogether).
     pub fn forget(&self, peer: &PeerAddr) {
         self.infos.remove(peer);
+        self.paths.remove(peer);
     }
 
     /// A transfer session from `engine` to the engine of `peer` (whose handshake answer is

@@ -17,8 +17,14 @@
 //! | [`PeerRequest::Abort`] | decode | [`PeerAnswer::Aborted`] | give up: stop the prefill and its writes, free what is held; answered once no write can land any more |
 //! | [`PeerRequest::OpenSession`] | decode | [`PeerAnswer::Session`] | grant a read session to our KV memory (see [`super::session`]) |
 //! | [`PeerRequest::OpenRead`] | decode | [`PeerAnswer::ReadOpened`] | open the read scope of a hand-off's held blocks on that session |
+//! | [`PeerRequest::Placement`] | decode with device KV | [`PeerAnswer::Placement`] | the second half of the handshake: where each side keeps its KV, to choose CUDA IPC or the host path ([`super::device`]) |
 //!
 //! Any request may be answered with [`PeerAnswer::Failed`] carrying a [`HandoffError`].
+//!
+//! The placement exchange is appended to both enums with boxed payloads, so the archives of
+//! the older variants are unchanged (a test checks it): an instance without it fails to decode
+//! a `Placement` request and answers `Failed`, which the asker takes as "not advertised" and
+//! keeps the host path. Instances whose KV is in host memory never send it.
 
 use pdserve_gpu::config::ModelConfig;
 use pdserve_gpu::kv::KvLayout;
@@ -206,6 +212,16 @@ pub struct PrefillAnswer {
     pub cached_tokens: u32,
 }
 
+/// What a decode instance with device KV tells the prefill instance in the placement
+/// exchange ([`PeerRequest::Placement`]).
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct PlacementAsk {
+    /// The asker's KV memory (checked against the answerer's like a handshake).
+    pub info: KvPeerInfo,
+    /// Where the asker keeps its KV (no handles: a reader shares none).
+    pub placement: KvPlacement,
+}
+
 /// A request of the peer protocol.
 // One message per call, built once and moved into an encoder: the size of the Prefill variant
 // costs nothing worth a box.
@@ -237,6 +253,10 @@ pub enum PeerRequest {
         /// The caller's engine id.
         initiator: String,
     },
+    /// The placement exchange: where the asker keeps its KV; the answer is the answerer's
+    /// [`KvPlacement`], with its IPC handles only when it verified the asker as a process on
+    /// its own host and GPU. Appended last and boxed (see the module doc).
+    Placement(Box<PlacementAsk>),
 }
 
 impl PeerRequest {
@@ -250,6 +270,7 @@ impl PeerRequest {
             Self::Abort(_) => "Abort",
             Self::OpenSession { .. } => "OpenSession",
             Self::OpenRead { .. } => "OpenRead",
+            Self::Placement(_) => "Placement",
         }
     }
 }
@@ -284,6 +305,8 @@ pub enum PeerAnswer {
     ReadOpened,
     /// Any request failed.
     Failed(HandoffError),
+    /// To [`PeerRequest::Placement`]. Appended last and boxed (see the module doc).
+    Placement(Box<KvPlacement>),
 }
 
 impl PeerAnswer {
@@ -298,10 +321,12 @@ impl PeerAnswer {
             Self::Session(_) => "Session",
             Self::ReadOpened => "ReadOpened",
             Self::Failed(_) => "Failed",
+            Self::Placement(_) => "Placement",
         }
     }
 }
 
+pub use pdserve_core::handoff::kv_path::KvPlacement;
 pub use pdserve_core::handoff::HandoffError;
 
 /// A transfer-engine failure as a [`HandoffError`]: `HandoffError::transfer(&e)` with this
@@ -360,6 +385,13 @@ fn bound(what: &str, n: usize, max: usize) -> Result<(), HandoffError> {
         )));
     }
     Ok(())
+}
+
+/// A placement's counts and lengths against the protocol's limits (the same as a
+/// [`KvPeerInfo`]'s: ranks, regions per rank, names).
+fn placement_bounds(p: &KvPlacement) -> Result<(), HandoffError> {
+    p.validate_bounds()
+        .map_err(|e| HandoffError::Protocol(e.to_string()))
 }
 
 impl KvPeerInfo {
@@ -459,6 +491,10 @@ impl PeerRequest {
             Self::OpenSession { initiator, .. } | Self::OpenRead { initiator, .. } => {
                 bound("initiator bytes", initiator.len(), MAX_NAME_BYTES)
             }
+            Self::Placement(ask) => {
+                ask.info.validate_bounds()?;
+                placement_bounds(&ask.placement)
+            }
         }
     }
 }
@@ -493,6 +529,7 @@ impl PeerAnswer {
             Self::Released { .. } | Self::Aborted { .. } | Self::ReadOpened | Self::Failed(_) => {
                 Ok(())
             }
+            Self::Placement(p) => placement_bounds(p),
         }
     }
 }
@@ -611,7 +648,40 @@ mod tests {
                 transfer: t,
                 initiator: "d0".into(),
             },
+            PeerRequest::Placement(Box::new(PlacementAsk {
+                info: info(),
+                placement: placement(false),
+            })),
         ]
+    }
+
+    fn placement(handles: bool) -> KvPlacement {
+        use pdserve_core::handoff::kv_path::{DeviceRank, HostIdentity, IpcRegion, RankPlacement};
+        KvPlacement {
+            engine_id: "d0".into(),
+            host: HostIdentity {
+                boot_id: "b".into(),
+                proof_id: 9,
+                nonce: [3; 32],
+            },
+            ranks: vec![RankPlacement::Device(DeviceRank {
+                gpu_uuid: [1; 16],
+                ordinal: 0,
+                ipc_export: true,
+                region_bytes: vec![4096, 4096],
+                handles: if handles {
+                    vec![
+                        IpcRegion {
+                            handle: vec![5; 64],
+                            bytes: 4096,
+                        };
+                        2
+                    ]
+                } else {
+                    Vec::new()
+                },
+            })],
+        }
     }
 
     fn answers() -> Vec<PeerAnswer> {
@@ -642,7 +712,97 @@ mod tests {
                 "x",
                 std::time::Duration::from_secs(3),
             )),
+            PeerAnswer::Placement(Box::new(placement(true))),
         ]
+    }
+
+    /// The two enums as they were before the placement exchange.
+    #[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+    #[allow(dead_code, clippy::large_enum_variant)]
+    enum OldRequest {
+        Info,
+        Prefill(PrefillRequest),
+        Renew(Vec<TransferId>),
+        Release(TransferId),
+        Abort(TransferId),
+        OpenSession {
+            initiator: String,
+            fresh: bool,
+        },
+        OpenRead {
+            transfer: TransferId,
+            initiator: String,
+        },
+    }
+
+    #[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+    #[allow(dead_code, clippy::large_enum_variant)]
+    enum OldAnswer {
+        Info(KvPeerInfo),
+        Prefilled(PrefillAnswer),
+        Renewed { unknown: Vec<TransferId> },
+        Released { was_held: bool },
+        Aborted { found: bool },
+        Session(SessionOffer),
+        ReadOpened,
+        Failed(HandoffError),
+    }
+
+    #[test]
+    fn the_placement_exchange_keeps_older_frames_readable() {
+        // The archives of the older variants did not move...
+        assert_eq!(
+            std::mem::size_of::<ArchivedPeerAnswer>(),
+            std::mem::size_of::<ArchivedOldAnswer>()
+        );
+        assert_eq!(
+            std::mem::size_of::<ArchivedPeerRequest>(),
+            std::mem::size_of::<ArchivedOldRequest>()
+        );
+        // ...so what an older instance sends decodes here,
+        let old = to_archive(&OldAnswer::Info(info())).unwrap();
+        assert_eq!(decode_answer(&old).unwrap(), PeerAnswer::Info(info()));
+        let old = to_archive(&OldAnswer::Failed(HandoffError::Protocol("x".into()))).unwrap();
+        assert_eq!(
+            decode_answer(&old).unwrap(),
+            PeerAnswer::Failed(HandoffError::Protocol("x".into()))
+        );
+        let old = to_archive(&OldRequest::Info).unwrap();
+        assert_eq!(decode_request(&old).unwrap(), PeerRequest::Info);
+        // ...and the placement request is refused by an older one (which answers `Failed`:
+        // the asker keeps the host path).
+        let new = encode_request(requests().last().unwrap()).unwrap();
+        assert!(from_archive::<OldRequest>(&new).is_err());
+    }
+
+    #[test]
+    fn placement_bounds_are_the_protocol_bounds() {
+        use pdserve_core::handoff::kv_path as k;
+        assert_eq!(k::MAX_PLACEMENT_RANKS, MAX_RANKS);
+        assert_eq!(k::MAX_PLACEMENT_REGIONS, MAX_RANK_REGIONS);
+        assert_eq!(k::MAX_ENGINE_ID_BYTES, MAX_NAME_BYTES);
+        let mut p = placement(true);
+        if let pdserve_core::handoff::kv_path::RankPlacement::Device(d) = &mut p.ranks[0] {
+            d.handles[1].handle = vec![0; 65];
+        }
+        let e = decode_answer(&encode_answer(&PeerAnswer::Placement(Box::new(p))).unwrap())
+            .unwrap_err();
+        assert!(e.to_string().contains("placement.handle bytes: 65"), "{e}");
+        let mut p = placement(false);
+        p.ranks = vec![pdserve_core::handoff::kv_path::RankPlacement::Host; MAX_RANKS + 1];
+        let ask = PeerRequest::Placement(Box::new(PlacementAsk {
+            info: info(),
+            placement: p,
+        }));
+        let e = decode_request(&encode_request(&ask).unwrap()).unwrap_err();
+        assert!(e.to_string().contains("placement.ranks"), "{e}");
+        let mut wide = info();
+        wide.ranks = vec![wide.ranks[0].clone(); MAX_RANKS + 1];
+        let ask = PeerRequest::Placement(Box::new(PlacementAsk {
+            info: wide,
+            placement: placement(false),
+        }));
+        assert!(decode_request(&encode_request(&ask).unwrap()).is_err());
     }
 
     #[test]

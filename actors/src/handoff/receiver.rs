@@ -630,6 +630,25 @@ impl Driver {
         cached_blocks: usize,
         prompt_len: usize,
     ) -> PullEvent {
+        // Same-GPU peers: the path negotiated at the handshake may be CUDA IPC, which copies
+        // device to device instead of through the engine (`super::device`; never on CPU).
+        match super::device::DeviceRead::prepare(
+            &self.kv,
+            &peer,
+            &remote,
+            &local,
+            cached_blocks,
+            prompt_len,
+        )
+        .await
+        {
+            Ok(Some(copies)) => {
+                let r = copies.run(&self.kv, &self.aggregator, transfer).await;
+                return PullEvent::ReadsDone(r);
+            }
+            Ok(None) => {}
+            Err(e) => return PullEvent::ReadsRefused(e),
+        }
         // Everything before the first batch is submitted can refuse the hand-off without any
         // byte having moved.
         let prepared = async {

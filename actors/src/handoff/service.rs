@@ -311,6 +311,10 @@ impl<H: PrefillHost> PeerService<H> {
                 .open_read(transfer, &initiator, caller.node)
                 .await
                 .map(|()| PeerAnswer::ReadOpened),
+            PeerRequest::Placement(ask) => {
+                super::device::answer_placement(&self.kv, *ask, caller.node)
+                    .map(|p| PeerAnswer::Placement(Box::new(p)))
+            }
         };
         answer.unwrap_or_else(|e| {
             tracing::debug!(request = name, kind = e.kind(), error = %e, "peer request failed");

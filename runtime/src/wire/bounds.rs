@@ -45,6 +45,8 @@ pub const MAX_ROUTER_DECISIONS: usize = 1024;
 pub const MAX_INDEXED_INSTANCES: usize = 4096;
 /// Most storage media in one indexed instance's figures (pool, host, disk, shared today).
 pub const MAX_MEDIA: usize = 16;
+/// Most negotiated KV paths (one per prefill peer) in one instance snapshot.
+pub const MAX_KV_PATHS: usize = 1024;
 
 fn string(field: &'static str, s: &ArchivedString, max: usize) -> Result<(), WireError> {
     let len = s.len();
@@ -174,6 +176,12 @@ fn check_instance(i: &ArchivedInstanceSnapshot) -> Result<(), WireError> {
     count("instance.kv_tiers", &i.kv_tiers, MAX_TIERS)?;
     for t in i.kv_tiers.iter() {
         name("instance.kv_tiers.tier", &t.tier)?;
+    }
+    count("instance.kv_paths", &i.kv_paths, MAX_KV_PATHS)?;
+    for p in i.kv_paths.iter() {
+        address("instance.kv_paths.peer", &p.peer)?;
+        name("instance.kv_paths.path", &p.path)?;
+        name("instance.kv_paths.reason", &p.reason)?;
     }
     check_actors(&i.actors)
 }

@@ -31,7 +31,9 @@
 #   serve     `serve --device cuda` answering a greedy chat completion, compared with
 #             `serve` on the CPU (f32 weights both)
 #   launch    `launch --device cuda` 1P1D (prefill and decode on the one GPU) against a
-#             colocated `serve --device cuda`: greedy tokens identical
+#             colocated `serve --device cuda`: greedy tokens identical, over CUDA IPC (what
+#             one GPU negotiates) and over the host path (host proofs made unusable), with
+#             the KV path each negotiated and the hand-off gap of a ~1500-token prompt
 #   hf        pdserve (`cuda verify --model HF_EXPORT --dtype f16 --bench`) and HF transformers
 #             (f16, KV cache on) on the HF export of the synthetic model's unquantized weights:
 #             greedy tokens compared, tokens/s beside each other (benches/cuda_hf_reference.py)
@@ -202,18 +204,29 @@ step_serve() {
     done
     return $rc
 }
-step_launch() {
-    ensure_model || return 1
-    local port rc=0
+# launch_one NAME [ENV=VALUE...]: 1P1D `launch --device cuda`, one short greedy chat (compared
+# with colocated) and one long prompt (~1500 tokens: the hand-off's timing in the logs).
+launch_one() {
+    local name="$1" port rc=0
+    shift
     port=$(free_port)
-    "$bin" launch --model "$gguf" --served-model-name m --device cuda \
-        --prefill 1 --decode 1 --port "$port" >"$raw/launch.log" 2>&1 &
+    env "$@" "$bin" launch --model "$gguf" --served-model-name m --device cuda \
+        --prefill 1 --decode 1 --port "$port" >"$raw/$name.log" 2>&1 &
     local pid=$!
     if wait_health "http://127.0.0.1:$port" 120 "$pid"; then
-        chat "http://127.0.0.1:$port" "$raw/launch.json" || rc=1
+        chat "http://127.0.0.1:$port" "$raw/$name.json" || rc=1
+        python3 - "http://127.0.0.1:$port" "$raw/$name-long.json" <<'PY' || rc=1
+import json, sys, urllib.request
+text = " ".join(["The lighthouse keeper climbed the stairs at dusk."] * 150)
+body = {"model": "m", "temperature": 0, "max_tokens": 8, "ignore_eos": True,
+        "return_token_ids": True, "messages": [{"role": "user", "content": text}]}
+req = urllib.request.Request(sys.argv[1] + "/v1/chat/completions", json.dumps(body).encode(),
+                             {"content-type": "application/json"})
+open(sys.argv[2], "w").write(urllib.request.urlopen(req, timeout=60).read().decode())
+PY
     else
         rc=1
-        tail -20 "$raw/launch.log"
+        tail -20 "$raw/$name.log"
     fi
     kill -INT "$pid" 2>/dev/null
     for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
@@ -221,10 +234,19 @@ step_launch() {
     wait "$pid" 2>/dev/null
     return $rc
 }
+step_launch() {
+    ensure_model || return 1
+    local rc=0
+    # On one GPU the instances negotiate CUDA IPC; with no usable host-proof directory they
+    # cannot prove they share the host and keep the host path (mirror, shm, upload).
+    launch_one launch || rc=1
+    launch_one launch-host PDSERVE_HOST_PROOF_DIR=/proc/pdserve-no-proofs || rc=1
+    return $rc
+}
 
 export bin raw work gguf root
 export -f ensure_model step_verify step_bench step_transfer step_verify16 step_hf wait_health \
-    free_port chat serve_one stop_one step_serve step_launch
+    free_port chat serve_one stop_one step_serve launch_one step_launch
 run_step verify 150 step_verify
 run_step bench 90 step_bench
 run_step transfer 100 step_transfer
@@ -275,12 +297,32 @@ def text(name):
         return r["choices"][0]["token_ids"]
     except Exception:
         return None if r is None else r
-for k in ["serve-cpu", "serve-cuda-f32", "serve-cuda", "launch"]:
+for k in ["serve-cpu", "serve-cuda-f32", "serve-cuda", "launch", "launch-host"]:
     s[k] = text(k + ".json")
+# Each launch's KV path (the decode instance's negotiation log) and hand-off timing: from the
+# prefill's "prompt computed" to the decode's "first decode step", per transfer (one host,
+# one clock), with the long prompt's length.
+import re
+for k in ["launch", "launch-host"]:
+    try:
+        log = open(os.path.join(raw, k + ".log"), errors="replace").read()
+    except OSError:
+        continue
+    computed = dict(re.findall(r"prompt computed transfer=(\w+) at_us=(\d+)", log))
+    first = dict(re.findall(r"first decode step transfer=(\w+) at_us=(\d+)", log))
+    gaps = [(int(first[t]) - int(computed[t])) / 1000 for t in computed if t in first]
+    paths = sorted(set(re.findall(r"KV path negotiated[^\n]*", log)))[:4]
+    long_prompt = load(k + "-long.json")
+    s[k + "_kv"] = {
+        "negotiated": [re.sub(r"\x1b\[[0-9;]*m", "", p)[:300] for p in paths],
+        "handoff_gap_ms": gaps,
+        "long_prompt_tokens": (long_prompt or {}).get("usage", {}).get("prompt_tokens"),
+    }
 if isinstance(s.get("serve-cpu"), list) and isinstance(s.get("serve-cuda-f32"), list):
     s["serve_cuda_f32_equals_cpu_f32"] = s["serve-cpu"] == s["serve-cuda-f32"]
-if isinstance(s.get("launch"), list) and isinstance(s.get("serve-cuda"), list):
-    s["launch_1p1d_equals_colocated_cuda"] = s["launch"] == s["serve-cuda"]
+for k in ["launch", "launch-host"]:
+    if isinstance(s.get(k), list) and isinstance(s.get("serve-cuda"), list):
+        s[k.replace("-", "_") + "_1p1d_equals_colocated_cuda"] = s[k] == s["serve-cuda"]
 json.dump(s, open(dest, "w"), indent=1)
 print(json.dumps({k: v for k, v in s.items() if k not in ("bench_model", "transfer_io_threads")}, indent=1)[:6000])
 for n, t in tr.items():

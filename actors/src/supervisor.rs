@@ -199,6 +199,7 @@ impl SupervisorState {
             spec,
             comm: self.comms[rank].clone(),
             reports,
+            kv: self.kv.clone(),
         }
     }
 

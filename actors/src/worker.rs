@@ -13,6 +13,8 @@
 //! executor whose step fails with a device runtime error is presumed lost (CUDA errors are
 //! sticky): the worker then fails on purpose, so the supervisor starts a fresh executor.
 
+#[cfg(feature = "cuda")]
+mod cuda_peer;
 pub mod executor;
 pub mod standin;
 
@@ -138,6 +140,9 @@ pub struct WorkerArgs {
     pub comm: ThreadCollective,
     /// Where its reports go.
     pub reports: ReportSink,
+    /// The instance's hand-off context (instances that move KV): a CUDA rank registers its
+    /// side of same-GPU P/D there ([`crate::handoff::context::KvContext::set_device`]).
+    pub kv: Option<Arc<crate::handoff::context::KvContext>>,
 }
 
 /// The TpWorker actor (its mailbox count).
@@ -162,10 +167,17 @@ impl Actor for TpWorker {
     ) -> Result<Self::State, ActorProcessingErr> {
         // Cutting the shard and mapping the KV region are blocking work: off the async threads.
         let a = args.clone();
-        let executor = tokio::task::spawn_blocking(move || {
-            RankExec::spawn(&a.spec, a.comm.clone(), a.spec.alloc.as_ref())
+        let want_peer = args.kv.is_some();
+        let (executor, device_peer) = tokio::task::spawn_blocking(move || {
+            RankExec::spawn(&a.spec, a.comm.clone(), a.spec.alloc.as_ref()).map(|e| {
+                let peer = if want_peer { e.device_kv_peer() } else { None };
+                (e, peer)
+            })
         })
         .await??;
+        if let (Some(kv), Some(peer)) = (&args.kv, device_peer) {
+            kv.set_device(args.rank, Some(peer));
+        }
         (args.reports)(WorkerReport::Up {
             rank: args.rank,
             epoch: args.epoch,
@@ -179,6 +191,21 @@ impl Actor for TpWorker {
             "TP worker ready"
         );
         Ok(WorkerState { args, executor })
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        st: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        // Peers must not copy from (or into) the regions of an executor that is going away;
+        // a restarted rank registers its new regions.
+        if let Some(kv) = &st.args.kv {
+            if st.executor.device_backed() {
+                kv.set_device(st.args.rank, None);
+            }
+        }
+        Ok(())
     }
 
     async fn handle(

@@ -22,6 +22,7 @@
 
 pub mod handoff;
 pub mod kernels;
+pub mod fence;
 pub mod launch;
 pub mod layout;
 pub mod nvrtc;

@@ -342,6 +342,9 @@ impl Driver {
         let mut calls: FuturesUnordered<Call> = FuturesUnordered::new();
         let mut renewing: Option<RenewGuard> = None;
         let write_scope: WriteScope = Arc::default();
+        // Set when the blocks were copied device to device (CUDA IPC): nothing landed in the
+        // host mirror, so nothing may be uploaded from it (stale bytes over the copied ones).
+        let device_read = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let mut computed_at = None;
         let mut result: Option<Result<(), HandoffError>> = None;
         let mut cancelled = false;
@@ -368,6 +371,7 @@ impl Driver {
                             local.clone(),
                             cached_blocks,
                             prompt.len(),
+                            device_read.clone(),
                         )));
                     }
                     PullAction::SendRelease => {
@@ -399,7 +403,9 @@ impl Driver {
                                 }
                             }
                         }
-                        let landed_blocks = if r.is_ok() {
+                        let copied_on_device =
+                            device_read.load(std::sync::atomic::Ordering::Acquire);
+                        let landed_blocks = if r.is_ok() && !copied_on_device {
                             landed(
                                 &local,
                                 cached_blocks,
@@ -620,7 +626,9 @@ impl Driver {
 
     /// Reads the held blocks into ours: one batch per local rank, joined by the Aggregator.
     /// Every batch is awaited to its end, even after one failed: our blocks may not be
-    /// released while a read can still land in them.
+    /// released while a read can still land in them. `device_read` is set when the blocks
+    /// were copied device to device (CUDA IPC) rather than landed in registered memory.
+    #[allow(clippy::too_many_arguments)]
     async fn read(
         self,
         peer: PeerAddr,
@@ -629,6 +637,7 @@ impl Driver {
         local: Vec<u32>,
         cached_blocks: usize,
         prompt_len: usize,
+        device_read: Arc<std::sync::atomic::AtomicBool>,
     ) -> PullEvent {
         // Same-GPU peers: the path negotiated at the handshake may be CUDA IPC, which copies
         // device to device instead of through the engine (`super::device`; never on CPU).
@@ -643,6 +652,7 @@ impl Driver {
         .await
         {
             Ok(Some(copies)) => {
+                device_read.store(true, std::sync::atomic::Ordering::Release);
                 let r = copies.run(&self.kv, &self.aggregator, transfer).await;
                 return PullEvent::ReadsDone(r);
             }

@@ -137,7 +137,7 @@ pub(crate) enum RankExec {
     Cpu(RankExecutor),
     /// A GPU.
     #[cfg(feature = "cuda")]
-    Cuda(pdserve_gpu::cuda::CudaRankExecutor),
+    Cuda(Arc<pdserve_gpu::cuda::CudaRankExecutor>),
     /// The CPU stand-in of a GPU (tests).
     StandIn(StandInExecutor),
 }
@@ -180,7 +180,7 @@ impl RankExec {
                     &cuda,
                     Some(alloc),
                 )
-                .map(Self::Cuda)
+                .map(|e| Self::Cuda(Arc::new(e)))
             }
             RankDevice::StandIn { mirror, faults } => StandInExecutor::spawn(
                 &spec.config,
@@ -249,6 +249,19 @@ impl RankExec {
             Self::Cuda(e) => e.poison(reason),
             Self::StandIn(e) => e.poison(reason),
         }
+    }
+
+    /// This rank's side of same-GPU P/D over CUDA IPC (`handoff::device`), for the
+    /// instance's KV context: only a CUDA rank has one. Blocking (exports the IPC handles on
+    /// the rank's thread): call off the async threads.
+    pub(crate) fn device_kv_peer(
+        &self,
+    ) -> Option<Arc<dyn crate::handoff::device::DeviceKvPeer>> {
+        #[cfg(feature = "cuda")]
+        if let Self::Cuda(e) = self {
+            return Some(Arc::new(super::cuda_peer::CudaKvPeer::new(e.clone())));
+        }
+        None
     }
 
     /// Whether this executor keeps KV on a device (not the CPU executor).

@@ -13,6 +13,7 @@
 //! work.
 
 use super::context::{GemmDtype, GpuContext};
+use super::fence::{Completion, FenceItem};
 use super::kv::{DeviceKvCache, IpcRegionHandle, MirrorMode, PeerDeviceKv};
 use super::model::CudaShard;
 use super::nvrtc::KernelCache;
@@ -75,14 +76,15 @@ enum Job {
     },
 }
 
-enum Fence {
-    /// Run `then` once `event` completed.
-    After {
-        event: CudaEvent,
-        then: Box<dyn FnOnce(Result<()>) + Send>,
-    },
-    /// Answer once everything sent before has run.
-    Barrier(SyncSender<()>),
+/// The fence thread's items: continuations after CUDA events (see [`super::fence`]).
+type Fence = FenceItem<CudaEvent>;
+
+impl Completion for CudaEvent {
+    fn wait(&self) -> Result<()> {
+        self.synchronize()
+            .map_err(super::context::rt("wait for event"))
+            .map_err(ModelError::from)
+    }
 }
 
 /// One tensor-parallel rank on a GPU.
@@ -91,6 +93,8 @@ pub struct CudaRankExecutor {
     layout: KvLayout,
     mirror: Vec<Arc<dyn HostMemory>>,
     arch: String,
+    ordinal: usize,
+    gpu_uuid: [u8; 16],
 }
 
 impl std::fmt::Debug for CudaRankExecutor {
@@ -124,6 +128,11 @@ impl CudaRankExecutor {
             cuda.first_gpu + rank,
             &KernelCache::from_env(),
         )?);
+        let gpu_uuid = gpu
+            .context()
+            .uuid()
+            .map(|u| u.bytes.map(|b| b as u8))
+            .map_err(super::context::rt("cuDeviceGetUuid"))?;
         let shard = CudaShard::load(gpu.clone(), config, store, rank, opts.tp, cuda.dtype)?;
         let layout = KvLayout {
             num_layers: config.num_layers,
@@ -153,7 +162,7 @@ impl CudaRankExecutor {
         let (fence_tx, fence_rx) = channel::<Fence>();
         std::thread::Builder::new()
             .name(format!("pdserve-cuda{rank}-fence"))
-            .spawn(move || fence_loop(fence_rx))?;
+            .spawn(move || super::fence::run(fence_rx))?;
         let (tx, rx) = sync_channel::<Job>(RANK_QUEUE);
         let rank_comm = comm.clone();
         let arch = gpu.arch().to_string();
@@ -165,7 +174,19 @@ impl CudaRankExecutor {
             layout,
             mirror: mirror_regions,
             arch,
+            ordinal: cuda.first_gpu + rank,
+            gpu_uuid,
         })
+    }
+
+    /// The GPU's ordinal in this process.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// The GPU's UUID (`cuDeviceGetUuid`): two processes on the same GPU see the same one.
+    pub fn gpu_uuid(&self) -> [u8; 16] {
+        self.gpu_uuid
     }
 
     /// This rank's index.
@@ -311,7 +332,7 @@ fn rank_loop(
                             let h = h.clone();
                             fenced = true;
                             let _ = fence.send(Fence::After {
-                                event,
+                                point: event,
                                 then: Box::new(move |r| {
                                     if r.is_ok() {
                                         h(rank, layer)
@@ -361,7 +382,7 @@ fn rank_loop(
                 match queued {
                     Ok(event) => {
                         let _ = fence.send(Fence::After {
-                            event,
+                            point: event,
                             then: Box::new(done),
                         });
                     }
@@ -387,23 +408,6 @@ fn rank_loop(
                         shard.gpu().synchronize()
                     });
                 let _ = reply.send(r.map_err(Into::into));
-            }
-        }
-    }
-}
-
-fn fence_loop(items: Receiver<Fence>) {
-    while let Ok(item) = items.recv() {
-        match item {
-            Fence::After { event, then } => {
-                let r = event
-                    .synchronize()
-                    .map_err(super::context::rt("wait for event"))
-                    .map_err(ModelError::from);
-                then(r);
-            }
-            Fence::Barrier(tx) => {
-                let _ = tx.send(());
             }
         }
     }

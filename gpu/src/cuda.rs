@@ -20,9 +20,9 @@
 //!
 //! See `docs/cuda.md` for what of this has run on a GPU.
 
+pub mod fence;
 pub mod handoff;
 pub mod kernels;
-pub mod fence;
 pub mod launch;
 pub mod layout;
 pub mod nvrtc;

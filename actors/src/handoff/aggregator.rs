@@ -178,6 +178,59 @@ impl Aggregator {
     }
 }
 
+/// One hand-off's rank work joined by the Aggregator, as a pull's reads and a same-GPU copy
+/// both run it: opens the hand-off over the ranks' current `epochs`, runs `rank_work(rank)`
+/// for every rank to its end (each result reported with the rank's tag), then waits at most
+/// `bound` for the outcome. Without one (the Aggregator failed or is stuck) the hand-off
+/// failed too, and the Aggregator is told to forget it.
+pub(crate) async fn joined<F, Fut>(
+    aggregator: &crate::mailbox::Mailbox<AggregatorMsg>,
+    transfer: TransferId,
+    epochs: Vec<u64>,
+    bound: std::time::Duration,
+    mut rank_work: F,
+) -> HandoffOutcome
+where
+    F: FnMut(usize) -> Fut,
+    Fut: std::future::Future<Output = RankReport>,
+{
+    use super::protocol::HandoffError;
+    let attempt = next_attempt();
+    let (tx, rx) = oneshot::channel();
+    aggregator
+        .cast(AggregatorMsg::Expect {
+            transfer,
+            attempt,
+            epochs: epochs.clone(),
+            done: tx,
+        })
+        .map_err(|_| HandoffError::Interrupted("the aggregator is gone".into()))?;
+    let work = epochs.iter().enumerate().map(|(rank, &epoch)| {
+        let report = rank_work(rank);
+        async move {
+            let report = report.await;
+            let _ = aggregator.cast(AggregatorMsg::Report {
+                transfer,
+                rank,
+                tag: Tag { attempt, epoch },
+                report,
+            });
+        }
+    });
+    futures_util::future::join_all(work).await;
+    let outcome = match tokio::time::timeout(bound, rx).await {
+        Ok(Ok(outcome)) => outcome,
+        Ok(Err(_)) => Err(HandoffError::Interrupted(
+            "the aggregator failed during the hand-off".into(),
+        )),
+        Err(_) => Err(HandoffError::timeout("the aggregator's answer", bound)),
+    };
+    if outcome.is_err() {
+        let _ = aggregator.cast(AggregatorMsg::Forget(transfer));
+    }
+    outcome
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

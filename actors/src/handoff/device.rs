@@ -27,7 +27,7 @@
 //! context) holds the 32-byte nonce and the engine id of the advertisement. A peer claiming
 //! this host is verified by reading the file its `proof_id` names.
 
-use super::aggregator::{next_attempt, AggregatorMsg, RankReport, Tag};
+use super::aggregator::{AggregatorMsg, RankReport};
 use super::context::KvContext;
 use super::peer::{PeerAddr, Peers};
 use super::plan::{check_blocks, validate_peer};
@@ -512,49 +512,24 @@ impl DeviceRead {
         aggregator: &Mailbox<AggregatorMsg>,
         transfer: TransferId,
     ) -> Result<(), HandoffError> {
-        let attempt = next_attempt();
-        let epochs = kv.epochs.current();
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        aggregator
-            .cast(AggregatorMsg::Expect {
-                transfer,
-                attempt,
-                epochs: epochs.clone(),
-                done: tx,
-            })
-            .map_err(|_| HandoffError::Interrupted("the aggregator is gone".into()))?;
         let bound = kv.bounds().transfer;
-        let copies = (0..epochs.len()).map(|rank| {
-            let epoch = epochs[rank];
-            let this = &self;
-            async move {
-                let report = match this.copy_rank(kv, rank, bound).await {
+        let this = &self;
+        super::aggregator::joined(
+            aggregator,
+            transfer,
+            kv.epochs.current(),
+            bound,
+            |rank| async move {
+                match this.copy_rank(kv, rank, bound).await {
                     Ok(bytes) => {
                         kv.received(bytes);
                         RankReport::Done
                     }
                     Err(e) => RankReport::Failed(e),
-                };
-                let _ = aggregator.cast(AggregatorMsg::Report {
-                    transfer,
-                    rank,
-                    tag: Tag { attempt, epoch },
-                    report,
-                });
-            }
-        });
-        futures_util::future::join_all(copies).await;
-        let outcome = match tokio::time::timeout(bound, rx).await {
-            Ok(Ok(outcome)) => outcome,
-            Ok(Err(_)) => Err(HandoffError::Interrupted(
-                "the aggregator failed during the hand-off".into(),
-            )),
-            Err(_) => Err(HandoffError::timeout("the aggregator's answer", bound)),
-        };
-        if outcome.is_err() {
-            let _ = aggregator.cast(AggregatorMsg::Forget(transfer));
-        }
-        outcome
+                }
+            },
+        )
+        .await
     }
 
     async fn copy_rank(

@@ -16,7 +16,7 @@
 //! [`KvContext`], not in the actor, so an abort reaches a hand-off whichever incarnation
 //! started it.
 
-use super::aggregator::{next_attempt, AggregatorMsg, RankReport, Tag};
+use super::aggregator::{AggregatorMsg, RankReport};
 use super::context::KvContext;
 use super::peer::{PeerAddr, RenewGuard};
 use super::plan::{check_blocks, plan_pull};
@@ -714,57 +714,41 @@ impl Driver {
         fence: Option<FenceId>,
     ) -> Result<(), HandoffError> {
         let kv = &self.kv;
-        let attempt = next_attempt();
-        let epochs = kv.epochs.current();
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        self.aggregator
-            .cast(AggregatorMsg::Expect {
-                transfer,
-                attempt,
-                epochs: epochs.clone(),
-                done: tx,
-            })
-            .map_err(|_| HandoffError::Interrupted("the aggregator is gone".into()))?;
         let bound = kv.bounds().transfer;
-        let reads = per_rank.into_iter().enumerate().map(|(rank, mut ops)| {
-            let session = session.clone();
-            let epoch = epochs[rank];
-            async move {
-                let submitted = match kv.transfer_fault(&mut ops).await {
-                    Ok(()) => submit_ops(&session, fence, &ops).await,
-                    Err(e) => Err(e),
-                };
-                let report = match submitted {
-                    Ok(batch) => match batch.wait(bound).await {
-                        Ok(()) => {
-                            kv.received(batch.bytes());
-                            RankReport::Done
-                        }
-                        Err(e) => RankReport::Failed(HandoffError::transfer(&e)),
-                    },
-                    Err(e) => RankReport::Failed(e),
-                };
-                let _ = self.aggregator.cast(AggregatorMsg::Report {
-                    transfer,
-                    rank,
-                    tag: Tag { attempt, epoch },
-                    report,
-                });
-            }
-        });
-        futures_util::future::join_all(reads).await;
-        // Without an outcome (the Aggregator failed or is stuck) the hand-off failed too.
-        let outcome = match tokio::time::timeout(bound, rx).await {
-            Ok(Ok(outcome)) => outcome,
-            Ok(Err(_)) => Err(HandoffError::Interrupted(
-                "the aggregator failed during the hand-off".into(),
-            )),
-            Err(_) => Err(HandoffError::timeout("the aggregator's answer", bound)),
-        };
-        if outcome.is_err() {
-            let _ = self.aggregator.cast(AggregatorMsg::Forget(transfer));
-        }
-        outcome
+        let mut per_rank: Vec<Option<Vec<pdserve_transport::TransferOp>>> =
+            per_rank.into_iter().map(Some).collect();
+        super::aggregator::joined(
+            &self.aggregator,
+            transfer,
+            kv.epochs.current(),
+            bound,
+            |rank| {
+                let ops = per_rank.get_mut(rank).and_then(Option::take);
+                let session = session.clone();
+                async move {
+                    let Some(mut ops) = ops else {
+                        return RankReport::Failed(HandoffError::Interrupted(format!(
+                            "no reads were planned for rank {rank}"
+                        )));
+                    };
+                    let submitted = match kv.transfer_fault(&mut ops).await {
+                        Ok(()) => submit_ops(&session, fence, &ops).await,
+                        Err(e) => Err(e),
+                    };
+                    match submitted {
+                        Ok(batch) => match batch.wait(bound).await {
+                            Ok(()) => {
+                                kv.received(batch.bytes());
+                                RankReport::Done
+                            }
+                            Err(e) => RankReport::Failed(HandoffError::transfer(&e)),
+                        },
+                        Err(e) => RankReport::Failed(e),
+                    }
+                }
+            },
+        )
+        .await
     }
 
     async fn release(self, peer: PeerAddr, transfer: TransferId) -> PullEvent {

@@ -254,9 +254,7 @@ impl RankExec {
     /// This rank's side of same-GPU P/D over CUDA IPC (`handoff::device`), for the
     /// instance's KV context: only a CUDA rank has one. Blocking (exports the IPC handles on
     /// the rank's thread): call off the async threads.
-    pub(crate) fn device_kv_peer(
-        &self,
-    ) -> Option<Arc<dyn crate::handoff::device::DeviceKvPeer>> {
+    pub(crate) fn device_kv_peer(&self) -> Option<Arc<dyn crate::handoff::device::DeviceKvPeer>> {
         #[cfg(feature = "cuda")]
         if let Self::Cuda(e) = self {
             return Some(Arc::new(super::cuda_peer::CudaKvPeer::new(e.clone())));

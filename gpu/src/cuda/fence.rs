@@ -96,6 +96,22 @@ mod tests {
         })
     }
 
+    /// Queues `name`'s announcement behind a new point; returns the point's trigger.
+    fn after(
+        fence: &Sender<FenceItem<Point>>,
+        log: &Log,
+        name: &str,
+    ) -> Sender<Result<(), String>> {
+        let (point, trigger) = point();
+        fence
+            .send(FenceItem::After {
+                point,
+                then: announce(log, name),
+            })
+            .unwrap();
+        trigger
+    }
+
     fn settle() {
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -105,18 +121,8 @@ mod tests {
         let (tx, rx) = channel();
         let fence = std::thread::spawn(move || run(rx));
         let log: Log = Arc::default();
-        let (p1, c1) = point();
-        let (p2, c2) = point();
-        tx.send(FenceItem::After {
-            point: p1,
-            then: announce(&log, "layer 1"),
-        })
-        .unwrap();
-        tx.send(FenceItem::After {
-            point: p2,
-            then: announce(&log, "layer 2"),
-        })
-        .unwrap();
+        let c1 = after(&tx, &log, "layer 1");
+        let c2 = after(&tx, &log, "layer 2");
         let (btx, brx) = sync_channel(1);
         tx.send(FenceItem::Barrier(btx)).unwrap();
 
@@ -140,18 +146,8 @@ mod tests {
         let (tx, rx) = channel();
         let fence = std::thread::spawn(move || run(rx));
         let log: Log = Arc::default();
-        let (p1, c1) = point();
-        let (p2, c2) = point();
-        tx.send(FenceItem::After {
-            point: p1,
-            then: announce(&log, "upload"),
-        })
-        .unwrap();
-        tx.send(FenceItem::After {
-            point: p2,
-            then: announce(&log, "layer 0"),
-        })
-        .unwrap();
+        let c1 = after(&tx, &log, "upload");
+        let c2 = after(&tx, &log, "layer 0");
         c1.send(Err("illegal address".into())).unwrap();
         c2.send(Ok(())).unwrap();
         let (btx, brx) = sync_channel(1);
@@ -167,22 +163,15 @@ mod tests {
         let (tx, rx) = channel();
         let fence = std::thread::spawn(move || run(rx));
         let log: Log = Arc::default();
-        let (p1, c1) = point();
-        tx.send(FenceItem::After {
-            point: p1,
-            then: announce(&log, "layer 0"),
-        })
-        .unwrap();
+        let c1 = after(&tx, &log, "layer 0");
         let (btx, brx) = sync_channel(1);
         tx.send(FenceItem::Barrier(btx)).unwrap();
-        let (p2, c2) = point();
-        tx.send(FenceItem::After {
-            point: p2,
-            then: announce(&log, "next step's layer 0"),
-        })
-        .unwrap();
+        let c2 = after(&tx, &log, "next step's layer 0");
         settle();
-        assert!(brx.try_recv().is_err(), "the barrier answered before its layer");
+        assert!(
+            brx.try_recv().is_err(),
+            "the barrier answered before its layer"
+        );
         c1.send(Ok(())).unwrap();
         brx.recv_timeout(Duration::from_secs(5)).unwrap();
         assert_eq!(*log.lock().unwrap(), ["layer 0"]);

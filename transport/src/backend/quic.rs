@@ -1,5 +1,7 @@
-//! The `quic` backend: quinn streams over `tcp_connections` QUIC connections per peer (each
-//! connection is driven by one task, so several spread the AES-GCM work over the I/O threads),
+//! The `quic` backend: quinn streams over `max(tcp_connections, io_threads)` QUIC connections
+//! per peer (each connection is driven by one task, so several spread the AES-GCM work over
+//! the I/O threads), each from its own client endpoint, to a server that binds one endpoint
+//! per I/O thread to its port (an `SO_REUSEPORT` group, so the kernel spreads connections),
 //! mutual TLS from the cluster CA. Every piece and control request is its own bidirectional
 //! stream (header, payload, answer), so pieces run in parallel without head-of-line blocking;
 //! a semaphore per connection bounds the streams in flight. Bulk settings: MTU discovery up to
@@ -369,9 +371,16 @@ impl Backend for QuicBackend {
             let sock: SocketAddr = addr
                 .parse()
                 .map_err(|e| TransportError::Config(format!("bad address {addr}: {e}")))?;
-            let mut conns = Vec::with_capacity(core.config.tcp_connections);
+            // At least one connection per I/O thread: each connection's packets are sealed,
+            // opened and copied by one task, so fewer connections than threads leave threads
+            // idle (the server's endpoints split connections, not packets).
+            let count = core
+                .config
+                .tcp_connections
+                .max(core.config.io_threads.min(MAX_SERVER_ENDPOINTS));
+            let mut conns = Vec::with_capacity(count);
             let mut node = None;
-            for _ in 0..core.config.tcp_connections {
+            for _ in 0..count {
                 let conn = client
                     .endpoint()?
                     .connect(sock, MEMBER_SERVER_NAME)

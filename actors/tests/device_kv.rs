@@ -54,30 +54,14 @@ fn stand_in(mirror: KvMirror, faults: &Arc<StandInFaults>) -> RankDevice {
     }
 }
 
-fn body(i: usize) -> Value {
-    let prompt: Vec<u32> = (0..(6 + 9 * i))
-        .map(|t| ((t * 37 + i * 11 + 5) % 250) as u32)
-        .collect();
-    json!({"prompt": prompt, "max_tokens": 12 + i, "temperature": 0, "ignore_eos": true, "return_token_ids": true})
-}
-
-fn ids(v: &Value) -> Vec<u64> {
-    v["choices"][0]["token_ids"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no token_ids in {v}"))
-        .iter()
-        .map(|t| t.as_u64().unwrap())
-        .collect()
-}
-
-/// Greedy tokens of `body(0..n)` from a colocated instance on `device`.
+/// Greedy tokens of `common::greedy_body(0..n)` from a colocated instance on `device`.
 async fn colocated(name: &str, device: RankDevice, n: usize) -> Vec<Vec<u64>> {
     let c = start(name, device, None).await;
     let mut out = Vec::new();
     for i in 0..n {
-        let (status, v) = post(&c.url(), &body(i)).await;
+        let (status, v) = post(&c.url(), &common::greedy_body(i)).await;
         assert_eq!(status, 200, "{v}");
-        out.push(ids(&v));
+        out.push(common::token_ids(&v));
     }
     assert_pool_full(&c).await;
     c.stop().await;
@@ -150,13 +134,13 @@ async fn device_kv_hand_offs_match_colocated_in_pull_and_push() {
         let answers: Vec<_> = (0..n)
             .map(|i| {
                 let (pu, du) = (pair.p.url(), pair.d.url());
-                tokio::spawn(async move { via_pd(&pu, &du, &body(i)).await })
+                tokio::spawn(async move { via_pd(&pu, &du, &common::greedy_body(i)).await })
             })
             .collect();
         for (i, h) in answers.into_iter().enumerate() {
             let (status, v) = h.await.unwrap();
             assert_eq!(status, 200, "pull request {i}: {v}");
-            assert_eq!(ids(&v), reference[i], "pull request {i}");
+            assert_eq!(common::token_ids(&v), reference[i], "pull request {i}");
         }
         assert!(
             pair.d_faults.uploads_done() >= n as u64,
@@ -166,9 +150,13 @@ async fn device_kv_hand_offs_match_colocated_in_pull_and_push() {
         // Again: decode's prefix cache now holds the prompt's leading blocks (on its device),
         // so only the rest moves and is uploaded; the cached blocks must not be overwritten
         // from the mirror.
-        let (status, v) = via_pd(&pair.p.url(), &pair.d.url(), &body(n - 1)).await;
+        let (status, v) = via_pd(&pair.p.url(), &pair.d.url(), &common::greedy_body(n - 1)).await;
         assert_eq!(status, 200, "{v}");
-        assert_eq!(ids(&v), reference[n - 1], "with a cached prefix");
+        assert_eq!(
+            common::token_ids(&v),
+            reference[n - 1],
+            "with a cached prefix"
+        );
         pair.stop().await;
 
         // Push (decode drives, prefill writes each layer once its mirror copy is done) into
@@ -190,9 +178,9 @@ async fn device_kv_hand_offs_match_colocated_in_pull_and_push() {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         for (i, want) in reference.iter().enumerate() {
-            let (status, v) = post(&url, &body(i)).await;
+            let (status, v) = post(&url, &common::greedy_body(i)).await;
             assert_eq!(status, 200, "push request {i}: {v}");
-            assert_eq!(&ids(&v), want, "push request {i}");
+            assert_eq!(&common::token_ids(&v), want, "push request {i}");
         }
         let (pf, df) = (pair.p.kv_figures().unwrap(), pair.d.kv_figures().unwrap());
         assert!(pf.bytes_sent > 0 && df.failures == 0, "{pf:?} {df:?}");
@@ -215,7 +203,7 @@ async fn a_failed_upload_fails_only_its_request_and_a_skipped_one_changes_the_to
         // The upload of the first hand-off fails: that request fails like a failed transfer
         // (502, naming the upload), its blocks go back, and the instance keeps serving.
         pair.d_faults.fail_next_uploads(1);
-        let (status, v) = via_pd(&pair.p.url(), &pair.d.url(), &body(0)).await;
+        let (status, v) = via_pd(&pair.p.url(), &pair.d.url(), &common::greedy_body(0)).await;
         assert_eq!(status, 502, "{v}");
         let msg = v["error"]["message"].as_str().unwrap_or_default();
         assert!(
@@ -223,27 +211,31 @@ async fn a_failed_upload_fails_only_its_request_and_a_skipped_one_changes_the_to
             "{v}"
         );
         assert_pool_full(&pair.d).await;
-        let (status, v) = via_pd(&pair.p.url(), &pair.d.url(), &body(1)).await;
+        let (status, v) = via_pd(&pair.p.url(), &pair.d.url(), &common::greedy_body(1)).await;
         assert_eq!(status, 200, "{v}");
-        assert_eq!(ids(&v), reference[1]);
+        assert_eq!(common::token_ids(&v), reference[1]);
 
         // Without the upload the decode steps read whatever the device held for those blocks:
         // the tokens differ, so the comparisons above can fail.
         pair.d_faults.skip_uploads(true);
-        let (status, v) = via_pd(&pair.p.url(), &pair.d.url(), &body(2)).await;
+        let (status, v) = via_pd(&pair.p.url(), &pair.d.url(), &common::greedy_body(2)).await;
         assert_eq!(status, 200, "{v}");
-        assert_ne!(ids(&v), reference[2], "decoding without the upload");
+        assert_ne!(
+            common::token_ids(&v),
+            reference[2],
+            "decoding without the upload"
+        );
         pair.d_faults.skip_uploads(false);
         // A receive-only mirror has nothing to hand on: holding KV for a peer is refused.
-        let mut held = body(0);
+        let mut held = common::greedy_body(0);
         held["max_tokens"] = json!(1);
         held["kv_transfer_params"] = json!({"do_remote_decode": true});
         let (status, v) = post(&pair.d.url(), &held).await;
         assert_eq!(status, 400, "{v}");
         assert!(v.to_string().contains("receive-only"), "{v}");
-        let (status, v) = via_pd(&pair.p.url(), &pair.d.url(), &body(0)).await;
+        let (status, v) = via_pd(&pair.p.url(), &pair.d.url(), &common::greedy_body(0)).await;
         assert_eq!(status, 200, "{v}");
-        assert_eq!(ids(&v), reference[0]);
+        assert_eq!(common::token_ids(&v), reference[0]);
         pair.stop().await;
     })
     .await;
@@ -254,13 +246,13 @@ async fn a_lost_device_restarts_the_rank_and_the_instance_serves_again() {
     bounded(async {
         let faults = StandInFaults::new();
         let c = start("lost-device", stand_in(KvMirror::Off, &faults), None).await;
-        let (status, v) = post(&c.url(), &body(1)).await;
+        let (status, v) = post(&c.url(), &common::greedy_body(1)).await;
         assert_eq!(status, 200, "{v}");
-        let want = ids(&v);
+        let want = common::token_ids(&v);
         assert_eq!(faults.executors_started(), 1);
 
         faults.lose_device();
-        let (status, v) = post(&c.url(), &body(1)).await;
+        let (status, v) = post(&c.url(), &common::greedy_body(1)).await;
         assert!(
             status >= 500,
             "the step on the lost device fails: {status} {v}"
@@ -268,9 +260,9 @@ async fn a_lost_device_restarts_the_rank_and_the_instance_serves_again() {
         // The worker stops on the device error; its supervisor starts a fresh executor.
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            let (status, v) = post(&c.url(), &body(1)).await;
+            let (status, v) = post(&c.url(), &common::greedy_body(1)).await;
             if status == 200 {
-                assert_eq!(ids(&v), want, "after the restart");
+                assert_eq!(common::token_ids(&v), want, "after the restart");
                 break;
             }
             assert!(

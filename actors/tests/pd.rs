@@ -137,22 +137,6 @@ fn assert_error(status: u16, v: &Value, code: u16, needle: &str) {
     assert!(msg.contains(needle), "{v}");
 }
 
-fn body(i: usize) -> Value {
-    let prompt: Vec<u32> = (0..(6 + 9 * i))
-        .map(|t| ((t * 37 + i * 11 + 5) % 250) as u32)
-        .collect();
-    json!({"prompt": prompt, "max_tokens": 12 + i, "temperature": 0, "ignore_eos": true, "return_token_ids": true})
-}
-
-fn ids(v: &Value) -> Vec<u64> {
-    v["choices"][0]["token_ids"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no token_ids in {v}"))
-        .iter()
-        .map(|t| t.as_u64().unwrap())
-        .collect()
-}
-
 /// The proxy's two hops; returns the decode side's answer.
 async fn via_pd(prefill: &str, decode: &str, original: &Value) -> (u16, Value) {
     let mut p = original.clone();
@@ -182,9 +166,9 @@ async fn colocated_reference(spec: &str, n: usize) -> Vec<Vec<u64>> {
     .await;
     let mut out = Vec::new();
     for i in 0..n {
-        let (status, v) = post(&c.url(), &body(i)).await;
+        let (status, v) = post(&c.url(), &common::greedy_body(i)).await;
         assert_eq!(status, 200, "{v}");
-        out.push(ids(&v));
+        out.push(common::token_ids(&v));
     }
     c.stop().await;
     out
@@ -219,13 +203,13 @@ async fn check_pair(
     let handles: Vec<_> = (0..reference.len())
         .map(|i| {
             let (pu, du) = (p.url(), d.url());
-            tokio::spawn(async move { via_pd(&pu, &du, &body(i)).await })
+            tokio::spawn(async move { via_pd(&pu, &du, &common::greedy_body(i)).await })
         })
         .collect();
     for (i, h) in handles.into_iter().enumerate() {
         let (status, v) = h.await.unwrap();
         assert_eq!(status, 200, "{tag} request {i}: {v}");
-        assert_eq!(ids(&v), reference[i], "{tag} request {i}");
+        assert_eq!(common::token_ids(&v), reference[i], "{tag} request {i}");
     }
     assert_pool_full(&p).await;
     assert_pool_full(&d).await;
@@ -279,7 +263,7 @@ async fn bad_hand_offs_fail_clearly_and_free_their_blocks() {
         Duration::from_secs(30),
     )
     .await;
-    let mut first = body(2);
+    let mut first = common::greedy_body(2);
     first["max_tokens"] = json!(1);
     first["kv_transfer_params"] = json!({"do_remote_decode": true});
     let (status, answer) = post(&p.url(), &first).await;
@@ -288,7 +272,7 @@ async fn bad_hand_offs_fail_clearly_and_free_their_blocks() {
 
     // Forged block ids: one more than the prompt needs, and one outside the pool.
     for forged in [json!([0, 1, 2, 3, 4, 5]), json!([0, 99999, 1])] {
-        let mut d_body = body(2);
+        let mut d_body = common::greedy_body(2);
         let mut p2 = params.clone();
         p2["remote_block_ids"] = forged;
         d_body["kv_transfer_params"] = p2;
@@ -296,7 +280,7 @@ async fn bad_hand_offs_fail_clearly_and_free_their_blocks() {
         assert_error(status, &v, 502, "block");
     }
     // A decode instance of another model shape refuses the peer at the handshake.
-    let mut d_body = body(2);
+    let mut d_body = common::greedy_body(2);
     d_body["kv_transfer_params"] = params.clone();
     let (status, v) = post(&other.url(), &d_body).await;
     assert_error(status, &v, 502, "incompatible");
@@ -310,7 +294,7 @@ async fn bad_hand_offs_fail_clearly_and_free_their_blocks() {
         assert_pool_full(inst).await;
     }
     // Everyone still serves.
-    let (status, v) = via_pd(&p.url(), &d.url(), &body(1)).await;
+    let (status, v) = via_pd(&p.url(), &d.url(), &common::greedy_body(1)).await;
     assert_eq!(status, 200, "{v}");
     for inst in [p, d, other] {
         inst.stop().await;
@@ -406,7 +390,7 @@ async fn proxy_streams_disaggregated_answers_equal_to_colocated() {
         .map(|i| {
             let url = url.clone();
             tokio::spawn(async move {
-                let mut b = body(i);
+                let mut b = common::greedy_body(i);
                 let stream = i % 2 == 1;
                 b["stream"] = json!(stream);
                 let r = pdserve_actors::http::http_client()
@@ -424,7 +408,7 @@ async fn proxy_streams_disaggregated_answers_equal_to_colocated() {
                     assert!(ctype.starts_with("text/event-stream"), "{ctype}");
                     sse_token_ids(&text)
                 } else {
-                    ids(&serde_json::from_str(&text).unwrap())
+                    common::token_ids(&serde_json::from_str(&text).unwrap())
                 }
             })
         })
@@ -486,7 +470,7 @@ async fn default_model_disaggregated_tokens_equal_colocated() {
     for (i, p) in prompts.iter().enumerate() {
         let (status, v) = post(&c.url(), &req(p, i)).await;
         assert_eq!(status, 200, "{v}");
-        reference.push(ids(&v));
+        reference.push(common::token_ids(&v));
     }
     c.stop().await;
     let p = start("p-default", Some(BackendKind::Shm)).await.unwrap();
@@ -502,7 +486,12 @@ async fn default_model_disaggregated_tokens_equal_colocated() {
     for (i, h) in handles.into_iter().enumerate() {
         let (status, v) = h.await.unwrap();
         assert_eq!(status, 200, "{v}");
-        assert_eq!(ids(&v), reference[i], "prompt {:?}", prompts[i]);
+        assert_eq!(
+            common::token_ids(&v),
+            reference[i],
+            "prompt {:?}",
+            prompts[i]
+        );
     }
     assert_pool_full(&p).await;
     assert_pool_full(&d).await;
@@ -521,7 +510,12 @@ async fn default_model_disaggregated_tokens_equal_colocated() {
     for (i, h) in handles.into_iter().enumerate() {
         let (status, v) = h.await.unwrap();
         assert_eq!(status, 200, "{v}");
-        assert_eq!(ids(&v), reference[i], "pushed: prompt {:?}", prompts[i]);
+        assert_eq!(
+            common::token_ids(&v),
+            reference[i],
+            "pushed: prompt {:?}",
+            prompts[i]
+        );
     }
     assert!(
         p.kv_figures().unwrap().bytes_sent > sent_before,
@@ -590,14 +584,14 @@ async fn a_dead_prefill_instance_fails_the_read_clearly_and_decode_keeps_serving
         Duration::from_secs(30),
     )
     .await;
-    let mut first = body(1);
+    let mut first = common::greedy_body(1);
     first["max_tokens"] = json!(1);
     first["kv_transfer_params"] = json!({"do_remote_decode": true});
     let (status, answer) = post(&p.url(), &first).await;
     assert_eq!(status, 200, "{answer}");
     // The prefill instance dies after answering, before decode reads its KV.
     p.stop().await;
-    let mut second = body(1);
+    let mut second = common::greedy_body(1);
     second["kv_transfer_params"] = answer["kv_transfer_params"].clone();
     let (status, v) = post(&d.url(), &second).await;
     // Timely by construction, not by a clock: the read fails at the first bounded step that
@@ -616,7 +610,7 @@ async fn a_dead_prefill_instance_fails_the_read_clearly_and_decode_keeps_serving
     );
     assert_pool_full(&d).await;
     // The survivor still serves plain requests.
-    let (status, v) = post(&d.url(), &body(0)).await;
+    let (status, v) = post(&d.url(), &common::greedy_body(0)).await;
     assert_eq!(status, 200, "{v}");
     d.stop().await;
 }
@@ -680,9 +674,9 @@ impl Cluster {
     }
 }
 
-/// Sends `body(i)` through the proxy, streaming when `stream`; returns the token ids.
+/// Sends `common::greedy_body(i)` through the proxy, streaming when `stream`; returns the token ids.
 async fn through(url: &str, i: usize, stream: bool) -> Result<Vec<u64>, (u16, String)> {
-    let mut b = body(i);
+    let mut b = common::greedy_body(i);
     b["stream"] = json!(stream);
     let r = pdserve_actors::http::http_client()
         .build()
@@ -702,7 +696,7 @@ async fn through(url: &str, i: usize, stream: bool) -> Result<Vec<u64>, (u16, St
         assert!(ctype.starts_with("text/event-stream"), "{ctype}");
         sse_token_ids(&text)
     } else {
-        ids(&serde_json::from_str(&text).unwrap())
+        common::token_ids(&serde_json::from_str(&text).unwrap())
     })
 }
 
@@ -855,7 +849,7 @@ async fn an_abort_racing_prefill_completion_ends_in_one_clear_outcome() {
         for (k, delay_ms) in [0u64, 1, 2, 3, 5, 8, 12, 20].into_iter().enumerate() {
             let i = k % 3;
             let transfer = pdserve_runtime::ids::TransferId::new_random();
-            let mut b = body(i);
+            let mut b = common::greedy_body(i);
             b["kv_transfer_params"] = json!({"do_remote_prefill": true, "remote_host": "127.0.0.1",
                 "remote_port": port, "transfer_id": transfer.to_string()});
             let d_url = c.d.url();
@@ -866,7 +860,11 @@ async fn an_abort_racing_prefill_completion_ends_in_one_clear_outcome() {
             let (status, v) = request.await.unwrap();
             match status {
                 200 => {
-                    assert_eq!(ids(&v), reference[i], "{tag} delay {delay_ms} ms");
+                    assert_eq!(
+                        common::token_ids(&v),
+                        reference[i],
+                        "{tag} delay {delay_ms} ms"
+                    );
                     ok += 1;
                 }
                 502 => {
@@ -948,7 +946,7 @@ async fn push_handshake_refuses_mismatched_layouts_and_forged_destinations() {
     .await;
     let port = c.p.addr().unwrap().port();
     // A decode instance of another model shape: refused at the handshake.
-    let mut b = body(1);
+    let mut b = common::greedy_body(1);
     b["kv_transfer_params"] =
         json!({"do_remote_prefill": true, "remote_host": "127.0.0.1", "remote_port": port});
     let (status, v) = post(&other.url(), &b).await;
@@ -1000,7 +998,7 @@ async fn push_handshake_refuses_mismatched_layouts_and_forged_destinations() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn short_prompts_and_a_busy_prefill_queue_prefill_on_decode() {
     let reference = colocated_reference("small", 4).await;
-    // body(0) has 6 prompt tokens, body(3) has 33: only the long one goes to prefill.
+    // common::greedy_body(0) has 6 prompt tokens, common::greedy_body(3) has 33: only the long one goes to prefill.
     let c = Cluster::start_with(
         "conditional",
         "small",
@@ -1267,7 +1265,7 @@ async fn a_peer_that_never_answers_does_not_delay_hand_offs_from_another() {
     let (fake, _blackhole) = unresponsive_peer(info).await;
     let port: u16 = fake.rsplit(':').next().unwrap().parse().unwrap();
 
-    let mut stuck = body(0);
+    let mut stuck = common::greedy_body(0);
     stuck["kv_transfer_params"] = json!({"do_remote_prefill": true, "remote_host": "127.0.0.1",
         "remote_port": port, "transfer_id": pdserve_runtime::ids::TransferId::new_random().to_string()});
     let d_url = d.url();
@@ -1284,8 +1282,8 @@ async fn a_peer_that_never_answers_does_not_delay_hand_offs_from_another() {
     tokio::time::sleep(Duration::from_millis(200)).await;
 
     for (i, want) in reference.iter().enumerate() {
-        let (status, v) = via_pd(&p.url(), &d.url(), &body(i)).await;
-        assert_eq!((status, &ids(&v)), (200, want), "{v}");
+        let (status, v) = via_pd(&p.url(), &d.url(), &common::greedy_body(i)).await;
+        assert_eq!((status, &common::token_ids(&v)), (200, want), "{v}");
         assert!(
             !stuck.is_finished(),
             "the hand-off from the real prefill instance waited for the unresponsive peer \
@@ -1313,9 +1311,9 @@ async fn f16_kv_hands_off_exactly_and_a_dtype_mismatch_is_refused() {
     let c = instance_with("ref-f16", "small", 1, None, lease, half).await;
     let mut reference = Vec::new();
     for i in 0..2 {
-        let (status, v) = post(&c.url(), &body(i)).await;
+        let (status, v) = post(&c.url(), &common::greedy_body(i)).await;
         assert_eq!(status, 200, "{v}");
-        reference.push(ids(&v));
+        reference.push(common::token_ids(&v));
     }
     c.stop().await;
     // A short lease: the blocks held for the refused decode instance are freed when it ends
@@ -1325,12 +1323,12 @@ async fn f16_kv_hands_off_exactly_and_a_dtype_mismatch_is_refused() {
     let d = instance_with("d-f16", "small", 1, Some(BackendKind::Tcp), lease, half).await;
     let d32 = instance("d-f32", "small", 1, Some(BackendKind::Tcp), lease).await;
     for (i, want) in reference.iter().enumerate() {
-        let (status, v) = via_pd(&p.url(), &d.url(), &body(i)).await;
-        assert_eq!((status, &ids(&v)), (200, want), "{v}");
+        let (status, v) = via_pd(&p.url(), &d.url(), &common::greedy_body(i)).await;
+        assert_eq!((status, &common::token_ids(&v)), (200, want), "{v}");
     }
     let (pf, df) = (p.kv_figures().unwrap(), d.kv_figures().unwrap());
     assert!(df.bytes_received > 0 && pf.failures + df.failures == 0);
-    let (status, v) = via_pd(&p.url(), &d32.url(), &body(0)).await;
+    let (status, v) = via_pd(&p.url(), &d32.url(), &common::greedy_body(0)).await;
     assert_error(status, &v, 502, "dtype");
     tokio::time::sleep(Duration::from_millis(1500)).await;
     for inst in [&p, &d, &d32] {
@@ -1411,7 +1409,7 @@ async fn https_front_door_and_instance_links_keep_disaggregated_tokens_exact() {
         client
             .post(format!("{url}/v1/completions"))
             .bearer_auth(key)
-            .json(&body(i))
+            .json(&common::greedy_body(i))
             .send()
             .await
     };
@@ -1421,7 +1419,7 @@ async fn https_front_door_and_instance_links_keep_disaggregated_tokens_exact() {
             .unwrap();
         assert_eq!(r.status(), 200);
         let v: Value = r.json().await.unwrap();
-        assert_eq!(&ids(&v), want, "request {i} over https");
+        assert_eq!(&common::token_ids(&v), want, "request {i} over https");
     }
     // The hand-offs really ran between the instances (decode pulled the prompts' KV).
     let figures = d.kv_figures().unwrap();
@@ -1541,7 +1539,7 @@ async fn damaged_hand_offs(
     for (i, b) in requests.iter().enumerate() {
         let (status, v) = post(&url, b).await;
         assert_eq!(status, 200, "{tag} request {i}: {v}");
-        out.push(ids(&v));
+        out.push(common::token_ids(&v));
     }
     let (pf, df) = (p.kv_figures().unwrap(), d.kv_figures().unwrap());
     assert_eq!(pf.failures + df.failures, 0, "{tag}: the damage is silent");
@@ -1568,7 +1566,7 @@ async fn damaged_hand_offs(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn damaged_kv_changes_the_tokens_so_the_identity_check_can_fail() {
     let reference = colocated_reference("small", 4).await;
-    let requests: Vec<Value> = (0..4).map(body).collect();
+    let requests: Vec<Value> = (0..4).map(common::greedy_body).collect();
     let load = || model("small");
     for mode in [TransferMode::Pull, TransferMode::Push] {
         for damage in [
@@ -1645,7 +1643,7 @@ fn assert_logprobs_close(got: &Value, want: &Value, what: &str) {
 }
 
 fn logprobs_body(i: usize) -> Value {
-    let mut b = body(i);
+    let mut b = common::greedy_body(i);
     b["logprobs"] = json!(5);
     b
 }
@@ -1657,7 +1655,7 @@ fn logprobs_body(i: usize) -> Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn logprobs_cross_the_hand_off_equal_to_colocated() {
     let lease = Duration::from_secs(30);
-    let echo = json!({"prompt": body(2)["prompt"], "echo": true, "max_tokens": 0, "logprobs": 1, "temperature": 0});
+    let echo = json!({"prompt": common::greedy_body(2)["prompt"], "echo": true, "max_tokens": 0, "logprobs": 1, "temperature": 0});
     let chat = json!({"messages": [{"role": "user", "content": "a question of some length, asked twice"}],
         "max_tokens": 4, "temperature": 0, "ignore_eos": true, "logprobs": true, "top_logprobs": 3});
     let c = instance("ref-lp", "small", 1, None, lease).await;
@@ -1800,7 +1798,7 @@ async fn served_model_aliases_are_accepted_listed_and_routed() {
     }
     // Any alias, or the model's own name, is served; responses carry the primary name.
     for name in [&aliases[1], &aliases[0], &own] {
-        let mut b = body(0);
+        let mut b = common::greedy_body(0);
         b["model"] = json!(name);
         for (how, (status, v)) in [
             ("proxy", post(&url, &b).await),
@@ -1808,11 +1806,11 @@ async fn served_model_aliases_are_accepted_listed_and_routed() {
         ] {
             assert_eq!(status, 200, "{how} {name}: {v}");
             assert_eq!(v["model"], json!(aliases[0]), "{how} {name}");
-            assert_eq!(ids(&v), reference[0], "{how} {name}");
+            assert_eq!(common::token_ids(&v), reference[0], "{how} {name}");
         }
     }
     // An unknown name is refused, naming it, at the proxy and at the instances.
-    let mut b = body(0);
+    let mut b = common::greedy_body(0);
     b["model"] = json!("not-served");
     for at in [&url, &p.url(), &d.url()] {
         let (status, v) = post(at, &b).await;
@@ -1828,25 +1826,25 @@ async fn logit_bias_applies_on_prefill_and_decode_equal_to_colocated() {
     // +100 forces a token under greedy (the first token, sampled where the prompt is
     // prefilled, included); -100 on the unbiased answer's first token changes the answer.
     let forced = |i: usize| {
-        let mut b = body(i);
+        let mut b = common::greedy_body(i);
         b["logit_bias"] = json!({"42": 100});
         b
     };
     let c = instance("ref-bias", "small", 1, None, lease).await;
-    let (status, plain) = post(&c.url(), &body(1)).await;
+    let (status, plain) = post(&c.url(), &common::greedy_body(1)).await;
     assert_eq!(status, 200, "{plain}");
     let banned = |i: usize| {
-        let mut b = body(i);
-        b["logit_bias"] = json!({ ids(&plain)[0].to_string(): -100, "7": 1.5 });
+        let mut b = common::greedy_body(i);
+        b["logit_bias"] = json!({ common::token_ids(&plain)[0].to_string(): -100, "7": 1.5 });
         b
     };
     let (status, v) = post(&c.url(), &forced(0)).await;
     assert_eq!(status, 200, "{v}");
-    assert!(ids(&v).iter().all(|&t| t == 42), "{v}");
+    assert!(common::token_ids(&v).iter().all(|&t| t == 42), "{v}");
     let (status, v) = post(&c.url(), &banned(1)).await;
     assert_eq!(status, 200, "{v}");
-    let banned_ref = ids(&v);
-    assert_ne!(banned_ref[0], ids(&plain)[0]);
+    let banned_ref = common::token_ids(&v);
+    assert_ne!(banned_ref[0], common::token_ids(&plain)[0]);
     // Bad maps are 400s naming the field (the vocabulary bound included).
     for bad in [
         json!({"1": 101}),
@@ -1854,7 +1852,7 @@ async fn logit_bias_applies_on_prefill_and_decode_equal_to_colocated() {
         json!({"x": 1}),
         json!([1]),
     ] {
-        let mut b = body(0);
+        let mut b = common::greedy_body(0);
         b["logit_bias"] = bad;
         let (status, v) = post(&c.url(), &b).await;
         assert_error(status, &v, 400, "logit_bias");
@@ -1867,10 +1865,13 @@ async fn logit_bias_applies_on_prefill_and_decode_equal_to_colocated() {
     let d = instance("d-bias", "small", 1, Some(BackendKind::Local), lease).await;
     let (status, v) = via_pd(&p.url(), &d.url(), &forced(0)).await;
     assert_eq!(status, 200, "{v}");
-    assert!(ids(&v).iter().all(|&t| t == 42), "two hops: {v}");
+    assert!(
+        common::token_ids(&v).iter().all(|&t| t == 42),
+        "two hops: {v}"
+    );
     let (status, v) = via_pd(&p.url(), &d.url(), &banned(1)).await;
     assert_eq!(status, 200, "{v}");
-    assert_eq!(ids(&v), banned_ref, "two hops");
+    assert_eq!(common::token_ids(&v), banned_ref, "two hops");
     stop_pair(p, d).await;
 
     // pdserve's proxy: the bias travels in the peer protocol's sampling params.
@@ -1879,11 +1880,11 @@ async fn logit_bias_applies_on_prefill_and_decode_equal_to_colocated() {
         let cl = Cluster::start(&tag, "small", BackendKind::Local, (1, 1), mode).await;
         let (status, v) = post(&cl.url, &forced(0)).await;
         assert_eq!(status, 200, "{v}");
-        assert!(ids(&v).iter().all(|&t| t == 42), "{tag}: {v}");
+        assert!(common::token_ids(&v).iter().all(|&t| t == 42), "{tag}: {v}");
         let (status, v) = post(&cl.url, &banned(1)).await;
         assert_eq!(status, 200, "{v}");
-        assert_eq!(ids(&v), banned_ref, "{tag}");
-        let mut b = body(0);
+        assert_eq!(common::token_ids(&v), banned_ref, "{tag}");
+        let mut b = common::greedy_body(0);
         b["logit_bias"] = json!({"1": -100.5});
         let (status, v) = post(&cl.url, &b).await;
         assert_error(status, &v, 400, "logit_bias");
@@ -2028,7 +2029,7 @@ async fn greedy_grammar_output_disaggregated_equals_colocated() {
         "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3}},
         "required": ["name", "n", "tags"], "additionalProperties": false});
     let constrained = |i: usize| {
-        let mut b = body(i);
+        let mut b = common::greedy_body(i);
         b["max_tokens"] = json!(150);
         b["ignore_eos"] = json!(false);
         if i.is_multiple_of(2) {
@@ -2041,7 +2042,7 @@ async fn greedy_grammar_output_disaggregated_equals_colocated() {
         b
     };
     let regex = |i: usize| {
-        let mut b = body(i);
+        let mut b = common::greedy_body(i);
         b["max_tokens"] = json!(40);
         b["ignore_eos"] = json!(false);
         b["guided_regex"] = json!("[a-f]{3,8}(-[0-9]{2})?");
@@ -2054,7 +2055,7 @@ async fn greedy_grammar_output_disaggregated_equals_colocated() {
         let (status, v) = post(&c.url(), b).await;
         assert_eq!(status, 200, "{v}");
         assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
-        reference.push(ids(&v));
+        reference.push(common::token_ids(&v));
     }
     let text_ok = |v: &Value| {
         let text = v["choices"][0]["text"].as_str().unwrap_or_default();
@@ -2069,7 +2070,7 @@ async fn greedy_grammar_output_disaggregated_equals_colocated() {
     for (b, want) in bodies.iter().zip(&reference) {
         let (status, v) = via_pd(&p.url(), &d.url(), b).await;
         assert_eq!(status, 200, "two hops: {v}");
-        assert_eq!(&ids(&v), want, "two hops");
+        assert_eq!(&common::token_ids(&v), want, "two hops");
         assert!(text_ok(&v), "{v}");
     }
     stop_pair(p, d).await;
@@ -2081,7 +2082,7 @@ async fn greedy_grammar_output_disaggregated_equals_colocated() {
         for (b, want) in bodies.iter().zip(&reference) {
             let (status, v) = post(&cl.url, b).await;
             assert_eq!(status, 200, "{tag}: {v}");
-            assert_eq!(&ids(&v), want, "{tag}");
+            assert_eq!(&common::token_ids(&v), want, "{tag}");
             let mut streamed = b.clone();
             streamed["stream"] = json!(true);
             let chunks = common::stream_chunks(&cl.url, "/v1/completions", &streamed).await;
@@ -2093,7 +2094,7 @@ async fn greedy_grammar_output_disaggregated_equals_colocated() {
         }
         // A grammar that cannot be compiled is a 400 through the proxy too, and a refused
         // hand-off when a peer sends it to the prefill instance directly.
-        let mut b = body(2);
+        let mut b = common::greedy_body(2);
         b["guided_regex"] = json!("(");
         let (status, v) = post(&cl.url, &b).await;
         assert_error(status, &v, 400, "regex cannot be compiled");
@@ -2235,8 +2236,8 @@ async fn decode_restores_a_prompt_from_the_shared_store_and_fetches_only_the_res
     let (status, again) = via_pd(&p.url(), &d.url(), &request(0)).await;
     assert_eq!(status, 200, "{again}");
     assert_eq!(
-        ids(&again),
-        ids(&first),
+        common::token_ids(&again),
+        common::token_ids(&first),
         "the same tokens with the prompt restored"
     );
     // The decode instance took the prompt's five blocks from the store, not from prefill.
@@ -2508,8 +2509,8 @@ async fn cpu_instances_keep_the_host_path() {
         other => panic!("a CPU prefill instance answered {other:?}"),
     }
     for (i, want) in reference.iter().enumerate() {
-        let (status, v) = via_pd(&p.url(), &d.url(), &body(i)).await;
-        assert_eq!((status, &ids(&v)), (200, want), "{v}");
+        let (status, v) = via_pd(&p.url(), &d.url(), &common::greedy_body(i)).await;
+        assert_eq!((status, &common::token_ids(&v)), (200, want), "{v}");
     }
     assert_pool_full(&p).await;
     assert_pool_full(&d).await;
@@ -2536,12 +2537,12 @@ async fn same_gpu_instances_negotiate_cuda_ipc_and_other_gpus_the_host_path() {
         .expect("device ranks advertise");
     assert!(placement.all_device());
 
-    let (status, v) = via_pd(&p.url(), &d.url(), &body(0)).await;
+    let (status, v) = via_pd(&p.url(), &d.url(), &common::greedy_body(0)).await;
     assert_error(status, &v, 502, "cuda_ipc");
     {
         let copies = ddev.copies.lock().unwrap();
         assert_eq!(copies.len(), 1, "one copy for the one rank");
-        let prompt = body(0)["prompt"].as_array().unwrap().len();
+        let prompt = common::greedy_body(0)["prompt"].as_array().unwrap().len();
         let block_size = d.kv_context().unwrap().settings.block_size;
         assert_eq!(copies[0].len(), prompt.div_ceil(block_size), "{copies:?}");
     }
@@ -2594,8 +2595,12 @@ async fn same_gpu_instances_negotiate_cuda_ipc_and_other_gpus_the_host_path() {
     // The prefill rank moves to another GPU: the failed hand-off made the decode side forget
     // the peer, so it negotiates again and takes the host path.
     let _pdev = stand_in(&p, 2);
-    let (status, v) = via_pd(&p.url(), &d.url(), &body(0)).await;
-    assert_eq!((status, &ids(&v)), (200, &reference[0]), "{v}");
+    let (status, v) = via_pd(&p.url(), &d.url(), &common::greedy_body(0)).await;
+    assert_eq!(
+        (status, &common::token_ids(&v)),
+        (200, &reference[0]),
+        "{v}"
+    );
     assert_eq!(
         ddev.copies.lock().unwrap().len(),
         1,
@@ -2634,7 +2639,7 @@ async fn a_hung_device_copy_fails_the_request_within_its_bounds() {
     let _pdev = stand_in(&p, 3);
     let ddev = stand_in_with(&d, 3, true);
     let started = Instant::now();
-    let (status, v) = via_pd(&p.url(), &d.url(), &body(1)).await;
+    let (status, v) = via_pd(&p.url(), &d.url(), &common::greedy_body(1)).await;
     assert_error(status, &v, 502, "the CUDA IPC copy timed out");
     assert!(started.elapsed() >= 2 * bound, "{:?}", started.elapsed());
     assert_eq!(ddev.copies.lock().unwrap().len(), 1);

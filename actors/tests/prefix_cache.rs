@@ -68,15 +68,6 @@ fn request(prompt: &[u32], max_tokens: usize) -> Value {
     json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true, "return_token_ids": true})
 }
 
-fn ids(v: &Value) -> Vec<u64> {
-    v["choices"][0]["token_ids"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no token_ids in {v}"))
-        .iter()
-        .map(|t| t.as_u64().unwrap())
-        .collect()
-}
-
 fn tokens(n: usize, seed: usize) -> Vec<u32> {
     (0..n)
         .map(|t| ((t * 37 + seed * 101 + 5) % 250) as u32)
@@ -125,7 +116,7 @@ async fn run_workload(url: &str) -> Vec<Vec<u64>> {
         for h in handles {
             let (status, v) = h.await.unwrap();
             assert_eq!(status, 200, "{v}");
-            out.push(ids(&v));
+            out.push(common::token_ids(&v));
         }
     }
     out
@@ -361,7 +352,7 @@ async fn eviction_pressure_during_transfers_keeps_answers_exact() {
         for p in &prompts {
             let (status, v) = post(&c.url(), &request(p, MAX_TOKENS)).await;
             assert_eq!(status, 200, "{v}");
-            out.push(ids(&v));
+            out.push(common::token_ids(&v));
         }
         c.stop().await;
         out
@@ -381,7 +372,7 @@ async fn eviction_pressure_during_transfers_keeps_answers_exact() {
                 let (status, v) = h.await.unwrap();
                 assert_eq!(status, 200, "{} {v}", mode.as_str());
                 assert_eq!(
-                    ids(&v),
+                    common::token_ids(&v),
                     reference[w * 4 + i],
                     "{} prompt {}",
                     mode.as_str(),

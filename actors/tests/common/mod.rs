@@ -76,6 +76,20 @@ fn token_ids_of(choice: &Value) -> impl Iterator<Item = u64> + '_ {
         .map(|t| t.as_u64().unwrap())
 }
 
+/// The first choice's token ids of a whole answer (`return_token_ids`).
+pub fn token_ids(v: &Value) -> Vec<u64> {
+    token_ids_of(&v["choices"][0]).collect()
+}
+
+/// Request `i` of the P/D token-identity tests: a distinct prompt of `6 + 9i` token ids below
+/// 250, `12 + i` greedy tokens, EOS ignored, token ids returned.
+pub fn greedy_body(i: usize) -> Value {
+    let prompt: Vec<u32> = (0..(6 + 9 * i))
+        .map(|t| ((t * 37 + i * 11 + 5) % 250) as u32)
+        .collect();
+    serde_json::json!({"prompt": prompt, "max_tokens": 12 + i, "temperature": 0, "ignore_eos": true, "return_token_ids": true})
+}
+
 /// Each choice's token ids of a whole answer, checking the indices are 0.. in order.
 pub fn choice_token_ids(v: &Value) -> Vec<Vec<u64>> {
     let choices = v["choices"]

@@ -6,7 +6,7 @@
 #
 # Default binary .gpu/pdserve, default OUT_DIR $OUT (else ./device-check-out). Environment:
 #   DEVICE_CHECK_STEPS     steps to run, space-separated (default: all, in this order)
-#                          verify bench transfer verify16 serve launch hf
+#                          verify bench transfer verify16 serve launch hf busy
 #   DEVICE_CHECK_BUDGET_S  wall-clock budget in seconds (default 420): a step that would start
 #                          with under 20 s left is skipped and marked so; each step also has
 #                          its own timeout.
@@ -37,6 +37,9 @@
 #   hf        pdserve (`cuda verify --model HF_EXPORT --dtype f16 --bench`) and HF transformers
 #             (f16, KV cache on) on the HF export of the synthetic model's unquantized weights:
 #             greedy tokens compared, tokens/s beside each other (benches/cuda_hf_reference.py)
+#   busy      served decode beside neighbours: `serve --device cuda` and `serve` on the CPU,
+#             each driven by `bench serve` (512-token prompts, 128 tokens out, one at a time)
+#             idle, beside one `nice -n 19` busy loop and beside one per core: ITL and TTFT
 #
 # The model is a seeded synthetic model of SmolLM2-135M's shape written as a Q4_1 GGUF (the
 # real 93 MB GGUF does not fit what can be carried to a GPU machine).
@@ -45,7 +48,7 @@ cd "$(dirname "$0")/.."
 root="$PWD"
 bin="$(realpath "${1:-.gpu/pdserve}")"
 out="$(mkdir -p "${2:-${OUT:-device-check-out}}" && realpath "${2:-${OUT:-device-check-out}}")"
-steps="${DEVICE_CHECK_STEPS:-verify bench transfer verify16 serve launch hf}"
+steps="${DEVICE_CHECK_STEPS:-verify bench transfer verify16 serve launch hf busy}"
 budget="${DEVICE_CHECK_BUDGET_S:-420}"
 start=$(date +%s)
 work="$(mktemp -d)"
@@ -244,9 +247,42 @@ step_launch() {
     return $rc
 }
 
+# Served decode with neighbours on the machine (issue 28's question, asked of this machine):
+# `serve --device cuda` and `serve` on the CPU (default weights and threads), each driven by
+# `bench serve` (8 requests of ~512 prompt tokens and 128 output tokens, one at a time) idle,
+# beside one `nice -n 19` busy loop, and beside one per core.
+step_busy() {
+    ensure_model || return 1
+    local rc=0 name device port loops
+    for spec in "busy-cuda cuda" "busy-cpu cpu"; do
+        set -- $spec
+        name=$1 device=$2
+        port=$(free_port)
+        if ! serve_one "$name" "$device" "$port"; then
+            rc=1
+            tail -5 "$raw/$name.log"
+            continue
+        fi
+        for loops in 0 1 "$(nproc)"; do
+            local pids=()
+            for ((i = 0; i < loops; i++)); do
+                nice -n 19 sh -c 'while :; do :; done' &
+                pids+=($!)
+            done
+            "$bin" bench serve --url "http://127.0.0.1:$port" --model m --input-len 512 \
+                --output-len 128 --num-requests 8 --concurrency 1 --timeout-s 60 --json \
+                >"$raw/$name-loops$loops.json" || rc=1
+            [ "${#pids[@]}" -gt 0 ] && kill "${pids[@]}" 2>/dev/null
+            wait "${pids[@]}" 2>/dev/null
+        done
+        stop_one "$name"
+    done
+    return $rc
+}
+
 export bin raw work gguf root
 export -f ensure_model step_verify step_bench step_transfer step_verify16 step_hf wait_health \
-    free_port chat serve_one stop_one step_serve launch_one step_launch
+    free_port chat serve_one stop_one step_serve launch_one step_launch step_busy
 run_step verify 150 step_verify
 run_step bench 90 step_bench
 run_step transfer 100 step_transfer
@@ -254,6 +290,7 @@ run_step verify16 90 step_verify16
 run_step serve 120 step_serve
 run_step launch 120 step_launch
 run_step hf 90 step_hf
+run_step busy 150 step_busy
 
 python3 - "$raw" "$status" "$out/summary.json" <<'PY'
 import glob, json, os, sys
@@ -318,6 +355,16 @@ for k in ["launch", "launch-host"]:
         "handoff_gap_ms": gaps,
         "long_prompt_tokens": (long_prompt or {}).get("usage", {}).get("prompt_tokens"),
     }
+busy = {}
+for f in sorted(glob.glob(os.path.join(raw, "busy-*-loops*.json"))):
+    r = load(os.path.basename(f))
+    if r:
+        busy[os.path.basename(f)[:-5]] = {
+            "itl_ms_p50": r["itl_ms"]["p50"], "itl_ms_p99": r["itl_ms"]["p99"],
+            "ttft_ms_p50": r["ttft_ms"]["p50"], "output_tok_s": r["output_throughput"],
+            "failed": r["failed"]}
+if busy:
+    s["busy"] = busy
 if isinstance(s.get("serve-cpu"), list) and isinstance(s.get("serve-cuda-f32"), list):
     s["serve_cuda_f32_equals_cpu_f32"] = s["serve-cpu"] == s["serve-cuda-f32"]
 for k in ["launch", "launch-host"]:

@@ -231,6 +231,15 @@ pub struct BenchServeArgs {
     /// Multi-turn: tokens of each user turn (approximate). Default 64.
     #[arg(long, requires = "multi_turn_sessions")]
     pub turn_len: Option<usize>,
+    /// Multi-turn: tokens of each session's own context (a document, tool output...) after
+    /// the system prompt, before its first user turn (approximate). Default 0.
+    #[arg(long, requires = "multi_turn_sessions")]
+    pub session_context_len: Option<usize>,
+    /// Start at request index K of the sequence: with `--multi-turn-sessions N`, `--first-request
+    /// N` sends the sessions' second turns first (a run split in parts, e.g. around an
+    /// instance restart, continues where the previous part ended).
+    #[arg(long, default_value_t = 0)]
+    pub first_request: usize,
     /// SLO on time to first token (ms) for goodput.
     #[arg(long)]
     pub slo_ttft_ms: Option<f64>,
@@ -243,6 +252,11 @@ pub struct BenchServeArgs {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Also write every successful answer's text to FILE, one JSON object per line
+    /// (`{"index": i, "text": ...}`, by request index): two runs of one greedy workload can
+    /// then be compared answer by answer.
+    #[arg(long, value_name = "FILE")]
+    pub answers: Option<PathBuf>,
 }
 
 /// Service-level objectives for goodput; `None` is not checked.
@@ -281,6 +295,8 @@ pub enum PromptSource {
         system_len: usize,
         /// Tokens per user turn.
         turn_len: usize,
+        /// Tokens of each session's own context before its first turn.
+        context_len: usize,
     },
 }
 
@@ -303,6 +319,8 @@ pub struct BenchConfig {
     pub seed: u64,
     /// Requests to issue at most.
     pub num_requests: usize,
+    /// Index of the first request in the prompt sequence.
+    pub first_request: usize,
     /// Time after which no request is issued.
     pub duration: Duration,
     /// Per-request timeout.
@@ -326,6 +344,7 @@ impl BenchConfig {
                 sessions: args.multi_turn_sessions.unwrap_or(1),
                 system_len: args.system_prompt_len.unwrap_or(1024),
                 turn_len: args.turn_len.unwrap_or(64),
+                context_len: args.session_context_len.unwrap_or(0),
             },
             Some(path) => {
                 let text = std::fs::read_to_string(path)
@@ -358,6 +377,7 @@ impl BenchConfig {
             request_rate: args.request_rate,
             seed: args.seed,
             num_requests: args.num_requests,
+            first_request: args.first_request,
             duration: secs("--duration-s", args.duration_s)?,
             request_timeout: secs("--timeout-s", args.timeout_s)?,
             prompts,
@@ -410,7 +430,8 @@ impl BenchConfig {
                 sessions,
                 system_len,
                 turn_len,
-            } if *sessions == 0 || *system_len + *turn_len == 0 => {
+                context_len,
+            } if *sessions == 0 || *system_len + *turn_len + *context_len == 0 => {
                 bail!("--multi-turn-sessions and the prompt lengths must be at least 1")
             }
             _ => {}
@@ -476,18 +497,32 @@ pub fn synthetic_prompt(rng: &mut StdRng, tokens: usize) -> String {
     s
 }
 
-/// The prompt of turn `turns` (from 1) of chat `session`: the shared system prompt, then the
-/// session's first `turns` user turns, each its own seeded synthetic words. Turn `t + 1`
-/// extends turn `t`'s prompt, so a prefix cache can reuse all of it.
-pub fn multi_turn_prompt(
-    seed: u64,
-    system_len: usize,
-    turn_len: usize,
-    session: usize,
-    turns: usize,
-) -> String {
+/// Token lengths of a multi-turn workload's prompt parts.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TurnShape {
+    /// The shared system prompt.
+    pub system_len: usize,
+    /// Each session's own context, after the system prompt.
+    pub context_len: usize,
+    /// Each user turn.
+    pub turn_len: usize,
+}
+
+/// The prompt of turn `turns` (from 1) of chat `session`: the shared system prompt, the
+/// session's own context (when `shape.context_len > 0`), then the session's first `turns`
+/// user turns, each its own seeded synthetic words. Turn `t + 1` extends turn `t`'s prompt,
+/// so a prefix cache can reuse all of it.
+pub fn multi_turn_prompt(seed: u64, shape: TurnShape, session: usize, turns: usize) -> String {
     let mut rng = StdRng::seed_from_u64(seed ^ PROMPT_SEED_SALT ^ 0x5157_u64);
-    let mut s = synthetic_prompt(&mut rng, system_len);
+    let mut s = synthetic_prompt(&mut rng, shape.system_len);
+    let turn_len = shape.turn_len;
+    if shape.context_len > 0 {
+        let mut rng = StdRng::seed_from_u64(
+            (seed ^ PROMPT_SEED_SALT ^ 0xC0_17E7).wrapping_add((session as u64) << 32),
+        );
+        s.push_str("\nContext: ");
+        s.push_str(&synthetic_prompt(&mut rng, shape.context_len));
+    }
     for t in 0..turns {
         let mut rng = StdRng::seed_from_u64(
             (seed ^ PROMPT_SEED_SALT)
@@ -524,15 +559,21 @@ pub struct RequestGenerator {
 }
 
 impl RequestGenerator {
-    /// A generator for `cfg`'s prompts and lengths.
+    /// A generator for `cfg`'s prompts and lengths, from request `cfg.first_request` of the
+    /// sequence on (the earlier ones are drawn and dropped, so a part of a split run sends
+    /// what the whole run would have).
     pub fn new(cfg: &BenchConfig) -> Self {
-        RequestGenerator {
+        let mut g = RequestGenerator {
             rng: StdRng::seed_from_u64(cfg.seed ^ PROMPT_SEED_SALT),
             seed: cfg.seed,
             prompts: cfg.prompts.clone(),
             output_len: cfg.output_len,
             next: 0,
+        };
+        for _ in 0..cfg.first_request {
+            g.next();
         }
+        g
     }
 }
 
@@ -558,11 +599,17 @@ impl Iterator for RequestGenerator {
                 sessions,
                 system_len,
                 turn_len,
+                context_len,
             } => {
                 let (session, turns) = (index % sessions, index / sessions + 1);
+                let shape = TurnShape {
+                    system_len: *system_len,
+                    context_len: *context_len,
+                    turn_len: *turn_len,
+                };
                 (
-                    multi_turn_prompt(self.seed, *system_len, *turn_len, session, turns),
-                    system_len + turns * turn_len,
+                    multi_turn_prompt(self.seed, shape, session, turns),
+                    system_len + context_len + turns * turn_len,
                     None,
                 )
             }
@@ -725,6 +772,11 @@ pub struct RequestRecord {
     pub prompt_tokens: u64,
     /// Whether the server reported usage.
     pub usage_reported: bool,
+    /// Prompt tokens the server served from its prefix cache
+    /// (`usage.prompt_tokens_details.cached_tokens`), when it said.
+    pub cached_tokens: Option<u64>,
+    /// The answer's text: every content chunk's, in order.
+    pub text: String,
 }
 
 impl RequestRecord {
@@ -790,6 +842,8 @@ pub struct StreamAccumulator {
     content_times: Vec<f64>,
     completion_tokens: Option<u64>,
     prompt_tokens: Option<u64>,
+    cached_tokens: Option<u64>,
+    text: String,
     done: bool,
 }
 
@@ -822,6 +876,7 @@ impl StreamAccumulator {
         }
         if chunk_has_content(&chunk) {
             self.content_times.push(t);
+            append_content(&chunk, &mut self.text);
         }
         if let Some(u) = chunk.usage.and_then(Loose::get) {
             if let Some(c) = u.completion_tokens.and_then(Loose::get) {
@@ -829,6 +884,10 @@ impl StreamAccumulator {
             }
             if let Some(p) = u.prompt_tokens.and_then(Loose::get) {
                 self.prompt_tokens = Some(p);
+            }
+            let cached = u.prompt_tokens_details.and_then(Loose::get);
+            if let Some(c) = cached.and_then(|d| d.cached_tokens).and_then(Loose::get) {
+                self.cached_tokens = Some(c);
             }
         }
         Ok(Flow::Continue)
@@ -851,6 +910,8 @@ impl StreamAccumulator {
                 .unwrap_or(self.content_times.len() as u64),
             prompt_tokens: self.prompt_tokens.unwrap_or(approx_prompt_tokens as u64),
             usage_reported: self.completion_tokens.is_some(),
+            cached_tokens: self.cached_tokens,
+            text: self.text,
         }
     }
 }
@@ -914,6 +975,12 @@ struct ChunkDelta {
 struct ChunkUsage {
     completion_tokens: Option<Loose<u64>>,
     prompt_tokens: Option<Loose<u64>>,
+    prompt_tokens_details: Option<Loose<PromptTokensDetails>>,
+}
+
+#[derive(Debug, Deserialize)]
+struct PromptTokensDetails {
+    cached_tokens: Option<Loose<u64>>,
 }
 
 /// An error object sent inside a stream: `{"error": {...}}`, `{"error": "..."}` or vLLM's
@@ -951,6 +1018,24 @@ fn chunk_has_content(v: &StreamChunk) -> bool {
         }
         Loose::Other(_) => false,
     })
+}
+
+/// Appends a chunk's text (completions' `text`, chat's `delta.content`) to `out`.
+fn append_content(v: &StreamChunk, out: &mut String) {
+    let Some(Loose::Is(choices)) = &v.choices else {
+        return;
+    };
+    for c in choices {
+        let Loose::Is(c) = c else { continue };
+        if let Some(Loose::Is(t)) = &c.text {
+            out.push_str(t);
+        }
+        if let Some(Loose::Is(d)) = &c.delta {
+            if let Some(Loose::Is(t)) = &d.content {
+                out.push_str(t);
+            }
+        }
+    }
 }
 
 /// `GET /v1/models`' answer, as far as the load generator reads it.
@@ -1066,6 +1151,13 @@ pub struct BenchReport {
     pub total_output_tokens: u64,
     /// Successful requests that came without usage (their token counts are estimates).
     pub usage_missing: usize,
+    /// Prompt tokens of successful requests the server said it served from its prefix cache
+    /// (`usage.prompt_tokens_details.cached_tokens`; `null` when no answer said).
+    pub cached_input_tokens: Option<u64>,
+    /// Multi-turn workload only: prompt tokens computed (prompt − cached) by the sessions'
+    /// first turns and by turns 2 and later, where the server reported cached tokens.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub computed_input_tokens_by_turn: Option<TurnTokens>,
     /// Successful requests per second.
     pub request_throughput: f64,
     /// Output tokens per second.
@@ -1093,6 +1185,18 @@ pub struct BenchReport {
     pub e2e_ms: LatencyStats,
     /// The first error messages, as `request N: message`.
     pub errors: Vec<String>,
+    /// Every successful answer's text, by request index (`--answers`; not in the JSON).
+    #[serde(skip)]
+    pub answers: Vec<(usize, String)>,
+}
+
+/// Prompt tokens computed, split by turn (multi-turn workloads).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct TurnTokens {
+    /// The sessions' first turns.
+    pub first: u64,
+    /// Turns 2 and later.
+    pub later: u64,
 }
 
 /// Run-level facts that go into the report besides the records.
@@ -1134,6 +1238,21 @@ pub fn summarize(records: &[RequestRecord], info: RunInfo, slo: &Slo) -> BenchRe
     let e2e = ms(ok.iter().map(|r| r.e2e).collect());
     let total_input_tokens: u64 = ok.iter().map(|r| r.prompt_tokens).sum();
     let total_output_tokens: u64 = ok.iter().map(|r| r.output_tokens).sum();
+    let reported: Vec<&&RequestRecord> = ok.iter().filter(|r| r.cached_tokens.is_some()).collect();
+    let cached_input_tokens =
+        (!reported.is_empty()).then(|| reported.iter().map(|r| r.cached_tokens.unwrap_or(0)).sum());
+    let computed_input_tokens_by_turn = info.sessions.filter(|_| !reported.is_empty()).map(|n| {
+        let mut t = TurnTokens::default();
+        for r in &reported {
+            let computed = r.prompt_tokens.saturating_sub(r.cached_tokens.unwrap_or(0));
+            if r.index >= n {
+                t.later += computed;
+            } else {
+                t.first += computed;
+            }
+        }
+        t
+    });
     let d = info.duration_s;
     BenchReport {
         url: info.url,
@@ -1148,6 +1267,8 @@ pub fn summarize(records: &[RequestRecord], info: RunInfo, slo: &Slo) -> BenchRe
         total_input_tokens,
         total_output_tokens,
         usage_missing: ok.iter().filter(|r| !r.usage_reported).count(),
+        cached_input_tokens,
+        computed_input_tokens_by_turn,
         request_throughput: per_second(ok.len() as f64, d),
         output_throughput: per_second(total_output_tokens as f64, d),
         total_token_throughput: per_second((total_input_tokens + total_output_tokens) as f64, d),
@@ -1168,6 +1289,12 @@ pub fn summarize(records: &[RequestRecord], info: RunInfo, slo: &Slo) -> BenchRe
             })
             .take(MAX_REPORTED_ERRORS)
             .collect(),
+        answers: {
+            let mut a: Vec<(usize, String)> =
+                ok.iter().map(|r| (r.index, r.text.clone())).collect();
+            a.sort_by_key(|(i, _)| *i);
+            a
+        },
     }
 }
 
@@ -1263,6 +1390,18 @@ pub fn format_report(r: &BenchReport) -> String {
         row(&mut s, "P50 TTFT, first turns (ms)", &num(first.p50));
         row(&mut s, "P50 TTFT, turns 2+ (ms)", &num(later.p50));
         row(&mut s, "P99 TTFT, turns 2+ (ms)", &num(later.p99));
+    }
+    if let Some(t) = &r.computed_input_tokens_by_turn {
+        row(
+            &mut s,
+            "Prompt tokens computed, first turns",
+            &t.first.to_string(),
+        );
+        row(
+            &mut s,
+            "Prompt tokens computed, turns 2+",
+            &t.later.to_string(),
+        );
     }
     let _ = writeln!(s, "{:=^W$}", "");
     if !r.errors.is_empty() {
@@ -1501,6 +1640,16 @@ pub fn run(args: BenchServeArgs) -> Result<()> {
         .build()
         .context("building the tokio runtime")?;
     let report = rt.block_on(run_bench(&cfg))?;
+    if let Some(path) = &args.answers {
+        let mut lines = String::new();
+        for (index, text) in &report.answers {
+            lines.push_str(&serde_json::to_string(
+                &json!({"index": index, "text": text}),
+            )?);
+            lines.push('\n');
+        }
+        std::fs::write(path, lines).with_context(|| format!("writing {}", path.display()))?;
+    }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
@@ -1607,6 +1756,25 @@ mod tests {
             (4, 11, true)
         );
         assert!((r.tpot().unwrap() - 0.05).abs() < 1e-9); // (0.25 - 0.10) / 3
+        assert_eq!(r.text, "Hi there!!");
+    }
+
+    #[test]
+    fn accumulator_reads_cached_prompt_tokens() {
+        let mut a = StreamAccumulator::default();
+        a.on_event(&SseEvent::Data(r#"{"choices":[{"text":"x"}]}"#.into()), 0.1)
+            .unwrap();
+        let usage = r#"{"choices":[],"usage":{"prompt_tokens":100,"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":64}}}"#;
+        a.on_event(&SseEvent::Data(usage.into()), 0.2).unwrap();
+        let r = a.finish(0, 0.2, 1);
+        assert_eq!((r.prompt_tokens, r.cached_tokens), (100, Some(64)));
+        assert_eq!(r.text, "x");
+        // A server that does not say has no cached count (not zero).
+        let mut b = StreamAccumulator::default();
+        let usage =
+            r#"{"choices":[{"text":"x"}],"usage":{"prompt_tokens":9,"completion_tokens":1}}"#;
+        b.on_event(&SseEvent::Data(usage.into()), 0.1).unwrap();
+        assert_eq!(b.finish(0, 0.1, 1).cached_tokens, None);
     }
 
     #[test]
@@ -1759,7 +1927,12 @@ mod tests {
                 .unwrap();
         let cfg = BenchConfig::from_args(&args).unwrap();
         let specs: Vec<RequestSpec> = RequestGenerator::new(&cfg).take(9).collect();
-        let system = multi_turn_prompt(cfg.seed, 40, 0, 0, 0);
+        let shape = TurnShape {
+            system_len: 40,
+            context_len: 0,
+            turn_len: 0,
+        };
+        let system = multi_turn_prompt(cfg.seed, shape, 0, 0);
         assert_eq!(system.split_whitespace().count(), 40);
         for s in &specs {
             assert!(s.prompt.starts_with(&system), "{}", s.prompt);
@@ -1776,6 +1949,37 @@ mod tests {
         assert!(parse("--url http://h:1 --turn-len 5").is_err());
         let zero = parse("--url http://h:1 --multi-turn-sessions 0").unwrap();
         assert!(BenchConfig::from_args(&zero).is_err());
+    }
+
+    #[test]
+    fn session_context_follows_the_system_prompt_and_a_split_run_continues_the_sequence() {
+        let line = "--url http://h:1 --multi-turn-sessions 2 --system-prompt-len 30 --turn-len 4 --session-context-len 20";
+        let cfg = BenchConfig::from_args(&parse(line).unwrap()).unwrap();
+        let specs: Vec<RequestSpec> = RequestGenerator::new(&cfg).take(6).collect();
+        let shape = |context_len| TurnShape {
+            system_len: 30,
+            context_len,
+            turn_len: 0,
+        };
+        let system = multi_turn_prompt(cfg.seed, shape(0), 0, 0);
+        let with_context = |session| multi_turn_prompt(cfg.seed, shape(20), session, 0);
+        assert_eq!(with_context(1).split_whitespace().count(), 30 + 1 + 20);
+        for (i, s) in specs.iter().enumerate() {
+            assert!(s.prompt.starts_with(&system));
+            assert!(s.prompt.starts_with(&with_context(i % 2)), "{i}");
+        }
+        assert_ne!(
+            with_context(0),
+            with_context(1),
+            "each session has its own context"
+        );
+        assert!(specs[2].prompt.starts_with(&specs[0].prompt));
+        assert_eq!(specs[3].approx_prompt_tokens, 30 + 20 + 2 * 4);
+        // `--first-request 3` starts where request 3 of the whole run is.
+        let part =
+            BenchConfig::from_args(&parse(&format!("{line} --first-request 3")).unwrap()).unwrap();
+        let rest: Vec<RequestSpec> = RequestGenerator::new(&part).take(3).collect();
+        assert_eq!(rest, specs[3..6].to_vec());
     }
 
     #[test]
@@ -1814,6 +2018,7 @@ mod tests {
             request_rate: None,
             seed: 1,
             num_requests: 10,
+            first_request: 0,
             duration: Duration::from_secs(1),
             request_timeout: Duration::from_secs(1),
             prompts,
@@ -2071,6 +2276,27 @@ mod tests {
         assert_eq!(first.mean.map(f64::round), Some(500.0));
         assert_eq!(later.mean.map(f64::round), Some(200.0));
         assert!(format_report(&r).contains("P50 TTFT, turns 2+ (ms)"));
+        // No cached counts reported: no computed split, and no claim of zero cached.
+        assert_eq!(r.cached_input_tokens, None);
+        assert_eq!(r.computed_input_tokens_by_turn, None);
+        let cached: Vec<RequestRecord> = records
+            .iter()
+            .map(|r| RequestRecord {
+                prompt_tokens: 100,
+                cached_tokens: Some(if r.index >= 2 { 90 } else { 20 }),
+                ..r.clone()
+            })
+            .collect();
+        let c = summarize(&cached, info(Some(2)), &Slo::default());
+        assert_eq!(c.cached_input_tokens, Some(2 * 20 + 2 * 90));
+        assert_eq!(
+            c.computed_input_tokens_by_turn,
+            Some(TurnTokens {
+                first: 160,
+                later: 20
+            })
+        );
+        assert!(format_report(&c).contains("Prompt tokens computed, turns 2+"));
         let plain = summarize(&records, info(None), &Slo::default());
         assert!(plain.ttft_ms_later_turns.is_none());
         let v = serde_json::to_value(&plain).unwrap();

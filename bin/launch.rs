@@ -108,6 +108,13 @@ pub struct LaunchArgs {
     /// Turn the prefix cache off in every instance (`scheduler.prefix_cache = false`).
     #[arg(long)]
     no_prefix_cache: bool,
+    /// Turn the KV cache tiers on in every instance, each with its disk tier in
+    /// `DIR/<instance name>` (`kv_tiers.enabled`, `kv_tiers.disk_dir`): an instance the
+    /// launcher restarts finds its own directory warm, and no two instances share one. The
+    /// host region and a shared store are set as usual (`PDSERVE_KV_TIERS__*`, which every
+    /// instance inherits).
+    #[arg(long, value_name = "DIR", conflicts_with = "in_process")]
+    kv_disk_dir: Option<std::path::PathBuf>,
     /// How the proxy picks instances: `kv` (cached-prefix overlap and load), `least-loaded`
     /// or `round-robin` (the proxy's `proxy.router`).
     #[arg(long, default_value = "kv")]
@@ -406,6 +413,8 @@ struct InstanceTemplate {
     /// `--device` and `--dtype` of every instance.
     device: String,
     dtype: String,
+    /// `--kv-disk-dir`: each instance's disk tier is a subdirectory named after it.
+    kv_disk_dir: Option<std::path::PathBuf>,
 }
 
 impl InstanceTemplate {
@@ -449,11 +458,16 @@ impl InstanceTemplate {
         .chain((!self.served_model_name.is_empty()).then(|| "--served-model-name".to_string()))
         .chain(self.served_model_name.iter().cloned())
         .collect();
-        let env = self
+        let mut env: Vec<(&'static str, String)> = self
             .api_key
             .iter()
             .map(|k| ("PDSERVE_SERVER__API_KEY", k.clone()))
             .collect();
+        if let Some(dir) = &self.kv_disk_dir {
+            env.push(("PDSERVE_KV_TIERS__ENABLED", "true".into()));
+            let own = dir.join(&name);
+            env.push(("PDSERVE_KV_TIERS__DISK_DIR", own.display().to_string()));
+        }
         Member {
             name,
             role: Some(role),
@@ -640,6 +654,7 @@ pub fn run(args: LaunchArgs) -> Result<()> {
             no_prefix_cache: args.no_prefix_cache,
             device: args.device.to_string(),
             dtype: args.dtype.clone(),
+            kv_disk_dir: args.kv_disk_dir.clone(),
         };
         let mut members = Vec::new();
         for (role, count) in [("prefill", args.prefill), ("decode", args.decode)] {

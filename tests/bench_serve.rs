@@ -250,6 +250,7 @@ fn config(url: &str) -> BenchConfig {
         request_rate: None,
         seed: 0,
         num_requests: 12,
+        first_request: 0,
         duration: Duration::from_secs(30),
         request_timeout: Duration::from_secs(10),
         prompts: PromptSource::Synthetic(LenSpec::Fixed(8)),

@@ -305,7 +305,7 @@ pub struct TiersFigures {
     /// Evicted blocks offered to the tiers.
     pub offered: u64,
     /// Evicted blocks not copied out: a tier holds them already, the policy's filter, busy
-    /// ranks, a worker restart, or an eviction for a KV hand-off's destination.
+    /// ranks or a worker restart.
     pub not_spilled: u64,
     /// Loads that ran past `kv_tiers.load_timeout_ms` (their requests were computed).
     pub load_timeouts: u64,
@@ -933,17 +933,40 @@ impl Drop for JobTicket {
     }
 }
 
+/// What a spill's rank jobs run once the last one ended or was dropped unrun: the pool
+/// blocks they read may be rewritten from then on (the copies are the batch's own).
+pub type SpillDone = Box<dyn FnOnce() + Send>;
+
 /// The ranks' copies of a batch of evicted blocks; offered to the tiers when the last rank's
 /// job ends (or is dropped unrun: then nothing is offered).
 struct SpillBatch {
     entries: Vec<Evicted>,
     parts: Mutex<Vec<Option<Vec<u8>>>>,
     tiers: Arc<KvTiers>,
+    done: Mutex<Option<SpillDone>>,
     _ticket: JobTicket,
 }
 
 impl Drop for SpillBatch {
     fn drop(&mut self) {
+        // Every rank's read of the pool ended with its job: whoever waits may write the
+        // blocks now, while the copies are checksummed and stored.
+        let done = self
+            .done
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(done) = done {
+            done();
+        }
+        self.offer();
+    }
+}
+
+impl SpillBatch {
+    /// Joins the ranks' copies into blocks and offers them to the tiers; an incomplete batch
+    /// (a rank dropped its job or has another layout) offers nothing.
+    fn offer(&mut self) {
         let parts = std::mem::take(&mut *self.parts.lock().unwrap_or_else(|e| e.into_inner()));
         let rb = self.tiers.shape.rank_bytes();
         let n = self.entries.len();
@@ -977,14 +1000,16 @@ impl Drop for SpillBatch {
 }
 
 /// One job per rank copying the evicted blocks `entries` out of its cache; the copies reach
-/// the tiers when every rank's job ran. Queue each on its rank before any job that writes
-/// those blocks (the step that reuses them).
-pub fn spill_jobs(tiers: &Arc<KvTiers>, entries: Vec<Evicted>) -> Vec<KvJob> {
+/// the tiers when every rank's job ran, and `done` runs after that. Queue each on its rank
+/// before any job that writes those blocks (the step that reuses them); a writer off the
+/// ranks' queues (a KV transfer landing) waits for `done`.
+pub fn spill_jobs(tiers: &Arc<KvTiers>, entries: Vec<Evicted>, done: SpillDone) -> Vec<KvJob> {
     let tp = tiers.shape.tp;
     let batch = Arc::new(SpillBatch {
         entries,
         parts: Mutex::new(vec![None; tp]),
         tiers: tiers.clone(),
+        done: Mutex::new(Some(done)),
         _ticket: JobTicket::new(&tiers.jobs_in_flight),
     });
     (0..tp)

@@ -90,6 +90,9 @@ pub enum SchedulerMsg {
         /// Where the KV comes from.
         source: KvSource,
     },
+    /// The ranks copied out, for the KV tiers, what a hand-off's destination blocks held:
+    /// the fetch may write them now (sent to the KvReceiver unless the request is gone).
+    StartFetch(Box<Fetch>),
     /// The KvReceiver finished (or failed) bringing a request's KV in.
     RemoteKvDone {
         /// Request.
@@ -168,6 +171,9 @@ pub struct TierLoad {
 /// prefill instance its KV comes from (after the load it goes to `submit_remote`, which then
 /// fetches only what the pool and the restored blocks lack).
 type Waiting = (NewRequest, EventSink, Option<KvSource>);
+
+/// What runs once the ranks copied a spill out (see [`SchedulerState::queue_spill`]).
+type SpillDone = crate::kv_tiers::SpillDone;
 
 /// A restore whose rank jobs ended (see [`SchedulerMsg::TiersRestored`]).
 pub struct TierRestore {
@@ -386,6 +392,7 @@ impl Actor for Scheduler {
                     st.proceed(request, sink, source);
                 }
             }
+            SchedulerMsg::StartFetch(fetch) => st.start_fetch(fetch),
             SchedulerMsg::RemoteKvDone { id, outcome } => {
                 // KV that landed in a cache a restarted worker has replaced is gone; so is KV
                 // landing while a worker is down (its replacement allocates a fresh cache).
@@ -832,11 +839,19 @@ impl SchedulerState {
     }
 
     /// Has every rank copy the blocks the pool evicted since the last call out of its cache,
-    /// ahead of anything that rewrites them, for the KV tiers.
+    /// ahead of anything that rewrites them, for the KV tiers. A step queued after this call
+    /// runs after the copies (each rank's queue is in order).
     fn flush_spills(&mut self) {
-        let Some(tiers) = self.tiers.clone() else {
-            return;
-        };
+        if let Some(evicted) = self.take_spill() {
+            self.queue_spill(evicted, Box::new(|| {}));
+        }
+    }
+
+    /// The blocks the pool evicted since the last call that the KV tiers take, when the ranks
+    /// can copy them now (all up, the tiers' job queue not full); the others are counted as
+    /// not spilled.
+    fn take_spill(&mut self) -> Option<Vec<crate::block_manager::Evicted>> {
+        let tiers = self.tiers.as_ref()?;
         let evicted = self.core.block_manager().take_evicted();
         let total = evicted.len();
         let evicted: Vec<_> = evicted
@@ -848,17 +863,60 @@ impl SchedulerState {
             tiers.not_spilled(filtered);
         }
         if evicted.is_empty() {
-            return;
+            return None;
         }
         if !tiers.may_queue_jobs() || self.workers.iter().any(Option::is_none) {
             tiers.not_spilled(evicted.len());
-            return;
+            return None;
         }
-        let jobs = crate::kv_tiers::spill_jobs(&tiers, evicted);
+        Some(evicted)
+    }
+
+    /// Queues the copy of `evicted` on every rank; `done` runs once every rank read them (or
+    /// dropped its job), on the thread that finished last: from then on something off the
+    /// ranks' queues (a KV transfer landing) may rewrite the blocks.
+    fn queue_spill(&self, evicted: Vec<crate::block_manager::Evicted>, done: SpillDone) {
+        let Some(tiers) = &self.tiers else {
+            return done();
+        };
+        let jobs = crate::kv_tiers::spill_jobs(tiers, evicted, done);
         for (job, w) in jobs.into_iter().zip(&self.workers) {
             if let Some((_, w)) = w {
+                // A job the rank never runs is dropped with its message: the batch then
+                // offers nothing and still runs `done`.
                 let _ = w.cast(WorkerMsg::Kv(job));
             }
+        }
+    }
+
+    /// Sends a hand-off's fetch to the KvReceiver, unless its request ended meanwhile (while
+    /// the ranks copied its destination blocks out): then the prefill side is told to drop
+    /// the hand-off, and the fetch's blocks return to the pool with it.
+    fn start_fetch(&mut self, fetch: Box<Fetch>) {
+        let id = fetch.id;
+        let receiving = matches!(
+            self.core.state(id),
+            Some(RequestState::WaitingForRemoteKv | RequestState::Transferring)
+        );
+        if !receiving {
+            tracing::debug!(request = %id, "request gone before its KV fetch started");
+            if let Some(r) = &self.kv_receiver {
+                let _ = r.cast(KvReceiverMsg::Abandon(fetch.source.clone()));
+            }
+            return;
+        }
+        let sent = self
+            .kv_receiver
+            .as_ref()
+            .is_some_and(|r| r.cast(KvReceiverMsg::Fetch(fetch)).is_ok());
+        if !sent {
+            self.core.abort(id);
+            self.dispatch(vec![Output::Failed {
+                id,
+                error: RequestError::KvTransfer(HandoffError::Interrupted(
+                    "the KV receiver is gone".into(),
+                )),
+            }]);
         }
     }
 
@@ -881,13 +939,13 @@ impl SchedulerState {
 
     fn submit_remote(&mut self, request: NewRequest, sink: EventSink, source: KvSource) {
         let id = request.id;
-        let Some(receiver) = self.kv_receiver.clone() else {
+        if self.kv_receiver.is_none() {
             let _ = sink.try_send(RequestEvent::Failed(RequestError::BadRequest(
                 "this instance has no KV transfer engine: do_remote_prefill needs role decode"
                     .into(),
             )));
             return;
-        };
+        }
         if let KvSource::Held { first_token, .. } = &source {
             if *first_token as usize >= self.vocab_size {
                 let _ = sink.try_send(RequestEvent::Failed(RequestError::BadRequest(
@@ -899,12 +957,6 @@ impl SchedulerState {
         let (prompt, params) = (request.prompt.clone(), request.params.clone());
         let may_prefill_here = matches!(source, KvSource::Drive { .. });
         let admitted = self.core.add_remote(request, may_prefill_here);
-        // Blocks evicted for a hand-off's destination are written by the transfer, not by a
-        // step queued behind a spill: they are not copied out (left for issue 30).
-        let evicted = self.core.block_manager().take_evicted().len();
-        if let Some(t) = &self.tiers {
-            t.not_spilled(evicted);
-        }
         match admitted {
             Ok(RemoteAdmission::Local { cached_blocks }) => {
                 // Prefix-aware conditional disaggregation: the uncached suffix is cheaper here
@@ -941,17 +993,21 @@ impl SchedulerState {
                         let _ = me.cast(SchedulerMsg::RemoteKvDone { id, outcome });
                     }),
                 };
-                if receiver
-                    .cast(KvReceiverMsg::Fetch(Box::new(fetch)))
-                    .is_err()
-                {
-                    self.core.abort(id);
-                    self.dispatch(vec![Output::Failed {
-                        id,
-                        error: RequestError::KvTransfer(HandoffError::Interrupted(
-                            "the KV receiver is gone".into(),
-                        )),
-                    }]);
+                // The blocks the destination evicted are written by the transfer, off the
+                // ranks' queues: the fetch starts once the ranks copied them out for the KV
+                // tiers.
+                let fetch = Box::new(fetch);
+                match self.take_spill() {
+                    Some(evicted) => {
+                        let me = self.me.clone();
+                        self.queue_spill(
+                            evicted,
+                            Box::new(move || {
+                                let _ = me.cast(SchedulerMsg::StartFetch(fetch));
+                            }),
+                        );
+                    }
+                    None => self.start_fetch(fetch),
                 }
             }
             Err(e) => {

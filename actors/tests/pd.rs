@@ -2253,6 +2253,66 @@ async fn decode_restores_a_prompt_from_the_shared_store_and_fetches_only_the_res
     stop_pair(p, d).await;
 }
 
+/// Decode's own host tier keeps what its pool evicts to make room for hand-off destinations:
+/// the ranks copy those blocks out before the transfer writes them. A prompt pushed out of
+/// decode's pool by later hand-offs comes back from that tier, token-identical, and the pool
+/// is full again at the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocks_decode_evicts_for_a_hand_off_reach_its_tiers_and_come_back() {
+    use pdserve_actors::kv_tiers::TierSettings;
+    let lease = Duration::from_secs(30);
+    let p = instance_with("p-spill", "small", 1, Some(BackendKind::Shm), lease, |o| {
+        o.block_size = 8;
+    })
+    .await;
+    let d = instance_with("d-spill", "small", 1, Some(BackendKind::Shm), lease, |o| {
+        o.block_size = 8;
+        o.num_blocks = Some(16);
+        o.watermark = 0.0;
+        o.kv_tiers = Some(TierSettings::host_only(64 << 20));
+    })
+    .await;
+    // 41 tokens: five whole blocks and one token; three such prompts overflow a 16-block pool.
+    let request = |k: usize| {
+        let prompt: Vec<u32> = (0..41)
+            .map(|t| ((t * 37 + k * 61 + 5) % 250) as u32)
+            .collect();
+        json!({"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": true, "return_token_ids": true})
+    };
+    let (status, first) = via_pd(&p.url(), &d.url(), &request(0)).await;
+    assert_eq!(status, 200, "{first}");
+    for k in 1..=4 {
+        let (status, v) = via_pd(&p.url(), &d.url(), &request(k)).await;
+        assert_eq!(status, 200, "{v}");
+    }
+    let tiers = d.kv_tiers().unwrap().clone();
+    let figures = tiers.figures();
+    assert!(
+        figures.offered >= 5 && figures.not_spilled == 0,
+        "decode copied out what the hand-offs evicted: {figures:?}"
+    );
+    let prompt0: Vec<u32> = serde_json::from_value(request(0)["prompt"].clone()).unwrap();
+    let hashes = tiers.block_hashes(&prompt0[..40]);
+    assert_eq!(tiers.contains_run(&hashes), 5, "{figures:?}");
+    let hits = |t: &pdserve_actors::kv_tiers::KvTiers| t.figures().host.unwrap().hits;
+    let before = hits(&tiers);
+    let (status, again) = via_pd(&p.url(), &d.url(), &request(0)).await;
+    assert_eq!(status, 200, "{again}");
+    assert_eq!(
+        common::token_ids(&again),
+        common::token_ids(&first),
+        "the same tokens with the prompt restored from decode's host tier"
+    );
+    assert!(
+        hits(&tiers) >= before + 5,
+        "decode restored the prompt's blocks: {:?}",
+        tiers.figures()
+    );
+    assert_pool_full(&p).await;
+    assert_pool_full(&d).await;
+    stop_pair(p, d).await;
+}
+
 /// A decode request whose client leaves while its prefix is being restored from decode's KV
 /// tiers (before its KV fetch starts) tells the prefill instance to drop the hand-off, as a
 /// client gone during the fetch does: the prefill instance's pool is full again long before

@@ -14,7 +14,9 @@
 //! | [`receiver`] | the KvReceiver actor: one driver task per decode-side hand-off running a [`PullCore`] |
 //! | [`sender`] | the KvSender actor: drives the [`PushTracker`] |
 //! | [`context`] | [`KvContext`]: what both actors share about their instance |
-//! | [`device`] | device KV: the [`device::DeviceKvPeer`] seam, host proofs, the placement exchange and CUDA IPC reads (same-GPU P/D) |
+//! | [`device_kv`] | the [`device_kv::DeviceKvPeer`] seam of a rank whose KV lives on a GPU, and our KV placement from it |
+//! | [`host_proof`] | [`host_proof::HostProofs`]: how a peer's claim to run on this host is verified |
+//! | [`device`] | device KV: the placement exchange and CUDA IPC reads (same-GPU P/D); re-exports the seam and host proofs |
 //!
 //! Dependencies point one way: this module knows nothing of the Scheduler (the service reaches
 //! it through [`service::PrefillHost`], the receiver answers through a [`receiver::FetchReply`]
@@ -24,6 +26,8 @@ pub mod aborts;
 pub mod aggregator;
 pub mod context;
 pub mod device;
+pub mod device_kv;
+pub mod host_proof;
 pub mod peer;
 pub mod plan;
 pub mod protocol;

@@ -31,6 +31,7 @@ use crate::mailbox::{Inbox, Mailbox};
 use crate::worker::{StepError, WorkerMsg, WorkerReport};
 use pdserve_gpu::model::Batch;
 use pdserve_gpu::sampling::{FinishReason, TokenLogprobs};
+use pdserve_gpu::ModelError;
 use pdserve_runtime::ids::{RequestId, TransferId};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use std::collections::HashMap;
@@ -109,8 +110,9 @@ pub enum SchedulerMsg {
         rank: usize,
         /// The worker epoch the upload was sent to.
         epoch: u64,
-        /// Done, or why not.
-        result: Result<(), String>,
+        /// Done, or why not (the rank's executor's error: a device error, its queue full,
+        /// its thread gone).
+        result: Result<(), ModelError>,
     },
     /// A decode instance renews the leases of blocks held for it; answers the transfers no
     /// longer held.
@@ -1043,7 +1045,7 @@ impl SchedulerState {
                     id,
                     rank,
                     epoch,
-                    result: r.map_err(|e| e.to_string()),
+                    result: r,
                 });
             });
             let msg = WorkerMsg::UploadKv {
@@ -1065,7 +1067,7 @@ impl SchedulerState {
         id: RequestId,
         rank: usize,
         epoch: u64,
-        result: Result<(), String>,
+        result: Result<(), ModelError>,
     ) -> Vec<Output> {
         let Some(p) = self.uploads.get_mut(&id) else {
             return Vec::new(); // failed or aborted meanwhile

@@ -16,10 +16,13 @@
 #[cfg(feature = "cuda")]
 mod cuda_peer;
 pub mod executor;
+mod mirror;
 pub mod standin;
 
-pub use executor::{KvMirror, RankDevice};
-pub use standin::{StandInFaults, UploadCallback};
+pub use executor::RankDevice;
+pub use mirror::KvMirror;
+pub use pdserve_gpu::tp::UploadCallback;
+pub use standin::StandInFaults;
 
 use crate::mailbox::{Inbox, Mailbox};
 use executor::RankExec;

@@ -2505,7 +2505,14 @@ impl pdserve_actors::handoff::device::DeviceKvPeer for StandInDevice {
         self.copies.lock().unwrap().push(pairs);
         match &self.hung {
             Some(hung) => hung.lock().unwrap().push(done),
-            None => done(Err("stand-in device: no GPU here".into())),
+            None => done(Err(
+                pdserve_actors::handoff::device::DeviceCopyError::Device(
+                    pdserve_gpu::device::DeviceError::NoDriver {
+                        reason: "stand-in device: no GPU here".into(),
+                    }
+                    .into(),
+                ),
+            )),
         }
     }
 }

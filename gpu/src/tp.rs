@@ -31,6 +31,11 @@ pub type KvJob = Box<dyn FnOnce(&mut KvCache) + Send>;
 /// the same values). Runs on the rank's thread: keep it short (send a message).
 pub type StepCallback = Box<dyn FnOnce(Result<Vec<Vec<f32>>>) + Send>;
 
+/// Called once when a KV upload (host mirror → the rank's private cache) ended, on the rank's
+/// side (a device-backed executor's thread): the ranks of the CUDA executor and of the
+/// actors' CPU stand-in of it.
+pub type UploadCallback = Box<dyn FnOnce(Result<()>) + Send>;
+
 enum Job {
     Forward {
         batch: Arc<Batch>,
@@ -57,6 +62,21 @@ pub struct TpOptions {
     pub kv_dtype: crate::kv::KvDtype,
 }
 
+impl TpOptions {
+    /// The KV layout of one rank of `config` split over `self.tp` ranks (its share of the
+    /// KV heads), with `self.kv_dtype` elements.
+    pub fn rank_layout(&self, config: &ModelConfig) -> KvLayout {
+        KvLayout {
+            num_layers: config.num_layers,
+            num_blocks: self.num_blocks,
+            block_size: self.block_size,
+            num_kv_heads: config.num_kv_heads / self.tp,
+            head_dim: config.head_dim,
+            dtype: self.kv_dtype,
+        }
+    }
+}
+
 /// Jobs a rank thread may have queued beyond the one it runs (bounded: a caller that gets
 /// ahead is told so instead of queueing without limit).
 const RANK_QUEUE: usize = 16;
@@ -68,44 +88,62 @@ pub struct RankExecutor {
     layout: KvLayout,
 }
 
-/// A rank's job queue and thread, as every backend's rank executor drives it: bounded sends
-/// that fail instead of waiting, the group's collective to poison and reset, and a drop that
-/// closes the queue without joining the thread.
-pub(crate) struct RankThread<J> {
+/// A rank's job queue and thread, as every backend's rank executor drives it (the CPU
+/// [`RankExecutor`], the CUDA executor, the actors' CPU stand-in of it): a named thread
+/// serving a bounded queue, bounded sends that fail instead of waiting, the group's
+/// collective to poison and reset, and a drop that closes the queue without joining the
+/// thread.
+pub struct RankThread<J> {
     rank: usize,
     jobs: Option<SyncSender<J>>,
     thread: Option<JoinHandle<()>>,
     comm: ThreadCollective,
 }
 
-impl<J> RankThread<J> {
-    /// Rank `comm.rank()`'s queue `jobs`, served by `thread`.
-    pub(crate) fn new(jobs: SyncSender<J>, thread: JoinHandle<()>, comm: ThreadCollective) -> Self {
-        Self {
+impl<J: Send + 'static> RankThread<J> {
+    /// Starts rank `comm.rank()`'s thread, named `name`, running `serve` on a queue of at most
+    /// `queue` jobs beyond the one in hand; `serve` should return once the queue closes (the
+    /// executor dropped).
+    ///
+    /// # Errors
+    /// The thread cannot be spawned.
+    pub fn spawn(
+        name: String,
+        queue: usize,
+        comm: ThreadCollective,
+        serve: impl FnOnce(Receiver<J>) + Send + 'static,
+    ) -> std::io::Result<Self> {
+        let (tx, rx) = sync_channel::<J>(queue);
+        let thread = std::thread::Builder::new()
+            .name(name)
+            .spawn(move || serve(rx))?;
+        Ok(Self {
             rank: comm.rank(),
-            jobs: Some(jobs),
+            jobs: Some(tx),
             thread: Some(thread),
             comm,
-        }
+        })
     }
+}
 
+impl<J> RankThread<J> {
     /// The rank's index.
-    pub(crate) fn rank(&self) -> usize {
+    pub fn rank(&self) -> usize {
         self.rank
     }
 
     /// Fails every collective the group is waiting in (a peer rank died).
-    pub(crate) fn poison(&self, reason: &str) {
+    pub fn poison(&self, reason: &str) {
         self.comm.poison(reason);
     }
 
     /// Clears a poisoned collective once no rank is inside a step.
-    pub(crate) fn reset(&self) {
+    pub fn reset(&self) {
         self.comm.reset();
     }
 
     /// The rank's failure, for `reason`.
-    pub(crate) fn gone(&self, reason: &str) -> ModelError {
+    pub fn gone(&self, reason: &str) -> ModelError {
         ModelError::RankFailed {
             rank: self.rank,
             reason: reason.into(),
@@ -113,7 +151,11 @@ impl<J> RankThread<J> {
     }
 
     /// Queues `job`; a full queue or a gone thread is an error, never a wait.
-    pub(crate) fn send(&self, job: J) -> Result<()> {
+    ///
+    /// # Errors
+    /// [`ModelError::RankFailed`] when the queue is full or the thread is gone (or the
+    /// executor is shutting down).
+    pub fn send(&self, job: J) -> Result<()> {
         let tx = self
             .jobs
             .as_ref()
@@ -158,24 +200,13 @@ impl RankExecutor {
     ) -> Result<Self> {
         let rank = comm.rank();
         let shard = ModelShard::load(config, store, rank, opts.tp, opts.format)?;
-        let layout = KvLayout {
-            num_layers: config.num_layers,
-            num_blocks: opts.num_blocks,
-            block_size: opts.block_size,
-            num_kv_heads: config.num_kv_heads / opts.tp,
-            head_dim: config.head_dim,
-            dtype: opts.kv_dtype,
-        };
+        let layout = opts.rank_layout(config);
         let kv = KvCache::new(layout, alloc)?;
-        let (tx, rx) = sync_channel::<Job>(RANK_QUEUE);
         let rank_comm = comm.clone();
-        let thread = std::thread::Builder::new()
-            .name(format!("pdserve-tp{rank}"))
-            .spawn(move || rank_loop(shard, kv, rank_comm, rx))?;
-        Ok(Self {
-            thread: RankThread::new(tx, thread, comm),
-            layout,
-        })
+        let thread = RankThread::spawn(format!("pdserve-tp{rank}"), RANK_QUEUE, comm, move |rx| {
+            rank_loop(shard, kv, rank_comm, rx)
+        })?;
+        Ok(Self { thread, layout })
     }
 
     /// This rank's index.

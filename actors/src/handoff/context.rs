@@ -3,7 +3,8 @@
 //! registered with its transfer engine.
 
 use super::aggregator::{DroppedReports, Epochs};
-use super::device::{DeviceKvPeer, HostProofs, PublishedProof};
+use super::device_kv::{placement_of, DeviceKvPeer};
+use super::host_proof::{boot_id, HostProofs, PublishedProof};
 use super::peer::Peers;
 use super::protocol::{compat_hash, compat_key, HandoffError, KvPeerInfo, RankKv};
 use super::pull::PullBounds;
@@ -328,10 +329,7 @@ impl KvContext {
         if device.is_some() {
             let mut proof = self.proof.lock().unwrap_or_else(|e| e.into_inner());
             if proof.is_none() {
-                match self
-                    .proofs
-                    .publish(&self.settings.engine_id, super::device::boot_id())
-                {
+                match self.proofs.publish(&self.settings.engine_id, boot_id()) {
                     Ok(p) => *proof = Some(p),
                     Err(e) => tracing::warn!(
                         dir = %self.proofs.dir().display(),
@@ -369,7 +367,7 @@ impl KvContext {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone();
-        super::device::placement_of(&self.settings.engine_id, &identity, &self.info(), &devices)
+        placement_of(&self.settings.engine_id, &identity, &self.info(), &devices)
     }
 
     /// This host's proof files.

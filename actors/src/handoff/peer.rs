@@ -23,6 +23,7 @@ use super::protocol::{
     PEER_CONTENT_TYPE, PEER_TOPIC,
 };
 use super::session::Security;
+use pdserve_core::handoff::kv_path::{KvPath, KvPlacement};
 use pdserve_runtime::faults::{ControlFault, FaultInjector};
 use pdserve_runtime::ids::TransferId;
 use pdserve_runtime::wire::ControlMessage;
@@ -81,6 +82,16 @@ struct Cached {
     key: Option<[u8; 32]>,
 }
 
+/// The KV path negotiated with one peer (`Peers::kv_path`, in `super::device`), cached by
+/// [`Peers`].
+#[derive(Clone, Debug)]
+pub struct Negotiated {
+    /// The path.
+    pub path: KvPath,
+    /// The peer's advertisement when the path is CUDA IPC (its handles).
+    pub remote: Option<Arc<KvPlacement>>,
+}
+
 /// The client side of the peer protocol (one per instance).
 pub struct Peers {
     engine_id: String,
@@ -92,7 +103,7 @@ pub struct Peers {
     conns: Slots<Arc<ControlConnection>>,
     infos: dashmap::DashMap<PeerAddr, KvPeerInfo>,
     /// The KV path negotiated per peer (`super::device`), forgotten with its handshake.
-    pub(super) paths: dashmap::DashMap<PeerAddr, super::device::Negotiated>,
+    pub(super) paths: dashmap::DashMap<PeerAddr, Negotiated>,
     /// Per peer URL, its control address and node when it has one ([`Peers::control_of`]).
     discovered: dashmap::DashMap<String, Option<(SocketAddr, String)>>,
     sessions: Slots<Cached>,

@@ -2,7 +2,7 @@
 //! UUID and the IPC handles of its KV regions, exported once when the worker starts, and
 //! device-to-device copies from a peer process's regions on the rank's own thread.
 
-use crate::handoff::device::{CopyDone, DeviceKvPeer, DeviceRankKv};
+use crate::handoff::device_kv::{CopyDone, DeviceCopyError, DeviceKvPeer, DeviceRankKv};
 use pdserve_core::handoff::kv_path::IpcRegion;
 use pdserve_gpu::cuda::kv::IpcRegionHandle;
 use pdserve_gpu::cuda::CudaRankExecutor;
@@ -71,14 +71,14 @@ impl DeviceKvPeer for CudaKvPeer {
             .spawn(move || {
                 let r = exec
                     .copy_from_peer(peer_layout, handles, pairs)
-                    .map_err(|e| e.to_string());
+                    .map_err(DeviceCopyError::from);
                 if let Some(done) = take(&thread_slot) {
                     done(r)
                 }
             });
         if let Err(e) = spawned {
             if let Some(done) = take(&slot) {
-                done(Err(format!("cannot start a CUDA IPC copy thread: {e}")));
+                done(Err(DeviceCopyError::Spawn(e)));
             }
         }
     }

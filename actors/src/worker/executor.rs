@@ -14,41 +14,17 @@
 //! CPU executor it completes at once), and refuse jobs on the host cache
 //! ([`RankExec::submit_kv`]: the KV tiers are refused at start for them).
 
-use super::standin::{StandInExecutor, StandInFaults, UploadCallback};
+use super::mirror::KvMirror;
+use super::standin::{StandInExecutor, StandInFaults};
 use super::WorkerSpec;
 use pdserve_gpu::collective::ThreadCollective;
 use pdserve_gpu::device::DeviceError;
 use pdserve_gpu::model::Batch;
-use pdserve_gpu::tp::{KvJob, LayerHook, RankExecutor, StepCallback};
+use pdserve_gpu::tp::{KvJob, LayerHook, RankExecutor, StepCallback, UploadCallback};
 use pdserve_gpu::ModelError;
 use pdserve_runtime::memory::HostMemoryAllocator;
 use pdserve_runtime::Role;
 use std::sync::Arc;
-
-/// How a rank with a device KV cache uses its host mirror (the CUDA executor's
-/// `MirrorMode`, available without the `cuda` feature).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum KvMirror {
-    /// No mirror: KV never leaves the device (colocated serving).
-    #[default]
-    Off,
-    /// Blocks a step wrote are copied to the mirror before each layer is reported (prefill:
-    /// peers read KV from the mirror).
-    WriteThrough,
-    /// Transfers land in the mirror; an upload moves them to the device (decode).
-    Receive,
-}
-
-impl KvMirror {
-    /// The mirror a role needs: prefill write-through, decode receive, colocated none.
-    pub fn for_role(role: Role) -> Self {
-        match role {
-            Role::Prefill => Self::WriteThrough,
-            Role::Decode => Self::Receive,
-            _ => Self::Off,
-        }
-    }
-}
 
 /// Where an instance's ranks run.
 #[derive(Clone, Debug, Default)]
@@ -254,7 +230,9 @@ impl RankExec {
     /// This rank's side of same-GPU P/D over CUDA IPC (`handoff::device`), for the
     /// instance's KV context: only a CUDA rank has one. Blocking (exports the IPC handles on
     /// the rank's thread): call off the async threads.
-    pub(crate) fn device_kv_peer(&self) -> Option<Arc<dyn crate::handoff::device::DeviceKvPeer>> {
+    pub(crate) fn device_kv_peer(
+        &self,
+    ) -> Option<Arc<dyn crate::handoff::device_kv::DeviceKvPeer>> {
         #[cfg(feature = "cuda")]
         if let Self::Cuda(e) = self {
             return Some(Arc::new(super::cuda_peer::CudaKvPeer::new(e.clone())));

@@ -18,23 +18,20 @@
 //! device (every later step fails with a device runtime error, as a CUDA context does after a
 //! sticky error) and skipped uploads.
 
-use super::executor::KvMirror;
+use super::mirror::KvMirror;
 use pdserve_gpu::batch::Batch;
 use pdserve_gpu::collective::{Collective, ThreadCollective};
 use pdserve_gpu::config::ModelConfig;
 use pdserve_gpu::device::DeviceError;
 use pdserve_gpu::kv::{KvCache, KvKind, KvLayout};
 use pdserve_gpu::model::ModelShard;
-use pdserve_gpu::tp::{LayerHook, StepCallback, TpOptions};
+use pdserve_gpu::tp::{LayerHook, RankThread, StepCallback, TpOptions, UploadCallback};
 use pdserve_gpu::weights::TensorStore;
 use pdserve_gpu::ModelError;
 use pdserve_runtime::memory::{AnonAllocator, HostMemory, HostMemoryAllocator};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
+use std::sync::mpsc::Receiver;
 use std::sync::Arc;
-
-/// Called once when a KV upload ended (on the executor's thread).
-pub type UploadCallback = Box<dyn FnOnce(Result<(), ModelError>) + Send>;
 
 /// Test-only faults of the stand-in executors of one instance (shared by its ranks and by
 /// their restarted incarnations).
@@ -105,16 +102,14 @@ const QUEUE: usize = 4;
 /// One rank of the stand-in: a named thread (`pdserve-standin{rank}`) owning the CPU shard,
 /// the private cache and (with a mirror) the host mirror.
 pub struct StandInExecutor {
-    rank: usize,
-    jobs: Option<SyncSender<Job>>,
-    comm: ThreadCollective,
+    thread: RankThread<Job>,
     mirror: KvMirror,
 }
 
 impl std::fmt::Debug for StandInExecutor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StandInExecutor")
-            .field("rank", &self.rank)
+            .field("rank", &self.thread.rank())
             .field("mirror", &self.mirror)
             .finish()
     }
@@ -137,22 +132,14 @@ impl StandInExecutor {
     ) -> Result<Self, ModelError> {
         let rank = comm.rank();
         let shard = ModelShard::load(config, store, rank, opts.tp, opts.format)?;
-        let layout = KvLayout {
-            num_layers: config.num_layers,
-            num_blocks: opts.num_blocks,
-            block_size: opts.block_size,
-            num_kv_heads: config.num_kv_heads / opts.tp,
-            head_dim: config.head_dim,
-            dtype: opts.kv_dtype,
-        };
+        let layout = opts.rank_layout(config);
         let device = KvCache::new(layout, &AnonAllocator)?;
         let host = match mirror {
             KvMirror::Off => None,
             _ => Some(KvCache::new(layout, alloc)?),
         };
         faults.spawned.fetch_add(1, Ordering::SeqCst);
-        let (tx, rx) = sync_channel(QUEUE);
-        let thread = RankThread {
+        let state = RankState {
             shard,
             device,
             host,
@@ -161,30 +148,10 @@ impl StandInExecutor {
             comm: comm.clone(),
             lost: false,
         };
-        std::thread::Builder::new()
-            .name(format!("pdserve-standin{rank}"))
-            .spawn(move || thread.run(rx))?;
-        Ok(Self {
-            rank,
-            jobs: Some(tx),
-            comm,
-            mirror,
-        })
-    }
-
-    fn send(&self, job: Job) -> Result<(), ModelError> {
-        let gone = |reason: &str| ModelError::RankFailed {
-            rank: self.rank,
-            reason: reason.into(),
-        };
-        let tx = self
-            .jobs
-            .as_ref()
-            .ok_or_else(|| gone("rank is shutting down"))?;
-        tx.try_send(job).map_err(|e| match e {
-            TrySendError::Full(_) => gone("rank queue is full"),
-            TrySendError::Disconnected(_) => gone("rank thread is gone"),
-        })
+        let thread = RankThread::spawn(format!("pdserve-standin{rank}"), QUEUE, comm, move |rx| {
+            state.run(rx)
+        })?;
+        Ok(Self { thread, mirror })
     }
 
     /// Queues a forward step (as the CUDA executor's `submit`).
@@ -197,7 +164,7 @@ impl StandInExecutor {
         hook: Option<LayerHook>,
         done: StepCallback,
     ) -> Result<(), ModelError> {
-        self.send(Job::Forward { batch, hook, done })
+        self.thread.send(Job::Forward { batch, hook, done })
     }
 
     /// Queues the copy of `blocks` (every layer) from the mirror into the private cache;
@@ -206,23 +173,18 @@ impl StandInExecutor {
     /// # Errors
     /// [`ModelError::RankFailed`] when the queue is full or the thread is gone.
     pub fn upload_kv(&self, blocks: Vec<u32>, done: UploadCallback) -> Result<(), ModelError> {
-        self.send(Job::Upload { blocks, done })
+        self.thread.send(Job::Upload { blocks, done })
     }
 
     /// Fails every collective the group waits in.
     pub fn poison(&self, reason: &str) {
-        self.comm.poison(reason);
+        self.thread.poison(reason);
     }
 }
 
-impl Drop for StandInExecutor {
-    fn drop(&mut self) {
-        // Closing the queue ends the thread once its job in hand is done (never joined).
-        self.jobs = None;
-    }
-}
-
-struct RankThread {
+/// What the stand-in's rank thread owns (dropping the executor closes its queue, which ends
+/// the thread once its job in hand is done; it is never joined).
+struct RankState {
     shard: ModelShard,
     device: KvCache,
     host: Option<KvCache>,
@@ -240,7 +202,7 @@ fn lost_error() -> ModelError {
     .into()
 }
 
-impl RankThread {
+impl RankState {
     fn run(mut self, jobs: Receiver<Job>) {
         while let Ok(job) = jobs.recv() {
             match job {

@@ -48,8 +48,8 @@ pub struct CudaOptions {
     pub mirror: MirrorMode,
 }
 
-/// Called once on the fence thread when the KV upload it was given completed on the device.
-pub type UploadCallback = Box<dyn FnOnce(Result<()>) + Send>;
+// `upload_kv`'s callback runs on the fence thread once the upload completed on the device.
+pub use crate::tp::UploadCallback;
 
 enum Job {
     Forward {
@@ -135,12 +135,8 @@ impl CudaRankExecutor {
             .map_err(super::context::rt("cuDeviceGetUuid"))?;
         let shard = CudaShard::load(gpu.clone(), config, store, rank, opts.tp, cuda.dtype)?;
         let layout = KvLayout {
-            num_layers: config.num_layers,
-            num_blocks: opts.num_blocks,
-            block_size: opts.block_size,
-            num_kv_heads: config.num_kv_heads / opts.tp,
-            head_dim: config.head_dim,
             dtype: KvDtype::F32,
+            ..opts.rank_layout(config)
         };
         let mirror = match (cuda.mirror, alloc) {
             (MirrorMode::Off, _) => None,
@@ -163,14 +159,14 @@ impl CudaRankExecutor {
         std::thread::Builder::new()
             .name(format!("pdserve-cuda{rank}-fence"))
             .spawn(move || super::fence::run(fence_rx))?;
-        let (tx, rx) = sync_channel::<Job>(RANK_QUEUE);
         let rank_comm = comm.clone();
         let arch = gpu.arch().to_string();
-        let thread = std::thread::Builder::new()
-            .name(format!("pdserve-cuda{rank}"))
-            .spawn(move || rank_loop(shard, kv, rank_comm, rx, fence_tx))?;
+        let thread =
+            RankThread::spawn(format!("pdserve-cuda{rank}"), RANK_QUEUE, comm, move |rx| {
+                rank_loop(shard, kv, rank_comm, rx, fence_tx)
+            })?;
         Ok(Self {
-            thread: RankThread::new(tx, thread, comm),
+            thread,
             layout,
             mirror: mirror_regions,
             arch,

@@ -78,9 +78,13 @@ start() {
 # Waits (≤ 120 s) until the cluster answers a one-token request with 200 (after a start or a
 # restart: the proxy routes to instances that registered).
 wait_serving() {
+    local served
     for _ in $(seq 1 240); do
-        if curl -sf -o /dev/null "$url/v1/completions" -H 'content-type: application/json' \
-            -d '{"model":"'"$model"'","prompt":"ready","max_tokens":1}'; then
+        served=$(curl -sf "$url/v1/models" 2>/dev/null |
+            python3 -c 'import json, sys; print(json.load(sys.stdin)["data"][0]["id"])' 2>/dev/null) || true
+        if [ -n "$served" ] && curl -sf -o /dev/null "$url/v1/completions" \
+            -H 'content-type: application/json' \
+            -d '{"model":"'"$served"'","prompt":"ready","max_tokens":1}'; then
             return 0
         fi
         sleep 0.5

@@ -6,6 +6,11 @@
 #
 #   no-tiers      prefix cache on, [kv_tiers] off: a session whose blocks left a pool
 #                 recomputes (prefill) and moves (decode) its whole history
+#   big-pool      [kv_tiers] off, pools of BIG_BLOCKS blocks that hold every session: what
+#                 the tiers restore, this run keeps in the pool; the reference of the
+#                 identity check (a run that recomputes a history splits the prompt into
+#                 other chunks, which changes float summation order, so a near-tie can
+#                 flip a greedy token against `no-tiers` without any KV being wrong)
 #   host          [kv_tiers] on in both instances, a host spill region of HOST_BYTES each
 #   disk-restart  [kv_tiers] on, no host region, each instance's disk tier in its own
 #                 directory (`launch --kv-disk-dir`); after the sessions' second turns both
@@ -25,7 +30,9 @@
 # cache or tiers) are known per part. Pools: NUM_BLOCKS blocks of 16 tokens in each instance.
 #
 # Answers are greedy (`bench serve` sends temperature 0): every answer's text is kept
-# (`--answers`) and compared, request by request, with the run without tiers.
+# (`--answers`) and compared, request by request, with `big-pool` and with `no-tiers`.
+#
+# CONFIGS picks configurations (default: all, in the order above).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -44,9 +51,12 @@ conc=${CONC:-2}
 blocks=${NUM_BLOCKS:-320}
 threads=${THREADS:-2}
 host_bytes=${HOST_BYTES:-3221225472}
+big_blocks=${BIG_BLOCKS:-4096}
 new_requests=${NEW_REQUESTS:-32}
 new_len=${NEW_LEN:-2048}
 alternations=${ALTERNATIONS:-2}
+configs=" ${CONFIGS:-no-tiers big-pool host disk-restart new} "
+want() { case "$configs" in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 multi_turn=(--endpoint chat --multi-turn-sessions "$sessions" --system-prompt-len "$system"
             --session-context-len "$context" --turn-len "$turn")
 
@@ -54,9 +64,9 @@ launch_pid="" url="" addr="" creds=""
 start() {
     local name=$1
     shift
-    env PDSERVE_SCHEDULER__NUM_BLOCKS="$blocks" "$@" \
-        "$bin" launch --model "$model" --prefill 1 --decode 1 --port 0 --threads "$threads" \
-        ${LAUNCH_ARGS:-} >"$out/$name.launch.out" 2>"$out/$name.launch.log" &
+    env PDSERVE_SCHEDULER__NUM_BLOCKS="${POOL_BLOCKS:-$blocks}" "$@" \
+        "$bin" launch --model "$model" --prefill "${PREFILL:-1}" --decode 1 --port 0 \
+        --threads "$threads" ${LAUNCH_ARGS:-} >"$out/$name.launch.out" 2>"$out/$name.launch.log" &
     launch_pid=$!
     url="" addr="" creds=""
     for _ in $(seq 1 1200); do
@@ -106,96 +116,116 @@ inspect() {
 bench() {
     local name=$1 part=$2 first=$3 count=$4
     shift 4
+    # No time limit (`bench serve` stops issuing after --duration-s, 300 s by default): every
+    # part sends all its requests.
     "$bin" bench serve --url "$url" "$@" --first-request "$first" --num-requests "$count" \
-        --output-len "$output" --concurrency "$conc" --answers "$out/$name.$part.answers.jsonl" \
-        --json >"$out/$name.$part.bench.json"
+        --output-len "$output" --concurrency "$conc" --duration-s 86400 --timeout-s 600 \
+        --answers "$out/$name.$part.answers.jsonl" --json >"$out/$name.$part.bench.json"
     inspect "$name.$part"
 }
 
 later=$((sessions * (turns - 1)))
 
-start no-tiers PDSERVE_KV_TIERS__ENABLED=false
-bench no-tiers turn1 0 "$sessions" "${multi_turn[@]}"
-bench no-tiers later "$sessions" "$later" "${multi_turn[@]}"
-stop
+if want no-tiers; then
+    start no-tiers PDSERVE_KV_TIERS__ENABLED=false
+    bench no-tiers turn1 0 "$sessions" "${multi_turn[@]}"
+    bench no-tiers later "$sessions" "$later" "${multi_turn[@]}"
+    stop
+fi
 
-start host PDSERVE_KV_TIERS__ENABLED=true PDSERVE_KV_TIERS__HOST_CAPACITY_BYTES="$host_bytes"
-bench host turn1 0 "$sessions" "${multi_turn[@]}"
-bench host later "$sessions" "$later" "${multi_turn[@]}"
-stop
+if want big-pool; then
+    POOL_BLOCKS=$big_blocks start big-pool PDSERVE_KV_TIERS__ENABLED=false
+    bench big-pool turn1 0 "$sessions" "${multi_turn[@]}"
+    bench big-pool later "$sessions" "$later" "${multi_turn[@]}"
+    stop
+fi
 
-rm -rf "$out/disk-tiers"
-LAUNCH_ARGS="--kv-disk-dir $out/disk-tiers" start disk-restart PDSERVE_KV_TIERS__HOST_CAPACITY_BYTES=0
-bench disk-restart turn1 0 "$sessions" "${multi_turn[@]}"
-bench disk-restart turn2 "$sessions" "$sessions" "${multi_turn[@]}"
-# Kill both instances (not the launcher, not the proxy): the launcher restarts them.
-for role in prefill-0 decode-0; do
-    pkill -KILL -P "$launch_pid" -f -- "--name $role " || true
-done
-sleep 2
-wait_serving disk-restart
-bench disk-restart after-restart "$((sessions * 2))" "$((sessions * (turns - 2)))" "${multi_turn[@]}"
-stop
+if want host; then
+    start host PDSERVE_KV_TIERS__ENABLED=true PDSERVE_KV_TIERS__HOST_CAPACITY_BYTES="$host_bytes"
+    bench host turn1 0 "$sessions" "${multi_turn[@]}"
+    bench host later "$sessions" "$later" "${multi_turn[@]}"
+    stop
+fi
 
-for i in $(seq 1 "$alternations"); do
-    for tiers in off on; do
-        name="new-$tiers-$i"
-        if [ "$tiers" = on ]; then
-            start "$name" PDSERVE_KV_TIERS__ENABLED=true PDSERVE_KV_TIERS__HOST_CAPACITY_BYTES="$host_bytes"
-        else
-            start "$name" PDSERVE_KV_TIERS__ENABLED=false
-        fi
-        bench "$name" all 0 "$new_requests" --endpoint completions --input-len "$new_len" \
-            --seed "$((1000 + i))"
-        stop
+if want disk-restart; then
+    rm -rf "$out/disk-tiers"
+    LAUNCH_ARGS="--kv-disk-dir $out/disk-tiers" start disk-restart \
+        PDSERVE_KV_TIERS__HOST_CAPACITY_BYTES=0
+    bench disk-restart turn1 0 "$sessions" "${multi_turn[@]}"
+    bench disk-restart turn2 "$sessions" "$sessions" "${multi_turn[@]}"
+    # Kill both instances (not the launcher, not the proxy): the launcher restarts them.
+    for role in prefill-0 decode-0; do
+        pkill -KILL -P "$launch_pid" -f -- "--name $role " || true
     done
-done
+    sleep 2
+    wait_serving disk-restart
+    bench disk-restart after-restart "$((sessions * 2))" "$((sessions * (turns - 2)))" \
+        "${multi_turn[@]}"
+    stop
+fi
+
+if want new; then
+    for i in $(seq 1 "$alternations"); do
+        for tiers in off on; do
+            name="new-$tiers-$i"
+            if [ "$tiers" = on ]; then
+                start "$name" PDSERVE_KV_TIERS__ENABLED=true \
+                    PDSERVE_KV_TIERS__HOST_CAPACITY_BYTES="$host_bytes"
+            else
+                start "$name" PDSERVE_KV_TIERS__ENABLED=false
+            fi
+            bench "$name" all 0 "$new_requests" --endpoint completions --input-len "$new_len" \
+                --seed "$((1000 + i))"
+            stop
+        done
+    done
+fi
 
 python3 - "$out" "$sessions" "$alternations" <<'EOF'
-import json, sys
-out, sessions, alternations = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+import json, os, sys
+out, sessions, alternations = sys.argv[1], *map(int, sys.argv[2:4])
 
 def snap(name):
     s = json.load(open(f"{out}/{name}.inspect.json"))
-    inst = {m["snapshot"]["role"]: m["snapshot"] for m in s["instances"] if "snapshot" in m}
-    return inst
+    by = {}
+    for m in s["instances"]:
+        if "snapshot" in m:
+            by.setdefault(m["snapshot"]["role"], []).append(m["snapshot"])
+    return by
 
 def computed(sn):
-    p = sn["prefill"]
-    return p["prompt_tokens"] - p["prompt_tokens_cached"]
+    return sum(p["prompt_tokens"] - p["prompt_tokens_cached"] for p in sn["prefill"])
 
 def hits(sn, role):
-    return {t["tier"]: t["hits"] for t in sn[role].get("kv_tiers", [])}
+    h = {}
+    for inst in sn[role]:
+        for t in inst.get("kv_tiers", []):
+            h[t["tier"]] = h.get(t["tier"], 0) + t["hits"]
+    return h
 
 def bench(name):
     return json.load(open(f"{out}/{name}.bench.json"))
 
-rows = []
-for name, parts in [("no-tiers", ["turn1", "later"]), ("host", ["turn1", "later"]),
-                    ("disk-restart", ["turn1", "turn2", "after-restart"])]:
-    snaps = [snap(f"{name}.{p}") for p in parts]
-    # Counters are per process: the restart run's last part starts from zero.
-    per_part = []
-    prev = 0
-    for p, sn in zip(parts, snaps):
-        c = computed(sn)
-        per_part.append(c - prev if p != "after-restart" else c)
-        prev = c
-    later_parts = parts[1:]
-    ttft = [bench(f"{name}.{p}")["ttft_ms"] for p in later_parts]
-    samples = []
-    b_later = [bench(f"{name}.{p}") for p in later_parts]
-    rows.append((name, bench(f"{name}.turn1")["ttft_ms"]["p50"],
-                 [b["ttft_ms"]["p50"] for b in b_later], [b["ttft_ms"]["p99"] for b in b_later],
-                 per_part[0], sum(per_part[1:]), hits(snaps[-1], "prefill"),
-                 hits(snaps[-1], "decode"),
-                 sum(b["failed"] for b in [bench(f"{name}.turn1")] + b_later)))
-
+runs = [("no-tiers", ["turn1", "later"]), ("big-pool", ["turn1", "later"]),
+        ("host", ["turn1", "later"]), ("disk-restart", ["turn1", "turn2", "after-restart"])]
+runs = [r for r in runs if os.path.exists(f"{out}/{r[0]}.turn1.bench.json")]
 print(f"{'config':<13} {'turn1 p50':>9} {'turns2+ p50 (per part)':>24} {'turns2+ p99':>18} "
       f"{'computed t1':>11} {'computed 2+':>11} {'failed':>6}  tier hits (prefill | decode)")
-for name, t1, p50s, p99s, c1, c2, hp, hd, failed in rows:
-    print(f"{name:<13} {t1:>7.0f}ms {' / '.join(f'{v:.0f}' for v in p50s):>22}ms "
-          f"{' / '.join(f'{v:.0f}' for v in p99s):>16}ms {c1:>11} {c2:>11} {failed:>6}  {hp} | {hd}")
+for name, parts in runs:
+    snaps = [snap(f"{name}.{p}") for p in parts]
+    # Counters are per process: the restart run's last part starts from zero.
+    per_part, prev = [], 0
+    for p, sn in zip(parts, snaps):
+        c = computed(sn)
+        per_part.append(c if p == "after-restart" else c - prev)
+        prev = c
+    b = [bench(f"{name}.{p}") for p in parts]
+    p50s = " / ".join(f"{x['ttft_ms']['p50']:.0f}" for x in b[1:])
+    p99s = " / ".join(f"{x['ttft_ms']['p99']:.0f}" for x in b[1:])
+    failed = sum(x["failed"] for x in b)
+    print(f"{name:<13} {b[0]['ttft_ms']['p50']:>7.0f}ms {p50s:>22}ms {p99s:>16}ms "
+          f"{per_part[0]:>11} {sum(per_part[1:]):>11} {failed:>6}  "
+          f"{hits(snaps[-1], 'prefill')} | {hits(snaps[-1], 'decode')}")
 
 def answers(name, parts):
     a = {}
@@ -205,19 +235,23 @@ def answers(name, parts):
             a[v["index"]] = v["text"]
     return a
 
-ref = answers("no-tiers", ["turn1", "later"])
-for name, parts in [("host", ["turn1", "later"]),
-                    ("disk-restart", ["turn1", "turn2", "after-restart"])]:
-    a = answers(name, parts)
-    same = sum(1 for i, t in a.items() if ref.get(i) == t)
-    print(f"answers identical to no-tiers (greedy text): {name} {same}/{len(ref)}")
+got = {name: answers(name, parts) for name, parts in runs}
+for ref in ["big-pool", "no-tiers"]:
+    if ref not in got:
+        continue
+    for name in got:
+        if name != ref:
+            same = sum(1 for k, t in got[name].items() if got[ref].get(k) == t)
+            print(f"answers identical to {ref} (greedy text, by request): {name} "
+                  f"{same}/{len(got[name])}")
 
-print("all-new prompts (nothing hits), TTFT p50 / mean, ms:")
-for i in range(1, alternations + 1):
-    off, on = bench(f"new-off-{i}.all"), bench(f"new-on-{i}.all")
-    print(f"  round {i}: off {off['ttft_ms']['p50']:.0f} / {off['ttft_ms']['mean']:.0f}, "
-          f"on {on['ttft_ms']['p50']:.0f} / {on['ttft_ms']['mean']:.0f} "
-          f"({100 * (on['ttft_ms']['p50'] / off['ttft_ms']['p50'] - 1):+.1f} % p50), "
-          f"failed {off['failed']} / {on['failed']}")
+if os.path.exists(f"{out}/new-off-1.all.bench.json"):
+    print("all-new prompts (nothing hits), TTFT p50 / mean, ms:")
+    for i in range(1, alternations + 1):
+        off, on = bench(f"new-off-{i}.all"), bench(f"new-on-{i}.all")
+        print(f"  round {i}: off {off['ttft_ms']['p50']:.0f} / {off['ttft_ms']['mean']:.0f}, "
+              f"on {on['ttft_ms']['p50']:.0f} / {on['ttft_ms']['mean']:.0f} "
+              f"({100 * (on['ttft_ms']['p50'] / off['ttft_ms']['p50'] - 1):+.1f} % p50), "
+              f"failed {off['failed']} / {on['failed']}")
 print(f"(JSON of every part in {out})")
 EOF

@@ -2184,6 +2184,26 @@ async fn pd_cached_tokens_count_the_prefill_instances_prefix_hits() {
     c.stop().await;
 }
 
+/// Greedy prompt `k` of the KV-tier tests: 41 tokens, five whole 8-token blocks and one token.
+fn tier_request(k: usize) -> Value {
+    let prompt: Vec<u32> = (0..41)
+        .map(|t| ((t * 31 + k * 57 + 3) % 250) as u32)
+        .collect();
+    json!({"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": true, "return_token_ids": true})
+}
+
+/// Prompt 0 through `p` → `d`, then prompts 1–4, which push it out of small pools; returns
+/// prompt 0's answer.
+async fn prompt_zero_then_four_more(p: &Instance, d: &Instance) -> Value {
+    let (status, first) = via_pd(&p.url(), &d.url(), &tier_request(0)).await;
+    assert_eq!(status, 200, "{first}");
+    for k in 1..=4 {
+        let (status, v) = via_pd(&p.url(), &d.url(), &tier_request(k)).await;
+        assert_eq!(status, 200, "{v}");
+    }
+    first
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn decode_restores_a_prompt_from_the_shared_store_and_fetches_only_the_rest() {
     use pdserve_actors::kv_tiers::{TierSettings, WritePolicy};
@@ -2208,21 +2228,9 @@ async fn decode_restores_a_prompt_from_the_shared_store_and_fetches_only_the_res
     let lease = Duration::from_secs(30);
     let p = instance_with("p-tiers", "small", 1, Some(BackendKind::Shm), lease, small).await;
     let d = instance_with("d-tiers", "small", 1, Some(BackendKind::Shm), lease, small).await;
-    // 41 tokens: five whole blocks and one token.
-    let request = |k: usize| {
-        let prompt: Vec<u32> = (0..41)
-            .map(|t| ((t * 31 + k * 57 + 3) % 250) as u32)
-            .collect();
-        json!({"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": true, "return_token_ids": true})
-    };
-    let (status, first) = via_pd(&p.url(), &d.url(), &request(0)).await;
-    assert_eq!(status, 200, "{first}");
     // Other prompts push prompt 0 out of both pools; the prefill instance copies what its
     // pool evicts into the shared store.
-    for k in 1..=4 {
-        let (status, v) = via_pd(&p.url(), &d.url(), &request(k)).await;
-        assert_eq!(status, 200, "{v}");
-    }
+    let first = prompt_zero_then_four_more(&p, &d).await;
     let store = p.kv_tiers().unwrap().shared().unwrap();
     assert!(
         store.flush(Duration::from_secs(10)),
@@ -2233,7 +2241,7 @@ async fn decode_restores_a_prompt_from_the_shared_store_and_fetches_only_the_res
     assert!(seen.flush(Duration::from_secs(10)));
     let hits = |i: &Instance| i.kv_tiers().unwrap().figures().shared.unwrap().hits;
     let (hits_before, cached_before) = (hits(&d), d.stats().await.unwrap().prompt_tokens_cached);
-    let (status, again) = via_pd(&p.url(), &d.url(), &request(0)).await;
+    let (status, again) = via_pd(&p.url(), &d.url(), &tier_request(0)).await;
     assert_eq!(status, 200, "{again}");
     assert_eq!(
         common::token_ids(&again),
@@ -2272,31 +2280,20 @@ async fn blocks_decode_evicts_for_a_hand_off_reach_its_tiers_and_come_back() {
         o.kv_tiers = Some(TierSettings::host_only(64 << 20));
     })
     .await;
-    // 41 tokens: five whole blocks and one token; three such prompts overflow a 16-block pool.
-    let request = |k: usize| {
-        let prompt: Vec<u32> = (0..41)
-            .map(|t| ((t * 37 + k * 61 + 5) % 250) as u32)
-            .collect();
-        json!({"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": true, "return_token_ids": true})
-    };
-    let (status, first) = via_pd(&p.url(), &d.url(), &request(0)).await;
-    assert_eq!(status, 200, "{first}");
-    for k in 1..=4 {
-        let (status, v) = via_pd(&p.url(), &d.url(), &request(k)).await;
-        assert_eq!(status, 200, "{v}");
-    }
+    // Three of these prompts overflow a 16-block pool.
+    let first = prompt_zero_then_four_more(&p, &d).await;
     let tiers = d.kv_tiers().unwrap().clone();
     let figures = tiers.figures();
     assert!(
         figures.offered >= 5 && figures.not_spilled == 0,
         "decode copied out what the hand-offs evicted: {figures:?}"
     );
-    let prompt0: Vec<u32> = serde_json::from_value(request(0)["prompt"].clone()).unwrap();
+    let prompt0: Vec<u32> = serde_json::from_value(tier_request(0)["prompt"].clone()).unwrap();
     let hashes = tiers.block_hashes(&prompt0[..40]);
     assert_eq!(tiers.contains_run(&hashes), 5, "{figures:?}");
     let hits = |t: &pdserve_actors::kv_tiers::KvTiers| t.figures().host.unwrap().hits;
     let before = hits(&tiers);
-    let (status, again) = via_pd(&p.url(), &d.url(), &request(0)).await;
+    let (status, again) = via_pd(&p.url(), &d.url(), &tier_request(0)).await;
     assert_eq!(status, 200, "{again}");
     assert_eq!(
         common::token_ids(&again),

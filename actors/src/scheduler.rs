@@ -26,7 +26,7 @@ use crate::handoff::push::{PushChunk, PushEvent};
 use crate::handoff::receiver::{Fetch, FetchOutcome, FetchReply, KvReceiverMsg, KvSource};
 use crate::handoff::sender::KvSenderMsg;
 use crate::handoff::HandoffError;
-use crate::kv_tiers::KvTiers;
+use crate::kv_tiers::{KvTiers, SpillDone};
 use crate::mailbox::{Inbox, Mailbox};
 use crate::worker::{StepError, WorkerMsg, WorkerReport};
 use pdserve_gpu::model::Batch;
@@ -173,9 +173,6 @@ pub struct TierLoad {
 /// prefill instance its KV comes from (after the load it goes to `submit_remote`, which then
 /// fetches only what the pool and the restored blocks lack).
 type Waiting = (NewRequest, EventSink, Option<KvSource>);
-
-/// What runs once the ranks copied a spill out (see [`SchedulerState::queue_spill`]).
-type SpillDone = crate::kv_tiers::SpillDone;
 
 /// A restore whose rank jobs ended (see [`SchedulerMsg::TiersRestored`]).
 pub struct TierRestore {
@@ -418,10 +415,7 @@ impl Actor for Scheduler {
                     Ok(first_token)
                         if st.upload_landed_kv
                             && !outcome.landed_blocks.is_empty()
-                            && matches!(
-                                st.core.state(id),
-                                Some(RequestState::WaitingForRemoteKv | RequestState::Transferring)
-                            ) =>
+                            && st.receiving_kv(id) =>
                     {
                         st.start_upload(
                             id,
@@ -891,19 +885,23 @@ impl SchedulerState {
         }
     }
 
+    /// Whether request `id` waits for, or is receiving, its KV from a prefill instance.
+    fn receiving_kv(&self, id: RequestId) -> bool {
+        matches!(
+            self.core.state(id),
+            Some(RequestState::WaitingForRemoteKv | RequestState::Transferring)
+        )
+    }
+
     /// Sends a hand-off's fetch to the KvReceiver, unless its request ended meanwhile (while
     /// the ranks copied its destination blocks out): then the prefill side is told to drop
     /// the hand-off, and the fetch's blocks return to the pool with it.
     fn start_fetch(&mut self, fetch: Box<Fetch>) {
         let id = fetch.id;
-        let receiving = matches!(
-            self.core.state(id),
-            Some(RequestState::WaitingForRemoteKv | RequestState::Transferring)
-        );
-        if !receiving {
+        if !self.receiving_kv(id) {
             tracing::debug!(request = %id, "request gone before its KV fetch started");
             if let Some(r) = &self.kv_receiver {
-                let _ = r.cast(KvReceiverMsg::Abandon(fetch.source.clone()));
+                let _ = r.cast(KvReceiverMsg::Abandon(fetch.source));
             }
             return;
         }
@@ -1121,11 +1119,7 @@ impl SchedulerState {
     /// receiver tells the prefill side). Returns whether it existed.
     fn abort_request(&mut self, id: RequestId) -> bool {
         self.uploads.remove(&id);
-        let receiving = matches!(
-            self.core.state(id),
-            Some(RequestState::WaitingForRemoteKv | RequestState::Transferring)
-        );
-        if receiving {
+        if self.receiving_kv(id) {
             if let Some(r) = &self.kv_receiver {
                 let _ = r.cast(KvReceiverMsg::Abort(id));
             }

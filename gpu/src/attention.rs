@@ -1,20 +1,25 @@
 //! Paged attention on the CPU, for every sequence, KV head group and query tile of a step in
 //! parallel on the compute pool.
 //!
-//! Three kinds of work item:
-//! - **prefill tiles** (more than [`DIRECT_ROWS`] query rows): the context's K and V gathered
-//!   once, two GEMMs with a causal mask ([`attend_gemm`]);
-//! - **short decodes** (few rows, at most [`SPLIT_TOKENS`] of context): K and V read straight
-//!   from the blocks ([`attend_direct`]);
-//! - **long decodes**: the context split into parts of [`SPLIT_TOKENS`] positions, one item
-//!   each ([`attend_part`]: its rows' maximum score, sum of exponentials and unnormalised
-//!   output), then joined exactly (flash-decoding's log-sum-exp merge). A single sequence's
-//!   attention then spreads over every thread, and each part reads its K and V once for all
-//!   the rows of its group, an f16/bf16 cache through one reused buffer.
+//! **One arithmetic per query row.** A row's result depends only on its query, the K and V of
+//! the positions it sees and how many there are — never on which step carries it, where a
+//! prefill was cut into chunks, what else is batched, or how many threads or ranks run. The
+//! context is split into parts of [`SPLIT_TOKENS`] positions counted from position 0; per part
+//! the row's largest score, sum of exponentials and unnormalised output are computed one way
+//! ([`attend_part`]: FMA dot products, exponentials and FMA sums in position order), and the
+//! parts are joined in order by their log-sum-exp (flash-decoding's merge, [`join_parts`]).
+//! So a prefix computed in one prefill chunk, in five, or restored from another instance's
+//! cache gives the same bits, and what follows it the same tokens: a prefix-cache hit, a KV
+//! tier restore and a P/D hand-off are exact, not just close.
 //!
-//! Which kind an item is depends only on its own sequence (its rows and context length), never
-//! on the rest of the batch or on the number of threads or ranks, so results stay batch-,
-//! thread- and tp-invariant.
+//! Two kinds of work item:
+//! - **a query tile** (a prefill's up to [`QUERY_TILE`] tokens, or a short decode): its parts
+//!   one after another, joined at the end ([`attend_rows`]);
+//! - **a part of a long decode** (few rows, more than one part of context): one item per part,
+//!   joined after the items ran, so a single sequence's attention spreads over every thread.
+//!
+//! Which kind an item is depends only on its own sequence; either kind runs the same
+//! arithmetic.
 
 use crate::batch::Batch;
 use crate::kv::{HeadBlock, KvCache, KvKind};
@@ -23,11 +28,11 @@ use crate::quant;
 /// Queries per attention work item, bounding the score matrix of long prefills.
 const QUERY_TILE: usize = 128;
 
-/// Query rows (tokens × heads of a KV group) up to which an item reads K and V straight from
-/// the blocks instead of gathering them for GEMMs.
+/// Query rows (tokens × heads of a KV group) up to which a long context's parts run as items
+/// of their own.
 const DIRECT_ROWS: usize = 8;
 
-/// Context positions per part of a long decode's attention (rounded to whole blocks).
+/// Context positions per part of every row's attention (rounded to whole blocks).
 const SPLIT_TOKENS: usize = 256;
 
 /// One work item: sequence `si`, KV group `g`, query tokens `i0..i1`, and for a part of a
@@ -102,6 +107,7 @@ pub(crate) fn attention(
                 };
                 let blocks = (s.start_pos + i1).div_ceil(bs);
                 if (i1 - i0) * group <= DIRECT_ROWS && blocks > part_blocks {
+                    // A long decode: its parts run as items of their own, on every thread.
                     let parts = blocks.div_ceil(part_blocks);
                     splits.push(Split {
                         item,
@@ -182,11 +188,7 @@ pub(crate) fn attention(
             attend_part(&rows, part.blocks, res);
             return;
         }
-        let res = if nq <= DIRECT_ROWS {
-            attend_direct(&rows, ctx)
-        } else {
-            attend_gemm(&rows, ctx)
-        };
+        let res = attend_rows(&rows, ctx.div_ceil(bs), part_blocks);
         // Rows ordered (token, head-in-group), into the output's (token, head) places.
         for (ti, i) in (i0..i1).enumerate() {
             let at = (off + i) * nh * hd + g * group * hd;
@@ -240,11 +242,15 @@ fn join_parts(parts: &[&[f32]], r: usize, nq: usize, hd: usize, row: &mut [f32])
     row.iter_mut().for_each(|x| *x *= inv);
 }
 
-/// One part (blocks `b0..b1`) of a long decode's attention: for each of the `nq` rows, the
+/// One part (blocks `b0..b1`) of the attention of `rows`: for each of the `nq` rows, the
 /// largest score among the positions it sees there, the sum of `exp(score − max)` and the
 /// unnormalised output `Σ exp(score − max)·v`, into `res` as `[max; nq] ++ [sum; nq] ++
-/// [out; nq·hd]` (a row that sees no position gets max −∞, sum 0). K and V are read once
-/// for all rows.
+/// [out; nq·hd]` (a row that sees no position gets max −∞, sum 0).
+///
+/// Each value is defined per row, whatever the other rows: a score is [`dot_fma`]`(q, k) ·
+/// scale`, the exponentials are summed by [`crate::vecmath::exp_shifted`] from the part's
+/// first position, and each output element is one FMA chain in position order. The kernels
+/// below compute several rows and positions at once without changing that arithmetic.
 fn attend_part<'a>(
     rows: &Rows<impl Fn(usize) -> usize, impl Fn(usize) -> (HeadBlock<'a>, HeadBlock<'a>)>,
     (b0, b1): (usize, usize),
@@ -254,26 +260,47 @@ fn attend_part<'a>(
     let (limit, block) = (&rows.limit, &rows.block);
     let p0 = b0 * bs;
     let span = (b1 - b0) * bs;
-    let limits: Vec<usize> = (0..nq).map(|r| limit(r).min(p0 + span)).collect();
+    // Positions of the part each row sees.
+    let seen: Vec<usize> = (0..nq)
+        .map(|r| limit(r).min(p0 + span).saturating_sub(p0))
+        .collect();
+    let (mut kbuf, mut vbuf) = (Vec::new(), Vec::new());
+    let k = part_f32((b0..b1).map(|b| block(b).0), &mut kbuf);
+    let v = part_f32((b0..b1).map(|b| block(b).1), &mut vbuf);
     let mut scores = vec![0f32; nq * span];
-    let mut buf = Vec::new();
-    for b in b0..b1 {
-        let k = block(b).0.as_f32(&mut buf);
-        for slot in 0..bs {
-            let p = b * bs + slot;
-            let kr = &k[slot * hd..(slot + 1) * hd];
-            for (r, &n) in limits.iter().enumerate() {
-                if p < n {
-                    scores[r * span + p - p0] = dot_fma(&q[r * hd..(r + 1) * hd], kr) * scale;
-                }
+    // Scores block by block (its K stays in L1 while every row passes over it), two rows at a
+    // time ([`block_scores`]); a row's values past what it sees are computed with its
+    // partner's and never read.
+    for (b, kb) in k.iter().enumerate() {
+        let mut r = 0;
+        while r < nq {
+            let pair = r + 1 < nq;
+            let n = if pair {
+                seen[r].max(seen[r + 1])
+            } else {
+                seen[r]
+            };
+            let here = bs.min(n.saturating_sub(b * bs));
+            if here == 0 {
+                r += 1 + pair as usize;
+                continue;
             }
+            let (q0, q1) = (
+                &q[r * hd..(r + 1) * hd],
+                &q[(r + pair as usize) * hd..][..hd],
+            );
+            let (s0, s1) = scores[r * span..].split_at_mut(span);
+            // (`s1` is empty for a last row without a partner.)
+            let at1 = (b * bs).min(s1.len());
+            let (s0, s1) = (&mut s0[b * bs..], &mut s1[at1..]);
+            block_scores(q0, pair.then_some(q1), &kb[..here * hd], scale, s0, s1);
+            r += 1 + pair as usize;
         }
     }
     let (ml, out) = res.split_at_mut(2 * nq);
     let out = &mut out[..nq * hd];
-    out.fill(0.0);
-    for (r, &n) in limits.iter().enumerate() {
-        let row = &mut scores[r * span..r * span + n.saturating_sub(p0)];
+    for (r, &n) in seen.iter().enumerate() {
+        let row = &mut scores[r * span..r * span + n];
         if row.is_empty() {
             (ml[r], ml[nq + r]) = (f32::NEG_INFINITY, 0.0);
             continue;
@@ -282,21 +309,290 @@ fn attend_part<'a>(
         ml[r] = max;
         ml[nq + r] = crate::vecmath::exp_shifted(row, max) as f32;
     }
-    for b in b0..b1 {
-        let v = block(b).1.as_f32(&mut buf);
-        for slot in 0..bs {
-            let p = b * bs + slot;
-            let vr = &v[slot * hd..(slot + 1) * hd];
-            for (r, &n) in limits.iter().enumerate() {
-                if p < n {
-                    let w = scores[r * span + p - p0];
-                    out[r * hd..(r + 1) * hd]
-                        .iter_mut()
-                        .zip(vr)
-                        .for_each(|(o, &v)| *o = w.mul_add(v, *o));
+    // Outputs block by block (its V stays in L1), two rows at a time ([`weighted_sum`]).
+    out.fill(0.0);
+    for (b, vb) in v.iter().enumerate() {
+        let mut r = 0;
+        while r < nq {
+            let two = r + 1 < nq;
+            let last = r + two as usize;
+            let n = [seen[r], seen[last]].map(|n| bs.min(n.saturating_sub(b * bs)));
+            if n[0].max(n[1]) > 0 {
+                let w = [
+                    &scores[r * span + b * bs..],
+                    &scores[last * span + b * bs..],
+                ];
+                let (o0, o1) = out[r * hd..].split_at_mut(hd);
+                let o1 = two.then(|| &mut o1[..hd]);
+                weighted_sum(w, n, vb, o0, o1);
+            }
+            r += 1 + two as usize;
+        }
+    }
+}
+
+/// The part's blocks as f32 rows: borrowed from an f32 cache, widened once into `buf` from a
+/// half one.
+fn part_f32<'a: 'b, 'b>(
+    blocks: impl Iterator<Item = HeadBlock<'a>>,
+    buf: &'b mut Vec<f32>,
+) -> Vec<&'b [f32]> {
+    let blocks: Vec<HeadBlock<'a>> = blocks.collect();
+    if let Some(f32s) = blocks
+        .iter()
+        .map(|b| match b {
+            HeadBlock::F32(s) => Some(*s),
+            _ => None,
+        })
+        .collect::<Option<Vec<&'a [f32]>>>()
+    {
+        return f32s;
+    }
+    let len = blocks.first().map_or(0, |b| match b {
+        HeadBlock::F32(s) => s.len(),
+        HeadBlock::F16(s) => s.len(),
+        HeadBlock::Bf16(s) => s.len(),
+    });
+    buf.resize(blocks.len() * len, 0.0);
+    for (b, dst) in blocks.iter().zip(buf.chunks_mut(len.max(1))) {
+        b.copy_to(dst);
+    }
+    buf.chunks(len.max(1)).collect()
+}
+
+/// `s0[p] = dot_fma(q0, kₚ)·scale` for each row `kₚ` of `k` (`hd` values each), and `s1`
+/// likewise from `q1` when given: each score exactly [`dot_fma`]'s value, several at once.
+fn block_scores(
+    q0: &[f32],
+    q1: Option<&[f32]>,
+    k: &[f32],
+    scale: f32,
+    s0: &mut [f32],
+    s1: &mut [f32],
+) {
+    let hd = q0.len();
+    let n = k.len() / hd;
+    assert!(s0.len() >= n && q1.is_none_or(|q1| q1.len() == hd && s1.len() >= n));
+    let mut p = 0;
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    ))]
+    if hd.is_multiple_of(16) {
+        // SAFETY: every pointer below stays inside its slice: rows of `hd` values, positions
+        // `p..p + 4 <= n` (or `+ 8`), and `s0`/`s1` hold `n` scores (asserted).
+        unsafe {
+            let (kp, o0) = (k.as_ptr(), s0.as_mut_ptr());
+            match q1 {
+                Some(q1) => {
+                    let o1 = s1.as_mut_ptr();
+                    while p + 4 <= n {
+                        let k4 = [0, 1, 2, 3].map(|j| kp.add((p + j) * hd));
+                        x86::scores_2x4(
+                            q0.as_ptr(),
+                            q1.as_ptr(),
+                            k4,
+                            hd,
+                            scale,
+                            o0.add(p),
+                            o1.add(p),
+                        );
+                        p += 4;
+                    }
+                }
+                None => {
+                    while p + 8 <= n {
+                        let k8 = [0, 1, 2, 3, 4, 5, 6, 7].map(|j| kp.add((p + j) * hd));
+                        x86::scores_1x8(q0.as_ptr(), k8, hd, scale, o0.add(p));
+                        p += 8;
+                    }
                 }
             }
         }
+    }
+    for p in p..n {
+        let kp = &k[p * hd..(p + 1) * hd];
+        s0[p] = dot_fma(q0, kp) * scale;
+        if let Some(q1) = q1 {
+            s1[p] = dot_fma(q1, kp) * scale;
+        }
+    }
+}
+
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+))]
+mod x86 {
+    //! Several [`super::dot_fma`]s at once, each with its sixteen lanes (`lo`, `hi`) and its
+    //! final additions in its order: `h = lo + hi`, then `((h0+h4)+(h1+h5)) + ((h2+h6)+(h3+h7))`
+    //! — the 128-bit halves of `h` first (`halves`), then adjacent lanes twice (`hadd`).
+    use std::arch::x86_64::*;
+
+    /// Sixteen-lane FMA sums of four (query, key) pairs of `hd` (a multiple of 16) values,
+    /// each folded to `[h0+h4, h1+h5, h2+h6, h3+h7]`: returned as `([pair 0 | pair 1],
+    /// [pair 2 | pair 3])`; pair `i` is `(q[i], k[i])`.
+    ///
+    /// # Safety
+    /// The pointers point at `hd` readable values.
+    #[inline(always)]
+    unsafe fn four(q: [*const f32; 4], k: [*const f32; 4], hd: usize) -> (__m256, __m256) {
+        // SAFETY: the caller's promise; the build enables AVX2 and FMA.
+        unsafe {
+            let z = _mm256_setzero_ps();
+            let mut acc = [z; 8];
+            let mut c = 0;
+            while c < hd {
+                for i in 0..4 {
+                    let (a, b) = (q[i].add(c), k[i].add(c));
+                    acc[2 * i] =
+                        _mm256_fmadd_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b), acc[2 * i]);
+                    acc[2 * i + 1] = _mm256_fmadd_ps(
+                        _mm256_loadu_ps(a.add(8)),
+                        _mm256_loadu_ps(b.add(8)),
+                        acc[2 * i + 1],
+                    );
+                }
+                c += 16;
+            }
+            let h: [__m256; 4] = std::array::from_fn(|i| _mm256_add_ps(acc[2 * i], acc[2 * i + 1]));
+            let halves = |a: __m256, b: __m256| {
+                _mm256_add_ps(
+                    _mm256_permute2f128_ps(a, b, 0x20),
+                    _mm256_permute2f128_ps(a, b, 0x31),
+                )
+            };
+            (halves(h[0], h[1]), halves(h[2], h[3]))
+        }
+    }
+
+    /// Eight pairs' folds from two [`four`]s, finished: lanes
+    /// `[p0, p2, p4, p6, p1, p3, p5, p7]` (pairs numbered as passed: `a` holds 0–3).
+    #[inline(always)]
+    unsafe fn finish(a: (__m256, __m256), b: (__m256, __m256)) -> __m256 {
+        // SAFETY: the build enables AVX2.
+        unsafe { _mm256_hadd_ps(_mm256_hadd_ps(a.0, a.1), _mm256_hadd_ps(b.0, b.1)) }
+    }
+
+    /// Rows `q0`, `q1` against keys `k[0..4]`: `o0[j] = (q0·kⱼ)·scale`, `o1[j] = (q1·kⱼ)·scale`.
+    ///
+    /// # Safety
+    /// `q0`, `q1` and each `k[j]` point at `hd` (a multiple of 16) readable values, `o0` and
+    /// `o1` at four writable ones.
+    #[inline(always)]
+    pub(super) unsafe fn scores_2x4(
+        q0: *const f32,
+        q1: *const f32,
+        k: [*const f32; 4],
+        hd: usize,
+        scale: f32,
+        o0: *mut f32,
+        o1: *mut f32,
+    ) {
+        // SAFETY: the caller's promise; the build enables AVX2 and FMA.
+        unsafe {
+            // Pairs q0k0, q0k1, q1k0, q1k1 | q0k2, q0k3, q1k2, q1k3.
+            let a = four([q0, q0, q1, q1], [k[0], k[1], k[0], k[1]], hd);
+            let b = four([q0, q0, q1, q1], [k[2], k[3], k[2], k[3]], hd);
+            // Lanes q0k0, q1k0, q0k2, q1k2, q0k1, q1k1, q0k3, q1k3, into row order.
+            let order = _mm256_setr_epi32(0, 4, 2, 6, 1, 5, 3, 7);
+            let z = _mm256_permutevar8x32_ps(finish(a, b), order);
+            let z = _mm256_mul_ps(z, _mm256_set1_ps(scale));
+            _mm_storeu_ps(o0, _mm256_castps256_ps128(z));
+            _mm_storeu_ps(o1, _mm256_extractf128_ps(z, 1));
+        }
+    }
+
+    /// Row `q0` against keys `k[0..8]`: `o0[j] = (q0·kⱼ)·scale`.
+    ///
+    /// # Safety
+    /// `q0` and each `k[j]` point at `hd` (a multiple of 16) readable values, `o0` at eight
+    /// writable ones.
+    #[inline(always)]
+    pub(super) unsafe fn scores_1x8(
+        q0: *const f32,
+        k: [*const f32; 8],
+        hd: usize,
+        scale: f32,
+        o0: *mut f32,
+    ) {
+        // SAFETY: the caller's promise; the build enables AVX2 and FMA.
+        unsafe {
+            let a = four([q0; 4], [k[0], k[1], k[2], k[3]], hd);
+            let b = four([q0; 4], [k[4], k[5], k[6], k[7]], hd);
+            // Lanes k0, k2, k4, k6, k1, k3, k5, k7, into order.
+            let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+            let z = _mm256_permutevar8x32_ps(finish(a, b), order);
+            _mm256_storeu_ps(o0, _mm256_mul_ps(z, _mm256_set1_ps(scale)));
+        }
+    }
+}
+
+/// `o0 += Σ_{p < n[0]} w[0][p]·vₚ` and, if given, `o1` likewise from `w[1]`, `n[1]`, with
+/// `vₚ` row `p` of `v`: each element continues its FMA chain in position order, each `vₚ`
+/// read once for both rows.
+fn weighted_sum(w: [&[f32]; 2], n: [usize; 2], v: &[f32], o0: &mut [f32], o1: Option<&mut [f32]>) {
+    let hd = o0.len();
+    let both = if o1.is_some() { n[0].min(n[1]) } else { 0 };
+    let mut o1 = o1;
+    let mut d0 = 0;
+    // Thirty-two elements of both rows in registers while the positions stream by.
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    ))]
+    if let Some(o) = o1.as_deref_mut() {
+        use std::arch::x86_64::*;
+        assert!(v.len() >= both * hd && w[0].len() >= both && w[1].len() >= both);
+        assert_eq!(o.len(), hd);
+        while d0 + 32 <= hd {
+            // SAFETY: the build enables AVX2 and FMA; each load is inside a position's `hd`
+            // values (`d0 + 32 <= hd`, `both` positions, asserted), each store inside `o0`/`o`.
+            unsafe {
+                let (pa, pb) = (o0.as_mut_ptr().add(d0), o.as_mut_ptr().add(d0));
+                let mut a: [__m256; 4] = std::array::from_fn(|j| _mm256_loadu_ps(pa.add(8 * j)));
+                let mut b: [__m256; 4] = std::array::from_fn(|j| _mm256_loadu_ps(pb.add(8 * j)));
+                let mut vp = v.as_ptr().add(d0);
+                for p in 0..both {
+                    let wa = _mm256_set1_ps(*w[0].get_unchecked(p));
+                    let wb = _mm256_set1_ps(*w[1].get_unchecked(p));
+                    for j in 0..4 {
+                        let x = _mm256_loadu_ps(vp.add(8 * j));
+                        a[j] = _mm256_fmadd_ps(wa, x, a[j]);
+                        b[j] = _mm256_fmadd_ps(wb, x, b[j]);
+                    }
+                    vp = vp.add(hd);
+                }
+                for j in 0..4 {
+                    _mm256_storeu_ps(pa.add(8 * j), a[j]);
+                    _mm256_storeu_ps(pb.add(8 * j), b[j]);
+                }
+            }
+            d0 += 32;
+        }
+    }
+    // The rest, element by element in the same order (the compiler vectorises over `d`).
+    let rest = |o: &mut [f32], w: &[f32], from: usize, to: usize, d0: usize| {
+        if d0 == hd {
+            return;
+        }
+        for p in from..to {
+            let vp = &v[p * hd..(p + 1) * hd];
+            o[d0..]
+                .iter_mut()
+                .zip(&vp[d0..])
+                .for_each(|(o, &x)| *o = w[p].mul_add(x, *o));
+        }
+    };
+    // Elements from `d0` on take positions from 0, the others from `both` on.
+    rest(o0, w[0], 0, both, d0);
+    rest(o0, w[0], both, n[0], 0);
+    if let Some(o) = o1 {
+        rest(o, w[1], 0, both, d0);
+        rest(o, w[1], both, n[1], 0);
     }
 }
 
@@ -353,138 +649,27 @@ impl SharedOut {
     }
 }
 
-/// Few queries (decode): read K and V straight from the blocks.
-fn attend_direct<'a>(
+/// All `rows` over the context's `blocks`: each part of `part_blocks` blocks in turn
+/// ([`attend_part`]), then joined per row ([`join_parts`]). Returns `[nq, hd]`.
+fn attend_rows<'a>(
     rows: &Rows<impl Fn(usize) -> usize, impl Fn(usize) -> (HeadBlock<'a>, HeadBlock<'a>)>,
-    ctx: usize,
+    blocks: usize,
+    part_blocks: usize,
 ) -> Vec<f32> {
-    let (q, nq, hd, scale, bs) = (rows.q, rows.nq, rows.hd, rows.scale, rows.bs);
-    let (limit, block) = (&rows.limit, &rows.block);
-    // Each block once, as f32: borrowed from an f32 cache, widened once from a half one.
-    let blocks: Vec<_> = (0..ctx.div_ceil(bs))
-        .map(|b| {
-            let (k, v) = block(b);
-            (k.widen(), v.widen())
-        })
-        .collect();
-    let block = |b: usize| (&*blocks[b].0, &*blocks[b].1);
+    let (nq, hd) = (rows.nq, rows.hd);
+    let stride = nq * (hd + 2);
+    let parts = blocks.div_ceil(part_blocks);
+    let mut partial = vec![0f32; parts * stride];
+    for (p, res) in partial.chunks_mut(stride).enumerate() {
+        let b0 = p * part_blocks;
+        attend_part(rows, (b0, (b0 + part_blocks).min(blocks)), res);
+    }
+    let parts: Vec<&[f32]> = partial.chunks(stride).collect();
     let mut out = vec![0f32; nq * hd];
-    let mut scores = vec![0f32; ctx];
-    for r in 0..nq {
-        let qr = &q[r * hd..(r + 1) * hd];
-        let n = limit(r);
-        for b in 0..n.div_ceil(bs) {
-            let (kb, _) = block(b);
-            for slot in 0..bs.min(n - b * bs) {
-                let k = &kb[slot * hd..(slot + 1) * hd];
-                scores[b * bs + slot] = dot(qr, k) * scale;
-            }
-        }
-        crate::vecmath::softmax(&mut scores[..n]);
-        let o = &mut out[r * hd..(r + 1) * hd];
-        for b in 0..n.div_ceil(bs) {
-            let (_, vb) = block(b);
-            for slot in 0..bs.min(n - b * bs) {
-                let w = scores[b * bs + slot];
-                let v = &vb[slot * hd..(slot + 1) * hd];
-                o.iter_mut().zip(v).for_each(|(o, v)| *o += w * v);
-            }
-        }
+    for (r, row) in out.chunks_mut(hd).enumerate() {
+        join_parts(&parts, r, nq, hd, row);
     }
     out
-}
-
-/// Many queries (prefill): gather the context's K and V once, two GEMMs with a causal mask.
-fn attend_gemm<'a>(
-    rows: &Rows<impl Fn(usize) -> usize, impl Fn(usize) -> (HeadBlock<'a>, HeadBlock<'a>)>,
-    ctx: usize,
-) -> Vec<f32> {
-    let (q, nq, hd, scale, bs) = (rows.q, rows.nq, rows.hd, rows.scale, rows.bs);
-    let (limit, block) = (&rows.limit, &rows.block);
-    let mut k = vec![0f32; ctx * hd];
-    let mut v = vec![0f32; ctx * hd];
-    for b in 0..ctx.div_ceil(bs) {
-        let n = bs.min(ctx - b * bs);
-        let (kb, vb) = block(b);
-        kb.copy_to(&mut k[b * bs * hd..(b * bs + n) * hd]);
-        vb.copy_to(&mut v[b * bs * hd..(b * bs + n) * hd]);
-    }
-    let mut s = vec![0f32; nq * ctx];
-    // S[nq, ctx] = Q[nq, hd] · K[ctx, hd]ᵀ
-    // SAFETY: all pointers cover the strided extents passed (row-major, sizes above).
-    unsafe {
-        gemm::gemm(
-            nq,
-            ctx,
-            hd,
-            s.as_mut_ptr(),
-            1,
-            ctx as isize,
-            false,
-            q.as_ptr(),
-            1,
-            hd as isize,
-            k.as_ptr(),
-            hd as isize,
-            1,
-            0.0,
-            scale,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
-        );
-    }
-    for r in 0..nq {
-        let n = limit(r);
-        let row = &mut s[r * ctx..(r + 1) * ctx];
-        crate::vecmath::softmax(&mut row[..n]);
-        row[n..].iter_mut().for_each(|x| *x = 0.0);
-    }
-    let mut out = vec![0f32; nq * hd];
-    // O[nq, hd] = P[nq, ctx] · V[ctx, hd]
-    // SAFETY: as above.
-    unsafe {
-        gemm::gemm(
-            nq,
-            hd,
-            ctx,
-            out.as_mut_ptr(),
-            1,
-            hd as isize,
-            false,
-            s.as_ptr(),
-            1,
-            ctx as isize,
-            v.as_ptr(),
-            1,
-            hd as isize,
-            0.0,
-            1.0,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
-        );
-    }
-    out
-}
-
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    // Eight independent accumulators let the compiler vectorise without reassociation.
-    let mut acc = [0f32; 8];
-    let chunks = a.len() / 8;
-    for c in 0..chunks {
-        for l in 0..8 {
-            acc[l] += a[c * 8 + l] * b[c * 8 + l];
-        }
-    }
-    let mut s: f32 = acc.iter().sum();
-    for i in chunks * 8..a.len() {
-        s += a[i] * b[i];
-    }
-    s
 }
 
 #[cfg(test)]

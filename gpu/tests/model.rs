@@ -575,3 +575,116 @@ fn typed_errors_for_bad_models_and_requests() {
     // The engine still serves afterwards.
     assert_eq!(run(&mut e, &[vec![1, 2, 3]], 3)[0].tokens.len(), 3);
 }
+
+/// A prompt's KV cache and logits are the same bits however its prefill is cut into chunks
+/// (single tokens, cuts inside attention's query tiles and context parts) and whatever else
+/// shares the step: each query row's attention is computed one way (`gpu/src/attention.rs`)
+/// and the matmuls give each token its own dot products. This is what makes a prefix-cache
+/// hit, a KV-tier restore and a P/D hand-off exact rather than close: the KV a later turn
+/// reuses is the KV it would have computed. Default model, `auto` weights with an f32 cache
+/// and `native` weights with an f16 one.
+#[test]
+fn prefill_cut_anywhere_gives_the_same_kv_and_logits() {
+    use pdserve_gpu::kv::KvDtype;
+    use pdserve_gpu::tp::{TpGroup, TpOptions};
+    let m = load_model(&ModelSource::Default).unwrap();
+    let vocab = m.config.vocab_size as u32;
+    let p: Vec<u32> = (0..600u32).map(|i| (i * 7919 + 13) % vocab).collect();
+    let table: Vec<u32> = (0..p.len().div_ceil(16) as u32).collect();
+    let other: Vec<u32> = (0..150u32).map(|i| (i * 31 + 7) % vocab).collect();
+    let other_table: Vec<u32> = (40..50).collect();
+    for (format, kv_dtype) in [
+        (WeightFormat::Auto, KvDtype::F32),
+        (WeightFormat::Native, KvDtype::F16),
+    ] {
+        let group = TpGroup::new(
+            &m.config,
+            &m.store,
+            &TpOptions {
+                tp: 1,
+                num_blocks: 64,
+                block_size: 16,
+                format,
+                kv_dtype,
+            },
+            &pdserve_runtime::memory::AnonAllocator,
+        )
+        .unwrap();
+        // The prompt prefilled in chunks ending at `cuts` (the other sequence's prefill in
+        // the same steps when `with_other`); the last token's logits and every layer's K and
+        // V of the prompt's blocks.
+        let run = |cuts: &[usize], with_other: bool| -> (Vec<f32>, Vec<u8>) {
+            let mut bounds = vec![0];
+            bounds.extend_from_slice(cuts);
+            bounds.push(p.len());
+            let mut logits = Vec::new();
+            for (k, w) in bounds.windows(2).enumerate() {
+                let mut seqs = vec![SeqChunk {
+                    tokens: p[w[0]..w[1]].to_vec(),
+                    start_pos: w[0],
+                    block_table: table.clone(),
+                    want_logits: w[1] == p.len(),
+                    all_logits: false,
+                    embeds: Vec::new(),
+                }];
+                let (o0, o1) = (k * 50, (k * 50 + 50).min(other.len()));
+                if with_other && o0 < o1 {
+                    seqs.insert(
+                        0,
+                        SeqChunk {
+                            tokens: other[o0..o1].to_vec(),
+                            start_pos: o0,
+                            block_table: other_table.clone(),
+                            want_logits: true,
+                            all_logits: false,
+                            embeds: Vec::new(),
+                        },
+                    );
+                }
+                let mut out = group.step(Batch { seqs }).unwrap();
+                if w[1] == p.len() {
+                    logits = out.pop().unwrap();
+                }
+            }
+            let blocks = table.len();
+            let kv = group
+                .with_kv(0, move |kv| {
+                    let l: KvLayout = *kv.layout();
+                    let mut bytes = Vec::new();
+                    for layer in 0..l.num_layers {
+                        for kind in [KvKind::Key, KvKind::Value] {
+                            for b in 0..blocks {
+                                bytes.extend(kv.read_span(l.span(
+                                    layer,
+                                    kind,
+                                    b,
+                                    0..l.num_kv_heads,
+                                )));
+                            }
+                        }
+                    }
+                    bytes
+                })
+                .unwrap();
+            (logits, kv)
+        };
+        let (want_logits, want_kv) = run(&[], false);
+        for (cuts, with_other) in [
+            (&[1usize][..], false),
+            (&[599], false),
+            (&[37, 300, 301, 555], false),
+            (&[128, 256, 384, 512], false),
+            (&[255, 257], false),
+            (&[200, 450], true),
+        ] {
+            let (logits, kv) = run(cuts, with_other);
+            let what = format!("{format:?} {kv_dtype:?} cuts {cuts:?} other {with_other}");
+            assert!(kv == want_kv, "{what}: KV bits differ");
+            let same = logits
+                .iter()
+                .zip(&want_logits)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{what}: logits differ");
+        }
+    }
+}

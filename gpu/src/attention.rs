@@ -6,7 +6,7 @@
 //! prefill was cut into chunks, what else is batched, or how many threads or ranks run. The
 //! context is split into parts of [`SPLIT_TOKENS`] positions counted from position 0; per part
 //! the row's largest score, sum of exponentials and unnormalised output are computed one way
-//! ([`attend_part`]: FMA dot products, exponentials and FMA sums in position order), and the
+//! ([`attend_part`]: [`dot8`] scores, exponentials and FMA sums in position order), and the
 //! parts are joined in order by their log-sum-exp (flash-decoding's merge, [`join_parts`]).
 //! So a prefix computed in one prefill chunk, in five, or restored from another instance's
 //! cache gives the same bits, and what follows it the same tokens: a prefix-cache hit, a KV
@@ -27,6 +27,10 @@ use crate::quant;
 
 /// Queries per attention work item, bounding the score matrix of long prefills.
 const QUERY_TILE: usize = 128;
+
+/// Query rows the score and output kernels take at once (a token's heads where a KV group
+/// has three, as the default model's).
+const ROWS: usize = 3;
 
 /// Query rows (tokens × heads of a KV group) up to which a long context's parts run as items
 /// of their own.
@@ -72,10 +76,12 @@ struct Split {
     parts: usize,
 }
 
-/// Paged attention for every sequence, KV head and query tile in parallel. Returns
-/// `[tokens, nh * hd]`.
+/// Paged attention for every sequence, KV head and query tile of `batch` in parallel on the
+/// compute pool, over `layer` of `kv` (which already holds the batch's own K and V): `qkv`
+/// holds one row of `qkv_w` values per token, its first `nh * hd` the queries, and sequence
+/// `i`'s tokens start at row `offsets[i]`. Returns `[tokens, nh * hd]`.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn attention(
+pub fn attention(
     layer: usize,
     batch: &Batch,
     offsets: &[usize],
@@ -247,16 +253,17 @@ fn join_parts(parts: &[&[f32]], r: usize, nq: usize, hd: usize, row: &mut [f32])
 /// unnormalised output `Σ exp(score − max)·v`, into `res` as `[max; nq] ++ [sum; nq] ++
 /// [out; nq·hd]` (a row that sees no position gets max −∞, sum 0).
 ///
-/// Each value is defined per row, whatever the other rows: a score is [`dot_fma`]`(q, k) ·
+/// Each value is defined per row, whatever the other rows: a score is [`dot8`]`(q, k) ·
 /// scale`, the exponentials are summed by [`crate::vecmath::exp_shifted`] from the part's
 /// first position, and each output element is one FMA chain in position order. The kernels
-/// below compute several rows and positions at once without changing that arithmetic.
+/// below compute [`ROWS`] rows and several positions at once without changing that
+/// arithmetic.
 fn attend_part<'a>(
     rows: &Rows<impl Fn(usize) -> usize, impl Fn(usize) -> (HeadBlock<'a>, HeadBlock<'a>)>,
     (b0, b1): (usize, usize),
     res: &mut [f32],
 ) {
-    let (q, nq, hd, scale, bs) = (rows.q, rows.nq, rows.hd, rows.scale, rows.bs);
+    let (nq, bs) = (rows.nq, rows.bs);
     let (limit, block) = (&rows.limit, &rows.block);
     let p0 = b0 * bs;
     let span = (b1 - b0) * bs;
@@ -264,37 +271,65 @@ fn attend_part<'a>(
     let seen: Vec<usize> = (0..nq)
         .map(|r| limit(r).min(p0 + span).saturating_sub(p0))
         .collect();
-    let (mut kbuf, mut vbuf) = (Vec::new(), Vec::new());
-    let k = part_f32((b0..b1).map(|b| block(b).0), &mut kbuf);
-    let v = part_f32((b0..b1).map(|b| block(b).1), &mut vbuf);
-    let mut scores = vec![0f32; nq * span];
-    // Scores block by block (its K stays in L1 while every row passes over it), two rows at a
-    // time ([`block_scores`]); a row's values past what it sees are computed with its
-    // partner's and never read.
+    SCRATCH.with_borrow_mut(|scratch| {
+        let Scratch {
+            k: kbuf,
+            v: vbuf,
+            scores,
+        } = scratch;
+        let k = part_f32((b0..b1).map(|b| block(b).0), kbuf);
+        let v = part_f32((b0..b1).map(|b| block(b).1), vbuf);
+        // Every score read below is written first (stale values past a row's positions are
+        // never read), so the buffer is reused as it is.
+        if scores.len() < nq * span {
+            scores.resize(nq * span, 0.0);
+        }
+        part_rows(rows, &seen, span, &k, &v, scores, res);
+    });
+}
+
+/// A compute thread's buffers for [`attend_part`], reused from part to part.
+#[derive(Default)]
+struct Scratch {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    scores: Vec<f32>,
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::default();
+}
+
+/// [`attend_part`]'s arithmetic over the part's K and V blocks (f32 rows of `bs` positions),
+/// row `r` seeing the first `seen[r]` of its `span` positions.
+fn part_rows<'a>(
+    rows: &Rows<impl Fn(usize) -> usize, impl Fn(usize) -> (HeadBlock<'a>, HeadBlock<'a>)>,
+    seen: &[usize],
+    span: usize,
+    k: &[&[f32]],
+    v: &[&[f32]],
+    scores: &mut [f32],
+    res: &mut [f32],
+) {
+    let (q, nq, hd, scale, bs) = (rows.q, rows.nq, rows.hd, rows.scale, rows.bs);
+    // Scores block by block (its K stays in L1 while every row passes over it), [`ROWS`] rows
+    // at a time ([`block_scores`]); a row's values past what it sees are computed with its
+    // neighbours' and never read.
     for (b, kb) in k.iter().enumerate() {
-        let mut r = 0;
-        while r < nq {
-            let pair = r + 1 < nq;
-            let n = if pair {
-                seen[r].max(seen[r + 1])
-            } else {
-                seen[r]
-            };
+        for r in (0..nq).step_by(ROWS) {
+            let m = ROWS.min(nq - r);
+            let n = seen[r..r + m].iter().copied().max().unwrap_or(0);
             let here = bs.min(n.saturating_sub(b * bs));
-            if here == 0 {
-                r += 1 + pair as usize;
-                continue;
+            if here > 0 {
+                block_scores(
+                    &q[r * hd..(r + m) * hd],
+                    &kb[..here * hd],
+                    hd,
+                    scale,
+                    &mut scores[r * span + b * bs..],
+                    span,
+                );
             }
-            let (q0, q1) = (
-                &q[r * hd..(r + 1) * hd],
-                &q[(r + pair as usize) * hd..][..hd],
-            );
-            let (s0, s1) = scores[r * span..].split_at_mut(span);
-            // (`s1` is empty for a last row without a partner.)
-            let at1 = (b * bs).min(s1.len());
-            let (s0, s1) = (&mut s0[b * bs..], &mut s1[at1..]);
-            block_scores(q0, pair.then_some(q1), &kb[..here * hd], scale, s0, s1);
-            r += 1 + pair as usize;
         }
     }
     let (ml, out) = res.split_at_mut(2 * nq);
@@ -309,24 +344,20 @@ fn attend_part<'a>(
         ml[r] = max;
         ml[nq + r] = crate::vecmath::exp_shifted(row, max) as f32;
     }
-    // Outputs block by block (its V stays in L1), two rows at a time ([`weighted_sum`]).
+    // Outputs block by block (its V stays in L1), [`ROWS`] rows at a time ([`weighted_sum`]).
     out.fill(0.0);
     for (b, vb) in v.iter().enumerate() {
-        let mut r = 0;
-        while r < nq {
-            let two = r + 1 < nq;
-            let last = r + two as usize;
-            let n = [seen[r], seen[last]].map(|n| bs.min(n.saturating_sub(b * bs)));
-            if n[0].max(n[1]) > 0 {
-                let w = [
-                    &scores[r * span + b * bs..],
-                    &scores[last * span + b * bs..],
-                ];
-                let (o0, o1) = out[r * hd..].split_at_mut(hd);
-                let o1 = two.then(|| &mut o1[..hd]);
-                weighted_sum(w, n, vb, o0, o1);
+        for r in (0..nq).step_by(ROWS) {
+            let m = ROWS.min(nq - r);
+            let mut n = [0; ROWS];
+            let mut w: [&[f32]; ROWS] = [&[]; ROWS];
+            for i in 0..m {
+                n[i] = bs.min(seen[r + i].saturating_sub(b * bs));
+                w[i] = &scores[(r + i) * span + b * bs..];
             }
-            r += 1 + two as usize;
+            if n[..m].iter().any(|&n| n > 0) {
+                weighted_sum(&w[..m], &n[..m], vb, &mut out[r * hd..(r + m) * hd]);
+            }
         }
     }
 }
@@ -348,11 +379,7 @@ fn part_f32<'a: 'b, 'b>(
     {
         return f32s;
     }
-    let len = blocks.first().map_or(0, |b| match b {
-        HeadBlock::F32(s) => s.len(),
-        HeadBlock::F16(s) => s.len(),
-        HeadBlock::Bf16(s) => s.len(),
-    });
+    let len = blocks.first().map_or(0, HeadBlock::len);
     buf.resize(blocks.len() * len, 0.0);
     for (b, dst) in blocks.iter().zip(buf.chunks_mut(len.max(1))) {
         b.copy_to(dst);
@@ -360,62 +387,40 @@ fn part_f32<'a: 'b, 'b>(
     buf.chunks(len.max(1)).collect()
 }
 
-/// `s0[p] = dot_fma(q0, kₚ)·scale` for each row `kₚ` of `k` (`hd` values each), and `s1`
-/// likewise from `q1` when given: each score exactly [`dot_fma`]'s value, several at once.
-fn block_scores(
-    q0: &[f32],
-    q1: Option<&[f32]>,
-    k: &[f32],
-    scale: f32,
-    s0: &mut [f32],
-    s1: &mut [f32],
-) {
-    let hd = q0.len();
-    let n = k.len() / hd;
-    assert!(s0.len() >= n && q1.is_none_or(|q1| q1.len() == hd && s1.len() >= n));
+/// `out[i·stride + p] = dot8(qᵢ, kₚ)·scale` for each of the (up to [`ROWS`]) rows `qᵢ` of `q`
+/// and each row `kₚ` of `k`, `hd` values each: every score exactly [`dot8`]'s value, eight
+/// positions of every row at once where the build has AVX2 and FMA.
+fn block_scores(q: &[f32], k: &[f32], hd: usize, scale: f32, out: &mut [f32], stride: usize) {
+    let (m, n) = (q.len() / hd, k.len() / hd);
+    assert!(m <= ROWS && (m == 0 || out.len() >= (m - 1) * stride + n));
     let mut p = 0;
     #[cfg(all(
         target_arch = "x86_64",
         target_feature = "avx2",
         target_feature = "fma"
     ))]
-    if hd.is_multiple_of(16) {
-        // SAFETY: every pointer below stays inside its slice: rows of `hd` values, positions
-        // `p..p + 4 <= n` (or `+ 8`), and `s0`/`s1` hold `n` scores (asserted).
-        unsafe {
-            let (kp, o0) = (k.as_ptr(), s0.as_mut_ptr());
-            match q1 {
-                Some(q1) => {
-                    let o1 = s1.as_mut_ptr();
-                    while p + 4 <= n {
-                        let k4 = [0, 1, 2, 3].map(|j| kp.add((p + j) * hd));
-                        x86::scores_2x4(
-                            q0.as_ptr(),
-                            q1.as_ptr(),
-                            k4,
-                            hd,
-                            scale,
-                            o0.add(p),
-                            o1.add(p),
-                        );
-                        p += 4;
-                    }
-                }
-                None => {
-                    while p + 8 <= n {
-                        let k8 = [0, 1, 2, 3, 4, 5, 6, 7].map(|j| kp.add((p + j) * hd));
-                        x86::scores_1x8(q0.as_ptr(), k8, hd, scale, o0.add(p));
-                        p += 8;
-                    }
+    if hd.is_multiple_of(8) {
+        while p + 8 <= n {
+            let (qp, kp, op) = (q.as_ptr(), k[p * hd..].as_ptr(), out.as_mut_ptr());
+            // SAFETY: rows `0..m` of `q` and positions `p..p + 8 <= n` of `k` hold `hd`
+            // values each; row `i`'s eight scores at `i·stride + p..+8` lie inside `out`
+            // (asserted).
+            unsafe {
+                let q = |i: usize| qp.add(i * hd);
+                let o = |i: usize| op.add(i * stride + p);
+                match m {
+                    3 => x86::scores_x8([q(0), q(1), q(2)], kp, hd, scale, [o(0), o(1), o(2)]),
+                    2 => x86::scores_x8([q(0), q(1)], kp, hd, scale, [o(0), o(1)]),
+                    _ => x86::scores_x8([q(0)], kp, hd, scale, [o(0)]),
                 }
             }
+            p += 8;
         }
     }
-    for p in p..n {
-        let kp = &k[p * hd..(p + 1) * hd];
-        s0[p] = dot_fma(q0, kp) * scale;
-        if let Some(q1) = q1 {
-            s1[p] = dot_fma(q1, kp) * scale;
+    for i in 0..m {
+        let qi = &q[i * hd..(i + 1) * hd];
+        for p in p..n {
+            out[i * stride + p] = dot8(qi, &k[p * hd..(p + 1) * hd]) * scale;
         }
     }
 }
@@ -426,183 +431,213 @@ fn block_scores(
     target_feature = "fma"
 ))]
 mod x86 {
-    //! Several [`super::dot_fma`]s at once, each with its sixteen lanes (`lo`, `hi`) and its
-    //! final additions in its order: `h = lo + hi`, then `((h0+h4)+(h1+h5)) + ((h2+h6)+(h3+h7))`
-    //! — the 128-bit halves of `h` first (`halves`), then adjacent lanes twice (`hadd`).
+    //! Many [`super::dot8`]s and output chains at once, each in its own arithmetic: a dot
+    //! product's eight lanes `h` (FMA chains over `hd / 8` steps) are added
+    //! `((h0+h4)+(h1+h5)) + ((h2+h6)+(h3+h7))` — the 128-bit halves first ([`halves`]), then
+    //! adjacent lanes twice (`hadd`).
     use std::arch::x86_64::*;
 
-    /// Sixteen-lane FMA sums of four (query, key) pairs of `hd` (a multiple of 16) values,
-    /// each folded to `[h0+h4, h1+h5, h2+h6, h3+h7]`: returned as `([pair 0 | pair 1],
-    /// [pair 2 | pair 3])`; pair `i` is `(q[i], k[i])`.
+    /// `[a0+a4, a1+a5, a2+a6, a3+a7, b0+b4, b1+b5, b2+b6, b3+b7]`.
+    #[inline(always)]
+    unsafe fn halves(a: __m256, b: __m256) -> __m256 {
+        // SAFETY: the build enables AVX2.
+        unsafe {
+            _mm256_add_ps(
+                _mm256_permute2f128_ps(a, b, 0x20),
+                _mm256_permute2f128_ps(a, b, 0x31),
+            )
+        }
+    }
+
+    /// Four keys' lanes folded halfway: `[s0a, s0b, s2a, s2b, s1a, s1b, s3a, s3b]` with `sja`
+    /// `= (hj0+hj4)+(hj1+hj5)` and `sjb = (hj2+hj6)+(hj3+hj7)`.
+    #[inline(always)]
+    unsafe fn fold4(h: &[__m256; 4]) -> __m256 {
+        // SAFETY: the build enables AVX2.
+        unsafe { _mm256_hadd_ps(halves(h[0], h[1]), halves(h[2], h[3])) }
+    }
+
+    /// Rows `q[i]` against the eight keys at `k` (`hd` values each, `hd` a multiple of 8):
+    /// `out[i][j] = dot8(q[i], kⱼ)·scale`, four keys' lanes of every row in registers at a
+    /// time.
     ///
     /// # Safety
-    /// The pointers point at `hd` readable values.
+    /// Each `q[i]` points at `hd` readable values, `k` at `8·hd`, each `out[i]` at eight
+    /// writable ones.
     #[inline(always)]
-    unsafe fn four(q: [*const f32; 4], k: [*const f32; 4], hd: usize) -> (__m256, __m256) {
+    pub(super) unsafe fn scores_x8<const R: usize>(
+        q: [*const f32; R],
+        k: *const f32,
+        hd: usize,
+        scale: f32,
+        out: [*mut f32; R],
+    ) {
         // SAFETY: the caller's promise; the build enables AVX2 and FMA.
         unsafe {
             let z = _mm256_setzero_ps();
-            let mut acc = [z; 8];
-            let mut c = 0;
-            while c < hd {
-                for i in 0..4 {
-                    let (a, b) = (q[i].add(c), k[i].add(c));
-                    acc[2 * i] =
-                        _mm256_fmadd_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b), acc[2 * i]);
-                    acc[2 * i + 1] = _mm256_fmadd_ps(
-                        _mm256_loadu_ps(a.add(8)),
-                        _mm256_loadu_ps(b.add(8)),
-                        acc[2 * i + 1],
-                    );
+            // Keys `4·half..4·half + 4` of every row, folded halfway.
+            let folds = |half: usize| -> [__m256; R] {
+                let kp: [*const f32; 4] = std::array::from_fn(|j| k.add((half * 4 + j) * hd));
+                let mut acc = [[z; 4]; R];
+                let mut c = 0;
+                while c < hd {
+                    let qv: [__m256; R] = std::array::from_fn(|i| _mm256_loadu_ps(q[i].add(c)));
+                    for j in 0..4 {
+                        let kv = _mm256_loadu_ps(kp[j].add(c));
+                        for i in 0..R {
+                            acc[i][j] = _mm256_fmadd_ps(qv[i], kv, acc[i][j]);
+                        }
+                    }
+                    c += 8;
                 }
-                c += 16;
-            }
-            let h: [__m256; 4] = std::array::from_fn(|i| _mm256_add_ps(acc[2 * i], acc[2 * i + 1]));
-            let halves = |a: __m256, b: __m256| {
-                _mm256_add_ps(
-                    _mm256_permute2f128_ps(a, b, 0x20),
-                    _mm256_permute2f128_ps(a, b, 0x31),
-                )
+                acc.map(|a| fold4(&a))
             };
-            (halves(h[0], h[1]), halves(h[2], h[3]))
-        }
-    }
-
-    /// Eight pairs' folds from two [`four`]s, finished: lanes
-    /// `[p0, p2, p4, p6, p1, p3, p5, p7]` (pairs numbered as passed: `a` holds 0–3).
-    #[inline(always)]
-    unsafe fn finish(a: (__m256, __m256), b: (__m256, __m256)) -> __m256 {
-        // SAFETY: the build enables AVX2.
-        unsafe { _mm256_hadd_ps(_mm256_hadd_ps(a.0, a.1), _mm256_hadd_ps(b.0, b.1)) }
-    }
-
-    /// Rows `q0`, `q1` against keys `k[0..4]`: `o0[j] = (q0·kⱼ)·scale`, `o1[j] = (q1·kⱼ)·scale`.
-    ///
-    /// # Safety
-    /// `q0`, `q1` and each `k[j]` point at `hd` (a multiple of 16) readable values, `o0` and
-    /// `o1` at four writable ones.
-    #[inline(always)]
-    pub(super) unsafe fn scores_2x4(
-        q0: *const f32,
-        q1: *const f32,
-        k: [*const f32; 4],
-        hd: usize,
-        scale: f32,
-        o0: *mut f32,
-        o1: *mut f32,
-    ) {
-        // SAFETY: the caller's promise; the build enables AVX2 and FMA.
-        unsafe {
-            // Pairs q0k0, q0k1, q1k0, q1k1 | q0k2, q0k3, q1k2, q1k3.
-            let a = four([q0, q0, q1, q1], [k[0], k[1], k[0], k[1]], hd);
-            let b = four([q0, q0, q1, q1], [k[2], k[3], k[2], k[3]], hd);
-            // Lanes q0k0, q1k0, q0k2, q1k2, q0k1, q1k1, q0k3, q1k3, into row order.
-            let order = _mm256_setr_epi32(0, 4, 2, 6, 1, 5, 3, 7);
-            let z = _mm256_permutevar8x32_ps(finish(a, b), order);
-            let z = _mm256_mul_ps(z, _mm256_set1_ps(scale));
-            _mm_storeu_ps(o0, _mm256_castps256_ps128(z));
-            _mm_storeu_ps(o1, _mm256_extractf128_ps(z, 1));
-        }
-    }
-
-    /// Row `q0` against keys `k[0..8]`: `o0[j] = (q0·kⱼ)·scale`.
-    ///
-    /// # Safety
-    /// `q0` and each `k[j]` point at `hd` (a multiple of 16) readable values, `o0` at eight
-    /// writable ones.
-    #[inline(always)]
-    pub(super) unsafe fn scores_1x8(
-        q0: *const f32,
-        k: [*const f32; 8],
-        hd: usize,
-        scale: f32,
-        o0: *mut f32,
-    ) {
-        // SAFETY: the caller's promise; the build enables AVX2 and FMA.
-        unsafe {
-            let a = four([q0; 4], [k[0], k[1], k[2], k[3]], hd);
-            let b = four([q0; 4], [k[4], k[5], k[6], k[7]], hd);
-            // Lanes k0, k2, k4, k6, k1, k3, k5, k7, into order.
+            let (lo, hi) = (folds(0), folds(1));
+            // Keys 0, 2, 4, 6, 1, 3, 5, 7, into order.
             let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-            let z = _mm256_permutevar8x32_ps(finish(a, b), order);
-            _mm256_storeu_ps(o0, _mm256_mul_ps(z, _mm256_set1_ps(scale)));
+            let s = _mm256_set1_ps(scale);
+            for i in 0..R {
+                let c = _mm256_hadd_ps(lo[i], hi[i]);
+                _mm256_storeu_ps(out[i], _mm256_mul_ps(_mm256_permutevar8x32_ps(c, order), s));
+            }
         }
+    }
+
+    /// `o[i][d] += Σ_{p < n} w[i][p]·v[p·hd + d]` for `d` in `0..8·D`: the rows' `8·D`
+    /// elements in registers while the positions stream by, each an FMA chain in position
+    /// order.
+    ///
+    /// # Safety
+    /// Each `w[i]` points at `n` readable values, `v` at `n` rows of `hd` (from which the
+    /// first `8·D` are read), each `o[i]` at `8·D` writable ones.
+    #[inline(always)]
+    #[allow(clippy::needless_range_loop)] // a register tile, indexed by row and column
+    pub(super) unsafe fn weighted_cols<const R: usize, const D: usize>(
+        w: [*const f32; R],
+        n: usize,
+        v: *const f32,
+        hd: usize,
+        o: [*mut f32; R],
+    ) {
+        // SAFETY: the caller's promise; the build enables AVX2 and FMA.
+        unsafe {
+            let mut a: [[__m256; D]; R] =
+                std::array::from_fn(|i| std::array::from_fn(|j| _mm256_loadu_ps(o[i].add(8 * j))));
+            let mut vp = v;
+            for p in 0..n {
+                let wb: [__m256; R] = std::array::from_fn(|i| _mm256_broadcast_ss(&*w[i].add(p)));
+                for j in 0..D {
+                    let x = _mm256_loadu_ps(vp.add(8 * j));
+                    for i in 0..R {
+                        a[i][j] = _mm256_fmadd_ps(wb[i], x, a[i][j]);
+                    }
+                }
+                vp = vp.add(hd);
+            }
+            for i in 0..R {
+                for j in 0..D {
+                    _mm256_storeu_ps(o[i].add(8 * j), a[i][j]);
+                }
+            }
+        }
+    }
+
+    /// [`weighted_cols`] over the first `hd / 8 · 8` elements of `R` rows, 32 at a time then
+    /// 8. Returns the elements done.
+    ///
+    /// # Safety
+    /// As [`weighted_cols`], with each `o[i]` pointing at `hd` writable values.
+    #[inline(always)]
+    pub(super) unsafe fn weighted<const R: usize>(
+        w: [*const f32; R],
+        n: usize,
+        v: *const f32,
+        hd: usize,
+        o: [*mut f32; R],
+    ) -> usize {
+        let mut d = 0;
+        // SAFETY: the caller's promise; columns `d..d + 32` (or `+ 8`) lie inside `hd`.
+        unsafe {
+            while d + 32 <= hd {
+                weighted_cols::<R, 4>(w, n, v.add(d), hd, o.map(|o| o.add(d)));
+                d += 32;
+            }
+            while d + 8 <= hd {
+                weighted_cols::<R, 1>(w, n, v.add(d), hd, o.map(|o| o.add(d)));
+                d += 8;
+            }
+        }
+        d
     }
 }
 
-/// `o0 += Σ_{p < n[0]} w[0][p]·vₚ` and, if given, `o1` likewise from `w[1]`, `n[1]`, with
-/// `vₚ` row `p` of `v`: each element continues its FMA chain in position order, each `vₚ`
-/// read once for both rows.
-fn weighted_sum(w: [&[f32]; 2], n: [usize; 2], v: &[f32], o0: &mut [f32], o1: Option<&mut [f32]>) {
-    let hd = o0.len();
-    let both = if o1.is_some() { n[0].min(n[1]) } else { 0 };
-    let mut o1 = o1;
-    let mut d0 = 0;
-    // Thirty-two elements of both rows in registers while the positions stream by.
+/// `oᵢ += Σ_{p < n[i]} w[i][p]·vₚ` for the (up to [`ROWS`]) rows `oᵢ` of `out`, with `vₚ`
+/// row `p` of `v`: each element continues its FMA chain in position order. The positions
+/// every row takes run in registers for all rows at once, each `vₚ` read once for them.
+fn weighted_sum(w: &[&[f32]], n: &[usize], v: &[f32], out: &mut [f32]) {
+    let m = w.len();
+    let hd = out.len() / m.max(1);
+    let both = n.iter().copied().min().unwrap_or(0);
+    assert!(m <= ROWS && n.len() == m && v.len() >= both * hd);
+    assert!(w.iter().zip(n).all(|(w, &n)| w.len() >= n));
     #[cfg(all(
         target_arch = "x86_64",
         target_feature = "avx2",
         target_feature = "fma"
     ))]
-    if let Some(o) = o1.as_deref_mut() {
-        use std::arch::x86_64::*;
-        assert!(v.len() >= both * hd && w[0].len() >= both && w[1].len() >= both);
-        assert_eq!(o.len(), hd);
-        while d0 + 32 <= hd {
-            // SAFETY: the build enables AVX2 and FMA; each load is inside a position's `hd`
-            // values (`d0 + 32 <= hd`, `both` positions, asserted), each store inside `o0`/`o`.
-            unsafe {
-                let (pa, pb) = (o0.as_mut_ptr().add(d0), o.as_mut_ptr().add(d0));
-                let mut a: [__m256; 4] = std::array::from_fn(|j| _mm256_loadu_ps(pa.add(8 * j)));
-                let mut b: [__m256; 4] = std::array::from_fn(|j| _mm256_loadu_ps(pb.add(8 * j)));
-                let mut vp = v.as_ptr().add(d0);
-                for p in 0..both {
-                    let wa = _mm256_set1_ps(*w[0].get_unchecked(p));
-                    let wb = _mm256_set1_ps(*w[1].get_unchecked(p));
-                    for j in 0..4 {
-                        let x = _mm256_loadu_ps(vp.add(8 * j));
-                        a[j] = _mm256_fmadd_ps(wa, x, a[j]);
-                        b[j] = _mm256_fmadd_ps(wb, x, b[j]);
-                    }
-                    vp = vp.add(hd);
-                }
-                for j in 0..4 {
-                    _mm256_storeu_ps(pa.add(8 * j), a[j]);
-                    _mm256_storeu_ps(pb.add(8 * j), b[j]);
-                }
+    let d0 = {
+        let (op, vp) = (out.as_mut_ptr(), v.as_ptr());
+        // SAFETY: each row's `both <= n[i]` weights, `both` rows of `v` (asserted) and its
+        // `hd` outputs (`out` holds `m` rows of `hd`).
+        unsafe {
+            let o = |i: usize| op.add(i * hd);
+            match m {
+                3 => x86::weighted(
+                    [w[0].as_ptr(), w[1].as_ptr(), w[2].as_ptr()],
+                    both,
+                    vp,
+                    hd,
+                    [o(0), o(1), o(2)],
+                ),
+                2 => x86::weighted([w[0].as_ptr(), w[1].as_ptr()], both, vp, hd, [o(0), o(1)]),
+                1 => x86::weighted([w[0].as_ptr()], both, vp, hd, [o(0)]),
+                _ => 0,
             }
-            d0 += 32;
-        }
-    }
-    // The rest, element by element in the same order (the compiler vectorises over `d`).
-    let rest = |o: &mut [f32], w: &[f32], from: usize, to: usize, d0: usize| {
-        if d0 == hd {
-            return;
-        }
-        for p in from..to {
-            let vp = &v[p * hd..(p + 1) * hd];
-            o[d0..]
-                .iter_mut()
-                .zip(&vp[d0..])
-                .for_each(|(o, &x)| *o = w[p].mul_add(x, *o));
         }
     };
-    // Elements from `d0` on take positions from 0, the others from `both` on.
-    rest(o0, w[0], 0, both, d0);
-    rest(o0, w[0], both, n[0], 0);
-    if let Some(o) = o1 {
-        rest(o, w[1], 0, both, d0);
-        rest(o, w[1], both, n[1], 0);
+    #[cfg(not(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    )))]
+    let d0 = 0;
+    // The rest in the same order: elements from `d0` on over positions `0..both`, then every
+    // element over the row's positions past `both` (the compiler vectorises over `d`).
+    for (i, o) in out.chunks_mut(hd.max(1)).enumerate() {
+        for (from, to, d) in [(0, both, d0), (both, n[i], 0)] {
+            if d == hd {
+                continue;
+            }
+            for p in from..to {
+                let wp = w[i][p];
+                o[d..]
+                    .iter_mut()
+                    .zip(&v[p * hd + d..(p + 1) * hd])
+                    .for_each(|(o, &x)| *o = wp.mul_add(x, *o));
+            }
+        }
     }
 }
 
-/// A dot product with fused multiply-adds in sixteen independent lanes (two AVX registers
-/// where the build targets AVX2 and FMA, as x86-64-v3 does), for the long-decode parts.
+/// The score of a query row and a key: a dot product of fused multiply-adds in eight
+/// independent lanes (one AVX register where the build targets AVX2 and FMA, as x86-64-v3
+/// does; the same arithmetic in scalar code elsewhere), lanes added
+/// `((h0+h4)+(h1+h5)) + ((h2+h6)+(h3+h7))`, then the `hd % 8` last products in order.
 #[inline]
-fn dot_fma(a: &[f32], b: &[f32]) -> f32 {
+fn dot8(a: &[f32], b: &[f32]) -> f32 {
     let n = a.len().min(b.len());
-    let whole = n / 16 * 16;
-    let mut acc = [0f32; 16];
+    let whole = n / 8 * 8;
+    let mut h = [0f32; 8];
     #[cfg(all(
         target_arch = "x86_64",
         target_feature = "avx2",
@@ -611,26 +646,26 @@ fn dot_fma(a: &[f32], b: &[f32]) -> f32 {
     // SAFETY: the build enables AVX2 and FMA; every load is inside `0..whole` of both slices.
     unsafe {
         use std::arch::x86_64::*;
-        let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-        for c in (0..whole).step_by(16) {
-            let (pa, pb) = (a.as_ptr().add(c), b.as_ptr().add(c));
-            lo = _mm256_fmadd_ps(_mm256_loadu_ps(pa), _mm256_loadu_ps(pb), lo);
-            hi = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(8)), _mm256_loadu_ps(pb.add(8)), hi);
+        let mut acc = _mm256_setzero_ps();
+        for c in (0..whole).step_by(8) {
+            acc = _mm256_fmadd_ps(
+                _mm256_loadu_ps(a.as_ptr().add(c)),
+                _mm256_loadu_ps(b.as_ptr().add(c)),
+                acc,
+            );
         }
-        _mm256_storeu_ps(acc.as_mut_ptr(), lo);
-        _mm256_storeu_ps(acc.as_mut_ptr().add(8), hi);
+        _mm256_storeu_ps(h.as_mut_ptr(), acc);
     }
     #[cfg(not(all(
         target_arch = "x86_64",
         target_feature = "avx2",
         target_feature = "fma"
     )))]
-    for c in (0..whole).step_by(16) {
-        for l in 0..16 {
-            acc[l] = a[c + l].mul_add(b[c + l], acc[l]);
+    for c in (0..whole).step_by(8) {
+        for l in 0..8 {
+            h[l] = a[c + l].mul_add(b[c + l], h[l]);
         }
     }
-    let h: [f32; 8] = std::array::from_fn(|i| acc[i] + acc[8 + i]);
     let mut s = ((h[0] + h[4]) + (h[1] + h[5])) + ((h[2] + h[6]) + (h[3] + h[7]));
     for i in whole..n {
         s = a[i].mul_add(b[i], s);
@@ -776,6 +811,71 @@ mod tests {
             }
         }
         out
+    }
+
+    /// [`dot8`]'s arithmetic written out lane by lane, as a portable build runs it.
+    fn dot8_lanes(a: &[f32], b: &[f32]) -> f32 {
+        let whole = a.len() / 8 * 8;
+        let mut h = [0f32; 8];
+        for c in (0..whole).step_by(8) {
+            for l in 0..8 {
+                h[l] = a[c + l].mul_add(b[c + l], h[l]);
+            }
+        }
+        let mut s = ((h[0] + h[4]) + (h[1] + h[5])) + ((h[2] + h[6]) + (h[3] + h[7]));
+        for i in whole..a.len() {
+            s = a[i].mul_add(b[i], s);
+        }
+        s
+    }
+
+    /// The score and output kernels (one to three rows, eight positions or 32 elements at a
+    /// time, and their tails) give every value exactly as the arithmetic defines it.
+    #[test]
+    fn kernels_keep_the_defined_arithmetic() {
+        for hd in [8, 36, 40, 64, 72, 128] {
+            for m in 1..=ROWS {
+                for n in [0, 1, 7, 8, 9, 16] {
+                    let q: Vec<f32> = (0..m * hd).map(|i| value(i + 11 * hd)).collect();
+                    let k: Vec<f32> = (0..n * hd).map(|i| value(i + 1000)).collect();
+                    let stride = 20;
+                    let mut out = vec![f32::NAN; m * stride];
+                    block_scores(&q, &k, hd, 0.125, &mut out, stride);
+                    for i in 0..m {
+                        for p in 0..n {
+                            let want =
+                                dot8_lanes(&q[i * hd..(i + 1) * hd], &k[p * hd..(p + 1) * hd])
+                                    * 0.125;
+                            let got = out[i * stride + p];
+                            assert_eq!(got.to_bits(), want.to_bits(), "hd {hd} m {m} n {n}");
+                        }
+                    }
+                    // Outputs: rows seeing different numbers of positions, on top of values
+                    // already there.
+                    let counts: Vec<usize> = (0..m).map(|i| n.saturating_sub(i * 3)).collect();
+                    let w: Vec<Vec<f32>> = (0..m)
+                        .map(|i| (0..n).map(|p| value(7 * i + p + 5)).collect())
+                        .collect();
+                    let start: Vec<f32> = (0..m * hd).map(|i| value(i + 77)).collect();
+                    let mut got = start.clone();
+                    let ws: Vec<&[f32]> = w.iter().map(Vec::as_slice).collect();
+                    weighted_sum(&ws, &counts, &k, &mut got);
+                    for i in 0..m {
+                        for d in 0..hd {
+                            let mut want = start[i * hd + d];
+                            for p in 0..counts[i] {
+                                want = w[i][p].mul_add(k[p * hd + d], want);
+                            }
+                            assert_eq!(
+                                got[i * hd + d].to_bits(),
+                                want.to_bits(),
+                                "hd {hd} m {m} n {n} row {i} element {d}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
     }
 
     /// Long decodes (one token, and two tokens whose rows see different lengths) are split

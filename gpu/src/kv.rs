@@ -115,6 +115,20 @@ pub enum HeadBlock<'a> {
 }
 
 impl<'a> HeadBlock<'a> {
+    /// Values in the block.
+    pub fn len(&self) -> usize {
+        match self {
+            Self::F32(s) => s.len(),
+            Self::F16(s) => s.len(),
+            Self::Bf16(s) => s.len(),
+        }
+    }
+
+    /// Whether the block holds no value.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     /// The values as f32: borrowed from an f32 cache, widened otherwise.
     pub fn widen(self) -> std::borrow::Cow<'a, [f32]> {
         match self {
@@ -374,7 +388,7 @@ impl KvCache {
     }
 
     /// Writes one token's K or V for one head (rounded to the cache's dtype).
-    pub(crate) fn write_slot(
+    pub fn write_slot(
         &mut self,
         layer: usize,
         kind: KvKind,

@@ -16,7 +16,7 @@ pub use chat::{ChatMessage, ChatTemplate};
 pub use sampling::{FinishReason, Sampler, SamplingParams, StopChecker, StopDecision, StopReason};
 pub use tokenizer::{DecodeStream, Tokenizer};
 
-pub(crate) mod attention;
+pub mod attention;
 pub mod batch;
 pub mod bench;
 pub mod collective;

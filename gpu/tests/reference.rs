@@ -60,11 +60,15 @@ const F32: Agreement = Agreement {
 /// summation order only, which moves logits by ~1e-4 as the f32 figures show): 1.75 on any
 /// logit, 1.25 on the top ten; a flip only at a lead under 0.15 (2.5× the largest measured),
 /// at most 2 per prompt. Before this, the test allowed 2.0 at the first step only and 8 of 32
-/// free-running tokens.
+/// free-running tokens. Re-measured when attention's scores became 8-lane dot products
+/// (2026-11-27, AMD EPYC, 2 threads): at most 1.46 on any logit, 0.80 on the top ten; the first
+/// two prompts pick no other token, the third one, at step 6, where the reference leads by
+/// 0.157 and the two sides' top ten differ by up to 0.163 at that step (the f32 comparison
+/// stayed at 4.2e-5 / 2.3e-5, no flip); a flip is now allowed at a lead under 0.2.
 const QUANTIZED: Agreement = Agreement {
     logits: 1.75,
     top10: 1.25,
-    near_tie: 0.15,
+    near_tie: 0.2,
     flips: 2,
 };
 

@@ -521,6 +521,10 @@ struct BenchModelArgs {
     /// each is clamped to fit the model's context. `--contexts ""` skips them.
     #[arg(long, value_delimiter = ',', default_value = "512,2048,8192")]
     contexts: Vec<String>,
+    /// Lengths of long prompts whose prefill is timed in 512-token chunks (as the scheduler
+    /// feeds them); each is clamped to the model's context. `--prompts ""` skips them.
+    #[arg(long, value_delimiter = ',', default_value = "2048")]
+    prompts: Vec<String>,
     /// Element type of the KV cache the benchmark's engine uses (`scheduler.kv_cache_dtype`
     /// of an instance): f32, f16 or bf16.
     #[arg(long, default_value = "f32")]
@@ -818,18 +822,19 @@ fn generate(args: GenerateArgs) -> Result<()> {
 fn bench_model(args: BenchModelArgs) -> Result<()> {
     cuda::check(args.model.device, args.model.tp)?;
     let threads = set_threads(args.model.threads);
-    let contexts = args
-        .contexts
-        .iter()
-        .filter(|c| !c.is_empty())
-        .map(|c| {
-            c.parse::<usize>()
-                .with_context(|| format!("--contexts: `{c}` is not a token count"))
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let counts = |flag: &str, v: &[String]| {
+        v.iter()
+            .filter(|c| !c.is_empty())
+            .map(|c| {
+                c.parse::<usize>()
+                    .with_context(|| format!("--{flag}: `{c}` is not a token count"))
+            })
+            .collect::<Result<Vec<_>>>()
+    };
     let opts = pdserve_gpu::bench::ModelBenchOptions {
         decode_steps: args.decode_steps,
-        contexts,
+        contexts: counts("contexts", &args.contexts)?,
+        long_prompts: counts("prompts", &args.prompts)?,
         ..Default::default()
     };
     if args.busy > 0 || args.busy_only {
@@ -887,6 +892,12 @@ fn bench_model(args: BenchModelArgs) -> Result<()> {
         println!("  prefill  512 tokens : {:8.1} tokens/s", r.prefill_tps_512);
         println!("  decode   batch 1    : {:8.1} tokens/s", r.decode_tps_b1);
         println!("  decode   batch 8    : {:8.1} tokens/s", r.decode_tps_b8);
+        for p in &r.prefill_long {
+            println!(
+                "  prefill {:>5} tokens in {}-token chunks : {:8.1} tokens/s",
+                p.tokens, p.chunk, p.tps
+            );
+        }
         for c in &r.decode_b1_at_context {
             println!(
                 "  decode   batch 1 at {:>5} tokens of context : {:8.1} tokens/s",

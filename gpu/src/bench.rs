@@ -1,5 +1,6 @@
 //! The model benchmark behind `pdserve bench model` and `benches/model.rs`: prefill tokens/s
-//! at 128 and 512 prompt tokens, decode tokens/s at batch 1 and 8, driven straight through a
+//! at 128 and 512 prompt tokens and of long prompts in 512-token chunks, decode tokens/s at
+//! batch 1 and 8 and at batch 1 over a long context, driven straight through a
 //! [`StepGroup`] (the CPU `TpGroup` or a GPU group) so only the model is measured.
 //!
 //! [`run_contention_bench`] (`pdserve bench model --busy N`) measures how decode holds up when
@@ -30,6 +31,20 @@ pub struct ModelBenchResult {
     /// Decode tokens/s of one sequence over a cache already holding some context: attention
     /// over a long KV, which the short-context figures above hardly show.
     pub decode_b1_at_context: Vec<ContextDecode>,
+    /// Prefill tokens/s of long prompts, fed in chunks as the scheduler cuts them: attention
+    /// over the chunks before, which the 128- and 512-token figures hardly show.
+    pub prefill_long: Vec<LongPrefill>,
+}
+
+/// Prefill speed of one long prompt.
+#[derive(Clone, Debug, Serialize)]
+pub struct LongPrefill {
+    /// Prompt tokens (clamped to the model's context).
+    pub tokens: usize,
+    /// Tokens per step.
+    pub chunk: usize,
+    /// Prefill tokens/s (all chunks).
+    pub tps: f64,
 }
 
 /// Batch-1 decode speed at one context length.
@@ -51,7 +66,13 @@ pub struct ModelBenchOptions {
     /// Context lengths of the batch-1 decode runs at context (each clamped so that the run
     /// fits the model's context).
     pub contexts: Vec<usize>,
+    /// Lengths of the long prompts prefilled in [`LONG_PREFILL_CHUNK`]-token chunks.
+    pub long_prompts: Vec<usize>,
 }
+
+/// Tokens per step of the long-prompt prefills: the scheduler's default step budget
+/// (`scheduler.max_num_batched_tokens`).
+pub const LONG_PREFILL_CHUNK: usize = 512;
 
 impl Default for ModelBenchOptions {
     fn default() -> Self {
@@ -59,6 +80,7 @@ impl Default for ModelBenchOptions {
             prefill_reps: 3,
             decode_steps: 64,
             contexts: vec![512, 2048, 8192],
+            long_prompts: vec![2048],
         }
     }
 }
@@ -98,6 +120,41 @@ pub fn prefill_tps(group: &impl StepGroup, len: usize, reps: usize) -> Result<f6
     for _ in 0..reps.max(1) {
         let t = Instant::now();
         group.step(batch.clone())?;
+        times.push(t.elapsed());
+    }
+    Ok(len as f64 / median(times).as_secs_f64())
+}
+
+/// Prefill tokens/s of one `len`-token prompt fed `chunk` tokens per step (blocks from 0; the
+/// median of `reps` timed runs, each the whole prompt).
+///
+/// # Errors
+/// Forward-pass failures.
+pub fn chunked_prefill_tps(
+    group: &impl StepGroup,
+    len: usize,
+    chunk: usize,
+    reps: usize,
+) -> Result<f64> {
+    let bs = group.block_size();
+    let vocab = group.config().vocab_size;
+    let table: Vec<u32> = (0..len.div_ceil(bs) as u32).collect();
+    let tokens = prompt(len, vocab, 3);
+    let mut times = Vec::new();
+    for _ in 0..reps.max(1) {
+        let t = Instant::now();
+        for (k, c) in tokens.chunks(chunk.max(1)).enumerate() {
+            group.step(Batch {
+                seqs: vec![SeqChunk {
+                    tokens: c.to_vec(),
+                    start_pos: k * chunk,
+                    block_table: table.clone(),
+                    want_logits: (k + 1) * chunk >= len,
+                    all_logits: false,
+                    embeds: Vec::new(),
+                }],
+            })?;
+        }
         times.push(t.elapsed());
     }
     Ok(len as f64 / median(times).as_secs_f64())
@@ -216,6 +273,18 @@ pub fn run_model_bench(
                 Ok(ContextDecode {
                     context,
                     tps: times.len() as f64 / total.as_secs_f64(),
+                })
+            })
+            .collect::<Result<_>>()?,
+        prefill_long: opts
+            .long_prompts
+            .iter()
+            .map(|&n| {
+                let tokens = n.min(group.config().context_length);
+                Ok(LongPrefill {
+                    tokens,
+                    chunk: LONG_PREFILL_CHUNK,
+                    tps: chunked_prefill_tps(group, tokens, LONG_PREFILL_CHUNK, opts.prefill_reps)?,
                 })
             })
             .collect::<Result<_>>()?,

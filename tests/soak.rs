@@ -652,9 +652,14 @@ fn round(
         // The router may send a round's whole load to one decode instance (the KV router
         // follows the prefixes it placed there): an instance that took none of it had no
         // message to panic on.
-        let took_load = ["prompt_tokens", "handoffs_done", "bytes_sent", "bytes_received"]
-            .iter()
-            .any(|k| snap[*k].as_u64().unwrap() > 0);
+        let took_load = [
+            "prompt_tokens",
+            "handoffs_done",
+            "bytes_sent",
+            "bytes_received",
+        ]
+        .iter()
+        .any(|k| snap[*k].as_u64().unwrap() > 0);
         if killed.iter().any(|k| m["node"] == k.as_str()) || !took_load {
             // A restarted process injects its one panic again only if the load reached it.
             assert!(

@@ -7,6 +7,8 @@
 # Default binary .gpu/pdserve, default OUT_DIR $OUT (else ./device-check-out). Environment:
 #   DEVICE_CHECK_STEPS     steps to run, space-separated (default: all, in this order)
 #                          verify bench transfer verify16 serve launch hf busy
+#   DEVICE_CHECK_BASELINE  an older binary: `bench` then alternates it with this one (two
+#                          rounds of `bench model` each), a before/after on the same machine
 #   DEVICE_CHECK_BUDGET_S  wall-clock budget in seconds (default 420): a step that would start
 #                          with under 20 s left is skipped and marked so; each step also has
 #                          its own timeout.
@@ -38,7 +40,7 @@
 #             (f16, KV cache on) on the HF export of the synthetic model's unquantized weights:
 #             greedy tokens compared, tokens/s beside each other (benches/cuda_hf_reference.py)
 #   busy      served decode beside neighbours: `serve --device cuda` and `serve` on the CPU,
-#             each driven by `bench serve` (512-token prompts, 128 tokens out, one at a time)
+#             each driven by `bench serve` (~512-token prompts, 128 tokens out, one at a time)
 #             idle, beside one `nice -n 19` busy loop and beside one per core: end-to-end time
 #             per request (the synthetic model's tokens carry no text to time chunk by chunk)
 #
@@ -136,7 +138,19 @@ step_verify() {
 }
 step_bench() {
     ensure_model || return 1
-    "$bin" bench model --device cuda --dtype f16 --model "$gguf" | tee "$raw/bench-model.txt"
+    "$bin" bench model --device cuda --dtype f16 --model "$gguf" | tee "$raw/bench-model.txt" ||
+        return 1
+    # Before/after on the same machine: DEVICE_CHECK_BASELINE names an older binary (carried
+    # beside this one); the two alternate, two rounds each.
+    local base="${DEVICE_CHECK_BASELINE:-}" round
+    [ -n "$base" ] || return 0
+    for round in 1 2; do
+        "$base" bench model --device cuda --dtype f16 --model "$gguf" \
+            >"$raw/bench-model-baseline-$round.txt" || return 1
+        "$bin" bench model --device cuda --dtype f16 --model "$gguf" --prompts "" \
+            >"$raw/bench-model-$round.txt" || return 1
+    done
+    tail -n 8 "$raw"/bench-model-*.txt
 }
 step_transfer() {
     for n in 2 4 8; do
@@ -251,7 +265,9 @@ step_launch() {
 # Served decode with neighbours on the machine (issue 28's question, asked of this machine):
 # `serve --device cuda` and `serve` on the CPU (default weights and threads), each driven by
 # `bench serve` (8 requests of ~512 prompt tokens and 128 output tokens, one at a time) idle,
-# beside one `nice -n 19` busy loop, and beside one per core.
+# beside one `nice -n 19` busy loop, and beside one per core. `bench serve --input-len` counts
+# words; the synthetic model's tokenizer makes ~4.5 tokens of each, so 112 words are ~512
+# tokens (the summary reports the prompt tokens the server counted).
 step_busy() {
     ensure_model || return 1
     local rc=0 name device port loops
@@ -270,7 +286,7 @@ step_busy() {
                 nice -n 19 sh -c 'while :; do :; done' &
                 pids+=($!)
             done
-            "$bin" bench serve --url "http://127.0.0.1:$port" --model m --input-len 512 \
+            "$bin" bench serve --url "http://127.0.0.1:$port" --model m --input-len 112 \
                 --output-len 128 --num-requests 8 --concurrency 1 --timeout-s 60 --json \
                 >"$raw/$name-loops$loops.json" || rc=1
             # (`wait` with no pid would wait for the server too.)
@@ -288,7 +304,7 @@ export bin raw work gguf root
 export -f ensure_model step_verify step_bench step_transfer step_verify16 step_hf wait_health \
     free_port chat serve_one stop_one step_serve launch_one step_launch step_busy
 run_step verify 150 step_verify
-run_step bench 90 step_bench
+run_step bench "$([ -n "${DEVICE_CHECK_BASELINE:-}" ] && echo 240 || echo 90)" step_bench
 run_step transfer 100 step_transfer
 run_step verify16 90 step_verify16
 run_step serve 120 step_serve
@@ -322,6 +338,12 @@ try:
     s["bench_model"] = open(os.path.join(raw, "bench-model.txt")).read()[-3000:]
 except OSError:
     pass
+# The before/after rounds (DEVICE_CHECK_BASELINE): each run's table, in run order.
+rounds = {}
+for f in sorted(glob.glob(os.path.join(raw, "bench-model-*.txt"))):
+    rounds[os.path.basename(f)[:-4]] = open(f).read()[-1500:]
+if rounds:
+    s["bench_model_rounds"] = rounds
 tr = {}
 for f in sorted(glob.glob(os.path.join(raw, "transfer-io*.json"))):
     n = f.rsplit("io", 1)[1].split(".")[0]  # "8r": reads at 8 I/O threads
@@ -369,6 +391,7 @@ for f in sorted(glob.glob(os.path.join(raw, "busy-*-loops*.json"))):
         busy[os.path.basename(f)[:-5]] = {
             "e2e_ms_p50": r["e2e_ms"]["p50"], "e2e_ms_p99": r["e2e_ms"]["p99"],
             "ms_per_token_p50": r["e2e_ms"]["p50"] / 128 if r["e2e_ms"]["p50"] else None,
+            "prompt_tokens_mean": r["total_input_tokens"] / r["completed"] if r.get("completed") else None,
             "output_tok_s": r["output_throughput"], "failed": r["failed"]}
 if busy:
     s["busy"] = busy

@@ -46,7 +46,8 @@ pub(crate) struct VerifyArgs {
     /// Also write the synthetic model as an HF checkpoint here (for HF transformers).
     #[arg(long)]
     export_hf: Option<PathBuf>,
-    /// A prompt (repeatable; default: three built-in prompts).
+    /// A prompt (repeatable; default: three short built-in prompts and one long one, whose
+    /// decode attends over several attention parts).
     #[arg(long = "prompt")]
     prompts: Vec<String>,
     /// Greedy tokens per prompt.
@@ -77,6 +78,15 @@ const DEFAULT_PROMPTS: [&str; 3] = [
     "def fibonacci(n):\n    ",
     "Once upon a time, in a small village by the sea,",
 ];
+
+/// The long default prompt: a paragraph repeated until it spans well over 256 keys (the CUDA
+/// attention's part) with any tokenizer, so the greedy comparison covers a decode whose
+/// attention is split into parts and folded, and a prefill chunk that walks several parts.
+fn long_default_prompt() -> String {
+    let paragraph = "The keeper of the lighthouse kept a log of every ship that passed, the \
+        weather at dawn and dusk, and the oil burned each night. ";
+    paragraph.repeat(24)
+}
 
 /// Fails with the device's reason when `device` cannot run `tp` ranks here.
 pub(crate) fn check(device: Device, tp: usize) -> Result<()> {
@@ -206,7 +216,9 @@ fn verify(args: VerifyArgs) -> Result<()> {
     probe_cuda(args.gpu + 1)?;
     let model = load_for_verify(&args)?;
     let prompts = if args.prompts.is_empty() {
-        DEFAULT_PROMPTS.iter().map(|p| p.to_string()).collect()
+        let mut p: Vec<String> = DEFAULT_PROMPTS.iter().map(|p| p.to_string()).collect();
+        p.push(long_default_prompt());
+        p
     } else {
         args.prompts.clone()
     };
@@ -232,7 +244,7 @@ fn verify(args: VerifyArgs) -> Result<()> {
 
 #[cfg(not(feature = "cuda"))]
 fn verify(args: VerifyArgs) -> Result<()> {
-    let _ = (load_for_verify, &args, DEFAULT_PROMPTS);
+    let _ = (load_for_verify, &args, DEFAULT_PROMPTS, long_default_prompt);
     Err(pdserve_gpu::device::DeviceError::NotBuilt.into())
 }
 

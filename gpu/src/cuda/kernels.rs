@@ -93,6 +93,9 @@ pub const SOURCES: &[KernelSource] = &[
             "paged_attention_f16_f32",
             "paged_attention_f16_f16",
             "paged_attention_f16_bf16",
+            "attention_combine_f32",
+            "attention_combine_f16",
+            "attention_combine_bf16",
         ],
     },
     KernelSource {
@@ -153,8 +156,9 @@ const PARAMS: &[(&str, &[Param])] = &[
     ("write_kv_", &[PP, PP, PI, PI, PI, PI, PI, PI, PP]),
     (
         "paged_attention_",
-        &[PP, PI, PI, PI, PI, PP, PP, PP, PP, PI, PI, PP, PF, PP],
+        &[PP, PI, PI, PI, PI, PP, PP, PP, PP, PI, PI, PP, PF, PP, PP],
     ),
+    ("attention_combine_", &[PP, PI, PI, PI, PP, PP]),
     ("embedding_", &[PP, PP, PU, PU, PI, PP]),
     ("silu_mul_", &[PP, PL, PI, PP]),
     ("add_inplace", &[PP, PP, PL]),

@@ -18,6 +18,16 @@ pub const ELEMENTWISE_MAX_BLOCKS: u32 = 65_535;
 pub const ATTN_WARPS: u32 = 16;
 /// Largest head size the attention kernel holds (`PD_ATTN_MAX_HEAD_DIM`).
 pub const ATTN_MAX_HEAD_DIM: usize = 256;
+/// Keys per attention part, counted from position 0 (`PD_ATTN_PART`): a row's context is
+/// attended part by part and the parts folded in order, whichever launch runs it.
+pub const ATTN_PART: usize = 256;
+/// A step with fewer (token, query head) rows than this, over more than one part, is split:
+/// one block per part, so a decode over a long context fills the GPU (an H100 has 132
+/// streaming multiprocessors; one block per head would use a handful of them).
+pub const ATTN_SPLIT_BELOW_ROWS: usize = 1024;
+/// Most `f32`s the split launch's partial results may take (256 MiB); beyond it the step
+/// runs whole.
+pub const ATTN_MAX_PARTIAL_FLOATS: usize = 64 << 20;
 /// Largest `gridDim.y` (and `z`).
 pub const MAX_GRID_Y: usize = 65_535;
 /// Largest `gridDim.x`.
@@ -81,12 +91,35 @@ pub fn elementwise(n: usize) -> Launch {
     }
 }
 
-/// Paged attention: one block of [`ATTN_WARPS`] warps per (token, query head).
+/// How a step's attention is launched (see `attention.cu`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttentionLaunch {
+    /// The `paged_attention_*` launch: grid (tokens, query heads, 1) whole, or (tokens, query
+    /// heads, [`Self::parts`]) split.
+    pub main: Launch,
+    /// The `attention_combine_*` launch that folds a split step's parts; `None` when whole.
+    pub combine: Option<Launch>,
+    /// Parts of the longest row's context ([`ATTN_PART`] keys each).
+    pub parts: usize,
+    /// `f32`s of partial results the split launch writes (0 when whole): per (token, head,
+    /// part) its max, its sum and `head_dim` outputs.
+    pub partial_floats: usize,
+}
+
+/// Paged attention of `tokens` query tokens whose longest context is `max_ctx` keys: blocks
+/// of [`ATTN_WARPS`] warps, one per (token, query head) walking its parts in order, or — for
+/// few rows over more than one part — one per (token, query head, part) and a combine launch.
+/// Both compute the same bits for every row.
 ///
 /// # Errors
 /// [`DeviceError::Unsupported`] for a head larger than [`ATTN_MAX_HEAD_DIM`] or more query
 /// heads than the grid's y limit.
-pub fn attention(tokens: usize, q_heads: usize, head_dim: usize) -> Result<Launch, DeviceError> {
+pub fn attention(
+    tokens: usize,
+    q_heads: usize,
+    head_dim: usize,
+    max_ctx: usize,
+) -> Result<AttentionLaunch, DeviceError> {
     if head_dim > ATTN_MAX_HEAD_DIM {
         return Err(DeviceError::Unsupported(format!(
             "head_dim {head_dim} (the attention kernel holds at most {ATTN_MAX_HEAD_DIM})"
@@ -98,18 +131,52 @@ pub fn attention(tokens: usize, q_heads: usize, head_dim: usize) -> Result<Launc
     if tokens > MAX_GRID_X {
         return Err(too_big("tokens", tokens, MAX_GRID_X));
     }
-    Ok(Launch {
-        grid: (tokens.max(1) as u32, q_heads.max(1) as u32, 1),
-        block: (ATTN_WARPS * WARP, 1, 1),
-        shared_bytes: 0,
+    let (tokens, q_heads) = (tokens.max(1), q_heads.max(1));
+    let parts = max_ctx.div_ceil(ATTN_PART).max(1);
+    let rows = tokens * q_heads;
+    let partial_floats = rows.saturating_mul(parts).saturating_mul(head_dim + 2);
+    let split = parts > 1
+        && rows < ATTN_SPLIT_BELOW_ROWS
+        && parts <= MAX_GRID_Y
+        && partial_floats <= ATTN_MAX_PARTIAL_FLOATS;
+    let block = (ATTN_WARPS * WARP, 1, 1);
+    let grid = (tokens as u32, q_heads as u32);
+    Ok(if split {
+        AttentionLaunch {
+            main: Launch {
+                grid: (grid.0, grid.1, parts as u32),
+                block,
+                shared_bytes: 0,
+            },
+            combine: Some(Launch {
+                grid: (grid.0, grid.1, 1),
+                block: (row_threads(head_dim, ROW_THREADS), 1, 1),
+                shared_bytes: 0,
+            }),
+            parts,
+            partial_floats,
+        }
+    } else {
+        AttentionLaunch {
+            main: Launch {
+                grid: (grid.0, grid.1, 1),
+                block,
+                shared_bytes: 0,
+            },
+            combine: None,
+            parts,
+            partial_floats: 0,
+        }
     })
 }
 
-/// The ranges of keys each attention warp walks for a query at position `pos`: warp `w` takes
-/// keys `w, w + ATTN_WARPS, ...` up to `pos` (what `attention.cu` does), so together they
-/// cover `0..=pos` exactly once.
-pub fn attention_keys_of_warp(pos: usize, warp: u32) -> impl Iterator<Item = usize> {
-    (warp as usize..=pos).step_by(ATTN_WARPS as usize)
+/// The keys attention warp `warp` walks in part `part` for a query at position `pos`: keys
+/// `part * ATTN_PART + warp`, then every [`ATTN_WARPS`]-th, up to the part's end or `pos`
+/// (what `attention.cu` does), so the parts' warps together cover `0..=pos` exactly once.
+pub fn attention_keys_of_warp(pos: usize, part: usize, warp: u32) -> impl Iterator<Item = usize> {
+    let begin = part * ATTN_PART;
+    let end = (begin + ATTN_PART).min(pos + 1);
+    (begin + warp as usize..end).step_by(ATTN_WARPS as usize)
 }
 
 #[cfg(test)]
@@ -148,20 +215,51 @@ mod tests {
 
     #[test]
     fn attention_grid_and_limits() {
-        let l = attention(37, 9, 64).unwrap();
-        assert_eq!(l.grid, (37, 9, 1));
-        assert_eq!(l.block, (512, 1, 1));
-        assert_eq!(attention(1, 1, 257).unwrap_err().kind(), "cuda_unsupported");
-        assert!(attention(1, 70_000, 64).is_err());
+        // Short contexts: one part, whole.
+        let l = attention(37, 9, 64, 200).unwrap();
+        assert_eq!(l.main.grid, (37, 9, 1));
+        assert_eq!(l.main.block, (512, 1, 1));
+        assert_eq!((l.combine, l.partial_floats, l.parts), (None, 0, 1));
+        assert_eq!(
+            attention(1, 1, 257, 1).unwrap_err().kind(),
+            "cuda_unsupported"
+        );
+        assert!(attention(1, 70_000, 64, 1).is_err());
     }
 
     #[test]
-    fn attention_warps_cover_the_causal_context_exactly_once() {
-        for pos in [0usize, 1, 2, 3, 4, 5, 63, 64, 1000] {
+    fn few_rows_over_long_contexts_split_into_parts() {
+        // A batch-1 decode at 2048 keys: 8 parts of 256, one block each, and a combine.
+        let l = attention(1, 9, 64, 2048).unwrap();
+        assert_eq!(l.parts, 8);
+        assert_eq!(l.main.grid, (1, 9, 8));
+        assert_eq!(l.partial_floats, 9 * 8 * 66);
+        let c = l.combine.unwrap();
+        assert_eq!(c.grid, (1, 9, 1));
+        assert!(c.block.0 >= 64 && c.block.0.is_multiple_of(WARP));
+        // 257 keys are two parts.
+        assert_eq!(attention(1, 9, 64, 257).unwrap().parts, 2);
+        assert!(attention(1, 9, 64, 257).unwrap().combine.is_some());
+        // A prefill chunk has rows enough to fill the GPU: whole, whatever its context.
+        let p = attention(512, 9, 64, 4096).unwrap();
+        assert_eq!((p.main.grid, p.combine, p.parts), ((512, 9, 1), None, 16));
+        // Partial results are bounded: a context that would need more runs whole.
+        let huge = attention(100, 9, 256, 1 << 24).unwrap();
+        assert!(huge.combine.is_none());
+        assert_eq!(huge.partial_floats, 0);
+    }
+
+    #[test]
+    fn attention_parts_and_warps_cover_the_causal_context_exactly_once() {
+        for pos in [0usize, 1, 2, 3, 4, 5, 63, 64, 255, 256, 257, 1000, 4095] {
             let mut seen = vec![0u8; pos + 1];
-            for w in 0..ATTN_WARPS {
-                for k in attention_keys_of_warp(pos, w) {
-                    seen[k] += 1;
+            let parts = attention(1, 1, 64, pos + 1).unwrap().parts;
+            assert_eq!(parts, (pos + 1).div_ceil(ATTN_PART));
+            for part in 0..parts {
+                for w in 0..ATTN_WARPS {
+                    for k in attention_keys_of_warp(pos, part, w) {
+                        seen[k] += 1;
+                    }
                 }
             }
             assert!(seen.iter().all(|&c| c == 1), "pos {pos}");
@@ -172,6 +270,7 @@ mod tests {
     fn kernel_constants_match_the_sources() {
         let attn = source_of("paged_attention_f32_f32").unwrap().body;
         assert_eq!(define_value(attn, "PD_ATTN_WARPS"), Some(ATTN_WARPS as i64));
+        assert_eq!(define_value(attn, "PD_ATTN_PART"), Some(ATTN_PART as i64));
         let per_lane = define_value(attn, "PD_ATTN_MAX_DIMS_PER_LANE").unwrap();
         assert_eq!(per_lane as usize * WARP as usize, ATTN_MAX_HEAD_DIM);
     }

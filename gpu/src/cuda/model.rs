@@ -318,6 +318,16 @@ impl CudaShard {
         let h = g.typed_zeros(self.dtype, t * d)?;
         let mut qkv = g.zeros::<f32>(t * qkv_w)?;
         let attn = g.typed_zeros(self.dtype, t * nh * hd)?;
+        // Attention's launch is the same for every layer: split into parts when few rows
+        // attend over long contexts, with room for the parts' partial results.
+        let max_ctx = plan
+            .positions
+            .iter()
+            .map(|&p| p as usize + 1)
+            .max()
+            .unwrap_or(1);
+        let attn_launch = launch::attention(t, nh, hd, max_ctx)?;
+        let partials = g.zeros::<f32>(attn_launch.partial_floats.max(1))?;
         let mut o = g.zeros::<f32>(t * d)?;
         let mut gu = g.zeros::<f32>(t * 2 * ffn)?;
         let act = g.typed_zeros(self.dtype, t * ffn)?;
@@ -396,7 +406,7 @@ impl CudaShard {
             on_layer(li, &plan)?;
             g.launch(
                 &format!("paged_attention_{kv_sfx}_{ty}"),
-                launch::attention(t, nh, hd)?,
+                attn_launch.main,
                 &[
                     F32s(&qkv),
                     karg_i32(qkv_w),
@@ -411,9 +421,24 @@ impl CudaShard {
                     karg_i32(layout.num_blocks),
                     Raw(cache),
                     F32(scale),
+                    F32s(&partials),
                     Typed(&attn),
                 ],
             )?;
+            if let Some(combine) = attn_launch.combine {
+                g.launch(
+                    &format!("attention_combine_{ty}"),
+                    combine,
+                    &[
+                        F32s(&partials),
+                        karg_i32(nh),
+                        karg_i32(hd),
+                        karg_i32(attn_launch.parts),
+                        I32s(&positions),
+                        Typed(&attn),
+                    ],
+                )?;
+            }
             layer.out.forward(g, &attn, t, &mut o)?;
             all_reduce(g, comm, &mut o)?;
             norm(&x, Some(&o), &layer.ffn_norm)?;

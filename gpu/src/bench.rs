@@ -143,21 +143,40 @@ pub fn chunked_prefill_tps(
     let mut times = Vec::new();
     for _ in 0..reps.max(1) {
         let t = Instant::now();
-        for (k, c) in tokens.chunks(chunk.max(1)).enumerate() {
-            group.step(Batch {
-                seqs: vec![SeqChunk {
-                    tokens: c.to_vec(),
-                    start_pos: k * chunk,
-                    block_table: table.clone(),
-                    want_logits: (k + 1) * chunk >= len,
-                    all_logits: false,
-                    embeds: Vec::new(),
-                }],
-            })?;
-        }
+        prefill_in_chunks(group, &tokens, std::slice::from_ref(&table), chunk, true)?;
         times.push(t.elapsed());
     }
     Ok(len as f64 / median(times).as_secs_f64())
+}
+
+/// Prefills `tokens` from position 0 into each of `tables` (one sequence per table, stepped
+/// together), `chunk` tokens per step as the scheduler feeds long prompts; with `last_logits`,
+/// the final chunk asks for its last token's logits.
+fn prefill_in_chunks(
+    group: &impl StepGroup,
+    tokens: &[u32],
+    tables: &[Vec<u32>],
+    chunk: usize,
+    last_logits: bool,
+) -> Result<()> {
+    let chunk = chunk.max(1);
+    for (k, c) in tokens.chunks(chunk).enumerate() {
+        let last = (k + 1) * chunk >= tokens.len();
+        group.step(Batch {
+            seqs: tables
+                .iter()
+                .map(|table| SeqChunk {
+                    tokens: c.to_vec(),
+                    start_pos: k * chunk,
+                    block_table: table.clone(),
+                    want_logits: last_logits && last,
+                    all_logits: false,
+                    embeds: Vec::new(),
+                })
+                .collect(),
+        })?;
+    }
+    Ok(())
 }
 
 /// Decode tokens/s summed over `n` sequences stepped together for `steps` greedy steps from
@@ -181,7 +200,7 @@ pub fn decode_step_times(group: &impl StepGroup, n: usize, steps: usize) -> Resu
 }
 
 /// As [`decode_step_times`], with each sequence's cache first holding `context` tokens
-/// (prefilled in untimed chunks of 512; needs `n * blocks_for(context + steps + 2)` blocks).
+/// (prefilled in untimed chunks of [`LONG_PREFILL_CHUNK`]; needs `n * blocks_for(context + steps + 2)` blocks).
 ///
 /// # Errors
 /// Forward-pass failures.
@@ -219,21 +238,7 @@ pub fn decode_step_times_at(
         Ok(())
     };
     let context_of = prompt(context, vocab, 7);
-    for (k, chunk) in context_of.chunks(512).enumerate() {
-        let batch = Batch {
-            seqs: (0..n)
-                .map(|s| SeqChunk {
-                    tokens: chunk.to_vec(),
-                    start_pos: k * 512,
-                    block_table: tables[s].clone(),
-                    want_logits: false,
-                    all_logits: false,
-                    embeds: Vec::new(),
-                })
-                .collect(),
-        };
-        group.step(batch)?;
-    }
+    prefill_in_chunks(group, &context_of, &tables, LONG_PREFILL_CHUNK, false)?;
     run_step(context, &mut last)?;
     let mut times = Vec::with_capacity(steps);
     for pos in context + 1..=context + steps {

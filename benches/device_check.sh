@@ -22,10 +22,11 @@
 #   env.txt        GPU, driver, libraries found
 #
 # Steps:
-#   verify    `cuda verify --dtype f32 --cpu-weights f32 --bench`: greedy tokens, 3 prompts x 32,
+#   verify    `cuda verify --dtype f32 --cpu-weights f32 --bench`: greedy tokens, 4 prompts x 32,
 #             GPU vs CPU on the same f32 weights, first divergence with logit margins; P/D
 #             hand-offs GPU prefill -> host mirror -> CPU decode and -> second GPU group;
-#             prefill/decode tokens/s at batch 1 and 32; KV GB/s beside cuMemcpy
+#             prefill/decode tokens/s at batch 1 and 32; KV GB/s beside cuMemcpy; the attention
+#             kernel's whole and split launches compared bit for bit
 #   bench     `bench model --device cuda --dtype f16` on the same synthetic GGUF
 #   transfer  `bench transfer --backend tcp --backend quic --io-threads N` for N = 2, 4, 8,
 #             and reads at 8 (the machine's 16 cores; quic's target is >= 0.8x plain tcp)
@@ -332,6 +333,7 @@ for name in ["verify-f32", "verify-f16", "verify-hf"]:
                     "of": len(g["cpu"]), "divergence": g["divergence"]} for g in r["greedy"]],
         "handoff": [{"name": h["name"], "identical": h["identical"]} for h in r["handoff"]],
         "speed": r.get("speed"), "transfer": r.get("transfer"),
+        "attention_launches": r.get("attention_launches"),
     }
 s["hf"] = load("hf.json")
 try:

@@ -9,7 +9,9 @@
 //!    rank's cache, decode on the CPU; and the same into a second GPU group (mirror → device);
 //!    each against the colocated tokens of the decoding side;
 //! 3. prefill and decode tokens/s on the GPU at batch 1 and 32;
-//! 4. KV transfer GB/s device → host mirror → device beside plain `cuMemcpy` of the same bytes.
+//! 4. KV transfer GB/s device → host mirror → device beside plain `cuMemcpy` of the same bytes;
+//! 5. the attention kernel's two launches (whole and split into parts, `launch::attention`)
+//!    on the same random inputs, which must agree to the bit.
 //!
 //! The pieces that need no GPU (greedy loops, span-by-span KV copy) live in `handoff.rs` and
 //! are unit-tested on CPU groups.
@@ -156,6 +158,22 @@ pub struct VerifyReport {
     pub speed: Option<GpuSpeed>,
     /// KV transfer throughput, when asked.
     pub transfer: Option<TransferSpeed>,
+    /// The attention kernel's whole and split launches compared.
+    pub attention_launches: AttentionLaunchCheck,
+}
+
+/// The attention kernel run both ways on the same inputs: one block per (token, head) walking
+/// its parts, and one block per part folded by `attention_combine_f32`.
+#[derive(Clone, Debug, Serialize)]
+pub struct AttentionLaunchCheck {
+    /// The positions of the query tokens (one sequence).
+    pub positions: Vec<usize>,
+    /// Parts of the longest context.
+    pub parts: usize,
+    /// Whether every output element is the same bits both ways.
+    pub identical: bool,
+    /// Largest absolute difference (0 when identical).
+    pub max_abs_diff: f32,
 }
 
 impl VerifyReport {
@@ -163,6 +181,7 @@ impl VerifyReport {
     pub fn all_identical(&self) -> bool {
         self.greedy.iter().all(|g| g.divergence.is_none())
             && self.handoff.iter().all(|h| h.identical)
+            && self.attention_launches.identical
     }
 }
 
@@ -316,6 +335,7 @@ pub fn run(model: &LoadedModel, opts: &VerifyOptions) -> Result<VerifyReport> {
         (None, None)
     };
 
+    let attention_launches = check_attention_launches(opts.cuda.first_gpu)?;
     Ok(VerifyReport {
         model: model.name.clone(),
         driver_version: probe.driver_version,
@@ -326,6 +346,105 @@ pub fn run(model: &LoadedModel, opts: &VerifyOptions) -> Result<VerifyReport> {
         handoff,
         speed,
         transfer,
+        attention_launches,
+    })
+}
+
+/// Runs `paged_attention_f32_f32` whole and split on seeded random Q, K and V (9 query heads
+/// over 3 KV heads of 64, a shuffled block table) for query tokens at positions around the
+/// part edges and far past them, and compares the outputs bit for bit.
+fn check_attention_launches(ordinal: usize) -> Result<AttentionLaunchCheck> {
+    use super::context::{karg_i32, KArg, TypedBuffer};
+    use super::launch::{self, Launch};
+    use rand::{seq::SliceRandom, Rng, SeedableRng};
+
+    let g = GpuContext::new(ordinal, &KernelCache::from_env())?;
+    let (nh, nkv, hd, bs) = (9usize, 3usize, 64usize, 16usize);
+    let positions: Vec<usize> = vec![0, 1, 255, 256, 257, 511, 1000, 3071];
+    let n_ctx = positions.iter().max().map_or(1, |p| p + 1);
+    let num_blocks = n_ctx.div_ceil(bs) + 3;
+    let qkv_w = (nh + 2 * nkv) * hd;
+    let t = positions.len();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(31);
+    let mut random =
+        |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-2.0f32..2.0)).collect() };
+    let qkv = g.upload(&random(t * qkv_w))?;
+    let cache = g.upload(&random(2 * num_blocks * nkv * bs * hd))?;
+    let mut table: Vec<i32> = (0..num_blocks as i32).collect();
+    table.shuffle(&mut rand::rngs::StdRng::seed_from_u64(32));
+    let block_tables = g.upload(&table)?;
+    let tok_seq = g.upload(&vec![0i32; t])?;
+    let tok_pos = g.upload(&positions.iter().map(|&p| p as i32).collect::<Vec<_>>())?;
+    let seq_bt_start = g.upload(&[0i32])?;
+    let plan = launch::attention(t, nh, hd, n_ctx)?;
+    let combine = plan.combine.ok_or_else(|| {
+        crate::ModelError::InvalidBatch("the check's launch was expected to split".into())
+    })?;
+    let partials = g.zeros::<f32>(plan.partial_floats)?;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let attend = |main: Launch, out: &TypedBuffer| {
+        g.launch(
+            "paged_attention_f32_f32",
+            main,
+            &[
+                KArg::F32s(&qkv),
+                karg_i32(qkv_w),
+                karg_i32(nh),
+                karg_i32(nkv),
+                karg_i32(hd),
+                KArg::I32s(&tok_seq),
+                KArg::I32s(&tok_pos),
+                KArg::I32s(&seq_bt_start),
+                KArg::I32s(&block_tables),
+                karg_i32(bs),
+                karg_i32(num_blocks),
+                KArg::F32s(&cache),
+                KArg::F32(scale),
+                KArg::F32s(&partials),
+                KArg::Typed(out),
+            ],
+        )
+    };
+    let whole_out = g.typed_zeros(GemmDtype::F32, t * nh * hd)?;
+    let split_out = g.typed_zeros(GemmDtype::F32, t * nh * hd)?;
+    attend(
+        Launch {
+            grid: (plan.main.grid.0, plan.main.grid.1, 1),
+            ..plan.main
+        },
+        &whole_out,
+    )?;
+    attend(plan.main, &split_out)?;
+    g.launch(
+        "attention_combine_f32",
+        combine,
+        &[
+            KArg::F32s(&partials),
+            karg_i32(nh),
+            karg_i32(hd),
+            karg_i32(plan.parts),
+            KArg::I32s(&tok_pos),
+            KArg::Typed(&split_out),
+        ],
+    )?;
+    let download = |b: &TypedBuffer| -> Result<Vec<f32>> {
+        match b {
+            TypedBuffer::F32(s) => Ok(g.download(s)?),
+            TypedBuffer::Half(..) => unreachable!("allocated as f32"),
+        }
+    };
+    let (a, b) = (download(&whole_out)?, download(&split_out)?);
+    let identical = a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits());
+    let max_abs_diff = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max);
+    Ok(AttentionLaunchCheck {
+        positions,
+        parts: plan.parts,
+        identical,
+        max_abs_diff,
     })
 }
 

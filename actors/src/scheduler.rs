@@ -226,6 +226,8 @@ pub struct SchedulerArgs {
     /// Whether peers can read the KV this instance computes (false for a device KV cache
     /// whose mirror only receives: requests that hold KV for a peer are refused).
     pub serves_kv: bool,
+    /// Test-only fault injection (`[faults]`): late spill ends.
+    pub faults: Option<Arc<pdserve_runtime::faults::FaultInjector>>,
 }
 
 /// Decode side, device KV: a request whose KV landed in the ranks' host mirrors, waiting for
@@ -314,6 +316,8 @@ pub struct SchedulerState {
     upload_landed_kv: bool,
     /// See [`SchedulerArgs::serves_kv`].
     serves_kv: bool,
+    /// See [`SchedulerArgs::faults`].
+    faults: Option<Arc<pdserve_runtime::faults::FaultInjector>>,
     /// Requests whose landed KV is being uploaded, by request.
     uploads: HashMap<RequestId, PendingUpload>,
 }
@@ -364,6 +368,7 @@ impl Actor for Scheduler {
             aborted_transfers: Default::default(),
             vocab_size: args.vocab_size,
             upload_landed_kv: args.upload_landed_kv,
+            faults: args.faults,
             serves_kv: args.serves_kv,
             uploads: HashMap::new(),
         })
@@ -874,6 +879,16 @@ impl SchedulerState {
     fn queue_spill(&self, evicted: Vec<crate::block_manager::Evicted>, done: SpillDone) {
         let Some(tiers) = &self.tiers else {
             return done();
+        };
+        // An injected slow spill: its end is reported late, off the ranks (test-only).
+        let done = match self.faults.as_ref().and_then(|f| f.spill()) {
+            Some(delay) => Box::new(move || {
+                std::thread::spawn(move || {
+                    std::thread::sleep(delay);
+                    done();
+                });
+            }) as SpillDone,
+            None => done,
         };
         let jobs = crate::kv_tiers::spill_jobs(tiers, evicted, done);
         for (job, w) in jobs.into_iter().zip(&self.workers) {

@@ -346,6 +346,7 @@ impl Actor for InstanceSupervisor {
                 upload_landed_kv: args.worker.device.private_kv(),
                 serves_kv: !args.worker.device.private_kv()
                     || args.worker.device.mirror() == crate::worker::KvMirror::WriteThrough,
+                faults: args.worker.faults.clone(),
             },
             sup(),
             hook("Scheduler"),

@@ -2462,6 +2462,147 @@ async fn a_client_gone_while_decode_restores_from_its_tiers_frees_the_prefill_si
     stop_pair(p, d).await;
 }
 
+/// A decode request whose admission evicted blocks the KV tiers take waits for the ranks to
+/// copy them out before its KV fetch starts (the fetch rewrites those blocks). When its
+/// client leaves inside that window, the fetch is never started: the prefill instance is
+/// told to drop the hand-off when the spill ends, and both pools return to full. The spill's
+/// end is held back by the `spill_delay` fault so the window is wide and certain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_gone_between_the_spill_and_the_fetch_start_frees_both_sides() {
+    use pdserve_actors::kv_tiers::TierSettings;
+    use pdserve_actors::openai::{kv_directive, KvDirective};
+    use pdserve_actors::scheduler::NewRequest;
+    use pdserve_runtime::faults::{Fault, FaultInjector, FaultSection};
+    let lease = Duration::from_secs(60);
+    let spill_delay = Duration::from_millis(1500);
+    let faults = FaultInjector::new(&FaultSection {
+        spill_delay: 1.0,
+        spill_delay_ms: spill_delay.as_millis() as u64,
+        ..FaultSection::default()
+    })
+    .unwrap();
+    let p = instance_with(
+        "p-gone-spill",
+        "small",
+        1,
+        Some(BackendKind::Shm),
+        lease,
+        |o| o.block_size = 8,
+    )
+    .await;
+    let d = instance_with(
+        "d-gone-spill",
+        "small",
+        1,
+        Some(BackendKind::Shm),
+        lease,
+        |o| {
+            o.block_size = 8;
+            o.num_blocks = Some(16);
+            o.watermark = 0.0;
+            o.kv_tiers = Some(TierSettings::host_only(64 << 20));
+            o.faults = Some(faults.clone());
+        },
+    )
+    .await;
+    // 41 tokens: five whole blocks and one token.
+    let prompt = |k: usize| -> Vec<u32> {
+        (0..41)
+            .map(|t| ((t * 31 + k * 57 + 3) % 250) as u32)
+            .collect()
+    };
+    let body = |k: usize| json!({"prompt": prompt(k), "max_tokens": 4, "temperature": 0, "ignore_eos": true});
+    // Decode's pool fills with cached prefixes until a 41-token prompt no longer fits in its
+    // blocks nobody uses: admitting one then evicts cached blocks, which the tiers take.
+    let mut k = 1;
+    loop {
+        let (status, v) = post(&d.url(), &body(k)).await;
+        assert_eq!(status, 200, "{v}");
+        let s = d.stats().await.unwrap();
+        if s.blocks_free - s.blocks_cached < 6 {
+            break;
+        }
+        k += 1;
+        assert!(k < 8, "decode's pool never filled: {s:?}");
+    }
+    // Prefill computes prompt 0 and holds its KV for decode (lease 60 s).
+    let mut hop = body(0);
+    hop["max_tokens"] = json!(1);
+    hop["kv_transfer_params"] = json!({"do_remote_decode": true});
+    let (status, answer) = post(&p.url(), &hop).await;
+    assert_eq!(status, 200, "{answer}");
+    let KvDirective::FromPrefill {
+        peer,
+        transfer,
+        block_ids,
+        first_token,
+        first_logprobs,
+        lease: held_for,
+        cached_tokens,
+    } = kv_directive(Some(&answer["kv_transfer_params"]), "http").unwrap()
+    else {
+        panic!("not a held hand-off: {answer}");
+    };
+    let source = pdserve_actors::handoff::receiver::KvSource::Held {
+        peer: PeerAddr::Http { url: peer.url },
+        transfer,
+        block_ids,
+        first_token,
+        first_logprobs,
+        lease: held_for,
+        cached_tokens,
+    };
+    let request = NewRequest {
+        id: d.scheduler().next_request_id(),
+        prompt: prompt(0),
+        params: pdserve_gpu::sampling::SamplingParams::greedy(4),
+        hold_for: None,
+        push: false,
+        resume: Vec::new(),
+        constraint: None,
+        images: Vec::new(),
+    };
+    let delayed_before = faults.injected(Fault::SpillDelay);
+    let received_before = d.kv_context().unwrap().figures().bytes_received;
+    let started = Instant::now();
+    let events = d.scheduler().submit_remote(request, source).unwrap();
+    // The client leaves at once: its admission's spill is still being held back.
+    drop(events);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while faults.injected(Fault::SpillDelay) == delayed_before {
+        assert!(Instant::now() < deadline, "the admission spilled nothing");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(
+        p.stats().await.unwrap().blocks_in_use > 0,
+        "prefill still holds the KV until the spill ends"
+    );
+    assert!(
+        started.elapsed() < spill_delay,
+        "the check ran inside the window"
+    );
+    // The spill ends; the fetch is dropped and prefill told to free the hand-off's blocks.
+    assert_pool_full(&p).await;
+    let freed_after = started.elapsed();
+    assert!(
+        freed_after >= spill_delay && freed_after < lease / 4,
+        "prefill freed after {freed_after:?}: after the spill's end, long before the lease's"
+    );
+    assert_pool_full(&d).await;
+    assert_eq!(
+        d.kv_context().unwrap().figures().bytes_received,
+        received_before,
+        "no KV moved for a request gone before its fetch started"
+    );
+    // Both still serve, and a P/D answer equals a colocated one.
+    let (status, v) = via_pd(&p.url(), &d.url(), &common::greedy_body(4)).await;
+    assert_eq!(status, 200, "{v}");
+    let (status, colocated) = post(&p.url(), &common::greedy_body(4)).await;
+    assert_eq!(status, 200, "{colocated}");
+    assert_eq!(common::token_ids(&v), common::token_ids(&colocated));
+    stop_pair(p, d).await;
+}
+
 /// Issue 31: a TP rank's device KV as the hand-off sees it, without a GPU: the seam
 /// (`DeviceKvPeer`) with a GPU identity and 64-byte "handles", whose copies are recorded and
 /// fail (nothing is emulated: the copy itself runs only on a GPU).

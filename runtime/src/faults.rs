@@ -17,6 +17,9 @@
 //!   corrupted message carries a body that does not parse, which the receiver must refuse;
 //! - **memory registration** of a KV region fails (a worker cannot start; its supervisor
 //!   retries under its restart budget);
+//! - **KV tier spills**: the end of a spill (the ranks copied the blocks the pool evicted out
+//!   for the tiers; only then may a KV transfer land in those blocks) is reported late, as a
+//!   slow copy would be, so a hand-off whose destination blocks were evicted starts late;
 //! - **actor panics**: the actor named by `actor_panic_target` (`TpWorker` by default,
 //!   or `Scheduler`, `KvSender`, `KvReceiver`, `Aggregator`, `HttpFrontend`) panics as it
 //!   takes a message from its mailbox, at most `actor_panic_max` times; its supervisor
@@ -59,6 +62,10 @@ pub struct FaultSection {
     pub control_corrupt: f64,
     /// KV memory registrations that fail.
     pub register_fail: f64,
+    /// KV tier spills whose end is reported `spill_delay_ms` late.
+    pub spill_delay: f64,
+    /// Delay of a delayed spill's end.
+    pub spill_delay_ms: u64,
     /// Messages at which the `actor_panic_target` actor panics (for a TpWorker: steps).
     #[serde(alias = "worker_panic")]
     pub actor_panic: f64,
@@ -77,7 +84,7 @@ impl FaultSection {
         self.rates().iter().any(|(_, r)| *r > 0.0)
     }
 
-    fn rates(&self) -> [(&'static str, f64); 10] {
+    fn rates(&self) -> [(&'static str, f64); 11] {
         [
             ("faults.transfer_fail", self.transfer_fail),
             ("faults.transfer_delay", self.transfer_delay),
@@ -89,6 +96,7 @@ impl FaultSection {
             ("faults.control_corrupt", self.control_corrupt),
             ("faults.register_fail", self.register_fail),
             ("faults.actor_panic", self.actor_panic),
+            ("faults.spill_delay", self.spill_delay),
         ]
     }
 
@@ -143,6 +151,8 @@ pub enum Fault {
     TransferSkipBlock,
     /// A transfer batch silently delivers wrong bytes into one block.
     TransferGarbleBlock,
+    /// A KV tier spill's end is reported late.
+    SpillDelay,
 }
 
 /// The actor kinds `faults.actor_panic_target` may name.
@@ -155,7 +165,7 @@ pub const PANIC_TARGETS: [&str; 6] = [
     "HttpFrontend",
 ];
 
-const KINDS: usize = 10;
+const KINDS: usize = 11;
 
 impl Fault {
     fn index(self) -> usize {
@@ -175,6 +185,7 @@ impl Fault {
             Self::ActorPanic => "actor_panic",
             Self::TransferSkipBlock => "transfer_skip_block",
             Self::TransferGarbleBlock => "transfer_garble_block",
+            Self::SpillDelay => "spill_delay",
         }
     }
 }
@@ -253,6 +264,7 @@ impl FaultInjector {
             Fault::ActorPanic => c.actor_panic,
             Fault::TransferSkipBlock => c.transfer_skip_block,
             Fault::TransferGarbleBlock => c.transfer_garble_block,
+            Fault::SpillDelay => c.spill_delay,
         }
     }
 
@@ -314,6 +326,12 @@ impl FaultInjector {
         }
     }
 
+    /// How late to report the end of one KV tier spill (`None`: on time).
+    pub fn spill(&self) -> Option<Duration> {
+        self.roll(Fault::SpillDelay)
+            .then(|| Duration::from_millis(self.cfg.spill_delay_ms))
+    }
+
     /// How many faults of `kind` were injected.
     pub fn injected(&self, kind: Fault) -> u64 {
         self.injected[kind.index()].load(Ordering::Relaxed)
@@ -365,5 +383,23 @@ mod tests {
         assert_eq!((0..10).filter(|_| a.actor_panics("KvSender")).count(), 2);
         assert_eq!(a.injected(Fault::ActorPanic), 2);
         assert!(!a.roll(Fault::ControlDrop), "rate 0 never fires");
+    }
+
+    #[test]
+    fn a_delayed_spill_reports_its_delay_and_is_counted() {
+        let f = FaultInjector::new(&FaultSection {
+            spill_delay: 1.0,
+            spill_delay_ms: 250,
+            ..FaultSection::default()
+        })
+        .expect("active");
+        assert_eq!(f.spill(), Some(Duration::from_millis(250)));
+        assert_eq!(f.injected(Fault::SpillDelay), 1);
+        assert_eq!(f.transfer(), TransferFault::Submit, "other kinds untouched");
+        let bad = FaultSection {
+            spill_delay: 2.0,
+            ..FaultSection::default()
+        };
+        assert_eq!(bad.invalid().map(|(k, _)| k), Some("faults.spill_delay"));
     }
 }

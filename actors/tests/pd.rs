@@ -2184,12 +2184,16 @@ async fn pd_cached_tokens_count_the_prefill_instances_prefix_hits() {
     c.stop().await;
 }
 
-/// Greedy prompt `k` of the KV-tier tests: 41 tokens, five whole 8-token blocks and one token.
-fn tier_request(k: usize) -> Value {
-    let prompt: Vec<u32> = (0..41)
+/// Prompt `k` of the KV-tier tests: 41 tokens, five whole 8-token blocks and one token.
+fn tier_prompt(k: usize) -> Vec<u32> {
+    (0..41)
         .map(|t| ((t * 31 + k * 57 + 3) % 250) as u32)
-        .collect();
-    json!({"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": true, "return_token_ids": true})
+        .collect()
+}
+
+/// Greedy request `k` of the KV-tier tests: [`tier_prompt`], 4 tokens.
+fn tier_request(k: usize) -> Value {
+    json!({"prompt": tier_prompt(k), "max_tokens": 4, "temperature": 0, "ignore_eos": true, "return_token_ids": true})
 }
 
 /// Prompt 0 through `p` → `d`, then prompts 1–4, which push it out of small pools; returns
@@ -2288,7 +2292,7 @@ async fn blocks_decode_evicts_for_a_hand_off_reach_its_tiers_and_come_back() {
         figures.offered >= 5 && figures.not_spilled == 0,
         "decode copied out what the hand-offs evicted: {figures:?}"
     );
-    let prompt0: Vec<u32> = serde_json::from_value(tier_request(0)["prompt"].clone()).unwrap();
+    let prompt0 = tier_prompt(0);
     let hashes = tiers.block_hashes(&prompt0[..40]);
     assert_eq!(tiers.contains_run(&hashes), 5, "{figures:?}");
     let hits = |t: &pdserve_actors::kv_tiers::KvTiers| t.figures().host.unwrap().hits;
@@ -2310,6 +2314,59 @@ async fn blocks_decode_evicts_for_a_hand_off_reach_its_tiers_and_come_back() {
     stop_pair(p, d).await;
 }
 
+/// Prefill computes `body`'s prompt and holds its KV for a decode instance (one token, under
+/// prefill's lease): the hand-off as decode's Scheduler takes it.
+async fn held_on_prefill(
+    p: &Instance,
+    body: &Value,
+) -> pdserve_actors::handoff::receiver::KvSource {
+    use pdserve_actors::openai::{kv_directive, KvDirective};
+    let mut hop = body.clone();
+    hop["max_tokens"] = json!(1);
+    hop["kv_transfer_params"] = json!({"do_remote_decode": true});
+    let (status, answer) = post(&p.url(), &hop).await;
+    assert_eq!(status, 200, "{answer}");
+    let KvDirective::FromPrefill {
+        peer,
+        transfer,
+        block_ids,
+        first_token,
+        first_logprobs,
+        lease,
+        cached_tokens,
+    } = kv_directive(Some(&answer["kv_transfer_params"]), "http").unwrap()
+    else {
+        panic!("not a held hand-off: {answer}");
+    };
+    pdserve_actors::handoff::receiver::KvSource::Held {
+        peer: PeerAddr::Http { url: peer.url },
+        transfer,
+        block_ids,
+        first_token,
+        first_logprobs,
+        lease,
+        cached_tokens,
+    }
+}
+
+/// A greedy request of `max_tokens` tokens for `d`'s Scheduler.
+fn greedy_request(
+    d: &Instance,
+    prompt: Vec<u32>,
+    max_tokens: usize,
+) -> pdserve_actors::scheduler::NewRequest {
+    pdserve_actors::scheduler::NewRequest {
+        id: d.scheduler().next_request_id(),
+        prompt,
+        params: pdserve_gpu::sampling::SamplingParams::greedy(max_tokens),
+        hold_for: None,
+        push: false,
+        resume: Vec::new(),
+        constraint: None,
+        images: Vec::new(),
+    }
+}
+
 /// A decode request whose client leaves while its prefix is being restored from decode's KV
 /// tiers (before its KV fetch starts) tells the prefill instance to drop the hand-off, as a
 /// client gone during the fetch does: the prefill instance's pool is full again long before
@@ -2317,8 +2374,6 @@ async fn blocks_decode_evicts_for_a_hand_off_reach_its_tiers_and_come_back() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_gone_while_decode_restores_from_its_tiers_frees_the_prefill_side_at_once() {
     use pdserve_actors::kv_tiers::TierSettings;
-    use pdserve_actors::openai::{kv_directive, KvDirective};
-    use pdserve_actors::scheduler::NewRequest;
     use std::os::unix::fs::OpenOptionsExt;
     let dir = tempfile::tempdir().unwrap();
     let lease = Duration::from_secs(60);
@@ -2345,22 +2400,15 @@ async fn a_client_gone_while_decode_restores_from_its_tiers_frees_the_prefill_si
         },
     )
     .await;
-    // 41 tokens: five whole blocks and one token.
-    let prompt = |k: usize| -> Vec<u32> {
-        (0..41)
-            .map(|t| ((t * 31 + k * 57 + 3) % 250) as u32)
-            .collect()
-    };
-    let body = |k: usize| json!({"prompt": prompt(k), "max_tokens": 4, "temperature": 0, "ignore_eos": true});
     // Decode computes prompt 0 itself, then others push it out of its pool onto its disk.
     for k in 0..=6 {
-        let (status, v) = post(&d.url(), &body(k)).await;
+        let (status, v) = post(&d.url(), &tier_request(k)).await;
         assert_eq!(status, 200, "{v}");
     }
     let tiers = d.kv_tiers().unwrap().clone();
     let disk = tiers.disk().unwrap();
     assert!(disk.flush(Duration::from_secs(10)));
-    let hashes = tiers.block_hashes(&prompt(0)[..40]);
+    let hashes = tiers.block_hashes(&tier_prompt(0)[..40]);
     assert_eq!(tiers.contains_run(&hashes), 5, "{:?}", tiers.figures());
     // The first block's file becomes a FIFO: the restore blocks reading it until the test
     // writes the block, so the client can leave while the load is in progress.
@@ -2373,46 +2421,12 @@ async fn a_client_gone_while_decode_restores_from_its_tiers_frees_the_prefill_si
         .unwrap();
     assert!(made.success());
     // Prefill computes prompt 0 and holds its KV for decode (lease 60 s).
-    let mut hop = body(0);
-    hop["max_tokens"] = json!(1);
-    hop["kv_transfer_params"] = json!({"do_remote_decode": true});
-    let (status, answer) = post(&p.url(), &hop).await;
-    assert_eq!(status, 200, "{answer}");
+    let source = held_on_prefill(&p, &tier_request(0)).await;
     assert!(
         p.stats().await.unwrap().blocks_in_use > 0,
         "prefill holds the KV"
     );
-    let KvDirective::FromPrefill {
-        peer,
-        transfer,
-        block_ids,
-        first_token,
-        first_logprobs,
-        lease: held_for,
-        cached_tokens,
-    } = kv_directive(Some(&answer["kv_transfer_params"]), "http").unwrap()
-    else {
-        panic!("not a held hand-off: {answer}");
-    };
-    let source = pdserve_actors::handoff::receiver::KvSource::Held {
-        peer: PeerAddr::Http { url: peer.url },
-        transfer,
-        block_ids,
-        first_token,
-        first_logprobs,
-        lease: held_for,
-        cached_tokens,
-    };
-    let request = NewRequest {
-        id: d.scheduler().next_request_id(),
-        prompt: prompt(0),
-        params: pdserve_gpu::sampling::SamplingParams::greedy(4),
-        hold_for: None,
-        push: false,
-        resume: Vec::new(),
-        constraint: None,
-        images: Vec::new(),
-    };
+    let request = greedy_request(&d, tier_prompt(0), 4);
     let events = d.scheduler().submit_remote(request, source).unwrap();
     // Opening a FIFO to write without blocking fails until a reader has it open: then the
     // restore is in progress.
@@ -2457,7 +2471,7 @@ async fn a_client_gone_while_decode_restores_from_its_tiers_frees_the_prefill_si
     assert_pool_full(&d).await;
     let _ = std::fs::remove_file(&file);
     // Both still serve.
-    let (status, v) = via_pd(&p.url(), &d.url(), &body(9)).await;
+    let (status, v) = via_pd(&p.url(), &d.url(), &tier_request(9)).await;
     assert_eq!(status, 200, "{v}");
     stop_pair(p, d).await;
 }
@@ -2470,8 +2484,6 @@ async fn a_client_gone_while_decode_restores_from_its_tiers_frees_the_prefill_si
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_gone_between_the_spill_and_the_fetch_start_frees_both_sides() {
     use pdserve_actors::kv_tiers::TierSettings;
-    use pdserve_actors::openai::{kv_directive, KvDirective};
-    use pdserve_actors::scheduler::NewRequest;
     use pdserve_runtime::faults::{Fault, FaultInjector, FaultSection};
     let lease = Duration::from_secs(60);
     let spill_delay = Duration::from_millis(1500);
@@ -2505,18 +2517,11 @@ async fn a_client_gone_between_the_spill_and_the_fetch_start_frees_both_sides() 
         },
     )
     .await;
-    // 41 tokens: five whole blocks and one token.
-    let prompt = |k: usize| -> Vec<u32> {
-        (0..41)
-            .map(|t| ((t * 31 + k * 57 + 3) % 250) as u32)
-            .collect()
-    };
-    let body = |k: usize| json!({"prompt": prompt(k), "max_tokens": 4, "temperature": 0, "ignore_eos": true});
     // Decode's pool fills with cached prefixes until a 41-token prompt no longer fits in its
     // blocks nobody uses: admitting one then evicts cached blocks, which the tiers take.
     let mut k = 1;
     loop {
-        let (status, v) = post(&d.url(), &body(k)).await;
+        let (status, v) = post(&d.url(), &tier_request(k)).await;
         assert_eq!(status, 200, "{v}");
         let s = d.stats().await.unwrap();
         if s.blocks_free - s.blocks_cached < 6 {
@@ -2526,42 +2531,8 @@ async fn a_client_gone_between_the_spill_and_the_fetch_start_frees_both_sides() 
         assert!(k < 8, "decode's pool never filled: {s:?}");
     }
     // Prefill computes prompt 0 and holds its KV for decode (lease 60 s).
-    let mut hop = body(0);
-    hop["max_tokens"] = json!(1);
-    hop["kv_transfer_params"] = json!({"do_remote_decode": true});
-    let (status, answer) = post(&p.url(), &hop).await;
-    assert_eq!(status, 200, "{answer}");
-    let KvDirective::FromPrefill {
-        peer,
-        transfer,
-        block_ids,
-        first_token,
-        first_logprobs,
-        lease: held_for,
-        cached_tokens,
-    } = kv_directive(Some(&answer["kv_transfer_params"]), "http").unwrap()
-    else {
-        panic!("not a held hand-off: {answer}");
-    };
-    let source = pdserve_actors::handoff::receiver::KvSource::Held {
-        peer: PeerAddr::Http { url: peer.url },
-        transfer,
-        block_ids,
-        first_token,
-        first_logprobs,
-        lease: held_for,
-        cached_tokens,
-    };
-    let request = NewRequest {
-        id: d.scheduler().next_request_id(),
-        prompt: prompt(0),
-        params: pdserve_gpu::sampling::SamplingParams::greedy(4),
-        hold_for: None,
-        push: false,
-        resume: Vec::new(),
-        constraint: None,
-        images: Vec::new(),
-    };
+    let source = held_on_prefill(&p, &tier_request(0)).await;
+    let request = greedy_request(&d, tier_prompt(0), 4);
     let delayed_before = faults.injected(Fault::SpillDelay);
     let received_before = d.kv_context().unwrap().figures().bytes_received;
     let started = Instant::now();

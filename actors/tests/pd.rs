@@ -2314,6 +2314,40 @@ async fn blocks_decode_evicts_for_a_hand_off_reach_its_tiers_and_come_back() {
     stop_pair(p, d).await;
 }
 
+/// A prefill and a decode instance of the small model over shm, blocks of 8 tokens; decode's
+/// pool is 16 blocks with no watermark, so a few 41-token prompts fill it, and `decode`
+/// adds its tiers (and faults).
+async fn tier_pair(
+    tag: &str,
+    lease: Duration,
+    decode: impl FnOnce(&mut InstanceOptions),
+) -> (Instance, Instance) {
+    let p = instance_with(
+        &format!("p-{tag}"),
+        "small",
+        1,
+        Some(BackendKind::Shm),
+        lease,
+        |o| o.block_size = 8,
+    )
+    .await;
+    let d = instance_with(
+        &format!("d-{tag}"),
+        "small",
+        1,
+        Some(BackendKind::Shm),
+        lease,
+        |o| {
+            o.block_size = 8;
+            o.num_blocks = Some(16);
+            o.watermark = 0.0;
+            decode(o);
+        },
+    )
+    .await;
+    (p, d)
+}
+
 /// Prefill computes `body`'s prompt and holds its KV for a decode instance (one token, under
 /// prefill's lease): the hand-off as decode's Scheduler takes it.
 async fn held_on_prefill(
@@ -2377,28 +2411,9 @@ async fn a_client_gone_while_decode_restores_from_its_tiers_frees_the_prefill_si
     use std::os::unix::fs::OpenOptionsExt;
     let dir = tempfile::tempdir().unwrap();
     let lease = Duration::from_secs(60);
-    let p = instance_with(
-        "p-gone-tiers",
-        "small",
-        1,
-        Some(BackendKind::Shm),
-        lease,
-        |o| o.block_size = 8,
-    )
-    .await;
-    let d = instance_with(
-        "d-gone-tiers",
-        "small",
-        1,
-        Some(BackendKind::Shm),
-        lease,
-        |o| {
-            o.block_size = 8;
-            o.num_blocks = Some(16);
-            o.watermark = 0.0;
-            o.kv_tiers = Some(TierSettings::disk_only(dir.path(), 256 << 20));
-        },
-    )
+    let (p, d) = tier_pair("gone-tiers", lease, |o| {
+        o.kv_tiers = Some(TierSettings::disk_only(dir.path(), 256 << 20));
+    })
     .await;
     // Decode computes prompt 0 itself, then others push it out of its pool onto its disk.
     for k in 0..=6 {
@@ -2493,29 +2508,10 @@ async fn a_client_gone_between_the_spill_and_the_fetch_start_frees_both_sides() 
         ..FaultSection::default()
     })
     .unwrap();
-    let p = instance_with(
-        "p-gone-spill",
-        "small",
-        1,
-        Some(BackendKind::Shm),
-        lease,
-        |o| o.block_size = 8,
-    )
-    .await;
-    let d = instance_with(
-        "d-gone-spill",
-        "small",
-        1,
-        Some(BackendKind::Shm),
-        lease,
-        |o| {
-            o.block_size = 8;
-            o.num_blocks = Some(16);
-            o.watermark = 0.0;
-            o.kv_tiers = Some(TierSettings::host_only(64 << 20));
-            o.faults = Some(faults.clone());
-        },
-    )
+    let (p, d) = tier_pair("gone-spill", lease, |o| {
+        o.kv_tiers = Some(TierSettings::host_only(64 << 20));
+        o.faults = Some(faults.clone());
+    })
     .await;
     // Decode's pool fills with cached prefixes until a 41-token prompt no longer fits in its
     // blocks nobody uses: admitting one then evicts cached blocks, which the tiers take.

@@ -123,7 +123,7 @@ impl TypedBuffer {
 }
 
 /// One kernel argument.
-#[derive(Debug)]
+#[derive(Clone, Copy, Debug)]
 pub enum KArg<'a> {
     /// An f32 buffer.
     F32s(&'a CudaSlice<f32>),

@@ -139,35 +139,42 @@ pub fn attention(
         && rows < ATTN_SPLIT_BELOW_ROWS
         && parts <= MAX_GRID_Y
         && partial_floats <= ATTN_MAX_PARTIAL_FLOATS;
-    let block = (ATTN_WARPS * WARP, 1, 1);
     let grid = (tokens as u32, q_heads as u32);
+    let split_launch = AttentionLaunch {
+        main: Launch {
+            grid: (grid.0, grid.1, parts as u32),
+            block: (ATTN_WARPS * WARP, 1, 1),
+            shared_bytes: 0,
+        },
+        combine: Some(Launch {
+            grid: (grid.0, grid.1, 1),
+            block: (row_threads(head_dim, ROW_THREADS), 1, 1),
+            shared_bytes: 0,
+        }),
+        parts,
+        partial_floats,
+    };
     Ok(if split {
-        AttentionLaunch {
-            main: Launch {
-                grid: (grid.0, grid.1, parts as u32),
-                block,
-                shared_bytes: 0,
-            },
-            combine: Some(Launch {
-                grid: (grid.0, grid.1, 1),
-                block: (row_threads(head_dim, ROW_THREADS), 1, 1),
-                shared_bytes: 0,
-            }),
-            parts,
-            partial_floats,
-        }
+        split_launch
     } else {
-        AttentionLaunch {
+        split_launch.whole()
+    })
+}
+
+impl AttentionLaunch {
+    /// The same step launched whole: one block per (token, query head) walking its parts in
+    /// order, no partial results, no combine.
+    pub fn whole(self) -> Self {
+        Self {
             main: Launch {
-                grid: (grid.0, grid.1, 1),
-                block,
-                shared_bytes: 0,
+                grid: (self.main.grid.0, self.main.grid.1, 1),
+                ..self.main
             },
             combine: None,
-            parts,
             partial_floats: 0,
+            ..self
         }
-    })
+    }
 }
 
 /// The keys attention warp `warp` walks in part `part` for a query at position `pos`: keys

@@ -404,41 +404,28 @@ impl CudaShard {
                 ],
             )?;
             on_layer(li, &plan)?;
-            g.launch(
-                &format!("paged_attention_{kv_sfx}_{ty}"),
-                attn_launch.main,
-                &[
-                    F32s(&qkv),
-                    karg_i32(qkv_w),
-                    karg_i32(nh),
-                    karg_i32(nkv),
-                    karg_i32(hd),
-                    I32s(&token_seq),
-                    I32s(&positions),
-                    I32s(&seq_bt_start),
-                    I32s(&block_tables),
-                    karg_i32(layout.block_size),
-                    karg_i32(layout.num_blocks),
-                    Raw(cache),
-                    F32(scale),
-                    F32s(&partials),
-                    Typed(&attn),
-                ],
+            attend(
+                g,
+                &attn_launch,
+                &AttentionArgs {
+                    kv_suffix: kv_sfx,
+                    qkv: &qkv,
+                    qkv_w,
+                    q_heads: nh,
+                    kv_heads: nkv,
+                    head_dim: hd,
+                    token_seq: &token_seq,
+                    positions: &positions,
+                    seq_bt_start: &seq_bt_start,
+                    block_tables: &block_tables,
+                    block_size: layout.block_size,
+                    num_blocks: layout.num_blocks,
+                    cache: Raw(cache),
+                    scale,
+                    partials: &partials,
+                },
+                &attn,
             )?;
-            if let Some(combine) = attn_launch.combine {
-                g.launch(
-                    &format!("attention_combine_{ty}"),
-                    combine,
-                    &[
-                        F32s(&partials),
-                        karg_i32(nh),
-                        karg_i32(hd),
-                        karg_i32(attn_launch.parts),
-                        I32s(&positions),
-                        Typed(&attn),
-                    ],
-                )?;
-            }
             layer.out.forward(g, &attn, t, &mut o)?;
             all_reduce(g, comm, &mut o)?;
             norm(&x, Some(&o), &layer.ffn_norm)?;
@@ -538,5 +525,79 @@ fn all_reduce(g: &GpuContext, comm: &dyn Collective, buf: &mut CudaSlice<f32>) -
     let mut host = g.download(buf)?;
     comm.all_reduce_sum(&mut host)?;
     g.upload_into(&host, buf)?;
+    Ok(())
+}
+
+/// One layer's attention inputs (see `attention.cu`): the step's fused QKV rows, its index
+/// arrays, the layer's paged KV region and room for a split launch's partial results.
+pub(crate) struct AttentionArgs<'a> {
+    /// `f32` or `f16`: the KV cache's element type (the kernel name's first suffix).
+    pub kv_suffix: &'a str,
+    pub qkv: &'a CudaSlice<f32>,
+    pub qkv_w: usize,
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub token_seq: &'a CudaSlice<i32>,
+    pub positions: &'a CudaSlice<i32>,
+    pub seq_bt_start: &'a CudaSlice<i32>,
+    pub block_tables: &'a CudaSlice<i32>,
+    pub block_size: usize,
+    pub num_blocks: usize,
+    /// The layer's KV region.
+    pub cache: KArg<'a>,
+    pub scale: f32,
+    /// At least [`launch::AttentionLaunch::partial_floats`] elements.
+    pub partials: &'a CudaSlice<f32>,
+}
+
+/// Runs one layer's attention as `l` says: `paged_attention_*`, then `attention_combine_*`
+/// when the launch is split; writes `out` (the matmul input type).
+///
+/// # Errors
+/// [`DeviceError`] from a launch.
+pub(crate) fn attend(
+    g: &GpuContext,
+    l: &launch::AttentionLaunch,
+    a: &AttentionArgs<'_>,
+    out: &TypedBuffer,
+) -> std::result::Result<(), DeviceError> {
+    use KArg::{F32s, I32s, Typed, F32};
+    let ty = out.dtype().suffix();
+    g.launch(
+        &format!("paged_attention_{}_{ty}", a.kv_suffix),
+        l.main,
+        &[
+            F32s(a.qkv),
+            karg_i32(a.qkv_w),
+            karg_i32(a.q_heads),
+            karg_i32(a.kv_heads),
+            karg_i32(a.head_dim),
+            I32s(a.token_seq),
+            I32s(a.positions),
+            I32s(a.seq_bt_start),
+            I32s(a.block_tables),
+            karg_i32(a.block_size),
+            karg_i32(a.num_blocks),
+            a.cache,
+            F32(a.scale),
+            F32s(a.partials),
+            Typed(out),
+        ],
+    )?;
+    if let Some(combine) = l.combine {
+        g.launch(
+            &format!("attention_combine_{ty}"),
+            combine,
+            &[
+                F32s(a.partials),
+                karg_i32(a.q_heads),
+                karg_i32(a.head_dim),
+                karg_i32(l.parts),
+                I32s(a.positions),
+                Typed(out),
+            ],
+        )?;
+    }
     Ok(())
 }

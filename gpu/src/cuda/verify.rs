@@ -354,8 +354,9 @@ pub fn run(model: &LoadedModel, opts: &VerifyOptions) -> Result<VerifyReport> {
 /// over 3 KV heads of 64, a shuffled block table) for query tokens at positions around the
 /// part edges and far past them, and compares the outputs bit for bit.
 fn check_attention_launches(ordinal: usize) -> Result<AttentionLaunchCheck> {
-    use super::context::{karg_i32, KArg, TypedBuffer};
-    use super::launch::{self, Launch};
+    use super::context::{KArg, TypedBuffer};
+    use super::launch;
+    use super::model::{attend, AttentionArgs};
     use rand::{seq::SliceRandom, Rng, SeedableRng};
 
     let g = GpuContext::new(ordinal, &KernelCache::from_env())?;
@@ -377,56 +378,33 @@ fn check_attention_launches(ordinal: usize) -> Result<AttentionLaunchCheck> {
     let tok_pos = g.upload(&positions.iter().map(|&p| p as i32).collect::<Vec<_>>())?;
     let seq_bt_start = g.upload(&[0i32])?;
     let plan = launch::attention(t, nh, hd, n_ctx)?;
-    let combine = plan.combine.ok_or_else(|| {
-        crate::ModelError::InvalidBatch("the check's launch was expected to split".into())
-    })?;
+    if plan.combine.is_none() {
+        return Err(crate::ModelError::InvalidBatch(
+            "the check's launch was expected to split".into(),
+        ));
+    }
     let partials = g.zeros::<f32>(plan.partial_floats)?;
-    let scale = 1.0 / (hd as f32).sqrt();
-    let attend = |main: Launch, out: &TypedBuffer| {
-        g.launch(
-            "paged_attention_f32_f32",
-            main,
-            &[
-                KArg::F32s(&qkv),
-                karg_i32(qkv_w),
-                karg_i32(nh),
-                karg_i32(nkv),
-                karg_i32(hd),
-                KArg::I32s(&tok_seq),
-                KArg::I32s(&tok_pos),
-                KArg::I32s(&seq_bt_start),
-                KArg::I32s(&block_tables),
-                karg_i32(bs),
-                karg_i32(num_blocks),
-                KArg::F32s(&cache),
-                KArg::F32(scale),
-                KArg::F32s(&partials),
-                KArg::Typed(out),
-            ],
-        )
+    let args = AttentionArgs {
+        kv_suffix: "f32",
+        qkv: &qkv,
+        qkv_w,
+        q_heads: nh,
+        kv_heads: nkv,
+        head_dim: hd,
+        token_seq: &tok_seq,
+        positions: &tok_pos,
+        seq_bt_start: &seq_bt_start,
+        block_tables: &block_tables,
+        block_size: bs,
+        num_blocks,
+        cache: KArg::F32s(&cache),
+        scale: 1.0 / (hd as f32).sqrt(),
+        partials: &partials,
     };
     let whole_out = g.typed_zeros(GemmDtype::F32, t * nh * hd)?;
     let split_out = g.typed_zeros(GemmDtype::F32, t * nh * hd)?;
-    attend(
-        Launch {
-            grid: (plan.main.grid.0, plan.main.grid.1, 1),
-            ..plan.main
-        },
-        &whole_out,
-    )?;
-    attend(plan.main, &split_out)?;
-    g.launch(
-        "attention_combine_f32",
-        combine,
-        &[
-            KArg::F32s(&partials),
-            karg_i32(nh),
-            karg_i32(hd),
-            karg_i32(plan.parts),
-            KArg::I32s(&tok_pos),
-            KArg::Typed(&split_out),
-        ],
-    )?;
+    attend(&g, &plan.whole(), &args, &whole_out)?;
+    attend(&g, &plan, &args, &split_out)?;
     let download = |b: &TypedBuffer| -> Result<Vec<f32>> {
         match b {
             TypedBuffer::F32(s) => Ok(g.download(s)?),

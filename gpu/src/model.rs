@@ -23,7 +23,8 @@ pub use crate::batch::{Batch, EmbedSpan, SeqChunk};
 
 /// A matmul weight. The block formats [`crate::quant`] runs (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K:
 /// the file's own in [`WeightFormat::Native`]) are on this crate's llama.cpp-exact kernels,
-/// the default's on its packed kernel where the CPU runs it (else Q8_0 on the exact kernels),
+/// the default's on its packed kernel where the CPU runs it (else, for Q4_0/Q4_1/Q8_0 models,
+/// `native` itself; for other formats Q8_0 on the exact kernels),
 /// all on its compute pool; only what those kernels do not take (f32 weights, Q5_* in native)
 /// is on candle's.
 ///
@@ -373,6 +374,11 @@ impl ModelShard {
     ) -> Result<Self> {
         cfg.validate()?;
         cfg.check_tp(tp)?;
+        let requested = format;
+        let format = crate::weights::resolve(format, store);
+        if rank == 0 {
+            tracing::info!(%requested, weights = %format, "weight format");
+        }
         let (h, kvh, hd, d, f, v) = (
             cfg.num_heads,
             cfg.num_kv_heads,

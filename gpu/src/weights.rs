@@ -316,6 +316,55 @@ pub fn concat_rows(parts: &[QTensor]) -> Result<QTensor> {
     from_bytes(bytes, parts[0].dtype(), (rows, cols))
 }
 
+/// What `format` means for `store`'s weights on this CPU: everything but `auto` as given.
+/// `auto` stays the packed kernel on AVX-512 VNNI CPUs (about 2× [`WeightFormat::Native`]'s
+/// prefill and batched decode there) and for weights that `native` would leave to candle or
+/// that were never measured on it (Q5_*, the k-quants: requantized to Q8_0). Elsewhere, when
+/// every matmul weight is Q4_0, Q4_1, Q8_0 or a float format, it is `native`: the file's own
+/// values on llama.cpp's arithmetic, tp-invariant, and on AVX2 as fast as the Q8_0
+/// requantization at prefill and batched decode and ~1.25× it at batch-1 decode
+/// (docs/benchmarks.md, "One default weight path").
+pub fn resolve(format: WeightFormat, store: &TensorStore) -> WeightFormat {
+    if format != WeightFormat::Auto || crate::quant::PackedQ8::supported() {
+        return format;
+    }
+    let all_native = store.names().filter(|n| is_matmul_weight(n)).all(|n| {
+        store.get(n).is_ok_and(|t| {
+            matches!(
+                t.dtype(),
+                GgmlDType::Q4_0
+                    | GgmlDType::Q4_1
+                    | GgmlDType::Q8_0
+                    | GgmlDType::F32
+                    | GgmlDType::F16
+                    | GgmlDType::BF16
+            )
+        })
+    });
+    if all_native {
+        WeightFormat::Native
+    } else {
+        WeightFormat::Auto
+    }
+}
+
+/// Whether a GGUF tensor name is a weight some matmul reads: a layer's projections, the
+/// output head, and the token embedding (the head when the two are tied).
+fn is_matmul_weight(name: &str) -> bool {
+    const LAYER: [&str; 7] = [
+        "attn_q.weight",
+        "attn_k.weight",
+        "attn_v.weight",
+        "attn_output.weight",
+        "ffn_gate.weight",
+        "ffn_up.weight",
+        "ffn_down.weight",
+    ];
+    name == "output.weight"
+        || name == "token_embd.weight"
+        || (name.starts_with("blk.") && LAYER.iter().any(|l| name.ends_with(l)))
+}
+
 /// Brings a matmul weight to the in-memory format.
 ///
 /// # Errors

@@ -21,7 +21,8 @@
 #
 # Then the cost when nothing hits: REQUESTS all-new random prompts of RANDOM_LEN tokens
 # (every evicted block is copied out, none is ever restored), without and with the host tier
-# (`new-no-tiers`, `new-host`).
+# (`new-no-tiers`, `new-host`). NEW_ONLY=1 runs only those two, ROUNDS times alternated
+# (default 1), and reports the spill time the host tier added on the ranks' step path.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -63,6 +64,8 @@ run() {
     wait "$pid" || true
 }
 
+redis_runs=()
+if [ -z "${NEW_ONLY:-}" ]; then
 run no-tiers turns PDSERVE_KV_TIERS__ENABLED=false
 run host turns PDSERVE_KV_TIERS__ENABLED=true PDSERVE_KV_TIERS__HOST_CAPACITY_BYTES="$host_bytes"
 rm -rf "$out/disk-tier"
@@ -73,7 +76,6 @@ for who in a b; do
     run "shared-$who" turns PDSERVE_KV_TIERS__ENABLED=true PDSERVE_KV_TIERS__HOST_CAPACITY_BYTES=0 \
         PDSERVE_KV_TIERS__SHARED_DIR="$out/shared-store"
 done
-redis_runs=()
 if command -v redis-server >/dev/null; then
     redis_port=${REDIS_PORT:-18432}
     redis-server --bind 127.0.0.1 --port "$redis_port" --save "" --appendonly no \
@@ -90,8 +92,14 @@ if command -v redis-server >/dev/null; then
 else
     echo "redis-server not installed: no Redis runs" >&2
 fi
-run new-no-tiers new PDSERVE_KV_TIERS__ENABLED=false
-run new-host new PDSERVE_KV_TIERS__ENABLED=true PDSERVE_KV_TIERS__HOST_CAPACITY_BYTES="$host_bytes"
+fi
+for round in $(seq 1 "${ROUNDS:-1}"); do
+    suffix=""
+    [ "$round" = 1 ] || suffix="-$round"
+    run "new-no-tiers$suffix" new PDSERVE_KV_TIERS__ENABLED=false
+    run "new-host$suffix" new PDSERVE_KV_TIERS__ENABLED=true \
+        PDSERVE_KV_TIERS__HOST_CAPACITY_BYTES="$host_bytes"
+done
 
 python3 - "$out" "${redis_runs[@]}" <<'EOF'
 import json, sys
@@ -108,8 +116,12 @@ def metric(lines, name, label=None):
 print(f"{'config':<12} {'TTFT p50':>9} {'TTFT p99':>9} {'turn2+ p50':>10} {'turn2+ p99':>10} "
       f"{'computed':>9} {'cached':>7} {'host hits':>9} {'disk hits':>9} {'shared hits':>11} "
       f"{'misses':>6}")
-for name in ["no-tiers", "host", "disk", "shared-a", "shared-b", *sys.argv[2:], "new-no-tiers",
-             "new-host"]:
+import os
+news = sorted(n[:-len(".bench.json")] for n in os.listdir(out)
+              if n.startswith("new-") and n.endswith(".bench.json"))
+for name in ["no-tiers", "host", "disk", "shared-a", "shared-b", *sys.argv[2:], *news]:
+    if not os.path.exists(f"{out}/{name}.bench.json"):
+        continue
     b = json.load(open(f"{out}/{name}.bench.json"))
     m = open(f"{out}/{name}.metrics").read().splitlines()
     query = metric(m, "pdserve_prefix_cache_query_tokens_total")
@@ -122,5 +134,16 @@ for name in ["no-tiers", "host", "disk", "shared-a", "shared-b", *sys.argv[2:], 
           f"{metric(m, 'pdserve_kv_tier_hits_total', DISK):>9.0f} "
           f"{metric(m, 'pdserve_kv_tier_hits_total', SHARED):>11.0f} "
           f"{metric(m, 'pdserve_kv_tier_misses_total'):>6.0f}")
+# The tiers' cost when nothing hits, accounted rather than timed: every spill batch (copy out,
+# checksum, host store) runs on the rank's thread ahead of a step, so its summed time is what
+# the tiers added to the requests' time to first token (at concurrency 1, all of it is).
+for name in (n for n in news if n.startswith("new-host")):
+    b = json.load(open(f"{out}/{name}.bench.json"))
+    m = open(f"{out}/{name}.metrics").read().splitlines()
+    spill = metric(m, "pdserve_kv_tier_spill_seconds_sum")
+    batches = metric(m, "pdserve_kv_tier_spill_seconds_count")
+    ttft_sum = b["ttft_ms"]["mean"] * b["completed"] / 1000
+    print(f"{name}: {batches:.0f} spill batches took {spill * 1000:.0f} ms on the rank thread, "
+          f"{100 * spill / ttft_sum:.1f} % of the requests' summed TTFT ({ttft_sum:.1f} s)")
 print(f"(JSON and /metrics of every run in {out})")
 EOF

@@ -941,7 +941,9 @@ pub type SpillDone = Box<dyn FnOnce() + Send>;
 /// job ends (or is dropped unrun: then nothing is offered).
 struct SpillBatch {
     entries: Vec<Evicted>,
-    parts: Mutex<Vec<Option<Vec<u8>>>>,
+    /// Per rank, its share of each entry's bytes (one buffer per block: with one rank they
+    /// become the blocks as they are, without a second copy).
+    parts: Mutex<Vec<Option<Vec<Vec<u8>>>>>,
     tiers: Arc<KvTiers>,
     done: Mutex<Option<SpillDone>>,
     _ticket: JobTicket,
@@ -970,22 +972,29 @@ impl SpillBatch {
         let parts = std::mem::take(&mut *self.parts.lock().unwrap_or_else(|e| e.into_inner()));
         let rb = self.tiers.shape.rank_bytes();
         let n = self.entries.len();
-        if parts
-            .iter()
-            .any(|p| p.as_ref().is_none_or(|p| p.len() != n * rb))
-        {
+        if parts.iter().any(|p| {
+            p.as_ref()
+                .is_none_or(|p| p.len() != n || p.iter().any(|b| b.len() != rb))
+        }) {
             self.tiers.not_spilled(n);
             return;
         }
-        let parts: Vec<Vec<u8>> = parts.into_iter().flatten().collect();
+        // Rank-major to block-major: block `i`'s bytes are each rank's share in rank order.
+        let mut ranks: Vec<std::vec::IntoIter<Vec<u8>>> =
+            parts.into_iter().flatten().map(Vec::into_iter).collect();
         let blocks = std::mem::take(&mut self.entries)
             .into_iter()
-            .enumerate()
-            .map(|(i, e)| {
-                let mut bytes = Vec::with_capacity(rb * parts.len());
-                for p in &parts {
-                    bytes.extend_from_slice(&p[i * rb..(i + 1) * rb]);
-                }
+            .map(|e| {
+                let bytes = match ranks.as_mut_slice() {
+                    [one] => one.next().expect("n blocks per rank"),
+                    all => {
+                        let mut bytes = Vec::with_capacity(rb * all.len());
+                        for r in all.iter_mut() {
+                            bytes.extend_from_slice(&r.next().expect("n blocks per rank"));
+                        }
+                        bytes
+                    }
+                };
                 TierBlock {
                     hash: e.hash,
                     parent: e.parent,
@@ -1019,14 +1028,26 @@ pub fn spill_jobs(tiers: &Arc<KvTiers>, entries: Vec<Evicted>, done: SpillDone) 
                 if kv.block_bytes_all_layers() != batch.tiers.shape.rank_bytes() {
                     return; // another layout: the batch is incomplete, nothing is offered
                 }
-                let mut buf = Vec::with_capacity(batch.entries.len() * kv.block_bytes_all_layers());
-                for e in &batch.entries {
-                    if (e.block as usize) >= kv.layout().num_blocks {
-                        return;
-                    }
-                    kv.read_block(e.block as usize, &mut buf);
+                let started = std::time::Instant::now();
+                let rb = kv.block_bytes_all_layers();
+                let blocks = kv.layout().num_blocks;
+                if batch.entries.iter().all(|e| (e.block as usize) < blocks) {
+                    let bufs = batch
+                        .entries
+                        .iter()
+                        .map(|e| {
+                            let mut buf = Vec::with_capacity(rb);
+                            kv.read_block(e.block as usize, &mut buf);
+                            buf
+                        })
+                        .collect();
+                    batch.parts.lock().unwrap_or_else(|e| e.into_inner())[rank] = Some(bufs);
                 }
-                batch.parts.lock().unwrap_or_else(|e| e.into_inner())[rank] = Some(buf);
+                // The last rank's drop offers the batch to the tiers (checksums, the host
+                // region's copy): on this thread too, so it is timed with the copy.
+                drop(batch);
+                metrics::histogram!(pdserve_runtime::telemetry::KV_TIER_SPILL_SECONDS)
+                    .record(started.elapsed().as_secs_f64());
             });
             job
         })

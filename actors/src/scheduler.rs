@@ -167,6 +167,8 @@ pub struct TierLoad {
     start: usize,
     /// Blocks `start..` as loaded and verified.
     blocks: Vec<Arc<crate::kv_tiers::TierBlock>>,
+    /// When the lookup found them (the load-back latency counts from here).
+    started: std::time::Instant,
 }
 
 /// What waits on a KV-tier load: a request, where its answers go, and for a P/D request the
@@ -191,6 +193,8 @@ pub struct TierRestore {
     epochs: Vec<Option<u64>>,
     /// Whether every rank wrote every block.
     ok: bool,
+    /// When the lookup found the blocks ([`TierLoad::started`]).
+    started: std::time::Instant,
 }
 
 /// KV-tier loads (blocking tasks) in flight at most; past that a request is admitted without
@@ -713,6 +717,7 @@ impl SchedulerState {
         let me = self.me.clone();
         let timeout = tiers.load_timeout();
         let timer = self.me.clone();
+        let started = std::time::Instant::now();
         tokio::spawn(async move {
             tokio::time::sleep(timeout).await;
             let _ = timer.cast(SchedulerMsg::TierLoadTimedOut(load_id));
@@ -729,6 +734,7 @@ impl SchedulerState {
                 tokens,
                 start,
                 blocks,
+                started,
             };
             let _ = me.cast(SchedulerMsg::TiersLoaded(Box::new(load)));
         });
@@ -745,6 +751,7 @@ impl SchedulerState {
             tokens,
             start,
             blocks,
+            started,
         } = load;
         let Some((request, sink, source)) = self.tier_waiting.remove(&load_id) else {
             return; // timed out: the request went on without the tiers
@@ -795,6 +802,7 @@ impl SchedulerState {
             hits: todo.iter().map(|b| b.hits.saturating_add(1)).collect(),
             epochs: self.worker_epochs(),
             ok: false,
+            started,
         };
         let me = self.me.clone();
         let jobs = crate::kv_tiers::restore_jobs(
@@ -827,6 +835,8 @@ impl SchedulerState {
                 bs,
                 &r.hits,
             );
+            metrics::histogram!(pdserve_runtime::telemetry::KV_TIER_LOAD_SECONDS)
+                .record(r.started.elapsed().as_secs_f64());
             tracing::debug!(request = %r.request.id, blocks = n, "restored KV blocks from the tiers");
         } else {
             tracing::warn!(request = %r.request.id, "a KV tier restore did not reach every rank: recomputing");

@@ -259,6 +259,17 @@ async fn evicted_turns_restore_from_the_disk_tier_and_damage_is_a_counted_miss()
         metrics.contains("pdserve_kv_tier_hits_total{"),
         "hits exported"
     );
+    // The tiers' time on the ranks' step path and the load-back latency, as histograms.
+    for name in [
+        "pdserve_kv_tier_spill_seconds",
+        "pdserve_kv_tier_load_seconds",
+    ] {
+        let count = metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{name}_count ")))
+            .and_then(|v| v.trim().parse::<u64>().ok());
+        assert!(count.is_some_and(|c| c > 0), "{name}_count: {count:?}");
+    }
     inst.stop().await;
 }
 

@@ -2208,42 +2208,65 @@ async fn prompt_zero_then_four_more(p: &Instance, d: &Instance) -> Value {
     first
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn decode_restores_a_prompt_from_the_shared_store_and_fetches_only_the_rest() {
+/// KV tiers of a shared-directory store only (write-back), and pools of 16 blocks of 8
+/// tokens with no watermark: far smaller than a few prompts' KV.
+fn small_pool_on_shared_store(dir: &std::path::Path) -> impl Fn(&mut InstanceOptions) + Clone {
     use pdserve_actors::kv_tiers::{TierSettings, WritePolicy};
-    let dir = tempfile::tempdir().unwrap();
-    // Both instances on one shared store, with pools far smaller than the prompts' KV.
     let tiers = TierSettings {
         host_capacity_bytes: 0,
         disk_dir: None,
         disk_capacity_bytes: 0,
-        shared_dir: Some(dir.path().to_path_buf()),
+        shared_dir: Some(dir.to_path_buf()),
         shared_url: None,
         shared_capacity_bytes: 256 << 20,
         write_policy: WritePolicy::WriteBack,
         load_timeout: Duration::from_secs(30),
     };
-    let small = |o: &mut InstanceOptions| {
+    move |o: &mut InstanceOptions| {
         o.block_size = 8;
         o.num_blocks = Some(16);
         o.watermark = 0.0;
         o.kv_tiers = Some(tiers.clone());
-    };
-    let lease = Duration::from_secs(30);
-    let p = instance_with("p-tiers", "small", 1, Some(BackendKind::Shm), lease, small).await;
-    let d = instance_with("d-tiers", "small", 1, Some(BackendKind::Shm), lease, small).await;
-    // Other prompts push prompt 0 out of both pools; the prefill instance copies what its
-    // pool evicts into the shared store.
-    let first = prompt_zero_then_four_more(&p, &d).await;
-    let store = p.kv_tiers().unwrap().shared().unwrap();
+    }
+}
+
+/// Waits until `writer`'s shared-store writes ended and `reader` listed the store.
+fn shared_store_settled(writer: &Instance, reader: &Instance) {
+    let store = writer.kv_tiers().unwrap().shared().unwrap();
     assert!(
         store.flush(Duration::from_secs(10)),
         "shared writes did not end"
     );
-    // Decode lists the store's directory (every 500 ms; a flush does it now).
-    let seen = d.kv_tiers().unwrap().shared().unwrap();
+    // The reader lists the store's directory (every 500 ms; a flush does it now).
+    let seen = reader.kv_tiers().unwrap().shared().unwrap();
     assert!(seen.flush(Duration::from_secs(10)));
-    let hits = |i: &Instance| i.kv_tiers().unwrap().figures().shared.unwrap().hits;
+}
+
+fn shared_hits(i: &Instance) -> u64 {
+    i.kv_tiers().unwrap().figures().shared.unwrap().hits
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decode_restores_a_prompt_from_the_shared_store_and_fetches_only_the_rest() {
+    let dir = tempfile::tempdir().unwrap();
+    // Both instances on one shared store, with pools far smaller than the prompts' KV.
+    let small = small_pool_on_shared_store(dir.path());
+    let lease = Duration::from_secs(30);
+    let p = instance_with(
+        "p-tiers",
+        "small",
+        1,
+        Some(BackendKind::Shm),
+        lease,
+        small.clone(),
+    )
+    .await;
+    let d = instance_with("d-tiers", "small", 1, Some(BackendKind::Shm), lease, small).await;
+    // Other prompts push prompt 0 out of both pools; the prefill instance copies what its
+    // pool evicts into the shared store.
+    let first = prompt_zero_then_four_more(&p, &d).await;
+    shared_store_settled(&p, &d);
+    let hits = shared_hits;
     let (hits_before, cached_before) = (hits(&d), d.stats().await.unwrap().prompt_tokens_cached);
     let (status, again) = via_pd(&p.url(), &d.url(), &tier_request(0)).await;
     assert_eq!(status, 200, "{again}");
@@ -2263,6 +2286,56 @@ async fn decode_restores_a_prompt_from_the_shared_store_and_fetches_only_the_res
         "the restored blocks are decode's cached prefix"
     );
     stop_pair(p, d).await;
+}
+
+/// Two prefill instances on one shared store (issue 30): a prompt prefilled on the first and
+/// pushed out of its pool is prefilled on the second from the store's blocks, handed over to
+/// decode, and answered with the first run's tokens. Decode has no tiers, so the prefix can
+/// only have come from the second prefill instance's restore; every pool ends full.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_one_prefill_instance_computed_is_served_by_another_from_the_shared_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let small = small_pool_on_shared_store(dir.path());
+    let lease = Duration::from_secs(30);
+    let p1 = instance_with(
+        "p-one",
+        "small",
+        1,
+        Some(BackendKind::Shm),
+        lease,
+        small.clone(),
+    )
+    .await;
+    let p2 = instance_with("p-two", "small", 1, Some(BackendKind::Shm), lease, small).await;
+    let d = instance_with("d-two", "small", 1, Some(BackendKind::Shm), lease, |o| {
+        o.block_size = 8;
+    })
+    .await;
+    // Prompt 0 and then four others on p1: its 16-block pool evicts prompt 0 into the store.
+    let first = prompt_zero_then_four_more(&p1, &d).await;
+    shared_store_settled(&p1, &p2);
+    assert_eq!(shared_hits(&p2), 0);
+    let cached_before = p2.stats().await.unwrap().prompt_tokens_cached;
+    let (status, again) = via_pd(&p2.url(), &d.url(), &tier_request(0)).await;
+    assert_eq!(status, 200, "{again}");
+    assert_eq!(
+        common::token_ids(&again),
+        common::token_ids(&first),
+        "the same tokens with the prefix p1 computed"
+    );
+    // p2 took the prompt's five full blocks from the store rather than computing them.
+    assert!(
+        shared_hits(&p2) >= 5,
+        "p2 restored from the shared store: {:?}",
+        p2.kv_tiers().unwrap().figures()
+    );
+    assert!(
+        p2.stats().await.unwrap().prompt_tokens_cached >= cached_before + 40,
+        "the restored blocks are p2's cached prefix"
+    );
+    assert_pool_full(&p1).await;
+    p1.stop().await;
+    stop_pair(p2, d).await;
 }
 
 /// Decode's own host tier keeps what its pool evicts to make room for hand-off destinations:

@@ -63,6 +63,13 @@ pub const KV_TIER_READ_BYTES_TOTAL: &str = "pdserve_kv_tier_read_bytes_total";
 pub const KV_TIER_BLOCKS: &str = "pdserve_kv_tier_blocks";
 /// Gauge: bytes a KV cache tier holds, labelled [`LABEL_TIER`].
 pub const KV_TIER_BYTES: &str = "pdserve_kv_tier_bytes";
+/// Histogram: seconds a rank spent copying one batch of evicted KV blocks out of its cache
+/// for the tiers. The copy runs on the rank's thread ahead of its next step, so the sum is the
+/// tiers' whole cost on the step path when nothing is restored.
+pub const KV_TIER_SPILL_SECONDS: &str = "pdserve_kv_tier_spill_seconds";
+/// Histogram: load-back latency, from a tier lookup finding blocks of a prompt to those
+/// blocks written into the pool on every rank (the request waits this long to be admitted).
+pub const KV_TIER_LOAD_SECONDS: &str = "pdserve_kv_tier_load_seconds";
 /// Label of the `KV_TIER_*` metrics: `host` or `disk`.
 pub const LABEL_TIER: &str = "tier";
 /// Histogram: KV bytes one decode-side hand-off moved (after the prefix-cache delta).
@@ -355,6 +362,16 @@ fn describe_and_register() {
         "KV bytes restored from a KV cache tier, by tier."
     );
     describe_gauge!(KV_TIER_BLOCKS, "Blocks a KV cache tier holds, by tier.");
+    describe_histogram!(
+        KV_TIER_SPILL_SECONDS,
+        Unit::Seconds,
+        "Time a rank spent copying a batch of evicted KV blocks out for the tiers (on its step path)."
+    );
+    describe_histogram!(
+        KV_TIER_LOAD_SECONDS,
+        Unit::Seconds,
+        "Load-back latency: from a tier hit found to its blocks written into the pool on every rank."
+    );
     describe_gauge!(
         KV_TIER_BYTES,
         Unit::Bytes,

@@ -2246,45 +2246,50 @@ fn shared_hits(i: &Instance) -> u64 {
     i.kv_tiers().unwrap().figures().shared.unwrap().hits
 }
 
+/// Prompt 0 again through `p` → `d`: the answer has `first`'s tokens, and `restorer` (the
+/// instance expected to restore it) took the prompt's five full blocks from the shared store
+/// as its cached prefix.
+async fn prompt_zero_from_the_store(
+    p: &Instance,
+    d: &Instance,
+    restorer: &Instance,
+    first: &Value,
+) {
+    let hits_before = shared_hits(restorer);
+    let cached_before = restorer.stats().await.unwrap().prompt_tokens_cached;
+    let (status, again) = via_pd(&p.url(), &d.url(), &tier_request(0)).await;
+    assert_eq!(status, 200, "{again}");
+    assert_eq!(
+        common::token_ids(&again),
+        common::token_ids(first),
+        "the same tokens with the prompt restored"
+    );
+    assert!(
+        shared_hits(restorer) >= hits_before + 5,
+        "restored from the shared store: {:?}",
+        restorer.kv_tiers().unwrap().figures()
+    );
+    assert!(
+        restorer.stats().await.unwrap().prompt_tokens_cached >= cached_before + 40,
+        "the restored blocks are the cached prefix"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn decode_restores_a_prompt_from_the_shared_store_and_fetches_only_the_rest() {
     let dir = tempfile::tempdir().unwrap();
     // Both instances on one shared store, with pools far smaller than the prompts' KV.
     let small = small_pool_on_shared_store(dir.path());
     let lease = Duration::from_secs(30);
-    let p = instance_with(
-        "p-tiers",
-        "small",
-        1,
-        Some(BackendKind::Shm),
-        lease,
-        small.clone(),
-    )
-    .await;
-    let d = instance_with("d-tiers", "small", 1, Some(BackendKind::Shm), lease, small).await;
+    let shm = Some(BackendKind::Shm);
+    let p = instance_with("p-tiers", "small", 1, shm, lease, small.clone()).await;
+    let d = instance_with("d-tiers", "small", 1, shm, lease, small).await;
     // Other prompts push prompt 0 out of both pools; the prefill instance copies what its
     // pool evicts into the shared store.
     let first = prompt_zero_then_four_more(&p, &d).await;
     shared_store_settled(&p, &d);
-    let hits = shared_hits;
-    let (hits_before, cached_before) = (hits(&d), d.stats().await.unwrap().prompt_tokens_cached);
-    let (status, again) = via_pd(&p.url(), &d.url(), &tier_request(0)).await;
-    assert_eq!(status, 200, "{again}");
-    assert_eq!(
-        common::token_ids(&again),
-        common::token_ids(&first),
-        "the same tokens with the prompt restored"
-    );
-    // The decode instance took the prompt's five blocks from the store, not from prefill.
-    assert!(
-        hits(&d) >= hits_before + 5,
-        "decode restored from the shared store: {:?}",
-        d.kv_tiers().unwrap().figures()
-    );
-    assert!(
-        d.stats().await.unwrap().prompt_tokens_cached >= cached_before + 40,
-        "the restored blocks are decode's cached prefix"
-    );
+    // The decode instance takes the prompt's blocks from the store, not from prefill.
+    prompt_zero_from_the_store(&p, &d, &d, &first).await;
     stop_pair(p, d).await;
 }
 
@@ -2297,42 +2302,15 @@ async fn a_prefix_one_prefill_instance_computed_is_served_by_another_from_the_sh
     let dir = tempfile::tempdir().unwrap();
     let small = small_pool_on_shared_store(dir.path());
     let lease = Duration::from_secs(30);
-    let p1 = instance_with(
-        "p-one",
-        "small",
-        1,
-        Some(BackendKind::Shm),
-        lease,
-        small.clone(),
-    )
-    .await;
-    let p2 = instance_with("p-two", "small", 1, Some(BackendKind::Shm), lease, small).await;
-    let d = instance_with("d-two", "small", 1, Some(BackendKind::Shm), lease, |o| {
-        o.block_size = 8;
-    })
-    .await;
+    let shm = Some(BackendKind::Shm);
+    let p1 = instance_with("p-one", "small", 1, shm, lease, small.clone()).await;
+    let p2 = instance_with("p-two", "small", 1, shm, lease, small).await;
+    let d = instance_with("d-two", "small", 1, shm, lease, |o| o.block_size = 8).await;
     // Prompt 0 and then four others on p1: its 16-block pool evicts prompt 0 into the store.
     let first = prompt_zero_then_four_more(&p1, &d).await;
     shared_store_settled(&p1, &p2);
     assert_eq!(shared_hits(&p2), 0);
-    let cached_before = p2.stats().await.unwrap().prompt_tokens_cached;
-    let (status, again) = via_pd(&p2.url(), &d.url(), &tier_request(0)).await;
-    assert_eq!(status, 200, "{again}");
-    assert_eq!(
-        common::token_ids(&again),
-        common::token_ids(&first),
-        "the same tokens with the prefix p1 computed"
-    );
-    // p2 took the prompt's five full blocks from the store rather than computing them.
-    assert!(
-        shared_hits(&p2) >= 5,
-        "p2 restored from the shared store: {:?}",
-        p2.kv_tiers().unwrap().figures()
-    );
-    assert!(
-        p2.stats().await.unwrap().prompt_tokens_cached >= cached_before + 40,
-        "the restored blocks are p2's cached prefix"
-    );
+    prompt_zero_from_the_store(&p2, &d, &p2, &first).await;
     assert_pool_full(&p1).await;
     p1.stop().await;
     stop_pair(p2, d).await;

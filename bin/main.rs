@@ -178,7 +178,7 @@ struct ModelArgs {
     /// process may use: its affinity mask and cgroup CPU quota).
     #[arg(long)]
     threads: Option<usize>,
-    /// Weight format in memory: auto (AVX-512 VNNI CPUs: Q4_0/Q4_1/Q8_0 exact on the packed kernel, other sub-8-bit → Q8_0, the fastest prefill and batched decode there; elsewhere `native` for Q4_0/Q4_1/Q8_0/float models, other sub-8-bit → Q8_0), native (as stored; Q4_0/Q4_1/Q8_0/Q4_K/Q6_K on llama.cpp-exact, tp-invariant kernels; fastest batch-1 decode), q8_0, f32 (CPU).
+    /// Weight format in memory: auto (AVX-512 VNNI CPUs: Q4_0/Q4_1/Q8_0 exact on the packed kernel, other sub-8-bit → Q8_0, the fastest prefill and batched decode there; elsewhere `native` for Q4_0/Q4_1/Q8_0 models, other sub-8-bit → Q8_0, floats as stored), native (as stored; Q4_0/Q4_1/Q8_0/Q4_K/Q6_K on llama.cpp-exact, tp-invariant kernels; fastest batch-1 decode), q8_0, f32 (CPU).
     #[arg(long, default_value = "auto")]
     weights: WeightFormat,
     /// Where the model runs: cpu, cuda (GPU 0) or cuda:N.

@@ -319,8 +319,9 @@ pub fn concat_rows(parts: &[QTensor]) -> Result<QTensor> {
 /// What `format` means for `store`'s weights on this CPU: everything but `auto` as given.
 /// `auto` stays the packed kernel on AVX-512 VNNI CPUs (about 2× [`WeightFormat::Native`]'s
 /// prefill and batched decode there) and for weights that `native` would leave to candle or
-/// that were never measured on it (Q5_*, the k-quants: requantized to Q8_0). Elsewhere, when
-/// every matmul weight is Q4_0, Q4_1, Q8_0 or a float format, it is `native`: the file's own
+/// that were never measured on it (Q5_*, the k-quants: requantized to Q8_0; float weights,
+/// which stay on candle's matmuls). Elsewhere, when every matmul weight is Q4_0, Q4_1 or Q8_0,
+/// it is `native`: the file's own
 /// values on llama.cpp's arithmetic, tp-invariant, and on AVX2 as fast as the Q8_0
 /// requantization at prefill and batched decode and ~1.25× it at batch-1 decode
 /// (docs/benchmarks.md, "One default weight path").
@@ -328,16 +329,13 @@ pub fn resolve(format: WeightFormat, store: &TensorStore) -> WeightFormat {
     if format != WeightFormat::Auto || crate::quant::PackedQ8::supported() {
         return format;
     }
+    // Only the block formats: float weights run on candle's matmuls either way, and there
+    // `auto` fuses Q|K|V and gate|up into one matmul each, which `native` does not.
     let all_native = store.names().filter(|n| is_matmul_weight(n)).all(|n| {
         store.get(n).is_ok_and(|t| {
             matches!(
                 t.dtype(),
-                GgmlDType::Q4_0
-                    | GgmlDType::Q4_1
-                    | GgmlDType::Q8_0
-                    | GgmlDType::F32
-                    | GgmlDType::F16
-                    | GgmlDType::BF16
+                GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q8_0
             )
         })
     });

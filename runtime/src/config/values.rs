@@ -137,7 +137,7 @@ config_enum! {
         /// The fastest CPU path. On AVX-512 VNNI CPUs Q8_0, Q4_0 and Q4_1 weights keep their
         /// exact values, one byte per weight, on pdserve's 16-row packed kernel, and the other
         /// sub-8-bit formats (Q5_*, k-quants) are requantized to Q8_0 for it. Elsewhere a model
-        /// whose matmul weights are all Q4_0, Q4_1, Q8_0 or floats runs as `native`; other
+        /// whose matmul weights are all Q4_0, Q4_1 or Q8_0 runs as `native`; other
         /// sub-8-bit weights are requantized to Q8_0. Everything else stays as stored.
         #[default]
         Auto = "auto",

@@ -321,10 +321,9 @@ pub fn concat_rows(parts: &[QTensor]) -> Result<QTensor> {
 /// prefill and batched decode there) and for weights that `native` would leave to candle or
 /// that were never measured on it (Q5_*, the k-quants: requantized to Q8_0; float weights,
 /// which stay on candle's matmuls). Elsewhere, when every matmul weight is Q4_0, Q4_1 or Q8_0,
-/// it is `native`: the file's own
-/// values on llama.cpp's arithmetic, tp-invariant, and on AVX2 as fast as the Q8_0
-/// requantization at prefill and batched decode and ~1.25× it at batch-1 decode
-/// (docs/benchmarks.md, "One default weight path").
+/// it is `native`: the file's own values on llama.cpp's arithmetic, tp-invariant, and on AVX2
+/// as fast as the Q8_0 requantization at prefill, 1.13× it at batch-8 decode and 1.45× at
+/// batch 1 (docs/benchmarks.md, "One default weight path").
 pub fn resolve(format: WeightFormat, store: &TensorStore) -> WeightFormat {
     if format != WeightFormat::Auto || crate::quant::PackedQ8::supported() {
         return format;

@@ -23,6 +23,13 @@
 # (every evicted block is copied out, none is ever restored), without and with the host tier
 # (`new-no-tiers`, `new-host`). NEW_ONLY=1 runs only those two, ROUNDS times alternated
 # (default 1), and reports the spill time the host tier added on the ranks' step path.
+#
+# STREAM_AB=1 runs only the multi-turn workload on the disk tier, ROUNDS times alternated:
+# `disk-whole` (kv_tiers.stream_layers = false: load every block, then compute) and
+# `disk-stream` (the default: compute while the layers land), each on a fresh directory,
+# and reports the layers computed before their restore's last layer landed. DROP_CACHES=1
+# drops the page cache every DROP_EVERY seconds (default 0.2) during those runs, so the
+# tier's reads come from the disk rather than from memory (needs root).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -65,7 +72,24 @@ run() {
 }
 
 redis_runs=()
-if [ -z "${NEW_ONLY:-}" ]; then
+if [ -n "${STREAM_AB:-}" ]; then
+    dropper=""
+    if [ -n "${DROP_CACHES:-}" ]; then
+        (while :; do echo 1 >/proc/sys/vm/drop_caches; sleep "${DROP_EVERY:-0.2}"; done) &
+        dropper=$!
+    fi
+    for round in $(seq 1 "${ROUNDS:-1}"); do
+        for mode in whole stream; do
+            stream=false
+            [ "$mode" = stream ] && stream=true
+            rm -rf "$out/disk-tier"
+            run "disk-$mode-$round" turns PDSERVE_KV_TIERS__ENABLED=true \
+                PDSERVE_KV_TIERS__HOST_CAPACITY_BYTES=0 PDSERVE_KV_TIERS__DISK_DIR="$out/disk-tier" \
+                PDSERVE_KV_TIERS__STREAM_LAYERS="$stream"
+        done
+    done
+    [ -z "$dropper" ] || kill "$dropper"
+elif [ -z "${NEW_ONLY:-}" ]; then
 run no-tiers turns PDSERVE_KV_TIERS__ENABLED=false
 run host turns PDSERVE_KV_TIERS__ENABLED=true PDSERVE_KV_TIERS__HOST_CAPACITY_BYTES="$host_bytes"
 rm -rf "$out/disk-tier"
@@ -94,6 +118,7 @@ else
 fi
 fi
 for round in $(seq 1 "${ROUNDS:-1}"); do
+    [ -z "${STREAM_AB:-}" ] || break
     suffix=""
     [ "$round" = 1 ] || suffix="-$round"
     run "new-no-tiers$suffix" new PDSERVE_KV_TIERS__ENABLED=false
@@ -117,9 +142,12 @@ print(f"{'config':<12} {'TTFT p50':>9} {'TTFT p99':>9} {'turn2+ p50':>10} {'turn
       f"{'computed':>9} {'cached':>7} {'host hits':>9} {'disk hits':>9} {'shared hits':>11} "
       f"{'misses':>6}")
 import os
-news = sorted(n[:-len(".bench.json")] for n in os.listdir(out)
-              if n.startswith("new-") and n.endswith(".bench.json"))
-for name in ["no-tiers", "host", "disk", "shared-a", "shared-b", *sys.argv[2:], *news]:
+def runs(prefix):
+    return sorted(n[:-len(".bench.json")] for n in os.listdir(out)
+                  if n.startswith(prefix) and n.endswith(".bench.json"))
+news = runs("new-")
+ab = runs("disk-whole-") + runs("disk-stream-")
+for name in ["no-tiers", "host", "disk", "shared-a", "shared-b", *sys.argv[2:], *news, *ab]:
     if not os.path.exists(f"{out}/{name}.bench.json"):
         continue
     b = json.load(open(f"{out}/{name}.bench.json"))
@@ -145,5 +173,13 @@ for name in (n for n in news if n.startswith("new-host")):
     ttft_sum = b["ttft_ms"]["mean"] * b["completed"] / 1000
     print(f"{name}: {batches:.0f} spill batches took {spill * 1000:.0f} ms on the rank thread, "
           f"{100 * spill / ttft_sum:.1f} % of the requests' summed TTFT ({ttft_sum:.1f} s)")
+# Layer-by-layer load-back: how much of each restore's load the compute overlapped.
+for name in ab:
+    m = open(f"{out}/{name}.metrics").read().splitlines()
+    loads = metric(m, "pdserve_kv_tier_load_seconds_count")
+    load_ms = 1000 * metric(m, "pdserve_kv_tier_load_seconds_sum") / max(loads, 1)
+    early = metric(m, "pdserve_kv_tier_stream_early_layers_total")
+    print(f"{name}: {loads:.0f} restores, load-back {load_ms:.1f} ms mean, "
+          f"{early:.0f} layers computed before their restore's last layer landed")
 print(f"(JSON and /metrics of every run in {out})")
 EOF

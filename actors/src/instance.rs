@@ -281,6 +281,7 @@ fn tier_settings(cfg: &ServeConfig) -> Option<crate::kv_tiers::TierSettings> {
         shared_url: t.shared_url.clone(),
         shared_capacity_bytes: t.shared_capacity_bytes,
         load_timeout: std::time::Duration::from_millis(t.load_timeout_ms),
+        stream_layers: t.stream_layers,
         write_policy: match t.write_policy {
             TierWritePolicy::WriteBack => crate::kv_tiers::WritePolicy::WriteBack,
             TierWritePolicy::Selective => crate::kv_tiers::WritePolicy::Selective {
@@ -562,6 +563,7 @@ impl Instance {
                     block_size: opts.block_size,
                     payload_bytes: bytes_per_block_all_ranks,
                     tp: opts.tp,
+                    layers: cfg.num_layers,
                 };
                 // Opening verifies every file of the disk tier: off the async threads.
                 let tiers = tokio::task::spawn_blocking(move || {

@@ -48,6 +48,7 @@ mod disk;
 mod host;
 mod queue;
 pub mod redis_store;
+pub mod stream;
 
 use crate::block_manager::{BlockHash, Evicted};
 use crate::kv_events::{Medium, TierEvents};
@@ -59,6 +60,8 @@ use std::sync::{Arc, Mutex};
 
 pub use disk::{DirMode, DiskTier};
 pub use redis_store::RedisTier;
+use stream::Source;
+pub use stream::{RestoreStream, StreamFailure, StreamLoad};
 
 /// Why a block could not be restored from a tier (each is a miss, never wrong KV).
 #[derive(Debug, thiserror::Error)]
@@ -154,6 +157,9 @@ pub struct TierSettings {
     /// How long a request waits for its blocks to load before it is computed without them
     /// (the disk tier then pauses for [`DISK_PAUSE`]).
     pub load_timeout: std::time::Duration,
+    /// Whether a local request's restore streams layer by layer ([`stream`]): its first
+    /// step starts once the blocks are opened, not once they are read.
+    pub stream_layers: bool,
 }
 
 impl TierSettings {
@@ -168,6 +174,7 @@ impl TierSettings {
             shared_capacity_bytes: 0,
             write_policy: WritePolicy::WriteBack,
             load_timeout: std::time::Duration::from_secs(30),
+            stream_layers: true,
         }
     }
 
@@ -196,6 +203,8 @@ pub struct TierShape {
     pub payload_bytes: usize,
     /// TP ranks (the payload is rank 0's bytes, then rank 1's, ...).
     pub tp: usize,
+    /// Model layers (each rank's bytes are layer 0's K and V, then layer 1's, ...).
+    pub layers: usize,
 }
 
 impl TierShape {
@@ -309,6 +318,10 @@ pub struct TiersFigures {
     pub not_spilled: u64,
     /// Loads that ran past `kv_tiers.load_timeout_ms` (their requests were computed).
     pub load_timeouts: u64,
+    /// Restores streamed layer by layer that landed verified ([`stream`]).
+    pub streamed: u64,
+    /// Layers of those that ranks computed on before the restore's last layer landed.
+    pub early_layers: u64,
 }
 
 impl TiersFigures {
@@ -396,9 +409,12 @@ pub struct KvTiers {
     /// Spill and restore batches whose rank jobs have not all ended.
     jobs_in_flight: Arc<AtomicUsize>,
     load_timeout: std::time::Duration,
+    stream_layers: bool,
     /// Until when the disk tier and the shared store are off (a load ran past its timeout).
     disk_paused_until: Mutex<Option<std::time::Instant>>,
     load_timeouts: AtomicU64,
+    streamed: AtomicU64,
+    early_layers: AtomicU64,
 }
 
 impl std::fmt::Debug for KvTiers {
@@ -470,8 +486,11 @@ impl KvTiers {
             not_spilled: AtomicU64::new(0),
             jobs_in_flight: Arc::new(AtomicUsize::new(0)),
             load_timeout: settings.load_timeout,
+            stream_layers: settings.stream_layers,
             disk_paused_until: Mutex::new(None),
             load_timeouts: AtomicU64::new(0),
+            streamed: AtomicU64::new(0),
+            early_layers: AtomicU64::new(0),
         })
     }
 
@@ -512,6 +531,20 @@ impl KvTiers {
     /// The shared store unless it is paused after a slow load.
     fn live_shared(&self) -> Option<&SharedStore> {
         self.shared.as_ref().filter(|_| !self.paused())
+    }
+
+    /// A streamed restore landed verified; ranks took `early` of its layers before its last
+    /// layer had landed.
+    pub fn streamed(&self, early: usize) {
+        self.streamed.fetch_add(1, Ordering::Relaxed);
+        self.early_layers.fetch_add(early as u64, Ordering::Relaxed);
+        metrics::counter!(pdserve_runtime::telemetry::KV_TIER_STREAM_EARLY_LAYERS_TOTAL)
+            .increment(early as u64);
+    }
+
+    /// Whether local restores stream layer by layer (`kv_tiers.stream_layers`).
+    pub fn streams(&self) -> bool {
+        self.stream_layers
     }
 
     /// How long a request waits for a load.
@@ -628,6 +661,54 @@ impl KvTiers {
         tokens: &[u32],
         parent: Option<BlockHash>,
     ) -> Vec<Arc<TierBlock>> {
+        self.open_run(hashes, tokens, parent, false)
+            .into_iter()
+            .filter_map(|s| match s {
+                Source::Whole(b) => Some(b),
+                Source::File { .. } => None, // not opened unless streamed
+            })
+            .collect()
+    }
+
+    /// As [`KvTiers::load_run`] for a restore streamed layer by layer ([`stream`]): the host
+    /// region's and the Redis store's blocks are read and verified whole, the files of the
+    /// disk tier and the shared directory only opened (header and key checked). The returned
+    /// load's [`StreamLoad::run`] reads the layers; waits on its stream end at `deadline`.
+    /// `hold_last` is the test-only `faults.tier_stream_hold`. Blocking.
+    pub fn open_stream(
+        self: &Arc<Self>,
+        hashes: &[BlockHash],
+        tokens: &[u32],
+        parent: Option<BlockHash>,
+        deadline: std::time::Instant,
+        hold_last: bool,
+    ) -> StreamLoad {
+        let sources = self.open_run(hashes, tokens, parent, true);
+        let s = &self.shape;
+        let layer_bytes = s.rank_bytes() / s.layers.max(1);
+        StreamLoad {
+            tiers: self.clone(),
+            stream: Arc::new(RestoreStream::new(
+                sources.len(),
+                s.layers,
+                s.tp,
+                layer_bytes,
+                deadline,
+            )),
+            sources,
+            hold_last,
+        }
+    }
+
+    /// The leading blocks of a run that can be restored (see [`KvTiers::load_run`]); with
+    /// `stream`, the disk tier's and the shared directory's files are opened, not read.
+    fn open_run(
+        &self,
+        hashes: &[BlockHash],
+        tokens: &[u32],
+        parent: Option<BlockHash>,
+        stream: bool,
+    ) -> Vec<Source> {
         let bs = self.shape.block_size;
         let mut out = Vec::new();
         let mut parent = parent;
@@ -635,10 +716,17 @@ impl KvTiers {
             let Some(want) = tokens.get(i * bs..(i + 1) * bs) else {
                 break;
             };
-            let check = |b: &TierBlock| -> Result<(), TierError> {
-                if b.hash != h || b.parent != parent || b.tokens != want {
+            let key = |p: Option<BlockHash>, t: &[u32]| -> Result<(), TierError> {
+                if p != parent || t != want {
                     return Err(TierError::Key);
                 }
+                Ok(())
+            };
+            let check = |b: &TierBlock| -> Result<(), TierError> {
+                if b.hash != h {
+                    return Err(TierError::Key);
+                }
+                key(b.parent, &b.tokens)?;
                 if b.bytes.len() != self.shape.payload_bytes {
                     return Err(TierError::ShortRead(format!(
                         "{} of {} bytes",
@@ -659,7 +747,7 @@ impl KvTiers {
                     match verdict {
                         Ok(()) => {
                             self.host_counters.hit(Tier::Host, b.bytes.len());
-                            Some(b)
+                            Some(Source::Whole(b))
                         }
                         Err(e) => {
                             self.host_counters.miss(Tier::Host, h, &e);
@@ -673,9 +761,36 @@ impl KvTiers {
                 }
                 None => None,
             };
+            let open = |d: &DiskTier, shared: bool| -> Option<Source> {
+                if !d.contains(h) {
+                    return None;
+                }
+                match d
+                    .open_block(h)
+                    .and_then(|(p, t, file)| key(p, &t).map(|()| file))
+                {
+                    Ok(file) => Some(Source::File {
+                        hash: h,
+                        shared,
+                        file,
+                    }),
+                    Err(e) => {
+                        d.counters().miss(DiskTier::tier(d), h, &e);
+                        DiskTier::discard(d, h);
+                        None
+                    }
+                }
+            };
+            let shared_dir = self.live_shared().and_then(SharedStore::as_dir);
             let found = found
-                .or_else(|| restore_from(self.live_disk(), h, &check))
-                .or_else(|| restore_from(self.live_shared(), h, &check));
+                .or_else(|| match (stream, self.live_disk()) {
+                    (true, Some(d)) => open(d, false),
+                    _ => restore_from(self.live_disk(), h, &check).map(Source::Whole),
+                })
+                .or_else(|| match (stream, shared_dir) {
+                    (true, Some(d)) => open(d, true),
+                    _ => restore_from(self.live_shared(), h, &check).map(Source::Whole),
+                });
             let Some(b) = found else { break };
             parent = Some(h);
             out.push(b);
@@ -696,6 +811,8 @@ impl KvTiers {
             offered: self.offered.load(Ordering::Relaxed),
             not_spilled: self.not_spilled.load(Ordering::Relaxed),
             load_timeouts: self.load_timeouts.load(Ordering::Relaxed),
+            streamed: self.streamed.load(Ordering::Relaxed),
+            early_layers: self.early_layers.load(Ordering::Relaxed),
         }
     }
 
@@ -1126,6 +1243,7 @@ mod tests {
             block_size: 4,
             payload_bytes: 64,
             tp: 2,
+            layers: 2,
         }
     }
 
@@ -1149,6 +1267,7 @@ mod tests {
             shared_capacity_bytes: 0,
             write_policy: WritePolicy::WriteBack,
             load_timeout: std::time::Duration::from_secs(1),
+            stream_layers: true,
         }
     }
 

@@ -26,7 +26,7 @@ use crate::handoff::push::{PushChunk, PushEvent};
 use crate::handoff::receiver::{Fetch, FetchOutcome, FetchReply, KvReceiverMsg, KvSource};
 use crate::handoff::sender::KvSenderMsg;
 use crate::handoff::HandoffError;
-use crate::kv_tiers::{KvTiers, SpillDone};
+use crate::kv_tiers::{KvTiers, RestoreStream, SpillDone, StreamFailure};
 use crate::mailbox::{Inbox, Mailbox};
 use crate::worker::{StepError, WorkerMsg, WorkerReport};
 use pdserve_gpu::model::Batch;
@@ -165,9 +165,38 @@ pub struct TierLoad {
     tokens: Vec<u32>,
     /// The first block the tiers were asked for (the pool held those before it).
     start: usize,
-    /// Blocks `start..` as loaded and verified.
-    blocks: Vec<Arc<crate::kv_tiers::TierBlock>>,
+    /// Blocks `start..`, loaded and verified, or opened for a streamed restore.
+    loaded: Loaded,
     /// When the lookup found them (the load-back latency counts from here).
+    started: std::time::Instant,
+}
+
+/// What a KV-tier load produced.
+enum Loaded {
+    /// Every block read and verified.
+    Whole(Vec<Arc<crate::kv_tiers::TierBlock>>),
+    /// Every block opened; a blocking task reads their layers into `stream` (the request's
+    /// first step takes them as they land: [`crate::kv_tiers::stream`]).
+    Stream {
+        stream: Arc<RestoreStream>,
+        /// Each block's stored hit count.
+        hits: Vec<u32>,
+    },
+}
+
+impl Loaded {
+    fn len(&self) -> usize {
+        match self {
+            Loaded::Whole(b) => b.len(),
+            Loaded::Stream { hits, .. } => hits.len(),
+        }
+    }
+}
+
+/// A request admitted with a streamed KV-tier restore, until its first step ends.
+struct Streaming {
+    stream: Arc<RestoreStream>,
+    /// When the lookup found the blocks.
     started: std::time::Instant,
 }
 
@@ -312,6 +341,8 @@ pub struct SchedulerState {
     tier_loads: usize,
     /// Requests whose tier load is under way, by load id.
     tier_waiting: HashMap<u64, Waiting>,
+    /// Requests admitted with a streamed restore whose first step has not ended.
+    streaming: HashMap<RequestId, Streaming>,
     next_load_id: u64,
     /// Blocks held until the end of the current message (restored prefixes, so the step
     /// planned right after cannot evict them before their request is admitted).
@@ -359,6 +390,7 @@ impl Actor for Scheduler {
             tiers: args.tiers,
             tier_loads: 0,
             tier_waiting: HashMap::new(),
+            streaming: HashMap::new(),
             next_load_id: 0,
             pins: Vec::new(),
             owners: HashMap::new(),
@@ -598,6 +630,7 @@ impl Actor for Scheduler {
                     });
                 }
                 st.core.cache_lost();
+                st.sweep_streams();
                 // Evicted blocks not yet copied out name KV that is gone.
                 let lost = st.core.block_manager().take_evicted().len();
                 if let Some(t) = &st.tiers {
@@ -710,6 +743,9 @@ impl SchedulerState {
         if count == 0 {
             return Some((request, sink, source));
         }
+        // A local request computes its prompt here: its restore streams layer by layer. A
+        // P/D request's restored KV goes to (or comes with) a peer: loaded whole.
+        let stream = tiers.streams() && source.is_none() && request.hold_for.is_none();
         self.tier_loads += 1;
         self.next_load_id += 1;
         let load_id = self.next_load_id;
@@ -722,21 +758,43 @@ impl SchedulerState {
             tokio::time::sleep(timeout).await;
             let _ = timer.cast(SchedulerMsg::TierLoadTimedOut(load_id));
         });
+        let hold_last = self.faults.as_ref().is_some_and(|f| f.tier_stream_hold());
         tokio::task::spawn_blocking(move || {
-            let blocks = tiers.load_run(
+            let (run, parent) = (
                 &hashes[start..start + count],
-                &tokens[start * bs..],
                 start.checked_sub(1).map(|p| hashes[p]),
             );
+            let (loaded, reader) = if stream {
+                let load = tiers.open_stream(
+                    run,
+                    &tokens[start * bs..],
+                    parent,
+                    started + timeout,
+                    hold_last,
+                );
+                let loaded = Loaded::Stream {
+                    stream: load.stream().clone(),
+                    hits: load.hits(),
+                };
+                (loaded, Some(load))
+            } else {
+                let blocks = tiers.load_run(run, &tokens[start * bs..], parent);
+                (Loaded::Whole(blocks), None)
+            };
             let load = TierLoad {
                 load_id,
                 hashes,
                 tokens,
                 start,
-                blocks,
+                loaded,
                 started,
             };
-            let _ = me.cast(SchedulerMsg::TiersLoaded(Box::new(load)));
+            // The request is admitted now; its first step takes the layers as they land.
+            if me.cast(SchedulerMsg::TiersLoaded(Box::new(load))).is_ok() {
+                if let Some(reader) = reader {
+                    reader.run();
+                }
+            }
         });
         None
     }
@@ -750,32 +808,49 @@ impl SchedulerState {
             hashes,
             tokens,
             start,
-            blocks,
+            loaded,
             started,
         } = load;
+        let give_up = |loaded: &Loaded| {
+            if let Loaded::Stream { stream, .. } = loaded {
+                stream.fail(StreamFailure::Abandoned);
+            }
+        };
         let Some((request, sink, source)) = self.tier_waiting.remove(&load_id) else {
-            return; // timed out: the request went on without the tiers
+            return give_up(&loaded); // timed out: the request went on without the tiers
         };
         self.tier_loads = self.tier_loads.saturating_sub(1);
         if sink.is_closed() {
+            give_up(&loaded);
             return self.abandon(request.id, source); // the client left meanwhile
         }
         let Some(tiers) = self.tiers.clone() else {
+            give_up(&loaded);
             return self.proceed(request, sink, source);
         };
         let bs = self.core.config().block_size;
         let bm = self.core.block_manager().clone();
         // The pool may have gained or lost blocks of this prefix meanwhile.
         let now = bm.lookup(&hashes, &tokens, bs);
-        let end = start + blocks.len();
+        let end = start + loaded.len();
+        let streamed = matches!(loaded, Loaded::Stream { .. });
         if now < start
             || now >= end
+            // A stream writes the blocks it opened, all of them.
+            || (streamed && now != start)
             || !tiers.may_queue_jobs()
             || self.workers.iter().any(Option::is_none)
         {
+            give_up(&loaded);
             return self.proceed(request, sink, source);
         }
         let pin = bm.pin_prefix(&hashes[..now], &tokens[..now * bs], bs);
+        let blocks = match loaded {
+            Loaded::Whole(blocks) => blocks,
+            Loaded::Stream { stream, hits } => {
+                return self.admit_streamed(request, sink, pin, now, stream, hits, started);
+            }
+        };
         let todo = &blocks[now - start..];
         let mut alloc = bm.empty();
         if !bm.can_admit(todo.len()) || !bm.grow(&mut alloc, todo.len()) {
@@ -818,6 +893,117 @@ impl SchedulerState {
                 let _ = w.cast(WorkerMsg::Kv(job));
             }
         }
+    }
+
+    /// Admits a local request whose prompt blocks `first..` stream from the KV tiers into
+    /// fresh pool blocks during its first step (`pin`: the pool's blocks `..first`); or,
+    /// when the pool cannot give those blocks now, gives the stream up and admits it as is.
+    #[allow(clippy::too_many_arguments)]
+    fn admit_streamed(
+        &mut self,
+        request: NewRequest,
+        sink: EventSink,
+        mut pin: BlockAllocation,
+        first: usize,
+        stream: Arc<RestoreStream>,
+        hits: Vec<u32>,
+        started: Instant,
+    ) {
+        let bm = self.core.block_manager().clone();
+        let mut fresh = bm.empty();
+        if !bm.can_admit(hits.len()) || !bm.grow(&mut fresh, hits.len()) {
+            stream.fail(StreamFailure::Abandoned);
+            return self.admit(request, sink);
+        }
+        // What this allocation evicted is copied out before the step that carries the
+        // stream overwrites it (the spill jobs queue on the ranks ahead of that step).
+        self.flush_spills();
+        pin.append(fresh);
+        let (id, prompt_tokens) = (request.id, request.prompt.len());
+        match self.core.add_restored(request, pin, first, hits) {
+            Ok(()) => {
+                metrics::counter!(pdserve_runtime::telemetry::PROMPT_TOKENS_TOTAL)
+                    .increment(prompt_tokens as u64);
+                self.owners.insert(id, Owner::new(sink, None, None));
+                self.streaming.insert(id, Streaming { stream, started });
+            }
+            Err(e) => {
+                stream.fail(StreamFailure::Abandoned);
+                let _ = sink.try_send(RequestEvent::Failed(e));
+            }
+        }
+    }
+
+    /// The [`KvFeed`](pdserve_gpu::tp::KvFeed) of a step whose members restore their
+    /// prefixes layer by layer: every rank writes each stream's layer as it lands.
+    fn restore_feed(&self, plan: &StepPlan) -> Option<pdserve_gpu::tp::KvFeed> {
+        let feeds: Vec<(Arc<RestoreStream>, Vec<u32>)> = plan
+            .restores
+            .iter()
+            .filter_map(|(id, blocks)| {
+                let s = self.streaming.get(id)?;
+                Some((s.stream.clone(), blocks.clone()))
+            })
+            .collect();
+        if feeds.is_empty() {
+            return None;
+        }
+        Some(Arc::new(move |rank, layer, kv| {
+            for (stream, blocks) in &feeds {
+                stream.feed(rank, layer, kv, blocks);
+            }
+        }))
+    }
+
+    /// Settles the streamed restores a completed step carried: a verified one's blocks join
+    /// the prefix cache; any other outcome (a miss, a timeout, a stream the step did not
+    /// carry) restarts its request without the tiers.
+    fn settle_restores(&mut self, restores: &[(RequestId, Vec<u32>)]) {
+        use pdserve_runtime::telemetry as m;
+        for (id, blocks) in restores {
+            let entry = self.streaming.remove(id);
+            let verdict = entry.as_ref().and_then(|s| s.stream.verdict());
+            let verified = verdict == Some(Ok(()));
+            if !self.core.restore_settled(*id, verified) {
+                continue;
+            }
+            let Some(s) = entry else {
+                tracing::error!(request = %id, "a streamed restore without its stream: recomputing");
+                continue;
+            };
+            let early = s.stream.early_layers();
+            if verified {
+                if let Some(t) = &self.tiers {
+                    t.streamed(early);
+                }
+                metrics::histogram!(m::KV_TIER_LOAD_SECONDS)
+                    .record(s.started.elapsed().as_secs_f64());
+                tracing::debug!(request = %id, blocks = blocks.len(), early, "restored KV blocks from the tiers layer by layer");
+                continue;
+            }
+            let why = verdict
+                .and_then(Result::err)
+                .unwrap_or(StreamFailure::Timeout);
+            if why == StreamFailure::Timeout {
+                if let Some(t) = &self.tiers {
+                    t.load_timed_out();
+                }
+            }
+            tracing::warn!(request = %id, reason = why.as_str(), "a streamed KV tier restore failed: recomputing the request");
+        }
+    }
+
+    /// Gives up the streams of requests that no longer wait for them (aborted, failed,
+    /// preempted or cache-lost before their first step).
+    fn sweep_streams(&mut self) {
+        let core = &self.core;
+        self.streaming.retain(|id, s| {
+            let keep = core.restore_pending(*id);
+            if !keep {
+                s.stream.fail(StreamFailure::Abandoned);
+            }
+            keep
+        });
     }
 
     /// Registers the restored blocks when every rank wrote them into the caches that are
@@ -1149,6 +1335,9 @@ impl SchedulerState {
                 let _ = r.cast(KvReceiverMsg::Abort(id));
             }
         }
+        if let Some(s) = self.streaming.remove(&id) {
+            s.stream.fail(StreamFailure::Abandoned);
+        }
         self.core.abort(id)
     }
 
@@ -1192,7 +1381,7 @@ impl SchedulerState {
         if inf.replies.iter().any(Option::is_none) {
             return;
         }
-        let inf = self.in_flight.take().expect("checked above");
+        let mut inf = self.in_flight.take().expect("checked above");
         let mut logits = None;
         let mut failure = None;
         for (r, reply) in inf.replies.into_iter().enumerate() {
@@ -1202,8 +1391,12 @@ impl SchedulerState {
                 Err(e) => failure = failure.or(Some(format!("TP rank {r}: {e}"))),
             }
         }
+        let restores = std::mem::take(&mut inf.plan.restores);
         let out = match (failure, logits) {
-            (None, Some(l)) => self.core.complete(inf.plan, l, Instant::now()),
+            (None, Some(l)) => {
+                self.settle_restores(&restores);
+                self.core.complete(inf.plan, l, Instant::now())
+            }
             (Some(e), _) => {
                 self.needs_reset = true;
                 self.step_failed(inf.plan.step_id, inf.pushes);
@@ -1214,6 +1407,7 @@ impl SchedulerState {
                 RequestError::Internal("no logits from rank 0".into()),
             ),
         };
+        self.sweep_streams();
         self.dispatch(out);
     }
 
@@ -1238,11 +1432,13 @@ impl SchedulerState {
         self.note_first_decode_steps(&plan);
         let batch: Arc<Batch> = Arc::new(plan.batch.clone());
         let hook = self.push_hook(&plan);
+        let feed = self.restore_feed(&plan);
         for (_, w) in self.workers.iter().flatten() {
             let _ = w.cast(WorkerMsg::Step {
                 step_id: plan.step_id,
                 batch: batch.clone(),
                 hook: hook.clone(),
+                feed: feed.clone(),
             });
         }
         // The workers compute the step's logits now: meanwhile, the grammar masks they will

@@ -29,7 +29,7 @@ use executor::RankExec;
 use pdserve_gpu::collective::ThreadCollective;
 use pdserve_gpu::config::ModelConfig;
 use pdserve_gpu::model::Batch;
-use pdserve_gpu::tp::{LayerHook, StepCallback, TpOptions};
+use pdserve_gpu::tp::{KvFeed, LayerHook, StepCallback, TpOptions};
 use pdserve_gpu::weights::TensorStore;
 use pdserve_gpu::ModelError;
 use pdserve_runtime::memory::HostMemoryAllocator;
@@ -46,6 +46,9 @@ pub enum WorkerMsg {
         batch: Arc<Batch>,
         /// Called as each layer's K/V land in this rank's cache (pushed KV hand-offs).
         hook: Option<LayerHook>,
+        /// Writes KV restored from the tiers into this rank's cache layer by layer, before
+        /// attention reads each layer (CPU executor only: the tiers are refused elsewhere).
+        feed: Option<KvFeed>,
     },
     /// A peer rank died: fail any collective this group waits in.
     Poison(String),
@@ -223,6 +226,7 @@ impl Actor for TpWorker {
                 step_id,
                 batch,
                 hook,
+                feed,
             } => {
                 let reports = st.args.reports.clone();
                 let (rank, epoch) = (st.args.rank, st.args.epoch);
@@ -248,7 +252,7 @@ impl Actor for TpWorker {
                         let _ = me.cast(WorkerMsg::DeviceLost(reason));
                     }
                 });
-                if let Err(e) = st.executor.submit(batch, hook, done) {
+                if let Err(e) = st.executor.submit(batch, hook, feed, done) {
                     (st.args.reports)(WorkerReport::StepDone {
                         epoch,
                         step_id,

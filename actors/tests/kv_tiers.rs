@@ -147,16 +147,20 @@ const REVISIT: [usize; 3] = [0, 1, 2];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn evicted_turns_restore_from_the_host_tier_token_identical() {
-    for tp in [1, 2] {
+    // Streamed layer by layer (the default) at tp 1 and 2, and loaded whole.
+    for (tp, stream) in [(1, true), (2, true), (1, false)] {
         let want = reference(&REVISIT, tp).await;
-        let inst = instance(&format!("host-tp{tp}"), tp, Some(host_only())).await;
+        let mut settings = host_only();
+        settings.stream_layers = stream;
+        let name = format!("host-tp{tp}-{}", if stream { "stream" } else { "whole" });
+        let inst = instance(&name, tp, Some(settings)).await;
         let (run, inst) = conversation_run(inst, &REVISIT, |i, _| async { i }).await;
-        assert_eq!(run.first, want.first, "tp={tp}: first turns");
-        assert_eq!(run.second, want.second, "tp={tp}: second turns");
+        assert_eq!(run.first, want.first, "{name}: first turns");
+        assert_eq!(run.second, want.second, "{name}: second turns");
         for &cached in &run.second_cached {
             assert!(
                 cached >= TURN1 as u64,
-                "tp={tp}: the evicted first turn is restored, not computed: {:?}",
+                "{name}: the evicted first turn is restored, not computed: {:?}",
                 run.second_cached
             );
         }
@@ -164,13 +168,70 @@ async fn evicted_turns_restore_from_the_host_tier_token_identical() {
         let host = f.host.unwrap();
         assert!(
             host.hits >= (REVISIT.len() * TURN1 / BLOCK) as u64,
-            "tp={tp}: {f:?}"
+            "{name}: {f:?}"
         );
         assert_eq!(host.misses, 0, "{f:?}");
         assert!(host.bytes_read > 0 && host.bytes_written > 0, "{f:?}");
         assert!(f.disk.is_none());
+        if stream {
+            assert!(f.streamed >= REVISIT.len() as u64, "{name}: {f:?}");
+        } else {
+            assert_eq!(f.streamed, 0, "{name}: {f:?}");
+        }
         inst.stop().await;
     }
+}
+
+/// Layer-by-layer load-back: a restore from disk admits its request once the files are
+/// opened, and the step computing the rest of the prompt takes each layer as it lands. The
+/// `tier_stream_hold` fault lands a restore's last layer only once a rank has taken an
+/// earlier one, so a restore whose compute waited for the whole load would time out and be
+/// recomputed (cached 0, `streamed` 0): every second turn here is restored instead, with
+/// the ranks (tp 2, each reading its heads of the files) computing before the last layer
+/// arrived, and every answer token-identical to an instance without tiers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_restore_computes_before_its_last_layer_lands() {
+    use pdserve_runtime::faults::{Fault, FaultInjector, FaultSection};
+    let want = reference(&REVISIT, 2).await;
+    let dir = tempfile::tempdir().unwrap();
+    let faults = FaultInjector::new(&FaultSection {
+        tier_stream_hold: 1.0,
+        ..FaultSection::default()
+    })
+    .unwrap();
+    let mut o = InstanceOptions::local(
+        "stream-hold",
+        load_model(&ModelSource::Synthetic("small".into())).unwrap(),
+    );
+    o.tp = 2;
+    o.block_size = BLOCK;
+    o.num_blocks = Some(POOL);
+    o.watermark = 0.0;
+    o.kv_tiers = Some(disk_only(dir.path()));
+    o.faults = Some(faults.clone());
+    let inst = Instance::start(o).await.unwrap();
+    let (run, inst) = conversation_run(inst, &REVISIT, |inst, _| async move {
+        flush(&inst);
+        inst
+    })
+    .await;
+    assert_eq!(run.first, want.first, "first turns");
+    assert_eq!(run.second, want.second, "second turns");
+    for &cached in &run.second_cached {
+        assert!(cached >= TURN1 as u64, "restored: {:?}", run.second_cached);
+    }
+    let f = inst.kv_tiers().unwrap().figures();
+    assert!(f.streamed >= REVISIT.len() as u64, "{f:?}");
+    assert!(
+        f.early_layers >= f.streamed,
+        "every streamed restore was computed on before its last layer landed: {f:?}"
+    );
+    assert!(faults.injected(Fault::TierStreamHold) >= REVISIT.len() as u64);
+    let disk = f.disk.unwrap();
+    assert_eq!(disk.misses, 0, "{f:?}");
+    assert!(disk.hits >= (REVISIT.len() * TURN1 / BLOCK) as u64, "{f:?}");
+    assert_eq!(f.load_timeouts, 0, "{f:?}");
+    inst.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -329,6 +390,7 @@ fn shared_only(dir: &Path) -> TierSettings {
         shared_capacity_bytes: 256 << 20,
         write_policy: WritePolicy::WriteBack,
         load_timeout: Duration::from_secs(30),
+        stream_layers: true,
     }
 }
 
@@ -486,6 +548,7 @@ fn on_redis(url: &str) -> TierSettings {
         shared_capacity_bytes: 256 << 20,
         write_policy: WritePolicy::WriteBack,
         load_timeout: Duration::from_secs(30),
+        stream_layers: true,
     }
 }
 

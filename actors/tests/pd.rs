@@ -2221,6 +2221,7 @@ fn small_pool_on_shared_store(dir: &std::path::Path) -> impl Fn(&mut InstanceOpt
         shared_capacity_bytes: 256 << 20,
         write_policy: WritePolicy::WriteBack,
         load_timeout: Duration::from_secs(30),
+        stream_layers: true,
     };
     move |o: &mut InstanceOptions| {
         o.block_size = 8;

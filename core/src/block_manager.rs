@@ -355,6 +355,21 @@ impl BlockManager {
         tokens: &[u32],
         block_size: usize,
     ) -> usize {
+        self.register_hits(alloc, from, hashes, tokens, block_size, &[])
+    }
+
+    /// As [`BlockManager::register`], block `from + j` with `hits[j]` prefix-cache hits (0
+    /// past the end of `hits`): blocks whose KV was restored from a KV tier keep the count
+    /// the tiers' `selective` write policy reads.
+    pub fn register_hits(
+        &self,
+        alloc: &BlockAllocation,
+        from: usize,
+        hashes: &[BlockHash],
+        tokens: &[u32],
+        block_size: usize,
+        hits: &[u32],
+    ) -> usize {
         if !self.caching {
             return 0;
         }
@@ -373,7 +388,7 @@ impl BlockManager {
                 parent: i.checked_sub(1).map(|p| hashes[p]),
                 tokens: t.to_vec(),
                 stamp: None,
-                hits: 0,
+                hits: hits.get(i - from).copied().unwrap_or(0),
             });
             pool.by_hash.insert(h, b);
             pool.events.stored(h);
@@ -483,6 +498,18 @@ impl BlockManager {
 }
 
 impl BlockAllocation {
+    /// Moves `other`'s blocks to the end of this allocation (both of one pool).
+    ///
+    /// # Panics
+    /// When `other` belongs to another pool.
+    pub fn append(&mut self, mut other: BlockAllocation) {
+        assert!(
+            Arc::ptr_eq(&self.pool, &other.pool),
+            "blocks of another pool"
+        );
+        self.blocks.append(&mut other.blocks);
+    }
+
     /// The block ids, in sequence order.
     pub fn blocks(&self) -> &[u32] {
         &self.blocks

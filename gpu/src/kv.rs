@@ -387,6 +387,29 @@ impl KvCache {
         }
     }
 
+    /// Bytes of one block's K and V in one layer (this rank's heads): a layer's share of
+    /// [`KvCache::read_block`], which lays layer `l` at `l * block_layer_bytes()`.
+    pub fn block_layer_bytes(&self) -> usize {
+        2 * self.layout.block_bytes()
+    }
+
+    /// Writes one block's K and V of `layer` from `bytes`, laid out as that layer's share
+    /// of [`KvCache::read_block`] (K then V).
+    ///
+    /// # Panics
+    /// When `block` or `layer` is out of range or `bytes` is not
+    /// [`KvCache::block_layer_bytes`] long.
+    pub fn write_block_layer(&mut self, block: usize, layer: usize, bytes: &[u8]) {
+        assert_eq!(bytes.len(), self.block_layer_bytes(), "block layer bytes");
+        let heads = 0..self.layout.num_kv_heads;
+        let mut at = 0;
+        for kind in [KvKind::Key, KvKind::Value] {
+            let span = self.layout.span(layer, kind, block, heads.clone());
+            self.write_span(span, &bytes[at..at + span.len]);
+            at += span.len;
+        }
+    }
+
     /// Writes one token's K or V for one head (rounded to the cache's dtype).
     pub fn write_slot(
         &mut self,
@@ -517,6 +540,26 @@ mod tests {
             head_dim: 8,
             dtype: KvDtype::F32,
         }
+    }
+
+    #[test]
+    fn a_block_written_layer_by_layer_reads_back_as_a_whole_block() {
+        let l = layout();
+        let mut kv = KvCache::new(l, &AnonAllocator).unwrap();
+        let whole: Vec<u8> = (0..kv.block_bytes_all_layers())
+            .map(|i| (i % 251) as u8)
+            .collect();
+        let lb = kv.block_layer_bytes();
+        assert_eq!(lb * l.num_layers, whole.len());
+        for layer in (0..l.num_layers).rev() {
+            kv.write_block_layer(3, layer, &whole[layer * lb..(layer + 1) * lb]);
+        }
+        let mut back = Vec::new();
+        kv.read_block(3, &mut back);
+        assert_eq!(back, whole);
+        let mut other = Vec::new();
+        kv.read_block(2, &mut other);
+        assert!(other.iter().all(|&b| b == 0), "no other block is touched");
     }
 
     #[test]

@@ -557,7 +557,9 @@ impl ModelShard {
     /// Runs one step. Returns, for every sequence with `want_logits`, the full-vocabulary
     /// logits of its last token, and for one with `all_logits` those of each of its tokens
     /// ([`SeqChunk::logit_rows`], in batch order; every rank returns the same values).
-    /// `on_layer(l)` is called once layer `l`'s K/V are in the cache (for layerwise KV push).
+    /// `on_layer(l, kv)` is called once layer `l`'s K/V of the batch are in the cache and
+    /// before any attention reads layer `l` (for layerwise KV push, and for KV restored
+    /// layer by layer: it may write other blocks' layer `l` into `kv`).
     ///
     /// # Errors
     /// Invalid batches (checked before any write), collective failures.
@@ -566,7 +568,7 @@ impl ModelShard {
         batch: &Batch,
         kv: &mut KvCache,
         comm: &dyn Collective,
-        on_layer: &mut dyn FnMut(usize),
+        on_layer: &mut dyn FnMut(usize, &mut KvCache),
     ) -> Result<Vec<Vec<f32>>> {
         self.validate_batch(batch, kv)?;
         let cfg = &self.config;
@@ -661,7 +663,7 @@ impl ModelShard {
                     }
                 }
             }
-            on_layer(li);
+            on_layer(li, kv);
             let attn =
                 crate::attention::attention(li, batch, &offsets, &qkv, qkv_w, nh, nkv, hd, kv);
             layer.out.add_split_input(&attn, t, comm, &mut x)?;

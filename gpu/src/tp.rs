@@ -24,6 +24,12 @@ pub const COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(120);
 /// Called with `(rank, layer)` once a layer's K/V of the current step are in that rank's cache.
 pub type LayerHook = Arc<dyn Fn(usize, usize) + Send + Sync>;
 
+/// Called with `(rank, layer, cache)` during a step, once the batch's K/V of `layer` are in
+/// that rank's cache and before attention reads the layer: it may write other blocks'
+/// `layer` into the cache (KV restored from a tier layer by layer, waiting for the layer to
+/// arrive). Only the CPU executor runs one.
+pub type KvFeed = Arc<dyn Fn(usize, usize, &mut KvCache) + Send + Sync>;
+
 /// A job on a rank's KV cache, run on the rank thread between steps (in queue order).
 pub type KvJob = Box<dyn FnOnce(&mut KvCache) + Send>;
 
@@ -40,6 +46,7 @@ enum Job {
     Forward {
         batch: Arc<Batch>,
         hook: Option<LayerHook>,
+        feed: Option<KvFeed>,
         done: StepCallback,
     },
     WithKv {
@@ -230,7 +237,27 @@ impl RankExecutor {
         hook: Option<LayerHook>,
         done: StepCallback,
     ) -> Result<()> {
-        self.thread.send(Job::Forward { batch, hook, done })
+        self.submit_fed(batch, hook, None, done)
+    }
+
+    /// As [`RankExecutor::submit`], with `feed` called at every layer before attention reads
+    /// it ([`KvFeed`]).
+    ///
+    /// # Errors
+    /// As [`RankExecutor::submit`].
+    pub fn submit_fed(
+        &self,
+        batch: Arc<Batch>,
+        hook: Option<LayerHook>,
+        feed: Option<KvFeed>,
+        done: StepCallback,
+    ) -> Result<()> {
+        self.thread.send(Job::Forward {
+            batch,
+            hook,
+            feed,
+            done,
+        })
     }
 
     /// Queues `job` on this rank's KV cache without waiting: it runs on the rank thread after
@@ -429,9 +456,17 @@ fn rank_loop(shard: ModelShard, mut kv: KvCache, comm: ThreadCollective, jobs: R
     let rank = comm.rank();
     while let Ok(job) = jobs.recv() {
         match job {
-            Job::Forward { batch, hook, done } => {
+            Job::Forward {
+                batch,
+                hook,
+                feed,
+                done,
+            } => {
                 let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    let mut on_layer = |l: usize| {
+                    let mut on_layer = |l: usize, kv: &mut KvCache| {
+                        if let Some(f) = &feed {
+                            f(rank, l, kv);
+                        }
                         if let Some(h) = &hook {
                             h(rank, l);
                         }

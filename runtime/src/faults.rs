@@ -20,6 +20,9 @@
 //! - **KV tier spills**: the end of a spill (the ranks copied the blocks the pool evicted out
 //!   for the tiers; only then may a KV transfer land in those blocks) is reported late, as a
 //!   slow copy would be, so a hand-off whose destination blocks were evicted starts late;
+//! - **KV tier restores streamed layer by layer**: the last layer lands only once a rank has
+//!   taken an earlier one (or at the load's deadline), which shows compute starting before
+//!   the load ends — a restore that waited for every layer would time out;
 //! - **actor panics**: the actor named by `actor_panic_target` (`TpWorker` by default,
 //!   or `Scheduler`, `KvSender`, `KvReceiver`, `Aggregator`, `HttpFrontend`) panics as it
 //!   takes a message from its mailbox, at most `actor_panic_max` times; its supervisor
@@ -66,6 +69,9 @@ pub struct FaultSection {
     pub spill_delay: f64,
     /// Delay of a delayed spill's end.
     pub spill_delay_ms: u64,
+    /// Streamed KV tier restores whose last layer lands only once a rank took an earlier
+    /// one (bounded by `kv_tiers.load_timeout_ms`): shows compute starting before it.
+    pub tier_stream_hold: f64,
     /// Messages at which the `actor_panic_target` actor panics (for a TpWorker: steps).
     #[serde(alias = "worker_panic")]
     pub actor_panic: f64,
@@ -84,7 +90,7 @@ impl FaultSection {
         self.rates().iter().any(|(_, r)| *r > 0.0)
     }
 
-    fn rates(&self) -> [(&'static str, f64); 11] {
+    fn rates(&self) -> [(&'static str, f64); 12] {
         [
             ("faults.transfer_fail", self.transfer_fail),
             ("faults.transfer_delay", self.transfer_delay),
@@ -97,6 +103,7 @@ impl FaultSection {
             ("faults.register_fail", self.register_fail),
             ("faults.actor_panic", self.actor_panic),
             ("faults.spill_delay", self.spill_delay),
+            ("faults.tier_stream_hold", self.tier_stream_hold),
         ]
     }
 
@@ -153,6 +160,8 @@ pub enum Fault {
     TransferGarbleBlock,
     /// A KV tier spill's end is reported late.
     SpillDelay,
+    /// A streamed KV tier restore holds its last layer.
+    TierStreamHold,
 }
 
 /// The actor kinds `faults.actor_panic_target` may name.
@@ -165,7 +174,7 @@ pub const PANIC_TARGETS: [&str; 6] = [
     "HttpFrontend",
 ];
 
-const KINDS: usize = 11;
+const KINDS: usize = 12;
 
 impl Fault {
     fn index(self) -> usize {
@@ -186,6 +195,7 @@ impl Fault {
             Self::TransferSkipBlock => "transfer_skip_block",
             Self::TransferGarbleBlock => "transfer_garble_block",
             Self::SpillDelay => "spill_delay",
+            Self::TierStreamHold => "tier_stream_hold",
         }
     }
 }
@@ -265,6 +275,7 @@ impl FaultInjector {
             Fault::TransferSkipBlock => c.transfer_skip_block,
             Fault::TransferGarbleBlock => c.transfer_garble_block,
             Fault::SpillDelay => c.spill_delay,
+            Fault::TierStreamHold => c.tier_stream_hold,
         }
     }
 
@@ -330,6 +341,11 @@ impl FaultInjector {
     pub fn spill(&self) -> Option<Duration> {
         self.roll(Fault::SpillDelay)
             .then(|| Duration::from_millis(self.cfg.spill_delay_ms))
+    }
+
+    /// Whether a streamed KV tier restore holds its last layer until a rank took another.
+    pub fn tier_stream_hold(&self) -> bool {
+        self.roll(Fault::TierStreamHold)
     }
 
     /// How many faults of `kind` were injected.

@@ -68,8 +68,12 @@ pub const KV_TIER_BYTES: &str = "pdserve_kv_tier_bytes";
 /// tiers' whole cost on the step path when nothing is restored.
 pub const KV_TIER_SPILL_SECONDS: &str = "pdserve_kv_tier_spill_seconds";
 /// Histogram: load-back latency, from a tier lookup finding blocks of a prompt to those
-/// blocks written into the pool on every rank (the request waits this long to be admitted).
+/// blocks written into the pool on every rank (a whole load: the request waits this long to
+/// be admitted; a streamed one: to the end of its first step, which computed meanwhile).
 pub const KV_TIER_LOAD_SECONDS: &str = "pdserve_kv_tier_load_seconds";
+/// Counter: layers of streamed KV tier restores that ranks took before the restore's last
+/// layer had landed (compute that overlapped the load-back), summed over ranks.
+pub const KV_TIER_STREAM_EARLY_LAYERS_TOTAL: &str = "pdserve_kv_tier_stream_early_layers_total";
 /// Label of the `KV_TIER_*` metrics: `host` or `disk`.
 pub const LABEL_TIER: &str = "tier";
 /// Histogram: KV bytes one decode-side hand-off moved (after the prefix-cache delta).
@@ -371,6 +375,11 @@ fn describe_and_register() {
         KV_TIER_LOAD_SECONDS,
         Unit::Seconds,
         "Load-back latency: from a tier hit found to its blocks written into the pool on every rank."
+    );
+    describe_counter!(
+        KV_TIER_STREAM_EARLY_LAYERS_TOTAL,
+        Unit::Count,
+        "Layers of streamed KV tier restores ranks computed on before the restore's last layer landed."
     );
     describe_gauge!(
         KV_TIER_BYTES,

@@ -140,13 +140,26 @@ impl<'a> Cursor<'a> {
     }
 }
 
-/// Decodes and verifies a block file against `shape`.
-///
-/// # Errors
-/// [`TierError::ShortRead`] for a truncated file, [`TierError::Malformed`] for a bad magic, a
-/// length out of bounds or trailing bytes, [`TierError::Checksum`], [`TierError::Compat`].
-pub(super) fn decode(shape: &TierShape, buf: &[u8]) -> Result<TierBlock, TierError> {
-    let mut c = Cursor { buf, at: 0 };
+/// A block record's fields before its payload.
+pub(super) struct Header<'a> {
+    compat_hash: u64,
+    compat: &'a [u8],
+    pub(super) hash: BlockHash,
+    pub(super) parent: Option<BlockHash>,
+    pub(super) hits: u32,
+    pub(super) tokens: Vec<u32>,
+}
+
+impl Header<'_> {
+    /// Whether it was stored under `shape`'s compatibility key.
+    fn compatible(&self, shape: &TierShape) -> bool {
+        self.compat_hash == shape.compat_hash() && self.compat == shape.compat.as_bytes()
+    }
+}
+
+/// Decodes a record's header (magic through the payload length) at `c`, checking every
+/// length against `shape`.
+fn decode_header<'a>(shape: &TierShape, c: &mut Cursor<'a>) -> Result<Header<'a>, TierError> {
     if c.take(8, "magic")? != MAGIC {
         return Err(TierError::Malformed("not a pdserve KV block file".into()));
     }
@@ -181,6 +194,24 @@ pub(super) fn decode(shape: &TierShape, buf: &[u8]) -> Result<TierBlock, TierErr
             shape.payload_bytes
         )));
     }
+    Ok(Header {
+        compat_hash,
+        compat,
+        hash,
+        parent: (has_parent != 0).then_some(parent),
+        hits,
+        tokens,
+    })
+}
+
+/// Decodes and verifies a block file against `shape`.
+///
+/// # Errors
+/// [`TierError::ShortRead`] for a truncated file, [`TierError::Malformed`] for a bad magic, a
+/// length out of bounds or trailing bytes, [`TierError::Checksum`], [`TierError::Compat`].
+pub(super) fn decode(shape: &TierShape, buf: &[u8]) -> Result<TierBlock, TierError> {
+    let mut c = Cursor { buf, at: 0 };
+    let head = decode_header(shape, &mut c)?;
     let payload = c.take(shape.payload_bytes, "payload")?;
     let body_end = c.at;
     let sum = c.u64("checksum")?;
@@ -193,14 +224,14 @@ pub(super) fn decode(shape: &TierShape, buf: &[u8]) -> Result<TierBlock, TierErr
     if xxhash_rust::xxh3::xxh3_64(&buf[..body_end]) != sum {
         return Err(TierError::Checksum);
     }
-    if compat_hash != shape.compat_hash() || compat != shape.compat.as_bytes() {
+    if !head.compatible(shape) {
         return Err(TierError::Compat);
     }
     Ok(TierBlock {
-        hash,
-        parent: (has_parent != 0).then_some(parent),
-        tokens,
-        hits,
+        hash: head.hash,
+        parent: head.parent,
+        tokens: head.tokens,
+        hits: head.hits,
         bytes: payload.to_vec(),
     })
 }
@@ -600,6 +631,69 @@ impl DiskTier {
         }
         self.shared.index().touch(h);
         Ok(b)
+    }
+
+    /// Opens block `h`'s file for a streamed restore: its length, header and compatibility
+    /// key checked, its checksum read; the payload is left to read layer by layer (and the
+    /// checksum to verify over it: [`super::stream::StreamLoad::run`]). Returns the stored
+    /// parent hash and token ids (for the caller's key check) with the open file. Blocking.
+    ///
+    /// # Errors
+    /// As [`DiskTier::read`], but for the checksum.
+    pub(super) fn open_block(
+        &self,
+        h: BlockHash,
+    ) -> Result<(Option<BlockHash>, Vec<u32>, super::stream::BlockFile), TierError> {
+        use std::os::unix::fs::FileExt;
+        let shape = &self.shared.shape;
+        let file = std::fs::File::open(self.shared.path(h))?;
+        let len = file.metadata()?.len();
+        let want = record_len(shape);
+        if len < want {
+            return Err(TierError::ShortRead(format!("{len} of {want} bytes")));
+        }
+        if len > want {
+            return Err(TierError::Malformed(format!(
+                "{len} bytes (a block record is {want})"
+            )));
+        }
+        let header_len = want as usize - shape.payload_bytes - 8;
+        let mut header = vec![0u8; header_len];
+        file.read_exact_at(&mut header, 0)?;
+        let mut sum = [0u8; 8];
+        file.read_exact_at(&mut sum, want - 8)?;
+        let (parent, tokens, hits) = {
+            let head = decode_header(
+                shape,
+                &mut Cursor {
+                    buf: &header,
+                    at: 0,
+                },
+            )?;
+            if !head.compatible(shape) {
+                return Err(TierError::Compat);
+            }
+            if head.hash != h {
+                return Err(TierError::Key);
+            }
+            (head.parent, head.tokens, head.hits)
+        };
+        Ok((
+            parent,
+            tokens,
+            super::stream::BlockFile {
+                file,
+                header,
+                payload_at: header_len as u64,
+                sum: u64::from_le_bytes(sum),
+                hits,
+            },
+        ))
+    }
+
+    /// Block `h` was restored from here: most recently used now.
+    pub(super) fn touched(&self, h: BlockHash) {
+        self.shared.index().touch(h);
     }
 
     /// The hashes its index gained and lost since the last call (see

@@ -204,6 +204,11 @@ pub struct StepPlan {
     pub batch: Batch,
     /// `(request, tokens in this step, samples a token)` in batch order.
     pub members: Vec<(RequestId, usize, bool)>,
+    /// Members whose prefix is being restored from the KV tiers layer by layer, with the
+    /// pool blocks the restore writes: the step must carry their streams (the actor's
+    /// `KvFeed`) and each must be settled ([`SchedulerCore::restore_settled`]) before
+    /// [`SchedulerCore::complete`].
+    pub restores: Vec<(RequestId, Vec<u32>)>,
 }
 
 /// Where a request is in its life.
@@ -247,6 +252,17 @@ struct Seq {
     prompt_lp: Option<Vec<TokenLogprobs>>,
     /// The prompt's images, in prompt order (vision-language models).
     images: Vec<PromptImage>,
+    /// A prefix being restored from the KV tiers layer by layer (until settled).
+    restore: Option<Restore>,
+}
+
+/// Blocks `first .. first + hits.len()` of a sequence hold a prefix whose KV a streamed KV
+/// tier restore writes during its first step; registered once verified.
+#[derive(Debug)]
+struct Restore {
+    first: usize,
+    /// Each restored block's prefix-cache hits (kept for the tiers' `selective` policy).
+    hits: Vec<u32>,
 }
 
 impl Seq {
@@ -539,10 +555,93 @@ impl SchedulerCore {
             counted: false,
             prompt_lp: req.params.prompt_logprobs.map(|_| Vec::new()),
             images: req.images,
+            restore: None,
         };
         self.seqs.insert(req.id, seq);
         self.waiting.push_back(req.id);
         Ok(())
+    }
+
+    /// Accepts a request whose prompt prefix is in `prefix`: its first `first` blocks are
+    /// cached pool blocks, the next `hits.len()` fresh blocks that a streamed KV tier restore
+    /// writes during the request's first step (each with its stored hit count). Until the
+    /// restore is settled ([`SchedulerCore::restore_settled`]) nothing registers those
+    /// blocks, so no other request can take them.
+    ///
+    /// # Errors
+    /// As [`SchedulerCore::add`], and [`RequestError::BadRequest`] when the prefix is not
+    /// whole blocks of the prompt short of its last token.
+    pub fn add_restored(
+        &mut self,
+        req: NewRequest,
+        prefix: BlockAllocation,
+        first: usize,
+        hits: Vec<u32>,
+    ) -> Result<(), RequestError> {
+        let bs = self.cfg.block_size;
+        let id = req.id;
+        let blocks = first + hits.len();
+        if prefix.len() != blocks || blocks * bs >= req.prompt.len() + req.resume.len() {
+            return Err(RequestError::BadRequest(format!(
+                "a restored prefix of {} blocks ({blocks} expected) does not fit a prompt of {} tokens",
+                prefix.len(),
+                req.prompt.len()
+            )));
+        }
+        self.add(req)?;
+        let s = self.seqs.get_mut(&id).expect("just added");
+        s.blocks = prefix;
+        s.computed = blocks * bs;
+        s.cached_tokens = blocks * bs;
+        s.registered = first;
+        s.counted = true;
+        s.prompt_cached = (blocks * bs).min(s.prompt.len());
+        s.restore = Some(Restore { first, hits });
+        self.prompt_tokens += s.prompt.len() as u64;
+        self.prompt_tokens_cached += s.prompt_cached as u64;
+        Ok(())
+    }
+
+    /// Settles the streamed restore of request `id` after the step that carried it: when
+    /// `verified`, its blocks are registered in the prefix cache (then the step completes as
+    /// usual); else the request starts over, without the restored prefix, and what the step
+    /// computed for it is dropped by [`SchedulerCore::complete`]. Returns whether a restore
+    /// was pending.
+    pub fn restore_settled(&mut self, id: RequestId, verified: bool) -> bool {
+        let (bs, salt) = (self.cfg.block_size, self.cfg.cache_salt);
+        let Some(s) = self.seqs.get_mut(&id) else {
+            return false;
+        };
+        let Some(r) = s.restore.take() else {
+            return false;
+        };
+        let end = r.first + r.hits.len();
+        if verified {
+            let tokens = s.key_tokens(end * bs);
+            let hashes = s.hashes_upto(salt, bs, end).to_vec();
+            self.blocks
+                .register_hits(&s.blocks, r.first, &hashes, &tokens, bs, &r.hits);
+            s.registered = s.registered.max(end);
+            return true;
+        }
+        // Counted again when it is admitted anew (its prompt is computed this time).
+        self.prompt_tokens -= s.prompt.len() as u64;
+        self.prompt_tokens_cached -= s.prompt_cached as u64;
+        s.counted = false;
+        s.blocks.release();
+        s.computed = 0;
+        s.registered = 0;
+        s.cached_tokens = 0;
+        s.state = RequestState::Waiting;
+        self.running.retain(|&r| r != id);
+        self.waiting.retain(|&w| w != id);
+        self.waiting.push_front(id);
+        true
+    }
+
+    /// Whether request `id` waits for a streamed restore to be settled.
+    pub fn restore_pending(&self, id: RequestId) -> bool {
+        self.seqs.get(&id).is_some_and(|s| s.restore.is_some())
     }
 
     /// Accepts a request whose prompt KV will come from a prefill instance: the longest
@@ -760,6 +859,7 @@ impl SchedulerCore {
         self.blocks.clear_cache();
         for s in self.seqs.values_mut() {
             if s.state == RequestState::Waiting {
+                s.restore = None;
                 s.blocks.release();
                 s.computed = 0;
                 s.registered = 0;
@@ -803,6 +903,8 @@ impl SchedulerCore {
     fn preempt(&mut self, id: RequestId) {
         self.running.retain(|&r| r != id);
         if let Some(s) = self.seqs.get_mut(&id) {
+            // An unsettled restore's blocks go with the rest (recomputed later).
+            s.restore = None;
             s.blocks.release();
             s.computed = 0;
             s.registered = 0;
@@ -888,8 +990,13 @@ impl SchedulerCore {
         }
         let mut batch = Batch::default();
         let mut members = Vec::with_capacity(plan.len());
+        let mut restores = Vec::new();
         for (id, n) in plan {
             let s = &self.seqs[&id];
+            if let Some(r) = &s.restore {
+                let end = r.first + r.hits.len();
+                restores.push((id, s.blocks.blocks()[r.first..end].to_vec()));
+            }
             let all_logits = s.prompt_lp.is_some() && s.computed < s.prompt.len();
             let tokens: Vec<u32> = s
                 .prompt
@@ -915,6 +1022,7 @@ impl SchedulerCore {
             step_id: self.next_step,
             batch,
             members,
+            restores,
         })
     }
 
@@ -935,8 +1043,8 @@ impl SchedulerCore {
             let Some(s) = self.seqs.get_mut(&id) else {
                 continue;
             };
-            if s.computed + n > s.len() {
-                continue; // preempted and rescheduled meanwhile: stale
+            if s.state != RequestState::Running || s.computed + n > s.len() {
+                continue; // preempted (or its restore failed) meanwhile: stale
             }
             if chunk.all_logits {
                 if let Some(done) = s.prompt_logprobs(chunk.start_pos, &rows) {
@@ -1420,6 +1528,81 @@ mod tests {
         drive(&mut c);
         assert_eq!(c.stats().blocks_in_use, 0, "{:?}", c.stats());
         assert_eq!(c.stats().blocks_free, 12);
+    }
+
+    /// A prefix restored layer by layer: the step that computes the rest carries the
+    /// restored blocks; verified, they join the prefix cache with their hit counts; failed,
+    /// the step's result for the request is dropped and it is recomputed from its tokens,
+    /// with the same tokens and the pool full afterwards.
+    #[test]
+    fn a_streamed_restore_registers_when_verified_and_recomputes_when_not() {
+        let bs = 4;
+        let want = {
+            let mut c = core(16, 64);
+            c.add(req(1, 10, 3)).unwrap();
+            drive(&mut c)
+        };
+        for verified in [true, false] {
+            let mut c = core(16, 64);
+            let bm = c.block_manager().clone();
+            bm.spill_evictions(true);
+            let mut prefix = bm.empty();
+            assert!(bm.grow(&mut prefix, 2));
+            let restored = prefix.blocks().to_vec();
+            c.add_restored(req(1, 10, 3), prefix, 0, vec![4, 6])
+                .unwrap();
+            assert!(c.restore_pending(RequestId(1)));
+            let p = c.schedule().unwrap();
+            assert_eq!(p.restores, vec![(RequestId(1), restored.clone())]);
+            assert_eq!(
+                (p.batch.seqs[0].start_pos, p.batch.seqs[0].tokens.len()),
+                (8, 2),
+                "only the rest is computed"
+            );
+            assert!(c.restore_settled(RequestId(1), verified));
+            assert!(!c.restore_pending(RequestId(1)));
+            let l = logits(&p);
+            let mut out = c.complete(p, l, Instant::now());
+            let prompt = req(1, 10, 3).prompt;
+            let hashes = crate::block_manager::block_hashes(1, &prompt[..8], bs);
+            if verified {
+                assert_eq!(bm.lookup(&hashes, &prompt[..8], bs), 2, "registered");
+            } else {
+                assert!(
+                    out.is_empty(),
+                    "the failed step's token is dropped: {out:?}"
+                );
+                assert_eq!(bm.lookup(&hashes, &prompt[..8], bs), 0, "never registered");
+                assert_eq!(c.state(RequestId(1)), Some(RequestState::Waiting));
+            }
+            out.extend(drive(&mut c));
+            let tokens = |o: &[Output]| -> Vec<u32> {
+                o.iter()
+                    .filter_map(|o| match o {
+                        Output::Token { token, .. } => Some(*token),
+                        _ => None,
+                    })
+                    .collect()
+            };
+            assert_eq!(tokens(&out), tokens(&want), "verified={verified}");
+            let cached = out.iter().find_map(|o| match o {
+                Output::Finished { cached_tokens, .. } => Some(*cached_tokens),
+                _ => None,
+            });
+            assert_eq!(cached, Some(if verified { 8 } else { 0 }));
+            assert_eq!(c.stats().blocks_in_use, 0, "{:?}", c.stats());
+            if verified {
+                // Evicting everything shows the restored blocks kept their hit counts.
+                let mut all = bm.empty();
+                assert!(bm.grow(&mut all, 16));
+                let hits: Vec<(u64, u32)> =
+                    bm.take_evicted().iter().map(|e| (e.hash, e.hits)).collect();
+                assert!(
+                    hits.contains(&(hashes[0], 4)) && hits.contains(&(hashes[1], 6)),
+                    "{hits:?}"
+                );
+            }
+        }
     }
 
     fn image(tag: u8, rows: usize) -> Arc<ImageEmbeds> {

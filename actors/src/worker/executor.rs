@@ -20,7 +20,7 @@ use super::WorkerSpec;
 use pdserve_gpu::collective::ThreadCollective;
 use pdserve_gpu::device::DeviceError;
 use pdserve_gpu::model::Batch;
-use pdserve_gpu::tp::{KvJob, LayerHook, RankExecutor, StepCallback, UploadCallback};
+use pdserve_gpu::tp::{KvFeed, KvJob, LayerHook, RankExecutor, StepCallback, UploadCallback};
 use pdserve_gpu::ModelError;
 use pdserve_runtime::memory::HostMemoryAllocator;
 use pdserve_runtime::Role;
@@ -171,15 +171,25 @@ impl RankExec {
         }
     }
 
-    /// Queues a forward step; `done` gets the result on the executor's thread.
+    /// Queues a forward step; `done` gets the result on the executor's thread. A `feed`
+    /// (KV restored from the tiers) is taken by the CPU executor only, like every job on
+    /// the host KV cache ([`RankExec::submit_kv`]).
     pub(crate) fn submit(
         &self,
         batch: Arc<Batch>,
         hook: Option<LayerHook>,
+        feed: Option<KvFeed>,
         done: StepCallback,
     ) -> Result<(), ModelError> {
+        if feed.is_some() && !matches!(self, Self::Cpu(_)) {
+            return Err(DeviceError::Unsupported(
+                "KV restored from the tiers writes the host KV cache; this rank's KV is on the device"
+                    .into(),
+            )
+            .into());
+        }
         match self {
-            Self::Cpu(e) => e.submit(batch, hook, done),
+            Self::Cpu(e) => e.submit_fed(batch, hook, feed, done),
             #[cfg(feature = "cuda")]
             Self::Cuda(e) => e.submit(batch, hook, done),
             Self::StandIn(e) => e.submit(batch, hook, done),

@@ -236,7 +236,7 @@ impl RankState {
         let mirror: Option<Vec<Arc<dyn HostMemory>>> = (self.mirror == KvMirror::WriteThrough)
             .then(|| self.host.as_ref().map(|h| h.regions().to_vec()))
             .flatten();
-        let mut on_layer = |layer: usize| {
+        let mut on_layer = |layer: usize, _: &mut pdserve_gpu::kv::KvCache| {
             if let Some(mirror) = &mirror {
                 // The layer's K/V are written: copy the touched blocks to the mirror first,
                 // then report the layer (a peer never reads bytes not yet copied).

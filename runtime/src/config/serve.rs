@@ -548,6 +548,9 @@ pub struct KvTiersConfig {
     /// Milliseconds a request waits for its blocks to load from the tiers; past that it is
     /// computed without them and the disk tier turns itself off for 30 s.
     pub load_timeout_ms: u64,
+    /// Whether a request's restore streams layer by layer: its first step starts once the
+    /// blocks are found and computes while the layers are read (false: load, then compute).
+    pub stream_layers: bool,
 }
 
 impl Default for KvTiersConfig {
@@ -563,6 +566,7 @@ impl Default for KvTiersConfig {
             write_policy: TierWritePolicy::WriteBack,
             selective_min_hits: 2,
             load_timeout_ms: 1000,
+            stream_layers: true,
         }
     }
 }

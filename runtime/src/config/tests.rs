@@ -809,7 +809,9 @@ fn every_config_key_is_settable_from_env() {
                 }
                 "transfer.piece_bytes" | "transfer.registration_chunk_bytes" => "8192",
                 // The default is `true`: the variable must change it.
-                "transfer.require_auth" | "scheduler.prefix_cache" => "false",
+                "transfer.require_auth" | "scheduler.prefix_cache" | "kv_tiers.stream_layers" => {
+                    "false"
+                }
                 "transfer.tcp_integrity" => "mac",
                 "kv_tiers.enabled" => "true",
                 "kv_tiers.write_policy" => "selective",

@@ -528,9 +528,6 @@ enum KvEventsError {
     /// The scheduler could not be asked (it is gone).
     #[error(transparent)]
     Scheduler(#[from] crate::error::RequestError),
-    /// The batch could not be encoded.
-    #[error(transparent)]
-    Encode(#[from] serde_json::Error),
     /// The control connection refused the message.
     #[error(transparent)]
     Send(#[from] pdserve_transport::TransportError),
@@ -553,11 +550,7 @@ async fn send_kv_events(
     if batch.is_empty() {
         return Ok(());
     }
-    let body = serde_json::to_vec(&batch)?;
-    let send = conn.send(ControlMessage::Opaque {
-        topic: crate::kv_events::TOPIC_KV_EVENTS.into(),
-        body,
-    });
+    let send = conn.send(ControlMessage::KvEvents(Box::new(batch)));
     tokio::time::timeout(within, send)
         .await
         .map_err(|_| KvEventsError::SendSlow)?

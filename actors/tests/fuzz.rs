@@ -6,7 +6,7 @@
 //! | `peer_answer` | `protocol::decode_answer`, then `plan::validate_peer` / `plan::plan_pull` | a prefill instance |
 //! | `openai_request` | `openai::parse_request`, `resolve_max_tokens`, `SamplingParams::validate`, `kv_directive` | an HTTP client |
 //! | `kv_transfer_params` | `openai::kv_directive` | an HTTP client (or the proxy) |
-//! | `kv_events` | `serde_json` → `KvEventBatch`, `KvIndex::apply` | an instance (control plane `kv_events/1`) |
+//! | `kv_events` | `KvEventBatch::check`, `KvIndex::apply` (inputs as JSON; on the wire a batch is a typed rkyv `KvEvents` message, bounded by `wire::bounds` and fuzzed with the control frames in `runtime`) | an instance (control plane) |
 //! | `registration` | `Registration::validate` (inputs as JSON; on the wire a registration is a typed rkyv `Register`, fuzzed with the control frames in `runtime`) | an instance registering with the proxy |
 //!
 //! See `runtime/tests/fuzz_support` and docs/testing.md, "Fuzzing".

@@ -23,6 +23,7 @@
 //! frames of its own) and the prefix cache's KV events.
 
 pub mod bounds;
+pub mod kv_events;
 mod registration;
 
 use rkyv::rancor;
@@ -286,11 +287,14 @@ pub enum ControlMessage {
     InspectRequest,
     /// The answer to [`ControlMessage::InspectRequest`].
     Inspect(Box<InspectAnswer>),
+    /// A registered instance's prefix-cache and KV-tier events since its last batch
+    /// (one-way, instance → proxy; see [`kv_events`]).
+    KvEvents(Box<kv_events::KvEventBatch>),
 }
 
 impl ControlMessage {
     /// How many message tags this version knows (the variants above, in order).
-    pub const TAGS: u8 = 16;
+    pub const TAGS: u8 = 17;
 
     /// The variant's name, for logs and error texts.
     pub fn name(&self) -> &'static str {
@@ -311,6 +315,7 @@ impl ControlMessage {
             Self::DrainingAck => "DrainingAck",
             Self::InspectRequest => "InspectRequest",
             Self::Inspect(_) => "Inspect",
+            Self::KvEvents(_) => "KvEvents",
         }
     }
 }
@@ -590,7 +595,47 @@ mod tests {
             ControlMessage::InspectRequest,
             ControlMessage::Inspect(Box::new(InspectAnswer::Instance(instance("decode-0")))),
             ControlMessage::Inspect(Box::new(InspectAnswer::Cluster(cluster()))),
+            ControlMessage::KvEvents(Box::new(kv_batch())),
         ]
+    }
+
+    fn kv_batch() -> kv_events::KvEventBatch {
+        use kv_events::{KvEventBatch, KvOp, TierEvents};
+        KvEventBatch {
+            snapshot: Some(vec![1, 2, 3]),
+            ops: vec![KvOp::Removed(vec![2]), KvOp::Stored(vec![4, 5])],
+            tiers: vec![TierEvents {
+                medium: "disk".into(),
+                snapshot: None,
+                ops: vec![KvOp::Stored(vec![2])],
+            }],
+        }
+    }
+
+    #[test]
+    fn kv_events_are_bounded_before_they_are_built() {
+        use kv_events::{KvOp, TierEvents};
+        let refused = |b: kv_events::KvEventBatch| match decode_payload(&payload(
+            ControlMessage::KvEvents(Box::new(b)),
+        )) {
+            Err(WireError::TooManyItems { field, .. }) => field,
+            Err(WireError::FieldTooLong { field, .. }) => field,
+            other => panic!("not refused: {other:?}"),
+        };
+        assert!(decode_payload(&payload(ControlMessage::KvEvents(Box::new(kv_batch())))).is_ok());
+        // One medium's events past what a log holds between two drains, in one op or many.
+        let mut b = kv_batch();
+        b.ops = vec![KvOp::Stored(vec![7; bounds::MAX_KV_EVENTS + 1])];
+        assert_eq!(refused(b), "kv_events.ops");
+        let mut b = kv_batch();
+        b.tiers[0].ops = vec![KvOp::Removed(vec![7; 2]); bounds::MAX_KV_EVENTS / 2 + 1];
+        assert_eq!(refused(b), "kv_events.tiers.ops");
+        let mut b = kv_batch();
+        b.tiers = vec![TierEvents::default(); bounds::MAX_MEDIA + 1];
+        assert_eq!(refused(b), "kv_events.tiers");
+        let mut b = kv_batch();
+        b.tiers[0].medium = "m".repeat(bounds::MAX_NAME_BYTES + 1);
+        assert_eq!(refused(b), "kv_events.tiers.medium");
     }
 
     fn actor(name: &str, children: Vec<ActorSnapshot>) -> ActorSnapshot {

@@ -11,6 +11,7 @@ mod fuzz_support;
 
 use fuzz_support::{draw, Target, Verdict};
 use pdserve_runtime::supervision::{render_tree, ActorSnapshot, ActorState, InstanceSnapshot};
+use pdserve_runtime::wire::kv_events::{KvEventBatch, KvOp, TierEvents};
 use pdserve_runtime::wire::{
     decode_frame, encode_frame, from_archive, to_archive, ControlMessage, Envelope, EnvelopeKind,
     ErrorMessage, FrameDecoder, Heartbeat, Hello, InspectAnswer, LoadFigures, RegionChunk,
@@ -144,7 +145,43 @@ fn typed_control() -> impl Strategy<Value = ControlMessage> {
         Just(ControlMessage::Inspect(Box::new(InspectAnswer::Instance(
             sample_snapshot()
         )))),
+        kv_events().prop_map(|b| ControlMessage::KvEvents(Box::new(b))),
     ]
+}
+
+/// A batch of KV events (the proxy checks media and counts after decoding).
+fn kv_events() -> impl Strategy<Value = KvEventBatch> {
+    let ops = || {
+        vec((any::<bool>(), vec(any::<u64>(), 0..8)), 0..3).prop_map(|ops| {
+            ops.into_iter()
+                .map(|(s, v)| if s { KvOp::Stored(v) } else { KvOp::Removed(v) })
+                .collect::<Vec<_>>()
+        })
+    };
+    (
+        proptest::option::of(vec(any::<u64>(), 0..16)),
+        ops(),
+        vec(
+            (
+                ".{0,8}",
+                proptest::option::of(vec(any::<u64>(), 0..8)),
+                ops(),
+            ),
+            0..3,
+        ),
+    )
+        .prop_map(|(snapshot, ops, tiers)| KvEventBatch {
+            snapshot,
+            ops,
+            tiers: tiers
+                .into_iter()
+                .map(|(medium, snapshot, ops)| TierEvents {
+                    medium,
+                    snapshot,
+                    ops,
+                })
+                .collect(),
+        })
 }
 
 fn envelope() -> impl Strategy<Value = Envelope> {
@@ -344,7 +381,6 @@ fn control_frames() {
             &[0, 0, 1, 0],
             &[0, 0, 0, 0],
             b"kv/1",
-            b"kv_events/1",
         ])
         .run(check_frames, |runner: &mut TestRunner| {
             let envs = draw(runner, vec(envelope(), 1..4));

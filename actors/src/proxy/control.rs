@@ -21,7 +21,7 @@ use super::registry::Registry;
 use super::state::ProxyState;
 use crate::control_plane::{Registration, RegistrationError, RegistrationField};
 use crate::error::StartError;
-use crate::kv_events::{KvEventBatch, KvIndex, TOPIC_KV_EVENTS};
+use crate::kv_events::KvIndex;
 use pdserve_runtime::supervision::{
     ActorSnapshot, ActorState, ClusterMember, ClusterSnapshot, IndexedInstance, MemberStatus,
     ProxySnapshot, RouterDecisions, RouterSnapshot,
@@ -162,27 +162,19 @@ impl ProxyControl {
                         let _ = responder.respond(answer).await;
                     });
                 }
-                (ControlMessage::Opaque { topic, body }, None) if topic == TOPIC_KV_EVENTS => {
-                    match (
-                        &registered_url,
-                        serde_json::from_slice::<KvEventBatch>(&body),
-                    ) {
-                        (Some(url), Ok(batch)) => {
-                            let mut index = self.state.kv_index();
-                            if let Err(e) = index.apply(url, batch) {
-                                tracing::warn!(instance = %url, kind = e.kind(), error = %e, "KV events refused: the instance's index entries are dropped until its next snapshot");
-                            }
-                            publish_index_sizes(&index);
+                (ControlMessage::KvEvents(batch), None) => match &registered_url {
+                    Some(url) => {
+                        let mut index = self.state.kv_index();
+                        if let Err(e) = index.apply(url, *batch) {
+                            tracing::warn!(instance = %url, kind = e.kind(), error = %e, "KV events refused: the instance's index entries are dropped until its next snapshot");
                         }
-                        (None, _) => tracing::debug!(
-                            peer = %conn.peer().node,
-                            "KV events from an unregistered connection ignored"
-                        ),
-                        (Some(url), Err(e)) => {
-                            tracing::warn!(instance = %url, error = %e, "malformed KV events ignored")
-                        }
+                        publish_index_sizes(&index);
                     }
-                }
+                    None => tracing::debug!(
+                        peer = %conn.peer().node,
+                        "KV events from an unregistered connection ignored"
+                    ),
+                },
                 (ControlMessage::Draining, Some(responder)) => {
                     let answer = match &registered {
                         Some((node, generation)) if self.registry().draining(node, *generation) => {

@@ -11,6 +11,7 @@
 use rkyv::string::ArchivedString;
 use rkyv::vec::ArchivedVec;
 
+use super::kv_events::{ArchivedKvEventBatch, ArchivedKvOp};
 use super::{
     ArchivedControlMessage, ArchivedEnvelope, ArchivedInspectAnswer, ArchivedRegionDescriptor,
     WireError,
@@ -47,6 +48,11 @@ pub const MAX_INDEXED_INSTANCES: usize = 4096;
 pub const MAX_MEDIA: usize = 16;
 /// Most negotiated KV paths (one per prefill peer) in one instance snapshot.
 pub const MAX_KV_PATHS: usize = 1024;
+/// Most block hashes in one medium's KV-event snapshot (a 16 MiB frame holds about 2 M).
+pub const MAX_KV_SNAPSHOT: usize = 1 << 21;
+/// Most events (hashes in its ops) of one medium in one KV-event batch: what an instance's
+/// log holds between two drains.
+pub use super::kv_events::MAX_PENDING_EVENTS as MAX_KV_EVENTS;
 
 fn string(field: &'static str, s: &ArchivedString, max: usize) -> Result<(), WireError> {
     let len = s.len();
@@ -117,6 +123,7 @@ fn check_message(m: &ArchivedControlMessage) -> Result<(), WireError> {
         }
         M::Registered { proxy } => name("registered.proxy", proxy),
         M::RegistrationRefused(e) => text("refusal.message", &e.message),
+        M::KvEvents(batch) => check_kv_events(batch.get()),
         M::Inspect(answer) => match answer.get() {
             ArchivedInspectAnswer::Instance(i) => check_instance(i),
             ArchivedInspectAnswer::Cluster(c) => {
@@ -126,6 +133,41 @@ fn check_message(m: &ArchivedControlMessage) -> Result<(), WireError> {
             }
         },
     }
+}
+
+fn check_kv_events(b: &ArchivedKvEventBatch) -> Result<(), WireError> {
+    if let Some(s) = b.snapshot.as_ref() {
+        count("kv_events.snapshot", s, MAX_KV_SNAPSHOT)?;
+    }
+    check_kv_ops("kv_events.ops", &b.ops)?;
+    count("kv_events.tiers", &b.tiers, MAX_MEDIA)?;
+    for t in b.tiers.iter() {
+        name("kv_events.tiers.medium", &t.medium)?;
+        if let Some(s) = t.snapshot.as_ref() {
+            count("kv_events.tiers.snapshot", s, MAX_KV_SNAPSHOT)?;
+        }
+        check_kv_ops("kv_events.tiers.ops", &t.ops)?;
+    }
+    Ok(())
+}
+
+/// One medium's ops: at most [`MAX_KV_EVENTS`] hashes over all of them.
+fn check_kv_ops(field: &'static str, ops: &ArchivedVec<ArchivedKvOp>) -> Result<(), WireError> {
+    count(field, ops, MAX_KV_EVENTS)?;
+    let count: usize = ops
+        .iter()
+        .map(|op| match op {
+            ArchivedKvOp::Stored(v) | ArchivedKvOp::Removed(v) => v.len(),
+        })
+        .sum();
+    if count > MAX_KV_EVENTS {
+        return Err(WireError::TooManyItems {
+            field,
+            count,
+            max: MAX_KV_EVENTS,
+        });
+    }
+    Ok(())
 }
 
 fn check_region(r: &ArchivedRegionDescriptor) -> Result<(), WireError> {

@@ -167,7 +167,7 @@ fn answer(mock: Arc<Mock>, headers: &HeaderMap, body: Value, chat: bool) -> Resp
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
     mock.auth.lock().unwrap().push(auth);
-    if opts.fail_every > 0 && n % opts.fail_every == 0 {
+    if opts.fail_every > 0 && n.is_multiple_of(opts.fail_every) {
         let err = json!({"error": {"message": format!("mock failure {n}"), "type": "BadRequestError", "code": 400}});
         return (StatusCode::BAD_REQUEST, Json(err)).into_response();
     }
@@ -178,7 +178,7 @@ fn answer(mock: Arc<Mock>, headers: &HeaderMap, body: Value, chat: bool) -> Resp
         &body["prompt"]
     };
     let prompt_tokens = prompt.as_str().map_or(0, |p| p.split_whitespace().count());
-    let stream_error = opts.stream_error_every > 0 && n % opts.stream_error_every == 0;
+    let stream_error = opts.stream_error_every > 0 && n.is_multiple_of(opts.stream_error_every);
 
     let zero = Duration::ZERO;
     let mut script: Vec<(Duration, String)> = vec![(zero, ": keep-alive\n\n".into())];

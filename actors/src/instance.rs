@@ -748,7 +748,12 @@ impl Instance {
     /// # Errors
     /// When the instance has no such actor, or its supervisor is gone.
     pub async fn inject_panic(&self, kind: &str, rank: usize) -> Result<(), RequestError> {
-        if self.supervisor.inject_panic(kind.to_string(), rank).await? {
+        let kind: pdserve_runtime::supervision::ActorKind =
+            kind.parse()
+                .map_err(|e: pdserve_runtime::supervision::UnknownActorKind| {
+                    RequestError::BadRequest(e.to_string())
+                })?;
+        if self.supervisor.inject_panic(kind, rank).await? {
             Ok(())
         } else {
             Err(RequestError::BadRequest(format!(

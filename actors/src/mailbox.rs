@@ -13,6 +13,7 @@
 //! queue died with it). Holders never keep a dead actor's address.
 
 use pdserve_runtime::faults::FaultInjector;
+use pdserve_runtime::supervision::ActorKind;
 use ractor::rpc::CallResult;
 use ractor::{Actor, ActorCell, ActorId, ActorRef, MessagingErr, RpcReplyPort, SpawnErr};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -58,16 +59,16 @@ impl Inbox {
 #[derive(Debug, Clone, Default)]
 pub struct PanicHook {
     armed: Arc<AtomicBool>,
-    kind: &'static str,
+    kind: Option<ActorKind>,
     faults: Option<Arc<FaultInjector>>,
 }
 
 impl PanicHook {
     /// A hook for an actor of `kind`, drawing from `faults` when there are any.
-    pub fn new(kind: &'static str, faults: Option<Arc<FaultInjector>>) -> Self {
+    pub fn new(kind: ActorKind, faults: Option<Arc<FaultInjector>>) -> Self {
         Self {
             armed: Arc::default(),
-            kind,
+            kind: Some(kind),
             faults,
         }
     }
@@ -78,15 +79,15 @@ impl PanicHook {
     }
 
     fn check(&self) {
-        let drawn = || {
-            self.faults
-                .as_ref()
-                .is_some_and(|f| f.actor_panics(self.kind))
+        let drawn = || match (&self.faults, self.kind) {
+            (Some(f), Some(kind)) => f.actor_panics(kind),
+            _ => false,
         };
         // A plain load first: the swap (a locked write) only when armed, not per message.
         let armed = self.armed.load(Ordering::Relaxed) && self.armed.swap(false, Ordering::SeqCst);
         if armed || drawn() {
-            panic!("injected fault: {} panics taking a message", self.kind);
+            let kind = self.kind.map_or("an actor", ActorKind::as_str);
+            panic!("injected fault: {kind} panics taking a message");
         }
     }
 }
@@ -246,6 +247,29 @@ impl<M: ractor::Message> Mailbox<M> {
     }
 }
 
+/// What a supervisor reads of a child's [`Mailbox`], whatever the child's messages: one
+/// trait instead of a match per question over every kind of child.
+pub trait Supervised {
+    /// Messages queued for the current incarnation.
+    fn depth(&self) -> usize;
+    /// The current incarnation.
+    fn get_cell(&self) -> ActorCell;
+    /// The slot's test-only panic hook.
+    fn panic_hook(&self) -> PanicHook;
+}
+
+impl<M: ractor::Message> Supervised for Mailbox<M> {
+    fn depth(&self) -> usize {
+        Mailbox::depth(self)
+    }
+    fn get_cell(&self) -> ActorCell {
+        Mailbox::get_cell(self)
+    }
+    fn panic_hook(&self) -> PanicHook {
+        Mailbox::panic_hook(self)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -342,7 +366,7 @@ mod tests {
             myself: ActorRef<()>,
             out: Self::Arguments,
         ) -> Result<Self::State, ActorProcessingErr> {
-            let hook = PanicHook::new("Gate", None);
+            let hook = PanicHook::new(ActorKind::TpWorker, None);
             let (m, _) = Mailbox::spawn_linked(
                 "mailbox-test-gate".into(),
                 Gate,

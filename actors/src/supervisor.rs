@@ -26,25 +26,25 @@ use crate::handoff::receiver::{KvReceiver, KvReceiverMsg};
 use crate::handoff::sender::{KvSender, KvSenderMsg};
 use crate::handoff::KvContext;
 use crate::http::{AppState, HttpArgs, HttpFrontend, HttpMsg};
-use crate::mailbox::{Mailbox, PanicHook};
+use crate::mailbox::{Mailbox, PanicHook, Supervised};
 use crate::scheduler::{Scheduler, SchedulerArgs, SchedulerConfig, SchedulerMsg};
 use crate::worker::{ReportSink, StepError, TpWorker, WorkerArgs, WorkerMsg, WorkerSpec};
 use pdserve_gpu::collective::ThreadCollective;
 use pdserve_runtime::faults::FaultInjector;
 use pdserve_runtime::supervision::{
-    ActorSnapshot, ActorState, RestartDecision, RestartPolicy, RestartTracker,
+    ActorKind, ActorSnapshot, ActorState, RestartDecision, RestartPolicy, RestartTracker,
 };
-use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Messages of the supervisor.
 pub enum SupervisorMsg {
-    /// Test-only fault hook: the child of this kind (`TpWorker`, `Scheduler`, `KvSender`,
-    /// `KvReceiver`, `Aggregator`, `HttpFrontend`; for `TpWorker`, rank `.1`) panics as it
-    /// takes its next message. Answers whether there is such a child.
-    InjectPanic(String, usize, RpcReplyPort<bool>),
+    /// Test-only fault hook: the child of this kind (one of [`ActorKind::SUPERVISED`]; for
+    /// a `TpWorker`, rank `.1`) panics as it takes its next message. Answers whether there
+    /// is such a child.
+    InjectPanic(ActorKind, usize, RpcReplyPort<bool>),
     /// The live tree of this instance.
     Snapshot(RpcReplyPort<ActorSnapshot>),
     /// The Scheduler (for in-process clients), where the HTTP frontend listens, and its
@@ -93,47 +93,26 @@ enum Slot {
 }
 
 impl Slot {
-    fn kind(&self) -> &'static str {
+    fn kind(&self) -> ActorKind {
         match self {
-            Slot::Worker(..) => "TpWorker",
-            Slot::Scheduler(_) => "Scheduler",
-            Slot::Aggregator(_) => "Aggregator",
-            Slot::KvSender(_) => "KvSender",
-            Slot::KvReceiver(_) => "KvReceiver",
-            Slot::Http(_) => "HttpFrontend",
+            Slot::Worker(..) => ActorKind::TpWorker,
+            Slot::Scheduler(_) => ActorKind::Scheduler,
+            Slot::Aggregator(_) => ActorKind::Aggregator,
+            Slot::KvSender(_) => ActorKind::KvSender,
+            Slot::KvReceiver(_) => ActorKind::KvReceiver,
+            Slot::Http(_) => ActorKind::HttpFrontend,
         }
     }
 
-    fn depth(&self) -> usize {
+    /// The child's address, as the supervisor reads it whatever its messages.
+    fn mailbox(&self) -> &dyn Supervised {
         match self {
-            Slot::Worker(_, m) => m.depth(),
-            Slot::Scheduler(m) => m.depth(),
-            Slot::Aggregator(m) => m.depth(),
-            Slot::KvSender(m) => m.depth(),
-            Slot::KvReceiver(m) => m.depth(),
-            Slot::Http(m) => m.depth(),
-        }
-    }
-
-    fn cell(&self) -> ActorCell {
-        match self {
-            Slot::Worker(_, m) => m.get_cell(),
-            Slot::Scheduler(m) => m.get_cell(),
-            Slot::Aggregator(m) => m.get_cell(),
-            Slot::KvSender(m) => m.get_cell(),
-            Slot::KvReceiver(m) => m.get_cell(),
-            Slot::Http(m) => m.get_cell(),
-        }
-    }
-
-    fn hook(&self) -> PanicHook {
-        match self {
-            Slot::Worker(_, m) => m.panic_hook(),
-            Slot::Scheduler(m) => m.panic_hook(),
-            Slot::Aggregator(m) => m.panic_hook(),
-            Slot::KvSender(m) => m.panic_hook(),
-            Slot::KvReceiver(m) => m.panic_hook(),
-            Slot::Http(m) => m.panic_hook(),
+            Slot::Worker(_, m) => m,
+            Slot::Scheduler(m) => m,
+            Slot::Aggregator(m) => m,
+            Slot::KvSender(m) => m,
+            Slot::KvReceiver(m) => m,
+            Slot::Http(m) => m,
         }
     }
 }
@@ -174,7 +153,7 @@ fn worker_name(instance: &str, rank: usize) -> String {
 }
 
 impl SupervisorState {
-    fn hook(&self, kind: &'static str) -> PanicHook {
+    fn hook(&self, kind: ActorKind) -> PanicHook {
         PanicHook::new(kind, self.faults())
     }
 
@@ -301,7 +280,7 @@ impl Actor for InstanceSupervisor {
                     move |i| Aggregator(i, d),
                     (),
                     sup(),
-                    hook("Aggregator"),
+                    hook(ActorKind::Aggregator),
                 )
                 .await?;
                 slots.push((name, Slot::Aggregator(agg.clone())));
@@ -311,7 +290,7 @@ impl Actor for InstanceSupervisor {
                     KvSender,
                     (kv.clone(), agg.clone()),
                     sup(),
-                    hook("KvSender"),
+                    hook(ActorKind::KvSender),
                 )
                 .await?;
                 slots.push((name, Slot::KvSender(sender.clone())));
@@ -321,7 +300,7 @@ impl Actor for InstanceSupervisor {
                     KvReceiver,
                     (kv.clone(), agg.clone()),
                     sup(),
-                    hook("KvReceiver"),
+                    hook(ActorKind::KvReceiver),
                 )
                 .await?;
                 slots.push((name, Slot::KvReceiver(receiver.clone())));
@@ -349,7 +328,7 @@ impl Actor for InstanceSupervisor {
                 faults: args.worker.faults.clone(),
             },
             sup(),
-            hook("Scheduler"),
+            hook(ActorKind::Scheduler),
         )
         .await?;
         slots.insert(0, (sched_name, Slot::Scheduler(scheduler.clone())));
@@ -379,7 +358,7 @@ impl Actor for InstanceSupervisor {
                 TpWorker,
                 st.worker_args(rank),
                 sup(),
-                st.hook("TpWorker"),
+                st.hook(ActorKind::TpWorker),
             )
             .await?;
             let c = st.child(name, Slot::Worker(rank, w));
@@ -398,7 +377,7 @@ impl Actor for InstanceSupervisor {
                     app,
                 },
                 sup(),
-                st.hook("HttpFrontend"),
+                st.hook(ActorKind::HttpFrontend),
             )
             .await?;
             let ms = args.call_timeout.as_millis() as u64;
@@ -419,11 +398,11 @@ impl Actor for InstanceSupervisor {
         match msg {
             SupervisorMsg::InjectPanic(kind, rank, reply) => {
                 let child = st.children.iter().find(|c| match &c.slot {
-                    Slot::Worker(r, _) => kind == "TpWorker" && *r == rank,
+                    Slot::Worker(r, _) => kind == ActorKind::TpWorker && *r == rank,
                     s => s.kind() == kind,
                 });
                 if let Some(c) = child {
-                    c.slot.hook().arm();
+                    c.slot.mailbox().panic_hook().arm();
                 }
                 let _ = reply.send(child.is_some());
             }
@@ -435,7 +414,7 @@ impl Actor for InstanceSupervisor {
             SupervisorMsg::Snapshot(reply) => {
                 let snap = ActorSnapshot {
                     name: st.name.clone(),
-                    kind: "InstanceSupervisor".into(),
+                    kind: ActorKind::InstanceSupervisor.as_str().into(),
                     state: ActorState::Running,
                     restarts: 0,
                     mailbox_depth: self.0.depth(),
@@ -483,14 +462,14 @@ impl Actor for InstanceSupervisor {
         let Some(i) = st
             .children
             .iter()
-            .position(|c| c.slot.cell().get_id() == cell.get_id())
+            .position(|c| c.slot.mailbox().get_cell().get_id() == cell.get_id())
         else {
             return Ok(()); // an incarnation already replaced
         };
         let kind = st.children[i].slot.kind();
-        metrics::counter!(pdserve_runtime::telemetry::ACTOR_RESTARTS_TOTAL, "actor" => kind)
+        metrics::counter!(pdserve_runtime::telemetry::ACTOR_RESTARTS_TOTAL, "actor" => kind.as_str())
             .increment(1);
-        tracing::error!(actor = %st.children[i].name, kind, %reason, "actor failed");
+        tracing::error!(actor = %st.children[i].name, %kind, %reason, "actor failed");
         st.children[i].last_error = Some(reason.clone());
         if matches!(st.children[i].slot, Slot::Scheduler(_) | Slot::Http(_)) {
             return Err(format!("{kind} failed: {reason}").into());
@@ -504,7 +483,7 @@ impl Actor for InstanceSupervisor {
         match st.children[i].tracker.on_failure(Instant::now()) {
             RestartDecision::Restart { attempt } => {
                 st.restart(i, &myself).await?;
-                tracing::warn!(actor = %st.children[i].name, kind, attempt, "actor restarted");
+                tracing::warn!(actor = %st.children[i].name, %kind, attempt, "actor restarted");
                 Ok(())
             }
             RestartDecision::Escalate { restarts_in_window } => Err(format!(
@@ -518,7 +497,7 @@ impl Actor for InstanceSupervisor {
 
 fn snapshot_of(c: &Child) -> ActorSnapshot {
     use ractor::ActorStatus;
-    let state = match c.slot.cell().get_status() {
+    let state = match c.slot.mailbox().get_cell().get_status() {
         ActorStatus::Unstarted | ActorStatus::Starting => ActorState::Starting,
         ActorStatus::Running | ActorStatus::Upgrading | ActorStatus::Draining => {
             ActorState::Running
@@ -527,10 +506,10 @@ fn snapshot_of(c: &Child) -> ActorSnapshot {
     };
     ActorSnapshot {
         name: c.name.clone(),
-        kind: c.slot.kind().into(),
+        kind: c.slot.kind().as_str().into(),
         state,
         restarts: c.restarts,
-        mailbox_depth: c.slot.depth(),
+        mailbox_depth: c.slot.mailbox().depth(),
         last_error: c.last_error.clone(),
         uptime_s: c.started.elapsed().as_secs_f64(),
         children: Vec::new(),
@@ -594,7 +573,7 @@ impl SupervisorHandle {
     ///
     /// # Errors
     /// [`RequestError::Internal`] when the supervisor is gone or does not answer in time.
-    pub async fn inject_panic(&self, kind: String, rank: usize) -> Result<bool, RequestError> {
+    pub async fn inject_panic(&self, kind: ActorKind, rank: usize) -> Result<bool, RequestError> {
         ractor::call_t!(
             self.mailbox,
             SupervisorMsg::InjectPanic,

@@ -31,6 +31,7 @@
 //! With every rate 0 (the default) nothing is injected and [`FaultInjector::new`] returns
 //! `None`: production paths pay one `Option` check.
 
+use crate::supervision::ActorKind;
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -107,23 +108,26 @@ impl FaultSection {
         ]
     }
 
-    /// The actor kind `actor_panic` applies to.
-    pub fn panic_target(&self) -> &str {
+    /// The actor kind `actor_panic` applies to (`None`: a name that is not one of
+    /// [`PANIC_TARGETS`], refused by [`FaultSection::invalid`]).
+    pub fn panic_target(&self) -> Option<ActorKind> {
         if self.actor_panic_target.is_empty() {
-            "TpWorker"
-        } else {
-            &self.actor_panic_target
+            return Some(ActorKind::TpWorker);
         }
+        self.actor_panic_target
+            .parse()
+            .ok()
+            .filter(|k| PANIC_TARGETS.contains(k))
     }
 
     /// The first rate outside `[0, 1]`, as `(key, message)`.
     pub fn invalid(&self) -> Option<(&'static str, String)> {
-        if !PANIC_TARGETS.contains(&self.panic_target()) {
+        if self.panic_target().is_none() {
             return Some((
                 "faults.actor_panic_target",
                 format!(
                     "faults.actor_panic_target must be one of {}, got {:?}",
-                    PANIC_TARGETS.join(", "),
+                    PANIC_TARGETS.map(ActorKind::as_str).join(", "),
                     self.actor_panic_target
                 ),
             ));
@@ -165,14 +169,7 @@ pub enum Fault {
 }
 
 /// The actor kinds `faults.actor_panic_target` may name.
-pub const PANIC_TARGETS: [&str; 6] = [
-    "TpWorker",
-    "Scheduler",
-    "KvSender",
-    "KvReceiver",
-    "Aggregator",
-    "HttpFrontend",
-];
+pub const PANIC_TARGETS: [ActorKind; 6] = ActorKind::SUPERVISED;
 
 const KINDS: usize = 12;
 
@@ -303,8 +300,8 @@ impl FaultInjector {
     }
 
     /// Whether an actor of `kind` panics at the message it is taking now.
-    pub fn actor_panics(&self, kind: &str) -> bool {
-        self.cfg.panic_target() == kind && self.roll(Fault::ActorPanic)
+    pub fn actor_panics(&self, kind: ActorKind) -> bool {
+        self.cfg.panic_target() == Some(kind) && self.roll(Fault::ActorPanic)
     }
 
     /// The fate of one control message.
@@ -395,8 +392,16 @@ mod tests {
         assert_eq!(draws, again, "same seed, same faults");
         let n = a.injected(Fault::TransferFail);
         assert!((800..1200).contains(&n), "{n} of 4000 at 25%");
-        assert!(!a.actor_panics("TpWorker"), "only the chosen actor panics");
-        assert_eq!((0..10).filter(|_| a.actor_panics("KvSender")).count(), 2);
+        assert!(
+            !a.actor_panics(ActorKind::TpWorker),
+            "only the chosen actor panics"
+        );
+        assert_eq!(
+            (0..10)
+                .filter(|_| a.actor_panics(ActorKind::KvSender))
+                .count(),
+            2
+        );
         assert_eq!(a.injected(Fault::ActorPanic), 2);
         assert!(!a.roll(Fault::ControlDrop), "rate 0 never fires");
     }

@@ -191,6 +191,93 @@ pub enum ActorState {
     Failed,
 }
 
+/// The kinds of pdserve's actors: what an [`ActorSnapshot`] names in `kind`, what
+/// `faults.actor_panic_target` and the restart metrics label (`actor`) take.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ActorKind {
+    /// An instance's root: starts its actors and keeps them alive.
+    InstanceSupervisor,
+    /// One tensor-parallel rank.
+    TpWorker,
+    /// Batches requests and plans steps.
+    Scheduler,
+    /// Gathers every rank's reports of a KV hand-off.
+    Aggregator,
+    /// The prefill side's KV writes (push hand-offs).
+    KvSender,
+    /// The decode side's KV fetches.
+    KvReceiver,
+    /// The instance's HTTP server.
+    HttpFrontend,
+    /// The cluster's router.
+    Proxy,
+}
+
+/// A name that is no [`ActorKind`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown actor kind {0:?} (one of {kinds})", kinds = ActorKind::names())]
+pub struct UnknownActorKind(pub String);
+
+impl ActorKind {
+    /// Every kind.
+    pub const ALL: [ActorKind; 8] = [
+        ActorKind::InstanceSupervisor,
+        ActorKind::TpWorker,
+        ActorKind::Scheduler,
+        ActorKind::Aggregator,
+        ActorKind::KvSender,
+        ActorKind::KvReceiver,
+        ActorKind::HttpFrontend,
+        ActorKind::Proxy,
+    ];
+
+    /// The kinds an instance's supervisor restarts or escalates, and so the kinds
+    /// `faults.actor_panic_target` may name.
+    pub const SUPERVISED: [ActorKind; 6] = [
+        ActorKind::TpWorker,
+        ActorKind::Scheduler,
+        ActorKind::KvSender,
+        ActorKind::KvReceiver,
+        ActorKind::Aggregator,
+        ActorKind::HttpFrontend,
+    ];
+
+    /// Its name (`TpWorker`, ...), as snapshots and metrics show it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::InstanceSupervisor => "InstanceSupervisor",
+            Self::TpWorker => "TpWorker",
+            Self::Scheduler => "Scheduler",
+            Self::Aggregator => "Aggregator",
+            Self::KvSender => "KvSender",
+            Self::KvReceiver => "KvReceiver",
+            Self::HttpFrontend => "HttpFrontend",
+            Self::Proxy => "Proxy",
+        }
+    }
+
+    fn names() -> String {
+        Self::ALL.map(Self::as_str).join(", ")
+    }
+}
+
+impl std::fmt::Display for ActorKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for ActorKind {
+    type Err = UnknownActorKind;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL
+            .into_iter()
+            .find(|k| k.as_str() == s)
+            .ok_or_else(|| UnknownActorKind(s.chars().take(64).collect()))
+    }
+}
+
 impl ActorState {
     /// The lowercase name.
     pub fn as_str(self) -> &'static str {

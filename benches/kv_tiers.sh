@@ -28,8 +28,10 @@
 # `disk-whole` (kv_tiers.stream_layers = false: load every block, then compute) and
 # `disk-stream` (the default: compute while the layers land), each on a fresh directory,
 # and reports the layers computed before their restore's last layer landed. DROP_CACHES=1
-# drops the page cache every DROP_EVERY seconds (default 0.2) during those runs, so the
-# tier's reads come from the disk rather than from memory (needs root).
+# syncs and drops the page cache every DROP_EVERY seconds (default 0.2) during those runs, so the
+# tier's reads come from the disk rather than from memory; READ_BPS (bytes/s) puts each
+# `pdserve serve` in a cgroup-v1 blkio group reading the disk under OUT_DIR at that rate
+# (a slower disk or a network store; both need root).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -57,6 +59,9 @@ run() {
     env "$@" PDSERVE_SCHEDULER__NUM_BLOCKS="$blocks" \
         "$bin" serve --model "$model" --port "$port" >"$out/$name.serve.log" 2>&1 &
     local pid=$!
+    if [ -n "${READ_BPS:-}" ]; then
+        echo "$pid" >"$slow_cgroup/cgroup.procs"
+    fi
     for _ in $(seq 1 600); do
         curl -sf "$url/health" >/dev/null 2>&1 && break
         sleep 0.5
@@ -72,10 +77,17 @@ run() {
 }
 
 redis_runs=()
+if [ -n "${READ_BPS:-}" ]; then
+    slow_cgroup=/sys/fs/cgroup/blkio/pdserve-kv-tiers-bench
+    mkdir -p "$slow_cgroup"
+    disk=$(findmnt -no SOURCE --target "$out" | sed 's/\[.*//')
+    echo "$(lsblk -ndo MAJ:MIN "$disk" | tr -d ' ') $READ_BPS" \
+        >"$slow_cgroup/blkio.throttle.read_bps_device"
+fi
 if [ -n "${STREAM_AB:-}" ]; then
     dropper=""
     if [ -n "${DROP_CACHES:-}" ]; then
-        (while :; do echo 1 >/proc/sys/vm/drop_caches; sleep "${DROP_EVERY:-0.2}"; done) &
+        (while :; do sync; echo 1 >/proc/sys/vm/drop_caches; sleep "${DROP_EVERY:-0.2}"; done) &
         dropper=$!
     fi
     for round in $(seq 1 "${ROUNDS:-1}"); do

@@ -277,6 +277,8 @@ struct PendingUpload {
 
 struct InFlight {
     plan: StepPlan,
+    /// When it was sent to the workers.
+    sent: Instant,
     /// Whether the KvSender was told about pushed chunks of this step.
     pushes: bool,
     replies: Vec<Option<Result<Vec<Vec<f32>>, StepError>>>,
@@ -343,6 +345,10 @@ pub struct SchedulerState {
     tier_waiting: HashMap<u64, Waiting>,
     /// Requests admitted with a streamed restore whose first step has not ended.
     streaming: HashMap<RequestId, Streaming>,
+    /// Seconds a step took per token it computed, over recent steps of many tokens (an
+    /// average that moves by a quarter per step): how long a streamed restore's request
+    /// will compute, so its load can be admitted before it ends.
+    prefill_pace: Option<f64>,
     next_load_id: u64,
     /// Blocks held until the end of the current message (restored prefixes, so the step
     /// planned right after cannot evict them before their request is admitted).
@@ -391,6 +397,7 @@ impl Actor for Scheduler {
             tier_loads: 0,
             tier_waiting: HashMap::new(),
             streaming: HashMap::new(),
+            prefill_pace: None,
             next_load_id: 0,
             pins: Vec::new(),
             owners: HashMap::new(),
@@ -759,6 +766,12 @@ impl SchedulerState {
             let _ = timer.cast(SchedulerMsg::TierLoadTimedOut(load_id));
         });
         let hold_last = self.faults.as_ref().is_some_and(|f| f.tier_stream_hold());
+        // How long its step will compute the rest of the prompt (less a margin): a streamed
+        // load is admitted once what it still has to read would land within that.
+        let rest = len.saturating_sub((start + count) * bs);
+        let budget = self.prefill_pace.map_or(std::time::Duration::ZERO, |secs| {
+            std::time::Duration::from_secs_f64(0.8 * secs * rest as f64)
+        });
         tokio::task::spawn_blocking(move || {
             let (run, parent) = (
                 &hashes[start..start + count],
@@ -789,11 +802,14 @@ impl SchedulerState {
                 loaded,
                 started,
             };
-            // The request is admitted now; its first step takes the layers as they land.
-            if me.cast(SchedulerMsg::TiersLoaded(Box::new(load))).is_ok() {
-                if let Some(reader) = reader {
-                    reader.run();
-                }
+            // A streamed request is admitted while its layers land (when `reader` says the
+            // rest will land within its step's compute); its step takes them as they do.
+            let admit = move || {
+                let _ = me.cast(SchedulerMsg::TiersLoaded(Box::new(load)));
+            };
+            match reader {
+                Some(reader) => reader.run(budget, admit),
+                None => admit(),
             }
         });
         None
@@ -836,8 +852,9 @@ impl SchedulerState {
         let streamed = matches!(loaded, Loaded::Stream { .. });
         if now < start
             || now >= end
-            // A stream writes the blocks it opened, all of them.
+            // A stream writes the blocks it opened, all of them; a failed one none.
             || (streamed && now != start)
+            || matches!(&loaded, Loaded::Stream { stream, .. } if matches!(stream.verdict(), Some(Err(_))))
             || !tiers.may_queue_jobs()
             || self.workers.iter().any(Option::is_none)
         {
@@ -991,6 +1008,20 @@ impl SchedulerState {
             }
             tracing::warn!(request = %id, reason = why.as_str(), "a streamed KV tier restore failed: recomputing the request");
         }
+    }
+
+    /// Folds a completed step's time per computed token into `prefill_pace` (steps of at
+    /// least 16 tokens: a decode step's time is mostly not per token).
+    fn note_prefill_pace(&mut self, plan: &StepPlan, took: std::time::Duration) {
+        let tokens: usize = plan.members.iter().map(|m| m.1).sum();
+        if tokens < 16 {
+            return;
+        }
+        let pace = took.as_secs_f64() / tokens as f64;
+        self.prefill_pace = Some(match self.prefill_pace {
+            Some(p) => 0.75 * p + 0.25 * pace,
+            None => pace,
+        });
     }
 
     /// Gives up the streams of requests that no longer wait for them (aborted, failed,
@@ -1394,6 +1425,7 @@ impl SchedulerState {
         let restores = std::mem::take(&mut inf.plan.restores);
         let out = match (failure, logits) {
             (None, Some(l)) => {
+                self.note_prefill_pace(&inf.plan, inf.sent.elapsed());
                 self.settle_restores(&restores);
                 self.core.complete(inf.plan, l, Instant::now())
             }
@@ -1445,6 +1477,7 @@ impl SchedulerState {
         // need (structured output), so sampling only applies them.
         self.core.prepare_masks(&plan);
         self.in_flight = Some(InFlight {
+            sent: Instant::now(),
             replies: vec![None; self.workers.len()],
             pushes: hook.is_some(),
             plan,

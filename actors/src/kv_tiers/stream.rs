@@ -1,14 +1,18 @@
 //! Layer-by-layer load-back: a restore whose compute starts before its last layer arrives.
 //!
-//! A request whose prompt prefix sits in the tiers is admitted as soon as every block of the
-//! run is *opened* ([`KvTiers::open_stream`]: the host region's and the Redis store's blocks
-//! read and verified whole, each disk or shared-directory file opened with its header —
-//! key, parent, token ids, compatibility key and length — checked and its checksum read).
-//! Its first step then computes the rest of the prompt while a blocking task
-//! ([`StreamLoad::run`]) reads the files **layer by layer**: layer 0 of every block, then
-//! layer 1, and so on; each layer is published to the [`RestoreStream`] as it lands. Every
-//! rank, at each layer of that step, waits for the layer (before attention reads it) and
-//! writes it into the request's fresh pool blocks ([`RestoreStream::feed`]).
+//! A blocking task first *opens* every block of the run ([`KvTiers::open_stream`]: the host
+//! region's and the Redis store's blocks read and verified whole, each disk or
+//! shared-directory file opened with its header — key, parent, token ids, compatibility key
+//! and length — checked and its checksum read), then reads the files **layer by layer**
+//! ([`StreamLoad::run`]: layer 0 of every block, then layer 1, ..., a file's layers in at
+//! most [`READS_PER_FILE`] reads) and publishes each layer to the [`RestoreStream`] as it
+//! lands. The request is admitted as soon as the layers still to read would land within
+//! the time its first step computes before reaching them (the Scheduler's recent prefill
+//! pace × the tokens left to compute, less a margin): right after the first layer from a
+//! fast store, near the end of the load from one slower than the compute — so the step is
+//! never left waiting on a slow store for long. That step computes the rest of the prompt
+//! while the layers land: every rank, at each layer, waits for the layer (before attention
+//! reads it) and writes it into the request's fresh pool blocks ([`RestoreStream::feed`]).
 //!
 //! **Verified all the same.** Once the last layer landed, each file's XXH3-64 is checked over
 //! the bytes read; at the last layer the ranks wait for that verdict. A checksum mismatch, a
@@ -28,6 +32,10 @@ use pdserve_gpu::kv::KvCache;
 use std::os::unix::fs::FileExt;
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::Instant;
+
+/// Reads of one block file a streamed restore makes at most (its layers in this many
+/// groups).
+const READS_PER_FILE: usize = 8;
 
 /// Why a stream failed (each a miss: the request is recomputed).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -291,7 +299,27 @@ impl StreamLoad {
     /// verifies each file's checksum over what was read (a mismatch or a failed read is a
     /// miss: counted, logged, the file discarded, the stream failed). Blocking: run it off
     /// the async threads. Stops early once the stream failed (the Scheduler gave it up).
-    pub fn run(self) {
+    ///
+    /// `admit` (the request may start computing) is called once, as soon as the layers
+    /// still to read would take no longer than `budget` at the pace so far — the time the
+    /// request's step is expected to compute before it reaches its last layer — so a slow
+    /// store never leaves a step waiting on it for long: with a fast store that is right
+    /// after the first layer; with one slower than the compute, the request waits for most
+    /// of its load before it is admitted, as a whole load would. At the latest it is called
+    /// once every layer landed, or when the stream failed (the Scheduler then goes on
+    /// without the tiers).
+    pub fn run(self, budget: std::time::Duration, admit: impl FnOnce()) {
+        let mut admit = Some(admit);
+        let mut admit_now = || {
+            if let Some(f) = admit.take() {
+                f();
+            }
+        };
+        self.read(budget, &mut admit_now);
+        admit_now();
+    }
+
+    fn read(self, budget: std::time::Duration, admit: &mut dyn FnMut()) {
         let StreamLoad {
             tiers,
             sources,
@@ -299,36 +327,57 @@ impl StreamLoad {
             hold_last,
         } = self;
         let (tp, lb, rb) = (stream.tp, stream.layer_bytes, tiers.shape.rank_bytes());
-        for layer in 0..stream.layers {
+        let started = Instant::now();
+        // Layers are read in groups (a few reads per file rather than one per layer: small
+        // reads cost more than their bytes on a slow disk) and published one by one.
+        let group = stream.layers.div_ceil(READS_PER_FILE).max(1);
+        let mut layer = 0;
+        while layer < stream.layers {
             if stream.verdict().is_some() {
                 return;
             }
-            if hold_last && layer > 0 && layer + 1 == stream.layers {
+            if layer > 0 {
+                // Admit once the rest would land within the step's compute at this pace.
+                let pace = started.elapsed() / layer as u32;
+                if pace * (stream.layers - layer) as u32 <= budget {
+                    admit();
+                }
+            }
+            let end = (layer + group).min(stream.layers);
+            if hold_last && end == stream.layers && layer > 0 {
+                admit();
                 // Dropped at once: only the wait matters (a timeout fails the stream).
                 drop(stream.wait(|p| p.early > 0));
             }
-            let mut bytes = vec![0u8; sources.len() * tp * lb];
+            let n = end - layer;
+            let mut layers: Vec<Vec<u8>> = vec![vec![0u8; sources.len() * tp * lb]; n];
+            let mut chunk = vec![0u8; n * lb];
             for (i, src) in sources.iter().enumerate() {
                 for r in 0..tp {
-                    let at = (i * tp + r) * lb;
-                    let dst = &mut bytes[at..at + lb];
+                    let from = r * rb + layer * lb;
                     match src {
-                        Source::Whole(b) => {
-                            let from = r * rb + layer * lb;
-                            dst.copy_from_slice(&b.bytes[from..from + lb]);
-                        }
+                        Source::Whole(b) => chunk.copy_from_slice(&b.bytes[from..from + n * lb]),
                         Source::File { hash, shared, file } => {
-                            let off = file.payload_at + (r * rb + layer * lb) as u64;
-                            if let Err(e) = file.file.read_exact_at(dst, off) {
+                            let off = file.payload_at + from as u64;
+                            if let Err(e) = file.file.read_exact_at(&mut chunk, off) {
                                 tiers.stream_miss(*hash, *shared, &e.into());
                                 return stream.fail(StreamFailure::Miss);
                             }
                         }
                     }
+                    // A rank's layers are contiguous in its share: scatter them by layer.
+                    let at = (i * tp + r) * lb;
+                    for (k, dst) in layers.iter_mut().enumerate() {
+                        dst[at..at + lb].copy_from_slice(&chunk[k * lb..(k + 1) * lb]);
+                    }
                 }
             }
-            stream.land(layer, bytes);
+            for (k, bytes) in layers.into_iter().enumerate() {
+                stream.land(layer + k, bytes);
+            }
+            layer = end;
         }
+        admit();
         // Every layer landed: verify each file over the bytes read, in file order.
         for (i, src) in sources.iter().enumerate() {
             let Source::File { hash, shared, file } = src else {

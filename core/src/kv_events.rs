@@ -36,6 +36,16 @@ pub use pdserve_runtime::config::TierCredit;
 /// Default bound on the hashes the proxy indexes per instance (`proxy.kv_index_max_blocks`).
 pub const DEFAULT_INDEX_MAX_BLOCKS: usize = 1 << 20;
 
+/// The weight of an overlap found at medium `m` (`proxy.kv_tier_credit`; the pool's is 1).
+pub fn medium_credit(m: Medium, c: &TierCredit) -> f64 {
+    match m {
+        Medium::Pool => 1.0,
+        Medium::Host => c.host,
+        Medium::Disk => c.disk,
+        Medium::Shared => c.shared,
+    }
+}
+
 pub use pdserve_runtime::wire::kv_events::{
     KvEventBatch, KvEventsError, KvOp, Medium, TierEvents, MAX_PENDING_EVENTS,
 };
@@ -297,7 +307,7 @@ impl KvIndex {
             sum += Medium::ALL
                 .into_iter()
                 .filter(|m| media & m.bit() != 0)
-                .map(|m| m.credit(credit))
+                .map(|m| medium_credit(m, credit))
                 .fold(0.0, f64::max);
         }
         (n, sum)

@@ -266,6 +266,17 @@ struct Restore {
 }
 
 impl Seq {
+    /// Back to waiting with nothing computed: its blocks (an unsettled restore's with them)
+    /// return to the pool, to be recomputed from its tokens.
+    fn start_over(&mut self) {
+        self.restore = None;
+        self.blocks.release();
+        self.computed = 0;
+        self.registered = 0;
+        self.cached_tokens = 0;
+        self.state = RequestState::Waiting;
+    }
+
     fn len(&self) -> usize {
         self.prompt.len() + self.gen.output().len()
     }
@@ -628,11 +639,7 @@ impl SchedulerCore {
         self.prompt_tokens -= s.prompt.len() as u64;
         self.prompt_tokens_cached -= s.prompt_cached as u64;
         s.counted = false;
-        s.blocks.release();
-        s.computed = 0;
-        s.registered = 0;
-        s.cached_tokens = 0;
-        s.state = RequestState::Waiting;
+        s.start_over();
         self.running.retain(|&r| r != id);
         self.waiting.retain(|&w| w != id);
         self.waiting.push_front(id);
@@ -859,11 +866,7 @@ impl SchedulerCore {
         self.blocks.clear_cache();
         for s in self.seqs.values_mut() {
             if s.state == RequestState::Waiting {
-                s.restore = None;
-                s.blocks.release();
-                s.computed = 0;
-                s.registered = 0;
-                s.cached_tokens = 0;
+                s.start_over();
             }
         }
         let dropped = self.held.len();
@@ -903,13 +906,7 @@ impl SchedulerCore {
     fn preempt(&mut self, id: RequestId) {
         self.running.retain(|&r| r != id);
         if let Some(s) = self.seqs.get_mut(&id) {
-            // An unsettled restore's blocks go with the rest (recomputed later).
-            s.restore = None;
-            s.blocks.release();
-            s.computed = 0;
-            s.registered = 0;
-            s.cached_tokens = 0;
-            s.state = RequestState::Waiting;
+            s.start_over();
         }
         self.waiting.push_front(id);
         self.preemptions += 1;

@@ -5,7 +5,6 @@
 //! Its lengths are bounded on receipt ([`super::bounds`]) and the whole batch is checked
 //! ([`KvEventBatch::check`]) before any of it reaches the index.
 
-use crate::config::TierCredit;
 use serde::{Deserialize, Serialize};
 
 /// A block's chained prefix-cache hash (`pdserve_core::prefix::BlockHash`).
@@ -76,16 +75,6 @@ impl Medium {
                 }
                 KvEventsError::UnknownMedium(name[..end].to_string())
             })
-    }
-
-    /// The weight of an overlap found at this medium.
-    pub fn credit(self, c: &TierCredit) -> f64 {
-        match self {
-            Medium::Pool => 1.0,
-            Medium::Host => c.host,
-            Medium::Disk => c.disk,
-            Medium::Shared => c.shared,
-        }
     }
 
     /// This medium's bit in a set of media (one `u8`).

@@ -200,6 +200,26 @@ struct Streaming {
     started: std::time::Instant,
 }
 
+/// A request's prefix being restored layer by layer: the pool's blocks `..first` and fresh
+/// blocks for the stream's, and where the stream's layers land.
+struct Restored {
+    prefix: BlockAllocation,
+    first: usize,
+    /// Each streamed block's stored hit count.
+    hits: Vec<u32>,
+    stream: Arc<RestoreStream>,
+    started: std::time::Instant,
+}
+
+impl Restored {
+    fn into_streaming(self) -> Streaming {
+        Streaming {
+            stream: self.stream,
+            started: self.started,
+        }
+    }
+}
+
 /// What waits on a KV-tier load: a request, where its answers go, and for a P/D request the
 /// prefill instance its KV comes from (after the load it goes to `submit_remote`, which then
 /// fetches only what the pool and the restored blocks lack).
@@ -670,31 +690,58 @@ impl Actor for Scheduler {
 impl SchedulerState {
     /// Accepts a local request into the core.
     fn admit(&mut self, request: NewRequest, sink: EventSink) {
+        self.admit_into(request, sink, None);
+    }
+
+    /// [`SchedulerState::admit`], with the prefix `restored` streams from the KV tiers when
+    /// there is one (see [`SchedulerState::admit_streamed`]); a request refused here gives
+    /// its stream up.
+    fn admit_into(&mut self, request: NewRequest, sink: EventSink, restored: Option<Restored>) {
         let (id, hold_for) = (request.id, request.hold_for);
         // Checked again here: a hand-off can be aborted while its prompt waits for the tiers.
-        if let Some(transfer) =
+        let refused = if let Some(transfer) =
             hold_for.filter(|&t| self.aborted_transfers.contains(t, Instant::now()))
         {
             tracing::info!(request = %id, %transfer, "hand-off aborted before its prompt arrived");
-            let _ = sink.try_send(RequestEvent::Failed(RequestError::Aborted));
-            return;
-        }
-        if hold_for.is_some() && !self.serves_kv {
-            let _ = sink.try_send(RequestEvent::Failed(RequestError::BadRequest(
+            Some(RequestError::Aborted)
+        } else if hold_for.is_some() && !self.serves_kv {
+            Some(RequestError::BadRequest(
                 "this instance keeps its KV on the device with a receive-only host mirror \
                  (role decode): it cannot hand KV to a peer"
                     .into(),
-            )));
-            return;
-        }
+            ))
+        } else {
+            None
+        };
         let prompt_tokens = request.prompt.len();
-        match self.core.add(request) {
+        let (added, streaming) = match (refused, restored) {
+            (Some(e), restored) => (Err(e), restored.map(Restored::into_streaming)),
+            (None, None) => (self.core.add(request), None),
+            (None, Some(r)) => {
+                let Restored {
+                    prefix,
+                    first,
+                    hits,
+                    stream,
+                    started,
+                } = r;
+                let added = self.core.add_restored(request, prefix, first, hits);
+                (added, Some(Streaming { stream, started }))
+            }
+        };
+        match added {
             Ok(()) => {
                 metrics::counter!(pdserve_runtime::telemetry::PROMPT_TOKENS_TOTAL)
                     .increment(prompt_tokens as u64);
                 self.owners.insert(id, Owner::new(sink, hold_for, None));
+                if let Some(s) = streaming {
+                    self.streaming.insert(id, s);
+                }
             }
             Err(e) => {
+                if let Some(s) = streaming {
+                    s.stream.fail(StreamFailure::Abandoned);
+                }
                 let _ = sink.try_send(RequestEvent::Failed(e));
             }
         }
@@ -750,9 +797,12 @@ impl SchedulerState {
         if count == 0 {
             return Some((request, sink, source));
         }
-        // A local request computes its prompt here: its restore streams layer by layer. A
-        // P/D request's restored KV goes to (or comes with) a peer: loaded whole.
-        let stream = tiers.streams() && source.is_none() && request.hold_for.is_none();
+        // A request whose prompt is computed here streams its restore layer by layer (a
+        // prefill instance's too: its decode peer reads the blocks once the request ended,
+        // after the restore was settled). Loaded whole: a decode instance's P/D request
+        // (nothing computes while it loads), and a pushed hand-off, whose layers go to the
+        // peer as the step computes them.
+        let stream = tiers.streams() && source.is_none() && !request.push;
         self.tier_loads += 1;
         self.next_load_id += 1;
         let load_id = self.next_load_id;
@@ -912,7 +962,7 @@ impl SchedulerState {
         }
     }
 
-    /// Admits a local request whose prompt blocks `first..` stream from the KV tiers into
+    /// Admits a request whose prompt blocks `first..` stream from the KV tiers into
     /// fresh pool blocks during its first step (`pin`: the pool's blocks `..first`); or,
     /// when the pool cannot give those blocks now, gives the stream up and admits it as is.
     #[allow(clippy::too_many_arguments)]
@@ -936,19 +986,14 @@ impl SchedulerState {
         // stream overwrites it (the spill jobs queue on the ranks ahead of that step).
         self.flush_spills();
         pin.append(fresh);
-        let (id, prompt_tokens) = (request.id, request.prompt.len());
-        match self.core.add_restored(request, pin, first, hits) {
-            Ok(()) => {
-                metrics::counter!(pdserve_runtime::telemetry::PROMPT_TOKENS_TOTAL)
-                    .increment(prompt_tokens as u64);
-                self.owners.insert(id, Owner::new(sink, None, None));
-                self.streaming.insert(id, Streaming { stream, started });
-            }
-            Err(e) => {
-                stream.fail(StreamFailure::Abandoned);
-                let _ = sink.try_send(RequestEvent::Failed(e));
-            }
-        }
+        let restored = Restored {
+            prefix: pin,
+            first,
+            hits,
+            stream,
+            started,
+        };
+        self.admit_into(request, sink, Some(restored));
     }
 
     /// The [`KvFeed`](pdserve_gpu::tp::KvFeed) of a step whose members restore their

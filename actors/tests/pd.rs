@@ -2297,7 +2297,8 @@ async fn decode_restores_a_prompt_from_the_shared_store_and_fetches_only_the_res
 /// Two prefill instances on one shared store (issue 30): a prompt prefilled on the first and
 /// pushed out of its pool is prefilled on the second from the store's blocks, handed over to
 /// decode, and answered with the first run's tokens. Decode has no tiers, so the prefix can
-/// only have come from the second prefill instance's restore; every pool ends full.
+/// only have come from the second prefill instance's restore (streamed layer by layer: a
+/// pulled hand-off's prompt is computed there); every pool ends full.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefix_one_prefill_instance_computed_is_served_by_another_from_the_shared_store() {
     let dir = tempfile::tempdir().unwrap();
@@ -2312,6 +2313,13 @@ async fn a_prefix_one_prefill_instance_computed_is_served_by_another_from_the_sh
     shared_store_settled(&p1, &p2);
     assert_eq!(shared_hits(&p2), 0);
     prompt_zero_from_the_store(&p2, &d, &p2, &first).await;
+    // The prefill side's restore streamed layer by layer: its decode peer read the blocks
+    // once the request ended, after the restore was verified and settled.
+    let f = p2.kv_tiers().unwrap().figures();
+    assert!(
+        f.streamed >= 1,
+        "a pulled prefill streams its restore: {f:?}"
+    );
     assert_pool_full(&p1).await;
     p1.stop().await;
     stop_pair(p2, d).await;

@@ -22,9 +22,13 @@
 //! tokens without the tiers; its restored blocks are never registered in the prefix cache.
 //! A timeout pauses the disk tier and the shared store as a whole load's does.
 //!
-//! P/D requests (whose prompt KV then comes from a prefill instance) and requests that ask
-//! for prompt logprobs still load whole (`kv_tiers.stream_layers = false` loads every
-//! request whole).
+//! Every request whose prompt is computed here streams, a prefill instance's for a decode
+//! peer included (the peer reads its blocks once the request ended, after the restore was
+//! settled). Loaded whole: a decode instance's P/D request (its prompt KV then comes from a
+//! prefill instance; nothing computes meanwhile), a pushed hand-off (its layers go to the
+//! peer as the step computes them, so they must be final), and requests that ask for prompt
+//! logprobs (no tier lookup at all); `kv_tiers.stream_layers = false` loads every request
+//! whole.
 
 use super::{BlockStore, KvTiers, TierBlock, TierError};
 use crate::block_manager::BlockHash;

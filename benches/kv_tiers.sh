@@ -80,6 +80,7 @@ redis_runs=()
 if [ -n "${READ_BPS:-}" ]; then
     slow_cgroup=/sys/fs/cgroup/blkio/pdserve-kv-tiers-bench
     mkdir -p "$slow_cgroup"
+    trap 'rmdir "$slow_cgroup" 2>/dev/null || true' EXIT
     disk=$(findmnt -no SOURCE --target "$out" | sed 's/\[.*//')
     echo "$(lsblk -ndo MAJ:MIN "$disk" | tr -d ' ') $READ_BPS" \
         >"$slow_cgroup/blkio.throttle.read_bps_device"

@@ -370,31 +370,15 @@ impl BlockManager {
         block_size: usize,
         hits: &[u32],
     ) -> usize {
-        if !self.caching {
+        let (Some(blocks), Some(run), Some(run_tokens)) = (
+            alloc.blocks.get(from..),
+            hashes.get(from..),
+            tokens.get(from * block_size..),
+        ) else {
             return 0;
-        }
-        let mut pool = self.lock();
-        let mut n = 0;
-        for i in from..hashes.len().min(alloc.blocks.len()) {
-            let (b, h) = (alloc.blocks[i], hashes[i]);
-            if pool.entries[b as usize].is_some() || pool.by_hash.contains_key(&h) {
-                continue;
-            }
-            let Some(t) = tokens.get(i * block_size..(i + 1) * block_size) else {
-                break;
-            };
-            pool.entries[b as usize] = Some(Entry {
-                hash: h,
-                parent: i.checked_sub(1).map(|p| hashes[p]),
-                tokens: t.to_vec(),
-                stamp: None,
-                hits: hits.get(i - from).copied().unwrap_or(0),
-            });
-            pool.by_hash.insert(h, b);
-            pool.events.stored(h);
-            n += 1;
-        }
-        n
+        };
+        let parent = from.checked_sub(1).and_then(|p| hashes.get(p).copied());
+        self.register_blocks(blocks, parent, run, run_tokens, block_size, hits)
     }
 
     /// Records every registered block the pool evicts from now on (`on`), for
@@ -445,13 +429,29 @@ impl BlockManager {
         block_size: usize,
         hits: &[u32],
     ) -> usize {
+        self.register_blocks(&alloc.blocks, parent, hashes, tokens, block_size, hits)
+    }
+
+    /// The one registration loop: block `blocks[j]` under `hashes[j]` with the token ids
+    /// `tokens[j*bs..(j+1)*bs]` and `hits[j]` hits (0 past its end), the first one's parent
+    /// `parent`, each next one's the hash before it. A hash already registered keeps its
+    /// block; a block already registered keeps its hash.
+    fn register_blocks(
+        &self,
+        blocks: &[u32],
+        parent: Option<BlockHash>,
+        hashes: &[BlockHash],
+        tokens: &[u32],
+        block_size: usize,
+        hits: &[u32],
+    ) -> usize {
         if !self.caching {
             return 0;
         }
         let mut pool = self.lock();
         let mut n = 0;
         let mut parent = parent;
-        for (j, (&b, &h)) in alloc.blocks.iter().zip(hashes).enumerate() {
+        for (j, (&b, &h)) in blocks.iter().zip(hashes).enumerate() {
             let Some(t) = tokens.get(j * block_size..(j + 1) * block_size) else {
                 break;
             };

@@ -20,7 +20,7 @@ use crate::handoff::{KvContext, KvFigures, KvRegistry, KvSettings, PeerService, 
 use crate::http::{AppState, HttpTls};
 use crate::mailbox::Mailbox;
 use crate::scheduler::{
-    NewRequest, RequestStream, SchedulerConfig, SchedulerHandle, SchedulerStats,
+    NewRequest, RequestStream, SchedulerConfig, SchedulerHandle, SchedulerMsg, SchedulerStats,
 };
 use crate::supervisor::{InstanceArgs, InstanceSupervisor, SupervisorHandle};
 use crate::worker::{KvMirror, RankDevice, WorkerSpec};
@@ -70,6 +70,9 @@ pub struct InstanceOptions {
     pub bind: Option<SocketAddr>,
     /// Admission bound: requests in flight (running and waiting) past which new ones get 503.
     pub max_concurrent_requests: usize,
+    /// Messages waiting for the Scheduler past which new work is refused as overloaded
+    /// (`scheduler.mailbox_capacity`).
+    pub mailbox_capacity: usize,
     /// Bounds on the API's connections (`server.max_connections`,
     /// `server.header_read_timeout_s`).
     pub conn_limits: crate::http::ConnLimits,
@@ -141,6 +144,7 @@ impl InstanceOptions {
             max_model_len: cfg.scheduler.max_model_len,
             bind: Some(bind),
             max_concurrent_requests: cfg.server.max_concurrent_requests,
+            mailbox_capacity: cfg.scheduler.mailbox_capacity,
             conn_limits: crate::http::ConnLimits {
                 max_connections: cfg.server.max_connections,
                 header_read_timeout: Duration::from_secs(cfg.server.header_read_timeout_s),
@@ -190,6 +194,7 @@ impl InstanceOptions {
             max_model_len: None,
             bind: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
             max_concurrent_requests: 256,
+            mailbox_capacity: 4096,
             conn_limits: crate::http::ConnLimits::default(),
             request_timeout: Duration::from_secs(120),
             call_timeout: Duration::from_secs(5),
@@ -476,6 +481,7 @@ impl Instance {
                 served.clone(),
             );
             let (served_names, own_name) = (served_names.clone(), own_name.clone());
+            let mailbox_capacity = opts.mailbox_capacity;
             let (max_concurrent, conn_limits, timeout, api_key, call_timeout) = (
                 opts.max_concurrent_requests,
                 opts.conn_limits,
@@ -492,9 +498,10 @@ impl Instance {
             let encoder_cache = Arc::new(crate::multimodal::EncoderCache::new(
                 usize::try_from(multimodal.encoder_cache_bytes).unwrap_or(usize::MAX),
             ));
-            move |scheduler, kv_sender| {
-                let scheduler = SchedulerHandle::new(scheduler, call_timeout)
-                    .with_tokenizer(grammar_tokenizer.clone());
+            move |scheduler: Mailbox<SchedulerMsg>, kv_sender| {
+                let scheduler =
+                    SchedulerHandle::new(scheduler.with_capacity(mailbox_capacity), call_timeout)
+                        .with_tokenizer(grammar_tokenizer.clone());
                 let admission = Arc::new(tokio::sync::Semaphore::new(max_concurrent));
                 let peer = kv.as_ref().map(|kv| {
                     let sweep = (kv.settings.lease / 8).max(Duration::from_millis(10));
@@ -612,7 +619,10 @@ impl Instance {
             .handles()
             .await
             .map_err(|e| StartError::actor("the instance supervisor", e))?;
-        let scheduler = SchedulerHandle::new(scheduler, opts.call_timeout);
+        let scheduler = SchedulerHandle::new(
+            scheduler.with_capacity(opts.mailbox_capacity),
+            opts.call_timeout,
+        );
         let control = match (opts.control, endpoint) {
             (Some(ctl), Some(endpoint)) => {
                 let source = InspectSource {

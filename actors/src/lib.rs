@@ -15,7 +15,7 @@
 //! | [`tools`] | chat tool calling: tools in the prompt, forced calls, calls parsed (pure) |
 //! | [`multimodal`] | image input: limits, `data:` URLs, encoding, the prompt's image places |
 //! | [`block_manager`], [`kv_events`] | re-exported from `pdserve-core` (the block pool, the KV events) |
-//! | [`mailbox`], [`error`] | shared pieces |
+//! | [`mailbox`], [`timers`], [`error`] | shared pieces: counted addresses, timers that end with their actor, errors |
 
 pub mod control_plane;
 pub mod error;
@@ -30,6 +30,7 @@ pub mod openai;
 pub mod proxy;
 pub mod scheduler;
 pub mod supervisor;
+pub mod timers;
 pub mod tools;
 mod transfer_config;
 pub mod worker;

@@ -35,6 +35,15 @@ impl Inbox {
         self.queued.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Counts one more message unless `capacity` are queued; the error is the depth.
+    fn sent_within(&self, capacity: usize) -> Result<(), usize> {
+        self.queued
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |d| {
+                (d < capacity).then_some(d + 1)
+            })
+            .map(drop)
+    }
+
     fn unsent(&self) {
         let _ = self
             .queued
@@ -93,16 +102,37 @@ impl PanicHook {
 }
 
 /// The address of an actor (or of a supervised child slot) that counts its mailbox.
+///
+/// [`Mailbox::cast`] and [`Mailbox::call`] always queue (the messages actors exchange among
+/// themselves — step replies, worker events, timers — must not be lost). New work from
+/// outside comes through [`Mailbox::offer`], which a mailbox given a capacity
+/// ([`Mailbox::with_capacity`]) refuses as [`Refused::Overloaded`] once that many messages
+/// wait: a flood shows as prompt refusals, not as a queue that grows without bound.
 pub struct Mailbox<M> {
     slot: Arc<RwLock<(ActorRef<M>, Inbox)>>,
+    /// Messages queued past which [`Mailbox::offer`] refuses (unbounded by default).
+    capacity: usize,
 }
 
 impl<M> Clone for Mailbox<M> {
     fn clone(&self) -> Self {
         Self {
             slot: self.slot.clone(),
+            capacity: self.capacity,
         }
     }
+}
+
+/// Why [`Mailbox::offer`] did not queue a message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refused {
+    /// The actor is gone.
+    Gone,
+    /// `capacity` messages wait already.
+    Overloaded {
+        /// The mailbox's capacity.
+        capacity: usize,
+    },
 }
 
 impl<M> std::fmt::Debug for Mailbox<M> {
@@ -121,7 +151,20 @@ impl<M: ractor::Message> Mailbox<M> {
     pub fn of(actor: &ActorRef<M>, inbox: &Inbox) -> Self {
         Self {
             slot: Arc::new(RwLock::new((actor.clone(), inbox.clone()))),
+            capacity: usize::MAX,
         }
+    }
+
+    /// This address, whose [`Mailbox::offer`] refuses once `capacity` messages wait (at
+    /// least one).
+    pub fn with_capacity(mut self, capacity: usize) -> Self {
+        self.capacity = capacity.max(1);
+        self
+    }
+
+    /// The capacity [`Mailbox::offer`] keeps to (`usize::MAX`: none).
+    pub fn capacity(&self) -> usize {
+        self.capacity
     }
 
     /// Spawns an unsupervised actor built by `make` from its inbox.
@@ -205,6 +248,43 @@ impl<M: ractor::Message> Mailbox<M> {
         let (actor, inbox) = self.current();
         inbox.sent();
         actor.cast(msg).inspect_err(|_| inbox.unsent())
+    }
+
+    /// Sends `msg` without waiting, unless the mailbox already holds its capacity.
+    ///
+    /// # Errors
+    /// [`Refused::Overloaded`] when `capacity` messages wait; [`Refused::Gone`] when the
+    /// actor is gone.
+    pub fn offer(&self, msg: M) -> Result<(), Refused> {
+        let (actor, inbox) = self.current();
+        let capacity = self.capacity;
+        if inbox.sent_within(capacity).is_err() {
+            return Err(Refused::Overloaded { capacity });
+        }
+        actor.cast(msg).map_err(|_| {
+            inbox.unsent();
+            Refused::Gone
+        })
+    }
+
+    /// Sends `msg` to this actor of `kind`, for a sender that has nothing else to do when the
+    /// receiver is gone (its supervisor reports the death and fails what it held). A lost
+    /// message is counted (`pdserve_actor_messages_undelivered_total{actor, message}`) and
+    /// logged, never dropped silently. Returns whether it was queued.
+    pub fn tell(&self, kind: ActorKind, what: &'static str, msg: M) -> bool {
+        use pdserve_runtime::telemetry as m;
+        if self.cast(msg).is_ok() {
+            return true;
+        }
+        metrics::counter!(m::ACTOR_MESSAGES_UNDELIVERED_TOTAL,
+            m::LABEL_ACTOR => kind.as_str(), m::LABEL_MESSAGE => what)
+        .increment(1);
+        tracing::debug!(
+            actor = kind.as_str(),
+            message = what,
+            "message not delivered: the actor is gone"
+        );
+        false
     }
 
     /// Sends the message `build` makes around a reply port and waits for the reply (at most
@@ -351,6 +431,40 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
         assert!(m.cast(GateMsg::Wait).is_err());
+    }
+
+    #[tokio::test]
+    async fn offers_past_the_capacity_are_refused_and_casts_are_not() {
+        let gate = Arc::new(Semaphore::new(0));
+        let (m, _join) = Mailbox::spawn(None, Gate, gate.clone()).await.unwrap();
+        let m = m.with_capacity(2);
+        m.cast(GateMsg::Wait).unwrap();
+        settle(&m, 0).await; // taken, blocked on the gate
+        m.offer(GateMsg::Wait).unwrap();
+        m.offer(GateMsg::Wait).unwrap();
+        assert_eq!(
+            m.offer(GateMsg::Wait),
+            Err(Refused::Overloaded { capacity: 2 })
+        );
+        assert_eq!(m.depth(), 2, "a refused offer is not counted");
+        // The actors' own messages still queue past it.
+        m.cast(GateMsg::Wait).unwrap();
+        assert_eq!(m.depth(), 3);
+        // Once the queue drains below the capacity, offers are taken again.
+        gate.add_permits(4);
+        settle(&m, 0).await;
+        m.offer(GateMsg::Wait).unwrap();
+        gate.add_permits(1);
+        settle(&m, 0).await;
+        m.stop(None);
+        for _ in 0..500 {
+            if m.offer(GateMsg::Wait).is_err() {
+                break;
+            }
+            gate.add_permits(1);
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        assert_eq!(m.offer(GateMsg::Wait), Err(Refused::Gone));
     }
 
     /// Restarts its one child with `respawn_linked` when it fails.

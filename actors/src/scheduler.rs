@@ -23,16 +23,18 @@ use crate::block_manager::BlockAllocation;
 use crate::error::RequestError;
 use crate::handoff::protocol::unix_now_us;
 use crate::handoff::push::{PushChunk, PushEvent};
-use crate::handoff::receiver::{Fetch, FetchOutcome, FetchReply, KvReceiverMsg, KvSource};
-use crate::handoff::sender::KvSenderMsg;
+use crate::handoff::receiver::{Fetch, FetchOutcome, FetchReply, KvReceiverHandle, KvSource};
+use crate::handoff::sender::KvSenderHandle;
 use crate::handoff::HandoffError;
 use crate::kv_tiers::{KvTiers, RestoreStream, SpillDone, StreamFailure};
 use crate::mailbox::{Inbox, Mailbox};
-use crate::worker::{StepError, WorkerMsg, WorkerReport};
+use crate::timers::{Timer, Timers};
+use crate::worker::{StepError, WorkerHandle, WorkerReport};
 use pdserve_gpu::model::Batch;
 use pdserve_gpu::sampling::{FinishReason, TokenLogprobs};
 use pdserve_gpu::ModelError;
 use pdserve_runtime::ids::{RequestId, TransferId};
+use pdserve_runtime::supervision::ActorKind;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -266,9 +268,9 @@ pub struct SchedulerArgs {
     /// inside it any more.
     pub collective: pdserve_gpu::collective::ThreadCollective,
     /// The KV receiver (instances with a transfer engine).
-    pub kv_receiver: Option<Mailbox<KvReceiverMsg>>,
+    pub kv_receiver: Option<KvReceiverHandle>,
     /// The KV sender (instances with a transfer engine).
-    pub kv_sender: Option<Mailbox<KvSenderMsg>>,
+    pub kv_sender: Option<KvSenderHandle>,
     /// Vocabulary size (validates peer-supplied first tokens).
     pub vocab_size: usize,
     /// The KV cache tiers below the block pool (`[kv_tiers]`), if on.
@@ -344,15 +346,15 @@ impl Owner {
 pub struct SchedulerState {
     core: SchedulerCore,
     owners: HashMap<RequestId, Owner>,
-    workers: Vec<Option<(u64, Mailbox<WorkerMsg>)>>,
+    workers: Vec<Option<(u64, WorkerHandle)>>,
     in_flight: Option<InFlight>,
     /// Ranks that still owe a reply to a step that failed: the collective is reset only when
     /// none is left inside it.
     draining: Vec<bool>,
     collective: pdserve_gpu::collective::ThreadCollective,
     needs_reset: bool,
-    kv_receiver: Option<Mailbox<KvReceiverMsg>>,
-    kv_sender: Option<Mailbox<KvSenderMsg>>,
+    kv_receiver: Option<KvReceiverHandle>,
+    kv_sender: Option<KvSenderHandle>,
     /// Hand-offs aborted before their prompt arrived (the decode side's Abort can overtake
     /// its Prefill): a later prompt for one is refused, not computed for nobody.
     aborted_transfers: crate::handoff::aborts::RecentAborts,
@@ -363,6 +365,10 @@ pub struct SchedulerState {
     tier_loads: usize,
     /// Requests whose tier load is under way, by load id.
     tier_waiting: HashMap<u64, Waiting>,
+    /// The Tick and the tier loads' deadlines: they end with this incarnation.
+    timers: Timers,
+    /// Each tier load's deadline, cancelled when the load ends first.
+    load_timers: HashMap<u64, Timer>,
     /// Requests admitted with a streamed restore whose first step has not ended.
     streaming: HashMap<RequestId, Streaming>,
     /// Seconds a step took per token it computed, over recent steps of many tokens (an
@@ -394,17 +400,9 @@ impl Actor for Scheduler {
         args: SchedulerArgs,
     ) -> Result<Self::State, ActorProcessingErr> {
         let me = Mailbox::of(&myself, &self.0);
-        let ticker = me.clone();
-        tokio::spawn(async move {
-            let mut every = tokio::time::interval(std::time::Duration::from_secs(1));
-            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            every.tick().await;
-            loop {
-                every.tick().await;
-                if ticker.cast(SchedulerMsg::Tick).is_err() {
-                    break; // stopped
-                }
-            }
+        let mut timers = Timers::default();
+        timers.every(std::time::Duration::from_secs(1), me.clone(), || {
+            SchedulerMsg::Tick
         });
         let core = SchedulerCore::new(args.config, args.tokenizer);
         if args.tiers.is_some() {
@@ -416,6 +414,8 @@ impl Actor for Scheduler {
             tiers: args.tiers,
             tier_loads: 0,
             tier_waiting: HashMap::new(),
+            timers,
+            load_timers: HashMap::new(),
             streaming: HashMap::new(),
             prefill_pace: None,
             next_load_id: 0,
@@ -594,6 +594,7 @@ impl Actor for Scheduler {
             SchedulerMsg::TiersLoaded(load) => st.on_tiers_loaded(*load),
             SchedulerMsg::TiersRestored(restore) => st.on_tiers_restored(*restore),
             SchedulerMsg::TierLoadTimedOut(load_id) => {
+                st.load_timers.remove(&load_id);
                 if let Some((request, sink, source)) = st.tier_waiting.remove(&load_id) {
                     st.tier_loads = st.tier_loads.saturating_sub(1);
                     if let Some(t) = &st.tiers {
@@ -633,7 +634,7 @@ impl Actor for Scheduler {
                         st.draining[r] = r != rank && reply.is_none() && st.workers[r].is_some();
                     }
                     for (_, w) in st.workers.iter().flatten() {
-                        let _ = w.cast(WorkerMsg::Poison(reason.clone()));
+                        w.poison(reason.clone());
                     }
                     st.step_failed(inf.plan.step_id, inf.pushes);
                     let out = st.core.fail_step(
@@ -809,12 +810,13 @@ impl SchedulerState {
         self.tier_waiting.insert(load_id, (request, sink, source));
         let me = self.me.clone();
         let timeout = tiers.load_timeout();
-        let timer = self.me.clone();
+        let timer = self.timers.after(
+            timeout,
+            self.me.clone(),
+            SchedulerMsg::TierLoadTimedOut(load_id),
+        );
+        self.load_timers.insert(load_id, timer);
         let started = std::time::Instant::now();
-        tokio::spawn(async move {
-            tokio::time::sleep(timeout).await;
-            let _ = timer.cast(SchedulerMsg::TierLoadTimedOut(load_id));
-        });
         let hold_last = self.faults.as_ref().is_some_and(|f| f.tier_stream_hold());
         // How long its step will compute the rest of the prompt (less a margin): a streamed
         // load is admitted once what it still has to read would land within that.
@@ -855,7 +857,11 @@ impl SchedulerState {
             // A streamed request is admitted while its layers land (when `reader` says the
             // rest will land within its step's compute); its step takes them as they do.
             let admit = move || {
-                let _ = me.cast(SchedulerMsg::TiersLoaded(Box::new(load)));
+                me.tell(
+                    ActorKind::Scheduler,
+                    "tiers_loaded",
+                    SchedulerMsg::TiersLoaded(Box::new(load)),
+                );
             };
             match reader {
                 Some(reader) => reader.run(budget, admit),
@@ -885,6 +891,9 @@ impl SchedulerState {
         let Some((request, sink, source)) = self.tier_waiting.remove(&load_id) else {
             return give_up(&loaded); // timed out: the request went on without the tiers
         };
+        if let Some(deadline) = self.load_timers.remove(&load_id) {
+            deadline.cancel();
+        }
         self.tier_loads = self.tier_loads.saturating_sub(1);
         if sink.is_closed() {
             give_up(&loaded);
@@ -952,12 +961,16 @@ impl SchedulerState {
             items,
             Box::new(move |ok| {
                 restore.ok = ok;
-                let _ = me.cast(SchedulerMsg::TiersRestored(Box::new(restore)));
+                me.tell(
+                    ActorKind::Scheduler,
+                    "tiers_restored",
+                    SchedulerMsg::TiersRestored(Box::new(restore)),
+                );
             }),
         );
         for (job, w) in jobs.into_iter().zip(&self.workers) {
             if let Some((_, w)) = w {
-                let _ = w.cast(WorkerMsg::Kv(job));
+                w.kv(job);
             }
         }
     }
@@ -1165,9 +1178,7 @@ impl SchedulerState {
         let jobs = crate::kv_tiers::spill_jobs(tiers, evicted, done);
         for (job, w) in jobs.into_iter().zip(&self.workers) {
             if let Some((_, w)) = w {
-                // A job the rank never runs is dropped with its message: the batch then
-                // offers nothing and still runs `done`.
-                let _ = w.cast(WorkerMsg::Kv(job));
+                w.kv(job);
             }
         }
     }
@@ -1188,14 +1199,11 @@ impl SchedulerState {
         if !self.receiving_kv(id) {
             tracing::debug!(request = %id, "request gone before its KV fetch started");
             if let Some(r) = &self.kv_receiver {
-                let _ = r.cast(KvReceiverMsg::Abandon(fetch.source));
+                r.abandon(fetch.source);
             }
             return;
         }
-        let sent = self
-            .kv_receiver
-            .as_ref()
-            .is_some_and(|r| r.cast(KvReceiverMsg::Fetch(fetch)).is_ok());
+        let sent = self.kv_receiver.as_ref().is_some_and(|r| r.fetch(fetch));
         if !sent {
             self.core.abort(id);
             self.dispatch(vec![Output::Failed {
@@ -1220,7 +1228,7 @@ impl SchedulerState {
         };
         tracing::info!(request = %id, transfer = %source.transfer(), "client gone while its prefix loaded from the KV tiers: aborting the hand-off");
         if let Some(r) = &self.kv_receiver {
-            let _ = r.cast(KvReceiverMsg::Abandon(source));
+            r.abandon(source);
         }
     }
 
@@ -1277,7 +1285,11 @@ impl SchedulerState {
                     prompt,
                     params,
                     reply: FetchReply::new(move |outcome| {
-                        let _ = me.cast(SchedulerMsg::RemoteKvDone { id, outcome });
+                        me.tell(
+                            ActorKind::Scheduler,
+                            "remote_kv_done",
+                            SchedulerMsg::RemoteKvDone { id, outcome },
+                        );
                     }),
                 };
                 // The blocks the destination evicted are written by the transfer, off the
@@ -1290,7 +1302,11 @@ impl SchedulerState {
                         self.queue_spill(
                             evicted,
                             Box::new(move || {
-                                let _ = me.cast(SchedulerMsg::StartFetch(fetch));
+                                me.tell(
+                                    ActorKind::Scheduler,
+                                    "start_fetch",
+                                    SchedulerMsg::StartFetch(fetch),
+                                );
                             }),
                         );
                     }
@@ -1326,18 +1342,18 @@ impl SchedulerState {
         for (epoch, worker, rank) in epochs {
             let me = self.me.clone();
             let done: crate::worker::UploadCallback = Box::new(move |r| {
-                let _ = me.cast(SchedulerMsg::KvUploaded {
-                    id,
-                    rank,
-                    epoch,
-                    result: r,
-                });
+                me.tell(
+                    ActorKind::Scheduler,
+                    "kv_uploaded",
+                    SchedulerMsg::KvUploaded {
+                        id,
+                        rank,
+                        epoch,
+                        result: r,
+                    },
+                );
             });
-            let msg = WorkerMsg::UploadKv {
-                blocks: blocks.clone(),
-                done,
-            };
-            if worker.cast(msg).is_err() {
+            if !worker.upload_kv(blocks.clone(), done) {
                 // The worker is gone (its restart is reported as WorkerDown, which fails
                 // the request).
                 tracing::warn!(request = %id, rank, "KV upload not sent: the worker is gone");
@@ -1408,7 +1424,7 @@ impl SchedulerState {
         self.uploads.remove(&id);
         if self.receiving_kv(id) {
             if let Some(r) = &self.kv_receiver {
-                let _ = r.cast(KvReceiverMsg::Abort(id));
+                r.abort(id);
             }
         }
         if let Some(s) = self.streaming.remove(&id) {
@@ -1421,7 +1437,7 @@ impl SchedulerState {
     fn step_failed(&self, step_id: u64, pushes: bool) {
         if pushes {
             if let Some(sender) = &self.kv_sender {
-                let _ = sender.cast(KvSenderMsg::Event(PushEvent::StepFailed(step_id)));
+                sender.event(PushEvent::StepFailed(step_id));
             }
         }
     }
@@ -1511,12 +1527,7 @@ impl SchedulerState {
         let hook = self.push_hook(&plan);
         let feed = self.restore_feed(&plan);
         for (_, w) in self.workers.iter().flatten() {
-            let _ = w.cast(WorkerMsg::Step {
-                step_id: plan.step_id,
-                batch: batch.clone(),
-                hook: hook.clone(),
-                feed: feed.clone(),
-            });
+            w.step(plan.step_id, batch.clone(), hook.clone(), feed.clone());
         }
         // The workers compute the step's logits now: meanwhile, the grammar masks they will
         // need (structured output), so sampling only applies them.
@@ -1575,20 +1586,21 @@ impl SchedulerState {
             .map(|w| w.as_ref().map_or(0, |(e, _)| *e))
             .collect();
         let step_id = plan.step_id;
-        sender
-            .cast(KvSenderMsg::Event(PushEvent::Step {
-                step_id,
-                epochs: epochs.clone(),
-                chunks,
-            }))
-            .ok()?;
+        let sent = sender.event(PushEvent::Step {
+            step_id,
+            epochs: epochs.clone(),
+            chunks,
+        });
+        if !sent {
+            return None;
+        }
         Some(Arc::new(move |rank, layer| {
-            let _ = sender.cast(KvSenderMsg::Event(PushEvent::LayerDone {
+            sender.event(PushEvent::LayerDone {
                 step_id,
                 rank,
                 epoch: epochs.get(rank).copied().unwrap_or(0),
                 layer,
-            }));
+            });
         }))
     }
 

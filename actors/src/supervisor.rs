@@ -21,9 +21,11 @@
 //! carries its slot's test-only [`PanicHook`].
 
 use crate::error::RequestError;
-use crate::handoff::aggregator::{Aggregator, AggregatorMsg, DroppedReports, Epochs};
-use crate::handoff::receiver::{KvReceiver, KvReceiverMsg};
-use crate::handoff::sender::{KvSender, KvSenderMsg};
+use crate::handoff::aggregator::{
+    Aggregator, AggregatorHandle, AggregatorMsg, DroppedReports, Epochs,
+};
+use crate::handoff::receiver::{KvReceiver, KvReceiverHandle, KvReceiverMsg};
+use crate::handoff::sender::{KvSender, KvSenderHandle, KvSenderMsg};
 use crate::handoff::KvContext;
 use crate::http::{AppState, HttpArgs, HttpFrontend, HttpMsg};
 use crate::mailbox::{Mailbox, PanicHook, Supervised};
@@ -54,7 +56,7 @@ pub enum SupervisorMsg {
 
 /// Builds the HTTP handlers' shared state once the Scheduler exists.
 pub type AppStateFactory =
-    Box<dyn FnOnce(Mailbox<SchedulerMsg>, Option<Mailbox<KvSenderMsg>>) -> Arc<AppState> + Send>;
+    Box<dyn FnOnce(Mailbox<SchedulerMsg>, Option<KvSenderHandle>) -> Arc<AppState> + Send>;
 
 /// Everything an instance is started from.
 pub struct InstanceArgs {
@@ -130,7 +132,7 @@ struct Child {
 pub struct SupervisorState {
     name: String,
     scheduler: Mailbox<SchedulerMsg>,
-    aggregator: Option<Mailbox<AggregatorMsg>>,
+    aggregator: Option<AggregatorHandle>,
     worker_spec: WorkerSpec,
     epochs: Arc<Epochs>,
     dropped: Arc<DroppedReports>,
@@ -243,10 +245,7 @@ impl SupervisorState {
         if let Some(agg) = &self.aggregator {
             let current = self.epochs.current();
             for &rank in ranks {
-                let _ = agg.cast(AggregatorMsg::EpochBumped {
-                    rank,
-                    epoch: current[rank],
-                });
+                agg.epoch_bumped(rank, current[rank]);
             }
         }
     }
@@ -284,6 +283,7 @@ impl Actor for InstanceSupervisor {
                 )
                 .await?;
                 slots.push((name, Slot::Aggregator(agg.clone())));
+                let agg = AggregatorHandle::new(agg);
                 let name = format!("{}/kv-sender", args.name);
                 let (sender, _) = Mailbox::spawn_linked(
                     name.clone(),
@@ -304,7 +304,11 @@ impl Actor for InstanceSupervisor {
                 )
                 .await?;
                 slots.push((name, Slot::KvReceiver(receiver.clone())));
-                (Some(receiver), Some(sender), Some(agg))
+                (
+                    Some(KvReceiverHandle::new(receiver)),
+                    Some(KvSenderHandle::new(sender)),
+                    Some(agg),
+                )
             }
             None => (None, None, None),
         };
@@ -475,10 +479,11 @@ impl Actor for InstanceSupervisor {
             return Err(format!("{kind} failed: {reason}").into());
         }
         if let Slot::Worker(rank, _) = st.children[i].slot {
-            let _ = st.scheduler.cast(SchedulerMsg::WorkerDown {
+            let down = SchedulerMsg::WorkerDown {
                 rank,
                 reason: reason.clone(),
-            });
+            };
+            st.scheduler.tell(ActorKind::Scheduler, "worker_down", down);
         }
         match st.children[i].tracker.on_failure(Instant::now()) {
             RestartDecision::Restart { attempt } => {

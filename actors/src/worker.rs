@@ -33,6 +33,7 @@ use pdserve_gpu::tp::{KvFeed, LayerHook, StepCallback, TpOptions};
 use pdserve_gpu::weights::TensorStore;
 use pdserve_gpu::ModelError;
 use pdserve_runtime::memory::HostMemoryAllocator;
+use pdserve_runtime::supervision::ActorKind;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use std::sync::Arc;
 
@@ -71,6 +72,59 @@ pub enum WorkerMsg {
     DeviceLost(String),
 }
 
+/// A TpWorker's typed address: what the Scheduler sends a rank. A rank that is gone loses
+/// the message (counted, see [`Mailbox::tell`]); its supervisor reports the death to the
+/// Scheduler (`WorkerDown`), which fails the step or job the rank held.
+#[derive(Clone, Debug)]
+pub struct WorkerHandle(Mailbox<WorkerMsg>);
+
+impl WorkerHandle {
+    /// The handle of the worker behind `mailbox`.
+    pub fn new(mailbox: Mailbox<WorkerMsg>) -> Self {
+        Self(mailbox)
+    }
+
+    fn tell(&self, what: &'static str, msg: WorkerMsg) -> bool {
+        self.0.tell(ActorKind::TpWorker, what, msg)
+    }
+
+    /// Runs one forward step.
+    pub fn step(
+        &self,
+        step_id: u64,
+        batch: Arc<Batch>,
+        hook: Option<LayerHook>,
+        feed: Option<KvFeed>,
+    ) {
+        self.tell(
+            "step",
+            WorkerMsg::Step {
+                step_id,
+                batch,
+                hook,
+                feed,
+            },
+        );
+    }
+
+    /// A peer rank died: fail any collective this rank waits in.
+    pub fn poison(&self, reason: String) {
+        self.tell("poison", WorkerMsg::Poison(reason));
+    }
+
+    /// Queues a job on the rank's KV cache (a job never run is dropped with the message;
+    /// its batch then offers nothing and still completes).
+    pub fn kv(&self, job: pdserve_gpu::tp::KvJob) {
+        self.tell("kv", WorkerMsg::Kv(job));
+    }
+
+    /// Copies landed `blocks` from the KV mirror to the device; `done` gets the outcome.
+    /// Returns whether the message was queued (a worker that is gone never calls `done`).
+    pub fn upload_kv(&self, blocks: Vec<u32>, done: UploadCallback) -> bool {
+        self.tell("upload_kv", WorkerMsg::UploadKv { blocks, done })
+    }
+}
+
 /// Why a forward step failed on a rank, or a rank could not report on it.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StepError {
@@ -98,7 +152,7 @@ pub enum WorkerReport {
         /// Its epoch (reports of older epochs are stale).
         epoch: u64,
         /// Where to send its steps.
-        worker: Mailbox<WorkerMsg>,
+        worker: WorkerHandle,
     },
     /// A step ended on this rank.
     StepDone {
@@ -187,7 +241,7 @@ impl Actor for TpWorker {
         (args.reports)(WorkerReport::Up {
             rank: args.rank,
             epoch: args.epoch,
-            worker: Mailbox::of(&myself, &self.0),
+            worker: WorkerHandle::new(Mailbox::of(&myself, &self.0)),
         })?;
         tracing::info!(
             rank = args.rank,
@@ -249,7 +303,11 @@ impl Actor for TpWorker {
                         result,
                     });
                     if let Some((me, reason)) = lost {
-                        let _ = me.cast(WorkerMsg::DeviceLost(reason));
+                        me.tell(
+                            ActorKind::TpWorker,
+                            "device_lost",
+                            WorkerMsg::DeviceLost(reason),
+                        );
                     }
                 });
                 if let Err(e) = st.executor.submit(batch, hook, feed, done) {

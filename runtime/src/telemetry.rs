@@ -80,6 +80,12 @@ pub const LABEL_TIER: &str = "tier";
 pub const KV_TRANSFER_BYTES_PER_REQUEST: &str = "pdserve_kv_transfer_bytes_per_request";
 /// Counter: actor restarts by supervisors, labelled [`LABEL_ACTOR`].
 pub const ACTOR_RESTARTS_TOTAL: &str = "pdserve_actor_restarts_total";
+/// Counter: messages one actor sent another that were not delivered because the receiver
+/// was gone (its supervisor reports the death and fails what it held), labelled
+/// [`LABEL_ACTOR`] (the receiver) and [`LABEL_MESSAGE`].
+pub const ACTOR_MESSAGES_UNDELIVERED_TOTAL: &str = "pdserve_actor_messages_undelivered_total";
+/// Label of [`ACTOR_MESSAGES_UNDELIVERED_TOTAL`]: the message (`step`, `report`, ...).
+pub const LABEL_MESSAGE: &str = "message";
 
 /// Counter: KV hand-off handshakes (a peer's layout fetched and validated).
 pub const KV_HANDSHAKES_TOTAL: &str = "pdserve_kv_handshakes_total";
@@ -136,7 +142,8 @@ pub const ROUTER_KV_INDEX_BLOCKS: &str = "pdserve_router_kv_index_blocks";
 
 /// Counter (instances and proxy): requests and connections turned away with `503` before any
 /// work, labelled [`LABEL_REASON`]: `requests` (`max_concurrent_requests` in flight),
-/// `connections` (`max_connections` open), `shutting_down`.
+/// `connections` (`max_connections` open), `mailbox` (`scheduler.mailbox_capacity` messages
+/// wait for the Scheduler), `shutting_down`.
 pub const REQUESTS_SHED_TOTAL: &str = "pdserve_requests_shed_total";
 
 /// Label of [`LOCAL_PREFILLS_TOTAL`] and [`REQUESTS_SHED_TOTAL`]: why (`short_prompt`,
@@ -394,6 +401,10 @@ fn describe_and_register() {
     describe_counter!(
         ACTOR_RESTARTS_TOTAL,
         "Actor restarts by supervisors, by actor kind."
+    );
+    describe_counter!(
+        ACTOR_MESSAGES_UNDELIVERED_TOTAL,
+        "Messages not delivered because the receiving actor was gone, by actor kind and message."
     );
 
     describe_counter!(PROXY_REQUESTS_TOTAL, "Proxy: requests by outcome.");

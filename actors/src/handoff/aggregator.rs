@@ -23,11 +23,13 @@
 //! hand-offs it had open see their outcome channel close (a failure), and the KvSender and
 //! KvReceiver reach the new incarnation through the same [`Mailbox`](crate::mailbox::Mailbox).
 
-use crate::mailbox::Inbox;
+use super::protocol::HandoffError;
+use crate::mailbox::{Inbox, Mailbox};
 pub use pdserve_core::handoff::{
     next_attempt, Aggregation, Applied, Epochs, HandoffOutcome, RankReport, Tag,
 };
 use pdserve_runtime::ids::TransferId;
+use pdserve_runtime::supervision::ActorKind;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -78,6 +80,74 @@ pub enum AggregatorMsg {
     Forget(TransferId),
     /// Open hand-offs.
     Open(ractor::RpcReplyPort<usize>),
+}
+
+/// The Aggregator's typed address, for the KvSender, the KvReceiver and the supervisor.
+#[derive(Clone, Debug)]
+pub struct AggregatorHandle(Mailbox<AggregatorMsg>);
+
+impl AggregatorHandle {
+    /// The handle of the Aggregator behind `mailbox`.
+    pub fn new(mailbox: Mailbox<AggregatorMsg>) -> Self {
+        Self(mailbox)
+    }
+
+    /// Its mailbox (for calls: [`AggregatorMsg::Open`]).
+    pub fn mailbox(&self) -> &Mailbox<AggregatorMsg> {
+        &self.0
+    }
+
+    /// Opens a hand-off over `epochs.len()` ranks; `done` gets its outcome once.
+    ///
+    /// # Errors
+    /// [`HandoffError::Interrupted`] when the Aggregator is gone (its supervisor restarts
+    /// it; the hand-off fails).
+    pub fn expect(
+        &self,
+        transfer: TransferId,
+        attempt: u64,
+        epochs: Vec<u64>,
+        done: oneshot::Sender<HandoffOutcome>,
+    ) -> Result<(), HandoffError> {
+        let msg = AggregatorMsg::Expect {
+            transfer,
+            attempt,
+            epochs,
+            done,
+        };
+        if self.0.tell(ActorKind::Aggregator, "expect", msg) {
+            Ok(())
+        } else {
+            Err(HandoffError::Interrupted("the aggregator is gone".into()))
+        }
+    }
+
+    /// One rank's report. Lost with a gone Aggregator, whose hand-offs (and so this one)
+    /// failed with it: their waiters saw their outcome channel close.
+    pub fn report(&self, transfer: TransferId, rank: usize, tag: Tag, report: RankReport) {
+        let msg = AggregatorMsg::Report {
+            transfer,
+            rank,
+            tag,
+            report,
+        };
+        self.0.tell(ActorKind::Aggregator, "report", msg);
+    }
+
+    /// A rank moved to a new epoch.
+    pub fn epoch_bumped(&self, rank: usize, epoch: u64) {
+        let msg = AggregatorMsg::EpochBumped { rank, epoch };
+        self.0.tell(ActorKind::Aggregator, "epoch_bumped", msg);
+    }
+
+    /// Closes a hand-off without an outcome.
+    pub fn forget(&self, transfer: TransferId) {
+        self.0.tell(
+            ActorKind::Aggregator,
+            "forget",
+            AggregatorMsg::Forget(transfer),
+        );
+    }
 }
 
 /// The Aggregator actor (its mailbox count and the instance's dropped-report counters).
@@ -184,7 +254,7 @@ impl Aggregator {
 /// `bound` for the outcome. Without one (the Aggregator failed or is stuck) the hand-off
 /// failed too, and the Aggregator is told to forget it.
 pub(crate) async fn joined<F, Fut>(
-    aggregator: &crate::mailbox::Mailbox<AggregatorMsg>,
+    aggregator: &AggregatorHandle,
     transfer: TransferId,
     epochs: Vec<u64>,
     bound: std::time::Duration,
@@ -194,27 +264,14 @@ where
     F: FnMut(usize) -> Fut,
     Fut: std::future::Future<Output = RankReport>,
 {
-    use super::protocol::HandoffError;
     let attempt = next_attempt();
     let (tx, rx) = oneshot::channel();
-    aggregator
-        .cast(AggregatorMsg::Expect {
-            transfer,
-            attempt,
-            epochs: epochs.clone(),
-            done: tx,
-        })
-        .map_err(|_| HandoffError::Interrupted("the aggregator is gone".into()))?;
+    aggregator.expect(transfer, attempt, epochs.clone(), tx)?;
     let work = epochs.iter().enumerate().map(|(rank, &epoch)| {
         let report = rank_work(rank);
         async move {
             let report = report.await;
-            let _ = aggregator.cast(AggregatorMsg::Report {
-                transfer,
-                rank,
-                tag: Tag { attempt, epoch },
-                report,
-            });
+            aggregator.report(transfer, rank, Tag { attempt, epoch }, report);
         }
     });
     futures_util::future::join_all(work).await;
@@ -226,7 +283,7 @@ where
         Err(_) => Err(HandoffError::timeout("the aggregator's answer", bound)),
     };
     if outcome.is_err() {
-        let _ = aggregator.cast(AggregatorMsg::Forget(transfer));
+        aggregator.forget(transfer);
     }
     outcome
 }

@@ -25,12 +25,11 @@
 //! [`super::host_proof`], the per-peer cache of negotiated paths ([`Negotiated`]) in
 //! [`super::peer`]; this module holds the exchange and the read. They are re-exported here.
 
-use super::aggregator::{AggregatorMsg, RankReport};
+use super::aggregator::{AggregatorHandle, RankReport};
 use super::context::KvContext;
 use super::peer::{PeerAddr, Peers};
 use super::plan::{check_blocks, validate_peer};
 use super::protocol::{HandoffError, KvPeerInfo, PeerAnswer, PeerRequest, PlacementAsk};
-use crate::mailbox::Mailbox;
 use pdserve_core::handoff::kv_path::{
     self, HostProof, KvPath, KvPathError, KvPlacement, RankPlacement, RankShape, Side,
 };
@@ -270,7 +269,7 @@ impl DeviceRead {
     pub(crate) async fn run(
         self,
         kv: &KvContext,
-        aggregator: &Mailbox<AggregatorMsg>,
+        aggregator: &AggregatorHandle,
         transfer: TransferId,
     ) -> Result<(), HandoffError> {
         let bound = kv.bounds().transfer;

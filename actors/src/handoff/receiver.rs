@@ -16,7 +16,7 @@
 //! [`KvContext`], not in the actor, so an abort reaches a hand-off whichever incarnation
 //! started it.
 
-use super::aggregator::{AggregatorMsg, RankReport};
+use super::aggregator::{AggregatorHandle, RankReport};
 use super::context::KvContext;
 use super::peer::{PeerAddr, RenewGuard};
 use super::plan::{check_blocks, plan_pull};
@@ -31,6 +31,7 @@ use crate::mailbox::{Inbox, Mailbox};
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use pdserve_gpu::sampling::{SamplingParams, TokenLogprobs};
 use pdserve_runtime::ids::{RequestId, TransferId};
+use pdserve_runtime::supervision::ActorKind;
 use pdserve_transport::{Access, FenceId, FenceScope};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use std::future::Future;
@@ -170,6 +171,41 @@ pub enum KvReceiverMsg {
     Abandon(KvSource),
 }
 
+/// The KvReceiver's typed address, for the Scheduler.
+#[derive(Clone, Debug)]
+pub struct KvReceiverHandle(Mailbox<KvReceiverMsg>);
+
+impl KvReceiverHandle {
+    /// The handle of the KvReceiver behind `mailbox`.
+    pub fn new(mailbox: Mailbox<KvReceiverMsg>) -> Self {
+        Self(mailbox)
+    }
+
+    /// Brings a request's prompt KV in. Returns whether the KvReceiver took it (when it is
+    /// gone the caller fails the request: nothing else would answer the fetch).
+    pub fn fetch(&self, fetch: Box<Fetch>) -> bool {
+        self.0
+            .tell(ActorKind::KvReceiver, "fetch", KvReceiverMsg::Fetch(fetch))
+    }
+
+    /// The request was aborted: stop its hand-off. With the KvReceiver gone, its fetches
+    /// died with it and the prefill side's lease frees what it held.
+    pub fn abort(&self, id: RequestId) {
+        self.0
+            .tell(ActorKind::KvReceiver, "abort", KvReceiverMsg::Abort(id));
+    }
+
+    /// A request dropped before its fetch started: tell the prefill side to drop the
+    /// hand-off (if the KvReceiver is gone, the lease frees it).
+    pub fn abandon(&self, source: KvSource) {
+        self.0.tell(
+            ActorKind::KvReceiver,
+            "abandon",
+            KvReceiverMsg::Abandon(source),
+        );
+    }
+}
+
 /// The KvReceiver actor (its mailbox count).
 #[derive(Debug)]
 pub struct KvReceiver(pub Inbox);
@@ -177,13 +213,13 @@ pub struct KvReceiver(pub Inbox);
 /// Its state.
 pub struct ReceiverState {
     kv: Arc<KvContext>,
-    aggregator: Mailbox<AggregatorMsg>,
+    aggregator: AggregatorHandle,
 }
 
 impl Actor for KvReceiver {
     type Msg = KvReceiverMsg;
     type State = ReceiverState;
-    type Arguments = (Arc<KvContext>, Mailbox<AggregatorMsg>);
+    type Arguments = (Arc<KvContext>, AggregatorHandle);
 
     async fn pre_start(
         &self,
@@ -290,7 +326,7 @@ fn check_first_logprobs(
 #[derive(Clone)]
 struct Driver {
     kv: Arc<KvContext>,
-    aggregator: Mailbox<AggregatorMsg>,
+    aggregator: AggregatorHandle,
 }
 
 impl Driver {

@@ -18,13 +18,14 @@
 //! outcome channels close, and the service answers decode only after the writes still in
 //! flight can no longer land (one transfer bound, see [`KvContext`]).
 
-use super::aggregator::{AggregatorMsg, HandoffOutcome, Tag};
+use super::aggregator::{AggregatorHandle, HandoffOutcome, Tag};
 use super::context::KvContext;
 use super::protocol::{HandoffError, TransferFailure};
 use super::push::{PushAction, PushEvent, PushShape, PushTarget, PushTracker};
 use super::session::{fence_id, submit_ops};
 use crate::mailbox::{Inbox, Mailbox};
 use pdserve_runtime::ids::TransferId;
+use pdserve_runtime::supervision::ActorKind;
 use pdserve_runtime::telemetry as m;
 use pdserve_transport::{FenceId, Session};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
@@ -58,11 +59,68 @@ pub enum KvSenderMsg {
     },
 }
 
+/// The KvSender's typed address, for the Scheduler, the peer service and the ranks' layer
+/// hooks.
+#[derive(Clone, Debug)]
+pub struct KvSenderHandle(Mailbox<KvSenderMsg>);
+
+impl KvSenderHandle {
+    /// The handle of the KvSender behind `mailbox`.
+    pub fn new(mailbox: Mailbox<KvSenderMsg>) -> Self {
+        Self(mailbox)
+    }
+
+    /// Opens a push hand-off; `done` gets its outcome once, after its last write finished.
+    ///
+    /// # Errors
+    /// [`HandoffError::Interrupted`] when the KvSender is gone.
+    pub fn open(
+        &self,
+        target: Arc<PushTarget>,
+        session: Arc<Session>,
+        done: oneshot::Sender<HandoffOutcome>,
+    ) -> Result<(), HandoffError> {
+        let msg = KvSenderMsg::Open {
+            target,
+            session,
+            done,
+        };
+        if self.0.tell(ActorKind::KvSender, "open", msg) {
+            Ok(())
+        } else {
+            Err(HandoffError::Interrupted("the KV sender is gone".into()))
+        }
+    }
+
+    /// An event for the tracker. Returns whether it was queued; a KvSender that is gone
+    /// failed its hand-offs with it (their `done` closed).
+    pub fn event(&self, event: PushEvent) -> bool {
+        self.0
+            .tell(ActorKind::KvSender, "event", KvSenderMsg::Event(event))
+    }
+
+    /// Gives up on a hand-off; `drained` is answered once none of its writes is in flight
+    /// (dropped unanswered, so at once, when the KvSender is gone: its writes went with it).
+    pub fn cancel(
+        &self,
+        transfer: TransferId,
+        reason: HandoffError,
+        drained: Option<oneshot::Sender<()>>,
+    ) {
+        let msg = KvSenderMsg::Cancel {
+            transfer,
+            reason,
+            drained,
+        };
+        self.0.tell(ActorKind::KvSender, "cancel", msg);
+    }
+}
+
 /// The KvSender's state: the tracker and the I/O handles of its hand-offs.
 pub struct SenderState {
     kv: Arc<KvContext>,
-    aggregator: Mailbox<AggregatorMsg>,
-    me: Mailbox<KvSenderMsg>,
+    aggregator: AggregatorHandle,
+    me: KvSenderHandle,
     tracker: PushTracker,
     sessions: HashMap<TransferId, PushSession>,
     done: HashMap<TransferId, oneshot::Sender<HandoffOutcome>>,
@@ -104,7 +162,7 @@ impl Drop for SenderState {
 impl Actor for KvSender {
     type Msg = KvSenderMsg;
     type State = SenderState;
-    type Arguments = (Arc<KvContext>, Mailbox<AggregatorMsg>);
+    type Arguments = (Arc<KvContext>, AggregatorHandle);
 
     async fn pre_start(
         &self,
@@ -119,7 +177,7 @@ impl Actor for KvSender {
         Ok(SenderState {
             kv,
             aggregator,
-            me: Mailbox::of(&myself, &self.0),
+            me: KvSenderHandle::new(Mailbox::of(&myself, &self.0)),
             tracker: PushTracker::new(shape),
             sessions: HashMap::new(),
             done: HashMap::new(),
@@ -201,14 +259,8 @@ impl SenderState {
                         continue;
                     };
                     let epochs = epochs.iter().map(|&e| self.kv.epochs.tag(e)).collect();
-                    if let Err(e) = self.aggregator.cast(AggregatorMsg::Expect {
-                        transfer,
-                        attempt,
-                        epochs,
-                        done,
-                    }) {
-                        tracing::warn!(%transfer, error = %e, "the aggregator is gone");
-                    }
+                    // With the Aggregator gone, `done` is dropped: the hand-off fails.
+                    let _ = self.aggregator.expect(transfer, attempt, epochs, done);
                 }
                 PushAction::Write {
                     transfer,
@@ -238,11 +290,11 @@ impl SenderState {
                                 }
                             }
                         };
-                        let _ = me.cast(KvSenderMsg::Event(PushEvent::WriteDone {
+                        me.event(PushEvent::WriteDone {
                             transfer,
                             rank,
                             result,
-                        }));
+                        });
                     });
                 }
                 PushAction::Report {
@@ -255,12 +307,7 @@ impl SenderState {
                         attempt: tag.attempt,
                         epoch: self.kv.epochs.tag(tag.epoch),
                     };
-                    let _ = self.aggregator.cast(AggregatorMsg::Report {
-                        transfer,
-                        rank,
-                        tag,
-                        report,
-                    });
+                    self.aggregator.report(transfer, rank, tag, report);
                 }
                 PushAction::FailUnopened { transfer, error } => {
                     if let Some(done) = self.done.remove(&transfer) {

@@ -20,9 +20,8 @@ use super::protocol::{
     PrefillMode, PrefillRequest, SessionOffer,
 };
 use super::push::PushTarget;
-use super::sender::KvSenderMsg;
+use super::sender::KvSenderHandle;
 use super::session::block_grants;
-use crate::mailbox::Mailbox;
 use pdserve_gpu::sampling::SamplingParams;
 use pdserve_runtime::ids::TransferId;
 use pdserve_transport::{Access, FenceScope};
@@ -213,7 +212,7 @@ pub fn validate_prefill(
 pub struct PeerService<H> {
     kv: Arc<KvContext>,
     host: H,
-    sender: Option<Mailbox<KvSenderMsg>>,
+    sender: Option<KvSenderHandle>,
     admission: Arc<Semaphore>,
     limits: PromptLimits,
     aborted: Mutex<RecentAborts>,
@@ -235,7 +234,7 @@ impl<H: PrefillHost> PeerService<H> {
     pub fn new(
         kv: Arc<KvContext>,
         host: H,
-        sender: Option<Mailbox<KvSenderMsg>>,
+        sender: Option<KvSenderHandle>,
         admission: Arc<Semaphore>,
         limits: PromptLimits,
     ) -> Self {
@@ -463,13 +462,7 @@ impl<H: PrefillHost> PeerService<H> {
                     )
                     .await?;
                 let (tx, rx) = tokio::sync::oneshot::channel();
-                sender
-                    .cast(KvSenderMsg::Open {
-                        target: Arc::new(target),
-                        session,
-                        done: tx,
-                    })
-                    .map_err(|_| HandoffError::Interrupted("the KV sender is gone".into()))?;
+                sender.open(Arc::new(target), session, tx)?;
                 Some((sender, rx))
             }
         };
@@ -532,11 +525,7 @@ impl<H: PrefillHost> PeerService<H> {
             });
         };
         if let Err(e) = &done {
-            let _ = sender.cast(KvSenderMsg::Cancel {
-                transfer,
-                reason: e.clone(),
-                drained: None,
-            });
+            sender.cancel(transfer, e.clone(), None);
         }
         // Wait for the last write (or, after a failure, for the writes in flight to drain):
         // the decode side frees its blocks when it gets this answer. Every write was
@@ -590,11 +579,7 @@ impl<H: PrefillHost> PeerService<H> {
         // its destination blocks when it gets this answer.
         if let Some(sender) = &self.sender {
             let (tx, rx) = tokio::sync::oneshot::channel();
-            let _ = sender.cast(KvSenderMsg::Cancel {
-                transfer,
-                reason: HandoffError::Aborted,
-                drained: Some(tx),
-            });
+            sender.cancel(transfer, HandoffError::Aborted, Some(tx));
             let bound = self.kv.bounds().transfer;
             if !matches!(tokio::time::timeout(bound, rx).await, Ok(Ok(()))) {
                 return Err(HandoffError::timeout(
@@ -621,14 +606,14 @@ impl<H: PrefillHost> Drop for HandoffGuard<'_, H> {
             return;
         }
         if let Some(sender) = &self.service.sender {
-            let _ = sender.cast(KvSenderMsg::Cancel {
-                transfer: self.transfer,
-                reason: HandoffError::PeerGone {
+            sender.cancel(
+                self.transfer,
+                HandoffError::PeerGone {
                     peer: "the decode instance".into(),
                     reason: "it went away".into(),
                 },
-                drained: None,
-            });
+                None,
+            );
         }
         self.service.end_read(self.transfer);
         self.service.host.abort_transfer_now(self.transfer);

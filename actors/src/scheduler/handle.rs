@@ -7,9 +7,10 @@ use crate::error::RequestError;
 use crate::handoff::protocol::HandoffError;
 use crate::handoff::receiver::KvSource;
 use crate::handoff::service::{PrefillDone, PrefillHost, PrefillJob};
-use crate::mailbox::Mailbox;
+use crate::mailbox::{Mailbox, Refused};
 use pdserve_gpu::grammar::GrammarCompiler;
 use pdserve_runtime::ids::{RequestId, TransferId};
+use pdserve_runtime::telemetry as m;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -56,7 +57,12 @@ impl RequestStream {
 impl Drop for RequestStream {
     fn drop(&mut self) {
         if !self.ended {
-            let _ = self.scheduler.cast(SchedulerMsg::Abort(self.id));
+            let abort = SchedulerMsg::Abort(self.id);
+            self.scheduler.tell(
+                pdserve_runtime::supervision::ActorKind::Scheduler,
+                "abort",
+                abort,
+            );
         }
     }
 }
@@ -166,23 +172,36 @@ impl SchedulerHandle {
         }
     }
 
+    /// Offers new work to the Scheduler's bounded mailbox.
+    fn offer(&self, msg: SchedulerMsg) -> Result<(), RequestError> {
+        self.mailbox.offer(msg).map_err(|refused| match refused {
+            Refused::Gone => RequestError::ShuttingDown,
+            Refused::Overloaded { capacity } => {
+                metrics::counter!(m::REQUESTS_SHED_TOTAL, m::LABEL_REASON => "mailbox")
+                    .increment(1);
+                RequestError::Overloaded(format!(
+                    "{capacity} messages wait for the scheduler (scheduler.mailbox_capacity)"
+                ))
+            }
+        })
+    }
+
     /// Submits a request; its events arrive on the returned stream.
     ///
     /// # Errors
+    /// [`RequestError::Overloaded`] when the Scheduler's mailbox is full;
     /// [`RequestError::ShuttingDown`] when the Scheduler is gone.
     pub fn submit(&self, request: NewRequest) -> Result<RequestStream, RequestError> {
         let id = request.id;
         let (sink, events) = self.channel(&request);
-        self.mailbox
-            .cast(SchedulerMsg::Submit { request, sink })
-            .map_err(|_| RequestError::ShuttingDown)?;
+        self.offer(SchedulerMsg::Submit { request, sink })?;
         Ok(self.stream(id, events))
     }
 
     /// Submits a request whose prompt KV comes from a prefill instance.
     ///
     /// # Errors
-    /// [`RequestError::ShuttingDown`] when the Scheduler is gone.
+    /// As [`SchedulerHandle::submit`].
     pub fn submit_remote(
         &self,
         request: NewRequest,
@@ -190,13 +209,11 @@ impl SchedulerHandle {
     ) -> Result<RequestStream, RequestError> {
         let id = request.id;
         let (sink, events) = self.channel(&request);
-        self.mailbox
-            .cast(SchedulerMsg::SubmitRemote {
-                request,
-                sink,
-                source,
-            })
-            .map_err(|_| RequestError::ShuttingDown)?;
+        self.offer(SchedulerMsg::SubmitRemote {
+            request,
+            sink,
+            source,
+        })?;
         Ok(self.stream(id, events))
     }
 
@@ -292,7 +309,10 @@ impl PrefillHost for SchedulerHandle {
             constraint,
             images: Vec::new(),
         };
-        let mut events = self.submit(request).map_err(interrupted)?;
+        let mut events = self.submit(request).map_err(|e| match e {
+            RequestError::Overloaded(m) => HandoffError::Overloaded(m),
+            e => interrupted(e),
+        })?;
         let mut first = None;
         loop {
             match events.next().await {
@@ -361,5 +381,102 @@ impl PrefillHost for SchedulerHandle {
         let _ = self
             .mailbox
             .cast(SchedulerMsg::AbortTransfer(transfer, tx.into()));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mailbox::Inbox;
+    use pdserve_gpu::sampling::SamplingParams;
+    use ractor::{Actor, ActorProcessingErr, ActorRef};
+    use tokio::sync::Semaphore;
+
+    /// Stands in for a Scheduler that is busy: takes one message per permit.
+    struct Busy(Inbox);
+
+    impl Actor for Busy {
+        type Msg = SchedulerMsg;
+        type State = Arc<Semaphore>;
+        type Arguments = Arc<Semaphore>;
+
+        async fn pre_start(
+            &self,
+            _: ActorRef<SchedulerMsg>,
+            gate: Arc<Semaphore>,
+        ) -> Result<Arc<Semaphore>, ActorProcessingErr> {
+            Ok(gate)
+        }
+
+        async fn handle(
+            &self,
+            _: ActorRef<SchedulerMsg>,
+            _: SchedulerMsg,
+            gate: &mut Arc<Semaphore>,
+        ) -> Result<(), ActorProcessingErr> {
+            self.0.take();
+            gate.acquire().await?.forget();
+            Ok(())
+        }
+    }
+
+    fn job(transfer: u128) -> PrefillJob {
+        PrefillJob {
+            transfer: TransferId(transfer),
+            prompt: vec![1, 2, 3],
+            params: SamplingParams::default(),
+            push: false,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_full_scheduler_mailbox_refuses_new_work_as_overloaded() {
+        let gate = Arc::new(Semaphore::new(0));
+        let (mailbox, _join) = Mailbox::spawn(None, Busy, gate.clone()).await.unwrap();
+        let handle = SchedulerHandle::new(mailbox.with_capacity(2), Duration::from_secs(1));
+        let request = |handle: &SchedulerHandle| NewRequest {
+            id: handle.next_request_id(),
+            prompt: vec![1, 2, 3],
+            params: SamplingParams::default(),
+            hold_for: None,
+            push: false,
+            resume: Vec::new(),
+            constraint: None,
+            images: Vec::new(),
+        };
+        // One taken (the Scheduler is stuck on it), two queued: the capacity.
+        let mut held = Vec::new();
+        for _ in 0..3 {
+            held.push(handle.submit(request(&handle)).unwrap());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        match handle.submit(request(&handle)) {
+            Err(RequestError::Overloaded(m)) => {
+                assert!(m.contains("scheduler.mailbox_capacity"), "{m}")
+            }
+            other => panic!("expected overloaded, got {:?}", other.map(|s| s.id())),
+        }
+        // A decode peer's prompt gets the hand-off's own overloaded error.
+        assert!(matches!(
+            handle.prefill(job(7)).await,
+            Err(HandoffError::Overloaded(_))
+        ));
+        // Once the Scheduler takes its queue, new work is taken again.
+        gate.add_permits(3);
+        for _ in 0..500 {
+            if handle.mailbox().depth() == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        held.push(handle.submit(request(&handle)).unwrap());
+        // Dropped streams send their aborts with `cast`, past the capacity.
+        drop(held);
+        assert!(
+            handle.mailbox().depth() >= 4,
+            "{}",
+            handle.mailbox().depth()
+        );
+        gate.add_permits(64);
     }
 }

@@ -494,7 +494,14 @@ pub struct SchedulerConfig {
     /// prompt prefix; on a decode instance, only the blocks it lacks are transferred
     /// (`--no-prefix-cache` turns it off).
     pub prefix_cache: bool,
+    /// Messages waiting for the Scheduler past which new work (a request from the API, a
+    /// prompt from a decode peer) is refused as overloaded (503) instead of queued; the
+    /// Scheduler's own traffic (step replies, worker events, timers) is never refused.
+    pub mailbox_capacity: usize,
 }
+
+/// Largest `scheduler.mailbox_capacity`.
+pub const MAX_MAILBOX_CAPACITY: usize = 1 << 20;
 
 impl Default for SchedulerConfig {
     fn default() -> Self {
@@ -508,6 +515,7 @@ impl Default for SchedulerConfig {
             watermark: 0.01,
             max_model_len: None,
             prefix_cache: true,
+            mailbox_capacity: 4096,
         }
     }
 }

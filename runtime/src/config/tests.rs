@@ -680,6 +680,12 @@ fn validate_rejects_out_of_range_values() {
         ("scheduler.watermark", |c| c.scheduler.watermark = -0.1),
         ("scheduler.watermark", |c| c.scheduler.watermark = f64::NAN),
         ("scheduler.max_num_seqs", |c| c.scheduler.max_num_seqs = 0),
+        ("scheduler.mailbox_capacity", |c| {
+            c.scheduler.mailbox_capacity = 0
+        }),
+        ("scheduler.mailbox_capacity", |c| {
+            c.scheduler.mailbox_capacity = (1 << 20) + 1
+        }),
         ("scheduler.max_num_batched_tokens", |c| {
             c.scheduler.max_num_batched_tokens = 32
         }),

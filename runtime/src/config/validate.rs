@@ -324,6 +324,15 @@ impl ServeConfig {
                 "scheduler.max_num_seqs must be ≥ 1",
             );
         }
+        if !(1..=super::serve::MAX_MAILBOX_CAPACITY).contains(&c.mailbox_capacity) {
+            return invalid(
+                "scheduler.mailbox_capacity",
+                format!(
+                    "scheduler.mailbox_capacity must be in 1..={}",
+                    super::serve::MAX_MAILBOX_CAPACITY
+                ),
+            );
+        }
         if c.max_num_batched_tokens == 0 {
             return invalid(
                 "scheduler.max_num_batched_tokens",

@@ -656,20 +656,40 @@ impl Iterator for PoissonArrivals {
 
 /// The request body for `endpoint`.
 pub fn request_body(endpoint: Endpoint, model: &str, spec: &RequestSpec) -> Value {
-    let mut body = json!({
-        "model": model,
-        "max_tokens": spec.max_tokens,
-        "min_tokens": spec.max_tokens,
-        "ignore_eos": true,
-        "temperature": 0.0,
-        "stream": true,
-        "stream_options": { "include_usage": true },
-    });
-    match endpoint {
-        Endpoint::Completions => body["prompt"] = json!(spec.prompt),
-        Endpoint::Chat => body["messages"] = json!([{ "role": "user", "content": spec.prompt }]),
+    #[derive(serde::Serialize)]
+    struct Body<'a> {
+        model: &'a str,
+        max_tokens: usize,
+        min_tokens: usize,
+        ignore_eos: bool,
+        temperature: f64,
+        stream: bool,
+        stream_options: Value,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        prompt: Option<&'a str>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        messages: Option<Value>,
     }
-    body
+    let (prompt, messages) = match endpoint {
+        Endpoint::Completions => (Some(spec.prompt.as_str()), None),
+        Endpoint::Chat => (
+            None,
+            Some(json!([{ "role": "user", "content": spec.prompt }])),
+        ),
+    };
+    let body = Body {
+        model,
+        max_tokens: spec.max_tokens,
+        min_tokens: spec.max_tokens,
+        ignore_eos: true,
+        temperature: 0.0,
+        stream: true,
+        stream_options: json!({ "include_usage": true }),
+        prompt,
+        messages,
+    };
+    // Plain fields and string keys: serializing cannot fail.
+    serde_json::to_value(body).unwrap_or_default()
 }
 
 /// One Server-Sent Event's payload.

@@ -873,14 +873,19 @@ fn bench_model(args: BenchModelArgs) -> Result<()> {
         (r, c)
     };
     if args.json {
-        let mut v = serde_json::to_value(&r)?;
-        if let Some(c) = &contention {
-            if v.is_null() {
-                v = serde_json::json!({});
-            }
-            v["contention"] = serde_json::to_value(c)?;
+        /// The report's fields, with the contention figures beside them when measured.
+        #[derive(serde::Serialize)]
+        struct Json<'a, R, C> {
+            #[serde(flatten)]
+            report: &'a Option<R>,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            contention: &'a Option<C>,
         }
-        println!("{v}");
+        let out = Json {
+            report: &r,
+            contention: &contention,
+        };
+        println!("{}", serde_json::to_string(&out)?);
         return Ok(());
     }
     if let Some(r) = &r {

@@ -5,7 +5,7 @@
 //! |---|---|
 //! | [`protocol`] | the typed peer protocol (`PeerRequest` → `PeerAnswer`, rkyv frames) and its one error, [`HandoffError`] |
 //! | [`plan`] | pure checks and planning: layout validation, block lists, (layer, K/V, block, heads) → byte spans |
-//! | [`pull`] | [`PullCore`]: the decode side of one hand-off (pull reads, or waiting for a push), events in, actions out |
+//! | [`pull`] | [`PullCore`] (in `pdserve-core`): the decode side of one hand-off (pull reads, or waiting for a push), events in, actions out |
 //! | [`push`] | [`PushTracker`]: the prefill side of layerwise pushes, events in, actions out |
 //! | [`aggregator`] | the Aggregator actor: joins per-rank reports, fenced by epochs and attempts |
 //! | [`peer`] | the client side of the protocol: carriers (control plane, HTTP), cached handshakes and sessions, lease renewal |
@@ -22,7 +22,7 @@
 //! it through [`service::PrefillHost`], the receiver answers through a [`receiver::FetchReply`]
 //! callback), and the Scheduler depends on it.
 
-pub mod aborts;
+pub use pdserve_core::handoff::aborts;
 pub mod aggregator;
 pub mod context;
 pub mod device;
@@ -31,7 +31,7 @@ pub mod host_proof;
 pub mod peer;
 pub mod plan;
 pub mod protocol;
-pub mod pull;
+pub use pdserve_core::handoff::pull;
 pub mod push;
 pub mod receiver;
 pub mod sender;

@@ -14,6 +14,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 
+pub mod response;
+
 /// What an `image_url` part of a chat message becomes in the message's text: the image's
 /// place, which the instance turns into the image's placeholder tokens
 /// ([`crate::multimodal::splice_prompt`]). Text that contains it is refused with images.
@@ -1047,15 +1049,6 @@ pub struct Usage {
     pub cached_tokens: usize,
 }
 
-impl Usage {
-    /// The `usage` object: counts, total, and `prompt_tokens_details.cached_tokens`.
-    pub fn to_json(self) -> Value {
-        json!({"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-               "total_tokens": self.prompt_tokens + self.completion_tokens,
-               "prompt_tokens_details": {"cached_tokens": self.cached_tokens}})
-    }
-}
-
 /// A token as logprobs report it: its text alone (special tokens kept; a token holding part
 /// of a UTF-8 character shows U+FFFD, as vLLM's) and the exact bytes it stands for
 /// ([`pdserve_gpu::Tokenizer::token_bytes`]: the bytes of consecutive tokens join into the
@@ -1069,19 +1062,33 @@ pub fn token_text(tokenizer: &pdserve_gpu::Tokenizer, id: u32) -> (String, Vec<u
     (text, bytes)
 }
 
+/// One entry of chat's `logprobs.content`, or of its `top_logprobs` (without theirs).
+#[derive(serde::Serialize)]
+struct ChatLogprob {
+    token: String,
+    logprob: f32,
+    bytes: Vec<u8>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    top_logprobs: Option<Vec<ChatLogprob>>,
+}
+
 /// Chat's `logprobs` object of `tokens`: `{"content": [{token, logprob, bytes,
 /// top_logprobs: [{token, logprob, bytes}]}]}`.
 pub fn chat_logprobs(tokenizer: &pdserve_gpu::Tokenizer, tokens: &[TokenLogprobs]) -> Value {
     let entry = |id: u32, logprob: f32| {
         let (token, bytes) = token_text(tokenizer, id);
-        json!({"token": token, "logprob": logprob, "bytes": bytes})
+        ChatLogprob {
+            token,
+            logprob,
+            bytes,
+            top_logprobs: None,
+        }
     };
-    let content: Vec<Value> = tokens
+    let content: Vec<ChatLogprob> = tokens
         .iter()
-        .map(|t| {
-            let mut e = entry(t.token, t.logprob);
-            e["top_logprobs"] = t.top.iter().map(|a| entry(a.token, a.logprob)).collect();
-            e
+        .map(|t| ChatLogprob {
+            top_logprobs: Some(t.top.iter().map(|a| entry(a.token, a.logprob)).collect()),
+            ..entry(t.token, t.logprob)
         })
         .collect();
     json!({ "content": content })

@@ -79,9 +79,15 @@ pub struct ToolCall {
 
 impl ToolCall {
     /// OpenAI's `tool_calls[]` entry of a whole answer.
-    pub fn to_json(&self, id: &str) -> Value {
-        json!({"id": id, "type": "function",
-               "function": {"name": self.name, "arguments": self.arguments}})
+    pub fn to_openai(&self, id: &str) -> crate::openai::response::ToolCall {
+        crate::openai::response::ToolCall {
+            id: id.to_string(),
+            kind: "function",
+            function: crate::openai::response::FunctionCall {
+                name: self.name.clone(),
+                arguments: self.arguments.clone(),
+            },
+        }
     }
 }
 
@@ -272,13 +278,31 @@ impl Tools {
             "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n\
              You are provided with function signatures within <tools></tools> XML tags:\n<tools>",
         );
+        // Fields in the order the model has always seen them (sorted, as `json!` wrote).
+        #[derive(serde::Serialize)]
+        struct Function<'a> {
+            #[serde(skip_serializing_if = "Option::is_none")]
+            description: Option<&'a str>,
+            name: &'a str,
+            parameters: &'a Value,
+        }
+        #[derive(serde::Serialize)]
+        struct Declared<'a> {
+            function: Function<'a>,
+            #[serde(rename = "type")]
+            kind: &'static str,
+        }
         for t in &self.tools {
-            let mut f = json!({"name": t.name, "parameters": t.parameters});
-            if let Some(d) = &t.description {
-                f["description"] = json!(d);
-            }
+            let declared = Declared {
+                function: Function {
+                    description: t.description.as_deref(),
+                    name: &t.name,
+                    parameters: &t.parameters,
+                },
+                kind: "function",
+            };
             out.push('\n');
-            out.push_str(&json!({"type": "function", "function": f}).to_string());
+            out.push_str(&serde_json::to_string(&declared).unwrap_or_default());
         }
         out.push_str(
             "\n</tools>\n\nFor each function call, return a json object with function name and \

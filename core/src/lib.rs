@@ -10,7 +10,7 @@
 //! | [`prefix`] | prefix keys: the chained block hashes (a leaf) |
 //! | [`kv_events`] | the prefix-cache event log an instance drains for the proxy (pool and KV tiers, by medium), the proxy's `KvIndex` |
 //! | [`block_manager`] | the KV block pool: allocation, reference counts, watermark, the prefix cache |
-//! | [`handoff`] | the hand-off's error, the joining of its per-rank reports (`Aggregation`, `Epochs`), the KV path negotiated at the handshake (`kv_path`: host or CUDA IPC) |
+//! | [`handoff`] | the hand-off's error, the joining of its per-rank reports (`Aggregation`, `Epochs`), the KV path negotiated at the handshake (`kv_path`: host or CUDA IPC), the decode side of one hand-off (`pull::PullCore`), the memory of recent aborts (`aborts::RecentAborts`) |
 //! | [`router`] | the proxy's routing decision: least loaded, round-robin, conditional disaggregation, the KV router's cost |
 
 pub mod block_manager;

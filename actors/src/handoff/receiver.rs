@@ -22,9 +22,10 @@ use super::peer::{PeerAddr, RenewGuard};
 use super::plan::{check_blocks, plan_pull};
 use super::protocol::TransferFailure;
 use super::protocol::{
-    HandoffError, KvPeerInfo, PeerAnswer, PeerRequest, PrefillMode, PrefillRequest, SessionOffer,
+    HandoffError, KvPeerInfo, PeerAnswer, PeerRequest, PrefillAnswer, PrefillMode, PrefillRequest,
+    SessionOffer,
 };
-use super::pull::{PullAction, PullCore, PullEvent, Shape};
+use super::pull::{Held, Prefilled, PullAction, PullCore, PullEvent, Shape};
 use super::session::{block_grants, fence_id, submit_ops, Grant, Security};
 use crate::block_manager::BlockAllocation;
 use crate::mailbox::{Inbox, Mailbox};
@@ -273,7 +274,14 @@ impl Actor for KvReceiver {
     }
 }
 
-type Call = Pin<Box<dyn Future<Output = PullEvent> + Send>>;
+/// A call's outcome: the core's event, and with an answered Prefill the answer itself (the
+/// driver keeps what the core does not act on: T0's logprobs, timing, cached tokens).
+type Call = Pin<Box<dyn Future<Output = (PullEvent, Option<PrefillAnswer>)> + Send>>;
+
+/// A call whose outcome is only the core's event.
+fn plain(call: impl Future<Output = PullEvent> + Send + 'static) -> Call {
+    Box::pin(async move { (call.await, None) })
+}
 
 /// A push's grant to the prefill instance and the fenced scope of its destination blocks,
 /// held until the blocks are released.
@@ -306,7 +314,7 @@ enum FirstLogprobsError {
 /// exactly when asked, for T0, at most the alternatives asked, ids inside the vocabulary,
 /// finite values ≤ 0.
 fn check_first_logprobs(
-    a: &super::protocol::PrefillAnswer,
+    a: &PrefillAnswer,
     asked: Option<u32>,
     vocab: usize,
 ) -> Result<(), FirstLogprobsError> {
@@ -400,7 +408,7 @@ impl Driver {
                     PullAction::Read { block_ids, lease } => {
                         let lease = lease.unwrap_or(self.kv.settings.lease);
                         renewing = Some(self.kv.peers.renew_while_alive(&peer, transfer, lease));
-                        calls.push(Box::pin(self.clone().read(
+                        calls.push(plain(self.clone().read(
                             peer.clone(),
                             transfer,
                             block_ids,
@@ -411,10 +419,10 @@ impl Driver {
                         )));
                     }
                     PullAction::SendRelease => {
-                        calls.push(Box::pin(self.clone().release(peer.clone(), transfer)))
+                        calls.push(plain(self.clone().release(peer.clone(), transfer)))
                     }
                     PullAction::SendAbort => {
-                        calls.push(Box::pin(self.clone().abort(peer.clone(), transfer)))
+                        calls.push(plain(self.clone().abort(peer.clone(), transfer)))
                     }
                     PullAction::Finish(r) => {
                         self.finished(id, transfer, &r, mode, started);
@@ -474,7 +482,14 @@ impl Driver {
             }
             let deadline = core.deadline();
             let event = tokio::select! {
-                Some(ev) = calls.next() => Some(ev),
+                Some((ev, answer)) = calls.next() => {
+                    if let Some(a) = answer {
+                        computed_at = Some(a.computed_at_unix_us);
+                        prefill_cached_tokens = Some(a.cached_tokens);
+                        first_logprobs = a.first_logprobs;
+                    }
+                    Some(ev)
+                }
                 () = cancel.cancelled(), if !cancelled => {
                     cancelled = true;
                     Some(PullEvent::Cancel)
@@ -484,14 +499,8 @@ impl Driver {
             let now = Instant::now();
             actions = match event {
                 Some(ev) => {
-                    match &ev {
-                        PullEvent::ReadsDone(_) | PullEvent::ReadsRefused(_) => renewing = None,
-                        PullEvent::Prefilled(a) => {
-                            computed_at = Some(a.computed_at_unix_us);
-                            prefill_cached_tokens = Some(a.cached_tokens);
-                            first_logprobs.clone_from(&a.first_logprobs);
-                        }
-                        _ => {}
+                    if matches!(ev, PullEvent::ReadsDone(_) | PullEvent::ReadsRefused(_)) {
+                        renewing = None;
                     }
                     core.on(ev, now)
                 }
@@ -574,12 +583,15 @@ impl Driver {
         cached_blocks: usize,
         mode: super::context::TransferMode,
         write_scope: WriteScope,
-    ) -> PullEvent {
+    ) -> (PullEvent, Option<PrefillAnswer>) {
         sampling.max_tokens = 1;
         let asked = sampling.logprobs;
-        let not_sent = |error| PullEvent::PrefillFailed {
-            error,
-            answered: true,
+        let not_sent = |error| {
+            let failed = PullEvent::PrefillFailed {
+                error,
+                answered: true,
+            };
+            (failed, None)
         };
         let mode = match mode {
             super::context::TransferMode::Pull => PrefillMode::Pull,
@@ -642,21 +654,28 @@ impl Driver {
                         a.transfer
                     )))
                 } else {
-                    PullEvent::Prefilled(a)
+                    let prefilled = Prefilled {
+                        first_token: a.first_token,
+                        held: a.held.as_ref().map(|h| Held {
+                            block_ids: h.block_ids.clone(),
+                            lease: Duration::from_millis(h.lease_ms),
+                        }),
+                    };
+                    (PullEvent::Prefilled(prefilled), Some(a))
                 }
             }
-            Ok(PeerAnswer::Failed(error)) => PullEvent::PrefillFailed {
-                error,
-                answered: true,
-            },
+            Ok(PeerAnswer::Failed(error)) => not_sent(error),
             Ok(other) => not_sent(HandoffError::Protocol(format!(
                 "{peer} answered Prefill with {}",
                 other.name()
             ))),
-            Err(error) => PullEvent::PrefillFailed {
-                error,
-                answered: false,
-            },
+            Err(error) => {
+                let failed = PullEvent::PrefillFailed {
+                    error,
+                    answered: false,
+                };
+                (failed, None)
+            }
         }
     }
 

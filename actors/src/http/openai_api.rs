@@ -16,6 +16,10 @@ use super::state::AppState;
 use crate::error::RequestError;
 use crate::handoff::receiver::KvSource;
 use crate::multimodal::{self, MultimodalError};
+use crate::openai::response::{
+    Answer, Choice, Delta, FunctionDelta, Message, ToolCall, ToolCallDelta, UsageBody, CHAT_CHUNK,
+    CHAT_COMPLETION, TEXT_COMPLETION,
+};
 use crate::openai::{self, KvDirective, PromptInput};
 use crate::scheduler::{NewRequest, PromptImage, RequestEvent, RequestStream};
 use crate::tools::{self, CallEvent, CallParser};
@@ -29,7 +33,6 @@ use pdserve_gpu::grammar::GrammarCompiler;
 use pdserve_gpu::sampling::TokenLogprobs;
 use pdserve_gpu::vision::ImageEmbeds;
 use pdserve_runtime::ids::TransferId;
-use serde::Deserialize;
 use serde_json::{json, Value};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -150,7 +153,7 @@ async fn serve(app: Arc<AppState>, body: Bytes, chat: bool) -> Result<Response, 
                 .map(|u| total_usage(&u, n))
                 .unwrap_or_default();
             if let (true, Some(u)) = (last.include_usage, usage) {
-                out.push(Ok(Event::default().data(last.usage_chunk(u).to_string())));
+                out.push(Ok(sse_data(&last.usage_chunk(u))));
             }
             out.push(Ok(Event::default().data("[DONE]")));
             stream::iter(out)
@@ -166,7 +169,9 @@ async fn serve(app: Arc<AppState>, body: Bytes, chat: bool) -> Result<Response, 
             .map(|(r, meta)| collect(r, meta, deadline, timeout)),
     )
     .await?;
-    Ok(Json(merge_choices(answers, n)).into_response())
+    let merged = merge_choices(answers, n)
+        .ok_or_else(|| RequestError::Internal("a request of no choices".into()))?;
+    Ok(Json(merged).into_response())
 }
 
 /// Compiles the request's grammar (structured output) on a blocking thread, so neither the
@@ -502,50 +507,20 @@ fn total_usage(choices: &[Option<openai::Usage>], n: usize) -> Option<openai::Us
         })
 }
 
-/// An answer's `usage`, as [`openai::Usage::to_json`] writes it (a missing count reads as 0).
-#[derive(Debug, Default, Deserialize)]
-#[serde(default)]
-struct AnswerUsage {
-    usage: UsageCounts,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(default)]
-struct UsageCounts {
-    prompt_tokens: usize,
-    completion_tokens: usize,
-    prompt_tokens_details: CachedTokens,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(default)]
-struct CachedTokens {
-    cached_tokens: usize,
-}
-
 /// One answer of several choices (each a whole answer of its own, in choice order, `n` per
 /// prompt): their choices, the first's id, usage as [`total_usage`].
-fn merge_choices(answers: Vec<Value>, n: usize) -> Value {
-    let usage = |v: &Value| {
-        let u = AnswerUsage::deserialize(v).unwrap_or_default().usage;
-        openai::Usage {
-            prompt_tokens: u.prompt_tokens,
-            completion_tokens: u.completion_tokens,
-            cached_tokens: u.prompt_tokens_details.cached_tokens,
-        }
-    };
-    let usages: Vec<_> = answers.iter().map(|v| Some(usage(v))).collect();
+fn merge_choices(answers: Vec<Answer>, n: usize) -> Option<Answer> {
+    let usages: Vec<_> = answers
+        .iter()
+        .map(|a| a.usage.map(openai::Usage::from))
+        .collect();
     let mut answers = answers.into_iter();
-    let Some(mut out) = answers.next() else {
-        return Value::Null;
-    };
-    let mut choices = vec![out["choices"][0].take()];
-    choices.extend(answers.map(|mut v| v["choices"][0].take()));
-    out["choices"] = Value::Array(choices);
-    if let Some(u) = total_usage(&usages, n) {
-        out["usage"] = u.to_json();
-    }
-    out
+    let mut out = answers.next()?;
+    out.choices.truncate(1);
+    out.choices
+        .extend(answers.flat_map(|a| a.choices.into_iter().take(1)));
+    out.usage = total_usage(&usages, n).map(UsageBody::from);
+    Some(out)
 }
 
 /// A chat with images as the model's prompt: rendered, each image's place turned into its
@@ -649,39 +624,50 @@ impl ResponseMeta {
         }
     }
 
+    /// An answer or chunk of this request with `choices`.
+    fn answer(&self, object: &'static str, choices: Vec<Choice>) -> Answer {
+        Answer {
+            id: self.id.clone(),
+            object,
+            created: self.created,
+            model: self.model.clone(),
+            choices,
+            usage: None,
+            kv_transfer_params: None,
+        }
+    }
+
     fn chunk(
         &self,
         text: &str,
-        finish: Option<&str>,
+        finish: Option<&'static str>,
         first: bool,
         tokens: &[u32],
         logprobs: Option<Value>,
-    ) -> Value {
-        let mut v = self.chunk_body(text, finish, first);
-        if self.token_ids.is_some() {
-            v["choices"][0]["token_ids"] = json!(tokens);
-        }
-        if let Some(lp) = logprobs {
-            v["choices"][0]["logprobs"] = lp;
-        }
-        v
-    }
-
-    fn chunk_body(&self, text: &str, finish: Option<&str>, first: bool) -> Value {
-        if self.chat {
+    ) -> Answer {
+        let mut choice = if self.chat {
             let delta = if first {
-                json!({"role": "assistant", "content": text})
+                Delta::content(text).opening()
             } else if finish.is_some() && text.is_empty() {
-                json!({})
+                Delta::default()
             } else {
-                json!({"content": text})
+                Delta::content(text)
             };
-            json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                   "choices": [{"index": self.index, "delta": delta, "logprobs": null, "finish_reason": finish}]})
+            Choice::delta(self.index, delta)
         } else {
-            json!({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                   "choices": [{"index": self.index, "text": text, "logprobs": null, "finish_reason": finish}]})
+            Choice::text(self.index, text)
+        };
+        choice.finish_reason = finish;
+        choice.logprobs = logprobs;
+        if self.token_ids.is_some() {
+            choice.token_ids = Some(tokens.to_vec());
         }
+        let object = if self.chat {
+            CHAT_CHUNK
+        } else {
+            TEXT_COMPLETION
+        };
+        self.answer(object, vec![choice])
     }
 
     /// The `logprobs` value of the generated tokens `lps` (and, with `echo`, of the prompt
@@ -727,7 +713,7 @@ impl ResponseMeta {
 
     /// The calls the model wrote in `text`, when the request has tools: the content before
     /// them and OpenAI's `tool_calls` entries.
-    fn tool_calls(&self, text: &str) -> Option<(Option<String>, Vec<Value>)> {
+    fn tool_calls(&self, text: &str) -> Option<(Option<String>, Vec<ToolCall>)> {
         if !self.tools {
             return None;
         }
@@ -735,7 +721,7 @@ impl ResponseMeta {
         let calls = calls
             .iter()
             .enumerate()
-            .map(|(k, c)| c.to_json(&self.call_id(k)))
+            .map(|(k, c)| c.to_openai(&self.call_id(k)))
             .collect();
         Some((content, calls))
     }
@@ -744,43 +730,62 @@ impl ResponseMeta {
     /// `{"content"}`, a call's start as `{"tool_calls": [{index, id, type, function: {name,
     /// arguments: ""}}]}`, each run of its arguments' pieces as `{"tool_calls": [{index,
     /// function: {arguments}}]}`.
-    fn call_deltas(&self, events: Vec<CallEvent>) -> Vec<Value> {
-        let mut deltas: Vec<Value> = Vec::new();
+    fn call_deltas(&self, events: Vec<CallEvent>) -> Vec<Delta> {
+        let mut deltas: Vec<Delta> = Vec::new();
         // The kind of the last delta, to join runs: content, or call k's arguments.
         let mut last: Option<Option<usize>> = None;
         for e in events {
             match e {
                 CallEvent::Content(t) => {
                     if last == Some(None) {
-                        if let Some(Value::String(c)) =
-                            deltas.last_mut().and_then(|d| d.get_mut("content"))
-                        {
+                        if let Some(Some(c)) = deltas.last_mut().and_then(|d| d.content.as_mut()) {
                             c.push_str(&t);
                             continue;
                         }
                     }
-                    deltas.push(json!({"content": t}));
+                    deltas.push(Delta::content(t));
                     last = Some(None);
                 }
                 CallEvent::CallStart { index, name } => {
-                    deltas.push(json!({"tool_calls": [{
-                        "index": index, "id": self.call_id(index), "type": "function",
-                        "function": {"name": name, "arguments": ""}}]}));
+                    let start = ToolCallDelta {
+                        index,
+                        id: Some(self.call_id(index)),
+                        kind: Some("function"),
+                        function: FunctionDelta {
+                            name: Some(name),
+                            arguments: String::new(),
+                        },
+                    };
+                    deltas.push(Delta {
+                        tool_calls: Some(vec![start]),
+                        ..Delta::default()
+                    });
                     last = None;
                 }
                 CallEvent::ArgsDelta { index, text } => {
                     if last == Some(Some(index)) {
-                        if let Some(Value::String(a)) = deltas
+                        if let Some(call) = deltas
                             .last_mut()
-                            .and_then(|d| d.pointer_mut("/tool_calls/0/function/arguments"))
+                            .and_then(|d| d.tool_calls.as_mut())
+                            .and_then(|calls| calls.first_mut())
                         {
-                            a.push_str(&text);
+                            call.function.arguments.push_str(&text);
                             continue;
                         }
                     }
-                    deltas.push(
-                        json!({"tool_calls": [{"index": index, "function": {"arguments": text}}]}),
-                    );
+                    let args = ToolCallDelta {
+                        index,
+                        id: None,
+                        kind: None,
+                        function: FunctionDelta {
+                            name: None,
+                            arguments: text,
+                        },
+                    };
+                    deltas.push(Delta {
+                        tool_calls: Some(vec![args]),
+                        ..Delta::default()
+                    });
                     last = Some(Some(index));
                 }
                 CallEvent::CallEnd { .. } => {}
@@ -789,54 +794,67 @@ impl ResponseMeta {
         deltas
     }
 
-    /// A chat chunk of `delta` (with the `role` when it opens the choice).
-    fn delta_chunk(&self, mut delta: Value, first: bool) -> Value {
-        if first {
-            delta["role"] = json!("assistant");
-            if delta.get("content").is_none() {
-                delta["content"] = Value::Null;
+    /// `chunk` as one that carries no tokens: `token_ids: []` when the client asked for ids
+    /// (the tokens rode on an earlier chunk).
+    fn with_no_tokens(&self, mut chunk: Answer) -> Answer {
+        if self.token_ids.is_some() {
+            for choice in &mut chunk.choices {
+                choice.token_ids = Some(Vec::new());
             }
         }
-        json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-               "choices": [{"index": self.index, "delta": delta, "logprobs": null, "finish_reason": null}]})
+        chunk
     }
 
-    fn usage_chunk(&self, usage: openai::Usage) -> Value {
+    /// A chat chunk of `delta` (with the `role` when it opens the choice).
+    fn delta_chunk(&self, delta: Delta, first: bool) -> Answer {
+        let delta = if first { delta.opening() } else { delta };
+        self.answer(CHAT_CHUNK, vec![Choice::delta(self.index, delta)])
+    }
+
+    fn usage_chunk(&self, usage: openai::Usage) -> Answer {
         let object = if self.chat {
-            "chat.completion.chunk"
+            CHAT_CHUNK
         } else {
-            "text_completion"
+            TEXT_COMPLETION
         };
-        json!({"id": self.id, "object": object, "created": self.created, "model": self.model,
-               "choices": [], "usage": usage.to_json()})
+        Answer {
+            usage: Some(usage.into()),
+            ..self.answer(object, Vec::new())
+        }
     }
 
     #[allow(clippy::too_many_arguments)]
     fn full(
         &self,
         text: &str,
-        finish: &str,
+        finish: &'static str,
         usage: openai::Usage,
         tokens: &[u32],
         held: Option<&[u32]>,
         logprobs: Option<Value>,
         first_logprobs: Option<&TokenLogprobs>,
-    ) -> Value {
-        let mut v = if self.chat {
+    ) -> Answer {
+        let (mut choice, object) = if self.chat {
             let (message, finish) = match self.tool_calls(text) {
-                Some((content, calls)) => (
-                    json!({"role": "assistant", "content": content, "tool_calls": calls}),
-                    "tool_calls",
-                ),
-                None => (json!({"role": "assistant", "content": text}), finish),
+                Some((content, calls)) => (Message::assistant(content, Some(calls)), "tool_calls"),
+                None => (Message::assistant(Some(text.to_string()), None), finish),
             };
-            json!({"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                   "choices": [{"index": self.index, "message": message, "logprobs": logprobs, "finish_reason": finish}],
-                   "usage": usage.to_json()})
+            let mut choice = Choice::message(self.index, message);
+            choice.finish_reason = Some(finish);
+            (choice, CHAT_COMPLETION)
         } else {
-            json!({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                   "choices": [{"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish}],
-                   "usage": usage.to_json()})
+            let mut choice = Choice::text(self.index, text);
+            choice.finish_reason = Some(finish);
+            (choice, TEXT_COMPLETION)
+        };
+        choice.logprobs = logprobs;
+        if let Some(prompt_ids) = &self.token_ids {
+            choice.token_ids = Some(tokens.to_vec());
+            choice.prompt_token_ids = Some(prompt_ids.clone());
+        }
+        let mut answer = Answer {
+            usage: Some(usage.into()),
+            ..self.answer(object, vec![choice])
         };
         if let (Some(h), Some(blocks)) = (&self.hand_off, held) {
             let params = openai::KvTransferParams {
@@ -853,14 +871,16 @@ impl ResponseMeta {
                 kv_lease_ms: Some(self.lease_ms),
                 cached_tokens: u32::try_from(usage.cached_tokens).ok(),
             };
-            v["kv_transfer_params"] = serde_json::to_value(params).unwrap_or_default();
+            answer.kv_transfer_params = Some(params);
         }
-        if let Some(prompt_ids) = &self.token_ids {
-            v["choices"][0]["token_ids"] = json!(tokens);
-            v["choices"][0]["prompt_token_ids"] = json!(prompt_ids);
-        }
-        v
+        answer
     }
+}
+
+/// One SSE event of an answer chunk.
+fn sse_data(answer: &Answer) -> Event {
+    // Serializing these types cannot fail (string keys, no maps of other keys).
+    Event::default().data(serde_json::to_string(answer).unwrap_or_default())
 }
 
 /// The next event, or a timeout (which leaves the request to be aborted on drop).
@@ -886,7 +906,7 @@ async fn collect(
     meta: ResponseMeta,
     deadline: tokio::time::Instant,
     timeout: Duration,
-) -> Result<Value, ApiError> {
+) -> Result<Answer, ApiError> {
     let mut text = String::new();
     let mut tokens = Vec::new();
     let mut lps = Vec::new();
@@ -998,7 +1018,7 @@ fn sse_stream(
         if s.done {
             return None;
         }
-        let data = |v: Value| Event::default().data(v.to_string());
+        let data = |a: Answer| sse_data(&a);
         // Tokens whose text is not final yet (half a UTF-8 character, a possible stop string)
         // are carried into the next chunk rather than sent as empty chunks.
         let mut held: Vec<u32> = Vec::new();
@@ -1050,23 +1070,16 @@ fn sse_stream(
                         };
                         // The tokens (and their logprobs) ride on the first chunk.
                         let mut chunk = s.meta.delta_chunk(delta, s.first);
-                        if s.meta.token_ids.is_some() {
-                            chunk["choices"][0]["token_ids"] = json!(held);
-                        }
-                        if let Some(lp) =
-                            s.meta.logprobs_value(None, false, &held_lps, &mut s.offset)
-                        {
-                            chunk["choices"][0]["logprobs"] = lp;
+                        let lp = s.meta.logprobs_value(None, false, &held_lps, &mut s.offset);
+                        if let Some(choice) = chunk.choices.first_mut() {
+                            if s.meta.token_ids.is_some() {
+                                choice.token_ids = Some(std::mem::take(&mut held));
+                            }
+                            choice.logprobs = lp;
                         }
                         s.first = false;
                         let mut rest: Vec<Event> = deltas
-                            .map(|d| {
-                                let mut c = s.meta.delta_chunk(d, false);
-                                if s.meta.token_ids.is_some() {
-                                    c["choices"][0]["token_ids"] = json!([]);
-                                }
-                                data(c)
-                            })
+                            .map(|d| data(s.meta.with_no_tokens(s.meta.delta_chunk(d, false))))
                             .collect();
                         rest.reverse();
                         s.pending.extend(rest);
@@ -1140,11 +1153,8 @@ fn sse_stream(
                     s.pending
                         .push(data(s.meta.chunk(&text, Some(finish), first, &held, lp)));
                     for (k, delta) in deltas.into_iter().enumerate().rev() {
-                        let mut c = s.meta.delta_chunk(delta, s.first && k == 0);
-                        if s.meta.token_ids.is_some() {
-                            c["choices"][0]["token_ids"] = json!([]);
-                        }
-                        s.pending.push(data(c));
+                        let c = s.meta.delta_chunk(delta, s.first && k == 0);
+                        s.pending.push(data(s.meta.with_no_tokens(c)));
                     }
                     s.first = false;
                     break echoed.unwrap_or_else(|| s.pending.pop().expect("just pushed"));
@@ -1153,7 +1163,7 @@ fn sse_stream(
                     if matches!(s.end, StreamEnd::Own) {
                         s.pending.push(Event::default().data("[DONE]"));
                     }
-                    break data(openai::error_body(&e));
+                    break Event::default().data(openai::error_body(&e).to_string());
                 }
             }
         };

@@ -456,6 +456,16 @@ struct Delta {
     rest: Map<String, Value>,
 }
 
+/// Sets `key` in the client's request body. The proxy forwards the body as the client sent
+/// it (an instance refuses unknown fields by name), but for the fields it sets itself.
+fn set_field(request: &mut Value, key: &str, value: Value) -> Result<(), RequestError> {
+    let fields = request
+        .as_object_mut()
+        .ok_or_else(|| RequestError::BadRequest("the request body is not a JSON object".into()))?;
+    fields.insert(key.to_string(), value);
+    Ok(())
+}
+
 /// An error kind after which the same request may go on elsewhere: the instance is stopping
 /// or its worker failed (nothing about the request itself is wrong).
 fn migratable(kind: &str) -> bool {
@@ -520,15 +530,16 @@ impl Job {
                 kv_lease_ms: None,
                 cached_tokens: None,
             };
-            request["kv_transfer_params"] =
+            let params =
                 serde_json::to_value(params).map_err(|e| RequestError::Internal(e.to_string()))?;
+            set_field(&mut request, "kv_transfer_params", params)?;
         }
         if !resume.is_empty() {
-            request["resume_tokens"] = json!(resume);
+            set_field(&mut request, "resume_tokens", json!(resume))?;
         }
         if self.stream && self.choices == 1 {
             // Migration needs to know which tokens the client has.
-            request["return_token_ids"] = json!(true);
+            set_field(&mut request, "return_token_ids", json!(true))?;
         }
         let body =
             serde_json::to_vec(&request).map_err(|e| RequestError::Internal(e.to_string()))?;

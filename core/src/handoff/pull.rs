@@ -1,6 +1,6 @@
 //! [`PullCore`]: the decode side of one KV hand-off as a state machine — events in, actions
 //! out, time passed in; no tokio, no I/O. The KvReceiver runs one driver task per hand-off
-//! that performs the actions and feeds their outcomes back (see `receiver.rs`).
+//! that performs the actions and feeds their outcomes back (`pdserve_actors::handoff::receiver`).
 //!
 //! Three shapes ([`Shape`]):
 //! - **held** (vLLM's two-hop flow): the prefill instance already holds the prompt's blocks;
@@ -22,7 +22,7 @@
 //! A cancel (the client went away) never cuts a read short; it turns the outcome into
 //! [`HandoffError::Aborted`] and, while waiting for the prefill instance, sends it an abort.
 
-use super::protocol::{HandoffError, PrefillAnswer};
+use super::HandoffError;
 use pdserve_runtime::ids::TransferId;
 use std::time::{Duration, Instant};
 
@@ -53,12 +53,31 @@ pub struct PullBounds {
     pub prefill: Duration,
 }
 
+/// What of the prefill instance's answer to our Prefill request this core acts on (the
+/// driver keeps the rest: T0's logprobs, its timing, its cached-token count).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Prefilled {
+    /// T0.
+    pub first_token: u32,
+    /// Pull: the blocks it holds for us. Push: `None` (every write has finished).
+    pub held: Option<Held>,
+}
+
+/// Blocks a prefill instance holds for our read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Held {
+    /// The prompt's blocks, in order.
+    pub block_ids: Vec<u32>,
+    /// How long they stay held unless renewed.
+    pub lease: Duration,
+}
+
 /// What happened.
 #[derive(Clone, Debug, PartialEq)]
 pub enum PullEvent {
-    /// The prefill instance answered our Prefill request (its first token checked against the
-    /// vocabulary by the driver).
-    Prefilled(PrefillAnswer),
+    /// The prefill instance answered our Prefill request (checked by the driver: T0 inside
+    /// the vocabulary, the answer for this transfer).
+    Prefilled(Prefilled),
     /// Our Prefill request failed. `answered`: the prefill instance itself answered with the
     /// failure (so its writes, if any, have drained); otherwise no answer came (the carrier
     /// failed, a timeout) and its writes may still be in flight.
@@ -317,7 +336,7 @@ impl PullCore {
         a
     }
 
-    fn on_prefilled(&mut self, answer: PrefillAnswer, a: &mut Vec<PullAction>) {
+    fn on_prefilled(&mut self, answer: Prefilled, a: &mut Vec<PullAction>) {
         match self.phase {
             Phase::AwaitPrefill { .. } => match (self.push, answer.held) {
                 (false, Some(held)) => {
@@ -326,7 +345,7 @@ impl PullCore {
                     self.out.read = true;
                     a.push(PullAction::Read {
                         block_ids: held.block_ids,
-                        lease: Some(Duration::from_millis(held.lease_ms)),
+                        lease: Some(held.lease),
                     });
                 }
                 (true, None) => self.close(Ok(answer.first_token), a),
@@ -418,7 +437,6 @@ impl PullCore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::handoff::protocol::HeldKv;
     use proptest::prelude::*;
 
     const T: TransferId = TransferId(42);
@@ -427,17 +445,13 @@ mod tests {
         prefill: Duration::from_secs(60),
     };
 
-    fn answer(held: bool) -> PrefillAnswer {
-        PrefillAnswer {
-            transfer: T,
+    fn answer(held: bool) -> Prefilled {
+        Prefilled {
             first_token: 7,
-            first_logprobs: None,
-            held: held.then(|| HeldKv {
+            held: held.then(|| Held {
                 block_ids: vec![3, 4],
-                lease_ms: 30_000,
+                lease: Duration::from_millis(30_000),
             }),
-            computed_at_unix_us: 0,
-            cached_tokens: 0,
         }
     }
 

@@ -698,18 +698,17 @@ pub fn run(args: LaunchArgs) -> Result<()> {
                 tokio::spawn(serve_scale(stream, scale_tx.clone()));
             }
         });
+        let mut stop = crate::signals::StopSignals::new()?;
         println!("{proxy_url}");
         creds.announce(control)?;
         eprintln!(
             "pdserve launch: {} prefill + {} decode instance(s) of `{}` over {}, proxy at {proxy_url} (Ctrl-C drains and stops; `pdserve scale ROLE N --credentials-dir {}` adds or drains instances)",
             args.prefill, args.decode, args.model, args.transport, template.dir
         );
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         let mut check = tokio::time::interval(Duration::from_millis(500));
         let outcome = loop {
             tokio::select! {
-                _ = tokio::signal::ctrl_c() => break Ok(()),
-                _ = term.recv() => break Ok(()),
+                _ = stop.recv() => break Ok(()),
                 Some((line, reply)) = scale_rx.recv() => {
                     let answer = match apply_scale(&mut members, &template, &creds, &line) {
                         Ok(done) => {
@@ -832,17 +831,14 @@ async fn run_in_process(args: LaunchArgs, threads: usize, creds: &LaunchCredenti
         }
         return Err(e);
     }
+    let mut stop = crate::signals::StopSignals::new()?;
     println!("{url}");
     creds.announce(control_addr)?;
     eprintln!(
         "pdserve launch --in-process: {} instance(s), proxy at http://{addr} (Ctrl-C stops)",
         instances.len()
     );
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
+    stop.recv().await;
     // Instances first (each drains and leaves the proxy's routing set), the proxy last.
     for i in instances {
         i.stop().await;

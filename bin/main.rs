@@ -13,6 +13,7 @@ mod bench_serve;
 mod cuda;
 mod inspect;
 mod launch;
+mod signals;
 
 /// Environment variables that size the compute thread pools (candle and rayon read them once).
 const THREAD_ENV: [&str; 2] = ["RAYON_NUM_THREADS", "CANDLE_NUM_THREADS"];
@@ -638,17 +639,14 @@ fn proxy(args: ProxyArgs) -> Result<()> {
         .enable_all()
         .build()?;
     rt.block_on(async move {
+        let mut stop = signals::StopSignals::new()?;
         let proxy =
             pdserve_actors::proxy::start_proxy_with_control("proxy", pargs, control).await?;
         println!("pdserve proxy: {scheme}://{}", proxy.addr);
         if let Some(control) = proxy.control_addr().await? {
             println!("pdserve proxy: control plane at {control}");
         }
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
-        }
+        stop.recv().await;
         proxy.stop().await;
         Ok(())
     })
@@ -1064,17 +1062,16 @@ fn run_instance(cfg: pdserve_runtime::config::ServeConfig, threads: Option<usize
         .enable_all()
         .build()?;
     rt.block_on(async move {
+        let mut stop = signals::StopSignals::new()?;
         let mut instance = pdserve_actors::Instance::start(opts).await?;
         println!("pdserve: serving `{}` at {}", instance.model_name(), instance.url());
         if let Some(control) = instance.control_plane() {
             println!("pdserve: control plane at {}", control.local_addr());
         }
         tracing::info!(url = %instance.url(), "ready");
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         let drain = instance.drain_requested();
         tokio::select! {
-            _ = tokio::signal::ctrl_c() => tracing::info!("interrupt: shutting down"),
-            _ = term.recv() => tracing::info!("terminate: shutting down"),
+            which = stop.recv() => tracing::info!("{which}: shutting down"),
             _ = drain => tracing::info!("drain requested: shutting down"),
             _ = instance.stopped() => bail!("the instance stopped after an unrecoverable failure (see the log)"),
         }

@@ -1,4 +1,5 @@
-//! `pdserve launch`: a single-node P/D cluster — a proxy, N prefill and M decode instances,
+//! `pdserve launch`: a single-node P/D cluster — a proxy, N prefill and M decode instances
+//! (and, for a vision-language model, `--encode K` encode instances: E/P/D),
 //! each a child process this launcher supervises (restart on crash under a budget, then stop
 //! everything), with the proxy URL printed on a line of its own. Ctrl-C or SIGTERM **drains**
 //! the cluster: every instance gets SIGTERM first (each leaves the routing set, finishes what
@@ -52,6 +53,10 @@ pub struct LaunchArgs {
     /// Decode instances.
     #[arg(long, default_value_t = 1)]
     decode: usize,
+    /// Encode instances (E/P/D, a vision-language model): requests with images are encoded
+    /// there first, and prefill takes the embeddings over the transfer engine.
+    #[arg(long, default_value_t = 0)]
+    encode: usize,
     /// Tensor-parallel ranks per instance.
     #[arg(long, default_value_t = 1)]
     tp: usize,
@@ -124,7 +129,7 @@ pub struct LaunchArgs {
 /// `pdserve scale` flags.
 #[derive(Args, Debug)]
 pub struct ScaleArgs {
-    /// `prefill` or `decode`.
+    /// `prefill`, `decode` or `encode`.
     role: String,
     /// The number of instances of that role wanted.
     count: usize,
@@ -224,7 +229,7 @@ impl Drop for LaunchCredentials {
 
 struct Member {
     name: String,
-    /// `prefill` or `decode`; `None` for the proxy.
+    /// `prefill`, `decode` or `encode`; `None` for the proxy.
     role: Option<&'static str>,
     /// Asked to drain (SIGTERM sent): its exit is expected.
     draining: bool,
@@ -495,14 +500,15 @@ fn apply_scale(
             role,
             n.parse::<usize>().with_context(|| format!("count `{n}`"))?,
         ),
-        _ => bail!("expected `scale prefill|decode N`, got `{line}`"),
+        _ => bail!("expected `scale prefill|decode|encode N`, got `{line}`"),
     };
     let role: &'static str = match role {
         "prefill" => "prefill",
         "decode" => "decode",
-        other => bail!("role `{other}`: expected prefill or decode"),
+        "encode" => "encode",
+        other => bail!("role `{other}`: expected prefill, decode or encode"),
     };
-    if n == 0 {
+    if n == 0 && role != "encode" {
         bail!("a cluster needs at least one {role} instance");
     }
     // Instances asked to drain, or that already stopped after a drain of their own
@@ -606,7 +612,7 @@ pub fn run(args: LaunchArgs) -> Result<()> {
     if args.model == "default" {
         pdserve_gpu::fetch::pull_default_model(pdserve_gpu::fetch::Progress::Show)?;
     }
-    let instances = args.prefill + args.decode;
+    let instances = args.prefill + args.decode + args.encode;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let pinning = if args.pin_cpus {
         if args.in_process {
@@ -623,11 +629,15 @@ pub fn run(args: LaunchArgs) -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    let names: Vec<String> = [("prefill", args.prefill), ("decode", args.decode)]
-        .iter()
-        .flat_map(|&(role, n)| (0..n).map(move |i| format!("{role}-{i}")))
-        .chain(["proxy".to_string()])
-        .collect();
+    let names: Vec<String> = [
+        ("prefill", args.prefill),
+        ("decode", args.decode),
+        ("encode", args.encode),
+    ]
+    .iter()
+    .flat_map(|&(role, n)| (0..n).map(move |i| format!("{role}-{i}")))
+    .chain(["proxy".to_string()])
+    .collect();
     let creds = LaunchCredentials::create(&names).context("creating cluster credentials")?;
     if args.in_process {
         return rt.block_on(run_in_process(args, threads, &creds));
@@ -657,7 +667,11 @@ pub fn run(args: LaunchArgs) -> Result<()> {
             kv_disk_dir: args.kv_disk_dir.clone(),
         };
         let mut members = Vec::new();
-        for (role, count) in [("prefill", args.prefill), ("decode", args.decode)] {
+        for (role, count) in [
+            ("prefill", args.prefill),
+            ("decode", args.decode),
+            ("encode", args.encode),
+        ] {
             for i in 0..count {
                 members.push(template.member(role, i));
             }
@@ -702,8 +716,8 @@ pub fn run(args: LaunchArgs) -> Result<()> {
         println!("{proxy_url}");
         creds.announce(control)?;
         eprintln!(
-            "pdserve launch: {} prefill + {} decode instance(s) of `{}` over {}, proxy at {proxy_url} (Ctrl-C drains and stops; `pdserve scale ROLE N --credentials-dir {}` adds or drains instances)",
-            args.prefill, args.decode, args.model, args.transport, template.dir
+            "pdserve launch: {} prefill + {} decode + {} encode instance(s) of `{}` over {}, proxy at {proxy_url} (Ctrl-C drains and stops; `pdserve scale ROLE N --credentials-dir {}` adds or drains instances)",
+            args.prefill, args.decode, args.encode, args.model, args.transport, template.dir
         );
         let mut check = tokio::time::interval(Duration::from_millis(500));
         let outcome = loop {
@@ -798,7 +812,11 @@ async fn run_in_process(args: LaunchArgs, threads: usize, creds: &LaunchCredenti
         .await?
         .context("the proxy started without its control plane")?;
     let mut instances = Vec::new();
-    for (role, count) in [(Role::Prefill, args.prefill), (Role::Decode, args.decode)] {
+    for (role, count) in [
+        (Role::Prefill, args.prefill),
+        (Role::Decode, args.decode),
+        (Role::Encode, args.encode),
+    ] {
         for i in 0..count {
             let model = tokio::task::block_in_place(|| load_model(&source))?;
             let name = format!("{role}-{i}");
@@ -816,6 +834,7 @@ async fn run_in_process(args: LaunchArgs, threads: usize, creds: &LaunchCredenti
                 pdserve_transport::BackendKind::Local,
                 name.clone(),
             ));
+            o.encode = role == Role::Encode;
             let mut ctl = InstanceControl::new(MemberCredentials::load(creds.dir(), &name)?, role);
             ctl.proxy = Some(control_addr);
             o.control = Some(ctl);

@@ -263,7 +263,7 @@ struct ServeArgs {
     api_key: Option<String>,
     #[command(flatten)]
     tls: TlsArgs,
-    /// `instance.role`: colocated, prefill or decode.
+    /// `instance.role`: colocated, prefill, decode or encode.
     #[arg(long)]
     role: Option<String>,
     /// `transfer.backend` for prefill/decode: local, shm, tcp, quic, rdma.
@@ -378,6 +378,10 @@ struct ProxyArgs {
     /// `proxy.decode`: a decode instance URL (repeatable).
     #[arg(long = "decode")]
     decode: Vec<String>,
+    /// `proxy.encode`: an encode instance URL (repeatable; E/P/D: requests with images are
+    /// encoded there first).
+    #[arg(long = "encode")]
+    encode: Vec<String>,
     /// `proxy.host`: listen address (default 127.0.0.1).
     #[arg(long)]
     host: Option<String>,
@@ -470,6 +474,9 @@ impl ProxyArgs {
         }
         if !self.decode.is_empty() {
             set("decode", serde_json::json!(self.decode));
+        }
+        if !self.encode.is_empty() {
+            set("encode", serde_json::json!(self.encode));
         }
         set("host", serde_json::json!(self.host));
         set("port", serde_json::json!(self.port));
@@ -587,6 +594,7 @@ fn proxy(args: ProxyArgs) -> Result<()> {
         bind,
         prefill: p.prefill,
         decode: p.decode,
+        encode: p.encode,
         timeout: std::time::Duration::from_secs(p.timeout_s),
         max_prefill_queue: p.max_prefill_queue,
         max_concurrent_requests: p.max_concurrent_requests,
@@ -954,6 +962,7 @@ fn serve_node(
             config: None,
             prefill: deployment.urls(Role::Prefill),
             decode: deployment.urls(Role::Decode),
+            encode: deployment.urls(Role::Encode),
             host: Some(node.host.clone()),
             port: Some(node.port),
             timeout_s: None,

@@ -30,6 +30,14 @@ pub enum RequestError {
     /// Moving the prompt's KV from the prefill instance failed (502).
     #[error("KV transfer from the prefill instance failed: {0}")]
     KvTransfer(crate::handoff::HandoffError),
+    /// Taking the request's image embeddings from its encode instance failed (502).
+    #[error("image embeddings from encoder {encoder}: {error}")]
+    Encoder {
+        /// The encode instance's URL.
+        encoder: String,
+        /// Why.
+        error: crate::encode::EncoderError,
+    },
     /// The proxy could not reach the instance it picked (502).
     #[error("upstream instance unavailable: {0}")]
     Upstream(String),
@@ -57,7 +65,7 @@ impl RequestError {
             Self::BadRequest(_) | Self::ContextOverflow { .. } | Self::UnknownModel(_) => 400,
             Self::Overloaded(_) | Self::ShuttingDown => 503,
             Self::Timeout(_) => 504,
-            Self::KvTransfer(_) | Self::Upstream(_) => 502,
+            Self::KvTransfer(_) | Self::Upstream(_) | Self::Encoder { .. } => 502,
             Self::Aborted => 499,
             Self::Forbidden(_) => 403,
             Self::WorkerFailed(_) | Self::Internal(_) => 500,
@@ -76,6 +84,7 @@ impl RequestError {
             Self::Aborted => "aborted",
             Self::WorkerFailed(_) => "worker_failed",
             Self::KvTransfer(_) => "kv_transfer_failed",
+            Self::Encoder { .. } => "encoder_failed",
             Self::Upstream(_) => "upstream_error",
             Self::Internal(_) => "internal_error",
         }

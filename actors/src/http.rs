@@ -4,6 +4,7 @@
 //! |---|---|
 //! | `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models` | [`openai_api`] (OpenAI-compatible, JSON or SSE) |
 //! | `POST /v1/kv/peer`, `GET /v1/kv/info`, `GET /v1/load` | [`peer_api`] (instance to instance) |
+//! | `POST /v1/encode`, `POST /v1/ec/peer`, `GET /v1/encoder` | [`encode_api`] (encode instances, E/P/D) |
 //! | `GET /health` (= `/health/ready`), `GET /health/live`, `POST /drain`, `GET /metrics` | here |
 //!
 //! With `server.api_key` set, every `/v1/*` route and `POST /drain` need `Authorization:
@@ -19,6 +20,7 @@
 //! starts the instance) and the server task, which it shuts down gracefully in `post_stop`.
 //! Supervised by the `InstanceSupervisor`; a failure escalates (the instance stops serving).
 
+mod encode_api;
 mod error;
 mod openai_api;
 mod peer_api;
@@ -55,9 +57,19 @@ pub fn router(state: Arc<AppState>) -> Router {
         )),
         None => chat,
     };
+    let encode = post(encode_api::encode);
+    let encode = match state.vision {
+        Some(_) => encode.layer(axum::extract::DefaultBodyLimit::max(
+            crate::multimodal::body_limit(&state.multimodal),
+        )),
+        None => encode,
+    };
     let guarded = Router::new()
         .route("/v1/completions", post(openai_api::completions))
         .route("/v1/chat/completions", chat)
+        .route("/v1/encode", encode)
+        .route("/v1/ec/peer", post(encode_api::peer))
+        .route("/v1/encoder", get(encode_api::figures))
         .route("/v1/models", get(openai_api::models))
         .route("/v1/kv/peer", post(peer_api::peer))
         .route("/v1/kv/info", get(peer_api::kv_info))

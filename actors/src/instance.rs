@@ -116,6 +116,10 @@ pub struct InstanceOptions {
     /// Where the ranks run (`model.device`) and, with a device KV cache, its host mirror
     /// (by `instance.role`): CPU by default.
     pub device: RankDevice,
+    /// An encode instance (`instance.role = "encode"`, E/P/D): serves `POST /v1/encode` and
+    /// the encoder protocol from a hold region on its transfer engine. Needs a
+    /// vision-language model and a transfer engine.
+    pub encode: bool,
 }
 
 impl InstanceOptions {
@@ -125,6 +129,7 @@ impl InstanceOptions {
     /// [`StartError::Config`] when the host/port, transfer settings or
     /// control-plane credentials in the config do not parse.
     pub fn from_config(cfg: &ServeConfig, model: LoadedModel) -> Result<Self, StartError> {
+        let vision = model.vision.is_some();
         let bind: SocketAddr = format!("{}:{}", cfg.server.host, cfg.server.port)
             .parse()
             .map_err(|e| StartError::config("server.host/server.port", e))?;
@@ -162,7 +167,10 @@ impl InstanceOptions {
             .map_err(|e| StartError::config("server.tls_*", e))?,
             restart_policy: RestartPolicy::default(),
             alloc: Arc::new(AnonAllocator),
-            transfer: transfer_config(cfg)?,
+            // A colocated vision-language model takes image embeddings from encode
+            // instances over a transfer engine (host KV only: a device KV cache needs a role
+            // with a mirror for one).
+            transfer: transfer_config(cfg, vision && !rank_device(cfg)?.private_kv())?,
             kv_lease: Duration::from_secs(cfg.transfer.kv_lease_s),
             transfer_mode: cfg.transfer.mode,
             min_remote_prompt_tokens: cfg.transfer.min_remote_prompt_tokens,
@@ -173,6 +181,7 @@ impl InstanceOptions {
             multimodal: cfg.multimodal.clone(),
             kv_tiers: tier_settings(cfg),
             device: rank_device(cfg)?,
+            encode: cfg.instance.role == pdserve_runtime::Role::Encode,
         })
     }
 
@@ -214,6 +223,7 @@ impl InstanceOptions {
             multimodal: Default::default(),
             kv_tiers: None,
             device: RankDevice::Cpu,
+            encode: false,
         }
     }
 }
@@ -315,11 +325,92 @@ fn weights_fingerprint(store: &pdserve_gpu::weights::TensorStore) -> u64 {
     h.digest()
 }
 
-/// The transfer engine of a `prefill` or `decode` instance (none for `colocated`).
+/// What [`image_services`] builds.
+type ImageServices = (
+    Option<Arc<crate::encode::EncoderService>>,
+    Option<Arc<crate::encode::ImageResolver>>,
+);
+
+/// An encode instance's encoder service, and the image resolver of any instance of a
+/// vision-language model with a transfer engine (built once per instance: a restarted
+/// HttpFrontend keeps them).
+#[allow(clippy::too_many_arguments)]
+fn image_services(
+    name: &str,
+    encode: bool,
+    api_key: Option<String>,
+    timeout: Duration,
+    lease: Duration,
+    tls: &HttpTls,
+    model_name: &str,
+    store: &pdserve_gpu::weights::TensorStore,
+    vision: Option<&Arc<pdserve_gpu::vision::VisionTower>>,
+    kv: Option<&Arc<KvContext>>,
+    cache: &Arc<crate::multimodal::EncoderCache>,
+    multimodal: &pdserve_runtime::config::MultimodalSection,
+) -> Result<ImageServices, StartError> {
+    let (Some(tower), Some(kv)) = (vision, kv) else {
+        if encode {
+            return Err(StartError::config(
+                "instance.role",
+                "role encode needs a vision-language model (a model with a vision tower) and a transfer engine",
+            ));
+        }
+        return Ok((None, None));
+    };
+    let model = format!("{model_name} weights={:016x}", weights_fingerprint(store));
+    let engine = kv.registry.engine().clone();
+    let encoder = if encode {
+        let settings = crate::encode::EncoderSettings {
+            engine_id: name.to_string(),
+            model: model.clone(),
+            slots: multimodal.encoder_hold_slots,
+            lease,
+        };
+        let service =
+            crate::encode::EncoderService::new(settings, engine.clone(), tower, cache.clone())
+                .map_err(|e| StartError::Transfer(e.to_string()))?;
+        let service = Arc::new(service);
+        service.expire_every((lease / 8).max(Duration::from_millis(10)));
+        Some(service)
+    } else {
+        None
+    };
+    let cfg = tower.config();
+    let http = tls
+        .client()
+        .build()
+        .map_err(|e| StartError::config("server.tls_*", e))?;
+    let client = crate::encode::EncoderClient::new(
+        name.to_string(),
+        engine,
+        http,
+        api_key,
+        timeout,
+        crate::encode::Expect {
+            model,
+            preprocessing: cfg.preprocessing_key(),
+            rows: cfg.tokens_per_image(),
+            width: cfg.text_hidden_size,
+        },
+    );
+    let resolver = crate::encode::ImageResolver {
+        client,
+        cache: cache.clone(),
+        image_token: cfg.image_token_id,
+        rows: cfg.tokens_per_image(),
+    };
+    Ok((encoder, Some(Arc::new(resolver))))
+}
+
+/// The transfer engine of a `prefill`, `decode` or `encode` instance, and of a `colocated`
+/// one serving a vision-language model (it takes image embeddings from encode instances);
+/// none for a colocated text model.
 fn transfer_config(
     cfg: &ServeConfig,
+    vision: bool,
 ) -> Result<Option<pdserve_transport::TransferConfig>, StartError> {
-    if !cfg.instance.role.disaggregated() {
+    if !cfg.instance.role.transfers() && !vision {
         return Ok(None);
     }
     // Every `[transfer]` key (backend, listen and advertised address, I/O knobs, keys and
@@ -498,6 +589,20 @@ impl Instance {
             let encoder_cache = Arc::new(crate::multimodal::EncoderCache::new(
                 usize::try_from(multimodal.encoder_cache_bytes).unwrap_or(usize::MAX),
             ));
+            let (encoder, images) = image_services(
+                &opts.name,
+                opts.encode,
+                opts.api_key.clone(),
+                opts.kv_timeout,
+                opts.kv_lease,
+                &opts.tls,
+                &own_name,
+                &worker.store,
+                vision.as_ref(),
+                kv.as_ref(),
+                &encoder_cache,
+                &multimodal,
+            )?;
             move |scheduler: Mailbox<SchedulerMsg>, kv_sender| {
                 let scheduler =
                     SchedulerHandle::new(scheduler.with_capacity(mailbox_capacity), call_timeout)
@@ -505,16 +610,19 @@ impl Instance {
                 let admission = Arc::new(tokio::sync::Semaphore::new(max_concurrent));
                 let peer = kv.as_ref().map(|kv| {
                     let sweep = (kv.settings.lease / 8).max(Duration::from_millis(10));
-                    let service = Arc::new(PeerService::new(
-                        kv.clone(),
-                        scheduler.clone(),
-                        kv_sender,
-                        admission.clone(),
-                        PromptLimits {
-                            vocab_size,
-                            max_model_len,
-                        },
-                    ));
+                    let service = Arc::new(
+                        PeerService::new(
+                            kv.clone(),
+                            scheduler.clone(),
+                            kv_sender,
+                            admission.clone(),
+                            PromptLimits {
+                                vocab_size,
+                                max_model_len,
+                            },
+                        )
+                        .with_images(images.clone()),
+                    );
                     service.expire_reads_every(sweep);
                     service
                 });
@@ -542,6 +650,8 @@ impl Instance {
                     vision: vision.clone(),
                     multimodal: multimodal.clone(),
                     encoder_cache: encoder_cache.clone(),
+                    encoder: encoder.clone(),
+                    images: images.clone(),
                 })
             }
         };

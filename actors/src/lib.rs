@@ -14,10 +14,12 @@
 //! | [`openai`] | OpenAI request parsing and response shapes (pure) |
 //! | [`tools`] | chat tool calling: tools in the prompt, forced calls, calls parsed (pure) |
 //! | [`multimodal`] | image input: limits, `data:` URLs, encoding, the prompt's image places |
+//! | [`encode`] | encoder disaggregation: encode instances, the encoder protocol, fetching embeddings |
 //! | [`block_manager`], [`kv_events`] | re-exported from `pdserve-core` (the block pool, the KV events) |
 //! | [`mailbox`], [`timers`], [`error`] | shared pieces: counted addresses, timers that end with their actor, errors |
 
 pub mod control_plane;
+pub mod encode;
 pub mod error;
 pub mod handoff;
 pub mod http;

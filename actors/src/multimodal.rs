@@ -81,7 +81,7 @@ pub enum MultimodalError {
     },
     /// A decode instance asked to drive its prefill instance itself (pdserve's proxy,
     /// `do_remote_prefill` without block ids): the peer protocol carries no images yet.
-    #[error("images with a decode instance that drives its prefill instance (pdserve's one-hop P/D: do_remote_prefill without remote_block_ids) are not supported yet: the peer protocol carries token ids only. Send image requests to a colocated instance, or through vLLM's two hops (do_remote_decode to prefill, then its kv_transfer_params to decode)")]
+    #[error("images with a decode instance that drives its prefill instance (pdserve's one-hop P/D: do_remote_prefill without remote_block_ids) need an encode instance holding them (ec_transfer_params.encoder_url; `pdserve launch --encode N` or role = \"encode\"): the peer protocol carries images by reference. Or send image requests to a colocated instance, or through vLLM's two hops (do_remote_decode to prefill, then its kv_transfer_params to decode)")]
     NotColocated,
     /// Images with completions' `prompt`, or a prompt form that carries none.
     #[error("{0}")]

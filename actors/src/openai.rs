@@ -97,6 +97,38 @@ pub struct ParsedRequest {
     /// Chat's `image_url` parts (their `url`), in prompt order; each left an
     /// [`IMAGE_MARKER`] in its message's text. Empty for text.
     pub images: Vec<String>,
+    /// pdserve's `ec_transfer_params` (E/P/D): the encode instance holding this request's
+    /// images (set by the proxy); the instance takes their embeddings from there.
+    pub ec_transfer_params: Option<EcTransferParams>,
+}
+
+/// `ec_transfer_params`: where a request's image embeddings are (encoder disaggregation).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EcTransferParams {
+    /// The encode instance's URL (`http://host:port` or `https://...`).
+    pub encoder_url: String,
+}
+
+/// Longest `ec_transfer_params.encoder_url`, in bytes.
+pub const MAX_ENCODER_URL_BYTES: usize = 1024;
+
+fn ec_params(v: Option<Value>) -> Result<Option<EcTransferParams>, RequestError> {
+    let Some(v) = v else { return Ok(None) };
+    let p =
+        EcTransferParams::deserialize(&v).map_err(|e| bad(format!("`ec_transfer_params`: {e}")))?;
+    let url = &p.encoder_url;
+    if url.len() > MAX_ENCODER_URL_BYTES
+        || !(url.starts_with("http://") || url.starts_with("https://"))
+        || url.contains(char::is_whitespace)
+    {
+        return Err(bad(format!(
+            "`ec_transfer_params.encoder_url` must be an http:// or https:// URL of at most {MAX_ENCODER_URL_BYTES} bytes"
+        )));
+    }
+    Ok(Some(EcTransferParams {
+        encoder_url: url.trim_end_matches('/').to_string(),
+    }))
 }
 
 /// Most choices (`n`) one request may ask for.
@@ -147,6 +179,8 @@ struct RawRequest {
     stream_options: Option<Lenient<Object<StreamOptions>>>,
     /// Passed through untouched; read by [`kv_directive`].
     kv_transfer_params: Option<Value>,
+    /// Read by [`ec_params`].
+    ec_transfer_params: Option<Value>,
     return_token_ids: Option<Lenient<bool>>,
     resume_tokens: Option<Lenient<Vec<u32>>>,
 }
@@ -642,6 +676,12 @@ pub fn parse_value(v: &Value, chat: bool) -> Result<ParsedRequest, RequestError>
         Some(Err(_)) => return Err(bad("`stream_options` must be an object")),
     };
     let kv_transfer_params = raw.kv_transfer_params;
+    let ec_transfer_params = ec_params(raw.ec_transfer_params)?;
+    if ec_transfer_params.is_some() && images.is_empty() {
+        return Err(bad(
+            "`ec_transfer_params` names an encoder for a request without images",
+        ));
+    }
     let return_token_ids = opt_bool(raw.return_token_ids, "return_token_ids")?;
     let resume_tokens = token_list(
         raw.resume_tokens,
@@ -684,6 +724,7 @@ pub fn parse_value(v: &Value, chat: bool) -> Result<ParsedRequest, RequestError>
         echo,
         tools,
         images,
+        ec_transfer_params,
     })
 }
 

@@ -24,6 +24,7 @@
 //! connection closed and register again, static instances are polled again.
 
 pub mod control;
+pub mod encode;
 pub mod forward;
 mod messages;
 pub mod registry;
@@ -153,6 +154,9 @@ impl Actor for Proxy {
         args.decode
             .iter()
             .for_each(|u| registry.add(Role::Decode, u.trim_end_matches('/')));
+        args.encode
+            .iter()
+            .for_each(|u| registry.add(Role::Encode, u.trim_end_matches('/')));
         let state = Arc::new(ProxyState {
             registry: Mutex::new(registry),
             rr: RoundRobin::default(),

@@ -1250,6 +1250,7 @@ impl SchedulerState {
             }
         }
         let (prompt, params) = (request.prompt.clone(), request.params.clone());
+        let images = crate::encode::image_refs(&request.images);
         let may_prefill_here = matches!(source, KvSource::Drive { .. });
         let admitted = self.core.add_remote(request, may_prefill_here);
         match admitted {
@@ -1284,6 +1285,7 @@ impl SchedulerState {
                     cached_blocks,
                     prompt,
                     params,
+                    images,
                     reply: FetchReply::new(move |outcome| {
                         me.tell(
                             ActorKind::Scheduler,

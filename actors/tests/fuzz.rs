@@ -139,6 +139,15 @@ fn logit_bias_in_range(biases: &[LogitBias]) -> bool {
 fn request_bounds(req: &PeerRequest) -> Result<(), String> {
     match req {
         PeerRequest::Renew(ids) => bound("Renew ids", ids.len(), MAX_RENEW_IDS),
+        PeerRequest::PrefillImages(p) => {
+            bound(
+                "images",
+                p.images.len(),
+                pdserve_actors::handoff::protocol::MAX_PROMPT_IMAGES,
+            )?;
+            bound("encoder_url", p.encoder_url.len(), MAX_NAME_BYTES)?;
+            request_bounds(&PeerRequest::Prefill(p.prefill.clone()))
+        }
         PeerRequest::Prefill(p) => {
             bound("prompt", p.prompt.len(), MAX_PROMPT_TOKENS)?;
             bound("stop strings", p.sampling.stop.len(), MAX_STOP_STRINGS)?;

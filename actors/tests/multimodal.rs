@@ -290,11 +290,20 @@ async fn bad_image_input_is_refused_with_a_400_naming_it() {
 /// A prefill (`p-`) or decode (`d-`) instance of the synthetic VLM on the `local` transfer
 /// backend, reached over the HTTP carrier of the peer protocol (no cluster credentials).
 async fn pd_instance(name: &str) -> Instance {
+    on_backend(name, BackendKind::Local, false).await
+}
+
+use pdserve_transport::BackendKind;
+
+/// An instance of the synthetic VLM with a transfer engine on `backend` (an encode instance
+/// with `encode`); a decode instance always drives its prefill remotely.
+async fn on_backend(name: &str, backend: BackendKind, encode: bool) -> Instance {
     start(name, VLM, |o| {
-        o.transfer = Some(pdserve_transport::TransferConfig::new(
-            pdserve_transport::BackendKind::Local,
-            name,
-        ));
+        o.transfer = Some(pdserve_transport::TransferConfig::new(backend, name));
+        o.encode = encode;
+        o.min_remote_prompt_tokens = 0;
+        o.multimodal.encoder_hold_slots = 4;
+        o.kv_lease = std::time::Duration::from_secs(5);
     })
     .await
 }
@@ -352,7 +361,7 @@ async fn prefill_decode_with_images_equals_colocated() {
         v["error"]["message"]
             .as_str()
             .unwrap()
-            .contains("peer protocol carries token ids only"),
+            .contains("need an encode instance holding them"),
         "{v}"
     );
     assert_pool_full(&p).await;
@@ -399,4 +408,364 @@ async fn kv_tiers_restore_image_blocks_by_the_images_digest() {
     assert_eq!(cached, (prompt - 1) / 16 * 16, "{v}");
     assert_pool_full(&inst).await;
     inst.stop().await;
+}
+
+/// `POST /v1/encode` on an encode instance: the images' digests.
+async fn encode_on(encoder: &str, body: &Value) -> Vec<String> {
+    let (status, v) = post_to(encoder, "/v1/encode", body).await;
+    assert_eq!(status, 200, "{v}");
+    v["images"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["digest"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// `body` as the proxy sends it on after the encode hop.
+fn with_encoder(body: &Value, encoder: &str) -> Value {
+    let mut b = body.clone();
+    b["ec_transfer_params"] = json!({"encoder_url": encoder});
+    b
+}
+
+/// `body` as the proxy sends it to a decode instance that drives `prefill` (one hop).
+fn driving(body: &Value, prefill: &Instance) -> Value {
+    let mut b = body.clone();
+    let port = prefill
+        .url()
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .parse::<u16>()
+        .unwrap();
+    b["kv_transfer_params"] =
+        json!({"do_remote_prefill": true, "remote_host": "127.0.0.1", "remote_port": port});
+    b
+}
+
+async fn encoder_figures(encoder: &str) -> Value {
+    common::get_json(encoder, "/v1/encoder").await
+}
+
+/// Images the encoder caches of `encoders` hold, together.
+async fn cached_images(encoders: &[String]) -> u64 {
+    let mut n = 0;
+    for e in encoders {
+        n += encoder_figures(e).await["cache"]["images"]
+            .as_u64()
+            .unwrap();
+    }
+    n
+}
+
+/// The correctness oracle for encoder disaggregation: on every transfer backend, greedy
+/// tokens are the same colocated, E+PD (the colocated instance takes the embeddings from the
+/// encode instance) and E+P+D (decode drives prefill, which takes them from the encoder by
+/// reference), for one image and for two; each image is encoded once, later turns hit the
+/// encoder cache, and every pool and hold slot is free afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn encode_prefill_decode_equals_colocated_on_every_transport() {
+    let bodies = [
+        chat(&[image_part(&data_url("image/png", &png(40, 30, 21)))]),
+        chat(&[
+            image_part(&data_url("image/png", &png(32, 32, 22))),
+            image_part(&data_url("image/jpeg", &jpeg(20, 28, 23))),
+        ]),
+    ];
+    let colocated = start("epd-ref", VLM, |_| {}).await;
+    let mut want = Vec::new();
+    for b in &bodies {
+        want.push(token_ids(&ok(&colocated.url(), b).await));
+    }
+    colocated.stop().await;
+
+    for backend in [BackendKind::Local, BackendKind::Shm, BackendKind::Tcp] {
+        let tag = backend.as_str();
+        let e = on_backend(&format!("e-{tag}"), backend, true).await;
+        let pd = on_backend(&format!("pd-{tag}"), backend, false).await;
+        let p = on_backend(&format!("p-{tag}"), backend, false).await;
+        let d = on_backend(&format!("d-{tag}"), backend, false).await;
+        let mut holds = 0;
+        for (i, b) in bodies.iter().enumerate() {
+            let digests = encode_on(&e.url(), b).await;
+            assert_eq!(digests.len(), i + 1);
+            // E+PD.
+            let got = ok(&pd.url(), &with_encoder(b, &e.url())).await;
+            assert_eq!(token_ids(&got), want[i], "{tag} E+PD request {i}: {got}");
+            // E+P+D: the decode instance takes the embeddings too (it may prefill a short
+            // suffix itself), and the prefill instance takes them by reference.
+            let got = ok(&d.url(), &driving(&with_encoder(b, &e.url()), &p)).await;
+            assert_eq!(token_ids(&got), want[i], "{tag} E+P+D request {i}: {got}");
+            holds += 3;
+        }
+        let f = encoder_figures(&e.url()).await;
+        assert_eq!(f["hold_slots"]["served"], holds, "{tag}: {f}");
+        assert_eq!(f["hold_slots"]["used"], 0, "{tag}: {f}");
+        assert_eq!(f["cache"]["images"], 3, "{tag}: {f}");
+        // A later turn with the same image: the encoder finds it in its cache, and the
+        // instances in theirs (no new hold).
+        encode_on(&e.url(), &bodies[0]).await;
+        let got = ok(&pd.url(), &with_encoder(&bodies[0], &e.url())).await;
+        assert_eq!(token_ids(&got), want[0], "{tag}: {got}");
+        let f = encoder_figures(&e.url()).await;
+        assert_eq!(f["cache"]["images"], 3, "{tag}: {f}");
+        assert_eq!(f["hold_slots"]["served"], holds, "{tag}: {f}");
+        for inst in [&e, &pd, &p, &d] {
+            assert_pool_full(inst).await;
+        }
+        for inst in [e, pd, p, d] {
+            inst.stop().await;
+        }
+    }
+}
+
+/// An encode instance that is gone by the time the prompt's instance asks for the
+/// embeddings: a 502 naming the encoder (kind `encoder_failed`), on the colocated instance
+/// and through decode → prefill; nothing is held afterwards and every instance serves the
+/// next request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_encoder_is_a_clear_error_and_nothing_leaks() {
+    let body = chat(&[image_part(&data_url("image/png", &png(36, 24, 31)))]);
+    let e = on_backend("e-dead", BackendKind::Tcp, true).await;
+    let pd = on_backend("pd-dead", BackendKind::Tcp, false).await;
+    let p = on_backend("p-dead", BackendKind::Tcp, false).await;
+    let d = on_backend("d-dead", BackendKind::Tcp, false).await;
+    let url = e.url();
+    encode_on(&url, &body).await;
+    e.stop().await;
+
+    let (status, v) = post_to(
+        &pd.url(),
+        "/v1/chat/completions",
+        &with_encoder(&body, &url),
+    )
+    .await;
+    assert_eq!(status, 502, "{v}");
+    assert_eq!(v["error"]["type"], "encoder_failed", "{v}");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(msg.contains(&url) && msg.contains("unreachable"), "{v}");
+
+    let (status, v) = post_to(
+        &d.url(),
+        "/v1/chat/completions",
+        &driving(&with_encoder(&body, &url), &p),
+    )
+    .await;
+    assert_eq!(status, 502, "{v}");
+    // The decode instance cannot take the embeddings either: it fails before the hand-off.
+    assert_eq!(v["error"]["type"], "encoder_failed", "{v}");
+
+    // A malformed encoder URL is the client's error.
+    let mut bad = body.clone();
+    bad["ec_transfer_params"] = json!({"encoder_url": "ftp://x"});
+    let (status, v) = post_to(&pd.url(), "/v1/chat/completions", &bad).await;
+    assert_eq!(status, 400, "{v}");
+    let mut bad = chat(&[]);
+    bad["ec_transfer_params"] = json!({"encoder_url": url});
+    let (status, v) = post_to(&pd.url(), "/v1/chat/completions", &bad).await;
+    assert_eq!(status, 400, "{v}");
+
+    // Every instance still serves, and holds nothing.
+    let want = token_ids(&ok(&pd.url(), &body).await);
+    assert_eq!(token_ids(&ok(&d.url(), &body).await), want);
+    for inst in [&pd, &p, &d] {
+        assert_pool_full(inst).await;
+    }
+    for inst in [pd, p, d] {
+        inst.stop().await;
+    }
+}
+
+/// The encoder protocol refuses what it cannot serve, by name: garbage frames, images it
+/// does not hold, more images than its hold slots, a hold before a session on a keyed
+/// backend; a hold nobody releases ends with its lease; and `/v1/encode` refuses bad images
+/// with the colocated instance's 400s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_encoder_protocol_refuses_hostile_requests() {
+    use pdserve_actors::encode::protocol::{
+        decode_answer, encode_request, EcAnswer, EcRequest, EncoderError,
+    };
+    use pdserve_runtime::ids::TransferId;
+    let e = start("e-hostile", VLM, |o| {
+        o.transfer = Some(pdserve_transport::TransferConfig::new(
+            BackendKind::Tcp,
+            "e-hostile",
+        ));
+        o.encode = true;
+        o.multimodal.encoder_hold_slots = 2;
+        o.multimodal.max_images_per_request = 3;
+        o.kv_lease = std::time::Duration::from_millis(300);
+    })
+    .await;
+    let client = pdserve_actors::http::http_client().build().unwrap();
+    let call = |body: Vec<u8>| {
+        let (client, url) = (client.clone(), e.url());
+        async move {
+            let r = client
+                .post(format!("{url}/v1/ec/peer"))
+                .body(body)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+            decode_answer(&r.bytes().await.unwrap()).unwrap()
+        }
+    };
+    let failed = |a: EcAnswer| match a {
+        EcAnswer::Failed(e) => e,
+        other => panic!("expected a failure, got {other:?}"),
+    };
+    assert!(matches!(
+        failed(call(vec![0xff; 40]).await),
+        EncoderError::Protocol(_)
+    ));
+    let images: Vec<Value> = (0..3)
+        .map(|i| image_part(&data_url("image/png", &png(16, 16, 40 + i))))
+        .collect();
+    let digests: Vec<[u8; 32]> = encode_on(&e.url(), &chat(&images))
+        .await
+        .iter()
+        .map(|h| {
+            let b: Vec<u8> = (0..32)
+                .map(|i| u8::from_str_radix(&h[2 * i..2 * i + 2], 16).unwrap())
+                .collect();
+            b.try_into().unwrap()
+        })
+        .collect();
+    let hold = |digests: Vec<[u8; 32]>| {
+        encode_request(&EcRequest::Hold {
+            hold: TransferId::new_random(),
+            initiator: "reader".into(),
+            digests,
+        })
+        .unwrap()
+    };
+    // No session yet on a keyed backend.
+    let err = failed(call(hold(digests[..1].to_vec())).await);
+    assert!(err.to_string().contains("no transfer session"), "{err}");
+    let open = encode_request(&EcRequest::OpenSession {
+        initiator: "reader".into(),
+        fresh: true,
+    })
+    .unwrap();
+    assert!(matches!(call(open).await, EcAnswer::Session(_)));
+    // An image it never saw.
+    let err = failed(call(hold(vec![[9; 32]])).await);
+    assert!(matches!(err, EncoderError::NotCached(_)), "{err}");
+    // More images than slots: refused whole, nothing taken.
+    let err = failed(call(hold(digests.clone())).await);
+    assert!(matches!(err, EncoderError::Overloaded(_)), "{err}");
+    // Two held and never released: the lease frees the slots.
+    assert!(matches!(
+        call(hold(digests[..2].to_vec())).await,
+        EcAnswer::Held(_)
+    ));
+    assert_eq!(encoder_figures(&e.url()).await["hold_slots"]["used"], 2);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while encoder_figures(&e.url()).await["hold_slots"]["used"] != 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the lease never ended"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    // Bad images at /v1/encode: the same 400s as a colocated instance.
+    let (status, v) = post_to(
+        &e.url(),
+        "/v1/encode",
+        &chat(&[image_part("data:image/png;base64,!!!")]),
+    )
+    .await;
+    assert_eq!(status, 400, "{v}");
+    let (status, v) = post_to(&e.url(), "/v1/encode", &chat(&[])).await;
+    assert_eq!(status, 400, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("no images"),
+        "{v}"
+    );
+    // A colocated instance is no encoder.
+    let (status, v) = post_to(
+        &on_backend("pd-hostile", BackendKind::Tcp, false)
+            .await
+            .url(),
+        "/v1/encode",
+        &chat(&images[..1]),
+    )
+    .await;
+    assert_eq!(status, 400, "{v}");
+    assert_pool_full(&e).await;
+    e.stop().await;
+}
+
+/// The proxy's three hops: a request with images goes to an encode instance first, then
+/// decode drives prefill with the images by reference; the answer equals colocated, the same
+/// image goes to the same encoder again (its cache hit), a bad image is the encoder's 400,
+/// and a text request does not touch the encoders.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_proxy_routes_images_through_an_encoder() {
+    let bodies = [
+        chat(&[image_part(&data_url("image/png", &png(40, 30, 51)))]),
+        chat(&[image_part(&data_url("image/jpeg", &jpeg(24, 24, 52)))]),
+    ];
+    let colocated = start("px-ref", VLM, |_| {}).await;
+    let mut want = Vec::new();
+    for b in &bodies {
+        want.push(token_ids(&ok(&colocated.url(), b).await));
+    }
+    let text_want = token_ids(&ok(&colocated.url(), &chat(&[])).await);
+    colocated.stop().await;
+
+    let e0 = on_backend("px-e0", BackendKind::Tcp, true).await;
+    let e1 = on_backend("px-e1", BackendKind::Tcp, true).await;
+    let p = on_backend("px-p", BackendKind::Tcp, false).await;
+    let d = on_backend("px-d", BackendKind::Tcp, false).await;
+    let mut args = pdserve_actors::proxy::ProxyArgs::new(
+        "127.0.0.1:0".parse().unwrap(),
+        vec![p.url()],
+        vec![d.url()],
+    );
+    args.encode = vec![e0.url(), e1.url()];
+    let proxy = pdserve_actors::proxy::start_proxy("px-epd", args)
+        .await
+        .unwrap();
+    let url = format!("http://{}", proxy.addr);
+    for (b, want) in bodies.iter().zip(&want) {
+        let got = ok(&url, b).await;
+        assert_eq!(&token_ids(&got), want, "{got}");
+    }
+    let held = |f: &Value| f["hold_slots"]["served"].as_u64().unwrap();
+    let before = [
+        held(&encoder_figures(&e0.url()).await),
+        held(&encoder_figures(&e1.url()).await),
+    ];
+    assert!(before.iter().sum::<u64>() >= 2, "{before:?}");
+    // The first image again goes to the encoder that holds it: its cache answers, no new
+    // encoder learns it.
+    let encoders = [e0.url(), e1.url()];
+    let images_before = cached_images(&encoders).await;
+    let got = ok(&url, &bodies[0]).await;
+    assert_eq!(token_ids(&got), want[0]);
+    let images_after = cached_images(&encoders).await;
+    assert_eq!(images_after, images_before);
+    // Text skips the encoders.
+    assert_eq!(token_ids(&ok(&url, &chat(&[])).await), text_want);
+    // A bad image is the encoder's 400, passed on.
+    let (status, v) = post_to(
+        &url,
+        "/v1/chat/completions",
+        &chat(&[image_part("data:image/gif;base64,R0lGODlhAQABAAAAACw=")]),
+    )
+    .await;
+    assert_eq!(status, 400, "{v}");
+    for inst in [&e0, &e1, &p, &d] {
+        assert_pool_full(inst).await;
+    }
+    proxy.stop().await;
+    for inst in [e0, e1, p, d] {
+        inst.stop().await;
+    }
 }

@@ -907,6 +907,7 @@ async fn an_abort_that_overtakes_its_prompt_refuses_the_prompt() {
         prompt: (1..40).collect(),
         params: pdserve_gpu::sampling::SamplingParams::greedy(1),
         push: false,
+        images: Vec::new(),
     };
     let gone = pdserve_runtime::ids::TransferId::new_random();
     assert!(
@@ -1225,7 +1226,7 @@ async fn unresponsive_peer(like: KvPeerInfo) -> (String, std::net::TcpListener) 
                 Ok(PeerRequest::Renew(_)) => PeerAnswer::Renewed { unknown: vec![] },
                 Ok(PeerRequest::Release(_)) => PeerAnswer::Released { was_held: true },
                 Ok(PeerRequest::Abort(_)) => PeerAnswer::Aborted { found: true },
-                Ok(PeerRequest::Placement(_)) => {
+                Ok(PeerRequest::Placement(_) | PeerRequest::PrefillImages(_)) => {
                     PeerAnswer::Failed(HandoffError::NotSupported("stand-in".into()))
                 }
                 Err(e) => PeerAnswer::Failed(e),

@@ -274,15 +274,16 @@ impl Deployment {
                 );
             }
         }
-        if let Some(n) = self
-            .nodes
-            .iter()
-            .find(|n| !matches!(n.role, Role::Proxy | Role::Prefill | Role::Decode))
-        {
+        if let Some(n) = self.nodes.iter().find(|n| {
+            !matches!(
+                n.role,
+                Role::Proxy | Role::Prefill | Role::Decode | Role::Encode
+            )
+        }) {
             return invalid(
                 "node.role",
                 format!(
-                    "node `{}`: role must be proxy, prefill or decode, got `{}`",
+                    "node `{}`: role must be proxy, prefill, decode or encode, got `{}`",
                     n.name, n.role
                 ),
             );

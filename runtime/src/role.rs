@@ -35,11 +35,15 @@ pub enum Role {
     Proxy,
     /// Tools, tests and benchmarks (`pdserve inspect`); never serves.
     Other,
+    /// Runs a vision-language model's image encoder and hands the embeddings to the
+    /// instances that compute prompts (E/P/D). Last, so earlier variants keep their archived
+    /// tags.
+    Encode,
 }
 
 impl Role {
     /// The roles a serving instance can take.
-    pub const INSTANCE: [Role; 3] = [Role::Colocated, Role::Prefill, Role::Decode];
+    pub const INSTANCE: [Role; 4] = [Role::Colocated, Role::Prefill, Role::Decode, Role::Encode];
 
     /// The lowercase name used in config, logs and `inspect`.
     pub fn as_str(self) -> &'static str {
@@ -49,10 +53,12 @@ impl Role {
             Self::Decode => "decode",
             Self::Proxy => "proxy",
             Self::Other => "other",
+            Self::Encode => "encode",
         }
     }
 
-    /// Whether a serving instance can take this role (`colocated`, `prefill`, `decode`).
+    /// Whether a serving instance can take this role (`colocated`, `prefill`, `decode`,
+    /// `encode`).
     pub fn is_instance(self) -> bool {
         Self::INSTANCE.contains(&self)
     }
@@ -61,6 +67,12 @@ impl Role {
     /// transfer engine).
     pub fn disaggregated(self) -> bool {
         matches!(self, Self::Prefill | Self::Decode)
+    }
+
+    /// Whether an instance of this role needs a transfer engine: the P/D roles, and
+    /// `encode` (its image embeddings move over it).
+    pub fn transfers(self) -> bool {
+        self.disaggregated() || self == Self::Encode
     }
 }
 
@@ -72,7 +84,7 @@ impl fmt::Display for Role {
 
 /// A string that names no role.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown role `{0}` (expected colocated, prefill, decode or proxy)")]
+#[error("unknown role `{0}` (expected colocated, prefill, decode, encode or proxy)")]
 pub struct UnknownRole(pub String);
 
 impl FromStr for Role {
@@ -85,6 +97,7 @@ impl FromStr for Role {
             "decode" => Ok(Self::Decode),
             "proxy" => Ok(Self::Proxy),
             "other" => Ok(Self::Other),
+            "encode" => Ok(Self::Encode),
             other => Err(UnknownRole(other.to_string())),
         }
     }
@@ -102,6 +115,7 @@ mod tests {
             Role::Decode,
             Role::Proxy,
             Role::Other,
+            Role::Encode,
         ] {
             assert_eq!(r.as_str().parse::<Role>().unwrap(), r);
             let json = serde_json::to_string(&r).unwrap();

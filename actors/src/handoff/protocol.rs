@@ -257,7 +257,37 @@ pub enum PeerRequest {
     /// [`KvPlacement`], with its IPC handles only when it verified the asker as a process on
     /// its own host and GPU. Appended last and boxed (see the module doc).
     Placement(Box<PlacementAsk>),
+    /// A prompt with images (a vision-language model): as [`PeerRequest::Prefill`], the
+    /// images' embeddings taken from the encode instance that holds them. Answered
+    /// [`PeerAnswer::Prefilled`]. Appended last and boxed (see the module doc).
+    PrefillImages(Box<PrefillWithImages>),
 }
+
+/// One image of a prompt, by reference: its rows replace the prompt's tokens
+/// `at .. at + rows`.
+#[derive(Clone, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct ImageRef {
+    /// Prompt position of its first row.
+    pub at: u32,
+    /// Its digest ([`pdserve_gpu::vision::ImageDigest`]).
+    pub digest: [u8; 32],
+    /// Its rows.
+    pub rows: u32,
+}
+
+/// [`PeerRequest::PrefillImages`]'s body.
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct PrefillWithImages {
+    /// The prompt and its hand-off, as for a text prompt.
+    pub prefill: PrefillRequest,
+    /// Its images, in prompt order.
+    pub images: Vec<ImageRef>,
+    /// The encode instance that holds their embeddings.
+    pub encoder_url: String,
+}
+
+/// Most images one prompt of the peer protocol carries.
+pub const MAX_PROMPT_IMAGES: usize = 64;
 
 impl PeerRequest {
     /// The variant's name, for logs and errors.
@@ -265,6 +295,7 @@ impl PeerRequest {
         match self {
             Self::Info => "Info",
             Self::Prefill(_) => "Prefill",
+            Self::PrefillImages(_) => "PrefillImages",
             Self::Renew(_) => "Renew",
             Self::Release(_) => "Release",
             Self::Abort(_) => "Abort",
@@ -428,66 +459,16 @@ impl PeerRequest {
         match self {
             Self::Info | Self::Release(_) | Self::Abort(_) => Ok(()),
             Self::Renew(ids) => bound("Renew ids", ids.len(), MAX_RENEW_IDS),
-            Self::Prefill(p) => {
-                bound("Prefill prompt tokens", p.prompt.len(), MAX_PROMPT_TOKENS)?;
-                if let PrefillMode::Push {
-                    peer,
-                    block_ids,
-                    session,
-                } = &p.mode
-                {
-                    peer.validate_bounds()?;
-                    bound("Prefill push blocks", block_ids.len(), MAX_HANDOFF_BLOCKS)?;
-                    if let Some(s) = session {
-                        bound(
-                            "session transfer_addr bytes",
-                            s.transfer_addr.len(),
-                            MAX_NAME_BYTES,
-                        )?;
-                    }
-                }
+            Self::PrefillImages(p) => {
+                bound("PrefillImages images", p.images.len(), MAX_PROMPT_IMAGES)?;
                 bound(
-                    "stop strings",
-                    p.sampling.stop.len(),
-                    pdserve_gpu::sampling::MAX_STOP_STRINGS,
+                    "PrefillImages encoder_url bytes",
+                    p.encoder_url.len(),
+                    MAX_NAME_BYTES,
                 )?;
-                bound(
-                    "stop_token_ids",
-                    p.sampling.stop_token_ids.len(),
-                    pdserve_gpu::sampling::MAX_STOP_TOKEN_IDS,
-                )?;
-                for (what, n) in [
-                    ("logprobs", p.sampling.logprobs),
-                    ("prompt_logprobs", p.sampling.prompt_logprobs),
-                ] {
-                    bound(what, n.unwrap_or(0) as usize, MAX_LOGPROBS as usize)?;
-                }
-                bound(
-                    "logit_bias",
-                    p.sampling.logit_bias.len(),
-                    pdserve_gpu::sampling::MAX_LOGIT_BIAS_ENTRIES,
-                )?;
-                // Ids are checked against the vocabulary by `validate_prefill`.
-                let limit = pdserve_gpu::sampling::MAX_LOGIT_BIAS;
-                if let Some(b) = p
-                    .sampling
-                    .logit_bias
-                    .iter()
-                    .find(|b| !(-limit..=limit).contains(&b.bias))
-                {
-                    return Err(HandoffError::Protocol(format!(
-                        "logit_bias {} of token {} is outside [-{limit}, {limit}]",
-                        b.bias, b.token
-                    )));
-                }
-                // Structured output: the grammar's size and choices (compiled, with its own
-                // limits, only by the Scheduler that runs the prompt).
-                if let Some(g) = &p.sampling.grammar {
-                    g.validate()
-                        .map_err(|e| HandoffError::Protocol(format!("grammar: {e}")))?;
-                }
-                Ok(())
+                prefill_bounds(&p.prefill)
             }
+            Self::Prefill(p) => prefill_bounds(p),
             Self::OpenSession { initiator, .. } | Self::OpenRead { initiator, .. } => {
                 bound("initiator bytes", initiator.len(), MAX_NAME_BYTES)
             }
@@ -497,6 +478,68 @@ impl PeerRequest {
             }
         }
     }
+}
+
+/// The bounds of a prompt's hand-off request (see [`PeerRequest::validate`]).
+fn prefill_bounds(p: &PrefillRequest) -> Result<(), HandoffError> {
+    bound("Prefill prompt tokens", p.prompt.len(), MAX_PROMPT_TOKENS)?;
+    if let PrefillMode::Push {
+        peer,
+        block_ids,
+        session,
+    } = &p.mode
+    {
+        peer.validate_bounds()?;
+        bound("Prefill push blocks", block_ids.len(), MAX_HANDOFF_BLOCKS)?;
+        if let Some(s) = session {
+            bound(
+                "session transfer_addr bytes",
+                s.transfer_addr.len(),
+                MAX_NAME_BYTES,
+            )?;
+        }
+    }
+    bound(
+        "stop strings",
+        p.sampling.stop.len(),
+        pdserve_gpu::sampling::MAX_STOP_STRINGS,
+    )?;
+    bound(
+        "stop_token_ids",
+        p.sampling.stop_token_ids.len(),
+        pdserve_gpu::sampling::MAX_STOP_TOKEN_IDS,
+    )?;
+    for (what, n) in [
+        ("logprobs", p.sampling.logprobs),
+        ("prompt_logprobs", p.sampling.prompt_logprobs),
+    ] {
+        bound(what, n.unwrap_or(0) as usize, MAX_LOGPROBS as usize)?;
+    }
+    bound(
+        "logit_bias",
+        p.sampling.logit_bias.len(),
+        pdserve_gpu::sampling::MAX_LOGIT_BIAS_ENTRIES,
+    )?;
+    // Ids are checked against the vocabulary by `validate_prefill`.
+    let limit = pdserve_gpu::sampling::MAX_LOGIT_BIAS;
+    if let Some(b) = p
+        .sampling
+        .logit_bias
+        .iter()
+        .find(|b| !(-limit..=limit).contains(&b.bias))
+    {
+        return Err(HandoffError::Protocol(format!(
+            "logit_bias {} of token {} is outside [-{limit}, {limit}]",
+            b.bias, b.token
+        )));
+    }
+    // Structured output: the grammar's size and choices (compiled, with its own
+    // limits, only by the Scheduler that runs the prompt).
+    if let Some(g) = &p.sampling.grammar {
+        g.validate()
+            .map_err(|e| HandoffError::Protocol(format!("grammar: {e}")))?;
+    }
+    Ok(())
 }
 
 impl PeerAnswer {

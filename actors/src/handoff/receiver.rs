@@ -69,6 +69,9 @@ pub enum KvSource {
         peer: PeerAddr,
         /// The hand-off.
         transfer: TransferId,
+        /// The encode instance holding the prompt's images' embeddings (E/P/D), which the
+        /// prefill instance takes them from.
+        encoder: Option<String>,
     },
 }
 
@@ -155,6 +158,9 @@ pub struct Fetch {
     pub prompt: Vec<u32>,
     /// The request's sampling (the prefill side samples T0 with it).
     pub params: SamplingParams,
+    /// The prompt's images by reference (sent with the prompt when the prefill instance
+    /// computes it: it takes their embeddings from the encoder in [`KvSource::Drive`]).
+    pub images: Vec<super::protocol::ImageRef>,
     /// Where the outcome goes.
     pub reply: FetchReply,
 }
@@ -331,6 +337,12 @@ fn check_first_logprobs(
 }
 
 /// Performs one hand-off's [`PullCore`] actions.
+/// A prompt's images as a hand-off it drives sends them: by reference, with the encoder.
+struct PromptImages {
+    refs: Vec<super::protocol::ImageRef>,
+    encoder: Option<String>,
+}
+
 #[derive(Clone)]
 struct Driver {
     kv: Arc<KvContext>,
@@ -346,9 +358,20 @@ impl Driver {
             cached_blocks,
             prompt,
             params,
+            images,
             reply,
         } = fetch;
         let transfer = source.transfer();
+        let images: Option<Arc<PromptImages>> = (!images.is_empty()).then(|| {
+            let encoder = match &source {
+                KvSource::Drive { encoder, .. } => encoder.clone(),
+                KvSource::Held { .. } => None,
+            };
+            Arc::new(PromptImages {
+                refs: images,
+                encoder,
+            })
+        });
         let peer = source.peer().clone();
         let mode = match &source {
             KvSource::Held { .. } => super::context::TransferMode::Pull,
@@ -404,6 +427,7 @@ impl Driver {
                         cached_blocks,
                         mode,
                         write_scope.clone(),
+                        images.clone(),
                     ))),
                     PullAction::Read { block_ids, lease } => {
                         let lease = lease.unwrap_or(self.kv.settings.lease);
@@ -583,6 +607,7 @@ impl Driver {
         cached_blocks: usize,
         mode: super::context::TransferMode,
         write_scope: WriteScope,
+        images: Option<Arc<PromptImages>>,
     ) -> (PullEvent, Option<PrefillAnswer>) {
         sampling.max_tokens = 1;
         let asked = sampling.logprobs;
@@ -624,13 +649,29 @@ impl Driver {
             }
         };
         let prompt_len = prompt.len();
-        let request = PeerRequest::Prefill(PrefillRequest {
+        let prefill = PrefillRequest {
             transfer,
             prompt,
             sampling,
             mode,
             cached_blocks: cached_blocks as u32,
-        });
+        };
+        let request = match images.as_deref() {
+            None => PeerRequest::Prefill(prefill),
+            Some(PromptImages { encoder: None, .. }) => {
+                return not_sent(HandoffError::NotSupported(
+                    "a prompt with images is prefilled remotely only with an encode instance holding them (ec_transfer_params.encoder_url)".into(),
+                ))
+            }
+            Some(PromptImages {
+                refs,
+                encoder: Some(url),
+            }) => PeerRequest::PrefillImages(Box::new(super::protocol::PrefillWithImages {
+                prefill,
+                images: refs.clone(),
+                encoder_url: url.clone(),
+            })),
+        };
         let within = self.kv.bounds().prefill;
         match self.kv.peers.call(&peer, &request, within).await {
             Ok(PeerAnswer::Prefilled(a)) => {

@@ -36,7 +36,7 @@ use super::aborts::RecentAborts;
 pub use super::aborts::ABORT_MEMORY;
 
 /// A prompt to run for a remote decode instance.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug)]
 pub struct PrefillJob {
     /// The hand-off.
     pub transfer: TransferId,
@@ -46,6 +46,8 @@ pub struct PrefillJob {
     pub params: SamplingParams,
     /// Whether each chunk's KV is pushed layer by layer as it is computed.
     pub push: bool,
+    /// The prompt's images (taken from an encode instance), in prompt order.
+    pub images: Vec<crate::scheduler::PromptImage>,
 }
 
 /// A prompt that ran: T0 and the blocks held for the transfer.
@@ -203,6 +205,7 @@ pub fn validate_prefill(
             push: target.is_some(),
             prompt,
             params,
+            images: Vec::new(),
         },
         target,
     })
@@ -217,6 +220,7 @@ pub struct PeerService<H> {
     limits: PromptLimits,
     aborted: Mutex<RecentAborts>,
     reads: Mutex<HashMap<TransferId, HeldRead>>,
+    images: Option<Arc<crate::encode::ImageResolver>>,
 }
 
 /// The read scope a reader opened on a pull hand-off's held blocks: fenced (dropped) when the
@@ -246,7 +250,15 @@ impl<H: PrefillHost> PeerService<H> {
             limits,
             aborted: Mutex::new(RecentAborts::default()),
             reads: Mutex::new(HashMap::new()),
+            images: None,
         }
+    }
+
+    /// Takes prompts with images ([`PeerRequest::PrefillImages`]) through `resolver`.
+    #[must_use]
+    pub fn with_images(mut self, resolver: Option<Arc<crate::encode::ImageResolver>>) -> Self {
+        self.images = resolver;
+        self
     }
 
     /// Fences the read scopes whose lease ended every `interval` (an eighth of the lease is
@@ -287,7 +299,14 @@ impl<H: PrefillHost> PeerService<H> {
         self.expire_reads(Instant::now());
         let answer = match request {
             PeerRequest::Info => Ok(PeerAnswer::Info(self.kv.info())),
-            PeerRequest::Prefill(req) => self.prefill(req, caller).await.map(PeerAnswer::Prefilled),
+            PeerRequest::Prefill(req) => self
+                .prefill(req, caller, Vec::new())
+                .await
+                .map(PeerAnswer::Prefilled),
+            PeerRequest::PrefillImages(p) => self
+                .prefill_images(*p, caller)
+                .await
+                .map(PeerAnswer::Prefilled),
             PeerRequest::Renew(ids) => self.renew(ids).await,
             PeerRequest::Release(t) => {
                 self.end_read(t);
@@ -415,21 +434,55 @@ impl<H: PrefillHost> PeerService<H> {
             .contains(transfer, Instant::now())
     }
 
+    /// A prompt with images: the references checked against the prompt, the embeddings
+    /// taken from our encoder cache or the encode instance named, then as a text prompt.
+    async fn prefill_images(
+        &self,
+        p: super::protocol::PrefillWithImages,
+        caller: Caller<'_>,
+    ) -> Result<PrefillAnswer, HandoffError> {
+        let resolver = self.images.as_ref().ok_or_else(|| {
+            HandoffError::NotSupported(
+                "this instance serves a text-only model (or has no transfer engine to take image embeddings with)".into(),
+            )
+        })?;
+        if self.recently_aborted(p.prefill.transfer) {
+            return Err(HandoffError::AlreadyAborted(p.prefill.transfer));
+        }
+        resolver.check_refs(&p.prefill.prompt, &p.images)?;
+        let digests: Vec<pdserve_gpu::vision::ImageDigest> = p
+            .images
+            .iter()
+            .map(|r| pdserve_gpu::vision::ImageDigest(r.digest))
+            .collect();
+        let embeds = resolver
+            .resolve(&p.encoder_url, &digests)
+            .await
+            .map_err(|e| HandoffError::PrefillFailed {
+                kind: "encoder_failed".into(),
+                message: format!("image embeddings from encoder {}: {e}", p.encoder_url),
+            })?;
+        let images = crate::encode::ImageResolver::place(&p.images, embeds);
+        self.prefill(p.prefill, caller, images).await
+    }
+
     async fn prefill(
         &self,
         req: PrefillRequest,
         caller: Caller<'_>,
+        images: Vec<crate::scheduler::PromptImage>,
     ) -> Result<PrefillAnswer, HandoffError> {
         let transfer = req.transfer;
         if self.recently_aborted(transfer) {
             return Err(HandoffError::AlreadyAborted(transfer));
         }
-        let valid = validate_prefill(
+        let mut valid = validate_prefill(
             req,
             self.limits,
             &self.kv.info(),
             self.kv.settings.block_size,
         )?;
+        valid.job.images = images;
         if let Some(target) = &valid.target {
             check_push_destination(target, caller)?;
         }

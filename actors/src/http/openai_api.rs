@@ -205,16 +205,6 @@ async fn prepare_images(
     let Some(tower) = app.vision.clone() else {
         return Err(MultimodalError::TextOnlyModel(app.model_name.clone()).into());
     };
-    // vLLM's two hops send both instances the whole request, images included: the prefill
-    // hop computes the prompt with the image rows, the decode hop keys its prefix cache by
-    // the same digests and decodes unchanged. A decode instance that drives its prefill
-    // itself sends the peer protocol token ids only: refused until that carries images.
-    if app.kv.is_some() {
-        let directive = openai::kv_directive(req.kv_transfer_params.as_ref(), app.tls.scheme())?;
-        if matches!(directive, KvDirective::DriveRemote { .. }) {
-            return Err(MultimodalError::NotColocated.into());
-        }
-    }
     let cfg = app.multimodal.clone();
     if urls.len() > cfg.max_images_per_request {
         return Err(MultimodalError::TooManyImages {
@@ -223,10 +213,73 @@ async fn prepare_images(
         }
         .into());
     }
+    // E/P/D: the embeddings come from the encode instance the proxy named.
+    if let Some(ec) = &req.ec_transfer_params {
+        return fetch_images(app, tower, cfg, &ec.encoder_url, urls).await;
+    }
+    // vLLM's two hops send both instances the whole request, images included: the prefill
+    // hop computes the prompt with the image rows, the decode hop keys its prefix cache by
+    // the same digests and decodes unchanged. A decode instance that drives its prefill
+    // itself sends the images by reference, so it needs an encode instance holding them.
+    if app.kv.is_some() {
+        let directive = openai::kv_directive(req.kv_transfer_params.as_ref(), app.tls.scheme())?;
+        if matches!(directive, KvDirective::DriveRemote { .. }) {
+            return Err(MultimodalError::NotColocated.into());
+        }
+    }
     let cache = app.encoder_cache.clone();
     tokio::task::spawn_blocking(move || multimodal::encode_images(&tower, &cfg, &cache, &urls))
         .await
         .map_err(|e| RequestError::Internal(format!("image encoding: {e}")))?
+}
+
+/// A request's images taken from the encode instance at `encoder`: each URL checked as for
+/// encoding, the images' digests computed (off the async threads), the embeddings taken from
+/// this instance's encoder cache or that encoder. An image the encoder no longer holds (its
+/// cache evicted it since `POST /v1/encode`) is encoded here instead.
+async fn fetch_images(
+    app: &Arc<AppState>,
+    tower: Arc<pdserve_gpu::vision::VisionTower>,
+    cfg: pdserve_runtime::config::MultimodalSection,
+    encoder: &str,
+    urls: Vec<String>,
+) -> Result<Vec<Arc<ImageEmbeds>>, RequestError> {
+    let Some(resolver) = app.images.clone() else {
+        return Err(RequestError::BadRequest(
+            "ec_transfer_params: this instance has no transfer engine to take image embeddings with (configure [transfer])".into(),
+        ));
+    };
+    let limits = multimodal::image_limits(&cfg);
+    let settings = tower.config().preprocessing_key();
+    let checked = urls.clone();
+    let digests = tokio::task::spawn_blocking(move || {
+        checked
+            .iter()
+            .enumerate()
+            .map(|(i, u)| {
+                multimodal::data_url_bytes(i, u, limits.max_bytes)
+                    .map(|b| pdserve_gpu::vision::ImageDigest::of(&settings, &b))
+            })
+            .collect::<Result<Vec<_>, _>>()
+    })
+    .await
+    .map_err(|e| RequestError::Internal(format!("image digests: {e}")))??;
+    match resolver.resolve(encoder, &digests).await {
+        Ok(embeds) => Ok(embeds),
+        Err(crate::encode::EncoderError::NotCached(digest)) => {
+            tracing::info!(%encoder, %digest, "the encoder no longer holds an image: encoding here");
+            let cache = app.encoder_cache.clone();
+            tokio::task::spawn_blocking(move || {
+                multimodal::encode_images(&tower, &cfg, &cache, &urls)
+            })
+            .await
+            .map_err(|e| RequestError::Internal(format!("image encoding: {e}")))?
+        }
+        Err(error) => Err(RequestError::Encoder {
+            encoder: encoder.to_string(),
+            error,
+        }),
+    }
 }
 
 /// Starts the `n` choices of one prompt of `req`: their events and the answer's metadata (for
@@ -414,7 +467,18 @@ async fn start_prompt(
                     .peers
                     .addr_of(&peer.url, peer.control, peer.engine_id.as_deref());
                 tracing::info!(request = %id, %transfer, prefill = %peer, "remote prefill");
-                scheduler.submit_remote(request, KvSource::Drive { peer, transfer })?
+                let encoder = req
+                    .ec_transfer_params
+                    .as_ref()
+                    .map(|e| e.encoder_url.clone());
+                scheduler.submit_remote(
+                    request,
+                    KvSource::Drive {
+                        peer,
+                        transfer,
+                        encoder,
+                    },
+                )?
             }
         }
         (_, None) => unreachable!("checked above: kv_transfer_params need a KV engine"),

@@ -64,6 +64,11 @@ pub struct AppState {
     pub multimodal: pdserve_runtime::config::MultimodalSection,
     /// Image embeddings by image digest (`multimodal.encoder_cache_bytes`).
     pub encoder_cache: Arc<crate::multimodal::EncoderCache>,
+    /// An encode instance's protocol service (`instance.role = "encode"`).
+    pub encoder: Option<Arc<crate::encode::EncoderService>>,
+    /// Takes image embeddings from encode instances (a vision-language model with a transfer
+    /// engine).
+    pub images: Option<Arc<crate::encode::ImageResolver>>,
 }
 
 impl AppState {

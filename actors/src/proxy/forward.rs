@@ -212,13 +212,38 @@ async fn admitted(s: Arc<ProxyState>, body: Bytes, chat: bool, arrived: Instant)
     // The proxy owns these fields: client-supplied ones have no effect.
     if let Some(o) = request.as_object_mut() {
         o.remove("kv_transfer_params");
+        o.remove("ec_transfer_params");
         o.remove("resume_tokens");
     }
     let stream = parsed.stream;
     let client_token_ids = parsed.return_token_ids;
     let choices = parsed.n;
     let prompts = 1 + parsed.more_prompts.len();
+    let images = parsed.images.clone();
     let prompt = prompt_info(&s, parsed).await;
+    // E/P/D: images go to an encode instance first; the instance computing the prompt takes
+    // their embeddings from it.
+    let mut tried_encode = Vec::new();
+    let encoder = if images.is_empty() {
+        None
+    } else {
+        match super::encode::hop(&s, &request, &images, &mut tried_encode).await {
+            Ok(e) => e,
+            Err(r) => {
+                outcome("encode_failed");
+                return r;
+            }
+        }
+    };
+    if let Some(e) = &encoder {
+        if let Err(e) = set_field(
+            &mut request,
+            "ec_transfer_params",
+            json!({"encoder_url": e}),
+        ) {
+            return ApiError(e).into_response();
+        }
+    }
     let picked = route_with(
         &s.registry(),
         s.max_prefill_queue,
@@ -237,6 +262,14 @@ async fn admitted(s: Arc<ProxyState>, body: Bytes, chat: bool, arrived: Instant)
             tracing::info!(decode = %decode.url, prefill_queue, "prefilling on decode: the prefill queue is over the threshold");
             metrics::counter!(m::LOCAL_PREFILLS_TOTAL, m::LABEL_REASON => "prefill_queue")
                 .increment(1);
+            outcome("local_prefill");
+            (decode, None)
+        }
+        Ok(Route::Disaggregated { decode, .. }) if !images.is_empty() && encoder.is_none() => {
+            // A prefill instance takes images by reference from an encoder only: without
+            // one, the decode instance encodes and prefills them itself.
+            tracing::info!(decode = %decode.url, "prefilling on decode: images and no encode instance");
+            metrics::counter!(m::LOCAL_PREFILLS_TOTAL, m::LABEL_REASON => "images").increment(1);
             outcome("local_prefill");
             (decode, None)
         }
@@ -270,6 +303,9 @@ async fn admitted(s: Arc<ProxyState>, body: Bytes, chat: bool, arrived: Instant)
         tried_prefill: Vec::new(),
         migrations: 0,
         prefill_retried: false,
+        images,
+        tried_encode,
+        encode_retried: false,
     };
     let started = job.start(decode, prefill, &[]).await;
     let (resp, decode, prefill) = match started {
@@ -339,6 +375,12 @@ struct Job {
     migrations: u32,
     /// Whether the prefill retry was used.
     prefill_retried: bool,
+    /// The request's images (their URLs), for the encode hop.
+    images: Vec<String>,
+    /// Encode instances that failed this request.
+    tried_encode: Vec<String>,
+    /// Whether the encode hop was run again after an instance failed to take the embeddings.
+    encode_retried: bool,
 }
 
 /// The `type` of an OpenAI error body, if `body` is one.
@@ -610,9 +652,10 @@ impl Job {
             if status == 200 {
                 return Ok((resp, decode, prefill));
             }
-            // 503: another decode instance may take it; 502 of a non-streamed request: the
-            // hand-off may have failed (a stream reports that in its body).
-            let decide = status == 503 || (status == 502 && !self.stream);
+            // 503: another decode instance may take it; 502: the encoder failed (before
+            // anything streamed), or, for a non-streamed request, the hand-off may have
+            // failed (a stream reports that in its body).
+            let decide = status == 503 || status == 502;
             if !decide {
                 return Ok((resp, decode, prefill));
             }
@@ -627,7 +670,38 @@ impl Job {
                     decode = next;
                     continue;
                 }
-            } else if kind == "kv_transfer_failed" {
+            } else if kind == "encoder_failed" && !self.encode_retried {
+                // The encoder that held the images failed them: encode again elsewhere.
+                self.encode_retried = true;
+                if let Some(o) = self.request.as_object_mut() {
+                    if let Some(url) = o.remove("ec_transfer_params").and_then(|p| {
+                        p.get("encoder_url")
+                            .and_then(Value::as_str)
+                            .map(String::from)
+                    }) {
+                        self.tried_encode.push(url);
+                    }
+                }
+                let images = self.images.clone();
+                let mut tried = std::mem::take(&mut self.tried_encode);
+                let next = super::encode::hop(&self.s, &self.request, &images, &mut tried).await;
+                self.tried_encode = tried;
+                match next {
+                    Ok(Some(e)) => {
+                        tracing::info!(encoder = %e, "an instance could not take the embeddings: encoded again");
+                        if let Err(e) = set_field(
+                            &mut self.request,
+                            "ec_transfer_params",
+                            json!({"encoder_url": e}),
+                        ) {
+                            return Err(ApiError(e).into_response());
+                        }
+                        continue;
+                    }
+                    Ok(None) => {}
+                    Err(r) => return Err(r),
+                }
+            } else if kind == "kv_transfer_failed" && !self.stream {
                 if let Some(next) = self.prefill_failed(prefill.as_ref()) {
                     prefill = next;
                     continue;

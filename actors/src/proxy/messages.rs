@@ -23,6 +23,8 @@ pub struct ProxyArgs {
     pub prefill: Vec<String>,
     /// Decode instance URLs.
     pub decode: Vec<String>,
+    /// Static encode instances (E/P/D): requests with images go to one of them first.
+    pub encode: Vec<String>,
     /// Bound on each upstream call.
     pub timeout: Duration,
     /// Conditional disaggregation: when the least-loaded prefill instance has more requests
@@ -67,6 +69,7 @@ impl ProxyArgs {
             bind,
             prefill,
             decode,
+            encode: Vec::new(),
             timeout: Duration::from_secs(d.timeout_s),
             max_prefill_queue: d.max_prefill_queue,
             max_concurrent_requests: d.max_concurrent_requests,

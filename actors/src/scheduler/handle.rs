@@ -307,7 +307,7 @@ impl PrefillHost for SchedulerHandle {
             push: job.push,
             resume: Vec::new(),
             constraint,
-            images: Vec::new(),
+            images: job.images,
         };
         let mut events = self.submit(request).map_err(|e| match e {
             RequestError::Overloaded(m) => HandoffError::Overloaded(m),
@@ -426,6 +426,7 @@ mod tests {
             prompt: vec![1, 2, 3],
             params: SamplingParams::default(),
             push: false,
+            images: Vec::new(),
         }
     }
 

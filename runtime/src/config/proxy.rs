@@ -50,6 +50,8 @@ pub struct ProxySection {
     pub prefill: Vec<String>,
     /// Static decode instances.
     pub decode: Vec<String>,
+    /// Static encode instances (E/P/D): requests with images go to one of them first.
+    pub encode: Vec<String>,
     /// Bound on each upstream call, in seconds.
     pub timeout_s: u64,
     /// Conditional disaggregation: when the least-loaded prefill instance has more requests
@@ -218,6 +220,7 @@ impl Default for ProxySection {
             port: 8000,
             prefill: Vec::new(),
             decode: Vec::new(),
+            encode: Vec::new(),
             timeout_s: 600,
             max_prefill_queue: None,
             max_concurrent_requests: 1024,

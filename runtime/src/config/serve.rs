@@ -49,6 +49,9 @@ pub struct MultimodalSection {
     /// Bytes of image embeddings the encoder cache keeps (by image digest, least recently
     /// used evicted first); 0 turns it off. At most 16 GiB.
     pub encoder_cache_bytes: u64,
+    /// An encode instance's hold slots (1..=4096): images whose embeddings wait, under a
+    /// lease, for the instance computing the prompt to read them over the transfer engine.
+    pub encoder_hold_slots: usize,
 }
 
 impl Default for MultimodalSection {
@@ -59,6 +62,7 @@ impl Default for MultimodalSection {
             max_image_width: 4096,
             max_image_height: 4096,
             encoder_cache_bytes: 64 << 20,
+            encoder_hold_slots: 64,
         }
     }
 }
@@ -81,6 +85,15 @@ impl MultimodalSection {
                 format!(
                     "multimodal.max_image_bytes must be 1..=67108864 (64 MiB), got {}",
                     self.max_image_bytes
+                ),
+            ));
+        }
+        if !(1..=4096).contains(&self.encoder_hold_slots) {
+            return Some((
+                "multimodal.encoder_hold_slots",
+                format!(
+                    "multimodal.encoder_hold_slots must be 1..=4096, got {}",
+                    self.encoder_hold_slots
                 ),
             ));
         }

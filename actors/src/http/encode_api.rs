@@ -1,0 +1,137 @@
+//! The encode instance's routes (E/P/D, `instance.role = "encode"`):
+//!
+//! - `POST /v1/encode`: a chat request (the client's, as the proxy forwards it). Its images
+//!   are checked against `[multimodal]`'s limits, encoded (or found in the encoder cache by
+//!   digest) and kept in the encoder cache for the instances that compute the prompt to take.
+//!   Answered `200` with each image's digest and rows, in request order; every bad image is a
+//!   `400` naming it, as on a colocated instance.
+//! - `POST /v1/ec/peer`: one request of the encoder protocol
+//!   ([`crate::encode::protocol`]), as an rkyv frame, answered `200` with the rkyv frame of
+//!   its answer (a failure included, in-band). Without `server.api_key`, only from loopback
+//!   peers: it hands out transfer-session keys.
+//! - `GET /v1/encoder`: the encoder's figures (cache, hold slots) as JSON, for `inspect`.
+
+use super::error::ApiError;
+use super::state::AppState;
+use crate::encode::protocol::{decode_request, encode_answer, EcAnswer, EC_CONTENT_TYPE};
+use crate::error::RequestError;
+use crate::handoff::Caller;
+use crate::multimodal::{self, MultimodalError};
+use crate::openai;
+use axum::body::Bytes;
+use axum::extract::{ConnectInfo, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::json;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+fn not_encoder() -> ApiError {
+    ApiError(RequestError::BadRequest(
+        "this is not an encode instance (instance.role = \"encode\" serves POST /v1/encode and the encoder protocol)".into(),
+    ))
+}
+
+pub(super) async fn encode(State(app): State<Arc<AppState>>, body: Bytes) -> Response {
+    run(app, body)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn run(app: Arc<AppState>, body: Bytes) -> Result<Response, ApiError> {
+    let (Some(service), Some(tower)) = (app.encoder.clone(), app.vision.clone()) else {
+        return Err(not_encoder());
+    };
+    let mut req = openai::parse_request(&body, true)?;
+    drop(body);
+    if let Some(m) = &req.model {
+        if !app.serves_model(m) {
+            return Err(RequestError::UnknownModel(m.clone()).into());
+        }
+    }
+    let urls = std::mem::take(&mut req.images);
+    if urls.is_empty() {
+        return Err(RequestError::BadRequest(
+            "the request has no images (image_url parts) to encode".into(),
+        )
+        .into());
+    }
+    let cfg = app.multimodal.clone();
+    if urls.len() > cfg.max_images_per_request {
+        return Err(RequestError::from(MultimodalError::TooManyImages {
+            count: urls.len(),
+            max: cfg.max_images_per_request,
+        })
+        .into());
+    }
+    let _permit = app.admit()?;
+    let started = std::time::Instant::now();
+    let cache = service.cache().clone();
+    let embeds =
+        tokio::task::spawn_blocking(move || multimodal::encode_images(&tower, &cfg, &cache, &urls))
+            .await
+            .map_err(|e| RequestError::Internal(format!("image encoding: {e}")))??;
+    let images: Vec<_> = embeds
+        .iter()
+        .map(|e| {
+            json!({
+                "digest": e.digest.0.iter().map(|b| format!("{b:02x}")).collect::<String>(),
+                "rows": e.rows,
+            })
+        })
+        .collect();
+    Ok(Json(json!({
+        "object": "encoding",
+        "model": app.model_name,
+        "images": images,
+        "seconds": started.elapsed().as_secs_f64(),
+    }))
+    .into_response())
+}
+
+pub(super) async fn peer(
+    State(app): State<Arc<AppState>>,
+    ConnectInfo(from): ConnectInfo<SocketAddr>,
+    body: Bytes,
+) -> Response {
+    let Some(service) = app.encoder.clone() else {
+        return not_encoder().into_response();
+    };
+    if app.api_key.is_none() && !from.ip().is_loopback() {
+        return ApiError(RequestError::Forbidden(
+            "without server.api_key, POST /v1/ec/peer is taken from loopback peers only: give the cluster a key (server.api_key)".into(),
+        ))
+        .into_response();
+    }
+    let caller = Caller {
+        node: None,
+        ip: Some(from.ip()),
+    };
+    let answer = match decode_request(&body) {
+        Ok(request) => service.handle(request, caller),
+        Err(e) => EcAnswer::Failed(e),
+    };
+    match encode_answer(&answer) {
+        Ok(bytes) => (StatusCode::OK, [("content-type", EC_CONTENT_TYPE)], bytes).into_response(),
+        Err(e) => ApiError(RequestError::Internal(e.to_string())).into_response(),
+    }
+}
+
+pub(super) async fn figures(State(app): State<Arc<AppState>>) -> Response {
+    let Some(service) = app.encoder.clone() else {
+        return not_encoder().into_response();
+    };
+    let cache = service.cache().figures();
+    let holds = service.figures();
+    let info = service.info();
+    Json(json!({
+        "engine_id": info.engine_id,
+        "model": info.model,
+        "backend": info.backend,
+        "rows_per_image": info.rows,
+        "cache": {"images": cache.entries, "bytes": cache.bytes},
+        "hold_slots": holds,
+    }))
+    .into_response()
+}

@@ -155,6 +155,8 @@ pub(crate) struct InspectSource {
     pub(crate) kv_scheme: Option<crate::kv_events::HashScheme>,
     /// The KV cache tiers, when on.
     pub(crate) tiers: Option<Arc<crate::kv_tiers::KvTiers>>,
+    /// An encode instance's encoder.
+    pub(crate) encoder: Option<Arc<crate::encode::EncoderService>>,
 }
 
 /// KV hand-off figures of an instance (zeros without a transfer engine).
@@ -202,6 +204,16 @@ impl InspectSource {
                 .as_ref()
                 .map(|t| t.figures().snapshots())
                 .unwrap_or_default(),
+            encoder: self.encoder.as_ref().map(|e| {
+                let (cache, holds) = (e.cache().figures(), e.figures());
+                pdserve_runtime::supervision::EncoderSnapshot {
+                    cache_images: cache.entries as u64,
+                    cache_bytes: cache.bytes as u64,
+                    hold_slots: holds.slots as u64,
+                    hold_slots_used: holds.used as u64,
+                    holds_served: holds.served,
+                }
+            }),
             actors,
         })
     }

@@ -744,6 +744,7 @@ impl Instance {
                     scheduler: scheduler.clone(),
                     kv: kv.clone(),
                     peer: app.as_ref().and_then(|a| a.peer.clone()),
+                    encoder: app.as_ref().and_then(|a| a.encoder.clone()),
                     kv_scheme: opts.prefix_cache.then_some(crate::kv_events::HashScheme {
                         block_size: opts.block_size,
                         salt: cache_salt,

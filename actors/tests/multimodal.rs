@@ -764,8 +764,39 @@ async fn the_proxy_routes_images_through_an_encoder() {
     for inst in [&e0, &e1, &p, &d] {
         assert_pool_full(inst).await;
     }
+    // The encoder the first image goes to dies: the proxy encodes on the other one.
+    let upstream = |u: String| pdserve_core::router::Upstream {
+        url: u,
+        host_port: None,
+        role: pdserve_runtime::Role::Encode,
+        load: None,
+        control: None,
+    };
+    let image_url = bodies[0]["messages"][0]["content"][1]["image_url"]["url"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let first = pdserve_actors::proxy::encode::order(
+        encoders.iter().cloned().map(upstream).collect(),
+        &[image_url],
+    )[0]
+    .url
+    .clone();
+    let (dead, alive) = if first == e0.url() {
+        (e0, e1)
+    } else {
+        (e1, e0)
+    };
+    dead.stop().await;
+    let got = ok(&url, &bodies[0]).await;
+    assert_eq!(token_ids(&got), want[0], "{got}");
+    let metrics = common::get_text(&url, "/metrics").await;
+    assert!(
+        metrics.contains("pdserve_proxy_encode_total{outcome=\"failed\"}"),
+        "{metrics}"
+    );
     proxy.stop().await;
-    for inst in [e0, e1, p, d] {
+    for inst in [alive, p, d] {
         inst.stop().await;
     }
 }

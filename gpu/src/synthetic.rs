@@ -11,7 +11,9 @@
 //! shape — 32×32 images, 4×4 patches, 64-wide features, 2 layers, 4 heads, pixel shuffle 2,
 //! so an image is 16 decoder positions — whose image placeholder token is id 259 (the first
 //! id past the byte-level tokenizer's). Its weights are random: it tests every path of image
-//! input, it describes no image.
+//! input, it describes no image. `vision_size`, `vision_patch`, `vision_hidden` and
+//! `vision_layers` change the tower's shape (a heavier encoder for benchmarks: 224, 16, 384
+//! and 6 make an image 49 positions of a few GFLOP, closer to SmolVLM's tower).
 
 use crate::config::{ModelConfig, RopeScaling, RopeStyle};
 use crate::vision::VisionConfig;
@@ -76,6 +78,7 @@ impl SyntheticSpec {
         };
         let mut seed = 42;
         let mut vision = false;
+        let (mut v_size, mut v_patch, mut v_hidden, mut v_layers) = (32, 4, 64, 2);
         for kv in parts {
             let (k, v) = kv.split_once('=').ok_or_else(|| {
                 ModelError::BadMetadata(format!("synthetic option `{kv}` is not key=value"))
@@ -95,6 +98,10 @@ impl SyntheticSpec {
                 "seed" => seed = n as u64,
                 "bias" => c.qkv_bias = n != 0,
                 "vision" => vision = n != 0,
+                "vision_size" => v_size = n,
+                "vision_patch" => v_patch = n,
+                "vision_hidden" => v_hidden = n,
+                "vision_layers" => v_layers = n,
                 other => {
                     return Err(ModelError::BadMetadata(format!(
                         "unknown synthetic option `{other}`"
@@ -115,12 +122,12 @@ impl SyntheticSpec {
                 ));
             }
             let v = VisionConfig {
-                image_size: 32,
-                patch_size: 4,
-                hidden_size: 64,
-                num_layers: 2,
+                image_size: v_size,
+                patch_size: v_patch,
+                hidden_size: v_hidden,
+                num_layers: v_layers,
                 num_heads: 4,
-                intermediate_size: 128,
+                intermediate_size: 2 * v_hidden,
                 layer_norm_eps: 1e-6,
                 scale_factor: 2,
                 text_hidden_size: c.hidden_size,

@@ -399,9 +399,39 @@ pub struct InstanceSnapshot {
     /// one without device KV (always the host path).
     #[serde(default)]
     pub kv_paths: Vec<KvPathSnapshot>,
+    /// An encode instance's encoder (E/P/D): its cache and hold slots.
+    #[serde(default)]
+    pub encoder: Option<EncoderSnapshot>,
     /// The root of the supervision tree.
     #[rkyv(with = ActorTree)]
     pub actors: ActorSnapshot,
+}
+
+/// An encode instance's encoder, as `pdserve inspect` shows it.
+#[derive(
+    Serialize,
+    Deserialize,
+    Clone,
+    Debug,
+    PartialEq,
+    Eq,
+    Default,
+    rkyv::Archive,
+    rkyv::Serialize,
+    rkyv::Deserialize,
+)]
+pub struct EncoderSnapshot {
+    /// Images in its encoder cache.
+    pub cache_images: u64,
+    /// Bytes of their embeddings.
+    pub cache_bytes: u64,
+    /// Hold slots (`multimodal.encoder_hold_slots`).
+    pub hold_slots: u64,
+    /// Of those, held for readers now.
+    pub hold_slots_used: u64,
+    /// Holds handed out since the instance started (each one request's images, read by the
+    /// instance computing its prompt).
+    pub holds_served: u64,
 }
 
 /// One KV cache tier of an instance, as `pdserve inspect` shows it.
@@ -867,6 +897,17 @@ pub fn render_tree(snap: &InstanceSnapshot, color: bool) -> String {
         }
         out.push('\n');
     }
+    if let Some(e) = &snap.encoder {
+        let _ = writeln!(
+            out,
+            "  encoder cache_images={} cache={} hold_slots={}/{} holds_served={}",
+            e.cache_images,
+            format_bytes(e.cache_bytes),
+            e.hold_slots_used,
+            e.hold_slots,
+            e.holds_served,
+        );
+    }
     for t in &snap.kv_tiers {
         let _ = writeln!(
             out,
@@ -1259,6 +1300,7 @@ mod tests {
                 bytes_written: 4 << 20,
                 bytes_read: 2 << 20,
             }],
+            encoder: None,
             actors: root,
         }
     }
@@ -1429,6 +1471,21 @@ instance-0 [InstanceSupervisor] running restarts=0 mailbox=0 up 12.3s
         let got = render_tree(&sample(), false);
         assert_eq!(got, expected, "\n{got}");
         assert!(!got.contains('\x1b'));
+        // An encode instance adds its encoder's line after the KV paths.
+        let mut encode = sample();
+        encode.encoder = Some(EncoderSnapshot {
+            cache_images: 3,
+            cache_bytes: 3 << 20,
+            hold_slots: 64,
+            hold_slots_used: 2,
+            holds_served: 9,
+        });
+        let got = render_tree(&encode, false);
+        let line = "  encoder cache_images=3 cache=3.0MiB hold_slots=2/64 holds_served=9\n";
+        assert!(
+            got.contains(&format!("other_gpu (rank 0))\n{line}  kv_tier")),
+            "\n{got}"
+        );
     }
 
     #[test]

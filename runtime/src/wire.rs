@@ -695,6 +695,10 @@ mod tests {
                 blocks: 1,
                 ..TierSnapshot::default()
             }],
+            encoder: Some(crate::supervision::EncoderSnapshot {
+                cache_images: 2,
+                ..Default::default()
+            }),
             actors: tree(),
         }
     }

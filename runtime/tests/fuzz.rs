@@ -454,6 +454,7 @@ fn sample_snapshot() -> InstanceSnapshot {
         handoff_bytes_skipped: 1 << 20,
         kv_tiers: Vec::new(),
         kv_paths: Vec::new(),
+        encoder: None,
         actors: actor(
             "decode-0",
             "InstanceSupervisor",

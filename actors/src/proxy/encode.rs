@@ -27,7 +27,7 @@ pub const PROXY_ENCODE_TOTAL: &str = "pdserve_proxy_encode_total";
 pub const PROXY_ENCODE_SECONDS: &str = "pdserve_proxy_encode_seconds";
 
 /// `encoders` in the order this request's `images` try them (highest rendezvous score first).
-pub(super) fn order(mut encoders: Vec<Upstream>, images: &[String]) -> Vec<Upstream> {
+pub fn order(mut encoders: Vec<Upstream>, images: &[String]) -> Vec<Upstream> {
     let mut key = xxhash_rust::xxh3::Xxh3::new();
     for i in images {
         key.update(&(i.len() as u64).to_le_bytes());

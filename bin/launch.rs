@@ -43,6 +43,10 @@ pub struct LaunchArgs {
     /// `default`, a GGUF file, an HF directory, or `synthetic:NAME`.
     #[arg(long, default_value = "default")]
     model: String,
+    /// A vision-language model's vision tower for every instance (`model.mmproj`): an
+    /// `mmproj` GGUF beside the decoder's GGUF.
+    #[arg(long)]
+    mmproj: Option<String>,
     /// Names every instance serves the model under (one or more aliases, as vLLM's flag;
     /// each instance's `model.name`): requests naming any of them are routed and accepted.
     #[arg(long, num_args = 1..)]
@@ -403,6 +407,8 @@ async fn stop_all(members: &mut [Member], drain: Duration) {
 /// How instances of the launched cluster are started.
 struct InstanceTemplate {
     model: String,
+    /// `--mmproj` of every instance.
+    mmproj: Option<String>,
     /// `--served-model-name` of every instance (empty: the model's own name).
     served_model_name: Vec<String>,
     tp: usize,
@@ -459,6 +465,11 @@ impl InstanceTemplate {
         .chain(
             self.no_prefix_cache
                 .then(|| "--no-prefix-cache".to_string()),
+        )
+        .chain(
+            self.mmproj
+                .iter()
+                .flat_map(|m| ["--mmproj".to_string(), m.clone()]),
         )
         .chain((!self.served_model_name.is_empty()).then(|| "--served-model-name".to_string()))
         .chain(self.served_model_name.iter().cloned())
@@ -652,6 +663,7 @@ pub fn run(args: LaunchArgs) -> Result<()> {
         // child binds it.
         let template = InstanceTemplate {
             model: args.model.clone(),
+            mmproj: args.mmproj.clone(),
             served_model_name: args.served_model_name.clone(),
             tp: args.tp,
             transport: args.transport.clone(),
@@ -818,7 +830,10 @@ async fn run_in_process(args: LaunchArgs, threads: usize, creds: &LaunchCredenti
         (Role::Encode, args.encode),
     ] {
         for i in 0..count {
-            let model = tokio::task::block_in_place(|| load_model(&source))?;
+            let mut model = tokio::task::block_in_place(|| load_model(&source))?;
+            if let Some(path) = &args.mmproj {
+                pdserve_gpu::mmproj::attach_mmproj(&mut model, std::path::Path::new(path))?;
+            }
             let name = format!("{role}-{i}");
             let mut o = InstanceOptions::local(&name, model);
             o.tp = args.tp;

@@ -236,6 +236,10 @@ struct ServeArgs {
     /// `model.source`: default, a GGUF file, an HF directory, or synthetic:NAME.
     #[arg(long)]
     model: Option<String>,
+    /// `model.mmproj`: a vision-language model's vision tower, an `mmproj` GGUF beside the
+    /// decoder's GGUF.
+    #[arg(long)]
+    mmproj: Option<String>,
     /// `model.name`: the names the API serves the model under (one or more aliases, as
     /// vLLM's flag; the first is the name responses carry).
     #[arg(long, num_args = 1..)]
@@ -1010,6 +1014,7 @@ fn serve(args: ServeArgs, log: Option<String>, log_format: Option<String>) -> Re
     }
     let flags = ServeFlags {
         model: args.model,
+        mmproj: args.mmproj,
         served_model_name: args.served_model_name,
         tp: args.tp,
         weights: args.weights,
@@ -1065,7 +1070,11 @@ fn run_instance(cfg: pdserve_runtime::config::ServeConfig, threads: Option<usize
     cuda::check_serving(&cfg)?;
     set_threads(threads);
     let source: ModelSource = cfg.model.source.parse().expect("infallible");
-    let model = load_model(&source).with_context(|| format!("loading model `{source}`"))?;
+    let mut model = load_model(&source).with_context(|| format!("loading model `{source}`"))?;
+    if let Some(path) = &cfg.model.mmproj {
+        pdserve_gpu::mmproj::attach_mmproj(&mut model, std::path::Path::new(path))
+            .with_context(|| format!("loading the vision tower `{path}` (model.mmproj)"))?;
+    }
     let opts = pdserve_actors::InstanceOptions::from_config(&cfg, model)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

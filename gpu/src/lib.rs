@@ -27,6 +27,7 @@ pub mod engine;
 pub mod generation;
 pub mod kv;
 pub mod loader;
+pub mod mmproj;
 pub(crate) mod loose;
 pub mod model;
 pub mod quant;

@@ -148,7 +148,9 @@ fn name_of(path: &Path) -> String {
 }
 
 /// A GGUF file's metadata and tensor table, and the reader positioned for its tensors.
-fn open_gguf(path: &Path) -> Result<(gguf_file::Content, std::io::BufReader<std::fs::File>)> {
+pub(crate) fn open_gguf(
+    path: &Path,
+) -> Result<(gguf_file::Content, std::io::BufReader<std::fs::File>)> {
     let corrupt = |reason: String| ModelError::Corrupt {
         path: path.to_path_buf(),
         reason,

@@ -389,6 +389,58 @@ pub fn write_gguf(spec: &SyntheticSpec, path: &std::path::Path, dtype: GgmlDType
     Ok(())
 }
 
+/// Writes a synthetic VLM's vision tower (`vision=1`) as an `mmproj` GGUF ([`crate::mmproj`]):
+/// the `clip.*` metadata of its shape, the image token under
+/// [`crate::mmproj::IMAGE_TOKEN_KEY`] (the synthetic vocabulary has no `<image>`), and its f32
+/// tensors — so a decoder GGUF from [`write_gguf`] plus this file load as the same VLM.
+///
+/// # Errors
+/// A spec without `vision=1`; I/O and tensor-library failures.
+pub fn write_mmproj(spec: &SyntheticSpec, path: &std::path::Path) -> Result<()> {
+    use candle_core::quantized::gguf_file::Value;
+    let (Some(v), Some(store)) = (&spec.vision, spec.build_vision()?) else {
+        return Err(ModelError::BadMetadata(
+            "an mmproj file needs a synthetic VLM (vision=1)".into(),
+        ));
+    };
+    let u = |n: usize| Value::U32(n as u32);
+    let floats = |f: [f32; 3]| Value::Array(f.iter().map(|x| Value::F32(*x)).collect());
+    let meta: Vec<(String, Value)> = vec![
+        ("general.architecture".into(), Value::String("clip".into())),
+        ("general.name".into(), Value::String(format!("{}#vision", spec.name))),
+        ("clip.projector_type".into(), Value::String(crate::mmproj::PROJECTOR_TYPE.into())),
+        ("clip.has_vision_encoder".into(), Value::Bool(true)),
+        ("clip.vision.image_size".into(), u(v.image_size)),
+        ("clip.vision.patch_size".into(), u(v.patch_size)),
+        ("clip.vision.embedding_length".into(), u(v.hidden_size)),
+        ("clip.vision.feed_forward_length".into(), u(v.intermediate_size)),
+        ("clip.vision.block_count".into(), u(v.num_layers)),
+        ("clip.vision.attention.head_count".into(), u(v.num_heads)),
+        (
+            "clip.vision.attention.layer_norm_epsilon".into(),
+            Value::F32(v.layer_norm_eps),
+        ),
+        ("clip.vision.image_mean".into(), floats(v.image_mean)),
+        ("clip.vision.image_std".into(), floats(v.image_std)),
+        ("clip.vision.projector.scale_factor".into(), u(v.scale_factor)),
+        (crate::mmproj::IMAGE_TOKEN_KEY.into(), Value::U32(v.image_token_id)),
+    ];
+    let mut names: Vec<&String> = store_names(&store);
+    names.sort();
+    let tensors: Vec<(String, QTensor)> = names
+        .into_iter()
+        .map(|name| {
+            let f = store.get(name)?.dequantize(&Device::Cpu)?;
+            Ok((name.clone(), QTensor::quantize(&f, GgmlDType::F32)?))
+        })
+        .collect::<Result<_>>()?;
+    let mut file = std::io::BufWriter::new(std::fs::File::create(path)?);
+    let meta_refs: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let tensor_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    candle_core::quantized::gguf_file::write(&mut file, &meta_refs, &tensor_refs)?;
+    Ok(())
+}
+
 fn store_names(store: &TensorStore) -> Vec<&String> {
     store.names().collect()
 }

@@ -291,3 +291,43 @@ fn measure_encoder_time() {
         );
     }
 }
+
+/// A decoder GGUF plus an `mmproj` GGUF beside it (llama.cpp's layout for a vision-language
+/// model) load as the same VLM as the in-memory synthetic one: the tower read from the file
+/// gives the same rows, bit for bit; files that do not fit are refused by name.
+#[test]
+fn an_mmproj_file_beside_the_decoder_loads_the_same_tower() {
+    use pdserve_gpu::mmproj::{attach_mmproj, load_mmproj};
+    use pdserve_gpu::synthetic::{write_gguf, write_mmproj, SyntheticSpec};
+    let dir = tempfile::tempdir().unwrap();
+    let spec = SyntheticSpec::parse(SPEC).unwrap();
+    let (decoder, mmproj) = (dir.path().join("vlm.gguf"), dir.path().join("mmproj.gguf"));
+    write_gguf(&spec, &decoder, candle_core::quantized::GgmlDType::F32).unwrap();
+    write_mmproj(&spec, &mmproj).unwrap();
+
+    let mut m = load_model(&ModelSource::Path(decoder.clone())).unwrap();
+    assert!(m.vision.is_none(), "a decoder GGUF alone is a text model");
+    attach_mmproj(&mut m, &mmproj).unwrap();
+    let loaded = m.vision.clone().unwrap();
+    let reference = synthetic_vlm().vision.unwrap();
+    assert_eq!(loaded.config(), reference.config());
+    for seed in [3, 4] {
+        let bytes = png(50, 38, seed);
+        let (a, b) = (encode(&loaded, &bytes), encode(&reference, &bytes));
+        assert_eq!(a.digest, b.digest);
+        assert_eq!(a.data, b.data, "image {seed}");
+    }
+    // Twice is refused; a decoder of another width does not fit the projector.
+    let err = attach_mmproj(&mut m, &mmproj).unwrap_err().to_string();
+    assert!(err.contains("has a vision tower already"), "{err}");
+    let other = load_model(&ModelSource::Synthetic("small,hidden=128".into())).unwrap();
+    let err = load_mmproj(&mmproj, &other.config, &other.tokenizer)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("mm.model.fc.weight"), "{err}");
+    // The decoder's GGUF is not an mmproj file.
+    let err = load_mmproj(&decoder, &m.config, &m.tokenizer)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("clip.projector_type"), "{err}");
+}

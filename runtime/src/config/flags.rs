@@ -16,6 +16,8 @@ use crate::role::Role;
 pub struct ServeFlags {
     /// `model.source`.
     pub model: Option<String>,
+    /// `model.mmproj`.
+    pub mmproj: Option<String>,
     /// `model.name` (aliases; empty: not set).
     pub served_model_name: Vec<String>,
     /// `model.tp`.
@@ -174,6 +176,8 @@ struct FlagsTransfer<'a> {
 struct FlagsModel<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     source: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    mmproj: Option<&'a str>,
     #[serde(skip_serializing_if = "<[String]>::is_empty")]
     name: &'a [String],
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -241,6 +245,7 @@ impl Serialize for ServeFlags {
         FlagsTree {
             model: FlagsModel {
                 source: self.model.as_deref(),
+                mmproj: self.mmproj.as_deref(),
                 name: &self.served_model_name,
                 weights: self.weights.as_deref(),
                 tp: self.tp,

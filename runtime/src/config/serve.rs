@@ -383,6 +383,10 @@ pub struct ModelConfig {
     /// `"synthetic:NAME"` (a seeded synthetic model for tests).
     #[serde(deserialize_with = "lenient::string")]
     pub source: String,
+    /// A vision-language model's vision tower: an `mmproj` GGUF beside the decoder's GGUF
+    /// (llama.cpp's layout; SmolVLM's `idefics3` projector). Unset: the model as loaded.
+    #[serde(deserialize_with = "lenient::opt_string")]
+    pub mmproj: Option<String>,
     /// The names the API serves the model under (vLLM's `--served-model-name`): one string
     /// or a list of aliases. The first is the primary name (`model` of every response); a
     /// request may name any of them or the model's own name. Empty: the model's own name.
@@ -406,6 +410,7 @@ impl Default for ModelConfig {
     fn default() -> Self {
         Self {
             source: DEFAULT_MODEL_SOURCE.into(),
+            mmproj: None,
             name: Vec::new(),
             weights: WeightFormat::Auto,
             tp: 1,

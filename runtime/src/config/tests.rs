@@ -1031,3 +1031,32 @@ fn kv_tiers_need_a_place_to_spill_to_and_the_prefix_cache() {
     let e = c.validate().unwrap_err().to_string();
     assert!(e.contains("kv_tiers.shared_url must be redis://"), "{e}");
 }
+
+/// `model.mmproj` and the E/P/D keys: from the file, the flag beats it; the role `encode`
+/// parses; `multimodal.encoder_hold_slots` is bounded by name.
+#[test]
+fn encoder_keys_parse_and_are_bounded() {
+    Jail::expect_with(|jail| {
+        jail.create_file(
+            "e.toml",
+            "[model]\nmmproj = \"/m/mmproj.gguf\"\n[instance]\nrole = \"encode\"\n[multimodal]\nencoder_hold_slots = 8\n",
+        )?;
+        let path = Path::new("e.toml");
+        let c = ServeConfig::load(Some(path), no_flags()).unwrap();
+        assert_eq!(c.model.mmproj.as_deref(), Some("/m/mmproj.gguf"));
+        assert_eq!(c.instance.role, Role::Encode);
+        assert_eq!(c.multimodal.encoder_hold_slots, 8);
+        let flags = ServeFlags {
+            mmproj: Some("other.gguf".into()),
+            ..Default::default()
+        };
+        let c = ServeConfig::load(Some(path), &flags).unwrap();
+        assert_eq!(c.model.mmproj.as_deref(), Some("other.gguf"));
+        jail.create_file("bad.toml", "[multimodal]\nencoder_hold_slots = 0\n")?;
+        let err = ServeConfig::load(Some(Path::new("bad.toml")), no_flags())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("multimodal.encoder_hold_slots"), "{err}");
+        Ok(())
+    });
+}

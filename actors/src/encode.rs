@@ -16,10 +16,12 @@
 //! ([`crate::handoff::protocol::PrefillWithImages`]); the prefill instance takes the
 //! embeddings from the encoder the same way. See `docs/multimodal.md`.
 
+pub mod actor;
 pub mod client;
 pub mod protocol;
 pub mod service;
 
+pub use actor::{VisionEncoder, VisionEncoderArgs, VisionEncoderHandle};
 pub use client::{EncoderClient, Expect};
 pub use protocol::EncoderError;
 pub use service::{EncoderService, EncoderSettings};

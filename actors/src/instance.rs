@@ -565,6 +565,11 @@ impl Instance {
             }
             None => None,
         };
+        // One encoder cache for the instance: a restarted HttpFrontend or VisionEncoder
+        // keeps it.
+        let encoder_cache = Arc::new(crate::multimodal::EncoderCache::new(
+            usize::try_from(opts.multimodal.encoder_cache_bytes).unwrap_or(usize::MAX),
+        ));
         let app_factory = {
             let (tokenizer, chat_template, model_name) = (
                 model.tokenizer.clone(),
@@ -585,10 +590,7 @@ impl Instance {
             let tls = opts.tls.clone();
             let grammar_tokenizer = model.tokenizer.clone();
             let (vision, multimodal) = (model.vision.clone(), opts.multimodal.clone());
-            // One cache for the instance: an HttpFrontend restarted keeps it.
-            let encoder_cache = Arc::new(crate::multimodal::EncoderCache::new(
-                usize::try_from(multimodal.encoder_cache_bytes).unwrap_or(usize::MAX),
-            ));
+            let encoder_cache = encoder_cache.clone();
             let (encoder, images) = image_services(
                 &opts.name,
                 opts.encode,
@@ -603,7 +605,7 @@ impl Instance {
                 &encoder_cache,
                 &multimodal,
             )?;
-            move |scheduler: Mailbox<SchedulerMsg>, kv_sender| {
+            move |scheduler: Mailbox<SchedulerMsg>, kv_sender, vision_encoder| {
                 let scheduler =
                     SchedulerHandle::new(scheduler.with_capacity(mailbox_capacity), call_timeout)
                         .with_tokenizer(grammar_tokenizer.clone());
@@ -649,9 +651,9 @@ impl Instance {
                     drain: tokio_util::sync::CancellationToken::new(),
                     vision: vision.clone(),
                     multimodal: multimodal.clone(),
-                    encoder_cache: encoder_cache.clone(),
                     encoder: encoder.clone(),
                     images: images.clone(),
+                    vision_encoder,
                 })
             }
         };
@@ -716,6 +718,14 @@ impl Instance {
             epochs,
             call_timeout: opts.call_timeout,
             tiers: tiers.clone(),
+            encoder: model
+                .vision
+                .clone()
+                .map(|tower| crate::encode::VisionEncoderArgs {
+                    tower,
+                    cfg: opts.multimodal.clone(),
+                    cache: encoder_cache.clone(),
+                }),
         };
         let (supervisor, join) = Mailbox::spawn(
             Some(format!("{}/supervisor", opts.name)),

@@ -116,12 +116,17 @@ async fn poll_forever(state: Arc<ProxyState>, client: reqwest::Client) {
             }
             registry.record(&url, load.map(|l| (l.waiting + l.running, l.blocks_free)));
         }
-        let (p, d) = {
+        let (p, d, e) = {
             let r = state.registry();
-            (r.alive(Role::Prefill).len(), r.alive(Role::Decode).len())
+            (
+                r.alive(Role::Prefill).len(),
+                r.alive(Role::Decode).len(),
+                r.alive(Role::Encode).len(),
+            )
         };
         metrics::gauge!(m::PROXY_INSTANCES, "role" => "prefill").set(p as f64);
         metrics::gauge!(m::PROXY_INSTANCES, "role" => "decode").set(d as f64);
+        metrics::gauge!(m::PROXY_INSTANCES, "role" => "encode").set(e as f64);
     }
 }
 

@@ -54,9 +54,16 @@ pub enum SupervisorMsg {
     Handles(RpcReplyPort<Handles>),
 }
 
-/// Builds the HTTP handlers' shared state once the Scheduler exists.
-pub type AppStateFactory =
-    Box<dyn FnOnce(Mailbox<SchedulerMsg>, Option<KvSenderHandle>) -> Arc<AppState> + Send>;
+/// Builds the HTTP handlers' shared state once the Scheduler (and the VisionEncoder of a
+/// vision-language model) exist.
+pub type AppStateFactory = Box<
+    dyn FnOnce(
+            Mailbox<SchedulerMsg>,
+            Option<KvSenderHandle>,
+            Option<crate::encode::VisionEncoderHandle>,
+        ) -> Arc<AppState>
+        + Send,
+>;
 
 /// Everything an instance is started from.
 pub struct InstanceArgs {
@@ -82,6 +89,8 @@ pub struct InstanceArgs {
     pub call_timeout: Duration,
     /// The KV cache tiers below the block pool, if on.
     pub tiers: Option<Arc<crate::kv_tiers::KvTiers>>,
+    /// A vision-language model's image encoder (`None`: a text model).
+    pub encoder: Option<crate::encode::VisionEncoderArgs>,
 }
 
 /// A child's typed address: what restarting it and reading its queue need.
@@ -92,6 +101,7 @@ enum Slot {
     KvSender(Mailbox<KvSenderMsg>),
     KvReceiver(Mailbox<KvReceiverMsg>),
     Http(Mailbox<HttpMsg>),
+    Encoder(Mailbox<crate::encode::actor::VisionEncoderMsg>),
 }
 
 impl Slot {
@@ -103,6 +113,7 @@ impl Slot {
             Slot::KvSender(_) => ActorKind::KvSender,
             Slot::KvReceiver(_) => ActorKind::KvReceiver,
             Slot::Http(_) => ActorKind::HttpFrontend,
+            Slot::Encoder(_) => ActorKind::VisionEncoder,
         }
     }
 
@@ -115,6 +126,7 @@ impl Slot {
             Slot::KvSender(m) => m,
             Slot::KvReceiver(m) => m,
             Slot::Http(m) => m,
+            Slot::Encoder(m) => m,
         }
     }
 }
@@ -144,6 +156,8 @@ pub struct SupervisorState {
     policy: RestartPolicy,
     started: Instant,
     addr: Option<SocketAddr>,
+    /// What the VisionEncoder restarts from.
+    encoder: Option<crate::encode::VisionEncoderArgs>,
 }
 
 /// The InstanceSupervisor actor (its mailbox count).
@@ -228,6 +242,11 @@ impl SupervisorState {
                 self.epochs.bump_incarnation();
                 self.epochs_moved(&(0..self.epochs.len()).collect::<Vec<_>>());
                 m.respawn_linked(name, KvReceiver, (kv()?, agg()?), sup)
+                    .await?;
+            }
+            Slot::Encoder(m) => {
+                let args = self.encoder.clone().ok_or("no encoder arguments")?;
+                m.respawn_linked(name, crate::encode::VisionEncoder, args, sup)
                     .await?;
             }
             Slot::Scheduler(_) | Slot::Http(_) => {
@@ -350,6 +369,7 @@ impl Actor for InstanceSupervisor {
             policy: args.restart_policy,
             started: Instant::now(),
             addr: None,
+            encoder: args.encoder,
         };
         for (name, slot) in slots {
             let c = st.child(name, slot);
@@ -368,7 +388,24 @@ impl Actor for InstanceSupervisor {
             let c = st.child(name, Slot::Worker(rank, w));
             st.children.push(c);
         }
-        let app = (args.app)(scheduler.clone(), kv_sender);
+        let encoder = match st.encoder.clone() {
+            Some(encoder_args) => {
+                let name = format!("{}/vision-encoder", args.name);
+                let (encoder, _) = Mailbox::spawn_linked(
+                    name.clone(),
+                    crate::encode::VisionEncoder,
+                    encoder_args,
+                    sup(),
+                    st.hook(ActorKind::VisionEncoder),
+                )
+                .await?;
+                let c = st.child(name, Slot::Encoder(encoder.clone()));
+                st.children.insert(st.children.len() - tp, c);
+                Some(crate::encode::VisionEncoderHandle::new(encoder))
+            }
+            None => None,
+        };
+        let app = (args.app)(scheduler.clone(), kv_sender, encoder);
         st.app = Some(app.clone());
         if let Some(bind) = args.http {
             let name = format!("{}/http", args.name);

@@ -733,6 +733,19 @@ async fn the_proxy_routes_images_through_an_encoder() {
         .await
         .unwrap();
     let url = format!("http://{}", proxy.addr);
+    // Static instances are routed to once the proxy polled them: wait for all four.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let h = common::get_json(&url, "/health").await;
+        if h["encode"] == 2 && h["prefill"] == 1 && h["decode"] == 1 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the proxy never saw every instance: {h}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
     for (b, want) in bodies.iter().zip(&want) {
         let got = ok(&url, b).await;
         assert_eq!(&token_ids(&got), want, "{got}");
@@ -799,4 +812,47 @@ async fn the_proxy_routes_images_through_an_encoder() {
     for inst in [alive, p, d] {
         inst.stop().await;
     }
+}
+
+/// The VisionEncoder is a supervised actor with an executor thread of its own: one that
+/// panics fails the request it held (a 500), is restarted in place, and the next requests are
+/// encoded — the encoder cache survives the restart, and the pool is full afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_vision_encoder_is_restarted_and_keeps_its_cache() {
+    let inst = start("mm-encoder-restart", VLM, |_| {}).await;
+    let a = chat(&[image_part(&data_url("image/png", &png(40, 30, 61)))]);
+    let b = chat(&[image_part(&data_url("image/png", &png(40, 30, 62)))]);
+    let want = token_ids(&ok(&inst.url(), &a).await);
+    let encoder = |snap: &pdserve_runtime::supervision::ActorSnapshot| {
+        snap.children
+            .iter()
+            .find(|c| c.kind == "VisionEncoder")
+            .cloned()
+            .expect("a VLM instance has a VisionEncoder")
+    };
+    assert_eq!(encoder(&inst.snapshot().await.unwrap()).restarts, 0);
+    inst.inject_panic("VisionEncoder", 0).await.unwrap();
+    let (status, v) = post_to(&inst.url(), "/v1/chat/completions", &b).await;
+    assert_eq!(status, 500, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("image encoder"),
+        "{v}"
+    );
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let e = encoder(&inst.snapshot().await.unwrap());
+        if e.restarts == 1 && e.state == pdserve_runtime::supervision::ActorState::Running {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "not restarted: {e:?}");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    // The first image from the cache the restart kept; the second encoded by the new thread.
+    assert_eq!(token_ids(&ok(&inst.url(), &a).await), want);
+    ok(&inst.url(), &b).await;
+    assert_pool_full(&inst).await;
+    inst.stop().await;
 }

@@ -407,13 +407,22 @@ pub fn write_mmproj(spec: &SyntheticSpec, path: &std::path::Path) -> Result<()> 
     let floats = |f: [f32; 3]| Value::Array(f.iter().map(|x| Value::F32(*x)).collect());
     let meta: Vec<(String, Value)> = vec![
         ("general.architecture".into(), Value::String("clip".into())),
-        ("general.name".into(), Value::String(format!("{}#vision", spec.name))),
-        ("clip.projector_type".into(), Value::String(crate::mmproj::PROJECTOR_TYPE.into())),
+        (
+            "general.name".into(),
+            Value::String(format!("{}#vision", spec.name)),
+        ),
+        (
+            "clip.projector_type".into(),
+            Value::String(crate::mmproj::PROJECTOR_TYPE.into()),
+        ),
         ("clip.has_vision_encoder".into(), Value::Bool(true)),
         ("clip.vision.image_size".into(), u(v.image_size)),
         ("clip.vision.patch_size".into(), u(v.patch_size)),
         ("clip.vision.embedding_length".into(), u(v.hidden_size)),
-        ("clip.vision.feed_forward_length".into(), u(v.intermediate_size)),
+        (
+            "clip.vision.feed_forward_length".into(),
+            u(v.intermediate_size),
+        ),
         ("clip.vision.block_count".into(), u(v.num_layers)),
         ("clip.vision.attention.head_count".into(), u(v.num_heads)),
         (
@@ -422,8 +431,14 @@ pub fn write_mmproj(spec: &SyntheticSpec, path: &std::path::Path) -> Result<()> 
         ),
         ("clip.vision.image_mean".into(), floats(v.image_mean)),
         ("clip.vision.image_std".into(), floats(v.image_std)),
-        ("clip.vision.projector.scale_factor".into(), u(v.scale_factor)),
-        (crate::mmproj::IMAGE_TOKEN_KEY.into(), Value::U32(v.image_token_id)),
+        (
+            "clip.vision.projector.scale_factor".into(),
+            u(v.scale_factor),
+        ),
+        (
+            crate::mmproj::IMAGE_TOKEN_KEY.into(),
+            Value::U32(v.image_token_id),
+        ),
     ];
     let mut names: Vec<&String> = store_names(&store);
     names.sort();

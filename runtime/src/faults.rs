@@ -169,7 +169,7 @@ pub enum Fault {
 }
 
 /// The actor kinds `faults.actor_panic_target` may name.
-pub const PANIC_TARGETS: [ActorKind; 6] = ActorKind::SUPERVISED;
+pub const PANIC_TARGETS: [ActorKind; 7] = ActorKind::SUPERVISED;
 
 const KINDS: usize = 12;
 

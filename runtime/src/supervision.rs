@@ -211,6 +211,8 @@ pub enum ActorKind {
     HttpFrontend,
     /// The cluster's router.
     Proxy,
+    /// A vision-language model's image encoder (on an executor thread of its own).
+    VisionEncoder,
 }
 
 /// A name that is no [`ActorKind`].
@@ -220,7 +222,7 @@ pub struct UnknownActorKind(pub String);
 
 impl ActorKind {
     /// Every kind.
-    pub const ALL: [ActorKind; 8] = [
+    pub const ALL: [ActorKind; 9] = [
         ActorKind::InstanceSupervisor,
         ActorKind::TpWorker,
         ActorKind::Scheduler,
@@ -229,17 +231,19 @@ impl ActorKind {
         ActorKind::KvReceiver,
         ActorKind::HttpFrontend,
         ActorKind::Proxy,
+        ActorKind::VisionEncoder,
     ];
 
     /// The kinds an instance's supervisor restarts or escalates, and so the kinds
     /// `faults.actor_panic_target` may name.
-    pub const SUPERVISED: [ActorKind; 6] = [
+    pub const SUPERVISED: [ActorKind; 7] = [
         ActorKind::TpWorker,
         ActorKind::Scheduler,
         ActorKind::KvSender,
         ActorKind::KvReceiver,
         ActorKind::Aggregator,
         ActorKind::HttpFrontend,
+        ActorKind::VisionEncoder,
     ];
 
     /// Its name (`TpWorker`, ...), as snapshots and metrics show it.
@@ -253,6 +257,7 @@ impl ActorKind {
             Self::KvReceiver => "KvReceiver",
             Self::HttpFrontend => "HttpFrontend",
             Self::Proxy => "Proxy",
+            Self::VisionEncoder => "VisionEncoder",
         }
     }
 

@@ -16,7 +16,7 @@ use super::state::AppState;
 use crate::encode::protocol::{decode_request, encode_answer, EcAnswer, EC_CONTENT_TYPE};
 use crate::error::RequestError;
 use crate::handoff::Caller;
-use crate::multimodal::{self, MultimodalError};
+use crate::multimodal::MultimodalError;
 use crate::openai;
 use axum::body::Bytes;
 use axum::extract::{ConnectInfo, State};
@@ -40,9 +40,9 @@ pub(super) async fn encode(State(app): State<Arc<AppState>>, body: Bytes) -> Res
 }
 
 async fn run(app: Arc<AppState>, body: Bytes) -> Result<Response, ApiError> {
-    let (Some(service), Some(tower)) = (app.encoder.clone(), app.vision.clone()) else {
+    if app.encoder.is_none() {
         return Err(not_encoder());
-    };
+    }
     let mut req = openai::parse_request(&body, true)?;
     drop(body);
     if let Some(m) = &req.model {
@@ -67,11 +67,8 @@ async fn run(app: Arc<AppState>, body: Bytes) -> Result<Response, ApiError> {
     }
     let _permit = app.admit()?;
     let started = std::time::Instant::now();
-    let cache = service.cache().clone();
-    let embeds =
-        tokio::task::spawn_blocking(move || multimodal::encode_images(&tower, &cfg, &cache, &urls))
-            .await
-            .map_err(|e| RequestError::Internal(format!("image encoding: {e}")))??;
+    let encoder = app.vision_encoder.clone().ok_or_else(not_encoder)?;
+    let embeds = encoder.encode(urls).await?;
     let images: Vec<_> = embeds
         .iter()
         .map(|e| {

@@ -227,10 +227,18 @@ async fn prepare_images(
             return Err(MultimodalError::NotColocated.into());
         }
     }
-    let cache = app.encoder_cache.clone();
-    tokio::task::spawn_blocking(move || multimodal::encode_images(&tower, &cfg, &cache, &urls))
-        .await
-        .map_err(|e| RequestError::Internal(format!("image encoding: {e}")))?
+    encode_here(app, urls).await
+}
+
+/// Encodes a request's images on this instance's VisionEncoder (through its encoder cache).
+async fn encode_here(
+    app: &AppState,
+    urls: Vec<String>,
+) -> Result<Vec<Arc<ImageEmbeds>>, RequestError> {
+    match &app.vision_encoder {
+        Some(encoder) => encoder.encode(urls).await,
+        None => Err(MultimodalError::TextOnlyModel(app.model_name.clone()).into()),
+    }
 }
 
 /// A request's images taken from the encode instance at `encoder`: each URL checked as for
@@ -268,12 +276,7 @@ async fn fetch_images(
         Ok(embeds) => Ok(embeds),
         Err(crate::encode::EncoderError::NotCached(digest)) => {
             tracing::info!(%encoder, %digest, "the encoder no longer holds an image: encoding here");
-            let cache = app.encoder_cache.clone();
-            tokio::task::spawn_blocking(move || {
-                multimodal::encode_images(&tower, &cfg, &cache, &urls)
-            })
-            .await
-            .map_err(|e| RequestError::Internal(format!("image encoding: {e}")))?
+            encode_here(app, urls).await
         }
         Err(error) => Err(RequestError::Encoder {
             encoder: encoder.to_string(),

@@ -62,13 +62,14 @@ pub struct AppState {
     pub vision: Option<Arc<pdserve_gpu::vision::VisionTower>>,
     /// Limits on image input (`[multimodal]`).
     pub multimodal: pdserve_runtime::config::MultimodalSection,
-    /// Image embeddings by image digest (`multimodal.encoder_cache_bytes`).
-    pub encoder_cache: Arc<crate::multimodal::EncoderCache>,
     /// An encode instance's protocol service (`instance.role = "encode"`).
     pub encoder: Option<Arc<crate::encode::EncoderService>>,
     /// Takes image embeddings from encode instances (a vision-language model with a transfer
     /// engine).
     pub images: Option<Arc<crate::encode::ImageResolver>>,
+    /// The VisionEncoder of a vision-language model: where this instance's images are
+    /// encoded.
+    pub vision_encoder: Option<crate::encode::VisionEncoderHandle>,
 }
 
 impl AppState {

@@ -49,9 +49,13 @@ use std::sync::Arc;
 use std::time::Instant;
 
 pub(super) async fn health(State(s): State<Arc<ProxyState>>) -> Response {
-    let (p, d) = {
+    let (p, d, e) = {
         let r = s.registry();
-        (r.alive(Role::Prefill).len(), r.alive(Role::Decode).len())
+        (
+            r.alive(Role::Prefill).len(),
+            r.alive(Role::Decode).len(),
+            r.alive(Role::Encode).len(),
+        )
     };
     let status = if p > 0 && d > 0 {
         StatusCode::OK
@@ -59,7 +63,7 @@ pub(super) async fn health(State(s): State<Arc<ProxyState>>) -> Response {
         StatusCode::SERVICE_UNAVAILABLE
     };
     let ready = status == StatusCode::OK;
-    (status, Json(json!({"status": if ready { "ok" } else { "degraded" }, "live": true, "ready": ready, "prefill": p, "decode": d}))).into_response()
+    (status, Json(json!({"status": if ready { "ok" } else { "degraded" }, "live": true, "ready": ready, "prefill": p, "decode": d, "encode": e}))).into_response()
 }
 
 pub(super) async fn models(State(s): State<Arc<ProxyState>>, headers: HeaderMap) -> Response {

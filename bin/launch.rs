@@ -832,7 +832,7 @@ async fn run_in_process(args: LaunchArgs, threads: usize, creds: &LaunchCredenti
         for i in 0..count {
             let mut model = tokio::task::block_in_place(|| load_model(&source))?;
             if let Some(path) = &args.mmproj {
-                pdserve_gpu::mmproj::attach_mmproj(&mut model, std::path::Path::new(path))?;
+                pdserve_gpu::loader::attach_mmproj(&mut model, std::path::Path::new(path))?;
             }
             let name = format!("{role}-{i}");
             let mut o = InstanceOptions::local(&name, model);

@@ -1072,7 +1072,7 @@ fn run_instance(cfg: pdserve_runtime::config::ServeConfig, threads: Option<usize
     let source: ModelSource = cfg.model.source.parse().expect("infallible");
     let mut model = load_model(&source).with_context(|| format!("loading model `{source}`"))?;
     if let Some(path) = &cfg.model.mmproj {
-        pdserve_gpu::mmproj::attach_mmproj(&mut model, std::path::Path::new(path))
+        pdserve_gpu::loader::attach_mmproj(&mut model, std::path::Path::new(path))
             .with_context(|| format!("loading the vision tower `{path}` (model.mmproj)"))?;
     }
     let opts = pdserve_actors::InstanceOptions::from_config(&cfg, model)?;

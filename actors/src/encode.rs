@@ -126,15 +126,3 @@ impl ImageResolver {
             .collect()
     }
 }
-
-/// A prompt's images as the peer protocol references them.
-pub fn image_refs(images: &[PromptImage]) -> Vec<ImageRef> {
-    images
-        .iter()
-        .map(|i| ImageRef {
-            at: i.at as u32,
-            digest: i.embeds.digest.0,
-            rows: i.embeds.rows as u32,
-        })
-        .collect()
-}

@@ -36,7 +36,7 @@ pub enum RequestError {
         /// The encode instance's URL.
         encoder: String,
         /// Why.
-        error: crate::encode::EncoderError,
+        error: crate::encode::protocol::EncoderError,
     },
     /// The proxy could not reach the instance it picked (502).
     #[error("upstream instance unavailable: {0}")]

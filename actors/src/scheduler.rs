@@ -1250,7 +1250,7 @@ impl SchedulerState {
             }
         }
         let (prompt, params) = (request.prompt.clone(), request.params.clone());
-        let images = crate::encode::image_refs(&request.images);
+        let images = image_refs(&request.images);
         let may_prefill_here = matches!(source, KvSource::Drive { .. });
         let admitted = self.core.add_remote(request, may_prefill_here);
         match admitted {
@@ -1725,4 +1725,17 @@ impl SchedulerState {
         metrics::counter!(m::PREFIX_CACHE_QUERY_TOKENS_TOTAL).absolute(s.prompt_tokens);
         metrics::counter!(m::PREFIX_CACHE_HIT_TOKENS_TOTAL).absolute(s.prompt_tokens_cached);
     }
+}
+
+/// A prompt's images as the peer protocol references them (position, digest, rows): what a
+/// decode instance driving its prefill sends instead of the embeddings.
+fn image_refs(images: &[PromptImage]) -> Vec<crate::handoff::protocol::ImageRef> {
+    images
+        .iter()
+        .map(|i| crate::handoff::protocol::ImageRef {
+            at: i.at as u32,
+            digest: i.embeds.digest.0,
+            rows: i.embeds.rows as u32,
+        })
+        .collect()
 }

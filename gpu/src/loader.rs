@@ -6,7 +6,7 @@ use crate::config::{ModelConfig, RopeScaling, RopeStyle};
 use crate::loose::Loose;
 use crate::synthetic::SyntheticSpec;
 use crate::tokenizer::Tokenizer;
-use crate::weights::TensorStore;
+use crate::weights::{open_gguf, TensorStore};
 use crate::{ModelError, Result};
 use candle_core::quantized::gguf_file;
 use serde::Deserialize;
@@ -100,6 +100,22 @@ pub fn load_model(source: &ModelSource) -> Result<LoadedModel> {
     }
 }
 
+/// Gives `model` the vision tower of the mmproj file at `path` (a text model becomes a
+/// vision-language model).
+///
+/// # Errors
+/// As [`crate::mmproj::load_mmproj`]; a model that has a tower already.
+pub fn attach_mmproj(model: &mut LoadedModel, path: &Path) -> Result<()> {
+    if model.vision.is_some() {
+        return Err(ModelError::BadMetadata(
+            "the model has a vision tower already; model.mmproj adds one to a text decoder".into(),
+        ));
+    }
+    let tower = crate::mmproj::load_mmproj(path, &model.config, &model.tokenizer)?;
+    model.vision = Some(std::sync::Arc::new(tower));
+    Ok(())
+}
+
 /// Loads only a model's tokenizer and chat template (no weights): what a proxy needs to turn
 /// prompts into the token ids instances hash. A GGUF file's metadata is read, its tensors
 /// are not; the default model is fetched like [`load_model`] does.
@@ -148,25 +164,6 @@ fn name_of(path: &Path) -> String {
 }
 
 /// A GGUF file's metadata and tensor table, and the reader positioned for its tensors.
-pub(crate) fn open_gguf(
-    path: &Path,
-) -> Result<(gguf_file::Content, std::io::BufReader<std::fs::File>)> {
-    let corrupt = |reason: String| ModelError::Corrupt {
-        path: path.to_path_buf(),
-        reason,
-    };
-    let file = std::fs::File::open(path).map_err(|e| match e.kind() {
-        std::io::ErrorKind::NotFound => ModelError::NotFound {
-            path: path.to_path_buf(),
-        },
-        _ => corrupt(e.to_string()),
-    })?;
-    let mut reader = std::io::BufReader::new(file);
-    let content = gguf_file::Content::read(&mut reader)
-        .map_err(|e| corrupt(format!("not a valid GGUF file: {e}")))?;
-    Ok((content, reader))
-}
-
 /// Loads a GGUF file.
 ///
 /// # Errors

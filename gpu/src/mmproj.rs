@@ -22,14 +22,12 @@
 //! rows are the `<image>` placeholders.
 
 use crate::config::ModelConfig;
-use crate::loader::LoadedModel;
 use crate::tokenizer::Tokenizer;
 use crate::vision::{VisionConfig, VisionTower};
 use crate::weights::TensorStore;
 use crate::{ModelError, Result};
 use candle_core::quantized::gguf_file;
 use std::path::Path;
-use std::sync::Arc;
 
 /// pdserve's metadata key for the image placeholder token, for decoders whose vocabulary has
 /// no `<image>` token (the synthetic VLM's).
@@ -162,7 +160,7 @@ pub fn vision_config(
 /// [`ModelError::NotFound`], a file that is not GGUF ([`ModelError::Corrupt`]), metadata as
 /// [`vision_config`], a missing tensor or a shape that does not fit.
 pub fn load_mmproj(path: &Path, text: &ModelConfig, tokenizer: &Tokenizer) -> Result<VisionTower> {
-    let (content, mut reader) = crate::loader::open_gguf(path)?;
+    let (content, mut reader) = crate::weights::open_gguf(path)?;
     let image_token = tokenizer
         .token_to_id("<image>")
         .filter(|&t| (t as usize) < text.vocab_size);
@@ -175,20 +173,4 @@ pub fn load_mmproj(path: &Path, text: &ModelConfig, tokenizer: &Tokenizer) -> Re
     }
     let store = TensorStore::from_gguf(&content, &mut reader, path)?;
     VisionTower::from_store(&cfg, &store)
-}
-
-/// Gives `model` the vision tower of the mmproj file at `path` (a text model becomes a
-/// vision-language model).
-///
-/// # Errors
-/// As [`load_mmproj`]; a model that has a tower already.
-pub fn attach_mmproj(model: &mut LoadedModel, path: &Path) -> Result<()> {
-    if model.vision.is_some() {
-        return Err(ModelError::BadMetadata(
-            "the model has a vision tower already; model.mmproj adds one to a text decoder".into(),
-        ));
-    }
-    let tower = load_mmproj(path, &model.config, &model.tokenizer)?;
-    model.vision = Some(Arc::new(tower));
-    Ok(())
 }

@@ -395,6 +395,29 @@ pub fn convert(t: QTensor, format: WeightFormat) -> Result<QTensor> {
     Ok(QTensor::quantize(&f, target)?)
 }
 
+/// Opens a GGUF file and reads its metadata and tensor table (not the tensors).
+///
+/// # Errors
+/// [`ModelError::NotFound`], or [`ModelError::Corrupt`] for a file that is not GGUF.
+pub(crate) fn open_gguf(
+    path: &Path,
+) -> Result<(gguf_file::Content, std::io::BufReader<std::fs::File>)> {
+    let corrupt = |reason: String| ModelError::Corrupt {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let file = std::fs::File::open(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => ModelError::NotFound {
+            path: path.to_path_buf(),
+        },
+        _ => corrupt(e.to_string()),
+    })?;
+    let mut reader = std::io::BufReader::new(file);
+    let content = gguf_file::Content::read(&mut reader)
+        .map_err(|e| corrupt(format!("not a valid GGUF file: {e}")))?;
+    Ok((content, reader))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

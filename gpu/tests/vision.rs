@@ -297,7 +297,8 @@ fn measure_encoder_time() {
 /// gives the same rows, bit for bit; files that do not fit are refused by name.
 #[test]
 fn an_mmproj_file_beside_the_decoder_loads_the_same_tower() {
-    use pdserve_gpu::mmproj::{attach_mmproj, load_mmproj};
+    use pdserve_gpu::loader::attach_mmproj;
+    use pdserve_gpu::mmproj::load_mmproj;
     use pdserve_gpu::synthetic::{write_gguf, write_mmproj, SyntheticSpec};
     let dir = tempfile::tempdir().unwrap();
     let spec = SyntheticSpec::parse(SPEC).unwrap();

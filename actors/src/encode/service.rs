@@ -188,11 +188,7 @@ impl EncoderService {
             .grants
             .for_peer(initiator, None, fresh, &[self.region.id()], Access::Read)
             .map_err(|e| EncoderError::NotSupported(e.to_string()))?;
-        let o = grant.offer();
-        Ok(SessionOffer {
-            key: o.key,
-            transfer_addr: o.transfer_addr.clone(),
-        })
+        Ok(SessionOffer::from(grant.offer()))
     }
 
     fn hold(

@@ -585,11 +585,7 @@ impl Driver {
         )?;
         let ranges = block_grants(&layouts, &regions, blocks, Access::Write);
         let fence = grant.scope(security, transfer, &ranges)?;
-        let offer = grant.offer();
-        let offer = SessionOffer {
-            key: offer.key,
-            transfer_addr: offer.transfer_addr.clone(),
-        };
+        let offer = SessionOffer::from(grant.offer());
         *scope.lock().unwrap_or_else(|e| e.into_inner()) = Some((grant, fence));
         Ok(Some(offer))
     }

@@ -371,11 +371,7 @@ impl<H: PrefillHost> PeerService<H> {
             .kv
             .grants
             .for_peer(initiator, None, fresh, &whole, Access::Read)?;
-        let o = grant.offer();
-        Ok(SessionOffer {
-            key: o.key,
-            transfer_addr: o.transfer_addr.clone(),
-        })
+        Ok(SessionOffer::from(grant.offer()))
     }
 
     /// Opens the read scope of `transfer`'s held blocks (as the Scheduler holds them: never

@@ -137,6 +137,15 @@ pub struct Offer {
     pub transfer_addr: String,
 }
 
+impl From<&Offer> for super::protocol::SessionOffer {
+    fn from(o: &Offer) -> Self {
+        Self {
+            key: o.key,
+            transfer_addr: o.transfer_addr.clone(),
+        }
+    }
+}
+
 /// One grant: the engine's guard (dropping it revokes the grant) and its key.
 #[derive(Debug)]
 pub struct Grant {

@@ -5,7 +5,9 @@
 //!   `InspectRequest` → `Inspect` with this instance's [`InstanceSnapshot`] (live supervision
 //!   tree, queue, KV block and transfer figures; typed rkyv, see `pdserve_runtime::wire`);
 //!   `Opaque` topic [`PEER_TOPIC`] → the P/D peer protocol (rkyv frames, answered by the
-//!   instance's [`PeerService`]). Anything else is answered with `ControlMessage::Error` kind
+//!   instance's [`PeerService`]); `Opaque` topic [`EC_TOPIC`] → the encoder protocol of an
+//!   encode instance (E/P/D, answered by its `EncoderService`, the caller the node of its
+//!   certificate). Anything else is answered with `ControlMessage::Error` kind
 //!   `unsupported`.
 //! - **Registration** (when a proxy address is configured): the instance connects to the proxy,
 //!   sends `Register` with its [`Registration`] (node, role, HTTP API URL, control address,
@@ -25,6 +27,7 @@
 //! closes. Every wait is bounded; a request handler never blocks the connection's receive
 //! loop (each answer is built on a task of its own).
 
+use crate::encode::protocol::EC_TOPIC;
 use crate::error::StartError;
 use crate::handoff::protocol::{decode_request, encode_answer, PeerAnswer, PEER_TOPIC};
 use crate::handoff::{KvContext, PeerService};
@@ -275,6 +278,29 @@ async fn serve_requests(conn: Arc<ControlConnection>, source: InspectSource, tas
                     match encode_answer(&answer) {
                         Ok(body) => ControlMessage::Opaque {
                             topic: PEER_TOPIC.into(),
+                            body,
+                        },
+                        Err(e) => error_answer("internal", e.to_string()),
+                    }
+                }
+                ControlMessage::Opaque { topic, body } if topic == EC_TOPIC => {
+                    use crate::encode::protocol as ec;
+                    let answer = match (&source.encoder, ec::decode_request(&body)) {
+                        (Some(service), Ok(request)) => {
+                            let caller = crate::handoff::Caller {
+                                node: Some(&caller),
+                                ip: Some(from),
+                            };
+                            service.handle(request, caller)
+                        }
+                        (None, _) => ec::EcAnswer::Failed(ec::EncoderError::NotSupported(
+                            "this is not an encode instance".into(),
+                        )),
+                        (_, Err(e)) => ec::EcAnswer::Failed(e),
+                    };
+                    match ec::encode_answer(&answer) {
+                        Ok(body) => ControlMessage::Opaque {
+                            topic: EC_TOPIC.into(),
                             body,
                         },
                         Err(e) => error_answer("internal", e.to_string()),

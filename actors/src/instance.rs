@@ -394,6 +394,8 @@ fn image_services(
             width: cfg.text_hidden_size,
         },
     );
+    // Encoders with cluster credentials are reached over the control plane.
+    let client = client.with_control(kv.peers.clone());
     let resolver = crate::encode::ImageResolver {
         client,
         cache: cache.clone(),

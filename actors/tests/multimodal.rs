@@ -856,3 +856,54 @@ async fn a_failed_vision_encoder_is_restarted_and_keeps_its_cache() {
     assert_pool_full(&inst).await;
     inst.stop().await;
 }
+
+/// Between instances with cluster credentials the encoder protocol rides the mutual-TLS
+/// control plane (its session keys never travel over HTTP): the embeddings are taken from
+/// the encode instance all the same, and it refuses `POST /v1/ec/peer`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_cluster_credentials_the_encoder_protocol_rides_the_control_plane() {
+    use pdserve_actors::control_plane::InstanceControl;
+    use pdserve_runtime::Role;
+    use pdserve_transport::control::tls::ClusterCredentials;
+    let cluster = ClusterCredentials::ephemeral("mm-cp").unwrap();
+    let body = chat(&[image_part(&data_url("image/png", &png(40, 30, 71)))]);
+    let reference = start("mm-cp-ref", VLM, |_| {}).await;
+    let want = token_ids(&ok(&reference.url(), &body).await);
+    reference.stop().await;
+    let member = |name: &str, role: Role, encode: bool| {
+        let creds = cluster.issue(name).unwrap();
+        let name = name.to_string();
+        move |o: &mut InstanceOptions| {
+            o.transfer = Some(pdserve_transport::TransferConfig::new(
+                BackendKind::Tcp,
+                &name,
+            ));
+            o.encode = encode;
+            o.control = Some(InstanceControl::new(creds, role));
+        }
+    };
+    let e = start("mm-cp-e", VLM, member("mm-cp-e", Role::Encode, true)).await;
+    let pd = start("mm-cp-pd", VLM, member("mm-cp-pd", Role::Colocated, false)).await;
+    encode_on(&e.url(), &body).await;
+    let got = ok(&pd.url(), &with_encoder(&body, &e.url())).await;
+    assert_eq!(token_ids(&got), want, "{got}");
+    assert_eq!(encoder_figures(&e.url()).await["hold_slots"]["served"], 1);
+    // The HTTP carrier is refused: this encoder speaks the protocol on its control plane.
+    let r = pdserve_actors::http::http_client()
+        .build()
+        .unwrap()
+        .post(format!("{}/v1/ec/peer", e.url()))
+        .body(
+            pdserve_actors::encode::protocol::encode_request(
+                &pdserve_actors::encode::protocol::EcRequest::Info,
+            )
+            .unwrap(),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 403);
+    assert_pool_full(&pd).await;
+    pd.stop().await;
+    e.stop().await;
+}

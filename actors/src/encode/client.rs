@@ -54,6 +54,9 @@ pub struct EncoderClient {
     expect: Expect,
     infos: DashMap<String, EncoderInfo>,
     sessions: DashMap<String, Arc<Session>>,
+    /// The instance's peer client: its control plane carries the protocol to encoders with
+    /// cluster credentials.
+    peers: Option<Arc<crate::handoff::peer::Peers>>,
 }
 
 impl EncoderClient {
@@ -76,7 +79,15 @@ impl EncoderClient {
             expect,
             infos: DashMap::new(),
             sessions: DashMap::new(),
+            peers: None,
         }
+    }
+
+    /// Calls encoders over the control plane of `peers` where both ends have one.
+    #[must_use]
+    pub fn with_control(mut self, peers: Arc<crate::handoff::peer::Peers>) -> Self {
+        self.peers = Some(peers);
+        self
     }
 
     /// The embeddings of `digests` (in order) from the encode instance at `url`.
@@ -338,6 +349,28 @@ impl EncoderClient {
 
     async fn call(&self, url: &str, request: &EcRequest) -> Result<EcAnswer, EncoderError> {
         let body = encode_request(request)?;
+        if let Some(peers) = &self.peers {
+            let sent = peers
+                .exchange(url, super::protocol::EC_TOPIC, body.clone(), self.timeout)
+                .await
+                .map_err(|e| match e {
+                    crate::handoff::HandoffError::Timeout { what, secs } => {
+                        EncoderError::Timeout { what, secs }
+                    }
+                    e => EncoderError::Unreachable {
+                        encoder: url.to_string(),
+                        reason: e.to_string(),
+                    },
+                })?;
+            if let Some(answer) = sent {
+                if answer.len() > MAX_FRAME_BYTES {
+                    return Err(EncoderError::Protocol(format!(
+                        "{url} answered more than {MAX_FRAME_BYTES} bytes"
+                    )));
+                }
+                return decode_answer(&answer);
+            }
+        }
         let mut req = self
             .http
             .post(format!("{url}/v1/ec/peer"))

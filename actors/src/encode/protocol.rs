@@ -3,9 +3,10 @@
 //!
 //! Every exchange is a request answered once ([`EcRequest`] → [`EcAnswer`]), rkyv frames
 //! validated on receipt ([`decode_request`], [`decode_answer`]): a malformed, truncated or
-//! oversized frame is an [`EncoderError::Protocol`], never a panic. The frames ride
-//! `POST /v1/ec/peer` on the encode instance's HTTP API ([`EC_CONTENT_TYPE`]); the
-//! embeddings themselves move over the transfer engine.
+//! oversized frame is an [`EncoderError::Protocol`], never a panic. The frames ride the
+//! mutual-TLS control plane (topic [`EC_TOPIC`]) between instances with cluster credentials,
+//! and `POST /v1/ec/peer` on the encode instance's HTTP API ([`EC_CONTENT_TYPE`]) between
+//! instances without; the embeddings themselves move over the transfer engine.
 //!
 //! | request | answer | meaning |
 //! |---|---|---|
@@ -24,6 +25,8 @@ use crate::handoff::protocol::SessionOffer;
 /// Version of the protocol; an encoder answering another version is refused at the
 /// handshake.
 pub const EC_VERSION: u32 = 1;
+/// The control-plane topic of the protocol (between instances with cluster credentials).
+pub const EC_TOPIC: &str = "ec/1";
 /// Content type of the rkyv frames on `POST /v1/ec/peer`.
 pub const EC_CONTENT_TYPE: &str = "application/x-pdserve-encoder";
 /// Most images one [`EcRequest::Hold`] names (the most one request may send).

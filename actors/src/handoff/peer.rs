@@ -260,6 +260,50 @@ impl Peers {
         }
     }
 
+    /// Sends `body` under `topic` to the instance at `url` over the control plane, when both
+    /// it and this instance have cluster credentials (found as for the peer protocol,
+    /// [`Peers::control_of`]): its answer's body. `Ok(None)`: one of the two has no control
+    /// plane, so the call goes over the peer's HTTP route (the caller's to make). Used by
+    /// protocols beside the peer protocol (the encoder protocol, `ec/1`).
+    ///
+    /// # Errors
+    /// The carrier's failure, as for [`Peers::call`].
+    pub async fn exchange(
+        &self,
+        url: &str,
+        topic: &str,
+        body: Vec<u8>,
+        within: Duration,
+    ) -> Result<Option<Vec<u8>>, HandoffError> {
+        let Some((addr, node)) = self.control_of(url, within).await? else {
+            return Ok(None);
+        };
+        let conn = match self.connection(addr, Some(&node)).await {
+            Ok(c) => c,
+            Err(e) => {
+                self.discovered.remove(url);
+                return Err(e);
+            }
+        };
+        let message = ControlMessage::Opaque {
+            topic: topic.into(),
+            body,
+        };
+        match conn.request_within(message, within).await {
+            Ok(ControlMessage::Opaque { topic: t, body }) if t == topic => Ok(Some(body)),
+            Ok(other) => Err(HandoffError::Protocol(format!(
+                "{addr} answered a {topic} request with {other:?}"
+            ))),
+            Err(e) => {
+                if !conn.is_alive() {
+                    self.conns.remove(&addr.to_string());
+                }
+                self.discovered.remove(url);
+                Err(carrier_error(&addr.to_string(), &e))
+            }
+        }
+    }
+
     /// The control connection to `addr` (opened once, reopened when broken); its peer must be
     /// `node` when given.
     async fn connection(

@@ -7,8 +7,9 @@
 //!   `400` naming it, as on a colocated instance.
 //! - `POST /v1/ec/peer`: one request of the encoder protocol
 //!   ([`crate::encode::protocol`]), as an rkyv frame, answered `200` with the rkyv frame of
-//!   its answer (a failure included, in-band). Without `server.api_key`, only from loopback
-//!   peers: it hands out transfer-session keys.
+//!   its answer (a failure included, in-band) — only on instances without cluster
+//!   credentials (theirs runs on the control plane), and without `server.api_key` only from
+//!   loopback peers: it hands out transfer-session keys.
 //! - `GET /v1/encoder`: the encoder's figures (cache, hold slots) as JSON, for `inspect`.
 
 use super::error::ApiError;
@@ -95,6 +96,12 @@ pub(super) async fn peer(
     let Some(service) = app.encoder.clone() else {
         return not_encoder().into_response();
     };
+    if app.control_addr().is_some() {
+        return ApiError(RequestError::Forbidden(
+            "this instance has cluster credentials: its encoder protocol runs on the control plane (mutual TLS), not on POST /v1/ec/peer".into(),
+        ))
+        .into_response();
+    }
     if app.api_key.is_none() && !from.ip().is_loopback() {
         return ApiError(RequestError::Forbidden(
             "without server.api_key, POST /v1/ec/peer is taken from loopback peers only: give the cluster a key (server.api_key)".into(),

@@ -38,10 +38,11 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Start a single-node P/D cluster: a proxy plus prefill and decode instances.
+    /// Start a single-node P/D cluster: a proxy plus prefill and decode (and encode)
+    /// instances.
     Launch(launch::LaunchArgs),
     /// Serve a model over an OpenAI-compatible HTTP API (one instance; role colocated,
-    /// prefill or decode).
+    /// prefill, decode or encode).
     Serve(Box<ServeArgs>),
     /// The P/D front door: routes each request through a prefill and a decode instance.
     Proxy(ProxyArgs),

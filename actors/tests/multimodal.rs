@@ -907,3 +907,45 @@ async fn with_cluster_credentials_the_encoder_protocol_rides_the_control_plane()
     pd.stop().await;
     e.stop().await;
 }
+
+/// A proxy with no encode instance sends a request with images to decode, which encodes and
+/// prefills it itself (a prefill instance takes images only by reference from an encoder);
+/// the answer equals colocated and the prefill instance computes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_an_encoder_the_proxy_prefills_images_on_decode() {
+    let body = chat(&[image_part(&data_url("image/png", &png(40, 30, 81)))]);
+    let reference = start("px-noenc-ref", VLM, |_| {}).await;
+    let want = token_ids(&ok(&reference.url(), &body).await);
+    reference.stop().await;
+    let p = on_backend("px-noenc-p", BackendKind::Tcp, false).await;
+    let d = on_backend("px-noenc-d", BackendKind::Tcp, false).await;
+    let args = pdserve_actors::proxy::ProxyArgs::new(
+        "127.0.0.1:0".parse().unwrap(),
+        vec![p.url()],
+        vec![d.url()],
+    );
+    let proxy = pdserve_actors::proxy::start_proxy("px-noenc", args)
+        .await
+        .unwrap();
+    let url = format!("http://{}", proxy.addr);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while common::get_json(&url, "/health").await["ready"] != true {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the proxy never became ready"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let got = ok(&url, &body).await;
+    assert_eq!(token_ids(&got), want, "{got}");
+    assert_eq!(
+        p.stats().await.unwrap().prompt_tokens,
+        0,
+        "prefill computed nothing"
+    );
+    assert_pool_full(&p).await;
+    assert_pool_full(&d).await;
+    proxy.stop().await;
+    p.stop().await;
+    d.stop().await;
+}

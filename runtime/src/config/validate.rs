@@ -60,7 +60,7 @@ impl ServeConfig {
             return invalid(
                 "instance.role",
                 format!(
-                    "instance.role must be colocated, prefill or decode, got `{}`",
+                    "instance.role must be colocated, prefill, decode or encode, got `{}`",
                     self.instance.role
                 ),
             );

@@ -494,10 +494,15 @@ impl Instance {
             * opts.block_size
             * cfg.head_dim
             * opts.kv_dtype.size();
-        let num_blocks = opts
-            .num_blocks
-            .unwrap_or(opts.kv_cache_bytes / bytes_per_block_all_ranks)
-            .max(1);
+        // An encode instance generates nothing: its KV pool is one block, not
+        // `kv_cache_bytes` of memory it would never use.
+        let num_blocks = if opts.encode {
+            1
+        } else {
+            opts.num_blocks
+                .unwrap_or(opts.kv_cache_bytes / bytes_per_block_all_ranks)
+                .max(1)
+        };
         let max_model_len = opts
             .max_model_len
             .unwrap_or(cfg.context_length)

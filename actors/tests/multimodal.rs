@@ -687,6 +687,17 @@ async fn the_encoder_protocol_refuses_hostile_requests() {
             .contains("no images"),
         "{v}"
     );
+    // An encode instance generates nothing (its KV pool is one block).
+    let (status, v) = post_to(&e.url(), "/v1/chat/completions", &chat(&images[..1])).await;
+    assert_eq!(status, 400, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("encode instance"),
+        "{v}"
+    );
+    assert_eq!(e.stats().await.unwrap().blocks_total, 1);
     // A colocated instance is no encoder.
     let (status, v) = post_to(
         &on_backend("pd-hostile", BackendKind::Tcp, false)

@@ -93,6 +93,12 @@ impl Running {
 }
 
 async fn serve(app: Arc<AppState>, body: Bytes, chat: bool) -> Result<Response, ApiError> {
+    if app.encoder.is_some() {
+        return Err(RequestError::BadRequest(
+            "this is an encode instance (instance.role = \"encode\"): it encodes images (POST /v1/encode) and generates nothing; send completions to the proxy or to a colocated, prefill or decode instance".into(),
+        )
+        .into());
+    }
     let mut req = openai::parse_request(&body, chat)?;
     drop(body);
     if let Some(m) = &req.model {

@@ -88,31 +88,7 @@ impl ImageResolver {
     /// # Errors
     /// [`HandoffError::BadRequest`] naming the first bad reference.
     pub fn check_refs(&self, prompt: &[u32], refs: &[ImageRef]) -> Result<(), HandoffError> {
-        let mut next_free = 0usize;
-        for (i, r) in refs.iter().enumerate() {
-            let (at, rows) = (r.at as usize, r.rows as usize);
-            if rows != self.rows {
-                return Err(HandoffError::BadRequest(format!(
-                    "image {i} has {rows} rows, this model's images {}",
-                    self.rows
-                )));
-            }
-            let end = at.checked_add(rows).filter(|&e| e <= prompt.len());
-            let Some(end) = end.filter(|_| at >= next_free) else {
-                return Err(HandoffError::BadRequest(format!(
-                    "image {i} at {at}..+{rows} is out of order or outside the prompt of {} tokens",
-                    prompt.len()
-                )));
-            };
-            if prompt[at..end].iter().any(|&t| t != self.image_token) {
-                return Err(HandoffError::BadRequest(format!(
-                    "image {i}'s positions {at}..{end} do not all hold the image placeholder token {}",
-                    self.image_token
-                )));
-            }
-            next_free = end;
-        }
-        Ok(())
+        check_image_refs(prompt, refs, self.rows, self.image_token)
     }
 
     /// The prompt's images for the Scheduler, from checked `refs` and their embeddings.
@@ -124,5 +100,67 @@ impl ImageResolver {
                 embeds,
             })
             .collect()
+    }
+}
+
+/// [`ImageResolver::check_refs`] for a model whose images are `rows` positions of `image_token`.
+fn check_image_refs(
+    prompt: &[u32],
+    refs: &[ImageRef],
+    rows_per_image: usize,
+    image_token: u32,
+) -> Result<(), HandoffError> {
+    let mut next_free = 0usize;
+    for (i, r) in refs.iter().enumerate() {
+        let (at, rows) = (r.at as usize, r.rows as usize);
+        if rows != rows_per_image {
+            return Err(HandoffError::BadRequest(format!(
+                "image {i} has {rows} rows, this model's images {}",
+                rows_per_image
+            )));
+        }
+        let end = at.checked_add(rows).filter(|&e| e <= prompt.len());
+        let Some(end) = end.filter(|_| at >= next_free) else {
+            return Err(HandoffError::BadRequest(format!(
+                "image {i} at {at}..+{rows} is out of order or outside the prompt of {} tokens",
+                prompt.len()
+            )));
+        };
+        if prompt[at..end].iter().any(|&t| t != image_token) {
+            return Err(HandoffError::BadRequest(format!(
+                "image {i}'s positions {at}..{end} do not all hold the image placeholder token {}",
+                image_token
+            )));
+        }
+        next_free = end;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn r(at: u32, rows: u32) -> ImageRef {
+        ImageRef {
+            at,
+            digest: [0; 32],
+            rows,
+        }
+    }
+
+    #[test]
+    fn hostile_image_references_are_refused_by_name() {
+        // 2 text tokens, an image of 3 rows (token 9), 1 text token, another image.
+        let prompt = [1, 2, 9, 9, 9, 4, 9, 9, 9];
+        let check = |refs: &[ImageRef]| check_image_refs(&prompt, refs, 3, 9);
+        assert!(check(&[r(2, 3), r(6, 3)]).is_ok());
+        let msg = |refs: &[ImageRef]| check(refs).unwrap_err().to_string();
+        assert!(msg(&[r(2, 4)]).contains("4 rows"));
+        assert!(msg(&[r(7, 3)]).contains("outside the prompt"));
+        assert!(msg(&[r(u32::MAX, 3)]).contains("outside the prompt"));
+        assert!(msg(&[r(6, 3), r(2, 3)]).contains("out of order"));
+        assert!(msg(&[r(2, 3), r(4, 3)]).contains("out of order"));
+        assert!(msg(&[r(1, 3)]).contains("placeholder token 9"));
     }
 }

@@ -6,7 +6,7 @@
 #
 # Default binary .gpu/pdserve, default OUT_DIR $OUT (else ./device-check-out). Environment:
 #   DEVICE_CHECK_STEPS     steps to run, space-separated (default: all, in this order)
-#                          verify bench transfer verify16 serve launch hf busy
+#                          verify bench transfer verify16 serve launch vision hf busy
 #   DEVICE_CHECK_BASELINE  an older binary: `bench` then alternates it with this one (two
 #                          rounds of `bench model` each), a before/after on the same machine
 #   DEVICE_CHECK_BUDGET_S  wall-clock budget in seconds (default 420): a step that would start
@@ -40,6 +40,11 @@
 #   hf        pdserve (`cuda verify --model HF_EXPORT --dtype f16 --bench`) and HF transformers
 #             (f16, KV cache on) on the HF export of the synthetic model's unquantized weights:
 #             greedy tokens compared, tokens/s beside each other (benches/cuda_hf_reference.py)
+#   vision    image chats (one image, two images) on the seeded synthetic VLM
+#             (`synthetic:tiny,vision=1`), f32 weights everywhere: `serve` on the CPU,
+#             `serve --device cuda` (the image rows replace their placeholder tokens on the
+#             GPU), and E/P/D under `launch --device cuda --encode 1` (encoder, prefill and
+#             decode on the one GPU); token ids compared
 #   busy      served decode beside neighbours: `serve --device cuda` and `serve` on the CPU,
 #             each driven by `bench serve` (~512-token prompts, 128 tokens out, one at a time)
 #             idle, beside one `nice -n 19` busy loop and beside one per core: end-to-end time
@@ -52,7 +57,7 @@ cd "$(dirname "$0")/.."
 root="$PWD"
 bin="$(realpath "${1:-.gpu/pdserve}")"
 out="$(mkdir -p "${2:-${OUT:-device-check-out}}" && realpath "${2:-${OUT:-device-check-out}}")"
-steps="${DEVICE_CHECK_STEPS:-verify bench transfer verify16 serve launch hf busy}"
+steps="${DEVICE_CHECK_STEPS:-verify bench transfer verify16 serve launch vision hf busy}"
 budget="${DEVICE_CHECK_BUDGET_S:-420}"
 start=$(date +%s)
 work="$(mktemp -d)"
@@ -195,7 +200,7 @@ chat() {
 serve_one() {
     local name="$1" device="$2" port="$3"
     shift 3
-    "$bin" serve --model "$gguf" --served-model-name m --device "$device" \
+    "$bin" serve --model "${SERVE_MODEL:-$gguf}" --served-model-name m --device "$device" \
         --host 127.0.0.1 --port "$port" "$@" >"$raw/$name.log" 2>&1 &
     echo $! >"$work/$name.pid"
     wait_health "http://127.0.0.1:$port" 90 "$(cat "$work/$name.pid")"
@@ -263,6 +268,68 @@ step_launch() {
     return $rc
 }
 
+# vision_chats BASE_URL OUTFILE: two greedy image chats (one image; two images), 24 tokens
+# each; writes the two answers' token ids as a JSON list.
+vision_chats() {
+    python3 - "$1" "$2" <<'PY'
+import base64, json, struct, sys, urllib.request, zlib
+def png(w, h, seed):
+    rows = b"".join(b"\0" + bytes(((x * (7 + seed)) ^ (y * (13 + 3 * seed))) & 255
+                                    for x in range(w) for _ in range(3)) for y in range(h))
+    chunk = lambda t, d: struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+def part(w, h, seed):
+    url = "data:image/png;base64," + base64.b64encode(png(w, h, seed)).decode()
+    return {"type": "image_url", "image_url": {"url": url}}
+out = []
+for images in ([part(40, 30, 1)], [part(32, 32, 2), part(24, 20, 3)]):
+    content = images + [{"type": "text", "text": "Describe the images."}]
+    body = {"model": "m", "temperature": 0, "max_tokens": 24, "ignore_eos": True,
+            "return_token_ids": True, "messages": [{"role": "user", "content": content}]}
+    req = urllib.request.Request(sys.argv[1] + "/v1/chat/completions", json.dumps(body).encode(),
+                                 {"content-type": "application/json"})
+    out.append(json.loads(urllib.request.urlopen(req, timeout=60).read())["choices"][0]["token_ids"])
+json.dump(out, open(sys.argv[2], "w"))
+PY
+}
+step_vision() {
+    local rc=0 port name device vlm="synthetic:tiny,vision=1"
+    for spec in "vision-cpu cpu --weights f32" "vision-cuda cuda --dtype f32"; do
+        set -- $spec
+        name=$1 device=$2
+        shift 2
+        port=$(free_port)
+        if SERVE_MODEL="$vlm" serve_one "$name" "$device" "$port" "$@"; then
+            vision_chats "http://127.0.0.1:$port" "$raw/$name.json" || rc=1
+        else
+            rc=1
+            tail -5 "$raw/$name.log"
+        fi
+        stop_one "$name"
+    done
+    # E/P/D on the one GPU: the proxy sends each image request to the encoder, then decode
+    # drives prefill, which takes the image rows from the encoder by reference.
+    port=$(free_port)
+    "$bin" launch --model "$vlm" --served-model-name m --device cuda --dtype f32 --encode 1 \
+        --prefill 1 --decode 1 --port "$port" >"$raw/vision-epd.log" 2>&1 &
+    local pid=$!
+    if wait_health "http://127.0.0.1:$port" 120 "$pid"; then
+        vision_chats "http://127.0.0.1:$port" "$raw/vision-epd.json" || rc=1
+        # That the images took the encode hop (and were not prefilled on decode).
+        curl -sf "http://127.0.0.1:$port/metrics" | grep '^pdserve_proxy_encode_total' \
+            >"$raw/vision-epd-encode.txt" || rc=1
+    else
+        rc=1
+        tail -20 "$raw/vision-epd.log"
+    fi
+    kill -INT "$pid" 2>/dev/null
+    for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+    kill -9 "$pid" 2>/dev/null
+    wait "$pid" 2>/dev/null
+    return $rc
+}
+
 # Served decode with neighbours on the machine (issue 28's question, asked of this machine):
 # `serve --device cuda` and `serve` on the CPU (default weights and threads), each driven by
 # `bench serve` (8 requests of ~512 prompt tokens and 128 output tokens, one at a time) idle,
@@ -303,13 +370,15 @@ step_busy() {
 
 export bin raw work gguf root
 export -f ensure_model step_verify step_bench step_transfer step_verify16 step_hf wait_health \
-    free_port chat serve_one stop_one step_serve launch_one step_launch step_busy
+    free_port chat serve_one stop_one step_serve launch_one step_launch step_busy vision_chats \
+    step_vision
 run_step verify 150 step_verify
 run_step bench "$([ -n "${DEVICE_CHECK_BASELINE:-}" ] && echo 240 || echo 90)" step_bench
 run_step transfer 100 step_transfer
 run_step verify16 90 step_verify16
 run_step serve 120 step_serve
 run_step launch 120 step_launch
+run_step vision 120 step_vision
 run_step hf 90 step_hf
 run_step busy 150 step_busy
 
@@ -397,6 +466,16 @@ for f in sorted(glob.glob(os.path.join(raw, "busy-*-loops*.json"))):
             "output_tok_s": r["output_throughput"], "failed": r["failed"]}
 if busy:
     s["busy"] = busy
+for k in ["vision-cpu", "vision-cuda", "vision-epd"]:
+    s[k] = load(k + ".json")
+try:
+    s["vision_epd_proxy_encode"] = open(os.path.join(raw, "vision-epd-encode.txt")).read().split("\n")
+except OSError:
+    pass
+if isinstance(s.get("vision-cpu"), list):
+    for k in ["vision-cuda", "vision-epd"]:
+        if isinstance(s.get(k), list):
+            s[k.replace("-", "_") + "_equals_cpu"] = s[k] == s["vision-cpu"]
 if isinstance(s.get("serve-cpu"), list) and isinstance(s.get("serve-cuda-f32"), list):
     s["serve_cuda_f32_equals_cpu_f32"] = s["serve-cpu"] == s["serve-cuda-f32"]
 for k in ["launch", "launch-host"]:

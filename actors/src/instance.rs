@@ -242,7 +242,8 @@ fn rank_device(cfg: &ServeConfig) -> Result<RankDevice, StartError> {
 
 /// Refuses what a device KV cache cannot do (docs/cuda.md, "Wiring into the actors"): the
 /// KV tiers read and write the host KV cache directly; an instance with a transfer engine
-/// needs a KV mirror for peers to reach its KV; the CUDA cache is f32.
+/// for KV needs a KV mirror for peers to reach its KV (a vision-language model's engine may
+/// carry image rows alone); the CUDA cache is f32.
 fn check_device(opts: &InstanceOptions) -> Result<(), StartError> {
     let device = &opts.device;
     if !device.private_kv() {
@@ -257,7 +258,10 @@ fn check_device(opts: &InstanceOptions) -> Result<(), StartError> {
             ),
         ));
     }
-    if opts.transfer.is_some() && device.mirror() == KvMirror::Off {
+    // A vision-language model's engine also carries image rows (E/P/D): a colocated or encode
+    // instance keeps it with its KV on the device, and refuses to hand KV to peers
+    // (`SchedulerArgs::serves_kv`).
+    if opts.transfer.is_some() && device.mirror() == KvMirror::Off && opts.model.vision.is_none() {
         return Err(StartError::config(
             "instance.role",
             format!(

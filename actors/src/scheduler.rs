@@ -707,8 +707,8 @@ impl SchedulerState {
             Some(RequestError::Aborted)
         } else if hold_for.is_some() && !self.serves_kv {
             Some(RequestError::BadRequest(
-                "this instance keeps its KV on the device with a receive-only host mirror \
-                 (role decode): it cannot hand KV to a peer"
+                "this instance keeps its KV on the device without a host mirror peers can \
+                 read (only role prefill writes one through): it cannot hand KV to a peer"
                     .into(),
             ))
         } else {

@@ -870,34 +870,44 @@ async fn a_failed_vision_encoder_is_restarted_and_keeps_its_cache() {
 
 /// Between instances with cluster credentials the encoder protocol rides the mutual-TLS
 /// control plane (its session keys never travel over HTTP): the embeddings are taken from
-/// the encode instance all the same, and it refuses `POST /v1/ec/peer`.
+/// the encode instance all the same, over `tcp` and over `quic` (whose connections are
+/// mutual TLS from the same cluster CA), and the encoder refuses `POST /v1/ec/peer`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_cluster_credentials_the_encoder_protocol_rides_the_control_plane() {
+    for backend in [BackendKind::Tcp, BackendKind::Quic] {
+        encoder_on_the_control_plane(backend).await;
+    }
+}
+
+async fn encoder_on_the_control_plane(backend: BackendKind) {
     use pdserve_actors::control_plane::InstanceControl;
     use pdserve_runtime::Role;
     use pdserve_transport::control::tls::ClusterCredentials;
+    let tag = backend.as_str();
     let cluster = ClusterCredentials::ephemeral("mm-cp").unwrap();
     let body = chat(&[image_part(&data_url("image/png", &png(40, 30, 71)))]);
-    let reference = start("mm-cp-ref", VLM, |_| {}).await;
+    let reference = start(&format!("mm-cp-ref-{tag}"), VLM, |_| {}).await;
     let want = token_ids(&ok(&reference.url(), &body).await);
     reference.stop().await;
     let member = |name: &str, role: Role, encode: bool| {
         let creds = cluster.issue(name).unwrap();
         let name = name.to_string();
         move |o: &mut InstanceOptions| {
-            o.transfer = Some(pdserve_transport::TransferConfig::new(
-                BackendKind::Tcp,
-                &name,
-            ));
+            let mut t = pdserve_transport::TransferConfig::new(backend, &name);
+            if backend == BackendKind::Quic {
+                t.credentials = Some(creds.clone());
+            }
+            o.transfer = Some(t);
             o.encode = encode;
             o.control = Some(InstanceControl::new(creds, role));
         }
     };
-    let e = start("mm-cp-e", VLM, member("mm-cp-e", Role::Encode, true)).await;
-    let pd = start("mm-cp-pd", VLM, member("mm-cp-pd", Role::Colocated, false)).await;
+    let (e_name, pd_name) = (format!("mm-cp-e-{tag}"), format!("mm-cp-pd-{tag}"));
+    let e = start(&e_name, VLM, member(&e_name, Role::Encode, true)).await;
+    let pd = start(&pd_name, VLM, member(&pd_name, Role::Colocated, false)).await;
     encode_on(&e.url(), &body).await;
     let got = ok(&pd.url(), &with_encoder(&body, &e.url())).await;
-    assert_eq!(token_ids(&got), want, "{got}");
+    assert_eq!(token_ids(&got), want, "{tag}: {got}");
     assert_eq!(encoder_figures(&e.url()).await["hold_slots"]["served"], 1);
     // The HTTP carrier is refused: this encoder speaks the protocol on its control plane.
     let r = pdserve_actors::http::http_client()
@@ -959,4 +969,74 @@ async fn without_an_encoder_the_proxy_prefills_images_on_decode() {
     proxy.stop().await;
     p.stop().await;
     d.stop().await;
+}
+
+/// Image rows on ranks that keep their KV on a device (the CUDA executor's contract, run by
+/// its CPU stand-in: a private cache, a host mirror by role). A colocated instance there
+/// keeps its transfer engine for image rows alone (no KV mirror) and refuses to hold KV for
+/// a peer; colocated, E+PD and E+P+D (prefill writing through its mirror, decode uploading
+/// what landed) give the CPU's greedy tokens, and every pool ends full.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn images_on_a_device_kv_cache_give_the_cpu_tokens() {
+    use pdserve_actors::worker::{KvMirror, RankDevice, StandInFaults};
+    let bodies = [
+        chat(&[image_part(&data_url("image/png", &png(40, 30, 61)))]),
+        chat(&[
+            image_part(&data_url("image/png", &png(32, 32, 62))),
+            image_part(&data_url("image/png", &png(24, 20, 63))),
+        ]),
+    ];
+    let cpu = start("dev-ref", VLM, |_| {}).await;
+    let mut want = Vec::new();
+    for b in &bodies {
+        want.push(token_ids(&ok(&cpu.url(), b).await));
+    }
+    cpu.stop().await;
+
+    let on_device = |name: &'static str, mirror: KvMirror, encode: bool| async move {
+        start(name, VLM, |o| {
+            o.transfer = Some(pdserve_transport::TransferConfig::new(
+                BackendKind::Tcp,
+                name,
+            ));
+            o.device = RankDevice::StandIn {
+                mirror,
+                faults: StandInFaults::new(),
+            };
+            o.encode = encode;
+            o.min_remote_prompt_tokens = 0;
+            o.multimodal.encoder_hold_slots = 4;
+        })
+        .await
+    };
+    let e = on_backend("dev-e", BackendKind::Tcp, true).await;
+    let c = on_device("dev-c", KvMirror::Off, false).await;
+    let p = on_device("dev-p", KvMirror::WriteThrough, false).await;
+    let d = on_device("dev-d", KvMirror::Receive, false).await;
+    for (i, b) in bodies.iter().enumerate() {
+        let got = ok(&c.url(), b).await;
+        assert_eq!(token_ids(&got), want[i], "colocated request {i}: {got}");
+        encode_on(&e.url(), b).await;
+        let got = ok(&c.url(), &with_encoder(b, &e.url())).await;
+        assert_eq!(token_ids(&got), want[i], "E+PD request {i}: {got}");
+        let got = ok(&d.url(), &driving(&with_encoder(b, &e.url()), &p)).await;
+        assert_eq!(token_ids(&got), want[i], "E+P+D request {i}: {got}");
+    }
+    // No mirror: the colocated instance has no KV a peer could read.
+    let mut held = bodies[0].clone();
+    held["max_tokens"] = json!(1);
+    held["kv_transfer_params"] = json!({"do_remote_decode": true});
+    let (status, v) = post_to(&c.url(), "/v1/chat/completions", &held).await;
+    assert_eq!(status, 400, "{v}");
+    assert!(
+        v.to_string()
+            .contains("without a host mirror peers can read"),
+        "{v}"
+    );
+    for inst in [&e, &c, &p, &d] {
+        assert_pool_full(inst).await;
+    }
+    for inst in [e, c, p, d] {
+        inst.stop().await;
+    }
 }

@@ -527,29 +527,7 @@ impl ModelShard {
                     "sequence {i}: token id {t} out of vocabulary"
                 )));
             }
-            for e in &s.embeds {
-                let fits =
-                    e.at.checked_add(e.len)
-                        .is_some_and(|end| end <= s.tokens.len())
-                        && e.from
-                            .checked_add(e.len)
-                            .is_some_and(|end| end <= e.image.rows)
-                        && e.image.width == self.config.hidden_size
-                        && e.image.data.len() == e.image.rows * e.image.width;
-                if !fits {
-                    return Err(ModelError::InvalidBatch(format!(
-                        "sequence {i}: embeddings at {}..+{} (rows {}.. of {} x {}) do not fit \
-                         its {} tokens of width {}",
-                        e.at,
-                        e.len,
-                        e.from,
-                        e.image.rows,
-                        e.image.width,
-                        s.tokens.len(),
-                        self.config.hidden_size
-                    )));
-                }
-            }
+            s.check_embeds(i, self.config.hidden_size)?;
         }
         Ok(())
     }
@@ -615,13 +593,8 @@ impl ModelShard {
 
         // Image rows replace their placeholder tokens' embeddings (every rank has the whole
         // batch, so every rank writes the same rows after the all-reduce).
-        for (s, &off) in batch.seqs.iter().zip(&offsets) {
-            for e in &s.embeds {
-                for k in 0..e.len {
-                    let row = off + e.at + k;
-                    x[row * d..(row + 1) * d].copy_from_slice(e.image.row(e.from + k));
-                }
-            }
+        for (row, values) in batch.image_rows() {
+            x[row * d..(row + 1) * d].copy_from_slice(values);
         }
 
         // Each flattened token's position in its sequence.

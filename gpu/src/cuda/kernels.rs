@@ -110,6 +110,7 @@ pub const SOURCES: &[KernelSource] = &[
             "silu_mul_bf16",
             "add_inplace",
             "bias_add",
+            "scatter_rows",
         ],
     },
     KernelSource {
@@ -163,6 +164,7 @@ const PARAMS: &[(&str, &[Param])] = &[
     ("silu_mul_", &[PP, PL, PI, PP]),
     ("add_inplace", &[PP, PP, PL]),
     ("bias_add", &[PP, PP, PL, PI]),
+    ("scatter_rows", &[PP, PP, PI, PI, PP]),
     ("argmax_rows", &[PP, PI, PP, PP, PP]),
 ];
 

@@ -289,11 +289,6 @@ impl CudaShard {
         on_layer: &mut dyn FnMut(usize, &StepPlan) -> Result<()>,
     ) -> Result<Vec<Vec<f32>>> {
         let plan = StepPlan::validated(batch, kv.layout(), &self.config)?;
-        if batch.seqs.iter().any(|s| !s.embeds.is_empty()) {
-            return Err(crate::ModelError::InvalidBatch(
-                "image embeddings are not run by the CUDA backend yet (issue 33)".into(),
-            ));
-        }
         let g = &*self.gpu;
         let cfg = &self.config;
         let (d, hd) = (cfg.hidden_size, cfg.head_dim);
@@ -348,6 +343,28 @@ impl CudaShard {
             ],
         )?;
         all_reduce(g, comm, &mut x)?;
+        // Image rows replace their placeholder tokens' embeddings, after the all-reduce as on
+        // the CPU (every rank has the whole batch, so every rank writes the same rows).
+        let (mut rows, mut at) = (Vec::new(), Vec::new());
+        for (row, values) in batch.image_rows() {
+            // Step rows fit i32: the plan's token indices did.
+            at.push(row as i32);
+            rows.extend_from_slice(values);
+        }
+        if !at.is_empty() {
+            let (rows_d, at_d) = (g.upload(&rows)?, g.upload(&at)?);
+            g.launch(
+                "scatter_rows",
+                launch::per_row(at.len(), d, ROW_THREADS)?,
+                &[
+                    F32s(&rows_d),
+                    I32s(&at_d),
+                    karg_i32(at.len()),
+                    karg_i32(d),
+                    F32s(&x),
+                ],
+            )?;
+        }
 
         let eps = cfg.rms_norm_eps;
         let norm = |x: &CudaSlice<f32>, delta: Option<&CudaSlice<f32>>, w: &CudaSlice<f32>| {

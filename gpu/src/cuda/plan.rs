@@ -117,6 +117,7 @@ impl StepPlan {
                     "sequence {i}: token id {t} out of vocabulary"
                 )));
             }
+            s.check_embeds(i, cfg.hidden_size)?;
         }
         Self::new(batch, layout)
     }

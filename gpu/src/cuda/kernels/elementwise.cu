@@ -6,6 +6,9 @@
 // silu_mul_*: SwiGLU on the fused gate|up rows: out[r, j] = silu(gate) * up, written in the
 //   matmul input type. Launch: 1-D over rows * ffn (launch.rs).
 // add_inplace: x += y (residual). bias_add: y[r, c] += b[c]. Launch: 1-D.
+// scatter_rows: rows[r, :] replace x[at[r], :] (a vision-language prompt's image rows at their
+//   placeholder tokens, after the embedding's all-reduce). Launch: grid (n), block multiple
+//   of 32.
 
 template <typename T>
 __device__ __forceinline__ void embedding_impl(const T* table, const unsigned int* tokens,
@@ -69,4 +72,13 @@ extern "C" __global__ void bias_add(float* y, const float* b, pd_i64 rows, int c
          i += (pd_i64)gridDim.x * blockDim.x) {
         y[i] = __fadd_rn(y[i], b[i % cols]);
     }
+}
+
+extern "C" __global__ void scatter_rows(const float* rows, const int* at, int n, int d,
+                                        float* x) {
+    const int r = blockIdx.x;
+    if (r >= n) return;
+    const float* src = rows + (pd_i64)r * d;
+    float* dst = x + (pd_i64)at[r] * d;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) dst[i] = src[i];
 }

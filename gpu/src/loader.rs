@@ -272,22 +272,24 @@ pub fn gguf_config(content: &gguf_file::Content) -> Result<ModelConfig> {
     Ok(config)
 }
 
-/// Loads an HF checkpoint directory (`config.json`, `*.safetensors`, `tokenizer.json`).
+/// Loads an HF checkpoint directory (`config.json`, `*.safetensors`, `tokenizer.json`): a
+/// Llama/Qwen2 causal LM, or an Idefics3 / SmolVLM vision-language model
+/// ([`crate::hf_vlm`]), which comes with its vision tower.
 ///
 /// # Errors
 /// As [`load_model`].
 pub fn load_hf_dir(dir: &Path) -> Result<LoadedModel> {
     let cfg_path = dir.join("config.json");
-    let text = std::fs::read_to_string(&cfg_path).map_err(|e| match e.kind() {
-        std::io::ErrorKind::NotFound => ModelError::NotFound {
-            path: cfg_path.clone(),
-        },
-        _ => ModelError::Corrupt {
+    let text = read_json_text(&cfg_path)?;
+    let value: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| ModelError::Corrupt {
             path: cfg_path.clone(),
             reason: e.to_string(),
-        },
-    })?;
-    let config = hf_config(&text).map_err(|e| match e {
+        })?;
+    if crate::hf_vlm::is_vlm_config(&value) {
+        return load_hf_vlm_dir(dir, &value);
+    }
+    let config = hf_config_value(&value, "config.json").map_err(|e| match e {
         ModelError::BadMetadata(m) => ModelError::Corrupt {
             path: cfg_path.clone(),
             reason: m,
@@ -304,6 +306,55 @@ pub fn load_hf_dir(dir: &Path) -> Result<LoadedModel> {
         tokenizer,
         chat_template,
         vision: None,
+    })
+}
+
+fn read_json_text(path: &Path) -> Result<String> {
+    std::fs::read_to_string(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => ModelError::NotFound {
+            path: path.to_path_buf(),
+        },
+        _ => ModelError::Corrupt {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        },
+    })
+}
+
+/// Loads an HF Idefics3 / SmolVLM checkpoint directory ([`crate::hf_vlm`]): the decoder from
+/// `text_config` and `model.text_model.*`, the tower from `vision_config`,
+/// `preprocessor_config.json` (optional) and the vision and connector tensors.
+fn load_hf_vlm_dir(dir: &Path, value: &serde_json::Value) -> Result<LoadedModel> {
+    use crate::hf_vlm;
+    let config = hf_vlm::text_config(value)?;
+    let tokenizer = Tokenizer::from_hf_file(&dir.join("tokenizer.json"))?;
+    let pre_path = dir.join("preprocessor_config.json");
+    let preprocessor: Option<serde_json::Value> = if pre_path.exists() {
+        let text = read_json_text(&pre_path)?;
+        Some(
+            serde_json::from_str(&text).map_err(|e| ModelError::Corrupt {
+                path: pre_path.clone(),
+                reason: e.to_string(),
+            })?,
+        )
+    } else {
+        None
+    };
+    let image_token = tokenizer
+        .token_to_id("<image>")
+        .filter(|&t| (t as usize) < config.vocab_size);
+    let vision_config = hf_vlm::vision_config(value, preprocessor.as_ref(), &config, image_token)?;
+    let mut store =
+        TensorStore::from_safetensors_dir_with(dir, |n| hf_vlm::tensor_name(n, config.num_layers))?;
+    let tower = hf_vlm::take_tower(&vision_config, &mut store)?;
+    let chat_template = template_for(&tokenizer)?;
+    Ok(LoadedModel {
+        name: name_of(dir),
+        config,
+        store,
+        tokenizer,
+        chat_template,
+        vision: Some(std::sync::Arc::new(tower)),
     })
 }
 
@@ -347,10 +398,21 @@ struct HfRopeScaling {
 pub fn hf_config(text: &str) -> Result<ModelConfig> {
     let v: serde_json::Value = serde_json::from_str(text)
         .map_err(|e| ModelError::BadMetadata(format!("config.json: {e}")))?;
+    hf_config_value(&v, "config.json")
+}
+
+/// The most a count in `config.json` (sizes, layers, heads) may be.
+pub(crate) const MAX_CONFIG_COUNT: f64 = (1u64 << 20) as f64;
+/// The most `max_position_embeddings` may be.
+const MAX_CONTEXT: f64 = (1u64 << 30) as f64;
+
+/// A decoder's architecture from a parsed HF config (`config.json`, or a vision-language
+/// model's `text_config`, which `ctx` names in errors).
+pub(crate) fn hf_config_value(v: &serde_json::Value, ctx: &str) -> Result<ModelConfig> {
     // Read through the `Value`: a list is no config (serde's structs would take one).
-    let c = match v.is_object().then(|| HfConfig::deserialize(&v)) {
+    let c = match v.is_object().then(|| HfConfig::deserialize(v)) {
         Some(Ok(c)) => c,
-        Some(Err(e)) => return Err(ModelError::BadMetadata(format!("config.json: {e}"))),
+        Some(Err(e)) => return Err(ModelError::BadMetadata(format!("{ctx}: {e}"))),
         None => HfConfig::default(),
     };
     let arch = c
@@ -366,10 +428,22 @@ pub fn hf_config(text: &str) -> Result<ModelConfig> {
         other => return Err(ModelError::UnsupportedArchitecture(other.to_string())),
     };
     let num = |x: Option<Loose<f64>>| x.and_then(Loose::get);
-    let need = |x: Option<Loose<f64>>, k: &str| {
-        num(x)
-            .map(|x| x as usize)
-            .ok_or_else(|| ModelError::BadMetadata(format!("config.json: `{k}`")))
+    // Every count is bounded before anything is sized by it.
+    let bounded = |x: f64, k: &str, max: f64| -> Result<usize> {
+        if !(x >= 1.0 && x.fract() == 0.0 && x <= max) {
+            return Err(ModelError::BadMetadata(format!(
+                "{ctx}: `{k}` = {x} is not a count in 1..={max}"
+            )));
+        }
+        Ok(x as usize)
+    };
+    let need_max = |x: Option<Loose<f64>>, k: &str, max: f64| match num(x) {
+        Some(x) => bounded(x, k, max),
+        None => Err(ModelError::BadMetadata(format!("{ctx}: `{k}`"))),
+    };
+    let need = |x: Option<Loose<f64>>, k: &str| need_max(x, k, MAX_CONFIG_COUNT);
+    let optional = |x: Option<Loose<f64>>, k: &str| -> Result<Option<usize>> {
+        num(x).map(|x| bounded(x, k, MAX_CONFIG_COUNT)).transpose()
     };
     let hidden = need(c.hidden_size, "hidden_size")?;
     let heads = need(c.num_attention_heads, "num_attention_heads")?;
@@ -398,7 +472,7 @@ pub fn hf_config(text: &str) -> Result<ModelConfig> {
                 "default" => RopeScaling::None,
                 other => {
                     return Err(ModelError::BadMetadata(format!(
-                        "config.json: unsupported rope_scaling `{other}`"
+                        "{ctx}: unsupported rope_scaling `{other}`"
                     )))
                 }
             }
@@ -411,14 +485,18 @@ pub fn hf_config(text: &str) -> Result<ModelConfig> {
         hidden_size: hidden,
         num_layers: need(c.num_hidden_layers, "num_hidden_layers")?,
         num_heads: heads,
-        num_kv_heads: num(c.num_key_value_heads).map_or(heads, |x| x as usize),
-        head_dim: num(c.head_dim).map_or(hidden / heads.max(1), |x| x as usize),
+        num_kv_heads: optional(c.num_key_value_heads, "num_key_value_heads")?.unwrap_or(heads),
+        head_dim: optional(c.head_dim, "head_dim")?.unwrap_or(hidden / heads.max(1)),
         intermediate_size: need(c.intermediate_size, "intermediate_size")?,
         rms_norm_eps: num(c.rms_norm_eps).unwrap_or(1e-6) as f32,
         rope_theta: num(c.rope_theta).unwrap_or(10_000.0) as f32,
         rope_scaling,
         rope_style: RopeStyle::Half,
-        context_length: need(c.max_position_embeddings, "max_position_embeddings")?,
+        context_length: need_max(
+            c.max_position_embeddings,
+            "max_position_embeddings",
+            MAX_CONTEXT,
+        )?,
         qkv_bias: c.attention_bias.and_then(Loose::get).unwrap_or(qkv_bias),
         rope_freq_factors: None,
     };

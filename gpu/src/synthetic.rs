@@ -471,7 +471,12 @@ fn permute_for_interleaved(w: &Tensor, heads: usize, head_dim: usize) -> Result<
 }
 
 /// Writes a synthetic model as an HF checkpoint directory: `config.json`,
-/// `model.safetensors` (f32, or `f16` when asked) and `tokenizer.json`.
+/// `model.safetensors` (f32, or `f16` when asked) and `tokenizer.json`. A synthetic VLM
+/// (`vision=1`) is written as an HF Idefics3 / SmolVLM checkpoint ([`crate::hf_vlm`]): the
+/// decoder under `model.text_model.*` and `text_config`, the tower and connector under their HF
+/// names and `vision_config`, `scale_factor` and `image_token_id`, and a
+/// `preprocessor_config.json` with its mean and standard deviation — so the directory loads as
+/// the same VLM.
 ///
 /// # Errors
 /// I/O and tensor-library failures.
@@ -479,42 +484,48 @@ pub fn write_safetensors_dir(spec: &SyntheticSpec, dir: &std::path::Path, f16: b
     let c = &spec.config;
     std::fs::create_dir_all(dir)?;
     let store = spec.build()?;
+    let vision = match (&spec.vision, spec.build_vision()?) {
+        (Some(v), Some(vstore)) => Some((v, vstore)),
+        _ => None,
+    };
+    // A VLM's decoder sits under `model.text_model.` (HF `Idefics3Model.text_model`).
+    let prefix = if vision.is_some() {
+        crate::hf_vlm::TEXT_PREFIX
+    } else {
+        "model."
+    };
     let mut out = HashMap::new();
     let mut renames: Vec<(String, String)> = vec![
         (
             "token_embd.weight".into(),
-            "model.embed_tokens.weight".into(),
+            format!("{prefix}embed_tokens.weight"),
         ),
-        ("output_norm.weight".into(), "model.norm.weight".into()),
+        ("output_norm.weight".into(), format!("{prefix}norm.weight")),
         ("output.weight".into(), "lm_head.weight".into()),
     ];
     for i in 0..c.num_layers {
-        for (g, h) in [
-            ("attn_norm.weight", "input_layernorm.weight"),
-            ("ffn_norm.weight", "post_attention_layernorm.weight"),
-            ("attn_q.weight", "self_attn.q_proj.weight"),
-            ("attn_k.weight", "self_attn.k_proj.weight"),
-            ("attn_v.weight", "self_attn.v_proj.weight"),
-            ("attn_output.weight", "self_attn.o_proj.weight"),
-            ("attn_q.bias", "self_attn.q_proj.bias"),
-            ("attn_k.bias", "self_attn.k_proj.bias"),
-            ("attn_v.bias", "self_attn.v_proj.bias"),
-            ("ffn_gate.weight", "mlp.gate_proj.weight"),
-            ("ffn_up.weight", "mlp.up_proj.weight"),
-            ("ffn_down.weight", "mlp.down_proj.weight"),
-        ] {
-            renames.push((format!("blk.{i}.{g}"), format!("model.layers.{i}.{h}")));
+        for (h, g) in crate::weights::HF_LAYER_NAMES {
+            renames.push((format!("blk.{i}.{g}"), format!("{prefix}layers.{i}.{h}")));
         }
     }
+    let mut put = |t: &QTensor, hf: String| -> Result<()> {
+        let t = t.dequantize(&Device::Cpu)?;
+        let t = if f16 {
+            t.to_dtype(candle_core::DType::F16)?
+        } else {
+            t
+        };
+        out.insert(hf, t);
+        Ok(())
+    };
     for (g, h) in renames {
         if store.contains(&g) {
-            let t = store.get(&g)?.dequantize(&Device::Cpu)?;
-            let t = if f16 {
-                t.to_dtype(candle_core::DType::F16)?
-            } else {
-                t
-            };
-            out.insert(h, t);
+            put(store.get(&g)?, h)?;
+        }
+    }
+    if let Some((v, vstore)) = &vision {
+        for (hf, name, _) in crate::hf_vlm::vision_tensors(v) {
+            put(vstore.get(&name)?, hf)?;
         }
     }
     candle_core::safetensors::save(&out, dir.join("model.safetensors"))?;
@@ -527,7 +538,8 @@ pub fn write_safetensors_dir(spec: &SyntheticSpec, dir: &std::path::Path, f16: b
     // ties the LM head to the embedding.
     let model_type = if c.qkv_bias { "qwen2" } else { "llama" };
     let tied = !store.contains("output.weight");
-    let config = serde_json::json!({
+    let torch_dtype = if f16 { "float16" } else { "float32" };
+    let text = serde_json::json!({
         "architectures": [arch],
         "model_type": model_type,
         "vocab_size": c.vocab_size,
@@ -541,8 +553,59 @@ pub fn write_safetensors_dir(spec: &SyntheticSpec, dir: &std::path::Path, f16: b
         "rope_theta": c.rope_theta,
         "max_position_embeddings": c.context_length,
         "tie_word_embeddings": tied,
-        "torch_dtype": if f16 { "float16" } else { "float32" },
+        "torch_dtype": torch_dtype,
     });
+    let config = match &vision {
+        None => text,
+        Some((v, _)) => {
+            let json = |name: &str, value: &serde_json::Value| -> Result<()> {
+                std::fs::write(
+                    dir.join(name),
+                    serde_json::to_string_pretty(value).unwrap_or_default(),
+                )?;
+                Ok(())
+            };
+            json(
+                "preprocessor_config.json",
+                &serde_json::json!({
+                    "image_processor_type": "Idefics3ImageProcessor",
+                    "processor_class": "Idefics3Processor",
+                    "do_convert_rgb": true,
+                    "do_resize": true,
+                    "do_rescale": true,
+                    "rescale_factor": 1.0 / 255.0,
+                    "do_normalize": true,
+                    "image_mean": v.image_mean,
+                    "image_std": v.image_std,
+                    "do_image_splitting": false,
+                    "max_image_size": {"longest_edge": v.image_size},
+                    "size": {"longest_edge": v.image_size},
+                    "resample": 1,
+                }),
+            )?;
+            serde_json::json!({
+                "architectures": [crate::hf_vlm::ARCHITECTURES[0]],
+                "model_type": crate::hf_vlm::MODEL_TYPES[0],
+                "image_token_id": v.image_token_id,
+                "scale_factor": v.scale_factor,
+                "tie_word_embeddings": tied,
+                "torch_dtype": torch_dtype,
+                "text_config": text,
+                "vision_config": {
+                    "model_type": "idefics3_vision",
+                    "hidden_size": v.hidden_size,
+                    "intermediate_size": v.intermediate_size,
+                    "num_hidden_layers": v.num_layers,
+                    "num_attention_heads": v.num_heads,
+                    "image_size": v.image_size,
+                    "patch_size": v.patch_size,
+                    "layer_norm_eps": v.layer_norm_eps,
+                    "hidden_act": "gelu_pytorch_tanh",
+                    "num_channels": 3,
+                },
+            })
+        }
+    };
     std::fs::write(
         dir.join("config.json"),
         serde_json::to_string_pretty(&config).unwrap_or_default(),

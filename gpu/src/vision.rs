@@ -18,9 +18,10 @@
 //!
 //! Tensor names are those of llama.cpp's `mmproj` files for this projector type (`idefics3`):
 //! `v.patch_embd.*`, `v.position_embd.weight`, `v.blk.{i}.{ln1,attn_q,attn_k,attn_v,attn_out,
-//! ln2,ffn_up,ffn_down}.*`, `v.post_ln.*`, `mm.model.fc.weight`. Only the seeded synthetic
-//! tower ([`crate::synthetic`], `synthetic:...,vision=1`) builds them today; loading a real
-//! `mmproj` GGUF or HF checkpoint into the same [`TensorStore`] is not done yet (issue 33).
+//! ln2,ffn_up,ffn_down}.*`, `v.post_ln.*`, `mm.model.fc.weight`. Three sources fill that
+//! [`TensorStore`]: the seeded synthetic tower ([`crate::synthetic`], `synthetic:...,vision=1`),
+//! an `mmproj` GGUF ([`crate::mmproj`]) and an HF Idefics3 / SmolVLM checkpoint directory
+//! ([`crate::hf_vlm`], its `model.vision_model.*` and `model.connector.*` tensors renamed).
 //!
 //! Images are preprocessed as SmolVLM's processor does for one global image without splitting:
 //! decoded (PNG or JPEG only), converted to RGB, resized to `S×S` (bilinear), rescaled to

@@ -92,6 +92,18 @@ impl TensorStore {
     /// [`ModelError::Corrupt`] for an unreadable file; [`ModelError::UnsupportedTensorType`]
     /// for a dtype other than f32/f16/bf16.
     pub fn from_safetensors_dir(dir: &Path, num_layers: usize) -> Result<Self> {
+        Self::from_safetensors_dir_with(dir, |hf| hf_text_name(hf, "model.", num_layers))
+    }
+
+    /// Reads every `*.safetensors` file of an HF checkpoint directory, keeping the tensors
+    /// `rename` gives a name (their name in the store) and skipping the others.
+    ///
+    /// # Errors
+    /// As [`TensorStore::from_safetensors_dir`].
+    pub fn from_safetensors_dir_with(
+        dir: &Path,
+        rename: impl Fn(&str) -> Option<String>,
+    ) -> Result<Self> {
         let mut files: Vec<PathBuf> = std::fs::read_dir(dir)?
             .filter_map(|e| e.ok().map(|e| e.path()))
             .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
@@ -103,7 +115,6 @@ impl TensorStore {
                 reason: "no *.safetensors files in the directory".into(),
             });
         }
-        let renames = hf_to_gguf_names(num_layers);
         let mut tensors = HashMap::new();
         for file in &files {
             let loaded = candle_core::safetensors::load(file, &Device::Cpu).map_err(|e| {
@@ -113,7 +124,7 @@ impl TensorStore {
                 }
             })?;
             for (hf_name, t) in loaded {
-                let Some(name) = renames.get(hf_name.as_str()) else {
+                let Some(name) = rename(&hf_name) else {
                     tracing::debug!(tensor = %hf_name, "ignoring tensor not used by the model");
                     continue;
                 };
@@ -127,16 +138,32 @@ impl TensorStore {
                         })
                     }
                 };
-                tensors.insert(
-                    name.clone(),
-                    Arc::new(QTensor::quantize(&t, GgmlDType::F32)?),
-                );
+                tensors.insert(name, Arc::new(QTensor::quantize(&t, GgmlDType::F32)?));
             }
         }
         Ok(Self {
             tensors,
             origin: dir.to_path_buf(),
         })
+    }
+
+    /// Moves the tensors whose names start with one of `prefixes` into a store of their own
+    /// (a vision tower's, out of a vision-language checkpoint's single store).
+    pub fn take_prefixed(&mut self, prefixes: &[&str]) -> TensorStore {
+        let names: Vec<String> = self
+            .tensors
+            .keys()
+            .filter(|n| prefixes.iter().any(|p| n.starts_with(p)))
+            .cloned()
+            .collect();
+        let tensors = names
+            .into_iter()
+            .filter_map(|n| self.tensors.remove_entry(&n))
+            .collect();
+        TensorStore {
+            tensors,
+            origin: self.origin.clone(),
+        }
     }
 
     /// Whether a tensor exists.
@@ -190,34 +217,42 @@ impl TensorStore {
     }
 }
 
-fn hf_to_gguf_names(num_layers: usize) -> HashMap<String, String> {
-    let mut m = HashMap::new();
-    m.insert(
-        "model.embed_tokens.weight".into(),
-        "token_embd.weight".into(),
-    );
-    m.insert("model.norm.weight".into(), "output_norm.weight".into());
-    m.insert("lm_head.weight".into(), "output.weight".into());
-    for i in 0..num_layers {
-        let pairs = [
-            ("input_layernorm.weight", "attn_norm.weight"),
-            ("post_attention_layernorm.weight", "ffn_norm.weight"),
-            ("self_attn.q_proj.weight", "attn_q.weight"),
-            ("self_attn.k_proj.weight", "attn_k.weight"),
-            ("self_attn.v_proj.weight", "attn_v.weight"),
-            ("self_attn.o_proj.weight", "attn_output.weight"),
-            ("self_attn.q_proj.bias", "attn_q.bias"),
-            ("self_attn.k_proj.bias", "attn_k.bias"),
-            ("self_attn.v_proj.bias", "attn_v.bias"),
-            ("mlp.gate_proj.weight", "ffn_gate.weight"),
-            ("mlp.up_proj.weight", "ffn_up.weight"),
-            ("mlp.down_proj.weight", "ffn_down.weight"),
-        ];
-        for (hf, gg) in pairs {
-            m.insert(format!("model.layers.{i}.{hf}"), format!("blk.{i}.{gg}"));
-        }
+/// The HF Llama/Qwen2 tensor names and their GGUF names within a layer.
+pub(crate) const HF_LAYER_NAMES: [(&str, &str); 12] = [
+    ("input_layernorm.weight", "attn_norm.weight"),
+    ("post_attention_layernorm.weight", "ffn_norm.weight"),
+    ("self_attn.q_proj.weight", "attn_q.weight"),
+    ("self_attn.k_proj.weight", "attn_k.weight"),
+    ("self_attn.v_proj.weight", "attn_v.weight"),
+    ("self_attn.o_proj.weight", "attn_output.weight"),
+    ("self_attn.q_proj.bias", "attn_q.bias"),
+    ("self_attn.k_proj.bias", "attn_k.bias"),
+    ("self_attn.v_proj.bias", "attn_v.bias"),
+    ("mlp.gate_proj.weight", "ffn_gate.weight"),
+    ("mlp.up_proj.weight", "ffn_up.weight"),
+    ("mlp.down_proj.weight", "ffn_down.weight"),
+];
+
+/// The GGUF name of an HF decoder tensor whose names start with `prefix` (`model.` for a
+/// causal LM, `model.text_model.` for a vision-language model's decoder); `lm_head.weight`
+/// has none. `None`: a tensor the decoder does not use, or a layer at or past `num_layers`.
+pub(crate) fn hf_text_name(hf: &str, prefix: &str, num_layers: usize) -> Option<String> {
+    if hf == "lm_head.weight" {
+        return Some("output.weight".into());
     }
-    m
+    let rest = hf.strip_prefix(prefix)?;
+    match rest {
+        "embed_tokens.weight" => return Some("token_embd.weight".into()),
+        "norm.weight" => return Some("output_norm.weight".into()),
+        _ => {}
+    }
+    let (layer, name) = rest.strip_prefix("layers.")?.split_once('.')?;
+    let i: usize = layer.parse().ok().filter(|i| *i < num_layers)?;
+    if layer != i.to_string() {
+        return None;
+    }
+    let (_, gg) = HF_LAYER_NAMES.iter().find(|(h, _)| *h == name)?;
+    Some(format!("blk.{i}.{gg}"))
 }
 
 /// Bytes of one row of a 2-D quantized tensor, and elements per quantization block.

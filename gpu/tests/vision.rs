@@ -332,3 +332,183 @@ fn an_mmproj_file_beside_the_decoder_loads_the_same_tower() {
         .to_string();
     assert!(err.contains("clip.projector_type"), "{err}");
 }
+
+/// An HF Idefics3 / SmolVLM checkpoint directory (`config.json` with `text_config` and
+/// `vision_config`, `preprocessor_config.json`, `model.safetensors` under the HF names) written
+/// from the synthetic VLM loads as the same VLM: the tower gives the same rows bit for bit, and
+/// the decoder the same logits for a prompt holding an image.
+#[test]
+fn an_hf_smolvlm_directory_loads_the_same_vlm() {
+    use pdserve_gpu::synthetic::{write_safetensors_dir, SyntheticSpec};
+    let dir = tempfile::tempdir().unwrap();
+    let spec = SyntheticSpec::parse(SPEC).unwrap();
+    write_safetensors_dir(&spec, dir.path(), false).unwrap();
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["model_type"], "idefics3");
+    assert!(dir.path().join("preprocessor_config.json").exists());
+
+    let loaded = load_model(&ModelSource::Path(dir.path().to_path_buf())).unwrap();
+    let reference = synthetic_vlm();
+    assert_eq!(loaded.config, reference.config);
+    let (tower, ref_tower) = (
+        loaded
+            .vision
+            .clone()
+            .expect("an Idefics3 directory has a tower"),
+        reference.vision.clone().unwrap(),
+    );
+    assert_eq!(tower.config(), ref_tower.config());
+    assert!(
+        !loaded.store.names().any(|n| n.starts_with("v.")),
+        "the tower's tensors leave the decoder's store"
+    );
+    let mut images = Vec::new();
+    for seed in [3, 4] {
+        let bytes = png(50, 38, seed);
+        let (a, b) = (encode(&tower, &bytes), encode(&ref_tower, &bytes));
+        assert_eq!(a.digest, b.digest);
+        assert_eq!(a.data, b.data, "image {seed}");
+        images.push(a);
+    }
+    let (p, at) = prompt(tower.config().image_token_id, images[0].rows);
+    let ours = logits_chunked(&engine(loaded, 1), &p, at, &images[0], &[7]);
+    let theirs = logits_chunked(&engine(reference, 1), &p, at, &images[0], &[7]);
+    assert_eq!(argmax(&ours), argmax(&theirs));
+    assert!(max_diff(&ours, &theirs) < 1e-5);
+}
+
+/// Writes the synthetic VLM's HF directory, then lets `edit` change its `config.json`,
+/// `preprocessor_config.json` and tensors.
+fn edited_hf_vlm(
+    edit: impl FnOnce(
+        &mut serde_json::Value,
+        &mut serde_json::Value,
+        &mut std::collections::HashMap<String, candle_core::Tensor>,
+    ),
+) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = pdserve_gpu::synthetic::SyntheticSpec::parse(SPEC).unwrap();
+    pdserve_gpu::synthetic::write_safetensors_dir(&spec, dir.path(), false).unwrap();
+    let read = |name: &str| -> serde_json::Value {
+        serde_json::from_slice(&std::fs::read(dir.path().join(name)).unwrap()).unwrap()
+    };
+    let (mut config, mut pre) = (read("config.json"), read("preprocessor_config.json"));
+    let st = dir.path().join("model.safetensors");
+    let mut tensors = candle_core::safetensors::load(&st, &candle_core::Device::Cpu).unwrap();
+    edit(&mut config, &mut pre, &mut tensors);
+    let write = |name: &str, v: &serde_json::Value| {
+        std::fs::write(dir.path().join(name), serde_json::to_vec(v).unwrap()).unwrap();
+    };
+    write("config.json", &config);
+    write("preprocessor_config.json", &pre);
+    candle_core::safetensors::save(&tensors, &st).unwrap();
+    dir
+}
+
+/// Configs that do not fit the checkpoint, or that are hostile, are refused by name, before
+/// anything is sized by their counts.
+#[test]
+fn hf_vlm_directories_that_do_not_fit_are_refused_by_name() {
+    type Edit = Box<
+        dyn FnOnce(
+            &mut serde_json::Value,
+            &mut serde_json::Value,
+            &mut std::collections::HashMap<String, candle_core::Tensor>,
+        ),
+    >;
+    let cases: Vec<(&str, Edit)> = vec![
+        (
+            // A vision width the tensors do not have.
+            "model.vision_model.embeddings.patch_embedding.weight",
+            Box::new(|c, _, _| c["vision_config"]["hidden_size"] = 32.into()),
+        ),
+        (
+            "model.vision_model.encoder.layers.1.mlp.fc2.bias",
+            Box::new(|_, _, t| {
+                t.remove("model.vision_model.encoder.layers.1.mlp.fc2.bias");
+            }),
+        ),
+        (
+            "model.connector.modality_projection.proj.weight",
+            Box::new(|_, _, t| {
+                t.remove("model.connector.modality_projection.proj.weight");
+            }),
+        ),
+        (
+            "vision_config.num_hidden_layers",
+            Box::new(|c, _, _| c["vision_config"]["num_hidden_layers"] = 1e12.into()),
+        ),
+        (
+            // More layers than the checkpoint has: the first missing one is named.
+            "model.vision_model.encoder.layers.2.layer_norm1.weight",
+            Box::new(|c, _, _| c["vision_config"]["num_hidden_layers"] = 100_000.into()),
+        ),
+        (
+            // Fewer: the checkpoint's extra layer is not silently dropped.
+            "encoder layer 1",
+            Box::new(|c, _, _| c["vision_config"]["num_hidden_layers"] = 1.into()),
+        ),
+        (
+            "text_config: `num_hidden_layers`",
+            Box::new(|c, _, _| c["text_config"]["num_hidden_layers"] = 1e15.into()),
+        ),
+        (
+            "image_token_id",
+            Box::new(|c, _, _| c["image_token_id"] = 320.into()),
+        ),
+        (
+            "image_token_id",
+            Box::new(|c, _, _| c["image_token_id"] = (-1).into()),
+        ),
+        (
+            "scale factor 3",
+            Box::new(|c, _, _| c["scale_factor"] = 3.into()),
+        ),
+        (
+            "vision_config.hidden_act",
+            Box::new(|c, _, _| c["vision_config"]["hidden_act"] = "relu".into()),
+        ),
+        (
+            "image_std",
+            Box::new(|_, p, _| p["image_std"] = serde_json::json!([0.5, 0.0, 0.5])),
+        ),
+        (
+            "rescale_factor",
+            Box::new(|_, p, _| p["rescale_factor"] = 1.0.into()),
+        ),
+        (
+            "text_config",
+            Box::new(|c, _, _| {
+                c.as_object_mut().unwrap().remove("text_config");
+            }),
+        ),
+    ];
+    for (want, edit) in cases {
+        let dir = edited_hf_vlm(edit);
+        let err = load_model(&ModelSource::Path(dir.path().to_path_buf()))
+            .map(|m| m.name)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(want), "want `{want}` in: {err}");
+    }
+    // Without `image_token_id`, the tokenizer's `<image>` would stand in; the synthetic one has
+    // none, so that is refused too.
+    let dir = edited_hf_vlm(|c, _, _| {
+        c.as_object_mut().unwrap().remove("image_token_id");
+    });
+    let err = load_model(&ModelSource::Path(dir.path().to_path_buf()))
+        .map(|m| m.name)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("<image>"), "{err}");
+    // Keys left out take transformers' defaults: `layer_norm_eps` 1e-6 is the synthetic one.
+    let dir = edited_hf_vlm(|c, _, _| {
+        c["vision_config"]
+            .as_object_mut()
+            .unwrap()
+            .remove("layer_norm_eps");
+    });
+    let m = load_model(&ModelSource::Path(dir.path().to_path_buf())).unwrap();
+    assert_eq!(m.vision.unwrap().config().layer_norm_eps, 1e-6);
+}

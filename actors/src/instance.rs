@@ -342,10 +342,8 @@ type ImageServices = (
 fn image_services(
     name: &str,
     encode: bool,
-    api_key: Option<String>,
     timeout: Duration,
     lease: Duration,
-    tls: &HttpTls,
     model_name: &str,
     store: &pdserve_gpu::weights::TensorStore,
     vision: Option<&Arc<pdserve_gpu::vision::VisionTower>>,
@@ -381,15 +379,12 @@ fn image_services(
         None
     };
     let cfg = tower.config();
-    let http = tls
-        .client()
-        .build()
-        .map_err(|e| StartError::config("server.tls_*", e))?;
+    // Encoders with cluster credentials are reached over the control plane, others over
+    // their HTTP route: the peer client carries both.
     let client = crate::encode::EncoderClient::new(
         name.to_string(),
         engine,
-        http,
-        api_key,
+        kv.peers.clone(),
         timeout,
         crate::encode::Expect {
             model,
@@ -398,8 +393,6 @@ fn image_services(
             width: cfg.text_hidden_size,
         },
     );
-    // Encoders with cluster credentials are reached over the control plane.
-    let client = client.with_control(kv.peers.clone());
     let resolver = crate::encode::ImageResolver {
         client,
         cache: cache.clone(),
@@ -605,10 +598,8 @@ impl Instance {
             let (encoder, images) = image_services(
                 &opts.name,
                 opts.encode,
-                opts.api_key.clone(),
                 opts.kv_timeout,
                 opts.kv_lease,
-                &opts.tls,
                 &own_name,
                 &worker.store,
                 vision.as_ref(),

@@ -14,7 +14,9 @@ use super::protocol::{
     decode_answer, encode_request, EcAnswer, EcRequest, EncoderError, EncoderInfo, HeldImages,
     EC_CONTENT_TYPE, EC_VERSION, MAX_FRAME_BYTES, MAX_HOLD_IMAGES,
 };
+use crate::handoff::peer::Peers;
 use crate::handoff::session::{fence_id, Security};
+use crate::handoff::HandoffError;
 use dashmap::DashMap;
 use pdserve_gpu::vision::{ImageDigest, ImageEmbeds};
 use pdserve_runtime::ids::TransferId;
@@ -48,46 +50,34 @@ pub struct Expect {
 pub struct EncoderClient {
     engine_id: String,
     engine: Arc<TransferEngine>,
-    http: reqwest::Client,
-    api_key: Option<String>,
+    /// The instance's peer client, the protocol's carrier: its control plane to encoders
+    /// with cluster credentials, else their HTTP route.
+    peers: Arc<Peers>,
     timeout: Duration,
     expect: Expect,
     infos: DashMap<String, EncoderInfo>,
     sessions: DashMap<String, Arc<Session>>,
-    /// The instance's peer client: its control plane carries the protocol to encoders with
-    /// cluster credentials.
-    peers: Option<Arc<crate::handoff::peer::Peers>>,
 }
 
 impl EncoderClient {
-    /// A client reading into `engine`'s memory, naming itself `engine_id`; every step bounded
-    /// by `timeout`.
+    /// A client reading into `engine`'s memory, naming itself `engine_id`, calling encoders
+    /// through `peers`; every step bounded by `timeout`.
     pub fn new(
         engine_id: String,
         engine: Arc<TransferEngine>,
-        http: reqwest::Client,
-        api_key: Option<String>,
+        peers: Arc<Peers>,
         timeout: Duration,
         expect: Expect,
     ) -> Self {
         Self {
             engine_id,
             engine,
-            http,
-            api_key,
+            peers,
             timeout,
             expect,
             infos: DashMap::new(),
             sessions: DashMap::new(),
-            peers: None,
         }
-    }
-
-    /// Calls encoders over the control plane of `peers` where both ends have one.
-    #[must_use]
-    pub fn with_control(mut self, peers: Arc<crate::handoff::peer::Peers>) -> Self {
-        self.peers = Some(peers);
-        self
     }
 
     /// The embeddings of `digests` (in order) from the encode instance at `url`.
@@ -349,68 +339,29 @@ impl EncoderClient {
 
     async fn call(&self, url: &str, request: &EcRequest) -> Result<EcAnswer, EncoderError> {
         let body = encode_request(request)?;
-        if let Some(peers) = &self.peers {
-            let sent = peers
-                .exchange(url, super::protocol::EC_TOPIC, body.clone(), self.timeout)
-                .await
-                .map_err(|e| match e {
-                    crate::handoff::HandoffError::Timeout { what, secs } => {
-                        EncoderError::Timeout { what, secs }
-                    }
-                    e => EncoderError::Unreachable {
-                        encoder: url.to_string(),
-                        reason: e.to_string(),
-                    },
-                })?;
-            if let Some(answer) = sent {
-                if answer.len() > MAX_FRAME_BYTES {
-                    return Err(EncoderError::Protocol(format!(
-                        "{url} answered more than {MAX_FRAME_BYTES} bytes"
-                    )));
-                }
-                return decode_answer(&answer);
-            }
-        }
-        let mut req = self
-            .http
-            .post(format!("{url}/v1/ec/peer"))
-            .timeout(self.timeout)
-            .header("content-type", EC_CONTENT_TYPE)
-            .body(body);
-        if let Some(key) = &self.api_key {
-            req = req.bearer_auth(key);
-        }
-        let gone = |reason: String| EncoderError::Unreachable {
-            encoder: url.to_string(),
-            reason,
-        };
-        let mut resp = req.send().await.map_err(|e| {
-            if e.is_timeout() {
-                EncoderError::timeout(format!("encoder call to {url}"), self.timeout)
-            } else {
-                gone(error_chain(&e))
-            }
-        })?;
-        let status = resp.status();
-        let mut bytes = Vec::new();
-        while let Some(chunk) = resp.chunk().await.map_err(|e| gone(error_chain(&e)))? {
-            if bytes.len() + chunk.len() > MAX_FRAME_BYTES {
-                return Err(EncoderError::Protocol(format!(
-                    "{url} answered more than {MAX_FRAME_BYTES} bytes"
-                )));
-            }
-            bytes.extend_from_slice(&chunk);
-        }
-        if !status.is_success() {
-            return Err(gone(format!(
-                "HTTP {status}: {}",
-                String::from_utf8_lossy(&bytes)
-                    .chars()
-                    .take(200)
-                    .collect::<String>()
+        let answer = self
+            .peers
+            .exchange(
+                url,
+                super::protocol::EC_TOPIC,
+                ("/v1/ec/peer", EC_CONTENT_TYPE),
+                body,
+                self.timeout,
+            )
+            .await
+            .map_err(|e| match e {
+                HandoffError::Timeout { what, secs } => EncoderError::Timeout { what, secs },
+                e => EncoderError::Unreachable {
+                    encoder: url.to_string(),
+                    reason: e.to_string(),
+                },
+            })?;
+        if answer.len() > MAX_FRAME_BYTES {
+            return Err(EncoderError::Protocol(format!(
+                "{url} answered more than {MAX_FRAME_BYTES} bytes"
             )));
         }
-        decode_answer(&bytes)
+        decode_answer(&answer)
     }
 }
 
@@ -419,15 +370,4 @@ fn unexpected(asked: &str, answer: &EcAnswer) -> EncoderError {
         "the encoder answered {asked} with {}",
         answer.name()
     ))
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(c) = src {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        src = c.source();
-    }
-    s
 }

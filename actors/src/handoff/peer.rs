@@ -260,11 +260,12 @@ impl Peers {
         }
     }
 
-    /// Sends `body` under `topic` to the instance at `url` over the control plane, when both
-    /// it and this instance have cluster credentials (found as for the peer protocol,
-    /// [`Peers::control_of`]): its answer's body. `Ok(None)`: one of the two has no control
-    /// plane, so the call goes over the peer's HTTP route (the caller's to make). Used by
-    /// protocols beside the peer protocol (the encoder protocol, `ec/1`).
+    /// Sends `body` to the instance at `url` and returns its answer's body: under `topic`
+    /// over the control plane when both it and this instance have cluster credentials (found
+    /// as for the peer protocol, [`Peers::control_of`]), else POSTed to the peer's HTTP route
+    /// `http.0` as content type `http.1` (with this instance's API key, the answer read up to
+    /// [`MAX_HTTP_ANSWER_BYTES`]). The carrier of the protocols beside the peer protocol (the
+    /// encoder protocol: `ec/1`, `/v1/ec/peer`); bounded by `within` either way.
     ///
     /// # Errors
     /// The carrier's failure, as for [`Peers::call`].
@@ -272,13 +273,34 @@ impl Peers {
         &self,
         url: &str,
         topic: &str,
+        http: (&str, &str),
         body: Vec<u8>,
         within: Duration,
-    ) -> Result<Option<Vec<u8>>, HandoffError> {
-        let Some((addr, node)) = self.control_of(url, within).await? else {
-            return Ok(None);
+    ) -> Result<Vec<u8>, HandoffError> {
+        let call = async {
+            match self.control_of(url, within).await? {
+                Some((addr, node)) => {
+                    self.exchange_control(url, addr, &node, topic, body, within)
+                        .await
+                }
+                None => self.post_capped(url, http.0, http.1, body, within).await,
+            }
         };
-        let conn = match self.connection(addr, Some(&node)).await {
+        tokio::time::timeout(within, call)
+            .await
+            .map_err(|_| HandoffError::timeout(format!("{topic} call to {url}"), within))?
+    }
+
+    async fn exchange_control(
+        &self,
+        url: &str,
+        addr: SocketAddr,
+        node: &str,
+        topic: &str,
+        body: Vec<u8>,
+        within: Duration,
+    ) -> Result<Vec<u8>, HandoffError> {
+        let conn = match self.connection(addr, Some(node)).await {
             Ok(c) => c,
             Err(e) => {
                 self.discovered.remove(url);
@@ -290,7 +312,7 @@ impl Peers {
             body,
         };
         match conn.request_within(message, within).await {
-            Ok(ControlMessage::Opaque { topic: t, body }) if t == topic => Ok(Some(body)),
+            Ok(ControlMessage::Opaque { topic: t, body }) if t == topic => Ok(body),
             Ok(other) => Err(HandoffError::Protocol(format!(
                 "{addr} answered a {topic} request with {other:?}"
             ))),
@@ -392,18 +414,40 @@ impl Peers {
         body: Vec<u8>,
         within: Duration,
     ) -> Result<PeerAnswer, HandoffError> {
+        let bytes = self
+            .post_capped(url, "/v1/kv/peer", PEER_CONTENT_TYPE, body, within)
+            .await?;
+        decode_answer(&bytes)
+    }
+
+    /// POSTs `body` to the instance at `url` under `path` (with this instance's API key) and
+    /// returns the answer's body, read up to [`MAX_HTTP_ANSWER_BYTES`]: the HTTP carrier of
+    /// the peer protocol and of the protocols beside it.
+    ///
+    /// # Errors
+    /// [`HandoffError::Timeout`], [`HandoffError::PeerGone`] (no answer), a body past the cap
+    /// ([`HandoffError::Protocol`]), a non-success status ([`HandoffError::NotSupported`],
+    /// with the start of the peer's answer).
+    async fn post_capped(
+        &self,
+        url: &str,
+        path: &str,
+        content_type: &str,
+        body: Vec<u8>,
+        within: Duration,
+    ) -> Result<Vec<u8>, HandoffError> {
         let mut req = self
             .http
-            .post(format!("{url}/v1/kv/peer"))
+            .post(format!("{url}{path}"))
             .timeout(within)
-            .header("content-type", PEER_CONTENT_TYPE)
+            .header("content-type", content_type)
             .body(body);
         if let Some(key) = &self.api_key {
             req = req.bearer_auth(key);
         }
         let resp = req.send().await.map_err(|e| {
             if e.is_timeout() {
-                HandoffError::timeout(format!("peer call to {url}"), within)
+                HandoffError::timeout(format!("peer call to {url}{path}"), within)
             } else {
                 HandoffError::PeerGone {
                     peer: url.to_string(),
@@ -422,7 +466,7 @@ impl Peers {
                     .collect::<String>()
             )));
         }
-        decode_answer(&bytes)
+        Ok(bytes)
     }
 
     /// The handshake with `peer`: its published KV memory, fetched once and validated against

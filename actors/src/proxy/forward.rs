@@ -308,6 +308,7 @@ async fn admitted(s: Arc<ProxyState>, body: Bytes, chat: bool, arrived: Instant)
         migrations: 0,
         prefill_retried: false,
         images,
+        encoder,
         tried_encode,
         encode_retried: false,
     };
@@ -381,6 +382,8 @@ struct Job {
     prefill_retried: bool,
     /// The request's images (their URLs), for the encode hop.
     images: Vec<String>,
+    /// The encode instance whose embeddings the request names (`ec_transfer_params`).
+    encoder: Option<String>,
     /// Encode instances that failed this request.
     tried_encode: Vec<String>,
     /// Whether the encode hop was run again after an instance failed to take the embeddings.
@@ -678,14 +681,9 @@ impl Job {
                 // The encoder that held the images failed them: encode again elsewhere.
                 self.encode_retried = true;
                 if let Some(o) = self.request.as_object_mut() {
-                    if let Some(url) = o.remove("ec_transfer_params").and_then(|p| {
-                        p.get("encoder_url")
-                            .and_then(Value::as_str)
-                            .map(String::from)
-                    }) {
-                        self.tried_encode.push(url);
-                    }
+                    o.remove("ec_transfer_params");
                 }
+                self.tried_encode.extend(self.encoder.take());
                 let images = self.images.clone();
                 let mut tried = std::mem::take(&mut self.tried_encode);
                 let next = super::encode::hop(&self.s, &self.request, &images, &mut tried).await;
@@ -700,6 +698,7 @@ impl Job {
                         ) {
                             return Err(ApiError(e).into_response());
                         }
+                        self.encoder = Some(e);
                         continue;
                     }
                     Ok(None) => {}

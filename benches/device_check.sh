@@ -6,7 +6,7 @@
 #
 # Default binary .gpu/pdserve, default OUT_DIR $OUT (else ./device-check-out). Environment:
 #   DEVICE_CHECK_STEPS     steps to run, space-separated (default: all, in this order)
-#                          verify bench transfer verify16 serve launch vision hf busy
+#                          verify bench transfer verify16 serve launch vision kv16 hf busy
 #   DEVICE_CHECK_BASELINE  an older binary: `bench` then alternates it with this one (two
 #                          rounds of `bench model` each), a before/after on the same machine
 #   DEVICE_CHECK_BUDGET_S  wall-clock budget in seconds (default 420): a step that would start
@@ -45,6 +45,11 @@
 #             `serve --device cuda` (the image rows replace their placeholder tokens on the
 #             GPU), and E/P/D under `launch --device cuda --encode 1` (encoder, prefill and
 #             decode on the one GPU); token ids compared
+#   kv16      f16 KV on the GPU: `cuda verify --dtype f32 --cpu-weights f32 --kv-dtype f16`
+#             (GPU vs CPU, both with f16 KV; P/D hand-offs by KV bytes); `bench model --device
+#             cuda --dtype f16` with f16 and f32 KV alternated, two rounds (decode at 512-8192
+#             tokens of context); `serve --device cuda --kv-cache-dtype f16` and 1P1D `launch
+#             --device cuda` with f16 KV (CUDA IPC and host path): tokens compared, hand-off gap
 #   busy      served decode beside neighbours: `serve --device cuda` and `serve` on the CPU,
 #             each driven by `bench serve` (~512-token prompts, 128 tokens out, one at a time)
 #             idle, beside one `nice -n 19` busy loop and beside one per core: end-to-end time
@@ -57,7 +62,7 @@ cd "$(dirname "$0")/.."
 root="$PWD"
 bin="$(realpath "${1:-.gpu/pdserve}")"
 out="$(mkdir -p "${2:-${OUT:-device-check-out}}" && realpath "${2:-${OUT:-device-check-out}}")"
-steps="${DEVICE_CHECK_STEPS:-verify bench transfer verify16 serve launch vision hf busy}"
+steps="${DEVICE_CHECK_STEPS:-verify bench transfer verify16 serve launch vision kv16 hf busy}"
 budget="${DEVICE_CHECK_BUDGET_S:-420}"
 start=$(date +%s)
 work="$(mktemp -d)"
@@ -330,6 +335,34 @@ step_vision() {
     return $rc
 }
 
+# f16 KV on the device: agreement with the CPU's f16 KV, decode speed against f32 KV, and
+# served 1P1D hand-offs of half the bytes.
+step_kv16() {
+    ensure_model || return 1
+    local rc=0 round kv port
+    "$bin" cuda verify --dtype f32 --cpu-weights f32 --kv-dtype f16 --tokens 32 --json \
+        >"$raw/verify-kv16.json" || rc=1
+    for round in 1 2; do
+        for kv in f16 f32; do
+            "$bin" bench model --device cuda --dtype f16 --model "$gguf" --kv-dtype "$kv" \
+                --prompts "" >"$raw/bench-kv-$kv-$round.txt" || rc=1
+        done
+    done
+    tail -n 6 "$raw"/bench-kv-*.txt
+    port=$(free_port)
+    if serve_one serve-cuda-kv16 cuda "$port" --kv-cache-dtype f16; then
+        chat "http://127.0.0.1:$port" "$raw/serve-cuda-kv16.json" || rc=1
+    else
+        rc=1
+        tail -5 "$raw/serve-cuda-kv16.log"
+    fi
+    stop_one serve-cuda-kv16
+    launch_one launch-kv16 PDSERVE_SCHEDULER__KV_CACHE_DTYPE=f16 || rc=1
+    launch_one launch-host-kv16 PDSERVE_SCHEDULER__KV_CACHE_DTYPE=f16 \
+        PDSERVE_HOST_PROOF_DIR=/proc/pdserve-no-proofs || rc=1
+    return $rc
+}
+
 # Served decode with neighbours on the machine (issue 28's question, asked of this machine):
 # `serve --device cuda` and `serve` on the CPU (default weights and threads), each driven by
 # `bench serve` (8 requests of ~512 prompt tokens and 128 output tokens, one at a time) idle,
@@ -371,7 +404,7 @@ step_busy() {
 export bin raw work gguf root
 export -f ensure_model step_verify step_bench step_transfer step_verify16 step_hf wait_health \
     free_port chat serve_one stop_one step_serve launch_one step_launch step_busy vision_chats \
-    step_vision
+    step_vision step_kv16
 run_step verify 150 step_verify
 run_step bench "$([ -n "${DEVICE_CHECK_BASELINE:-}" ] && echo 240 || echo 90)" step_bench
 run_step transfer 100 step_transfer
@@ -379,6 +412,7 @@ run_step verify16 90 step_verify16
 run_step serve 120 step_serve
 run_step launch 120 step_launch
 run_step vision 120 step_vision
+run_step kv16 200 step_kv16
 run_step hf 90 step_hf
 run_step busy 150 step_busy
 
@@ -392,12 +426,12 @@ def load(name):
         return None
 s = {"steps": [json.loads(l) for l in open(status) if l.strip()]}
 s["probe"] = load("probe.json")
-for name in ["verify-f32", "verify-f16", "verify-hf"]:
+for name in ["verify-f32", "verify-f16", "verify-hf", "verify-kv16"]:
     r = load(name + ".json")
     if r is None:
         continue
     s[name] = {
-        "dtype": r.get("dtype"), "cpu_format": r.get("cpu_format"),
+        "dtype": r.get("dtype"), "cpu_format": r.get("cpu_format"), "kv_dtype": r.get("kv_dtype"),
         "greedy": [{"prompt_tokens": len(g["prompt_ids"]), "matched": g["matched"],
                     "of": len(g["cpu"]), "divergence": g["divergence"]} for g in r["greedy"]],
         "handoff": [{"name": h["name"], "identical": h["identical"]} for h in r["handoff"]],
@@ -431,13 +465,14 @@ def text(name):
         return r["choices"][0]["token_ids"]
     except Exception:
         return None if r is None else r
-for k in ["serve-cpu", "serve-cuda-f32", "serve-cuda", "launch", "launch-host"]:
+for k in ["serve-cpu", "serve-cuda-f32", "serve-cuda", "launch", "launch-host", "serve-cuda-kv16",
+          "launch-kv16", "launch-host-kv16"]:
     s[k] = text(k + ".json")
 # Each launch's KV path (the decode instance's negotiation log) and hand-off timing: from the
 # prefill's "prompt computed" to the decode's "first decode step", per transfer (one host,
 # one clock), with the long prompt's length.
 import re
-for k in ["launch", "launch-host"]:
+for k in ["launch", "launch-host", "launch-kv16", "launch-host-kv16"]:
     try:
         log = open(os.path.join(raw, k + ".log"), errors="replace").read()
     except OSError:
@@ -481,8 +516,17 @@ if isinstance(s.get("serve-cpu"), list) and isinstance(s.get("serve-cuda-f32"), 
 for k in ["launch", "launch-host"]:
     if isinstance(s.get(k), list) and isinstance(s.get("serve-cuda"), list):
         s[k.replace("-", "_") + "_1p1d_equals_colocated_cuda"] = s[k] == s["serve-cuda"]
+for k in ["launch-kv16", "launch-host-kv16"]:
+    if isinstance(s.get(k), list) and isinstance(s.get("serve-cuda-kv16"), list):
+        s[k.replace("-", "_") + "_1p1d_equals_colocated_cuda_kv16"] = s[k] == s["serve-cuda-kv16"]
+# bench model with f16 and f32 KV, alternated: the batch-1 decode-at-context lines.
+kvb = {}
+for f in sorted(glob.glob(os.path.join(raw, "bench-kv-*.txt"))):
+    kvb[os.path.basename(f)[:-4]] = open(f).read()[-1200:]
+if kvb:
+    s["bench_kv"] = kvb
 json.dump(s, open(dest, "w"), indent=1)
-print(json.dumps({k: v for k, v in s.items() if k not in ("bench_model", "transfer_io_threads")}, indent=1)[:6000])
+print(json.dumps({k: v for k, v in s.items() if k not in ("bench_model", "transfer_io_threads", "bench_kv", "bench_model_rounds")}, separators=(",", ":"))[:8000])
 for n, t in tr.items():
     print("quic/tcp io_threads", n, t["quic_over_tcp"])
 PY

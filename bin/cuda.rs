@@ -62,6 +62,9 @@ pub(crate) struct VerifyArgs {
     /// The CPU backend's weight format for the comparison.
     #[arg(long, default_value = "f32")]
     cpu_weights: pdserve_gpu::weights::WeightFormat,
+    /// Element type of the KV cache on both sides: f32 or f16 (`scheduler.kv_cache_dtype`).
+    #[arg(long, default_value = "f32")]
+    kv_dtype: pdserve_runtime::config::KvCacheDtype,
     /// Also measure prefill/decode tokens/s and KV transfer GB/s.
     #[arg(long)]
     bench: bool,
@@ -227,6 +230,7 @@ fn verify(args: VerifyArgs) -> Result<()> {
         tokens: args.tokens,
         cuda: cuda_options(args.gpu, &args.dtype)?,
         cpu_format: args.cpu_weights,
+        kv_dtype: args.kv_dtype.into(),
         bench: args.bench,
         decode_steps: args.decode_steps,
     };
@@ -303,6 +307,7 @@ pub(crate) fn bench_model(
     args: &ModelArgs,
     threads: usize,
     opts: &ModelBenchOptions,
+    kv_dtype: pdserve_gpu::kv::KvDtype,
 ) -> Result<ModelBenchResult> {
     use pdserve_gpu::cuda::CudaTpGroup;
     use pdserve_gpu::engine::EngineOptions;
@@ -312,6 +317,7 @@ pub(crate) fn bench_model(
     let eopts = EngineOptions {
         tp: args.tp,
         max_seqs: 9,
+        kv_dtype,
         ..Default::default()
     };
     let group = CudaTpGroup::new(
@@ -334,6 +340,7 @@ pub(crate) fn bench_model(
     _args: &ModelArgs,
     _threads: usize,
     _opts: &ModelBenchOptions,
+    _kv_dtype: pdserve_gpu::kv::KvDtype,
 ) -> Result<ModelBenchResult> {
     Err(pdserve_gpu::device::DeviceError::NotBuilt.into())
 }

@@ -856,7 +856,15 @@ fn bench_model(args: BenchModelArgs) -> Result<()> {
         anyhow::ensure!(args.busy > 0, "--busy-only needs --busy N");
     }
     let (r, contention) = if args.model.device.is_cuda() {
-        (Some(cuda::bench_model(&args.model, threads, &opts)?), None)
+        (
+            Some(cuda::bench_model(
+                &args.model,
+                threads,
+                &opts,
+                args.kv_dtype.into(),
+            )?),
+            None,
+        )
     } else {
         let engine = build_engine(&args.model, 9, args.kv_dtype.into())?;
         let r = if args.busy_only {

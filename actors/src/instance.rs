@@ -272,10 +272,10 @@ fn check_device(opts: &InstanceOptions) -> Result<(), StartError> {
     }
     #[cfg(feature = "cuda")]
     if matches!(device, RankDevice::Cuda { .. }) {
-        if opts.kv_dtype != KvDtype::F32 {
+        if opts.kv_dtype == KvDtype::Bf16 {
             return Err(StartError::config(
                 "scheduler.kv_cache_dtype",
-                "the CUDA KV cache is f32 (f16 on the device waits for KvDtype::F16 wiring)",
+                "the CUDA KV cache is f32 or f16 (no kernel reads a bf16 cache)",
             ));
         }
         if opts.weights != WeightFormat::Auto {

@@ -22,7 +22,7 @@ use crate::collective::{Collective, ThreadCollective};
 use crate::config::ModelConfig;
 use crate::device::DeviceError;
 use crate::engine::StepGroup;
-use crate::kv::{KvDtype, KvLayout, KvSpan};
+use crate::kv::{KvLayout, KvSpan};
 use crate::tp::{
     panic_message, step_ranks, LayerHook, RankThread, StepCallback, StepRank, TpOptions,
     COLLECTIVE_TIMEOUT,
@@ -134,10 +134,7 @@ impl CudaRankExecutor {
             .map(|u| u.bytes.map(|b| b as u8))
             .map_err(super::context::rt("cuDeviceGetUuid"))?;
         let shard = CudaShard::load(gpu.clone(), config, store, rank, opts.tp, cuda.dtype)?;
-        let layout = KvLayout {
-            dtype: KvDtype::F32,
-            ..opts.rank_layout(config)
-        };
+        let layout = opts.rank_layout(config);
         let mirror = match (cuda.mirror, alloc) {
             (MirrorMode::Off, _) => None,
             (_, None) => {
@@ -156,14 +153,14 @@ impl CudaRankExecutor {
         let mirror_regions = mirror.as_ref().map(|m| m.1.clone()).unwrap_or_default();
         let kv = DeviceKvCache::new(gpu.clone(), layout, mirror)?;
         let (fence_tx, fence_rx) = channel::<Fence>();
-        std::thread::Builder::new()
+        let fence_thread = std::thread::Builder::new()
             .name(format!("pdserve-cuda{rank}-fence"))
             .spawn(move || super::fence::run(fence_rx))?;
         let rank_comm = comm.clone();
         let arch = gpu.arch().to_string();
         let thread =
             RankThread::spawn(format!("pdserve-cuda{rank}"), RANK_QUEUE, comm, move |rx| {
-                rank_loop(shard, kv, rank_comm, rx, fence_tx)
+                rank_loop(shard, kv, rank_comm, rx, (fence_tx, fence_thread))
             })?;
         Ok(Self {
             thread,
@@ -299,7 +296,7 @@ fn rank_loop(
     kv: DeviceKvCache,
     comm: ThreadCollective,
     jobs: Receiver<Job>,
-    fence: Sender<Fence>,
+    (fence, fence_thread): (Sender<Fence>, std::thread::JoinHandle<()>),
 ) {
     let rank = comm.rank();
     if let Err(e) = shard.gpu().context().bind_to_thread() {
@@ -407,6 +404,14 @@ fn rank_loop(
             }
         }
     }
+    // Shut down in order: the fence thread's pending events and continuations finish before
+    // the KV cache (device regions, pinned mirror) and the context go away.
+    drop(fence);
+    if fence_thread.join().is_err() {
+        tracing::error!(rank, "the CUDA fence thread panicked");
+    }
+    drop(kv);
+    drop(shard);
 }
 
 /// A model split over `tp` GPUs ([`CudaRankExecutor`]s), stepped together.

@@ -134,11 +134,10 @@ impl DeviceKvCache {
                 "a KV cache needs at least one block".into(),
             ));
         }
-        if layout.dtype != crate::kv::KvDtype::F32 {
-            return Err(DeviceError::Unsupported(format!(
-                "the CUDA backend keeps its KV cache in f32, not {}",
-                layout.dtype.as_str()
-            )));
+        if layout.dtype == crate::kv::KvDtype::Bf16 {
+            return Err(DeviceError::Unsupported(
+                "the CUDA backend keeps its KV cache in f32 or f16, not bf16".into(),
+            ));
         }
         gpu.context().bind_to_thread().map_err(rt("bind context"))?;
         let mut regions = Vec::with_capacity(layout.num_layers);

@@ -269,8 +269,9 @@ impl CudaShard {
     fn kv_suffix(kv: &DeviceKvCache) -> &'static str {
         match kv.layout().dtype {
             KvDtype::F32 => "f32",
-            // The device cache is f32 only: DeviceKvCache::new refuses the others.
-            KvDtype::F16 | KvDtype::Bf16 => unreachable!("device KV caches are f32"),
+            KvDtype::F16 => "f16",
+            // DeviceKvCache::new refuses bf16 (no kernel reads it).
+            KvDtype::Bf16 => unreachable!("device KV caches are f32 or f16"),
         }
     }
 

@@ -46,6 +46,8 @@ pub struct VerifyOptions {
     pub cuda: CudaOptions,
     /// The CPU backend's weight format for the comparison.
     pub cpu_format: WeightFormat,
+    /// Element type of both sides' KV caches (f32 or f16).
+    pub kv_dtype: crate::kv::KvDtype,
     /// Also measure speed and KV transfer throughput.
     pub bench: bool,
     /// Decode steps timed per batch size.
@@ -148,6 +150,8 @@ pub struct VerifyReport {
     pub devices: usize,
     /// Matmul type on the GPU.
     pub dtype: GemmDtype,
+    /// KV cache element type on both sides.
+    pub kv_dtype: &'static str,
     /// CPU weight format.
     pub cpu_format: WeightFormat,
     /// Greedy comparisons.
@@ -210,7 +214,7 @@ pub fn run(model: &LoadedModel, opts: &VerifyOptions) -> Result<VerifyReport> {
         num_blocks: (2 * per_seq).max(bench_blocks),
         block_size: bs,
         format: opts.cpu_format,
-        kv_dtype: crate::kv::KvDtype::F32,
+        kv_dtype: opts.kv_dtype,
     };
     let table: Vec<u32> = (0..per_seq as u32).collect();
     let other: Vec<u32> = (per_seq as u32..2 * per_seq as u32).collect();
@@ -342,6 +346,7 @@ pub fn run(model: &LoadedModel, opts: &VerifyOptions) -> Result<VerifyReport> {
         devices: probe.device_count,
         dtype: opts.cuda.dtype,
         cpu_format: opts.cpu_format,
+        kv_dtype: opts.kv_dtype.as_str(),
         greedy: greedy_cases,
         handoff,
         speed,

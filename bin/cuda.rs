@@ -288,6 +288,9 @@ pub(crate) fn generate(
         finish = out[0].finish.as_openai(),
         "done"
     );
+    // The ranks free their device state before the process exits (not racing the driver's
+    // own teardown).
+    engine.into_group().join();
     Ok(())
 }
 
@@ -327,12 +330,9 @@ pub(crate) fn bench_model(
         &cuda_options(first_gpu(args.device), &args.dtype)?,
         None,
     )?;
-    Ok(pdserve_gpu::bench::run_model_bench(
-        &group,
-        &model.name,
-        threads,
-        opts,
-    )?)
+    let result = pdserve_gpu::bench::run_model_bench(&group, &model.name, threads, opts);
+    group.join();
+    Ok(result?)
 }
 
 #[cfg(not(feature = "cuda"))]

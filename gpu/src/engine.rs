@@ -170,6 +170,11 @@ impl<G: StepGroup> Engine<G> {
         }
     }
 
+    /// The rank group, the engine's other state dropped (to shut the ranks down in order).
+    pub fn into_group(self) -> G {
+        self.group
+    }
+
     /// Model name.
     pub fn name(&self) -> &str {
         &self.name

@@ -174,6 +174,21 @@ impl<J> RankThread<J> {
     }
 }
 
+impl<J> RankThread<J> {
+    /// Closes the queue and waits for the thread to end (the job in hand, then `serve`'s own
+    /// shutdown). For owners that may block, such as a command-line run about to exit: a
+    /// process that exits while a rank thread still tears down its device state races the
+    /// driver's own teardown.
+    pub fn join(mut self) {
+        self.jobs = None;
+        if let Some(t) = self.thread.take() {
+            if t.join().is_err() {
+                tracing::error!(rank = self.rank, "a rank thread panicked");
+            }
+        }
+    }
+}
+
 impl<J> Drop for RankThread<J> {
     fn drop(&mut self) {
         // Closing the channel ends the loop once the job in hand is done. The thread is not
@@ -499,4 +514,54 @@ pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
         .map(|s| s.to_string())
         .or_else(|| p.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "unknown panic".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    /// `join` returns only after the thread's shutdown ran (what a command-line run needs
+    /// before it exits); dropping does not wait for it.
+    #[test]
+    fn join_waits_for_the_threads_shutdown_and_drop_does_not() {
+        for joined in [true, false] {
+            let comm = ThreadCollective::group(1, Duration::from_secs(5)).remove(0);
+            let (started, done) = (
+                Arc::new(AtomicBool::new(false)),
+                Arc::new(AtomicBool::new(false)),
+            );
+            let (s, d) = (started.clone(), done.clone());
+            let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+            let t = RankThread::spawn("test-rank".into(), 4, comm, move |rx: Receiver<u32>| {
+                while rx.recv().is_ok() {}
+                s.store(true, Ordering::SeqCst);
+                // Shutdown work that outlasts the queue's closing.
+                let _ = release_rx.recv_timeout(Duration::from_secs(5));
+                d.store(true, Ordering::SeqCst);
+            })
+            .unwrap();
+            t.send(1).unwrap();
+            if joined {
+                std::thread::spawn(move || {
+                    std::thread::sleep(Duration::from_millis(50));
+                    let _ = release_tx.send(());
+                });
+                t.join();
+                assert!(
+                    done.load(Ordering::SeqCst),
+                    "join returned before the shutdown"
+                );
+            } else {
+                drop(t);
+                while !started.load(Ordering::SeqCst) {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                assert!(!done.load(Ordering::SeqCst), "drop waited");
+                let _ = release_tx.send(());
+            }
+        }
+    }
 }

@@ -172,6 +172,11 @@ impl CudaRankExecutor {
         })
     }
 
+    /// Stops the rank and waits until its thread freed the KV cache and the context.
+    pub fn join(self) {
+        self.thread.join();
+    }
+
     /// The GPU's ordinal in this process.
     pub fn ordinal(&self) -> usize {
         self.ordinal
@@ -429,6 +434,14 @@ impl std::fmt::Debug for CudaTpGroup {
 }
 
 impl CudaTpGroup {
+    /// Stops every rank and waits until each freed its device state (a command-line run does
+    /// this before it exits; dropping the group does not wait).
+    pub fn join(self) {
+        for r in self.ranks {
+            r.join();
+        }
+    }
+
     /// Starts `opts.tp` ranks on GPUs `cuda.first_gpu..`.
     ///
     /// # Errors

@@ -320,6 +320,7 @@ pub fn run(model: &LoadedModel, opts: &VerifyOptions) -> Result<VerifyReport> {
             colocated: colocated.into_iter().skip(1).collect(),
             handed_off: handed,
         });
+        gpu2.join();
     }
 
     let (speed, transfer) = if opts.bench {
@@ -330,12 +331,13 @@ pub fn run(model: &LoadedModel, opts: &VerifyOptions) -> Result<VerifyReport> {
             decode_tps_b1: crate::bench::decode_tps(&gpu, 1, opts.decode_steps)?,
             decode_tps_b32: crate::bench::decode_tps(&gpu, 32, opts.decode_steps)?,
         };
-        drop(gpu);
+        gpu.join();
         (
             Some(speed),
             Some(transfer_speed(opts.cuda.first_gpu, &tp_opts, cfg)?),
         )
     } else {
+        gpu.join();
         (None, None)
     };
 

@@ -980,11 +980,14 @@ async fn without_an_encoder_the_proxy_prefills_images_on_decode() {
 async fn images_on_a_device_kv_cache_give_the_cpu_tokens() {
     use pdserve_actors::worker::{KvMirror, RankDevice, StandInFaults};
     let bodies = [
-        chat(&[image_part(&data_url("image/png", &png(40, 30, 61)))]),
+        chat(&[image_part(&data_url("image/png", &png(40, 30, 1)))]),
         chat(&[
             image_part(&data_url("image/png", &png(32, 32, 62))),
             image_part(&data_url("image/png", &png(24, 20, 63))),
         ]),
+        // A fresh image read into the scratch region the first request's read left for reuse
+        // (stale bytes there would give the first image's tokens).
+        chat(&[image_part(&data_url("image/png", &png(40, 30, 2)))]),
     ];
     let cpu = start("dev-ref", VLM, |_| {}).await;
     let mut want = Vec::new();
@@ -992,6 +995,7 @@ async fn images_on_a_device_kv_cache_give_the_cpu_tokens() {
         want.push(token_ids(&ok(&cpu.url(), b).await));
     }
     cpu.stop().await;
+    assert_ne!(want[0], want[2], "the two one-image requests must differ to tell reuse apart");
 
     let on_device = |name: &'static str, mirror: KvMirror, encode: bool| async move {
         start(name, VLM, |o| {

@@ -21,7 +21,8 @@ use dashmap::DashMap;
 use pdserve_gpu::vision::{ImageDigest, ImageEmbeds};
 use pdserve_runtime::ids::TransferId;
 use pdserve_transport::{
-    Session, SessionCredentials, SessionKey, Side, TransferEngine, TransferOp, TransportError,
+    RegisteredRegion, Session, SessionCredentials, SessionKey, Side, TransferEngine, TransferOp,
+    TransportError,
 };
 use std::sync::Arc;
 use std::time::Duration;
@@ -57,7 +58,13 @@ pub struct EncoderClient {
     expect: Expect,
     infos: DashMap<String, EncoderInfo>,
     sessions: DashMap<String, Arc<Session>>,
+    /// Registered scratch regions of finished reads, kept for later ones (a registration is a
+    /// round of its own on some backends); at most [`SCRATCH_KEPT`].
+    scratch: std::sync::Mutex<Vec<RegisteredRegion>>,
 }
+
+/// Scratch regions an [`EncoderClient`] keeps between fetches.
+const SCRATCH_KEPT: usize = 4;
 
 impl EncoderClient {
     /// A client reading into `engine`'s memory, naming itself `engine_id`, calling encoders
@@ -77,6 +84,36 @@ impl EncoderClient {
             expect,
             infos: DashMap::new(),
             sessions: DashMap::new(),
+            scratch: std::sync::Mutex::new(Vec::new()),
+        }
+    }
+
+    /// A registered region of at least `len` bytes: the smallest kept one that fits, else a
+    /// new one.
+    fn take_scratch(&self, len: usize) -> Result<RegisteredRegion, EncoderError> {
+        {
+            let mut kept = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+            let best = kept
+                .iter()
+                .enumerate()
+                .filter(|(_, r)| r.len() >= len as u64)
+                .min_by_key(|(_, r)| r.len())
+                .map(|(i, _)| i);
+            if let Some(i) = best {
+                return Ok(kept.swap_remove(i));
+            }
+        }
+        self.engine
+            .allocate_and_register(len)
+            .map_err(|e| EncoderError::transfer(&e))
+    }
+
+    /// Keeps `region` for a later read. Only a region whose reads all completed comes back
+    /// here: one a failed or timed-out read may still write into is dropped (deregistered).
+    fn keep_scratch(&self, region: RegisteredRegion) {
+        let mut kept = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        if kept.len() < SCRATCH_KEPT {
+            kept.push(region);
         }
     }
 
@@ -192,10 +229,7 @@ impl EncoderClient {
                 info.region_bytes
             )));
         }
-        let scratch = self
-            .engine
-            .allocate_and_register(n * slot as usize)
-            .map_err(|e| EncoderError::transfer(&e))?;
+        let scratch = self.take_scratch(n * slot as usize)?;
         let ops: Vec<TransferOp> = held
             .offsets
             .iter()
@@ -228,9 +262,11 @@ impl EncoderClient {
             TransportError::Fenced { .. } => EncoderError::LeaseExpired(held.hold),
             e => EncoderError::transfer(&e),
         })?;
-        scratch
+        let bytes = scratch
             .read_at(0, n * slot as usize)
-            .map_err(|e| EncoderError::transfer(&e))
+            .map_err(|e| EncoderError::transfer(&e))?;
+        self.keep_scratch(scratch);
+        Ok(bytes)
     }
 
     /// The handshake with `url`, cached; checked against what we need.

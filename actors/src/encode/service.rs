@@ -219,25 +219,30 @@ impl EncoderService {
                 ))
             })?),
         };
-        let mut h = self.lock();
-        if h.by_id.contains_key(&hold) {
-            return Err(EncoderError::BadRequest(format!(
-                "hold {hold} is open already"
-            )));
-        }
-        if h.free.len() < embeds.len() {
-            return Err(EncoderError::Overloaded(format!(
-                "{} of the {} hold slots are free, the request needs {} (multimodal.encoder_hold_slots)",
-                h.free.len(),
-                self.region.len() / slot_bytes,
-                embeds.len()
-            )));
-        }
-        let slots: Vec<u32> = (0..embeds.len())
-            .map(|_| h.free.pop().expect("checked"))
-            .collect();
+        // Slots are taken under the lock; they are filled outside it (a taken slot is no one
+        // else's until it is freed again).
+        let slots: Vec<u32> = {
+            let mut h = self.lock();
+            if h.by_id.contains_key(&hold) {
+                return Err(EncoderError::BadRequest(format!(
+                    "hold {hold} is open already"
+                )));
+            }
+            if h.free.len() < embeds.len() {
+                return Err(EncoderError::Overloaded(format!(
+                    "{} of the {} hold slots are free, the request needs {} (multimodal.encoder_hold_slots)",
+                    h.free.len(),
+                    self.region.len() / slot_bytes,
+                    embeds.len()
+                )));
+            }
+            (0..embeds.len())
+                .map(|_| h.free.pop().expect("checked"))
+                .collect()
+        };
         let offsets: Vec<u64> = slots.iter().map(|&s| u64::from(s) * slot_bytes).collect();
         let fill = || -> Result<Option<FenceScope>, EncoderError> {
+            let mut bytes = Vec::with_capacity(slot_bytes as usize);
             for (e, &off) in embeds.iter().zip(&offsets) {
                 if (e.data.len() * 4) as u64 != slot_bytes {
                     return Err(EncoderError::NotSupported(format!(
@@ -245,7 +250,8 @@ impl EncoderService {
                         e.data.len()
                     )));
                 }
-                let bytes: Vec<u8> = e.data.iter().flat_map(|v| v.to_le_bytes()).collect();
+                bytes.clear();
+                bytes.extend(e.data.iter().flat_map(|v| v.to_le_bytes()));
                 self.region
                     .write_at(off, &bytes)
                     .map_err(|e| EncoderError::transfer(&e))?;
@@ -261,7 +267,16 @@ impl EncoderService {
                 None => Ok(None),
             }
         };
-        let scope = match fill() {
+        let filled = fill();
+        let mut h = self.lock();
+        let scope = match filled {
+            Ok(_) if h.by_id.contains_key(&hold) => {
+                // The same hold id opened by a concurrent call meanwhile.
+                h.free.extend(slots);
+                return Err(EncoderError::BadRequest(format!(
+                    "hold {hold} is open already"
+                )));
+            }
             Ok(s) => s,
             Err(e) => {
                 h.free.extend(slots);

@@ -172,11 +172,13 @@ async fn device_kv_hand_offs_match_colocated_in_pull_and_push() {
         let proxy = start_proxy("proxy-device-kv", args).await.unwrap();
         let url = format!("http://{}", proxy.addr);
         // The proxy routes once its health checks found both instances.
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while common::get_json(&url, "/health").await["status"] != "ok" {
-            assert!(Instant::now() < deadline, "the proxy never became healthy");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        common::wait_for_health(
+            &url,
+            Duration::from_secs(10),
+            "the proxy never became healthy",
+            |h| h["status"] == "ok",
+        )
+        .await;
         for (i, want) in reference.iter().enumerate() {
             let (status, v) = post(&url, &common::greedy_body(i)).await;
             assert_eq!(status, 200, "push request {i}: {v}");

@@ -745,18 +745,13 @@ async fn the_proxy_routes_images_through_an_encoder() {
         .unwrap();
     let url = format!("http://{}", proxy.addr);
     // Static instances are routed to once the proxy polled them: wait for all four.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    loop {
-        let h = common::get_json(&url, "/health").await;
-        if h["encode"] == 2 && h["prefill"] == 1 && h["decode"] == 1 {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the proxy never saw every instance: {h}"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
+    common::wait_for_health(
+        &url,
+        std::time::Duration::from_secs(20),
+        "the proxy never saw every instance",
+        |h| h["encode"] == 2 && h["prefill"] == 1 && h["decode"] == 1,
+    )
+    .await;
     for (b, want) in bodies.iter().zip(&want) {
         let got = ok(&url, b).await;
         assert_eq!(&token_ids(&got), want, "{got}");
@@ -949,14 +944,13 @@ async fn without_an_encoder_the_proxy_prefills_images_on_decode() {
         .await
         .unwrap();
     let url = format!("http://{}", proxy.addr);
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    while common::get_json(&url, "/health").await["ready"] != true {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the proxy never became ready"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
+    common::wait_for_health(
+        &url,
+        std::time::Duration::from_secs(20),
+        "the proxy never became ready",
+        |h| h["ready"] == true,
+    )
+    .await;
     let got = ok(&url, &body).await;
     assert_eq!(token_ids(&got), want, "{got}");
     assert_eq!(
@@ -995,7 +989,10 @@ async fn images_on_a_device_kv_cache_give_the_cpu_tokens() {
         want.push(token_ids(&ok(&cpu.url(), b).await));
     }
     cpu.stop().await;
-    assert_ne!(want[0], want[2], "the two one-image requests must differ to tell reuse apart");
+    assert_ne!(
+        want[0], want[2],
+        "the two one-image requests must differ to tell reuse apart"
+    );
 
     let on_device = |name: &'static str, mirror: KvMirror, encode: bool| async move {
         start(name, VLM, |o| {

@@ -46,6 +46,28 @@ pub async fn stream_chunks(url: &str, path: &str, body: &Value) -> Vec<Value> {
         .collect()
 }
 
+/// Polls the proxy at `url`'s `GET /health` every 50 ms until `ready` accepts its answer;
+/// panics naming `what` with the last answer after `within`.
+pub async fn wait_for_health(
+    url: &str,
+    within: std::time::Duration,
+    what: &str,
+    ready: impl Fn(&Value) -> bool,
+) {
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        let h = get_json(url, "/health").await;
+        if ready(&h) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what} within {within:?}: {h}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
 /// `GET {path}` at `url`, as JSON.
 pub async fn get_json(url: &str, path: &str) -> Value {
     let text = get_text(url, path).await;

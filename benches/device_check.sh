@@ -233,6 +233,13 @@ step_serve() {
     done
     return $rc
 }
+# stop_launch PID: Ctrl-C (a drain), at most 10 s, then kill.
+stop_launch() {
+    kill -INT "$1" 2>/dev/null
+    for _ in $(seq 1 50); do kill -0 "$1" 2>/dev/null || break; sleep 0.2; done
+    kill -9 "$1" 2>/dev/null
+    wait "$1" 2>/dev/null
+}
 # launch_one NAME [ENV=VALUE...]: 1P1D `launch --device cuda`, one short greedy chat (compared
 # with colocated) and one long prompt (~1500 tokens: the hand-off's timing in the logs).
 launch_one() {
@@ -257,10 +264,7 @@ PY
         rc=1
         tail -20 "$raw/$name.log"
     fi
-    kill -INT "$pid" 2>/dev/null
-    for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
-    kill -9 "$pid" 2>/dev/null
-    wait "$pid" 2>/dev/null
+    stop_launch "$pid"
     return $rc
 }
 step_launch() {
@@ -328,10 +332,7 @@ step_vision() {
         rc=1
         tail -20 "$raw/vision-epd.log"
     fi
-    kill -INT "$pid" 2>/dev/null
-    for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
-    kill -9 "$pid" 2>/dev/null
-    wait "$pid" 2>/dev/null
+    stop_launch "$pid"
     return $rc
 }
 
@@ -403,7 +404,7 @@ step_busy() {
 
 export bin raw work gguf root
 export -f ensure_model step_verify step_bench step_transfer step_verify16 step_hf wait_health \
-    free_port chat serve_one stop_one step_serve launch_one step_launch step_busy vision_chats \
+    free_port chat serve_one stop_one step_serve stop_launch launch_one step_launch step_busy vision_chats \
     step_vision step_kv16
 run_step verify 150 step_verify
 run_step bench "$([ -n "${DEVICE_CHECK_BASELINE:-}" ] && echo 240 || echo 90)" step_bench

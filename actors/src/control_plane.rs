@@ -77,7 +77,21 @@ pub struct InstanceControl {
     pub heartbeat: Duration,
     /// The role the instance registers as.
     pub role: Role,
+    /// Requests from peers answered at once, over every connection (peer protocol, encoder
+    /// protocol, inspect); past it a request is answered `overloaded` at once instead of
+    /// starting another task. Default [`MAX_CONTROL_REQUESTS`].
+    pub max_requests: usize,
 }
+
+/// Requests an instance's control plane answers at once by default
+/// ([`InstanceControl::max_requests`]).
+pub const MAX_CONTROL_REQUESTS: usize = 256;
+
+/// Control requests refused because [`InstanceControl::max_requests`] were being answered.
+pub const CONTROL_REQUESTS_REFUSED_TOTAL: &str = "pdserve_control_requests_refused_total";
+
+/// How long the `overloaded` answer to a refused request may take to send.
+const REFUSAL_TIMEOUT: Duration = Duration::from_secs(1);
 
 impl InstanceControl {
     /// Settings with the defaults of `[control]`: listen on `127.0.0.1:0`, no proxy, a
@@ -90,6 +104,7 @@ impl InstanceControl {
             proxy: None,
             heartbeat: Duration::from_millis(defaults.heartbeat_ms),
             role,
+            max_requests: MAX_CONTROL_REQUESTS,
         }
     }
 
@@ -139,6 +154,7 @@ impl InstanceControl {
             proxy,
             heartbeat: Duration::from_millis(cfg.control.heartbeat_ms),
             role: cfg.instance.role,
+            max_requests: MAX_CONTROL_REQUESTS,
         }))
     }
 }
@@ -248,16 +264,40 @@ fn error_answer(kind: &str, message: impl Into<String>) -> ControlMessage {
 }
 
 /// Answers the requests that arrive on `conn` until it closes. Each answer is built on its
-/// own (tracked) task, so a slow snapshot or a remote prefill never holds up the next request.
-async fn serve_requests(conn: Arc<ControlConnection>, source: InspectSource, tasks: TaskTracker) {
+/// own (tracked) task, so a slow snapshot or a remote prefill never holds up the next request;
+/// at most `permits`' worth at once over all connections, the rest refused as `overloaded`.
+async fn serve_requests(
+    conn: Arc<ControlConnection>,
+    source: InspectSource,
+    tasks: TaskTracker,
+    permits: Arc<tokio::sync::Semaphore>,
+) {
     while let Some(incoming) = conn.recv().await {
         // One-way messages (a peer's heartbeats) carry nothing an instance acts on.
         let Some(responder) = incoming.responder else {
             continue;
         };
+        let Ok(permit) = permits.clone().try_acquire_owned() else {
+            metrics::counter!(CONTROL_REQUESTS_REFUSED_TOTAL).increment(1);
+            let answer = error_answer(
+                "overloaded",
+                format!(
+                    "{} is answering as many control requests as it takes at once; try again",
+                    source.name
+                ),
+            );
+            if !matches!(
+                tokio::time::timeout(REFUSAL_TIMEOUT, responder.respond(answer)).await,
+                Ok(Ok(()))
+            ) {
+                tracing::debug!("overloaded answer not delivered");
+            }
+            continue;
+        };
         let source = source.clone();
         let (caller, from) = (conn.peer().node.clone(), conn.remote_address().ip());
         tasks.spawn(async move {
+            let _permit = permit;
             let answer = match incoming.message {
                 ControlMessage::Opaque { topic, body } if topic == PEER_TOPIC => {
                     let answer = match (&source.peer, decode_request(&body)) {
@@ -409,9 +449,16 @@ impl ControlPlane {
         let shared = Arc::new(Shared::default());
         let tasks = TaskTracker::new();
         let (ep, src, t) = (endpoint.clone(), source.clone(), tasks.clone());
+        let permits = Arc::new(tokio::sync::Semaphore::new(ctl.max_requests));
+        let accept_permits = permits.clone();
         let accept = tokio::spawn(async move {
             while let Some(conn) = ep.accept().await {
-                t.spawn(serve_requests(Arc::new(conn), src.clone(), t.clone()));
+                t.spawn(serve_requests(
+                    Arc::new(conn),
+                    src.clone(),
+                    t.clone(),
+                    accept_permits.clone(),
+                ));
             }
         });
         let mut registration = None;
@@ -438,6 +485,7 @@ impl ControlPlane {
                 source,
                 shared.clone(),
                 tasks.clone(),
+                permits,
             )));
         }
         tracing::info!(%addr, proxy = ?ctl.proxy, "control plane listening");
@@ -604,6 +652,7 @@ async fn register_and_heartbeat(
     source: InspectSource,
     shared: Arc<Shared>,
     tasks: TaskTracker,
+    permits: Arc<tokio::sync::Semaphore>,
 ) {
     let initial_delay = interval.min(Duration::from_millis(100));
     let mut delay = initial_delay;
@@ -617,7 +666,12 @@ async fn register_and_heartbeat(
         let attempt = async {
             let conn = Arc::new(endpoint.connect(proxy).await.map_err(|e| e.to_string())?);
             // Answer the proxy's requests (inspect) on this connection, from before we register.
-            let server = tasks.spawn(serve_requests(conn.clone(), source.clone(), tasks.clone()));
+            let server = tasks.spawn(serve_requests(
+                conn.clone(),
+                source.clone(),
+                tasks.clone(),
+                permits.clone(),
+            ));
             match register(&conn, &registration).await {
                 Ok(()) => Ok((conn, server)),
                 Err(e) => {

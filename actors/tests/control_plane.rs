@@ -921,3 +921,54 @@ async fn the_kv_router_prefers_an_instance_holding_the_prefix_in_its_host_tier()
         i.stop().await;
     }
 }
+
+/// An instance's control plane answers at most `max_requests` peer requests at once; past
+/// that a request is answered `overloaded` at once (no task started for it), the permit of an
+/// answered request comes back, and the instance keeps serving its API.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn control_requests_past_the_bound_are_answered_overloaded() {
+    let start = |name: &'static str, max_requests: usize| async move {
+        let model = load_model(&ModelSource::Synthetic("tiny".into())).unwrap();
+        let mut o = InstanceOptions::local(name, model);
+        let mut control = InstanceControl::new(member(name), Role::Colocated);
+        control.max_requests = max_requests;
+        o.control = Some(control);
+        Instance::start(o).await.unwrap()
+    };
+    // One at a time: answered again and again (each answer gives its permit back).
+    let one = start("cp-bound-one", 1).await;
+    let addr = one.control_plane().unwrap().local_addr();
+    for _ in 0..3 {
+        let (role, json) = inspect_raw(addr, "inspector-bound").await;
+        assert_eq!(role, Role::Colocated);
+        assert!(!json.is_empty());
+    }
+    one.stop().await;
+
+    // None at all: every request is refused by name, and the API still serves.
+    let none = start("cp-bound-none", 0).await;
+    let endpoint = ControlEndpoint::bind(
+        &member("inspector-bound-0"),
+        ControlConfig {
+            role: Role::Other,
+            ..ControlConfig::default()
+        },
+    )
+    .unwrap();
+    let conn = endpoint
+        .connect(none.control_plane().unwrap().local_addr())
+        .await
+        .unwrap();
+    for _ in 0..3 {
+        match conn.request(ControlMessage::InspectRequest).await {
+            Err(pdserve_transport::TransportError::Remote { kind, message }) => {
+                assert_eq!(kind, "overloaded", "{message}");
+                assert!(message.contains("cp-bound-none"), "{message}");
+            }
+            other => panic!("answered past the bound: {other:?}"),
+        }
+    }
+    let (status, v) = complete(&none.url()).await;
+    assert_eq!(status, 200, "{v}");
+    none.stop().await;
+}

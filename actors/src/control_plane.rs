@@ -263,15 +263,19 @@ fn error_answer(kind: &str, message: impl Into<String>) -> ControlMessage {
     })
 }
 
-/// Answers the requests that arrive on `conn` until it closes. Each answer is built on its
-/// own (tracked) task, so a slow snapshot or a remote prefill never holds up the next request;
-/// at most `permits`' worth at once over all connections, the rest refused as `overloaded`.
-async fn serve_requests(
-    conn: Arc<ControlConnection>,
-    source: InspectSource,
+/// Where the control plane's answers run: tracked tasks (drained at shutdown), at most
+/// `permits`' worth at once over every connection.
+#[derive(Clone)]
+struct Dispatch {
     tasks: TaskTracker,
     permits: Arc<tokio::sync::Semaphore>,
-) {
+}
+
+/// Answers the requests that arrive on `conn` until it closes. Each answer is built on its
+/// own (tracked) task, so a slow snapshot or a remote prefill never holds up the next request;
+/// at most `dispatch`'s permits' worth at once, the rest refused as `overloaded`.
+async fn serve_requests(conn: Arc<ControlConnection>, source: InspectSource, dispatch: Dispatch) {
+    let Dispatch { tasks, permits } = dispatch;
     while let Some(incoming) = conn.recv().await {
         // One-way messages (a peer's heartbeats) carry nothing an instance acts on.
         let Some(responder) = incoming.responder else {
@@ -449,15 +453,17 @@ impl ControlPlane {
         let shared = Arc::new(Shared::default());
         let tasks = TaskTracker::new();
         let (ep, src, t) = (endpoint.clone(), source.clone(), tasks.clone());
-        let permits = Arc::new(tokio::sync::Semaphore::new(ctl.max_requests));
-        let accept_permits = permits.clone();
+        let dispatch = Dispatch {
+            tasks: tasks.clone(),
+            permits: Arc::new(tokio::sync::Semaphore::new(ctl.max_requests)),
+        };
+        let accept_dispatch = dispatch.clone();
         let accept = tokio::spawn(async move {
             while let Some(conn) = ep.accept().await {
                 t.spawn(serve_requests(
                     Arc::new(conn),
                     src.clone(),
-                    t.clone(),
-                    accept_permits.clone(),
+                    accept_dispatch.clone(),
                 ));
             }
         });
@@ -484,8 +490,7 @@ impl ControlPlane {
                 ctl.heartbeat,
                 source,
                 shared.clone(),
-                tasks.clone(),
-                permits,
+                dispatch,
             )));
         }
         tracing::info!(%addr, proxy = ?ctl.proxy, "control plane listening");
@@ -651,9 +656,9 @@ async fn register_and_heartbeat(
     interval: Duration,
     source: InspectSource,
     shared: Arc<Shared>,
-    tasks: TaskTracker,
-    permits: Arc<tokio::sync::Semaphore>,
+    dispatch: Dispatch,
 ) {
+    let tasks = dispatch.tasks.clone();
     let initial_delay = interval.min(Duration::from_millis(100));
     let mut delay = initial_delay;
     let mut last_error: Option<String> = None;
@@ -669,8 +674,7 @@ async fn register_and_heartbeat(
             let server = tasks.spawn(serve_requests(
                 conn.clone(),
                 source.clone(),
-                tasks.clone(),
-                permits.clone(),
+                dispatch.clone(),
             ));
             match register(&conn, &registration).await {
                 Ok(()) => Ok((conn, server)),

@@ -5,6 +5,13 @@
 //! its rows' placeholder tokens, and the image travels to the Scheduler as a
 //! [`PromptImage`].
 //!
+//! With image splitting (SmolVLM, [`pdserve_gpu::vision::ImageSplitting`]) one image is
+//! several sub-images — its tiles, then its global image — each encoded, cached and moved on
+//! its own (an [`ImageEmbeds`] of its own digest), each its own [`PromptImage`] at its run of
+//! placeholder tokens between the wrapper tokens ([`EncodedImage`], [`splice_prompt`]). A
+//! request's sub-images are at most [`MAX_SUB_IMAGES`], what one encoder hold takes: counted
+//! from the images' headers, before any pixel is decoded.
+//!
 //! Every refusal is a [`MultimodalError`] (a 400 naming the problem), raised before any work
 //! the request could not pay for: the count before anything is decoded, a data URL's size
 //! from its base64 length before it is decoded, an image's dimensions from its header before
@@ -14,17 +21,42 @@ use crate::error::RequestError;
 use crate::openai::IMAGE_MARKER;
 use crate::scheduler::PromptImage;
 use base64::Engine as _;
-use pdserve_gpu::vision::ImageDigest;
-use pdserve_gpu::vision::{ImageEmbeds, ImageError, ImageLimits, VisionTower};
+use pdserve_gpu::vision::{
+    image_prompt_layout, plan_image, ImageDigest, ImageEmbeds, ImageError, ImageLimits, ImagePlan,
+    PromptPiece, TileGrid, VisionConfig, VisionTower, MAX_SUB_IMAGES,
+};
 use pdserve_runtime::config::MultimodalSection;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
-/// Images whose embeddings came from the encoder cache (`result="hit"`) or were encoded
+/// Images (sub-images, with image splitting) whose embeddings came from the encoder cache (`result="hit"`) or were encoded
 /// (`result="miss"`).
 pub const ENCODER_CACHE_LOOKUPS_TOTAL: &str = "pdserve_encoder_cache_lookups_total";
 /// Seconds to decode, preprocess and encode one image (cache misses).
 pub const IMAGE_ENCODE_SECONDS: &str = "pdserve_image_encode_seconds";
+
+// Every sub-image of a request fits one encoder hold.
+const _: () = assert!(MAX_SUB_IMAGES <= crate::encode::protocol::MAX_HOLD_IMAGES);
+
+/// One image of a request as the model takes it: its sub-images' embeddings (the tiles
+/// row-major, then the global image; or the one image) and how it was cut.
+#[derive(Clone, Debug)]
+pub struct EncodedImage {
+    /// How it was cut ([`TileGrid::WHOLE`]: not cut).
+    pub grid: TileGrid,
+    /// Its sub-images' embeddings, in prompt order.
+    pub parts: Vec<Arc<ImageEmbeds>>,
+}
+
+impl EncodedImage {
+    /// An image that is not cut.
+    pub fn whole(embeds: Arc<ImageEmbeds>) -> Self {
+        Self {
+            grid: TileGrid::WHOLE,
+            parts: vec![embeds],
+        }
+    }
+}
 
 /// Why a request's images were refused (each a 400).
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -38,6 +70,15 @@ pub enum MultimodalError {
         /// Images sent.
         count: usize,
         /// The limit.
+        max: usize,
+    },
+    /// The images are cut into more sub-images (tiles and global images, image splitting)
+    /// than one request may have.
+    #[error("the request's images are {count} sub-images (each image's tiles and its global image), more than the limit of {max} one request may have: send fewer or smaller images")]
+    TooManySubImages {
+        /// Sub-images of the request.
+        count: usize,
+        /// The limit ([`MAX_SUB_IMAGES`]).
         max: usize,
     },
     /// An `http(s)://` image URL: pdserve does not fetch images.
@@ -94,6 +135,7 @@ impl MultimodalError {
         match self {
             Self::TextOnlyModel(_) => "text_only_model",
             Self::TooManyImages { .. } => "too_many_images",
+            Self::TooManySubImages { .. } => "too_many_sub_images",
             Self::RemoteUrl { .. } => "remote_url",
             Self::BadUrl { .. } => "bad_url",
             Self::BadBase64 { .. } => "bad_base64",
@@ -297,10 +339,63 @@ impl EncoderCache {
     }
 }
 
+/// Checks a request's image URLs and reads their headers: each image's bytes, and its plan
+/// (digest, tile grid, sub-images' digests) for a tower of `vision`. Every URL is checked
+/// before any header is read, and the sub-images are counted against [`MAX_SUB_IMAGES`]
+/// before any pixel is decoded.
+///
+/// # Errors
+/// [`MultimodalError::TooManyImages`], the first image refused, or
+/// [`MultimodalError::TooManySubImages`].
+pub fn plan_images(
+    vision: &VisionConfig,
+    cfg: &MultimodalSection,
+    urls: &[String],
+) -> Result<Vec<(Vec<u8>, ImagePlan)>, MultimodalError> {
+    if urls.len() > cfg.max_images_per_request {
+        return Err(MultimodalError::TooManyImages {
+            count: urls.len(),
+            max: cfg.max_images_per_request,
+        });
+    }
+    let limits = image_limits(cfg);
+    // Every URL is checked before any image is read: a bad last image costs nothing.
+    let bytes = urls
+        .iter()
+        .enumerate()
+        .map(|(i, u)| data_url_bytes(i, u, limits.max_bytes))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut count = 0usize;
+    for (index, b) in bytes.into_iter().enumerate() {
+        let plan = plan_image(&b, vision, &limits)
+            .map_err(|source| MultimodalError::Image { index, source })?;
+        count += plan.parts.len();
+        out.push((b, plan));
+    }
+    check_sub_images(count)?;
+    Ok(out)
+}
+
+/// Refuses more than [`MAX_SUB_IMAGES`] sub-images in one request.
+///
+/// # Errors
+/// [`MultimodalError::TooManySubImages`].
+pub fn check_sub_images(count: usize) -> Result<(), MultimodalError> {
+    if count > MAX_SUB_IMAGES {
+        return Err(MultimodalError::TooManySubImages {
+            count,
+            max: MAX_SUB_IMAGES,
+        });
+    }
+    Ok(())
+}
+
 /// Checks, decodes, preprocesses and encodes a request's images (request order), on the
-/// calling thread: call it from a blocking task. An image whose digest is in `cache` is
-/// taken from there (after its URL and byte count were checked like any other); the
-/// others are encoded and kept there.
+/// calling thread: call it from a blocking task. A sub-image whose digest is in `cache` is
+/// taken from there (after its URL, header and the request's sub-image count were checked
+/// like any other); an image is decoded only when some of its sub-images are not, and those
+/// are encoded and kept there.
 ///
 /// # Errors
 /// The first image refused, as a [`MultimodalError`]; an encoder failure as
@@ -310,58 +405,60 @@ pub fn encode_images(
     cfg: &MultimodalSection,
     cache: &EncoderCache,
     urls: &[String],
-) -> Result<Vec<Arc<ImageEmbeds>>, RequestError> {
-    if urls.len() > cfg.max_images_per_request {
-        return Err(MultimodalError::TooManyImages {
-            count: urls.len(),
-            max: cfg.max_images_per_request,
-        }
-        .into());
-    }
+) -> Result<Vec<EncodedImage>, RequestError> {
+    let planned = plan_images(tower.config(), cfg, urls)?;
     let limits = image_limits(cfg);
-    // Every URL is checked before any image is decoded: a bad last image costs nothing.
-    let bytes = urls
-        .iter()
-        .enumerate()
-        .map(|(i, u)| data_url_bytes(i, u, limits.max_bytes))
-        .collect::<Result<Vec<_>, _>>()?;
-    let settings = tower.config().preprocessing_key();
-    let mut out = Vec::with_capacity(bytes.len());
-    for (index, b) in bytes.iter().enumerate() {
-        if let Some(hit) = cache.get(&ImageDigest::of(&settings, b)) {
-            metrics::counter!(ENCODER_CACHE_LOOKUPS_TOTAL, "result" => "hit").increment(1);
-            out.push(hit);
-            continue;
+    let mut out = Vec::with_capacity(planned.len());
+    for (index, (b, plan)) in planned.iter().enumerate() {
+        let mut parts: Vec<Option<Arc<ImageEmbeds>>> =
+            plan.parts.iter().map(|d| cache.get(d)).collect();
+        for p in &parts {
+            let result = if p.is_some() { "hit" } else { "miss" };
+            metrics::counter!(ENCODER_CACHE_LOOKUPS_TOTAL, "result" => result).increment(1);
         }
-        metrics::counter!(ENCODER_CACHE_LOOKUPS_TOTAL, "result" => "miss").increment(1);
-        let started = std::time::Instant::now();
-        let prepared = pdserve_gpu::vision::prepare_image(b, tower.config(), &limits)
-            .map_err(|source| MultimodalError::Image { index, source })?;
-        let embeds = tower
-            .encode(&prepared)
-            .map_err(|e| RequestError::Internal(format!("image {index}: vision encoder: {e}")))?;
-        metrics::histogram!(IMAGE_ENCODE_SECONDS).record(started.elapsed().as_secs_f64());
-        tracing::debug!(image = index, digest = %prepared.digest.short(), rows = embeds.rows, "image encoded");
-        let embeds = Arc::new(embeds);
-        cache.insert(embeds.clone());
-        out.push(embeds);
+        if parts.iter().any(Option::is_none) {
+            let started = std::time::Instant::now();
+            let (_, prepared) =
+                pdserve_gpu::vision::prepare_image_parts(b, tower.config(), &limits)
+                    .map_err(|source| MultimodalError::Image { index, source })?;
+            for (slot, image) in parts.iter_mut().zip(&prepared) {
+                if slot.is_some() {
+                    continue;
+                }
+                let embeds = tower.encode(image).map_err(|e| {
+                    RequestError::Internal(format!("image {index}: vision encoder: {e}"))
+                })?;
+                let embeds = Arc::new(embeds);
+                cache.insert(embeds.clone());
+                *slot = Some(embeds);
+            }
+            metrics::histogram!(IMAGE_ENCODE_SECONDS).record(started.elapsed().as_secs_f64());
+            tracing::debug!(image = index, digest = %plan.digest.short(), sub_images = parts.len(), rows = ?plan.grid, "image encoded");
+        }
+        out.push(EncodedImage {
+            grid: plan.grid,
+            parts: parts.into_iter().map(|p| p.expect("filled")).collect(),
+        });
     }
     Ok(out)
 }
 
 /// Tokenizes a rendered chat whose image places are [`IMAGE_MARKER`]s: the text between them
 /// is tokenized piece by piece (the marker is a boundary, as a VLM's image special tokens
-/// are), and each marker becomes `rows` copies of `image_token`. Returns the prompt and its
-/// images at their positions.
+/// are), and each marker becomes its image's layout for a tower of `vision`
+/// ([`image_prompt_layout`]): each sub-image's rows as copies of the image token, between the
+/// wrapper tokens when `vision` has them (the newlines between rows of tiles tokenized as
+/// text). Returns the prompt and its sub-images at their positions.
 ///
 /// # Errors
 /// [`MultimodalError::MarkerMismatch`] when the text does not hold exactly one marker per
-/// image; the tokenizer's message as [`RequestError::BadRequest`].
+/// image; the tokenizer's message as [`RequestError::BadRequest`]; an image cut into a grid
+/// the wrapper tokens do not cover (or cut without them) as [`RequestError::Internal`].
 pub fn splice_prompt(
     tokenizer: &pdserve_gpu::Tokenizer,
     rendered: &str,
-    images: &[Arc<ImageEmbeds>],
-    image_token: u32,
+    images: &[EncodedImage],
+    vision: &VisionConfig,
 ) -> Result<(Vec<u32>, Vec<PromptImage>), RequestError> {
     let pieces: Vec<&str> = rendered.split(IMAGE_MARKER).collect();
     if pieces.len() != images.len() + 1 {
@@ -371,21 +468,45 @@ pub fn splice_prompt(
         }
         .into());
     }
+    let encode = |text: &str| {
+        tokenizer
+            .encode(text, false)
+            .map_err(|e| RequestError::BadRequest(e.to_string()))
+    };
     let mut prompt = Vec::new();
-    let mut placed = Vec::with_capacity(images.len());
+    let mut placed = Vec::with_capacity(images.iter().map(|i| i.parts.len()).sum());
     for (i, piece) in pieces.iter().enumerate() {
         if !piece.is_empty() {
-            let ids = tokenizer
-                .encode(piece, false)
-                .map_err(|e| RequestError::BadRequest(e.to_string()))?;
-            prompt.extend(ids);
+            prompt.extend(encode(piece)?);
         }
-        if let Some(img) = images.get(i) {
-            placed.push(PromptImage {
-                at: prompt.len(),
-                embeds: img.clone(),
-            });
-            prompt.extend(std::iter::repeat_n(image_token, img.rows));
+        let Some(img) = images.get(i) else {
+            continue;
+        };
+        let layout = image_prompt_layout(img.grid, vision.wrap.is_some());
+        let wrap = vision.wrap.as_ref();
+        let missing = || {
+            RequestError::Internal(format!(
+                "image {i} is cut {}x{}, which the wrapper tokens do not cover",
+                img.grid.rows, img.grid.cols
+            ))
+        };
+        for p in layout {
+            match p {
+                PromptPiece::Around => prompt.push(wrap.ok_or_else(missing)?.around),
+                PromptPiece::Global => prompt.push(wrap.ok_or_else(missing)?.global),
+                PromptPiece::Tile { row, col } => {
+                    prompt.push(wrap.and_then(|w| w.tile(row, col)).ok_or_else(missing)?)
+                }
+                PromptPiece::Text(t) => prompt.extend(encode(t)?),
+                PromptPiece::SubImage(k) => {
+                    let embeds = img.parts.get(k).ok_or_else(missing)?;
+                    placed.push(PromptImage {
+                        at: prompt.len(),
+                        embeds: embeds.clone(),
+                    });
+                    prompt.extend(std::iter::repeat_n(vision.image_token_id, embeds.rows));
+                }
+            }
         }
     }
     Ok((prompt, placed))
@@ -512,7 +633,8 @@ mod tests {
         let first = encode_images(&tower, &cfg, &cache, &[png(1), png(2)]).unwrap();
         assert_eq!(cache.figures().entries, 2);
         let again = encode_images(&tower, &cfg, &cache, &[png(2), png(1)]).unwrap();
-        assert!(Arc::ptr_eq(&again[0], &first[1]) && Arc::ptr_eq(&again[1], &first[0]));
+        assert!(Arc::ptr_eq(&again[0].parts[0], &first[1].parts[0]));
+        assert!(Arc::ptr_eq(&again[1].parts[0], &first[0].parts[0]));
         // A cached image's URL is still checked (here: over the request's image count).
         let one = MultimodalSection {
             max_images_per_request: 1,
@@ -521,7 +643,126 @@ mod tests {
         assert!(encode_images(&tower, &one, &cache, &[png(1), png(1)]).is_err());
         // Uncached, the same bytes give the same rows.
         let fresh = encode_images(&tower, &cfg, &EncoderCache::new(0), &[png(1)]).unwrap();
-        assert_eq!(fresh[0].data, first[0].data);
+        assert_eq!(fresh[0].parts[0].data, first[0].parts[0].data);
+    }
+
+    fn split_png(w: u32, h: u32, seed: u8) -> String {
+        let img =
+            image::RgbImage::from_fn(w, h, |x, y| image::Rgb([x as u8 ^ seed, y as u8, seed]));
+        let mut out = std::io::Cursor::new(Vec::new());
+        img.write_to(&mut out, image::ImageFormat::Png).unwrap();
+        format!(
+            "data:image/png;base64,{}",
+            base64::engine::general_purpose::STANDARD.encode(out.into_inner())
+        )
+    }
+
+    /// A synthetic VLM with image splitting: a 64x48 image is 2x2 tiles and its global image,
+    /// each its own cached sub-image, laid out in the prompt between the wrapper tokens.
+    #[test]
+    fn a_split_image_is_its_tiles_and_global_image_between_the_wrapper_tokens() {
+        let model = pdserve_gpu::loader::load_model(&pdserve_gpu::loader::ModelSource::Synthetic(
+            "tiny,vision=1,split=1".into(),
+        ))
+        .unwrap();
+        let tower = model.vision.unwrap();
+        let vision = tower.config().clone();
+        let cfg = MultimodalSection::default();
+        let cache = EncoderCache::new(1 << 20);
+        // transformers resizes every image to the longest edge (64) first: none stays whole.
+        let urls = [split_png(64, 48, 1), split_png(20, 60, 2)];
+        let images = encode_images(&tower, &cfg, &cache, &urls).unwrap();
+        assert_eq!(images[0].grid, TileGrid { rows: 2, cols: 2 });
+        assert_eq!(images[0].parts.len(), 5);
+        assert_eq!(images[1].grid, TileGrid { rows: 2, cols: 1 });
+        assert_eq!(images[1].parts.len(), 3);
+        assert_eq!(cache.figures().entries, 8);
+        // Again: every sub-image from the cache.
+        let again = encode_images(&tower, &cfg, &cache, &urls[..1]).unwrap();
+        for (a, b) in again[0].parts.iter().zip(&images[0].parts) {
+            assert!(Arc::ptr_eq(a, b));
+        }
+        let rendered = format!("a{IMAGE_MARKER}b{IMAGE_MARKER}c");
+        let (prompt, placed) =
+            splice_prompt(&model.tokenizer, &rendered, &images, &vision).unwrap();
+        let w = vision.wrap.clone().unwrap();
+        let rows = vision.tokens_per_image();
+        let text = |t: &str| model.tokenizer.encode(t, false).unwrap();
+        let mut want = Vec::new();
+        let mut at = Vec::new();
+        for (t, img) in ["a", "b"].into_iter().zip(&images) {
+            want.extend(text(t));
+            let g = img.grid;
+            for r in 1..=g.rows {
+                for c in 1..=g.cols {
+                    want.extend([w.around, w.tile(r, c).unwrap()]);
+                    at.push(want.len());
+                    want.extend(vec![vision.image_token_id; rows]);
+                }
+                want.extend(text(if r == g.rows { "\n\n" } else { "\n" }));
+            }
+            want.extend([w.around, w.global]);
+            at.push(want.len());
+            want.extend(vec![vision.image_token_id; rows]);
+            want.push(w.around);
+        }
+        want.extend(text("c"));
+        assert_eq!(prompt, want);
+        assert_eq!(placed.iter().map(|p| p.at).collect::<Vec<_>>(), at);
+        let digests: Vec<_> = images
+            .iter()
+            .flat_map(|i| &i.parts)
+            .map(|e| e.digest)
+            .collect();
+        assert_eq!(
+            placed.iter().map(|p| p.embeds.digest).collect::<Vec<_>>(),
+            digests
+        );
+    }
+
+    #[test]
+    fn a_request_of_too_many_sub_images_is_refused_before_decoding() {
+        let vision = pdserve_gpu::synthetic::SyntheticSpec::parse("tiny,vision=1,split=1")
+            .unwrap()
+            .vision
+            .unwrap();
+        assert_eq!(vision.max_sub_images(), 5);
+        let cfg = MultimodalSection {
+            max_images_per_request: 64,
+            ..MultimodalSection::default()
+        };
+        // 12 images of 5 sub-images fit (60); 13 (65) do not, named as such.
+        let url = split_png(64, 48, 3);
+        assert_eq!(
+            plan_images(&vision, &cfg, &vec![url.clone(); 12])
+                .unwrap()
+                .len(),
+            12
+        );
+        let e = plan_images(&vision, &cfg, &vec![url.clone(); 13]).unwrap_err();
+        assert_eq!(
+            e,
+            MultimodalError::TooManySubImages {
+                count: 65,
+                max: MAX_SUB_IMAGES
+            }
+        );
+        assert_eq!(e.kind(), "too_many_sub_images");
+        assert!(e.to_string().contains("65 sub-images"), "{e}");
+        // Tall images are 2x1 tiles and the global image: 21 fit, 22 do not.
+        let tall = split_png(20, 60, 4);
+        assert!(plan_images(&vision, &cfg, &vec![tall.clone(); 21]).is_ok());
+        assert!(plan_images(&vision, &cfg, &vec![tall; 22]).is_err());
+        assert!(check_sub_images(MAX_SUB_IMAGES).is_ok());
+        assert!(check_sub_images(MAX_SUB_IMAGES + 1).is_err());
+        // A corrupt image after good ones: refused by its header, by index.
+        let mut urls = vec![url; 2];
+        urls.push("data:image/png;base64,iVBORw0KGgo=".into());
+        let e = plan_images(&vision, &cfg, &urls).unwrap_err();
+        assert!(
+            matches!(e, MultimodalError::Image { index: 2, .. }),
+            "{e:?}"
+        );
     }
 
     #[test]

@@ -1041,3 +1041,102 @@ async fn images_on_a_device_kv_cache_give_the_cpu_tokens() {
         inst.stop().await;
     }
 }
+
+/// The synthetic VLM with SmolVLM's image splitting: tiles of 32 of an image resized to a
+/// longest edge of 64, so a 64x48 image is 2x2 tiles plus the global image.
+const SPLIT_VLM: &str = "tiny,vision=1,split=1";
+
+async fn split_instance(name: &str, transfer: Option<(BackendKind, bool)>) -> Instance {
+    start(name, SPLIT_VLM, |o| {
+        o.multimodal.max_images_per_request = 16;
+        if let Some((backend, encode)) = transfer {
+            o.transfer = Some(pdserve_transport::TransferConfig::new(backend, name));
+            o.encode = encode;
+            o.min_remote_prompt_tokens = 0;
+            o.multimodal.encoder_hold_slots = 16;
+            o.kv_lease = std::time::Duration::from_secs(5);
+        }
+    })
+    .await
+}
+
+/// Image splitting end to end: each image's tiles and global image are sub-images of their
+/// own, wrapped in the prompt as SmolVLM's processor writes it; greedy tokens are
+/// deterministic and the same colocated and E+PD (the sub-images move by their digests
+/// through one encoder hold); a request of more sub-images than one request may have is a
+/// 400 naming them on every instance; pools and hold slots are free afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn split_images_give_the_same_tokens_colocated_and_through_an_encoder() {
+    let bodies = [
+        chat(&[image_part(&data_url("image/png", &png(64, 48, 41)))]),
+        chat(&[
+            image_part(&data_url("image/png", &png(20, 60, 42))),
+            image_part(&data_url("image/jpeg", &jpeg(40, 30, 43))),
+        ]),
+    ];
+    let too_many = chat(&vec![
+        image_part(&data_url("image/png", &png(64, 48, 44)));
+        13
+    ]);
+    let refused = |status: u16, v: &Value| {
+        assert_eq!(status, 400, "{v}");
+        let msg = v["error"]["message"].as_str().unwrap();
+        assert!(msg.contains("65 sub-images") && msg.contains("64"), "{v}");
+    };
+
+    let colocated = split_instance("split-ref", None).await;
+    let url = colocated.url();
+    let mut want = Vec::new();
+    for b in &bodies {
+        let first = ok(&url, b).await;
+        let again = ok(&url, b).await;
+        assert_eq!(token_ids(&first), token_ids(&again), "{again}");
+        want.push(token_ids(&first));
+    }
+    // 2x2 tiles and the global image of 16 rows each, 4 tile tokens and their 4 wrappers,
+    // `<fake><global-img>` … `<fake>`, "\n" after the first row of tiles and "\n\n" after
+    // the last (one byte a token here).
+    let text_only = usage(&ok(&url, &chat(&[])).await).0;
+    let one = usage(&ok(&url, &bodies[0]).await).0;
+    assert_eq!(one - text_only, 5 * 16 + 8 + 3 + 1 + 2);
+    let (status, v) = post_to(&url, "/v1/chat/completions", &too_many).await;
+    refused(status, &v);
+    assert_pool_full(&colocated).await;
+    colocated.stop().await;
+
+    let backend = BackendKind::Local;
+    let e = split_instance("e-split", Some((backend, true))).await;
+    let pd = split_instance("pd-split", Some((backend, false))).await;
+    for (i, b) in bodies.iter().enumerate() {
+        let (status, v) = post_to(&e.url(), "/v1/encode", b).await;
+        assert_eq!(status, 200, "{v}");
+        let images = v["images"].as_array().unwrap();
+        assert_eq!(images.len(), i + 1, "{v}");
+        assert_eq!(
+            images[0]["sub_images"].as_array().unwrap().len(),
+            [5, 3][i],
+            "{v}"
+        );
+        let got = ok(&pd.url(), &with_encoder(b, &e.url())).await;
+        assert_eq!(token_ids(&got), want[i], "E+PD request {i}: {got}");
+    }
+    let f = encoder_figures(&e.url()).await;
+    // Sub-images: 5, then 3 and 5.
+    assert_eq!(f["cache"]["images"], 13, "{f}");
+    assert_eq!(f["hold_slots"]["served"], 2, "{f}");
+    assert_eq!(f["hold_slots"]["used"], 0, "{f}");
+    let (status, v) = post_to(&e.url(), "/v1/encode", &too_many).await;
+    refused(status, &v);
+    let (status, v) = post_to(
+        &pd.url(),
+        "/v1/chat/completions",
+        &with_encoder(&too_many, &e.url()),
+    )
+    .await;
+    refused(status, &v);
+    for inst in [&e, &pd] {
+        assert_pool_full(inst).await;
+    }
+    e.stop().await;
+    pd.stop().await;
+}

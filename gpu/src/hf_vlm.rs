@@ -11,6 +11,8 @@
 //! | `config.json` | `vision_config.{hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, image_size, patch_size, layer_norm_eps}` | the SigLIP encoder; a missing key takes transformers' `Idefics3VisionConfig` default (1152, 3072, 12, 16, 224, 32, 1e-6; SmolVLM2's configs leave some out), a missing `image_size` first `preprocessor_config.json`'s `max_image_size.longest_edge`. `hidden_act` must be tanh-GELU, `num_channels` 3 |
 //! | `config.json` | `scale_factor` (default 2), `image_token_id` | the pixel-shuffle factor; the image placeholder token (when absent: the tokenizer's `<image>`), which must lie inside the decoder's vocabulary |
 //! | `preprocessor_config.json` | `image_mean`, `image_std` (default 0.5 each, transformers' Idefics3 image processor's), `rescale_factor` (must be 1/255 when given) | normalization |
+//! | `preprocessor_config.json` | `do_image_splitting` (absent: true, transformers' default, when the file is there), `size.longest_edge` (absent: 4 tiles), `max_image_size.longest_edge` (absent: the tower's `image_size`; must equal it) | image splitting ([`crate::vision::ImageSplitting`]); bounded to 64 sub-images an image |
+//! | `tokenizer.json` | `<fake_token_around_image>`, `<global-img>`, `<row_R_col_C>` | the tokens around an image's rows (transformers' `Idefics3Processor`): required with splitting (a clear error at load when missing); without it, used when the tokenizer has the first two, as the processor wraps an unsplit image too |
 //!
 //! Every count is bounded (1..=2²⁰) before anything is sized by it, and every tensor's shape
 //! is checked against the config, errors naming the HF tensor. The tensors, and the names
@@ -26,12 +28,11 @@
 //! | `model.vision_model.post_layernorm.*` | `v.post_ln.*` |
 //! | `model.connector.modality_projection.proj.weight` | `mm.model.fc.weight` |
 //!
-//! Not read: SmolVLM's image splitting (`do_image_splitting`, `size.longest_edge`: tiles plus a
-//! global image) and its `<fake_token_around_image>` / `<global-img>` wrapping; an image is one
-//! global image of `image_size`, whose rows are the image token.
+//! Not read: `resample` (the split path resizes with Lanczos, transformers' default; the
+//! unsplit path bilinearly to `image_size`), `do_resize` (always resized).
 
 use crate::config::ModelConfig;
-use crate::vision::{VisionConfig, VisionTower};
+use crate::vision::{ImageSplitting, ImageWrapTokens, VisionConfig, VisionTower};
 use crate::weights::TensorStore;
 use crate::{ModelError, Result};
 use serde_json::Value;
@@ -172,19 +173,57 @@ fn triple(pre: Option<&Value>, key: &str, default: [f32; 3]) -> Result<[f32; 3]>
     vals.try_into().map_err(|_| err())
 }
 
+/// Image splitting from `preprocessor_config.json` (see the module docs), for a tower of
+/// `image_size`.
+fn splitting(pre: Option<&Value>, image_size: usize) -> Result<Option<ImageSplitting>> {
+    let Some(pre) = pre else {
+        return Ok(None);
+    };
+    match pre.get("do_image_splitting") {
+        None | Some(Value::Bool(true)) => {}
+        Some(Value::Bool(false)) => return Ok(None),
+        Some(other) => {
+            return Err(bad(format!(
+                "preprocessor_config.json: `do_image_splitting` = {other} is not a boolean"
+            )))
+        }
+    }
+    let edge = |key: &str| -> Result<Option<usize>> {
+        match pre.get(key).map(|m| m.get("longest_edge")) {
+            None => Ok(None),
+            Some(Some(e)) => Ok(Some(bounded(
+                e,
+                &format!("preprocessor {key}.longest_edge"),
+            )?)),
+            Some(None) => Err(bad(format!(
+                "preprocessor_config.json: `{key}` has no `longest_edge` (height/width sizes are not supported with do_image_splitting)"
+            ))),
+        }
+    };
+    let tile_size = edge("max_image_size")?.unwrap_or(image_size);
+    let longest_edge = edge("size")?.unwrap_or(4 * tile_size);
+    Ok(Some(ImageSplitting {
+        longest_edge,
+        tile_size,
+    }))
+}
+
 /// The tower's configuration from `config.json` (`v`), `preprocessor_config.json` (`pre`, when
-/// the directory has one) and the decoder `text`; `tokenizer_image` is the tokenizer's
-/// `<image>` id, the image token when `config.json` names none.
+/// the directory has one) and the decoder `text`; `token_id` looks a token up in the
+/// tokenizer (`<image>`, the image token when `config.json` names none, and the wrapper
+/// tokens of image splitting).
 ///
 /// # Errors
 /// [`ModelError::BadMetadata`] naming the key that is out of bounds, malformed or
-/// inconsistent, or an image token outside the decoder's vocabulary.
+/// inconsistent, an image or wrapper token outside the decoder's vocabulary, or splitting
+/// with a tokenizer that lacks its wrapper tokens.
 pub fn vision_config(
     v: &Value,
     pre: Option<&Value>,
     text: &ModelConfig,
-    tokenizer_image: Option<u32>,
+    token_id: &dyn Fn(&str) -> Option<u32>,
 ) -> Result<VisionConfig> {
+    let tokenizer_image = token_id("<image>").filter(|&t| (t as usize) < text.vocab_size);
     let vc = match v.get("vision_config") {
         Some(o @ Value::Object(_)) => Some(o),
         None => None,
@@ -262,6 +301,31 @@ pub fn vision_config(
             text.vocab_size
         )));
     }
+    let splitting = splitting(pre, image_size)?;
+    if let Some(s) = &splitting {
+        // Bounded before the tile tokens, as many as the grid has cells, are looked up.
+        s.validate(image_size)?;
+    }
+    let wrap = match &splitting {
+        Some(s) => Some(
+            ImageWrapTokens::lookup(token_id, s.max_grid_side()).map_err(|name| {
+                bad(format!(
+                    "preprocessor_config.json turns image splitting on (do_image_splitting), but the tokenizer has no `{name}` token: the prompt of a split image needs it (transformers' Idefics3Processor)"
+                ))
+            })?,
+        ),
+        None => ImageWrapTokens::lookup(token_id, 0).ok(),
+    };
+    if let Some(bad_id) = wrap
+        .iter()
+        .flat_map(|w| w.ids())
+        .find(|&t| t as usize >= text.vocab_size)
+    {
+        return Err(bad(format!(
+            "the tokenizer's image wrapper token {bad_id} is outside the decoder's vocabulary of {}",
+            text.vocab_size
+        )));
+    }
     let cfg = VisionConfig {
         image_size,
         patch_size: side(vc, "patch_size")?.unwrap_or(DEFAULT_PATCH),
@@ -275,6 +339,8 @@ pub fn vision_config(
         image_mean: triple(pre, "image_mean", DEFAULT_MEAN_STD)?,
         image_std: triple(pre, "image_std", DEFAULT_MEAN_STD)?,
         image_token_id,
+        splitting,
+        wrap,
     };
     if cfg.image_std.iter().any(|s| *s <= 0.0) {
         return Err(bad(
@@ -447,8 +513,9 @@ mod tests {
             "image_token_id": 300,
             "vision_config": {"hidden_size": 768, "num_attention_heads": 12, "patch_size": 16},
         });
-        let pre = serde_json::json!({"max_image_size": {"longest_edge": 512}});
-        let c = vision_config(&v, Some(&pre), &text, None).unwrap();
+        let pre = serde_json::json!({"max_image_size": {"longest_edge": 512}, "do_image_splitting": false});
+        let c = vision_config(&v, Some(&pre), &text, &|_| None).unwrap();
+        assert_eq!((c.splitting, c.wrap.clone()), (None, None));
         assert_eq!(
             (
                 c.image_size,
@@ -462,11 +529,89 @@ mod tests {
         // No image token anywhere is refused; the tokenizer's `<image>` stands in.
         let none =
             serde_json::json!({"model_type": "idefics3", "vision_config": {"image_size": 64}});
-        assert!(vision_config(&none, None, &text, None).is_err());
-        let c = vision_config(&none, None, &text, Some(7)).unwrap();
+        assert!(vision_config(&none, None, &text, &|_| None).is_err());
+        let c = vision_config(&none, None, &text, &|n| (n == "<image>").then_some(7)).unwrap();
         assert_eq!(
             (c.image_token_id, c.patch_size, c.hidden_size),
             (7, 32, 1152)
         );
+    }
+
+    #[test]
+    fn image_splitting_comes_from_the_preprocessor_and_needs_the_wrapper_tokens() {
+        use crate::vision::{tile_token_name, ImageSplitting, FAKE_TOKEN_AROUND_IMAGE};
+        let text = crate::synthetic::SyntheticSpec::parse("tiny")
+            .unwrap()
+            .config;
+        let v = serde_json::json!({
+            "model_type": "smolvlm",
+            "image_token_id": 300,
+            "vision_config": {"hidden_size": 64, "num_attention_heads": 4, "patch_size": 16, "image_size": 512},
+        });
+        // SmolVLM-256M's settings: up to 4x4 tiles of 512 (`<row_4_col_4>`).
+        let names: Vec<String> = [FAKE_TOKEN_AROUND_IMAGE.to_string(), "<global-img>".into()]
+            .into_iter()
+            .chain((1..=4).flat_map(|r| (1..=4).map(move |c| tile_token_name(r, c))))
+            .collect();
+        let tokens = |n: &str| names.iter().position(|x| x == n).map(|i| 301 + i as u32);
+        let pre = serde_json::json!({
+            "do_image_splitting": true,
+            "size": {"longest_edge": 2048},
+            "max_image_size": {"longest_edge": 512},
+        });
+        let c = vision_config(&v, Some(&pre), &text, &tokens).unwrap();
+        assert_eq!(
+            c.splitting,
+            Some(ImageSplitting {
+                longest_edge: 2048,
+                tile_size: 512
+            })
+        );
+        let wrap = c.wrap.clone().unwrap();
+        assert_eq!((wrap.around, wrap.global, wrap.grid_side), (301, 302, 4));
+        assert_eq!(wrap.tile(4, 4), Some(318));
+        assert_eq!(c.max_sub_images(), 17);
+        // Absent keys: splitting on (transformers' default), tiles of the tower's size, 4 of
+        // them on the longest edge.
+        let c = vision_config(&v, Some(&serde_json::json!({})), &text, &tokens).unwrap();
+        assert_eq!(c.splitting.unwrap().longest_edge, 2048);
+        // A tokenizer without the wrapper tokens is refused by name.
+        let e = vision_config(&v, Some(&pre), &text, &|_| None).unwrap_err();
+        assert!(e.to_string().contains("<row_1_col_1>"), "{e}");
+        let few = |n: &str| {
+            if n == "<row_4_col_4>" {
+                None
+            } else {
+                tokens(n)
+            }
+        };
+        let e = vision_config(&v, Some(&pre), &text, &few).unwrap_err();
+        assert!(e.to_string().contains("<row_4_col_4>"), "{e}");
+        // Tiles of another size than the tower's, too many tiles, a bad flag.
+        for (pre, what) in [
+            (
+                serde_json::json!({"max_image_size": {"longest_edge": 384}}),
+                "image size 512",
+            ),
+            (
+                serde_json::json!({"size": {"longest_edge": 4096}}),
+                "more than 64 sub-images",
+            ),
+            (
+                serde_json::json!({"do_image_splitting": "yes"}),
+                "not a boolean",
+            ),
+            (
+                serde_json::json!({"size": {"height": 4}}),
+                "no `longest_edge`",
+            ),
+        ] {
+            let e = vision_config(&v, Some(&pre), &text, &tokens).unwrap_err();
+            assert!(e.to_string().contains(what), "{what}: {e}");
+        }
+        // Without splitting, the tokens wrap an image when the tokenizer has them.
+        let off = serde_json::json!({"do_image_splitting": false});
+        let c = vision_config(&v, Some(&off), &text, &tokens).unwrap();
+        assert_eq!(c.wrap.map(|w| (w.around, w.grid_side)), Some((301, 0)));
     }
 }

@@ -77,7 +77,7 @@ pub fn load_model(source: &ModelSource) -> Result<LoadedModel> {
         ModelSource::Synthetic(spec) => {
             let spec = SyntheticSpec::parse(spec)?;
             let store = spec.build()?;
-            let tokenizer = Tokenizer::byte_level_synthetic();
+            let tokenizer = spec.tokenizer();
             let chat_template = ChatTemplate::chatml_default();
             let vision = match (&spec.vision, spec.build_vision()?) {
                 (Some(cfg), Some(vstore)) => Some(std::sync::Arc::new(
@@ -133,13 +133,10 @@ pub fn load_tokenizer(source: &ModelSource) -> Result<(Tokenizer, ChatTemplate)>
         ModelSource::Default => from_gguf(&crate::fetch::pull_default_model(
             crate::fetch::Progress::Show,
         )?),
-        ModelSource::Synthetic(spec) => {
-            SyntheticSpec::parse(spec)?;
-            Ok((
-                Tokenizer::byte_level_synthetic(),
-                ChatTemplate::chatml_default(),
-            ))
-        }
+        ModelSource::Synthetic(spec) => Ok((
+            SyntheticSpec::parse(spec)?.tokenizer(),
+            ChatTemplate::chatml_default(),
+        )),
         ModelSource::Path(p) if p.is_dir() => {
             let tokenizer = Tokenizer::from_hf_file(&p.join("tokenizer.json"))?;
             let template = template_for(&tokenizer)?;
@@ -340,10 +337,9 @@ fn load_hf_vlm_dir(dir: &Path, value: &serde_json::Value) -> Result<LoadedModel>
     } else {
         None
     };
-    let image_token = tokenizer
-        .token_to_id("<image>")
-        .filter(|&t| (t as usize) < config.vocab_size);
-    let vision_config = hf_vlm::vision_config(value, preprocessor.as_ref(), &config, image_token)?;
+    let vision_config = hf_vlm::vision_config(value, preprocessor.as_ref(), &config, &|name| {
+        tokenizer.token_to_id(name)
+    })?;
     let mut store =
         TensorStore::from_safetensors_dir_with(dir, |n| hf_vlm::tensor_name(n, config.num_layers))?;
     let tower = hf_vlm::take_tower(&vision_config, &mut store)?;

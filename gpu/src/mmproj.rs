@@ -144,6 +144,10 @@ pub fn vision_config(
         image_mean: triple(content, "clip.vision.image_mean")?,
         image_std: triple(content, "clip.vision.image_std")?,
         image_token_id,
+        // llama.cpp's converter records no splitting settings pdserve reads: an image is one
+        // global image, its rows unwrapped.
+        splitting: None,
+        wrap: None,
     };
     if cfg.image_std.iter().any(|s| *s <= 0.0) {
         return Err(ModelError::BadMetadata(

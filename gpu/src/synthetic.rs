@@ -14,6 +14,12 @@
 //! input, it describes no image. `vision_size`, `vision_patch`, `vision_hidden` and
 //! `vision_layers` change the tower's shape (a heavier encoder for benchmarks: 224, 16, 384
 //! and 6 make an image 49 positions of a few GFLOP, closer to SmolVLM's tower).
+//!
+//! `split=1` (with `vision=1`) turns on SmolVLM's **image splitting** ([`crate::vision`]):
+//! `size.longest_edge` twice the tower's image size, tiles of its image size (a 64×48 image
+//! is 2×2 tiles of 32 plus the global image), and the tokenizer gets the wrapper tokens as
+//! added special tokens — `<image>` = 259, `<fake_token_around_image>` = 260, `<global-img>` = 261,
+//! `<row_R_col_C>` = 262.. row-major (R, C up to 2).
 
 use crate::config::{ModelConfig, RopeScaling, RopeStyle};
 use crate::vision::VisionConfig;
@@ -40,6 +46,28 @@ pub struct SyntheticSpec {
 
 /// The placeholder token id of a synthetic VLM's image rows.
 pub const SYNTHETIC_IMAGE_TOKEN: u32 = 259;
+/// The first wrapper token of a synthetic VLM with image splitting (`split=1`):
+/// `<fake_token_around_image>`, then `<global-img>`, then the `<row_R_col_C>` tokens.
+pub const SYNTHETIC_WRAP_TOKENS: u32 = 260;
+
+/// The wrapper tokens (id, text) of a synthetic VLM with image splitting whose grids go up to
+/// `side`×`side`.
+fn synthetic_wrap_tokens(side: usize) -> Vec<(u32, String)> {
+    let mut names = vec![
+        crate::vision::FAKE_TOKEN_AROUND_IMAGE.to_string(),
+        crate::vision::GLOBAL_IMAGE_TOKEN.to_string(),
+    ];
+    for r in 1..=side {
+        for c in 1..=side {
+            names.push(crate::vision::tile_token_name(r, c));
+        }
+    }
+    names
+        .into_iter()
+        .enumerate()
+        .map(|(i, n)| (SYNTHETIC_WRAP_TOKENS + i as u32, n))
+        .collect()
+}
 
 impl SyntheticSpec {
     /// Parses what follows `synthetic:`.
@@ -78,6 +106,7 @@ impl SyntheticSpec {
         };
         let mut seed = 42;
         let mut vision = false;
+        let mut split = false;
         let (mut v_size, mut v_patch, mut v_hidden, mut v_layers) = (32, 4, 64, 2);
         for kv in parts {
             let (k, v) = kv.split_once('=').ok_or_else(|| {
@@ -98,6 +127,7 @@ impl SyntheticSpec {
                 "seed" => seed = n as u64,
                 "bias" => c.qkv_bias = n != 0,
                 "vision" => vision = n != 0,
+                "split" => split = n != 0,
                 "vision_size" => v_size = n,
                 "vision_patch" => v_patch = n,
                 "vision_hidden" => v_hidden = n,
@@ -121,6 +151,28 @@ impl SyntheticSpec {
                     "a synthetic VLM needs vocab > 259 (its image token is 259)".into(),
                 ));
             }
+            let splitting = split.then_some(crate::vision::ImageSplitting {
+                longest_edge: 2 * v_size,
+                tile_size: v_size,
+            });
+            let wrap = match &splitting {
+                Some(s) => {
+                    let tokens = synthetic_wrap_tokens(s.max_grid_side());
+                    let last = tokens.last().map_or(0, |(id, _)| *id as usize);
+                    if last >= c.vocab_size {
+                        return Err(ModelError::BadMetadata(format!(
+                            "a synthetic VLM with image splitting needs vocab > {last} (its wrapper tokens)"
+                        )));
+                    }
+                    let wrap = crate::vision::ImageWrapTokens::lookup(
+                        |name| tokens.iter().find(|(_, n)| n == name).map(|(id, _)| *id),
+                        s.max_grid_side(),
+                    )
+                    .map_err(|m| ModelError::BadMetadata(format!("synthetic token {m}")))?;
+                    Some(wrap)
+                }
+                None => None,
+            };
             let v = VisionConfig {
                 image_size: v_size,
                 patch_size: v_patch,
@@ -134,9 +186,15 @@ impl SyntheticSpec {
                 image_mean: [0.5; 3],
                 image_std: [0.5; 3],
                 image_token_id: SYNTHETIC_IMAGE_TOKEN,
+                splitting,
+                wrap,
             };
             v.validate()?;
             Some(v)
+        } else if split {
+            return Err(ModelError::BadMetadata(
+                "synthetic option `split` needs `vision=1`".into(),
+            ));
         } else {
             None
         };
@@ -146,6 +204,23 @@ impl SyntheticSpec {
             seed,
             vision,
         })
+    }
+
+    /// The model's tokenizer: the byte-level one ([`crate::tokenizer::Tokenizer::byte_level_synthetic`]),
+    /// with the wrapper tokens of image splitting (`split=1`) as added special tokens.
+    pub fn tokenizer(&self) -> crate::tokenizer::Tokenizer {
+        match self.vision.as_ref().and_then(|v| v.splitting) {
+            Some(s) => {
+                // `<image>` too, so the added ids run on without a gap (as a tokenizer.json
+                // written and read again keeps them).
+                let tokens = synthetic_wrap_tokens(s.max_grid_side());
+                let extra: Vec<(u32, &str)> = std::iter::once((SYNTHETIC_IMAGE_TOKEN, "<image>"))
+                    .chain(tokens.iter().map(|(id, n)| (*id, n.as_str())))
+                    .collect();
+                crate::tokenizer::Tokenizer::byte_level_synthetic_with(&extra)
+            }
+            None => crate::tokenizer::Tokenizer::byte_level_synthetic(),
+        }
     }
 
     /// Builds the seeded f32 weights, by GGUF tensor name.
@@ -577,9 +652,9 @@ pub fn write_safetensors_dir(spec: &SyntheticSpec, dir: &std::path::Path, f16: b
                     "do_normalize": true,
                     "image_mean": v.image_mean,
                     "image_std": v.image_std,
-                    "do_image_splitting": false,
+                    "do_image_splitting": v.splitting.is_some(),
                     "max_image_size": {"longest_edge": v.image_size},
-                    "size": {"longest_edge": v.image_size},
+                    "size": {"longest_edge": v.splitting.map_or(v.image_size, |s| s.longest_edge)},
                     "resample": 1,
                 }),
             )?;
@@ -610,7 +685,7 @@ pub fn write_safetensors_dir(spec: &SyntheticSpec, dir: &std::path::Path, f16: b
         dir.join("config.json"),
         serde_json::to_string_pretty(&config).unwrap_or_default(),
     )?;
-    crate::tokenizer::Tokenizer::byte_level_synthetic().save_with_config(dir, None)?;
+    spec.tokenizer().save_with_config(dir, None)?;
     Ok(())
 }
 

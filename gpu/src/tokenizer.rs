@@ -638,6 +638,19 @@ impl Tokenizer {
     /// `<|im_end|>` = 257 (EOS) and `<|endoftext|>` = 258 (also ends generation). No BOS is
     /// added when encoding. Vocabulary size 259.
     pub fn byte_level_synthetic() -> Tokenizer {
+        Self::byte_level_synthetic_with(&[])
+    }
+
+    /// [`Tokenizer::byte_level_synthetic`] with `extra` added special tokens (id, text), each
+    /// matched whole in text; the vocabulary grows to hold the largest id.
+    ///
+    /// # Panics
+    /// An extra id below 259 (the byte-level tokenizer's own).
+    pub fn byte_level_synthetic_with(extra: &[(u32, &str)]) -> Tokenizer {
+        assert!(
+            extra.iter().all(|(id, _)| *id >= 259),
+            "extra ids start at 259"
+        );
         let table = byte_to_char_table();
         let mut vocab = Map::new();
         for (b, c) in table.iter().enumerate() {
@@ -650,6 +663,7 @@ impl Tokenizer {
         ];
         let added: Vec<Json> = specials
             .iter()
+            .chain(extra)
             .map(|(id, text)| added_token_json(*id, text, true))
             .collect();
         let doc = json!({
@@ -674,7 +688,10 @@ impl Tokenizer {
             eos_ids: vec![257, 258],
             pad_id: None,
             add_bos: false,
-            vocab_size: 259,
+            vocab_size: extra
+                .iter()
+                .map(|(id, _)| *id as usize + 1)
+                .fold(259, usize::max),
             derived: Arc::default(),
             chat_template: None,
         }

@@ -6,7 +6,7 @@
 use pdserve_gpu::engine::{Engine, EngineOptions};
 use pdserve_gpu::loader::{load_model, LoadedModel, ModelSource};
 use pdserve_gpu::model::{Batch, EmbedSpan, SeqChunk};
-use pdserve_gpu::vision::{prepare_image, ImageEmbeds, ImageLimits, VisionTower};
+use pdserve_gpu::vision::{prepare_image, ImageEmbeds, ImageLimits, VisionConfig, VisionTower};
 use pdserve_gpu::ModelError;
 use std::sync::Arc;
 
@@ -219,7 +219,6 @@ fn embeddings_that_do_not_fit_are_refused_before_any_work() {
 fn measure_encoder_time() {
     use candle_core::quantized::{GgmlDType, QTensor};
     use candle_core::{Device, Tensor};
-    use pdserve_gpu::vision::VisionConfig;
     use std::collections::HashMap;
     let time = |tower: &VisionTower, bytes: &[u8]| {
         let lim = ImageLimits::default();
@@ -249,6 +248,8 @@ fn measure_encoder_time() {
         image_mean: [0.5; 3],
         image_std: [0.5; 3],
         image_token_id: 49190,
+        splitting: None,
+        wrap: None,
     };
     let mut t: HashMap<String, std::sync::Arc<QTensor>> = HashMap::new();
     let mut put = |name: String, shape: &[usize]| {
@@ -511,4 +512,135 @@ fn hf_vlm_directories_that_do_not_fit_are_refused_by_name() {
     });
     let m = load_model(&ModelSource::Path(dir.path().to_path_buf())).unwrap();
     assert_eq!(m.vision.unwrap().config().layer_norm_eps, 1e-6);
+}
+
+/// The gradient image of `benches/idefics3_split_reference.py`.
+fn gradient_png(w: u32, h: u32) -> Vec<u8> {
+    let (wd, hd, sd) = ((w - 1).max(1), (h - 1).max(1), (w + h - 2).max(1));
+    let img = image::RgbImage::from_fn(w, h, |x, y| {
+        image::Rgb([
+            (255 * x / wd) as u8,
+            (255 * y / hd) as u8,
+            (255 * (x + y) / sd) as u8,
+        ])
+    });
+    let mut out = std::io::Cursor::new(Vec::new());
+    img.write_to(&mut out, image::ImageFormat::Png).unwrap();
+    out.into_inner()
+}
+
+/// Image splitting against transformers' own answers (`gpu/tests/data/idefics3_split.json`,
+/// written by `benches/idefics3_split_reference.py` from `Idefics3ImageProcessorPil` and
+/// `Idefics3Processor`): for every settings and image size, the two resized sizes, the tile
+/// grid, the prompt text of the image, the sub-images' sizes and order (each one's
+/// per-channel mean of the normalized pixels, within resampling differences: Lanczos in the
+/// `image` crate and in PIL).
+#[test]
+fn image_splitting_matches_transformers() {
+    use pdserve_gpu::vision::{
+        image_prompt_layout, plan_image, prepare_image_parts, ImageSplitting, PromptPiece, TileGrid,
+    };
+    let fixture: serde_json::Value =
+        serde_json::from_str(include_str!("data/idefics3_split.json")).unwrap();
+    let seq_len = fixture["seq_len"].as_u64().unwrap() as usize;
+    let pair =
+        |v: &serde_json::Value| (v[0].as_u64().unwrap() as u32, v[1].as_u64().unwrap() as u32);
+    let base = synthetic_vlm().vision.unwrap().config().clone();
+    let limits = ImageLimits {
+        max_bytes: 64 << 20,
+        ..ImageLimits::default()
+    };
+    let mut worst = 0f32;
+    let cases = fixture["cases"].as_array().unwrap();
+    assert!(cases.len() >= 20);
+    for case in cases {
+        let n = |k: &str| case[k].as_u64().unwrap() as usize;
+        let split = ImageSplitting {
+            longest_edge: n("longest_edge"),
+            tile_size: n("tile"),
+        };
+        let (w, h) = (n("width") as u32, n("height") as u32);
+        let tag = format!("{split:?} {w}x{h}");
+        let resized = split.resized_size(w, h);
+        assert_eq!(resized, pair(&case["resized"]), "{tag}: first resize");
+        assert_eq!(
+            split.tiled_size(resized.0, resized.1),
+            pair(&case["tiled"]),
+            "{tag}: second resize"
+        );
+        let grid = split.grid(w, h);
+        assert_eq!(
+            grid,
+            TileGrid {
+                rows: n("rows"),
+                cols: n("cols")
+            },
+            "{tag}: grid"
+        );
+        // The prompt text transformers writes for the image.
+        let text: String = image_prompt_layout(grid, true)
+            .into_iter()
+            .map(|p| match p {
+                PromptPiece::Around => "<fake_token_around_image>".to_string(),
+                PromptPiece::Global => "<global-img>".to_string(),
+                PromptPiece::Tile { row, col } => format!("<row_{row}_col_{col}>"),
+                PromptPiece::Text(t) => t.to_string(),
+                PromptPiece::SubImage(_) => "<image>".repeat(seq_len),
+            })
+            .collect();
+        assert_eq!(text, case["prompt"].as_str().unwrap(), "{tag}: prompt");
+        // The sub-images, in order.
+        let cfg = VisionConfig {
+            image_size: split.tile_size,
+            splitting: Some(split),
+            ..base.clone()
+        };
+        let bytes = gradient_png(w, h);
+        let (plan, parts) = prepare_image_parts(&bytes, &cfg, &limits).unwrap();
+        assert_eq!(plan, plan_image(&bytes, &cfg, &limits).unwrap(), "{tag}");
+        assert_eq!(plan.grid, grid);
+        let frames = case["frames"].as_array().unwrap();
+        assert_eq!(parts.len(), frames.len(), "{tag}: sub-images");
+        assert_eq!(plan.parts.len(), frames.len());
+        let t = split.tile_size as u32;
+        for (i, (part, (frame, mean))) in parts
+            .iter()
+            .zip(frames.iter().zip(case["means"].as_array().unwrap()))
+            .enumerate()
+        {
+            assert_eq!(pair(frame), (t, t), "{tag}: sub-image {i}");
+            assert_eq!(part.digest, plan.parts[i]);
+            let area = (t * t) as usize;
+            for c in 0..3 {
+                let ours = part.pixels[c * area..(c + 1) * area].iter().sum::<f32>() / area as f32;
+                let theirs = mean[c].as_f64().unwrap() as f32;
+                let d = (ours - theirs).abs();
+                worst = worst.max(d);
+                assert!(
+                    d < 0.005,
+                    "{tag}: sub-image {i} channel {c}: {ours} vs {theirs}"
+                );
+            }
+        }
+        // Sub-images are told apart; an image that is not cut keeps its own digest.
+        let distinct: std::collections::HashSet<_> = plan.parts.iter().collect();
+        assert_eq!(distinct.len(), plan.parts.len());
+        assert_eq!(plan.parts.len() == 1, plan.parts[0] == plan.digest);
+    }
+    println!("largest difference of a sub-image's channel mean: {worst}");
+}
+
+/// A synthetic VLM with image splitting written as an HF directory loads with the same
+/// splitting settings and wrapper tokens (from `preprocessor_config.json` and
+/// `tokenizer.json`).
+#[test]
+fn an_hf_smolvlm_directory_with_splitting_loads_its_settings_and_tokens() {
+    use pdserve_gpu::synthetic::{write_safetensors_dir, SyntheticSpec};
+    let dir = tempfile::tempdir().unwrap();
+    let spec = SyntheticSpec::parse("tiny,vision=1,split=1").unwrap();
+    write_safetensors_dir(&spec, dir.path(), false).unwrap();
+    let loaded = load_model(&ModelSource::Path(dir.path().to_path_buf())).unwrap();
+    let tower = loaded.vision.unwrap();
+    assert_eq!(Some(tower.config()), spec.vision.as_ref());
+    assert!(tower.config().splitting.is_some() && tower.config().wrap.is_some());
 }

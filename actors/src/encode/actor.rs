@@ -12,7 +12,7 @@
 use crate::error::RequestError;
 use crate::mailbox::{Inbox, Mailbox};
 use crate::multimodal::EncoderCache;
-use pdserve_gpu::vision::{ImageEmbeds, VisionTower};
+use pdserve_gpu::vision::VisionTower;
 use pdserve_runtime::config::MultimodalSection;
 use pdserve_runtime::supervision::ActorKind;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
@@ -24,7 +24,7 @@ use tokio::sync::oneshot;
 pub const MAX_QUEUED_ENCODES: usize = 1024;
 
 /// What a request's encoding answers.
-pub type Encoded = Result<Vec<Arc<ImageEmbeds>>, RequestError>;
+pub type Encoded = Result<Vec<crate::multimodal::EncodedImage>, RequestError>;
 
 /// Messages of the VisionEncoder.
 pub enum VisionEncoderMsg {

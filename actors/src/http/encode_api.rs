@@ -3,8 +3,10 @@
 //! - `POST /v1/encode`: a chat request (the client's, as the proxy forwards it). Its images
 //!   are checked against `[multimodal]`'s limits, encoded (or found in the encoder cache by
 //!   digest) and kept in the encoder cache for the instances that compute the prompt to take.
-//!   Answered `200` with each image's digest and rows, in request order; every bad image is a
-//!   `400` naming it, as on a colocated instance.
+//!   Answered `200` with each image's digest and rows, in request order (with image
+//!   splitting, also its tile grid and its sub-images' digests and rows: tiles row-major,
+//!   then the global image); every bad image is a `400` naming it, as on a colocated
+//!   instance.
 //! - `POST /v1/ec/peer`: one request of the encoder protocol
 //!   ([`crate::encode::protocol`]), as an rkyv frame, answered `200` with the rkyv frame of
 //!   its answer (a failure included, in-band) — only on instances without cluster
@@ -70,13 +72,27 @@ async fn run(app: Arc<AppState>, body: Bytes) -> Result<Response, ApiError> {
     let started = std::time::Instant::now();
     let encoder = app.vision_encoder.clone().ok_or_else(not_encoder)?;
     let embeds = encoder.encode(urls).await?;
+    let hex = |d: &pdserve_gpu::vision::ImageDigest| {
+        d.0.iter().map(|b| format!("{b:02x}")).collect::<String>()
+    };
     let images: Vec<_> = embeds
         .iter()
-        .map(|e| {
-            json!({
-                "digest": e.digest.0.iter().map(|b| format!("{b:02x}")).collect::<String>(),
-                "rows": e.rows,
-            })
+        .map(|img| {
+            let mut v = json!({
+                // An image that is not cut is its own one sub-image; a cut one is named by
+                // its global image (last).
+                "digest": img.parts.last().map(|e| hex(&e.digest)),
+                "rows": img.parts.iter().map(|e| e.rows).sum::<usize>(),
+            });
+            if img.parts.len() > 1 {
+                v["grid"] = json!([img.grid.rows, img.grid.cols]);
+                v["sub_images"] = img
+                    .parts
+                    .iter()
+                    .map(|e| json!({"digest": hex(&e.digest), "rows": e.rows}))
+                    .collect();
+            }
+            v
         })
         .collect();
     Ok(Json(json!({

@@ -15,7 +15,7 @@ use super::error::ApiError;
 use super::state::AppState;
 use crate::error::RequestError;
 use crate::handoff::receiver::KvSource;
-use crate::multimodal::{self, MultimodalError};
+use crate::multimodal::{self, EncodedImage, MultimodalError};
 use crate::openai::response::{
     Answer, Choice, Delta, FunctionDelta, Message, ToolCall, ToolCallDelta, UsageBody, CHAT_CHUNK,
     CHAT_COMPLETION, TEXT_COMPLETION,
@@ -31,7 +31,6 @@ use axum::Json;
 use futures_util::stream::{self, Stream, StreamExt};
 use pdserve_gpu::grammar::GrammarCompiler;
 use pdserve_gpu::sampling::TokenLogprobs;
-use pdserve_gpu::vision::ImageEmbeds;
 use pdserve_runtime::ids::TransferId;
 use serde_json::{json, Value};
 use std::net::SocketAddr;
@@ -204,7 +203,7 @@ async fn prepare_images(
     app: &Arc<AppState>,
     req: &openai::ParsedRequest,
     urls: Vec<String>,
-) -> Result<Vec<Arc<ImageEmbeds>>, RequestError> {
+) -> Result<Vec<EncodedImage>, RequestError> {
     if urls.is_empty() {
         return Ok(Vec::new());
     }
@@ -237,10 +236,7 @@ async fn prepare_images(
 }
 
 /// Encodes a request's images on this instance's VisionEncoder (through its encoder cache).
-async fn encode_here(
-    app: &AppState,
-    urls: Vec<String>,
-) -> Result<Vec<Arc<ImageEmbeds>>, RequestError> {
+async fn encode_here(app: &AppState, urls: Vec<String>) -> Result<Vec<EncodedImage>, RequestError> {
     match &app.vision_encoder {
         Some(encoder) => encoder.encode(urls).await,
         None => Err(MultimodalError::TextOnlyModel(app.model_name.clone()).into()),
@@ -248,38 +244,47 @@ async fn encode_here(
 }
 
 /// A request's images taken from the encode instance at `encoder`: each URL checked as for
-/// encoding, the images' digests computed (off the async threads), the embeddings taken from
-/// this instance's encoder cache or that encoder. An image the encoder no longer holds (its
-/// cache evicted it since `POST /v1/encode`) is encoded here instead.
+/// encoding, the images' plans — digests, tile grids, sub-images' digests — read from their
+/// headers (off the async threads), the sub-images' embeddings taken from this instance's
+/// encoder cache or that encoder. An image the encoder no longer holds (its cache evicted it
+/// since `POST /v1/encode`) is encoded here instead.
 async fn fetch_images(
     app: &Arc<AppState>,
     tower: Arc<pdserve_gpu::vision::VisionTower>,
     cfg: pdserve_runtime::config::MultimodalSection,
     encoder: &str,
     urls: Vec<String>,
-) -> Result<Vec<Arc<ImageEmbeds>>, RequestError> {
+) -> Result<Vec<EncodedImage>, RequestError> {
     let Some(resolver) = app.images.clone() else {
         return Err(RequestError::BadRequest(
             "ec_transfer_params: this instance has no transfer engine to take image embeddings with (configure [transfer])".into(),
         ));
     };
-    let limits = multimodal::image_limits(&cfg);
-    let settings = tower.config().preprocessing_key();
     let checked = urls.clone();
-    let digests = tokio::task::spawn_blocking(move || {
-        checked
-            .iter()
-            .enumerate()
-            .map(|(i, u)| {
-                multimodal::data_url_bytes(i, u, limits.max_bytes)
-                    .map(|b| pdserve_gpu::vision::ImageDigest::of(&settings, &b))
-            })
-            .collect::<Result<Vec<_>, _>>()
+    let grids_and_digests = tokio::task::spawn_blocking(move || {
+        multimodal::plan_images(tower.config(), &cfg, &checked).map(|planned| {
+            let grids: Vec<_> = planned
+                .iter()
+                .map(|(_, p)| (p.grid, p.parts.len()))
+                .collect();
+            let digests: Vec<_> = planned.into_iter().flat_map(|(_, p)| p.parts).collect();
+            (grids, digests)
+        })
     })
     .await
     .map_err(|e| RequestError::Internal(format!("image digests: {e}")))??;
+    let (grids, digests) = grids_and_digests;
     match resolver.resolve(encoder, &digests).await {
-        Ok(embeds) => Ok(embeds),
+        Ok(embeds) => {
+            let mut embeds = embeds.into_iter();
+            Ok(grids
+                .into_iter()
+                .map(|(grid, n)| EncodedImage {
+                    grid,
+                    parts: embeds.by_ref().take(n).collect(),
+                })
+                .collect())
+        }
         Err(crate::encode::EncoderError::NotCached(digest)) => {
             tracing::info!(%encoder, %digest, "the encoder no longer holds an image: encoding here");
             encode_here(app, urls).await
@@ -297,7 +302,7 @@ async fn start_prompt(
     app: &Arc<AppState>,
     req: &openai::ParsedRequest,
     input: &PromptInput,
-    images: &[Arc<ImageEmbeds>],
+    images: &[EncodedImage],
     chat: bool,
     permit: &Arc<OwnedSemaphorePermit>,
     deadline: tokio::time::Instant,
@@ -601,7 +606,7 @@ fn merge_choices(answers: Vec<Answer>, n: usize) -> Option<Answer> {
 fn tokenize_with_images(
     app: &AppState,
     prompt: &PromptInput,
-    images: &[Arc<ImageEmbeds>],
+    images: &[EncodedImage],
 ) -> Result<(Vec<u32>, Vec<PromptImage>), RequestError> {
     let (PromptInput::Chat(messages), Some(tower)) = (prompt, &app.vision) else {
         return Err(MultimodalError::Unsupported(
@@ -613,8 +618,8 @@ fn tokenize_with_images(
         .chat_template
         .render(messages, true)
         .map_err(|e| RequestError::BadRequest(e.to_string()))?;
-    let image_token = tower.config().image_token_id;
-    let (ids, placed) = multimodal::splice_prompt(&app.tokenizer, &rendered, images, image_token)?;
+    let (ids, placed) =
+        multimodal::splice_prompt(&app.tokenizer, &rendered, images, tower.config())?;
     if let Some(bad) = ids.iter().find(|&&t| t as usize >= app.vocab_size) {
         return Err(RequestError::BadRequest(format!(
             "token id {bad} is outside the vocabulary of {}",

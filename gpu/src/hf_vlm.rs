@@ -7,7 +7,7 @@
 //!
 //! | file | keys | what |
 //! |---|---|---|
-//! | `config.json` | `text_config` | the decoder, as an HF Llama `config.json` ([`crate::loader::hf_config`]); its `architectures` (`VLlama3ForCausalLM`, SmolVLM's training class) is ignored, a missing `model_type` is `llama` and a missing `rms_norm_eps` is `1e-5` (Idefics3's defaults) |
+//! | `config.json` | `text_config` | the decoder, as an HF Llama `config.json` ([`crate::hf_config::hf_config`]); its `architectures` (`VLlama3ForCausalLM`, SmolVLM's training class) is ignored, a missing `model_type` is `llama` and a missing `rms_norm_eps` is `1e-5` (Idefics3's defaults) |
 //! | `config.json` | `vision_config.{hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, image_size, patch_size, layer_norm_eps}` | the SigLIP encoder; a missing key takes transformers' `Idefics3VisionConfig` default (1152, 3072, 12, 16, 224, 32, 1e-6; SmolVLM2's configs leave some out), a missing `image_size` first `preprocessor_config.json`'s `max_image_size.longest_edge`. `hidden_act` must be tanh-GELU, `num_channels` 3 |
 //! | `config.json` | `scale_factor` (default 2), `image_token_id` | the pixel-shuffle factor; the image placeholder token (when absent: the tokenizer's `<image>`), which must lie inside the decoder's vocabulary |
 //! | `preprocessor_config.json` | `image_mean`, `image_std` (default 0.5 each, transformers' Idefics3 image processor's), `rescale_factor` (must be 1/255 when given) | normalization |
@@ -105,7 +105,7 @@ pub fn text_config(v: &Value) -> Result<ModelConfig> {
     t.remove("architectures");
     t.entry("model_type").or_insert_with(|| "llama".into());
     t.entry("rms_norm_eps").or_insert_with(|| 1e-5.into());
-    crate::loader::hf_config_value(&Value::Object(t), "config.json: text_config")
+    crate::hf_config::hf_config_value(&Value::Object(t), "config.json: text_config")
 }
 
 /// A count at `obj[key]` (`what` names it), `default` when absent.
@@ -118,7 +118,7 @@ fn count(obj: Option<&Value>, what: &str, key: &str, default: usize) -> Result<u
 
 fn bounded(v: &Value, name: &str) -> Result<usize> {
     match v.as_f64() {
-        Some(x) if x >= 1.0 && x.fract() == 0.0 && x <= crate::loader::MAX_CONFIG_COUNT => {
+        Some(x) if x >= 1.0 && x.fract() == 0.0 && x <= crate::hf_config::MAX_CONFIG_COUNT => {
             Ok(x as usize)
         }
         _ => Err(bad(format!(

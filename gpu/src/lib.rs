@@ -25,6 +25,7 @@ pub mod cuda;
 pub mod device;
 pub mod engine;
 pub mod generation;
+pub mod hf_config;
 pub mod hf_vlm;
 pub mod kv;
 pub mod loader;

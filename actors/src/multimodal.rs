@@ -617,17 +617,7 @@ mod tests {
         ))
         .unwrap();
         let tower = model.vision.unwrap();
-        let png = |seed: u8| {
-            let img = image::RgbImage::from_fn(20, 20, |x, y| {
-                image::Rgb([x as u8 ^ seed, y as u8, seed])
-            });
-            let mut out = std::io::Cursor::new(Vec::new());
-            img.write_to(&mut out, image::ImageFormat::Png).unwrap();
-            format!(
-                "data:image/png;base64,{}",
-                base64::engine::general_purpose::STANDARD.encode(out.into_inner())
-            )
-        };
+        let png = |seed: u8| png_url(20, 20, seed);
         let cfg = MultimodalSection::default();
         let cache = EncoderCache::new(1 << 20);
         let first = encode_images(&tower, &cfg, &cache, &[png(1), png(2)]).unwrap();
@@ -646,7 +636,8 @@ mod tests {
         assert_eq!(fresh[0].parts[0].data, first[0].parts[0].data);
     }
 
-    fn split_png(w: u32, h: u32, seed: u8) -> String {
+    /// A PNG data URL whose pixels depend on `seed`.
+    fn png_url(w: u32, h: u32, seed: u8) -> String {
         let img =
             image::RgbImage::from_fn(w, h, |x, y| image::Rgb([x as u8 ^ seed, y as u8, seed]));
         let mut out = std::io::Cursor::new(Vec::new());
@@ -670,7 +661,7 @@ mod tests {
         let cfg = MultimodalSection::default();
         let cache = EncoderCache::new(1 << 20);
         // transformers resizes every image to the longest edge (64) first: none stays whole.
-        let urls = [split_png(64, 48, 1), split_png(20, 60, 2)];
+        let urls = [png_url(64, 48, 1), png_url(20, 60, 2)];
         let images = encode_images(&tower, &cfg, &cache, &urls).unwrap();
         assert_eq!(images[0].grid, TileGrid { rows: 2, cols: 2 });
         assert_eq!(images[0].parts.len(), 5);
@@ -732,7 +723,7 @@ mod tests {
             ..MultimodalSection::default()
         };
         // 12 images of 5 sub-images fit (60); 13 (65) do not, named as such.
-        let url = split_png(64, 48, 3);
+        let url = png_url(64, 48, 3);
         assert_eq!(
             plan_images(&vision, &cfg, &vec![url.clone(); 12])
                 .unwrap()
@@ -750,7 +741,7 @@ mod tests {
         assert_eq!(e.kind(), "too_many_sub_images");
         assert!(e.to_string().contains("65 sub-images"), "{e}");
         // Tall images are 2x1 tiles and the global image: 21 fit, 22 do not.
-        let tall = split_png(20, 60, 4);
+        let tall = png_url(20, 60, 4);
         assert!(plan_images(&vision, &cfg, &vec![tall.clone(); 21]).is_ok());
         assert!(plan_images(&vision, &cfg, &vec![tall; 22]).is_err());
         assert!(check_sub_images(MAX_SUB_IMAGES).is_ok());

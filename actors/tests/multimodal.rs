@@ -112,6 +112,18 @@ async fn ok(url: &str, body: &Value) -> Value {
     v
 }
 
+/// Greedy tokens of each of `bodies` on a colocated instance of the synthetic VLM (CPU), the
+/// reference the disaggregated setups must give.
+async fn reference_tokens(name: &str, bodies: &[Value]) -> Vec<Vec<u64>> {
+    let inst = start(name, VLM, |_| {}).await;
+    let mut want = Vec::new();
+    for b in bodies {
+        want.push(token_ids(&ok(&inst.url(), b).await));
+    }
+    inst.stop().await;
+    want
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn greedy_output_with_an_image_is_deterministic_and_depends_on_the_image() {
     let inst = start("mm-greedy", VLM, |_| {}).await;
@@ -333,12 +345,7 @@ async fn prefill_decode_with_images_equals_colocated() {
         ]),
         chat(&[image_part(&data_url("image/png", &png(40, 30, 2)))]),
     ];
-    let colocated = start("mm-ref", VLM, |_| {}).await;
-    let mut want = Vec::new();
-    for b in &bodies {
-        want.push(token_ids(&ok(&colocated.url(), b).await));
-    }
-    colocated.stop().await;
+    let want = reference_tokens("mm-ref", &bodies).await;
 
     let (p, d) = (pd_instance("p-mm").await, pd_instance("d-mm").await);
     for (i, b) in bodies.iter().enumerate() {
@@ -473,12 +480,7 @@ async fn encode_prefill_decode_equals_colocated_on_every_transport() {
             image_part(&data_url("image/jpeg", &jpeg(20, 28, 23))),
         ]),
     ];
-    let colocated = start("epd-ref", VLM, |_| {}).await;
-    let mut want = Vec::new();
-    for b in &bodies {
-        want.push(token_ids(&ok(&colocated.url(), b).await));
-    }
-    colocated.stop().await;
+    let want = reference_tokens("epd-ref", &bodies).await;
 
     for backend in [BackendKind::Local, BackendKind::Shm, BackendKind::Tcp] {
         let tag = backend.as_str();
@@ -983,12 +985,7 @@ async fn images_on_a_device_kv_cache_give_the_cpu_tokens() {
         // (stale bytes there would give the first image's tokens).
         chat(&[image_part(&data_url("image/png", &png(40, 30, 2)))]),
     ];
-    let cpu = start("dev-ref", VLM, |_| {}).await;
-    let mut want = Vec::new();
-    for b in &bodies {
-        want.push(token_ids(&ok(&cpu.url(), b).await));
-    }
-    cpu.stop().await;
+    let want = reference_tokens("dev-ref", &bodies).await;
     assert_ne!(
         want[0], want[2],
         "the two one-image requests must differ to tell reuse apart"

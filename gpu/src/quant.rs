@@ -45,6 +45,7 @@ mod kquants;
 mod matmul;
 mod packed;
 pub mod pool;
+mod rows16;
 
 pub use format::{dequantize_row, quantize_acts, ActType, QActs, QMatrix, QType, QK, QK_K};
 pub use isa::{detect_isa, Isa};

@@ -165,6 +165,32 @@ impl OutView {
                 .write(v)
         }
     }
+
+    /// Whether the array has room for a matrix of `rows` rows from its offset, in `chunks`
+    /// chunks.
+    pub(crate) fn covers(&self, rows: usize, chunks: usize) -> bool {
+        self.offset + rows <= self.stride && self.chunks == chunks
+    }
+
+    /// Writes `v` at `(tok, row0 + i, c)` for each `i` (one store run when the array has one
+    /// chunk).
+    ///
+    /// # Safety
+    /// As [`new`](Self::new), and those entries are in the array.
+    #[inline]
+    pub(crate) unsafe fn put_rows(&self, tok: usize, row0: usize, c: usize, v: &[f32]) {
+        // SAFETY (both arms): by the function's contract.
+        unsafe {
+            if self.chunks == 1 {
+                let at = self.ptr.add(tok * self.stride + self.offset + row0);
+                std::ptr::copy_nonoverlapping(v.as_ptr(), at, v.len());
+            } else {
+                for (i, &x) in v.iter().enumerate() {
+                    self.put(tok, row0 + i, c, x);
+                }
+            }
+        }
+    }
 }
 
 /// Prefill's GEMM tiles: weight rows `r0 .. r0 + TILE_ROWS` against `groups` groups of

@@ -7,6 +7,7 @@ use super::format::{quantize_acts, QActs, QMatrix};
 use super::isa::{detect_isa, Isa, MAX_TOKENS};
 use super::kernels::{dot_chunks, dot_rows, dot_tile, OutView, GEMV_ROWS, TILE_ROWS, TILE_TOKENS};
 use super::pool;
+use super::rows16;
 
 /// Weight rows per work item: small enough for the two threads to balance a 576-row matrix,
 /// large enough to amortise claiming.
@@ -26,6 +27,10 @@ fn gemv_tile(rows: usize, threads: usize) -> usize {
 /// Token groups of [`TILE_TOKENS`] per prefill kernel call (the call's rows stay in L1 while
 /// it runs them all).
 const TILE_GROUPS: usize = 8;
+
+/// Fewest tokens a matmul runs on [`rows16`] (where it runs at all): below that its gathering
+/// of the weights per call costs more than it saves.
+const ROWS16_MIN_TOKENS: usize = 4;
 
 /// Where one matrix's results go: a `[tokens, stride, chunks]` array, the matrix's row `r`
 /// at its row `offset + r` (`stride` is the matrix's rows unless several matrices share one
@@ -240,6 +245,19 @@ fn run_tile(
                 // (consecutive in the output: a token's rows are).
                 unsafe { out.put(out.at(0, r), &res[..n]) };
                 r += groups * GEMV_ROWS;
+            }
+        }
+        if tokens >= ROWS16_MIN_TOKENS && rows16::runs(isa, w.qtype()) {
+            // Prefill on AVX-512 VNNI: sixteen rows per register, all the tokens per call.
+            // SAFETY: the output holds `tokens` tokens of the matrix's rows and `chunks` chunks
+            // from its offset; (every token, rows r .. r + 16, every chunk) belong to this
+            // tile only.
+            unsafe {
+                let view = OutView::new(out.ptr, out.stride, out.offset, chunks);
+                while r + rows16::ROWS <= end {
+                    rows16::gemm(isa, w, r, a, 0..tokens, chunk, view);
+                    r += rows16::ROWS;
+                }
             }
         }
         if tokens >= TILE_TOKENS {

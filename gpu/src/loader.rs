@@ -4,7 +4,9 @@
 use crate::chat::ChatTemplate;
 use crate::config::{ModelConfig, RopeScaling, RopeStyle};
 pub use crate::hf_config::hf_config;
-use crate::hf_config::hf_config_value;
+use crate::hf_config::HfConfig;
+use crate::hf_vlm::{HfPreprocessorConfig, HfVlmConfig};
+use crate::loose::parse_object;
 use crate::synthetic::SyntheticSpec;
 use crate::tokenizer::Tokenizer;
 use crate::weights::{open_gguf, TensorStore};
@@ -278,15 +280,12 @@ pub fn gguf_config(content: &gguf_file::Content) -> Result<ModelConfig> {
 pub fn load_hf_dir(dir: &Path) -> Result<LoadedModel> {
     let cfg_path = dir.join("config.json");
     let text = read_json_text(&cfg_path)?;
-    let value: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| ModelError::Corrupt {
-            path: cfg_path.clone(),
-            reason: e.to_string(),
-        })?;
-    if crate::hf_vlm::is_vlm_config(&value) {
-        return load_hf_vlm_dir(dir, &value);
+    // The decoder's keys tell a vision-language checkpoint, whose own keys are read then.
+    let config: HfConfig = parse_json(&cfg_path, &text)?;
+    if crate::hf_vlm::is_vlm_config(&config) {
+        return load_hf_vlm_dir(dir, &parse_json(&cfg_path, &text)?);
     }
-    let config = hf_config_value(&value, "config.json").map_err(|e| match e {
+    let config = config.model_config("config.json").map_err(|e| match e {
         ModelError::BadMetadata(m) => ModelError::Corrupt {
             path: cfg_path.clone(),
             reason: m,
@@ -306,6 +305,15 @@ pub fn load_hf_dir(dir: &Path) -> Result<LoadedModel> {
     })
 }
 
+/// `text`, the contents of the JSON file at `path`, read as a `T` (an object; see
+/// [`crate::loose`]).
+fn parse_json<T: serde::de::DeserializeOwned>(path: &Path, text: &str) -> Result<T> {
+    parse_object(text).map_err(|e| ModelError::Corrupt {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })
+}
+
 fn read_json_text(path: &Path) -> Result<String> {
     std::fs::read_to_string(path).map_err(|e| match e.kind() {
         std::io::ErrorKind::NotFound => ModelError::NotFound {
@@ -321,23 +329,17 @@ fn read_json_text(path: &Path) -> Result<String> {
 /// Loads an HF Idefics3 / SmolVLM checkpoint directory ([`crate::hf_vlm`]): the decoder from
 /// `text_config` and `model.text_model.*`, the tower from `vision_config`,
 /// `preprocessor_config.json` (optional) and the vision and connector tensors.
-fn load_hf_vlm_dir(dir: &Path, value: &serde_json::Value) -> Result<LoadedModel> {
+fn load_hf_vlm_dir(dir: &Path, vlm: &HfVlmConfig) -> Result<LoadedModel> {
     use crate::hf_vlm;
-    let config = hf_vlm::text_config(value)?;
+    let config = hf_vlm::text_config(vlm)?;
     let tokenizer = Tokenizer::from_hf_file(&dir.join("tokenizer.json"))?;
     let pre_path = dir.join("preprocessor_config.json");
-    let preprocessor: Option<serde_json::Value> = if pre_path.exists() {
-        let text = read_json_text(&pre_path)?;
-        Some(
-            serde_json::from_str(&text).map_err(|e| ModelError::Corrupt {
-                path: pre_path.clone(),
-                reason: e.to_string(),
-            })?,
-        )
+    let preprocessor: Option<HfPreprocessorConfig> = if pre_path.exists() {
+        Some(parse_json(&pre_path, &read_json_text(&pre_path)?)?)
     } else {
         None
     };
-    let vision_config = hf_vlm::vision_config(value, preprocessor.as_ref(), &config, &|name| {
+    let vision_config = hf_vlm::vision_config(vlm, preprocessor.as_ref(), &config, &|name| {
         tokenizer.token_to_id(name)
     })?;
     let mut store =

@@ -34,6 +34,12 @@
 //! quantization of their shared input ([`matmul_many`], or [`matmul_concat`] writing the
 //! matrices' results side by side per token).
 //!
+//! Prefill's GEMM (four tokens or more) runs tiles of four rows by four tokens, or on AVX-512
+//! VNNI CPUs (Q4_0, Q4_1, Q8_0) `rows16`: one register holds one lane of sixteen rows, so a
+//! `vpdpbusd` per lane serves sixteen rows, a (token, block)'s scale products are one vector
+//! and the lanes are summed register by register — the same float operations per (row,
+//! token), ~1.6–1.8× the four-row tile's speed (`PDSERVE_QUANT_ROWS16=off` turns it off).
+//!
 //! Matmuls run on one process-wide [`pool`] whose workers claim tiles of rows through a shared
 //! cursor: a worker that is descheduled leaves its tiles to the others instead of holding
 //! everybody at a barrier.

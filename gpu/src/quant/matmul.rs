@@ -32,6 +32,11 @@ const TILE_GROUPS: usize = 8;
 /// of the weights per call costs more than it saves.
 const ROWS16_MIN_TOKENS: usize = 4;
 
+/// Batches below this many tokens run [`rows16`] over long runs of rows with the next rows
+/// prefetched (their weights come from memory, as decode's do); larger ones, whose weights
+/// stay in cache across the tokens, over tiles of [`ROW_TILE`] rows.
+const ROWS16_PREFETCH_BELOW: usize = 32;
+
 /// Where one matrix's results go: a `[tokens, stride, chunks]` array, the matrix's row `r`
 /// at its row `offset + r` (`stride` is the matrix's rows unless several matrices share one
 /// output side by side).
@@ -176,11 +181,16 @@ fn run(jobs: &[(&QMatrix, usize)], x: &[f32], tokens: usize, outs: &[OutPtr]) {
     let mut firsts = Vec::with_capacity(jobs.len() + 1);
     let mut tiles = 0;
     let threads = pool::global().threads();
+    let isa = detect_isa();
     let tile_rows: Vec<usize> = jobs
         .iter()
         .map(|&(w, _)| {
             if tokens == 1 {
                 gemv_tile(w.rows(), threads)
+            } else if tokens < ROWS16_PREFETCH_BELOW && rows16::runs(isa, w.qtype()) {
+                // A small batch streams the weights as decode does: long runs of rows per
+                // item, the next rows prefetched while these run.
+                gemv_tile(w.rows(), threads).next_multiple_of(rows16::ROWS)
             } else {
                 ROW_TILE
             }
@@ -190,7 +200,6 @@ fn run(jobs: &[(&QMatrix, usize)], x: &[f32], tokens: usize, outs: &[OutPtr]) {
         firsts.push(tiles);
         tiles += w.rows().div_ceil(tr);
     }
-    let isa = detect_isa();
     let item = |tile: usize| {
         let j = firsts.partition_point(|&f| f <= tile) - 1;
         let (w, chunk) = jobs[j];
@@ -255,6 +264,9 @@ fn run_tile(
             unsafe {
                 let view = OutView::new(out.ptr, out.stride, out.offset, chunks);
                 while r + rows16::ROWS <= end {
+                    if tokens < ROWS16_PREFETCH_BELOW {
+                        rows16::prefetch(w, r + rows16::ROWS);
+                    }
                     rows16::gemm(isa, w, r, a, 0..tokens, chunk, view);
                     r += rows16::ROWS;
                 }

@@ -81,6 +81,25 @@ pub(crate) unsafe fn gemm(
     }
 }
 
+/// Asks for rows `r0 .. r0 + ROWS`'s bytes in L2 (nothing when they are past the matrix):
+/// called for the next call's rows while this one runs, so that a small batch, which reads
+/// the weights from memory once for few tokens, does not wait on each row's cache misses in
+/// turn.
+pub(crate) fn prefetch(w: &QMatrix, r0: usize) {
+    if r0 + ROWS > w.rows() || !r0.is_multiple_of(ROW_GROUP) || w.qtype().is_k_quant() {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+        let bytes = w.groups(r0, ROWS / ROW_GROUP);
+        for line in bytes.chunks(64) {
+            // SAFETY: a prefetch of an address inside the slice (prefetches never fault).
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(line.as_ptr() as *const i8) };
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::super::format::{QActs, QMatrix, QType, QK, ROW_GROUP};

@@ -263,6 +263,23 @@ fn error_answer(kind: &str, message: impl Into<String>) -> ControlMessage {
     })
 }
 
+/// Answers a request past the control plane's bound: `overloaded`, naming `who`, at once (the
+/// send bounded by a second), counted in [`CONTROL_REQUESTS_REFUSED_TOTAL`]. Instances and the
+/// proxy refuse alike.
+pub(crate) async fn refuse_overloaded(responder: pdserve_transport::control::Responder, who: &str) {
+    metrics::counter!(CONTROL_REQUESTS_REFUSED_TOTAL).increment(1);
+    let answer = error_answer(
+        "overloaded",
+        format!("{who} is answering as many control requests as it takes at once; try again"),
+    );
+    if !matches!(
+        tokio::time::timeout(REFUSAL_TIMEOUT, responder.respond(answer)).await,
+        Ok(Ok(()))
+    ) {
+        tracing::debug!("overloaded answer not delivered");
+    }
+}
+
 /// Where the control plane's answers run: tracked tasks (drained at shutdown), at most
 /// `permits`' worth at once over every connection.
 #[derive(Clone)]
@@ -282,20 +299,7 @@ async fn serve_requests(conn: Arc<ControlConnection>, source: InspectSource, dis
             continue;
         };
         let Ok(permit) = permits.clone().try_acquire_owned() else {
-            metrics::counter!(CONTROL_REQUESTS_REFUSED_TOTAL).increment(1);
-            let answer = error_answer(
-                "overloaded",
-                format!(
-                    "{} is answering as many control requests as it takes at once; try again",
-                    source.name
-                ),
-            );
-            if !matches!(
-                tokio::time::timeout(REFUSAL_TIMEOUT, responder.respond(answer)).await,
-                Ok(Ok(()))
-            ) {
-                tracing::debug!("overloaded answer not delivered");
-            }
+            refuse_overloaded(responder, &source.name).await;
             continue;
         };
         let source = source.clone();

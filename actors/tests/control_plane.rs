@@ -68,9 +68,24 @@ impl Proxy {
 
 /// A proxy with a control plane on `listen` and no static instance.
 async fn proxy_at(name: &str, listen: SocketAddr) -> Result<Proxy, String> {
+    proxy_bounded(
+        name,
+        listen,
+        pdserve_actors::control_plane::MAX_CONTROL_REQUESTS,
+    )
+    .await
+}
+
+/// [`proxy_at`] answering at most `max_requests` control requests at once.
+async fn proxy_bounded(
+    name: &str,
+    listen: SocketAddr,
+    max_requests: usize,
+) -> Result<Proxy, String> {
     let mut args = ProxyArgs::new("127.0.0.1:0".parse().unwrap(), Vec::new(), Vec::new());
     args.timeout = Duration::from_secs(30);
-    let control = ProxyControlArgs::new(member(name), listen);
+    let mut control = ProxyControlArgs::new(member(name), listen);
+    control.max_requests = max_requests;
     let started = start_proxy_with_control(name, args, Some(control))
         .await
         .map_err(|e| e.to_string())?;
@@ -970,5 +985,55 @@ async fn control_requests_past_the_bound_are_answered_overloaded() {
     }
     let (status, v) = complete(&none.url()).await;
     assert_eq!(status, 200, "{v}");
+    none.stop().await;
+}
+
+/// The proxy's control plane is bounded as an instance's: at most `max_requests` answers at
+/// once over every member connection (an inspect fans out to every instance, so a member
+/// asking in a loop would otherwise grow the proxy's tasks without bound); past that a
+/// request is refused `overloaded` naming the proxy, the permit of an answered request comes
+/// back, and the proxy keeps serving HTTP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxy_control_requests_past_the_bound_are_answered_overloaded() {
+    let any = "127.0.0.1:0".parse().unwrap();
+    // One at a time: answered again and again.
+    let one = proxy_bounded("px-bound-one", any, 1).await.unwrap();
+    for _ in 0..3 {
+        let snap = inspect_cluster(&one).await;
+        assert_eq!(snap.proxy.node, "px-bound-one");
+    }
+    one.stop().await;
+
+    // None at all: inspect refused by name; the HTTP side still answers.
+    let none = proxy_bounded("px-bound-none", any, 0).await.unwrap();
+    let endpoint = ControlEndpoint::bind(
+        &member("inspector-px-bound"),
+        ControlConfig {
+            role: Role::Other,
+            ..ControlConfig::default()
+        },
+    )
+    .unwrap();
+    let conn = endpoint.connect(none.control).await.unwrap();
+    for _ in 0..3 {
+        match conn.request(ControlMessage::InspectRequest).await {
+            Err(pdserve_transport::TransportError::Remote { kind, message }) => {
+                assert_eq!(kind, "overloaded", "{message}");
+                assert!(message.contains("px-bound-none"), "{message}");
+            }
+            other => panic!("answered past the bound: {other:?}"),
+        }
+    }
+    // No instance registered: degraded, but live and answering.
+    let health = pdserve_actors::http::http_client()
+        .build()
+        .unwrap()
+        .get(format!("{}/health", none.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(health.status().as_u16(), 503);
+    let v: Value = health.json().await.unwrap();
+    assert_eq!(v["live"], true, "{v}");
     none.stop().await;
 }

@@ -48,6 +48,8 @@ pub(super) struct ProxyControl {
     pub(super) http_url: OnceLock<String>,
     inspect_timeout: Duration,
     pub(super) tasks: TaskTracker,
+    /// Answers being built or sent at once ([`ProxyControlArgs::max_requests`]).
+    answers: Arc<tokio::sync::Semaphore>,
     figures: Arc<Mutex<SupervisedFigures>>,
 }
 
@@ -107,6 +109,7 @@ impl ProxyControl {
             http_url: OnceLock::new(),
             inspect_timeout: args.inspect_timeout,
             tasks: TaskTracker::new(),
+            answers: Arc::new(tokio::sync::Semaphore::new(args.max_requests)),
             figures,
         })
     }
@@ -158,9 +161,7 @@ impl ProxyControl {
                             ControlMessage::RegistrationRefused(e)
                         }
                     };
-                    self.tasks.spawn(async move {
-                        let _ = responder.respond(answer).await;
-                    });
+                    self.answer(responder, async move { answer }).await;
                 }
                 (ControlMessage::KvEvents(batch), None) => match &registered_url {
                     Some(url) => {
@@ -186,29 +187,22 @@ impl ProxyControl {
                             "draining announced on a connection without a current registration",
                         ),
                     };
-                    self.tasks.spawn(async move {
-                        let _ = responder.respond(answer).await;
-                    });
+                    self.answer(responder, async move { answer }).await;
                 }
                 (ControlMessage::InspectRequest, Some(responder)) => {
                     let me = self.clone();
-                    self.tasks.spawn(async move {
+                    let answer = async move {
                         let snap = me.cluster_snapshot().await;
-                        let answer =
-                            ControlMessage::Inspect(Box::new(InspectAnswer::Cluster(snap)));
-                        if let Err(e) = responder.respond(answer).await {
-                            tracing::debug!(error = %e, "inspect answer not delivered");
-                        }
-                    });
+                        ControlMessage::Inspect(Box::new(InspectAnswer::Cluster(snap)))
+                    };
+                    self.answer(responder, answer).await;
                 }
                 (other, Some(responder)) => {
                     let answer = control_error(
                         "unsupported",
                         format!("the proxy does not answer {}", other.name()),
                     );
-                    self.tasks.spawn(async move {
-                        let _ = responder.respond(answer).await;
-                    });
+                    self.answer(responder, async move { answer }).await;
                 }
                 (_, None) => {}
             }
@@ -228,6 +222,29 @@ impl ProxyControl {
                 conns.remove(&node);
             }
         }
+    }
+
+    /// Sends `answer` once it is built, on a tracked task, with at most
+    /// [`ProxyControlArgs::max_requests`] such tasks at once over every connection; past that
+    /// the request is answered `overloaded` at once and nothing is started (a member flooding
+    /// requests, an inspect fanning out to every instance each time, cannot grow the proxy's
+    /// tasks without bound).
+    async fn answer(
+        &self,
+        responder: pdserve_transport::control::Responder,
+        answer: impl std::future::Future<Output = ControlMessage> + Send + 'static,
+    ) {
+        let Ok(permit) = self.answers.clone().try_acquire_owned() else {
+            let who = format!("the proxy {}", self.endpoint.hello().node);
+            crate::control_plane::refuse_overloaded(responder, &who).await;
+            return;
+        };
+        self.tasks.spawn(async move {
+            let _permit = permit;
+            if let Err(e) = responder.respond(answer.await).await {
+                tracing::debug!(error = %e, "control answer not delivered");
+            }
+        });
     }
 
     /// Validates and records a registration made on `conn`.

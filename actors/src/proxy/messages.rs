@@ -104,6 +104,11 @@ pub struct ProxyControlArgs {
     pub listen: SocketAddr,
     /// Bound on fetching one instance's snapshot for `inspect`.
     pub inspect_timeout: Duration,
+    /// Requests from members answered at once, over every connection (registration,
+    /// draining, inspect, anything refused as unsupported); past it a request is answered
+    /// `overloaded` at once instead of starting another task. Default
+    /// [`MAX_CONTROL_REQUESTS`](crate::control_plane::MAX_CONTROL_REQUESTS).
+    pub max_requests: usize,
 }
 
 impl ProxyControlArgs {
@@ -113,6 +118,7 @@ impl ProxyControlArgs {
             credentials,
             listen,
             inspect_timeout: Duration::from_secs(2),
+            max_requests: crate::control_plane::MAX_CONTROL_REQUESTS,
         }
     }
 }

@@ -98,6 +98,38 @@ impl ModelConfig {
         if self.context_length == 0 {
             return bad("context_length must be > 0");
         }
+        // Floats from a file: a NaN, infinite or non-positive one would poison every step.
+        let positive = |x: f32| x.is_finite() && x > 0.0;
+        if !positive(self.rms_norm_eps) {
+            return bad(&format!(
+                "rms_norm_eps = {} must be finite and > 0",
+                self.rms_norm_eps
+            ));
+        }
+        if !positive(self.rope_theta) {
+            return bad(&format!(
+                "rope_theta = {} must be finite and > 0",
+                self.rope_theta
+            ));
+        }
+        let factors: &[f32] = match &self.rope_scaling {
+            RopeScaling::None => &[],
+            RopeScaling::Linear { factor } => &[*factor],
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position,
+            } => {
+                if *original_max_position == 0 {
+                    return bad("rope scaling original_max_position must be > 0");
+                }
+                &[*factor, *low_freq_factor, *high_freq_factor]
+            }
+        };
+        if let Some(f) = factors.iter().find(|&&f| !positive(f)) {
+            return bad(&format!("rope scaling factor {f} must be finite and > 0"));
+        }
         Ok(())
     }
 

@@ -4,7 +4,7 @@
 use crate::chat::ChatTemplate;
 use crate::config::{ModelConfig, RopeScaling, RopeStyle};
 pub use crate::hf_config::hf_config;
-use crate::hf_config::HfConfig;
+use crate::hf_config::{HfConfig, MAX_CONFIG_COUNT};
 use crate::hf_vlm::{HfPreprocessorConfig, HfVlmConfig};
 use crate::loose::parse_object;
 use crate::synthetic::SyntheticSpec;
@@ -223,18 +223,36 @@ pub fn gguf_config(content: &gguf_file::Content) -> Result<ModelConfig> {
         other => return Err(ModelError::UnsupportedArchitecture(other.to_string())),
     };
     let key = |k: &str| format!("{arch}.{k}");
-    let need = |k: &str| -> Result<usize> {
-        meta_num(content, &key(k))
-            .map(|v| v as usize)
-            .ok_or_else(|| ModelError::BadMetadata(key(k)))
+    // Every count is bounded before anything is sized by it, as for HF configs.
+    let count = |k: &str, v: f64| -> Result<usize> {
+        if v >= 1.0 && v.fract() == 0.0 && v <= MAX_CONFIG_COUNT {
+            Ok(v as usize)
+        } else {
+            Err(ModelError::BadMetadata(format!(
+                "{k} = {v} is not a count in 1..=2^20"
+            )))
+        }
     };
+    let optional = |k: &str| -> Result<Option<usize>> {
+        meta_num(content, &key(k))
+            .map(|v| count(&key(k), v))
+            .transpose()
+    };
+    let need =
+        |k: &str| -> Result<usize> { optional(k)?.ok_or_else(|| ModelError::BadMetadata(key(k))) };
     let hidden = need("embedding_length")?;
     let heads = need("attention.head_count")?;
-    let kv_heads = meta_num(content, &key("attention.head_count_kv")).map_or(heads, |v| v as usize);
-    let head_dim = meta_num(content, &key("attention.key_length"))
-        .map_or(hidden / heads.max(1), |v| v as usize);
+    let kv_heads = optional("attention.head_count_kv")?.unwrap_or(heads);
+    let head_dim = optional("attention.key_length")?.unwrap_or(hidden / heads);
     let vocab = match content.tensor_infos.get("token_embd.weight") {
-        Some(info) => info.shape.dims()[0],
+        Some(info) => match info.shape.dims() {
+            [rows, ..] => count("token_embd.weight rows", *rows as f64)?,
+            [] => {
+                return Err(ModelError::BadMetadata(
+                    "token_embd.weight has no shape".into(),
+                ))
+            }
+        },
         None => return Err(ModelError::MissingTensor("token_embd.weight".into())),
     };
     let rope_scaling = match content.metadata.get(&key("rope.scaling.type")) {
@@ -354,4 +372,81 @@ fn load_hf_vlm_dir(dir: &Path, vlm: &HfVlmConfig) -> Result<LoadedModel> {
         chat_template,
         vision: Some(std::sync::Arc::new(tower)),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gguf_file::Value as V;
+
+    fn content(metadata: &[(&str, V)], vocab: usize) -> gguf_file::Content {
+        let embd = gguf_file::TensorInfo {
+            ggml_dtype: candle_core::quantized::GgmlDType::F32,
+            shape: candle_core::Shape::from((vocab, 8)),
+            offset: 0,
+        };
+        gguf_file::Content {
+            magic: gguf_file::VersionedMagic::GgufV3,
+            metadata: metadata
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.clone()))
+                .collect(),
+            tensor_infos: [("token_embd.weight".to_string(), embd)].into(),
+            tensor_data_offset: 0,
+        }
+    }
+
+    fn good() -> Vec<(&'static str, V)> {
+        vec![
+            ("general.architecture", V::String("llama".into())),
+            ("llama.embedding_length", V::U32(8)),
+            ("llama.attention.head_count", V::U32(2)),
+            ("llama.block_count", V::U32(1)),
+            ("llama.feed_forward_length", V::U32(16)),
+            ("llama.context_length", V::U32(64)),
+        ]
+    }
+
+    /// A GGUF's counts are bounded (1..=2^20) before anything is sized by them, and its
+    /// floats must be finite and positive: each refusal names the key.
+    #[test]
+    fn gguf_counts_and_floats_out_of_bounds_are_refused_by_name() {
+        let config = gguf_config(&content(&good(), 32)).unwrap();
+        assert_eq!((config.vocab_size, config.head_dim), (32, 4));
+        let cases = [
+            ("llama.block_count", V::U64(1 << 40), "llama.block_count"),
+            ("llama.context_length", V::I32(-1), "llama.context_length"),
+            (
+                "llama.attention.head_count_kv",
+                V::F32(1.5),
+                "head_count_kv",
+            ),
+            (
+                "llama.embedding_length",
+                V::F64(f64::NAN),
+                "llama.embedding_length",
+            ),
+            ("llama.attention.key_length", V::U32(0), "key_length"),
+            (
+                "llama.attention.layer_norm_rms_epsilon",
+                V::F32(f32::NAN),
+                "rms_norm_eps",
+            ),
+            ("llama.rope.freq_base", V::F32(-1.0), "rope_theta"),
+            ("llama.rope.freq_base", V::F64(f64::INFINITY), "rope_theta"),
+        ];
+        for (key, value, named) in cases {
+            let mut meta = good();
+            meta.retain(|(k, _)| *k != key);
+            meta.push((key, value.clone()));
+            match gguf_config(&content(&meta, 32)) {
+                Err(ModelError::BadMetadata(m)) => assert!(m.contains(named), "{key}: {m}"),
+                other => panic!("{key} = {value:?} accepted or misreported: {other:?}"),
+            }
+        }
+        match gguf_config(&content(&good(), (1 << 20) + 1)) {
+            Err(ModelError::BadMetadata(m)) => assert!(m.contains("token_embd"), "{m}"),
+            other => panic!("a vocabulary of 2^20 + 1 rows accepted: {other:?}"),
+        }
+    }
 }

@@ -3,12 +3,8 @@
 //! ([`Lenient`]), so the caller, not serde, words the refusal ("`max_tokens` must be a
 //! non-negative integer, got -3" rather than "data did not match any variant").
 
-use serde::de::value::MapAccessDeserializer;
-use serde::de::{MapAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::Value;
-use std::fmt;
-use std::marker::PhantomData;
 
 /// A field read as `T` when it has that shape, else kept as sent for the message that
 /// refuses it.
@@ -36,26 +32,7 @@ impl<T> Lenient<T> {
     }
 }
 
-/// A JSON object read as the struct `T`. serde's derived structs also accept a list of their
-/// fields in order; a request that sends a list where an object belongs is refused instead.
-#[derive(Debug)]
-pub(crate) struct Object<T>(pub(crate) T);
-
-impl<'de, T: Deserialize<'de>> Deserialize<'de> for Object<T> {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct ObjectVisitor<T>(PhantomData<T>);
-        impl<'de, T: Deserialize<'de>> Visitor<'de> for ObjectVisitor<T> {
-            type Value = Object<T>;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a JSON object")
-            }
-            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
-                T::deserialize(MapAccessDeserializer::new(map)).map(Object)
-            }
-        }
-        d.deserialize_map(ObjectVisitor(PhantomData))
-    }
-}
+pub(crate) use pdserve_runtime::json::Object;
 
 /// For `#[serde(default, deserialize_with = "present")]`: a field that was sent, `null`
 /// included, is `Some` (a plain `Option` reads `null` as absent).

@@ -13,11 +13,9 @@
 //! [`Object`] takes only a JSON object (a derived struct alone also takes an array, its items
 //! as the fields in order), and [`parse_object`] reads a whole file as one.
 
-use serde::de::value::MapAccessDeserializer;
 use serde::de::{DeserializeOwned, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer};
 use std::fmt;
-use std::marker::PhantomData;
 
 /// A field of a model's JSON file (`config.json`, `tokenizer_config.json`) read when it has
 /// its type; another type reads as absent (the defaults and errors then apply, as to a
@@ -127,25 +125,7 @@ impl<'de> Visitor<'de> for JsonTextVisitor {
     }
 }
 
-/// A JSON object read as a `T`; anything else is refused.
-#[derive(Clone, Debug)]
-pub(crate) struct Object<T>(pub(crate) T);
-
-impl<'de, T: Deserialize<'de>> Deserialize<'de> for Object<T> {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct ObjectVisitor<T>(PhantomData<T>);
-        impl<'de, T: Deserialize<'de>> Visitor<'de> for ObjectVisitor<T> {
-            type Value = Object<T>;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a JSON object")
-            }
-            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Object<T>, A::Error> {
-                T::deserialize(MapAccessDeserializer::new(map)).map(Object)
-            }
-        }
-        d.deserialize_map(ObjectVisitor(PhantomData))
-    }
-}
+pub(crate) use pdserve_runtime::json::Object;
 
 /// The text of a model's JSON file, which must be an object, read as a `T`.
 ///

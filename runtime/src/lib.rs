@@ -11,6 +11,7 @@ pub mod deployment;
 pub mod error;
 pub mod faults;
 pub mod ids;
+pub mod json;
 pub mod memory;
 pub mod role;
 pub mod supervision;

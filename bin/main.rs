@@ -180,7 +180,7 @@ struct ModelArgs {
     /// process may use: its affinity mask and cgroup CPU quota).
     #[arg(long)]
     threads: Option<usize>,
-    /// Weight format in memory: auto (AVX-512 VNNI CPUs: Q4_0/Q4_1/Q8_0 exact on the packed kernel, other sub-8-bit → Q8_0, the fastest prefill and batched decode there; elsewhere `native` for Q4_0/Q4_1/Q8_0 models, other sub-8-bit → Q8_0, floats as stored), native (as stored; Q4_0/Q4_1/Q8_0/Q4_K/Q6_K on llama.cpp-exact, tp-invariant kernels; fastest batch-1 decode), q8_0, f32 (CPU).
+    /// Weight format in memory: auto (`native` for Q4_0/Q4_1/Q8_0 models, else `packed`), native (as stored; Q4_0/Q4_1/Q8_0/Q4_K/Q6_K on llama.cpp-exact, tp- and batch-invariant kernels), packed (AVX-512 VNNI CPUs: Q4_0/Q4_1/Q8_0 values on the 16-row packed kernel, not llama.cpp's float order, ~1.3× native's prefill there; other sub-8-bit → Q8_0), q8_0, f32 (CPU).
     #[arg(long, default_value = "auto")]
     weights: WeightFormat,
     /// Where the model runs: cpu, cuda (GPU 0) or cuda:N.
@@ -248,7 +248,7 @@ struct ServeArgs {
     /// `model.tp`.
     #[arg(long)]
     tp: Option<usize>,
-    /// `model.weights`: auto, native, q8_0, f32.
+    /// `model.weights`: auto, native, packed, q8_0, f32.
     #[arg(long)]
     weights: Option<String>,
     /// `model.device`: cpu, cuda or cuda:N.

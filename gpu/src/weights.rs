@@ -351,20 +351,19 @@ pub fn concat_rows(parts: &[QTensor]) -> Result<QTensor> {
     from_bytes(bytes, parts[0].dtype(), (rows, cols))
 }
 
-/// What `format` means for `store`'s weights on this CPU: everything but `auto` as given.
-/// `auto` stays the packed kernel on AVX-512 VNNI CPUs (about 2× [`WeightFormat::Native`]'s
-/// prefill and batched decode there) and for weights that `native` would leave to candle or
-/// that were never measured on it (Q5_*, the k-quants: requantized to Q8_0; float weights,
-/// which stay on candle's matmuls). Elsewhere, when every matmul weight is Q4_0, Q4_1 or Q8_0,
-/// it is `native`: the file's own values on llama.cpp's arithmetic, tp-invariant, and on AVX2
-/// as fast as the Q8_0 requantization at prefill, 1.13× it at batch-8 decode and 1.45× at
-/// batch 1 (docs/benchmarks.md, "One default weight path").
+/// What `format` means for `store`'s weights: everything but `auto` as given. `auto` is
+/// [`WeightFormat::Native`] when every matmul weight is Q4_0, Q4_1 or Q8_0 — the file's own
+/// values on llama.cpp's arithmetic, tp- and batch-invariant, on every CPU (on AVX-512 VNNI
+/// since its prefill tile holds sixteen rows per register: 3.5× llama-bench's pp512 there,
+/// ~0.75× the packed kernel's; docs/benchmarks.md, "One default weight path") — and
+/// [`WeightFormat::Packed`] otherwise (Q5_* and k-quants requantized to Q8_0, floats on
+/// candle's matmuls: formats `native` was never measured on or leaves to candle).
 pub fn resolve(format: WeightFormat, store: &TensorStore) -> WeightFormat {
-    if format != WeightFormat::Auto || crate::quant::PackedQ8::supported() {
+    if format != WeightFormat::Auto {
         return format;
     }
     // Only the block formats: float weights run on candle's matmuls either way, and there
-    // `auto` fuses Q|K|V and gate|up into one matmul each, which `native` does not.
+    // `packed` fuses Q|K|V and gate|up into one matmul each, which `native` does not.
     let all_native = store.names().filter(|n| is_matmul_weight(n)).all(|n| {
         store.get(n).is_ok_and(|t| {
             matches!(
@@ -376,7 +375,7 @@ pub fn resolve(format: WeightFormat, store: &TensorStore) -> WeightFormat {
     if all_native {
         WeightFormat::Native
     } else {
-        WeightFormat::Auto
+        WeightFormat::Packed
     }
 }
 
@@ -409,7 +408,8 @@ pub fn convert(t: QTensor, format: WeightFormat) -> Result<QTensor> {
         WeightFormat::Q8_0 => GgmlDType::Q8_0,
         // Q4_0 and Q4_1 keep their exact values on the packed kernel where the CPU runs it
         // (`quant::PackedQ8`); elsewhere, and for the other sub-8-bit formats, Q8_0.
-        WeightFormat::Auto => match t.dtype() {
+        // (`auto` is resolved before this; left unresolved it means `packed`.)
+        WeightFormat::Packed | WeightFormat::Auto => match t.dtype() {
             GgmlDType::Q4_0 | GgmlDType::Q4_1 if crate::quant::PackedQ8::supported() => {
                 return Ok(t)
             }

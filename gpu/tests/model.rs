@@ -120,12 +120,13 @@ fn synthetic_tp_1_2_4_give_identical_greedy_tokens() {
 
 /// Both weight formats give every output of a layer one whole-row dot product, whatever the
 /// TP size, so 3 ranks give exactly the logits and tokens of 1: `native` (the file's Q4_1
-/// weights as stored, on pdserve's llama.cpp-exact kernels) and the default `auto` (the same
-/// Q4_1 values on the packed kernel where the CPU has AVX-512 VNNI, else `native` itself). Until issue 28 `auto` ran candle's kernels with a plain all-reduce
-/// and was not held to this.
+/// weights as stored, on pdserve's llama.cpp-exact kernels, which the default `auto` is) and
+/// `packed` (the same Q4_1 values on the packed kernel where the CPU has AVX-512 VNNI, else
+/// requantized to Q8_0). Until issue 28 the default ran candle's kernels with a plain
+/// all-reduce and was not held to this.
 #[test]
 fn default_model_tp_1_and_3_give_identical_greedy_tokens() {
-    for format in [WeightFormat::Native, WeightFormat::Auto] {
+    for format in [WeightFormat::Native, WeightFormat::Packed] {
         tp_1_and_3_agree(format);
     }
 }
@@ -179,11 +180,12 @@ fn log_softmax(l: &[f32]) -> Vec<f64> {
     l.iter().map(|&v| v as f64 - lse).collect()
 }
 
-/// The default `auto` keeps the file's Q4_1 weight values. On the packed kernel (CPUs with
+/// The default `auto` is `native` for the Q4_1 model on every CPU (`weights::resolve`), bit
+/// for bit. `packed` keeps the file's Q4_1 values too: on the packed kernel (CPUs with
 /// AVX-512 VNNI) its log-probabilities differ from `native`'s only by float summation order,
-/// far less than a requantization to Q8_0 moves them; elsewhere `auto` is `native` itself
-/// (`weights::resolve`), bit for bit. Until issue 28 `auto` requantized Q4_1 to Q8_0, and
-/// until this session it still did on CPUs without the packed kernel.
+/// far less than a requantization to Q8_0 moves them; elsewhere it is that requantization.
+/// Until issue 28 `auto` requantized Q4_1 to Q8_0, and until the 16-row exact prefill tile it
+/// was `packed` on AVX-512 VNNI CPUs.
 #[test]
 fn default_weights_keep_the_files_values() {
     let logprobs = |format| {
@@ -201,6 +203,8 @@ fn default_weights_keep_the_files_values() {
     };
     let native = logprobs(WeightFormat::Native);
     let auto = logprobs(WeightFormat::Auto);
+    assert_eq!(auto, native, "auto is native for a Q4_1 model on every CPU");
+    let packed = logprobs(WeightFormat::Packed);
     let q8 = logprobs(WeightFormat::Q8_0);
     // The mean difference over the 20 tokens `native` finds most likely.
     let mut top: Vec<usize> = (0..native.len()).collect();
@@ -212,16 +216,19 @@ fn default_weights_keep_the_files_values() {
             .sum::<f64>()
             / 20.0
     };
-    let (auto_gap, q8_gap) = (apart(&auto), apart(&q8));
-    eprintln!("mean log-probability gap from native: auto {auto_gap:.5}, q8_0 {q8_gap:.5}");
+    let (packed_gap, q8_gap) = (apart(&packed), apart(&q8));
+    eprintln!("mean log-probability gap from native: packed {packed_gap:.5}, q8_0 {q8_gap:.5}");
+    assert!(q8_gap > 0.0, "q8_0 requantizes the Q4_1 weights");
     if pdserve_gpu::quant::PackedQ8::supported() {
         assert!(
-            auto_gap < 0.6 * q8_gap,
-            "auto {auto_gap} is not much closer to native than q8_0 {q8_gap}"
+            packed_gap < 0.6 * q8_gap,
+            "packed {packed_gap} is not much closer to native than q8_0 {q8_gap}"
         );
     } else {
-        assert_eq!(auto, native, "without the packed kernel auto is native");
-        assert!(q8_gap > 0.0, "q8_0 requantizes the Q4_1 weights");
+        assert_eq!(
+            packed, q8,
+            "without the packed kernel `packed` requantizes to Q8_0"
+        );
     }
 }
 
@@ -471,7 +478,7 @@ fn every_file_format_loads_and_computes_the_same_model() {
         let path = dir.path().join(format!("m-{dtype:?}.gguf"));
         write_gguf(&spec, &path, dtype).unwrap();
         let loaded = load_model(&ModelSource::Path(path)).unwrap();
-        for format in [WeightFormat::Native, WeightFormat::Auto] {
+        for format in [WeightFormat::Native, WeightFormat::Packed] {
             let model = load_model(&ModelSource::Path(
                 dir.path().join(format!("m-{dtype:?}.gguf")),
             ))
@@ -594,7 +601,7 @@ fn prefill_cut_anywhere_gives_the_same_kv_and_logits() {
     let other: Vec<u32> = (0..150u32).map(|i| (i * 31 + 7) % vocab).collect();
     let other_table: Vec<u32> = (40..50).collect();
     for (format, kv_dtype) in [
-        (WeightFormat::Auto, KvDtype::F32),
+        (WeightFormat::Packed, KvDtype::F32),
         (WeightFormat::Native, KvDtype::F16),
     ] {
         let group = TpGroup::new(

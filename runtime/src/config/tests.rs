@@ -527,7 +527,7 @@ fn bad_enum_values_are_refused_at_parse_from_file_env_and_flags() {
     let cases = [
         ("transfer", "backend", "ucx", "local, shm, tcp, quic, rdma"),
         ("transfer", "mode", "both", "pull, push"),
-        ("model", "weights", "q4", "auto, native, q8_0, f32"),
+        ("model", "weights", "q4", "auto, native, packed, q8_0, f32"),
     ];
     for (section, field, bad, accepted) in cases {
         let key = format!("{section}.{field}");
@@ -581,7 +581,7 @@ fn enum_names_round_trip_and_every_spelling_in_use_still_parses() {
         &["local", "shm", "tcp", "quic", "rdma"],
     );
     round_trip(&TransferMode::ALL, &["pull", "push"]);
-    round_trip(&WeightFormat::ALL, &["auto", "native", "q8_0", "f32"]);
+    round_trip(&WeightFormat::ALL, &["auto", "native", "packed", "q8_0", "f32"]);
     // The older alias of `q8_0` (`pdserve run --weights q8`).
     assert_eq!("q8".parse::<WeightFormat>().unwrap(), WeightFormat::Q8_0);
     Jail::expect_with(|jail| {

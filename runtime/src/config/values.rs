@@ -134,18 +134,20 @@ config_enum! {
 config_enum! {
     /// `model.weights`: the in-memory weight format of the CPU backend.
     pub enum WeightFormat for "model.weights" {
-        /// The fastest CPU path. On AVX-512 VNNI CPUs Q8_0, Q4_0 and Q4_1 weights keep their
-        /// exact values, one byte per weight, on pdserve's 16-row packed kernel, and the other
-        /// sub-8-bit formats (Q5_*, k-quants) are requantized to Q8_0 for it. Elsewhere a model
-        /// whose matmul weights are all Q4_0, Q4_1 or Q8_0 runs as `native`; other
-        /// sub-8-bit weights are requantized to Q8_0. Everything else stays as stored.
+        /// A model whose matmul weights are all Q4_0, Q4_1 or Q8_0 runs as `native` (on every
+        /// CPU: llama.cpp's numerics, tp- and batch-invariant); any other runs as `packed`.
         #[default]
         Auto = "auto",
         /// Exactly as stored in the file. Q4_0, Q4_1, Q8_0, Q4_K and Q6_K run on pdserve's own
         /// llama.cpp-exact kernels (llama.cpp's numerics and greedy tokens; tensor-parallel
-        /// runs give tp=1's logits bit for bit): about twice `auto`'s batch-1 decode, ~0.85×
-        /// its prefill. Other formats run on candle's.
+        /// runs give tp=1's logits bit for bit). Other formats run on candle's.
         Native = "native",
+        /// On AVX-512 VNNI CPUs Q8_0, Q4_0 and Q4_1 weights keep their exact values, one byte
+        /// per weight, on pdserve's 16-row packed kernel (one integer sum per block and row:
+        /// not llama.cpp's float order), the other sub-8-bit formats (Q5_*, k-quants)
+        /// requantized to Q8_0 for it: ~1.3× `native`'s prefill there, slower batch-1
+        /// decode. Elsewhere sub-8-bit weights are requantized to Q8_0. Floats stay as stored.
+        Packed = "packed",
         /// Q8_0 wherever the row length allows it (`q8` is accepted as an alias).
         Q8_0 = "q8_0" | "q8",
         /// Dequantized to f32.

@@ -120,7 +120,7 @@ mod x86 {
 
     /// # Safety
     /// As [`super::gemm`], whose checks have passed.
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
     pub(super) unsafe fn gemm(
         w: &QMatrix,
         r0: usize,
@@ -167,7 +167,7 @@ mod x86 {
     /// # Safety
     /// Rows `r0 .. r0 + 16` exist and `r0` starts a group; `pack` holds `PER_BLOCK` registers
     /// per block of the row.
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
     unsafe fn unpack(w: &QMatrix, r0: usize, pack: &mut [__m512i]) {
         let (qt, nb) = (w.qtype(), w.blocks());
         let qb = qt.quant_bytes();
@@ -230,7 +230,7 @@ mod x86 {
     }
 
     impl Transpose {
-        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
         fn new(bytes: &[u8], group_bytes: usize, stride: usize) -> Self {
             let lanes = |f: &dyn Fn(usize) -> i32| -> __m512i {
                 let v: [i32; 16] = std::array::from_fn(f);
@@ -264,7 +264,7 @@ mod x86 {
         /// # Safety
         /// `off + 16` is within every row's quants.
         #[inline]
-        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
         unsafe fn dwords(&self, off: usize) -> [__m512i; 4] {
             // SAFETY: rows' quants are in the groups `base` points at (the caller's contract).
             let z: [__m512i; 4] = std::array::from_fn(|g| unsafe {
@@ -294,7 +294,7 @@ mod x86 {
     /// `pack` was filled by [`unpack`] for these rows; the tokens, blocks and `out`'s entries
     /// are as [`super::gemm`] checked them.
     #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
     unsafe fn run<const T: usize, const Q: u8>(
         pack: &[__m512i],
         a: &QActs,

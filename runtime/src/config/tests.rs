@@ -581,7 +581,10 @@ fn enum_names_round_trip_and_every_spelling_in_use_still_parses() {
         &["local", "shm", "tcp", "quic", "rdma"],
     );
     round_trip(&TransferMode::ALL, &["pull", "push"]);
-    round_trip(&WeightFormat::ALL, &["auto", "native", "packed", "q8_0", "f32"]);
+    round_trip(
+        &WeightFormat::ALL,
+        &["auto", "native", "packed", "q8_0", "f32"],
+    );
     // The older alias of `q8_0` (`pdserve run --weights q8`).
     assert_eq!("q8".parse::<WeightFormat>().unwrap(), WeightFormat::Q8_0);
     Jail::expect_with(|jail| {

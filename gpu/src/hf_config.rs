@@ -63,6 +63,12 @@ pub(crate) const MAX_CONFIG_COUNT: f64 = (1u64 << 20) as f64;
 /// The most `max_position_embeddings` may be.
 const MAX_CONTEXT: f64 = (1u64 << 30) as f64;
 
+/// `x` as a count in `1..=max` (a whole number), or `None`: the one check every model-file
+/// loader (HF configs, GGUF metadata) makes before anything is sized by a count.
+pub(crate) fn as_count(x: f64, max: f64) -> Option<usize> {
+    (x >= 1.0 && x.fract() == 0.0 && x <= max).then_some(x as usize)
+}
+
 impl HfConfig {
     /// `model_type`, when it is a string.
     pub(crate) fn model_type(&self) -> Option<&str> {
@@ -95,12 +101,9 @@ impl HfConfig {
         let num = |x: Option<Loose<f64>>| x.and_then(Loose::get);
         // Every count is bounded before anything is sized by it.
         let bounded = |x: f64, k: &str, max: f64| -> Result<usize> {
-            if !(x >= 1.0 && x.fract() == 0.0 && x <= max) {
-                return Err(ModelError::BadMetadata(format!(
-                    "{ctx}: `{k}` = {x} is not a count in 1..={max}"
-                )));
-            }
-            Ok(x as usize)
+            as_count(x, max).ok_or_else(|| {
+                ModelError::BadMetadata(format!("{ctx}: `{k}` = {x} is not a count in 1..={max}"))
+            })
         };
         let need_max = |x: Option<Loose<f64>>, k: &str, max: f64| match num(x) {
             Some(x) => bounded(x, k, max),

@@ -36,7 +36,7 @@
 //! unsplit path bilinearly to `image_size`), `do_resize` (always resized).
 
 use crate::config::ModelConfig;
-use crate::hf_config::{HfConfig, MAX_CONFIG_COUNT};
+use crate::hf_config::{as_count, HfConfig, MAX_CONFIG_COUNT};
 use crate::loose::{Loose, Object, Strict};
 use crate::vision::{ImageSplitting, ImageWrapTokens, VisionConfig, VisionTower};
 use crate::weights::TensorStore;
@@ -179,10 +179,10 @@ pub fn text_config(v: &HfVlmConfig) -> Result<ModelConfig> {
 fn count(field: &Strict<f64>, file: &str, key: &str) -> Result<Option<usize>> {
     match field {
         Strict::Absent => Ok(None),
-        Strict::Is(x) if *x >= 1.0 && x.fract() == 0.0 && *x <= MAX_CONFIG_COUNT => {
-            Ok(Some(*x as usize))
-        }
-        Strict::Is(x) => Err(not_a_count(file, key, x)),
+        Strict::Is(x) => match as_count(*x, MAX_CONFIG_COUNT) {
+            Some(n) => Ok(Some(n)),
+            None => Err(not_a_count(file, key, x)),
+        },
         Strict::Not(shown) => Err(not_a_count(file, key, shown)),
     }
 }

@@ -4,7 +4,7 @@
 use crate::chat::ChatTemplate;
 use crate::config::{ModelConfig, RopeScaling, RopeStyle};
 pub use crate::hf_config::hf_config;
-use crate::hf_config::{HfConfig, MAX_CONFIG_COUNT};
+use crate::hf_config::{as_count, HfConfig, MAX_CONFIG_COUNT};
 use crate::hf_vlm::{HfPreprocessorConfig, HfVlmConfig};
 use crate::loose::parse_object;
 use crate::synthetic::SyntheticSpec;
@@ -225,13 +225,8 @@ pub fn gguf_config(content: &gguf_file::Content) -> Result<ModelConfig> {
     let key = |k: &str| format!("{arch}.{k}");
     // Every count is bounded before anything is sized by it, as for HF configs.
     let count = |k: &str, v: f64| -> Result<usize> {
-        if v >= 1.0 && v.fract() == 0.0 && v <= MAX_CONFIG_COUNT {
-            Ok(v as usize)
-        } else {
-            Err(ModelError::BadMetadata(format!(
-                "{k} = {v} is not a count in 1..=2^20"
-            )))
-        }
+        as_count(v, MAX_CONFIG_COUNT)
+            .ok_or_else(|| ModelError::BadMetadata(format!("{k} = {v} is not a count in 1..=2^20")))
     };
     let optional = |k: &str| -> Result<Option<usize>> {
         meta_num(content, &key(k))

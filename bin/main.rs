@@ -437,6 +437,10 @@ struct ProxyArgs {
     prefill_load_scale: Option<f64>,
     #[command(flatten)]
     tls: TlsArgs,
+    /// `[proxy.discovery]`, set from a deployment file (`serve --config FILE --node PROXY`);
+    /// on the command line use `--config` or `PDSERVE_PROXY__DISCOVERY__<KEY>`.
+    #[arg(skip)]
+    discovery: Option<pdserve_runtime::config::DiscoveryConfig>,
 }
 
 impl TlsArgs {
@@ -505,6 +509,9 @@ impl ProxyArgs {
             "prefill_load_scale",
             serde_json::json!(self.prefill_load_scale),
         );
+        if let Some(d) = &self.discovery {
+            set("discovery", serde_json::json!(d));
+        }
         serde_json::json!({ "proxy": p })
     }
 }
@@ -643,7 +650,12 @@ fn proxy(args: ProxyArgs) -> Result<()> {
                 .control_listen
                 .parse()
                 .with_context(|| format!("proxy.control_listen {}", p.control_listen))?;
-            Some(pdserve_actors::proxy::ProxyControlArgs::new(creds, listen))
+            let discovery =
+                pdserve_actors::discovery::EtcdSettings::from_config(&p.discovery, creds.cluster());
+            Some(pdserve_actors::proxy::ProxyControlArgs {
+                discovery,
+                ..pdserve_actors::proxy::ProxyControlArgs::new(creds, listen)
+            })
         }
         None => None,
     };
@@ -971,11 +983,21 @@ fn serve_node(
     let node = deployment.node(node_name)?.clone();
     if node.role == Role::Proxy {
         init_logging(log.as_deref(), log_format.as_deref())?;
+        let discovery = deployment.discovery();
+        // With etcd, the instances come from etcd (they register with every proxy listed).
+        let listed = |role| {
+            if discovery.is_etcd() {
+                Vec::new()
+            } else {
+                deployment.urls(role)
+            }
+        };
         return proxy(ProxyArgs {
             config: None,
-            prefill: deployment.urls(Role::Prefill),
-            decode: deployment.urls(Role::Decode),
-            encode: deployment.urls(Role::Encode),
+            prefill: listed(Role::Prefill),
+            decode: listed(Role::Decode),
+            encode: listed(Role::Encode),
+            discovery: discovery.is_etcd().then_some(discovery.clone()),
             host: Some(node.host.clone()),
             port: Some(node.port),
             timeout_s: None,
@@ -1049,6 +1071,7 @@ fn serve(args: ServeArgs, log: Option<String>, log_format: Option<String>) -> Re
         credentials_dir: args.credentials_dir,
         control_listen: args.control_listen,
         control_proxy: args.control_proxy,
+        discovery: None,
         drain_timeout_s: args.drain_timeout,
         transfer_mode: args.transfer_mode,
         min_remote_prompt_tokens: args.min_remote_prompt_tokens,

@@ -42,6 +42,11 @@ use pdserve_transport::control::tls::MemberCredentials;
 use pdserve_transport::control::{ControlConfig, ControlConnection, ControlEndpoint};
 use tokio_util::task::TaskTracker;
 
+use crate::discovery::{Announcement, EtcdSettings, MemberKind, MemberRecord, MemberWatch};
+use pdserve_runtime::wire::kv_events::KvEventBatch;
+use std::collections::HashMap;
+use tokio::sync::{broadcast, watch};
+
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -71,8 +76,12 @@ pub struct InstanceControl {
     pub credentials: MemberCredentials,
     /// Where the endpoint listens (UDP); also the source of connections to the proxy.
     pub listen: SocketAddr,
-    /// The proxy's control address to register with; `None`: answer `inspect` only.
+    /// The proxy's control address to register with; `None`: answer `inspect` only (or
+    /// register with the proxies etcd lists, with [`InstanceControl::discovery`]).
     pub proxy: Option<SocketAddr>,
+    /// Membership in etcd: keep this instance's record there under a lease, and register
+    /// with every proxy listed there (`control.discovery.kind = "etcd"`).
+    pub discovery: Option<EtcdSettings>,
     /// Time between heartbeats.
     pub heartbeat: Duration,
     /// The role the instance registers as.
@@ -102,6 +111,7 @@ impl InstanceControl {
             credentials,
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             proxy: None,
+            discovery: None,
             heartbeat: Duration::from_millis(defaults.heartbeat_ms),
             role,
             max_requests: MAX_CONTROL_REQUESTS,
@@ -148,10 +158,12 @@ impl InstanceControl {
                     .map_err(|e| StartError::config("control.proxy", e))
             })
             .transpose()?;
+        let discovery = EtcdSettings::from_config(&cfg.control.discovery, credentials.cluster());
         Ok(Some(Self {
             credentials,
             listen,
             proxy,
+            discovery,
             heartbeat: Duration::from_millis(cfg.control.heartbeat_ms),
             role: cfg.instance.role,
             max_requests: MAX_CONTROL_REQUESTS,
@@ -387,12 +399,44 @@ struct Shared {
     registrations: AtomicU64,
     heartbeats: AtomicU64,
     paused: AtomicBool,
-    /// Set once the instance began draining: the registration loop no longer registers again
+    /// Set once the instance began draining: the registration loops no longer register again
     /// after a lost connection.
     draining: AtomicBool,
-    /// The connection to the proxy while registered.
-    proxy_conn: std::sync::Mutex<Option<Arc<ControlConnection>>>,
+    /// The connection to each proxy this instance is registered with.
+    proxy_conns: std::sync::Mutex<HashMap<SocketAddr, Arc<ControlConnection>>>,
 }
+
+impl Shared {
+    fn conns(&self) -> std::sync::MutexGuard<'_, HashMap<SocketAddr, Arc<ControlConnection>>> {
+        self.proxy_conns.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// The prefix cache's events, drained from the scheduler once and sent to every proxy this
+/// instance is registered with (each proxy builds its KV index from them).
+struct KvFeed {
+    batches: broadcast::Sender<Arc<KvEventBatch>>,
+    /// A proxy (newly registered, or one that missed a batch) needs a snapshot: the next drain
+    /// is one, sent to every proxy (a snapshot replaces what a proxy knew, so the others lose
+    /// nothing).
+    snapshot_due: AtomicBool,
+}
+
+impl KvFeed {
+    fn new() -> Arc<Self> {
+        Arc::new(Self {
+            batches: broadcast::channel(KV_FEED_DEPTH).0,
+            snapshot_due: AtomicBool::new(true),
+        })
+    }
+
+    fn want_snapshot(&self) {
+        self.snapshot_due.store(true, Ordering::SeqCst);
+    }
+}
+
+/// Batches a registration loop may fall behind the feed before it asks for a snapshot.
+const KV_FEED_DEPTH: usize = 64;
 
 /// A running instance control plane. Dropping it (or [`ControlPlane::shutdown`]) closes the
 /// endpoint and every connection, so a proxy sees this instance leave at once.
@@ -401,7 +445,14 @@ pub struct ControlPlane {
     addr: SocketAddr,
     shared: Arc<Shared>,
     accept: Option<tokio::task::JoinHandle<()>>,
+    /// Follows the set of proxies and runs one registration loop per proxy.
     registration: Option<tokio::task::JoinHandle<()>>,
+    /// Drains the prefix cache's events for the registration loops.
+    kv_pump: Option<tokio::task::JoinHandle<()>>,
+    /// This instance's record in etcd (discovery = etcd).
+    announcement: Option<Announcement>,
+    /// The proxies etcd lists (discovery = etcd).
+    proxies: Option<MemberWatch>,
     tasks: TaskTracker,
 }
 
@@ -440,8 +491,8 @@ impl ControlPlane {
             .map_err(|e| StartError::ControlPlane(format!("cannot listen on {}: {e}", ctl.listen)))
     }
 
-    /// Starts answering on `endpoint` and (with a proxy configured) registering and
-    /// heartbeating. Must run inside a tokio runtime.
+    /// Starts answering on `endpoint` and (with a proxy configured, or etcd discovery)
+    /// registering and heartbeating. Must run inside a tokio runtime.
     ///
     /// # Errors
     /// [`StartError::ControlPlane`] when registering needs an HTTP API the instance lacks.
@@ -471,41 +522,87 @@ impl ControlPlane {
                 ));
             }
         });
-        let mut registration = None;
-        if let Some(proxy) = ctl.proxy {
-            let url = api_url.ok_or_else(|| {
-                StartError::ControlPlane(
-                    "registering with a proxy needs the HTTP API (no bind address)".into(),
-                )
-            })?;
-            let reg = Registration {
-                node: source.name.clone(),
-                role: ctl.role,
-                url,
-                control_addr: addr.to_string(),
-                heartbeat_ms: ctl.heartbeat.as_millis() as u64,
-                block_size: source.kv_scheme.map(|k| k.block_size),
-                cache_salt: source.kv_scheme.map(|k| k.salt),
-            };
-            registration = Some(tokio::spawn(register_and_heartbeat(
-                endpoint.clone(),
-                proxy,
-                reg,
-                ctl.heartbeat,
-                source,
+        let mut plane = Self {
+            endpoint: endpoint.clone(),
+            addr,
+            shared: shared.clone(),
+            accept: Some(accept),
+            registration: None,
+            kv_pump: None,
+            announcement: None,
+            proxies: None,
+            tasks,
+        };
+        if ctl.proxy.is_none() && ctl.discovery.is_none() {
+            tracing::info!(%addr, "control plane listening (no proxy to register with)");
+            return Ok(plane);
+        }
+        let url = api_url.ok_or_else(|| {
+            StartError::ControlPlane(
+                "registering with a proxy needs the HTTP API (no bind address)".into(),
+            )
+        })?;
+        let reg = Registration {
+            node: source.name.clone(),
+            role: ctl.role,
+            url: url.clone(),
+            control_addr: addr.to_string(),
+            heartbeat_ms: ctl.heartbeat.as_millis() as u64,
+            block_size: source.kv_scheme.map(|k| k.block_size),
+            cache_salt: source.kv_scheme.map(|k| k.salt),
+        };
+        let feed = KvFeed::new();
+        if source.kv_scheme.is_some() {
+            plane.kv_pump = Some(tokio::spawn(pump_kv_events(
+                feed.clone(),
+                source.clone(),
                 shared.clone(),
-                dispatch,
+                ctl.heartbeat,
             )));
         }
-        tracing::info!(%addr, proxy = ?ctl.proxy, "control plane listening");
-        Ok(Self {
+        let looped = Looped {
             endpoint,
-            addr,
+            registration: reg,
+            interval: ctl.heartbeat,
+            source: source.clone(),
             shared,
-            accept: Some(accept),
-            registration,
-            tasks,
-        })
+            dispatch,
+            feed,
+        };
+        let proxies = match (&ctl.discovery, ctl.proxy) {
+            (Some(etcd), _) => {
+                plane.announcement = Some(Announcement::start(
+                    etcd.clone(),
+                    MemberKind::Instance,
+                    MemberRecord {
+                        node: source.name.clone(),
+                        role: ctl.role,
+                        url,
+                        control_addr: addr.to_string(),
+                    },
+                ));
+                let watch = MemberWatch::start(etcd.clone(), MemberKind::Proxy);
+                let (tx, rx) = watch::channel(Vec::new());
+                let mut members = watch.members.clone();
+                plane.proxies = Some(watch);
+                // The proxies' control addresses, as etcd lists them.
+                let follow = async move {
+                    loop {
+                        let addrs = crate::discovery::control_addrs(&members.borrow_and_update());
+                        tx.send_replace(addrs);
+                        if members.changed().await.is_err() {
+                            return;
+                        }
+                    }
+                };
+                (rx, Some(follow))
+            }
+            (None, Some(proxy)) => (watch::channel(vec![proxy]).1, None),
+            (None, None) => unreachable!("returned above"),
+        };
+        plane.registration = Some(tokio::spawn(follow_proxies(looped, proxies.0, proxies.1)));
+        tracing::info!(%addr, proxy = ?ctl.proxy, etcd = ctl.discovery.is_some(), "control plane listening");
+        Ok(plane)
     }
 
     /// Where the endpoint listens.
@@ -513,14 +610,21 @@ impl ControlPlane {
         self.addr
     }
 
-    /// Successful registrations with the proxy so far (1 + re-registrations).
+    /// Successful registrations with a proxy so far (1 + re-registrations, over every proxy).
     pub fn registrations(&self) -> u64 {
         self.shared.registrations.load(Ordering::Relaxed)
     }
 
-    /// Heartbeats sent so far.
+    /// Heartbeats sent so far (to every proxy).
     pub fn heartbeats(&self) -> u64 {
         self.shared.heartbeats.load(Ordering::Relaxed)
+    }
+
+    /// The proxies this instance is registered with now.
+    pub fn registered_with(&self) -> Vec<SocketAddr> {
+        let mut v: Vec<_> = self.shared.conns().keys().copied().collect();
+        v.sort();
+        v
     }
 
     /// Fault hook for tests and drills: while paused, no heartbeat is sent (the connection
@@ -529,43 +633,47 @@ impl ControlPlane {
         self.shared.paused.store(paused, Ordering::SeqCst);
     }
 
-    /// Tells the proxy this instance is draining: it stops routing here at once but keeps the
-    /// registration (and the control connection, so `pdserve inspect` still shows the instance,
-    /// `draining`, with its requests finishing) until the instance stops. Returns whether the
-    /// proxy acknowledged within [`DRAINING_ANSWER_TIMEOUT`]; when it did not (no proxy,
-    /// not registered, an older proxy), the caller should [`ControlPlane::deregister`]. Either
-    /// way the instance does not register again.
-    pub async fn announce_draining(&self) -> bool {
+    /// Tells every proxy this instance is draining: they stop routing here at once but keep
+    /// the registration (and the control connection, so `pdserve inspect` still shows the
+    /// instance, `draining`, with its requests finishing) until the instance stops; its etcd
+    /// record (with etcd discovery) is withdrawn. Returns whether every proxy acknowledged
+    /// within [`DRAINING_ANSWER_TIMEOUT`]; when one did not (no proxy, not registered, an
+    /// older proxy), the caller should [`ControlPlane::deregister`]. Either way the instance
+    /// does not register again.
+    pub async fn announce_draining(&mut self) -> bool {
         self.shared.draining.store(true, Ordering::SeqCst);
-        let conn = self
-            .shared
-            .proxy_conn
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
-        let Some(conn) = conn else {
+        if let Some(a) = self.announcement.take() {
+            a.withdraw(DRAINING_ANSWER_TIMEOUT).await;
+        }
+        let conns: Vec<_> = self.shared.conns().values().cloned().collect();
+        if conns.is_empty() {
             return false;
-        };
-        let ask = conn.request(ControlMessage::Draining);
-        matches!(
-            tokio::time::timeout(DRAINING_ANSWER_TIMEOUT, ask).await,
-            Ok(Ok(ControlMessage::DrainingAck))
-        )
+        }
+        let asks = conns.iter().map(|conn| async move {
+            let ask = conn.request(ControlMessage::Draining);
+            matches!(
+                tokio::time::timeout(DRAINING_ANSWER_TIMEOUT, ask).await,
+                Ok(Ok(ControlMessage::DrainingAck))
+            )
+        });
+        futures_util::future::join_all(asks)
+            .await
+            .into_iter()
+            .all(|acked| acked)
     }
 
-    /// Leaves the proxy's routing set: ends the registration and closes its connection (the
-    /// proxy stops routing here at once). Peer requests keep being answered.
+    /// Leaves every proxy's routing set: ends the registrations and closes their connections
+    /// (the proxies stop routing here at once). Peer requests keep being answered.
     pub fn deregister(&mut self) {
         if let Some(r) = self.registration.take() {
             r.abort();
         }
-        if let Some(conn) = self
-            .shared
-            .proxy_conn
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-        {
+        if let Some(p) = self.kv_pump.take() {
+            p.abort();
+        }
+        self.announcement = None;
+        self.proxies = None;
+        for (_, conn) in self.shared.conns().drain() {
             conn.close();
         }
     }
@@ -614,59 +722,126 @@ async fn register(
     }
 }
 
-/// Why a batch of prefix-cache events did not reach the proxy ([`send_kv_events`]).
-#[derive(Debug, thiserror::Error)]
-enum KvEventsError {
-    /// The scheduler did not answer within the wait.
-    #[error("the scheduler did not answer within {0:?}")]
-    SchedulerSlow(Duration),
-    /// The scheduler could not be asked (it is gone).
-    #[error(transparent)]
-    Scheduler(#[from] crate::error::RequestError),
-    /// The control connection refused the message.
-    #[error(transparent)]
-    Send(#[from] pdserve_transport::TransportError),
-    /// The control connection did not take the message within the wait.
-    #[error("not sent in time")]
-    SendSlow,
-}
-
-/// Drains the scheduler's prefix-cache events and sends them to the proxy (one-way). On an
-/// error whatever was drained is lost, and the next batch must be a snapshot.
-async fn send_kv_events(
-    conn: &ControlConnection,
-    source: &InspectSource,
-    snapshot: bool,
-    within: Duration,
-) -> Result<(), KvEventsError> {
-    let batch = tokio::time::timeout(within, source.scheduler.kv_events(snapshot))
-        .await
-        .map_err(|_| KvEventsError::SchedulerSlow(within))??;
-    if batch.is_empty() {
-        return Ok(());
+/// Drains the scheduler's prefix-cache events every [`KV_EVENTS_INTERVAL`] (at most; the
+/// heartbeat interval when shorter) while some proxy listens, and hands them to every
+/// registration loop. A failed drain loses what it held: the next one is a snapshot.
+async fn pump_kv_events(
+    feed: Arc<KvFeed>,
+    source: InspectSource,
+    shared: Arc<Shared>,
+    interval: Duration,
+) {
+    let within = interval.max(Duration::from_millis(200));
+    let mut tick = tokio::time::interval(KV_EVENTS_INTERVAL.min(interval));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if feed.batches.receiver_count() == 0 || shared.paused.load(Ordering::SeqCst) {
+            continue;
+        }
+        let snapshot = feed.snapshot_due.swap(false, Ordering::SeqCst);
+        match tokio::time::timeout(within, source.scheduler.kv_events(snapshot)).await {
+            Ok(Ok(batch)) if batch.is_empty() => {}
+            Ok(Ok(batch)) => {
+                // No receiver left since the check: the next listener asks for a snapshot.
+                let _ = feed.batches.send(Arc::new(batch));
+            }
+            Ok(Err(e)) => {
+                feed.want_snapshot();
+                tracing::debug!(error = %e, "KV events not drained");
+            }
+            Err(_) => {
+                feed.want_snapshot();
+                tracing::debug!(
+                    "KV events not drained: the scheduler did not answer within {within:?}"
+                );
+            }
+        }
     }
-    let send = conn.send(ControlMessage::KvEvents(Box::new(batch)));
-    tokio::time::timeout(within, send)
-        .await
-        .map_err(|_| KvEventsError::SendSlow)?
-        .map_err(KvEventsError::from)
 }
 
-/// Connect, register, heartbeat until the connection breaks; then again, with backoff.
-async fn register_and_heartbeat(
+/// What every registration loop shares.
+#[derive(Clone)]
+struct Looped {
     endpoint: Arc<ControlEndpoint>,
-    proxy: SocketAddr,
     registration: Registration,
     interval: Duration,
     source: InspectSource,
     shared: Arc<Shared>,
     dispatch: Dispatch,
+    feed: Arc<KvFeed>,
+}
+
+/// Keeps one registration loop per proxy in `proxies` (a fixed one, or those etcd lists):
+/// starts a loop for a proxy that appears, stops the loop and closes the connection of one
+/// that leaves. `follow` (etcd) keeps `proxies` up to date and runs beside the loops.
+async fn follow_proxies(
+    looped: Looped,
+    mut proxies: watch::Receiver<Vec<SocketAddr>>,
+    follow: Option<impl std::future::Future<Output = ()>>,
 ) {
+    let follower = async {
+        match follow {
+            Some(f) => f.await,
+            None => std::future::pending().await,
+        }
+    };
+    let loops = async {
+        // Dropping the set (when this task is aborted) aborts every loop.
+        let mut running = tokio::task::JoinSet::new();
+        let mut by_proxy: HashMap<SocketAddr, tokio::task::AbortHandle> = HashMap::new();
+        loop {
+            let want: Vec<SocketAddr> = proxies.borrow_and_update().clone();
+            by_proxy.retain(|proxy, handle| {
+                let keep = want.contains(proxy);
+                if !keep {
+                    handle.abort();
+                    if let Some(conn) = looped.shared.conns().remove(proxy) {
+                        conn.close();
+                    }
+                    tracing::info!(%proxy, "the proxy left the cluster: registration ended");
+                }
+                keep
+            });
+            for proxy in want {
+                if let std::collections::hash_map::Entry::Vacant(e) = by_proxy.entry(proxy) {
+                    e.insert(running.spawn(register_and_heartbeat(looped.clone(), proxy)));
+                }
+            }
+            tokio::select! {
+                changed = proxies.changed() => {
+                    if changed.is_err() {
+                        // No more changes: keep the loops running as they are.
+                        std::future::pending::<()>().await;
+                    }
+                }
+                Some(_) = running.join_next(), if !running.is_empty() => {}
+            }
+        }
+    };
+    tokio::select! {
+        () = follower => {}
+        () = loops => {}
+    }
+}
+
+/// Connect, register, heartbeat until the connection breaks; then again, with backoff.
+async fn register_and_heartbeat(looped: Looped, proxy: SocketAddr) {
+    let Looped {
+        endpoint,
+        registration,
+        interval,
+        source,
+        shared,
+        dispatch,
+        feed,
+    } = looped;
     let tasks = dispatch.tasks.clone();
     let initial_delay = interval.min(Duration::from_millis(100));
     let mut delay = initial_delay;
     let mut last_error: Option<String> = None;
     let mut seq = 0u64;
+    let within = interval.max(Duration::from_millis(200));
     loop {
         if shared.draining.load(Ordering::SeqCst) {
             tracing::info!(%proxy, "draining: not registering again");
@@ -705,26 +880,38 @@ async fn register_and_heartbeat(
             }
         };
         shared.registrations.fetch_add(1, Ordering::Relaxed);
-        *shared.proxy_conn.lock().unwrap_or_else(|e| e.into_inner()) = Some(conn.clone());
+        shared.conns().insert(proxy, conn.clone());
         tracing::info!(%proxy, node = %registration.node, "registered with the proxy");
         delay = initial_delay;
         last_error = None;
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // The proxy's view of our prefix cache starts over with each registration.
-        let mut kv_snapshot_due = true;
-        let mut events_tick = tokio::time::interval(KV_EVENTS_INTERVAL.min(interval));
-        events_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // (`None` once the feed closed, which it does not while this loop holds `feed`.)
+        let mut events = Some(feed.batches.subscribe());
+        feed.want_snapshot();
         while conn.is_alive() {
             tokio::select! {
                 _ = tick.tick() => {}
                 // Between heartbeats: KV events only, so the router learns of new blocks fast.
-                _ = events_tick.tick() => {
-                    if source.kv_scheme.is_some() && !shared.paused.load(Ordering::SeqCst) {
-                        kv_snapshot_due = send_kv_events(&conn, &source, kv_snapshot_due, interval.max(Duration::from_millis(200)))
-                            .await
-                            .map_err(|e| tracing::debug!(%proxy, error = %e, "KV events not sent"))
-                            .is_err();
+                batch = async { events.as_mut().expect("guarded").recv().await }, if events.is_some() => {
+                    match batch {
+                        Ok(batch) => {
+                            let send = conn.send(ControlMessage::KvEvents(Box::new((*batch).clone())));
+                            match tokio::time::timeout(within, send).await {
+                                Ok(Ok(())) => {}
+                                Ok(Err(e)) => {
+                                    feed.want_snapshot();
+                                    tracing::debug!(%proxy, error = %e, "KV events not sent");
+                                }
+                                Err(_) => {
+                                    feed.want_snapshot();
+                                    tracing::debug!(%proxy, "KV events not sent in time");
+                                }
+                            }
+                        }
+                        Err(broadcast::error::RecvError::Lagged(_)) => feed.want_snapshot(),
+                        Err(broadcast::error::RecvError::Closed) => events = None,
                     }
                     continue;
                 }
@@ -732,7 +919,7 @@ async fn register_and_heartbeat(
             if shared.paused.load(Ordering::SeqCst) {
                 continue;
             }
-            let load = match source.load(interval.max(Duration::from_millis(200))).await {
+            let load = match source.load(within).await {
                 Ok(l) => l,
                 Err(e) => {
                     tracing::warn!(error = %e, "heartbeat skipped");
@@ -762,7 +949,7 @@ async fn register_and_heartbeat(
                 load,
             };
             let send = conn.send(ControlMessage::Heartbeat(hb));
-            match tokio::time::timeout(interval.max(Duration::from_millis(200)), send).await {
+            match tokio::time::timeout(within, send).await {
                 Ok(Ok(())) => {
                     shared.heartbeats.fetch_add(1, Ordering::Relaxed);
                 }
@@ -771,6 +958,7 @@ async fn register_and_heartbeat(
             }
         }
         server.abort();
+        shared.conns().remove(&proxy);
         tracing::warn!(%proxy, "control connection to the proxy lost; reconnecting");
     }
 }

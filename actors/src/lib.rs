@@ -19,6 +19,7 @@
 //! | [`mailbox`], [`timers`], [`error`] | shared pieces: counted addresses, timers that end with their actor, errors |
 
 pub mod control_plane;
+pub mod discovery;
 pub mod encode;
 pub mod error;
 pub mod handoff;

@@ -36,6 +36,7 @@ pub use self::messages::{ProxyArgs, ProxyControlArgs, ProxyMsg, ProxyStart, Supe
 use self::registry::Registry;
 use self::routing::RoundRobin;
 pub use self::state::{PromptTokenizer, ProxyState};
+use crate::discovery::{Announcement, MemberKind, MemberRecord, MemberWatch};
 use crate::error::StartError;
 use crate::http::HttpServer;
 use crate::mailbox::{Inbox, Mailbox, PanicHook};
@@ -139,6 +140,31 @@ pub struct ProxyActorState {
     server: HttpServer,
     poller: tokio::task::JoinHandle<()>,
     control: Option<(Arc<ProxyControl>, tokio::task::JoinHandle<()>)>,
+    /// With etcd discovery: this proxy's record, and the task that keeps the registry's
+    /// member set to the instances etcd lists.
+    etcd: Option<(Announcement, tokio::task::JoinHandle<()>)>,
+}
+
+/// Keeps the registry's member set to the instances `watch` lists (etcd discovery), and the
+/// `pdserve_proxy_etcd_members` gauge to their count.
+async fn follow_members(state: Arc<ProxyState>, watch: MemberWatch) {
+    let mut members = watch.members.clone();
+    loop {
+        let names = members
+            .borrow_and_update()
+            .as_ref()
+            .map(|m| m.keys().cloned().collect::<std::collections::HashSet<_>>());
+        let count = names.as_ref().map_or(0, |n| n.len());
+        // Until etcd first answers, an empty set: no registered instance is routed to. (The
+        // registry first, then the gauge: a reader who sees the gauge sees the routing too.)
+        state
+            .registry()
+            .set_members(Some(names.unwrap_or_default()));
+        metrics::gauge!(m::PROXY_ETCD_MEMBERS).set(count as f64);
+        if members.changed().await.is_err() {
+            return;
+        }
+    }
 }
 
 impl Actor for Proxy {
@@ -182,6 +208,10 @@ impl Actor for Proxy {
             outstanding: Mutex::new(Default::default()),
             decisions: Mutex::new(Default::default()),
         });
+        let etcd_member = start
+            .control
+            .as_ref()
+            .and_then(|c| Some((c.discovery.clone()?, c.credentials.node().to_string())));
         // Bind the control endpoint first: if it fails, nothing else is running yet.
         let control = match start.control {
             Some(c) => Some(Arc::new(ProxyControl::bind(
@@ -202,11 +232,25 @@ impl Actor for Proxy {
         )
         .await?;
         let poll = args.tls.client().timeout(POLL_INTERVAL * 2).build()?;
-        let poller = tokio::spawn(poll_forever(state, poll));
+        let poller = tokio::spawn(poll_forever(state.clone(), poll));
+        let http_url = format!("{}://{}", args.tls.scheme(), server.addr());
+        let etcd = etcd_member
+            .zip(control.as_ref())
+            .map(|((settings, node), c)| {
+                let record = MemberRecord {
+                    node,
+                    role: Role::Proxy,
+                    url: http_url.clone(),
+                    control_addr: c.addr.to_string(),
+                };
+                let watch = MemberWatch::start(settings.clone(), MemberKind::Instance);
+                (
+                    Announcement::start(settings, MemberKind::Proxy, record),
+                    tokio::spawn(follow_members(state.clone(), watch)),
+                )
+            });
         let control = control.map(|c| {
-            let _ = c
-                .http_url
-                .set(format!("{}://{}", args.tls.scheme(), server.addr()));
+            let _ = c.http_url.set(http_url);
             let accept = tokio::spawn(c.clone().accept_forever());
             (c, accept)
         });
@@ -214,6 +258,7 @@ impl Actor for Proxy {
             server,
             poller,
             control,
+            etcd,
         })
     }
 
@@ -245,6 +290,10 @@ impl Actor for Proxy {
         st: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
         st.poller.abort();
+        if let Some((announcement, follow)) = st.etcd.take() {
+            follow.abort();
+            announcement.withdraw(Duration::from_secs(1)).await;
+        }
         if let Some((control, accept)) = &st.control {
             accept.abort();
             control.endpoint.close();

@@ -33,8 +33,10 @@
 //! | `config/layers.rs` | the layers ([`ServeConfig::load`] here), the environment names |
 //! | `config/validate.rs` | [`ServeConfig::validate`] |
 //! | `config/proxy.rs` | [`ProxyConfig`], the proxy's `[proxy]` section |
+//! | `config/discovery.rs` | [`DiscoveryConfig`]: static registration or etcd membership |
 //! | `config/lenient.rs` | deserializers that take environment numbers as text |
 
+mod discovery;
 mod flags;
 mod layers;
 mod lenient;
@@ -45,6 +47,7 @@ mod values;
 
 pub use crate::error::ConfigLayer;
 pub use crate::role::Role;
+pub use discovery::*;
 pub use flags::*;
 pub use layers::{env_var_name, ENV_PREFIX, ENV_SEPARATOR};
 pub use proxy::*;

@@ -37,7 +37,7 @@
 //! instance registers with it there and sends heartbeats, so `pdserve inspect
 //! host:control_port` shows the whole cluster.
 
-use crate::config::ServeFlags;
+use crate::config::{DiscoveryConfig, DiscoveryKind, ServeFlags};
 use crate::error::ConfigError;
 use crate::role::Role;
 use serde::{Deserialize, Serialize};
@@ -76,6 +76,17 @@ pub struct ClusterSection {
     /// node that serves HTTPS (`tls_cert` on that node).
     #[serde(default)]
     pub tls_ca: Option<String>,
+    /// Where members find each other: `static` (the one proxy node of this file; the
+    /// default) or `etcd` (every member keeps a record in etcd under a lease; several proxy
+    /// nodes; needs `credentials_dir`).
+    #[serde(default)]
+    pub discovery: DiscoveryKind,
+    /// etcd's client URLs, with `discovery = "etcd"`.
+    #[serde(default)]
+    pub etcd_endpoints: Vec<String>,
+    /// Seconds a member's etcd lease lives without a keep-alive (default 10).
+    #[serde(default)]
+    pub lease_ttl_s: Option<u64>,
 }
 
 fn default_mode() -> String {
@@ -289,17 +300,34 @@ impl Deployment {
             );
         }
         let count = |r: Role| self.nodes.iter().filter(|n| n.role == r).count();
-        if count(Role::Proxy) != 1 {
+        let etcd = self.cluster.discovery == DiscoveryKind::Etcd;
+        if etcd {
+            if self.cluster.credentials_dir.is_none() {
+                return invalid(
+                    "cluster.discovery",
+                    "cluster.discovery = \"etcd\" needs cluster.credentials_dir: instances register with the proxies over the control plane (pdserve cluster init)".into(),
+                );
+            }
+            if let Some((key, message)) = self.discovery().invalid("cluster") {
+                return invalid(&key, message);
+            }
+            if count(Role::Proxy) == 0 {
+                return invalid(
+                    "node.role",
+                    "a deployment needs at least one proxy node".into(),
+                );
+            }
+        } else if count(Role::Proxy) != 1 {
             return invalid(
                 "node.role",
                 format!(
-                    "a deployment needs exactly one proxy node, found {}",
+                    "a deployment needs exactly one proxy node, found {} (several proxies need cluster.discovery = \"etcd\")",
                     count(Role::Proxy)
                 ),
             );
         }
         if self.cluster.credentials_dir.is_some() {
-            if let Some(proxy) = self.nodes.iter().find(|n| n.role == Role::Proxy) {
+            for proxy in self.nodes.iter().filter(|n| n.role == Role::Proxy) {
                 if proxy.control_port.is_none_or(|p| p == 0) {
                     return invalid(
                         "node.control_port",
@@ -367,10 +395,25 @@ impl Deployment {
         }
     }
 
+    /// Where members find each other (`[cluster]`'s `discovery`, `etcd_endpoints`,
+    /// `lease_ttl_s`).
+    pub fn discovery(&self) -> DiscoveryConfig {
+        let defaults = DiscoveryConfig::default();
+        DiscoveryConfig {
+            kind: self.cluster.discovery,
+            etcd_endpoints: self.cluster.etcd_endpoints.clone(),
+            lease_ttl_s: self.cluster.lease_ttl_s.unwrap_or(defaults.lease_ttl_s),
+            ..defaults
+        }
+    }
+
     /// The proxy's control address (`host:control_port`), when the cluster has credentials
-    /// and the proxy a control port.
+    /// and the proxy a control port, and the instances do not find the proxies in etcd.
     pub fn proxy_control_addr(&self) -> Option<String> {
         self.cluster.credentials_dir.as_ref()?;
+        if self.cluster.discovery == DiscoveryKind::Etcd {
+            return None;
+        }
         let proxy = self.nodes.iter().find(|n| n.role == Role::Proxy)?;
         Some(format!("{}:{}", proxy.host, proxy.control_port?))
     }
@@ -394,6 +437,7 @@ impl Deployment {
             control_listen: control
                 .then(|| format!("{}:{}", node.host, node.control_port.unwrap_or(0))),
             control_proxy: self.proxy_control_addr(),
+            discovery: (self.cluster.discovery == DiscoveryKind::Etcd).then(|| self.discovery()),
             tls_cert: node.tls_cert.clone(),
             tls_key: node.tls_key.clone(),
             tls_ca: self.cluster.tls_ca.clone(),
@@ -487,6 +531,59 @@ port = 8200
         );
         let e = Deployment::parse(&missing, "test").unwrap_err().to_string();
         assert!(e.contains("control_port"), "{e}");
+    }
+
+    #[test]
+    fn etcd_discovery_allows_several_proxies_and_instances_find_them_in_etcd() {
+        let second = "\n[[node]]\nname = \"proxy-b\"\nrole = \"proxy\"\nhost = \"127.0.0.1\"\nport = 8001\ncontrol_port = 7001\n";
+        let etcd = GOOD
+            .replace(
+                "transport = \"tcp\"",
+                "transport = \"tcp\"\ncredentials_dir = \"/etc/pdserve/demo\"\ndiscovery = \"etcd\"\netcd_endpoints = [\"http://10.0.0.9:2379\"]\nlease_ttl_s = 5",
+            )
+            .replace("port = 8000", "port = 8000\ncontrol_port = 7000")
+            + second;
+        let d = Deployment::parse(&etcd, "test").unwrap();
+        assert_eq!(d.proxy_control_addr(), None, "proxies are found in etcd");
+        let flags = d.instance_flags(d.node("decode-0").unwrap());
+        assert_eq!(flags.control_proxy, None);
+        let discovery = flags.discovery.clone().unwrap();
+        assert!(discovery.is_etcd());
+        assert_eq!(discovery.etcd_endpoints, ["http://10.0.0.9:2379"]);
+        assert_eq!(discovery.lease_ttl_s, 5);
+        // The flags make a valid instance config carrying the discovery section.
+        use figment::providers::Serialized;
+        let figment =
+            figment::Figment::from(Serialized::defaults(crate::config::ServeConfig::default()))
+                .merge(Serialized::defaults(&flags));
+        let cfg = crate::config::ServeConfig::from_figment(&figment).unwrap();
+        assert_eq!(cfg.control.discovery, discovery);
+
+        // Refused: two proxies without etcd; etcd without credentials, without endpoints,
+        // with a lease out of bounds; a proxy without a control port.
+        let cases = [
+            (GOOD.to_string() + second, "exactly one proxy"),
+            (
+                etcd.replace("credentials_dir = \"/etc/pdserve/demo\"\n", ""),
+                "needs cluster.credentials_dir",
+            ),
+            (
+                etcd.replace("[\"http://10.0.0.9:2379\"]", "[]"),
+                "cluster.etcd_endpoints",
+            ),
+            (
+                etcd.replace("lease_ttl_s = 5", "lease_ttl_s = 0"),
+                "cluster.lease_ttl_s",
+            ),
+            (
+                etcd.replace("port = 8001\ncontrol_port = 7001", "port = 8001"),
+                "proxy-b",
+            ),
+        ];
+        for (text, want) in cases {
+            let e = Deployment::parse(&text, "test").unwrap_err().to_string();
+            assert!(e.contains(want), "{want}: {e}");
+        }
     }
 
     #[test]

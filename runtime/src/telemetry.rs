@@ -134,6 +134,8 @@ pub const PREFILL_RETRIES_TOTAL: &str = "pdserve_prefill_retries_total";
 pub const LABEL_ACTION: &str = "action";
 /// Gauge (proxy): instances routed to, labelled `role` (`prefill`, `decode`).
 pub const PROXY_INSTANCES: &str = "pdserve_proxy_instances";
+/// Proxy with etcd discovery: instances whose etcd record is alive.
+pub const PROXY_ETCD_MEMBERS: &str = "pdserve_proxy_etcd_members";
 /// Counter (proxy): instance picks, labelled `role` and [`LABEL_REASON`] (`kv_overlap`,
 /// `load`, `no_overlap`, `untokenized`, `least_loaded`, `round_robin`).
 pub const ROUTER_DECISIONS_TOTAL: &str = "pdserve_router_decisions_total";
@@ -427,6 +429,10 @@ fn describe_and_register() {
         "Proxy: arrival to the end of the answer."
     );
     describe_gauge!(PROXY_INSTANCES, "Proxy: live instances by role.");
+    describe_gauge!(
+        PROXY_ETCD_MEMBERS,
+        "Proxy with etcd discovery: instances whose etcd record is alive."
+    );
     describe_counter!(
         MIGRATIONS_TOTAL,
         "Proxy: requests moved to another decode instance mid-generation, by reason."

@@ -109,6 +109,9 @@ pub struct ProxyControlArgs {
     /// `overloaded` at once instead of starting another task. Default
     /// [`MAX_CONTROL_REQUESTS`](crate::control_plane::MAX_CONTROL_REQUESTS).
     pub max_requests: usize,
+    /// Membership in etcd: keep this proxy's record there (instances find it and register)
+    /// and route only to instances whose record is alive.
+    pub discovery: Option<crate::discovery::EtcdSettings>,
 }
 
 impl ProxyControlArgs {
@@ -119,6 +122,7 @@ impl ProxyControlArgs {
             listen,
             inspect_timeout: Duration::from_secs(2),
             max_requests: crate::control_plane::MAX_CONTROL_REQUESTS,
+            discovery: None,
         }
     }
 }

@@ -4,6 +4,7 @@
 
 use super::{MISSED_HEARTBEATS_TO_DROP, MISSED_POLLS_TO_DROP};
 use pdserve_runtime::Role;
+use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 pub use pdserve_core::router::Upstream;
@@ -80,9 +81,28 @@ pub fn host_port(url: &str) -> Option<(String, u16)> {
 pub struct Registry {
     entries: Vec<Entry>,
     generations: u64,
+    /// With etcd discovery: the instances whose etcd record is alive (`None` without etcd).
+    /// A registered instance outside it is not routed to (its lease expired: it is frozen
+    /// or cut off, even if its control connection has not noticed yet).
+    members: Option<HashSet<String>>,
 }
 
 impl Registry {
+    /// With etcd discovery: the nodes whose etcd record is alive now (`None`: membership is
+    /// not kept in etcd). Registered instances outside the set are not routed to; static
+    /// entries are not affected.
+    pub fn set_members(&mut self, members: Option<HashSet<String>>) {
+        self.members = members;
+    }
+
+    fn routable(&self, e: &Entry, now: Instant) -> bool {
+        let member = match (&self.members, &e.registered) {
+            (Some(m), Some(r)) => m.contains(&r.node),
+            _ => true,
+        };
+        member && e.live(now)
+    }
+
     /// Adds a static instance (polled on `/v1/load`).
     pub fn add(&mut self, role: Role, url: impl Into<String>) {
         let url = url.into();
@@ -237,7 +257,7 @@ impl Registry {
     pub fn routable_at(&self, role: Role, now: Instant) -> Vec<Upstream> {
         self.entries
             .iter()
-            .filter(|u| u.upstream.role == role && u.live(now))
+            .filter(|u| u.upstream.role == role && self.routable(u, now))
             .map(|u| u.upstream.clone())
             .collect()
     }
@@ -279,7 +299,7 @@ impl Registry {
                     role: u.upstream.role,
                     url: u.upstream.url.clone(),
                     control_addr: r.control_addr.clone(),
-                    routable: u.live(now),
+                    routable: self.routable(u, now),
                     since_seen: now.saturating_duration_since(r.last_seen),
                     generation: r.generation,
                     draining: u.draining,
@@ -292,6 +312,42 @@ impl Registry {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn with_etcd_only_instances_with_a_live_record_are_routed_to() {
+        let t0 = Instant::now();
+        let hb = Duration::from_millis(100);
+        let mut r = Registry::default();
+        r.add(Role::Prefill, "http://p0:1");
+        r.record("http://p0:1", Some((0, 10)));
+        r.register("d0", Role::Decode, "http://d0:1", "127.0.0.1:1", hb, t0);
+        r.register("d1", Role::Decode, "http://d1:1", "127.0.0.1:2", hb, t0);
+        assert_eq!(
+            r.alive_at(Role::Decode, t0).len(),
+            2,
+            "no etcd: registration decides"
+        );
+        // etcd lists d1 only (d0's lease expired): d0 is not routed to, but still listed.
+        r.set_members(Some(HashSet::from(["d1".to_string()])));
+        assert_eq!(
+            r.alive_at(Role::Decode, t0),
+            vec!["http://d1:1".to_string()]
+        );
+        let view = r.registered_at(t0);
+        assert!(!view.iter().find(|v| v.node == "d0").unwrap().routable);
+        assert!(view.iter().find(|v| v.node == "d1").unwrap().routable);
+        assert_eq!(
+            r.alive_at(Role::Prefill, t0).len(),
+            1,
+            "static entries unaffected"
+        );
+        // d0 put its record again: routed to again.
+        r.set_members(Some(HashSet::from(["d0".to_string(), "d1".to_string()])));
+        assert_eq!(r.alive_at(Role::Decode, t0).len(), 2);
+        // A record without a registration routes nothing.
+        r.set_members(Some(HashSet::from(["d9".to_string()])));
+        assert!(r.alive_at(Role::Decode, t0).is_empty());
+    }
 
     #[test]
     fn registered_instances_live_by_heartbeat_and_connection() {

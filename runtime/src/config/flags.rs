@@ -104,6 +104,8 @@ pub struct ServeFlags {
     pub control_listen: Option<String>,
     /// `control.proxy`.
     pub control_proxy: Option<String>,
+    /// `[control.discovery]`, whole (a deployment file's `discovery = "etcd"`).
+    pub discovery: Option<super::DiscoveryConfig>,
     /// `server.drain_timeout_s`.
     pub drain_timeout_s: Option<u64>,
 }
@@ -126,6 +128,8 @@ struct FlagsControl<'a> {
     listen: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     proxy: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    discovery: Option<&'a super::DiscoveryConfig>,
 }
 
 #[derive(Serialize)]
@@ -302,6 +306,7 @@ impl Serialize for ServeFlags {
             control: FlagsControl {
                 listen: self.control_listen.as_deref(),
                 proxy: self.control_proxy.as_deref(),
+                discovery: self.discovery.as_ref(),
             },
         }
         .serialize(serializer)

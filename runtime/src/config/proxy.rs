@@ -109,6 +109,11 @@ pub struct ProxySection {
     /// What the KV router credits a prefix block found in an instance's KV tier, against 1
     /// for one in its block pool (`[proxy.kv_tier_credit]`).
     pub kv_tier_credit: TierCredit,
+    /// Where the instances are: `static` (the lists above, and instances that register with
+    /// this proxy), or etcd (`[proxy.discovery] kind = "etcd"`: this proxy keeps its own record
+    /// there under a lease, so instances find and register with it, and routes only to
+    /// instances whose etcd record is alive).
+    pub discovery: super::DiscoveryConfig,
 }
 
 /// The KV router's credit for a prompt block an instance holds below its block pool
@@ -241,6 +246,7 @@ impl Default for ProxySection {
             prefill_load_scale: 1.0,
             kv_index_max_blocks: 1 << 20,
             kv_tier_credit: TierCredit::default(),
+            discovery: super::DiscoveryConfig::default(),
         }
     }
 }
@@ -333,6 +339,15 @@ impl ProxyConfig {
             if !(0.0..=1.0).contains(&v) {
                 return invalid(key, format!("{key} must be a number in 0..=1, got {v}"));
             }
+        }
+        if let Some((key, message)) = p.discovery.invalid("proxy.discovery") {
+            return invalid(&key, message);
+        }
+        if p.discovery.is_etcd() && p.credentials_dir.is_none() {
+            return invalid(
+                "proxy.discovery.kind",
+                "proxy.discovery.kind = \"etcd\" needs proxy.credentials_dir: instances register with the proxy over the control plane (pdserve cluster init)".into(),
+            );
         }
         if p.kv_index_max_blocks == 0 {
             return invalid(

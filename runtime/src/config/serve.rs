@@ -135,6 +135,10 @@ pub struct ControlSection {
     /// Milliseconds between heartbeats; the proxy stops routing to an instance that missed
     /// three.
     pub heartbeat_ms: u64,
+    /// Where the proxies are: `control.proxy` (the default, `static`), or every proxy listed in
+    /// etcd (`kind = "etcd"`: this instance keeps its own record there under a lease, and
+    /// registers with each proxy that appears).
+    pub discovery: super::DiscoveryConfig,
 }
 
 impl Default for ControlSection {
@@ -143,6 +147,7 @@ impl Default for ControlSection {
             listen: "127.0.0.1:0".into(),
             proxy: None,
             heartbeat_ms: 500,
+            discovery: super::DiscoveryConfig::default(),
         }
     }
 }

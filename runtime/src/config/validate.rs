@@ -185,6 +185,15 @@ impl ServeConfig {
                 }
             }
         }
+        if let Some((key, message)) = ctl.discovery.invalid("control.discovery") {
+            return invalid(&key, message);
+        }
+        if ctl.discovery.is_etcd() && self.transfer.credentials_dir.is_none() {
+            return invalid(
+                "control.discovery.kind",
+                "control.discovery.kind = \"etcd\" needs transfer.credentials_dir: instances register with the proxies over the control plane (pdserve cluster init)",
+            );
+        }
         if !HEARTBEAT_MS_RANGE.contains(&ctl.heartbeat_ms) {
             return invalid(
                 "control.heartbeat_ms",

@@ -118,6 +118,19 @@ config_enum! {
 }
 
 config_enum! {
+    /// How members of a cluster find each other.
+    pub enum DiscoveryKind for "discovery.kind" {
+        /// The built-in registration: an instance registers with the one proxy its config
+        /// names (`control.proxy`); the proxy keeps membership in memory.
+        #[default]
+        Static = "static",
+        /// Membership in etcd: every member keeps its record under a lease, proxies watch the
+        /// instances and instances watch the proxies (several proxies side by side).
+        Etcd = "etcd",
+    }
+}
+
+config_enum! {
     /// `transfer.mode`: how KV moves from prefill to decode when the decode instance drives
     /// the hand-off.
     pub enum TransferMode for "transfer.mode" {

@@ -24,7 +24,8 @@
 //! **Windows.** Time is cut into windows of `window_s`. A window meets the SLA when the p90
 //! TTFT of the requests that arrived in it and the p90 ITL of the tokens produced in it are
 //! within the targets (a window without requests or tokens meets that part). With a planner,
-//! each window's end hands it a [`WindowObservation`] and applies its decision.
+//! each window's end hands it a [`WindowObservation`](crate::planner::WindowObservation) and
+//! applies its decision.
 
 mod cluster;
 mod rng;

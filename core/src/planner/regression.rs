@@ -5,7 +5,7 @@
 //! samples — every engine at the same batch, say — finite; it then leans towards the mean.
 
 /// Most features a fit may have.
-pub const MAX_FEATURES: usize = 3;
+pub(crate) const MAX_FEATURES: usize = 3;
 
 /// A linear model fitted by [`fit`]: an intercept and one slope per feature.
 #[derive(Debug, Clone, PartialEq)]
@@ -31,7 +31,7 @@ impl LinearFit {
 }
 
 /// Fits `y` on the features of `samples` (`(features, y)`; every sample has the same number of
-/// features, at most [`MAX_FEATURES`]). `None` with no sample, with non-finite values, with
+/// features, at most three). `None` with no sample, with non-finite values, with
 /// samples of different widths, or when the system is singular even with the ridge term.
 #[must_use]
 pub fn fit(samples: &[(Vec<f64>, f64)]) -> Option<LinearFit> {

@@ -162,6 +162,9 @@ impl Bounds {
 
     /// `want` clamped into each role's bounds and the budget. Over the budget, the budget is
     /// shared in proportion to what each role asked for (each keeping its minimum).
+    ///
+    /// # Panics
+    /// When a role's `min` exceeds its `max` ([`Bounds::validate`] refuses such bounds).
     #[must_use]
     pub fn clamp(&self, want: Split) -> Split {
         let p = want.prefill.clamp(self.prefill.min, self.prefill.max);
@@ -170,9 +173,20 @@ impl Bounds {
             return Split::new(p, d);
         }
         let share = (self.total_max as f64 * p as f64 / (p + d) as f64).floor() as usize;
-        let p = share.clamp(self.prefill.min, self.total_max - self.decode.min);
-        let d = (self.total_max - p).clamp(self.decode.min, self.decode.max);
-        Split::new(p.min(self.total_max - d), d)
+        let p_hi = self
+            .total_max
+            .saturating_sub(self.decode.min)
+            .max(self.prefill.min);
+        let p = share.clamp(self.prefill.min, p_hi);
+        let d = self
+            .total_max
+            .saturating_sub(p)
+            .clamp(self.decode.min, self.decode.max);
+        Split::new(
+            p.min(self.total_max.saturating_sub(d))
+                .max(self.prefill.min),
+            d,
+        )
     }
 }
 

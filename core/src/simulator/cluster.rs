@@ -7,6 +7,9 @@ use crate::planner::{EngineCurves, EngineSample, Planner, PlannerMode, Split, Wi
 use std::cmp::{Ordering, Reverse};
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 
+/// Most windows one run may have (115 days of 10 s windows; ~200 bytes each in memory).
+const MAX_WINDOWS: usize = 1_000_000;
+
 /// Sessions used within this many seconds count as held when choosing what to drain.
 const SESSION_RECENT_S: f64 = 120.0;
 
@@ -585,7 +588,14 @@ pub(super) fn run(
     if !(startup.is_finite() && startup >= 0.0) {
         return Err(SimError::Config("startup_s must be >= 0".into()));
     }
-    let n_windows = ((trace.last_arrival_s() / cfg.window_s).floor() as usize + 1).max(1);
+    let n_windows = (trace.last_arrival_s() / cfg.window_s).floor() + 1.0;
+    if n_windows > MAX_WINDOWS as f64 {
+        return Err(SimError::Config(format!(
+            "the trace spans {n_windows} windows of {} s; at most {MAX_WINDOWS}",
+            cfg.window_s
+        )));
+    }
+    let n_windows = n_windows as usize;
     let reqs: Vec<Req> = trace
         .requests()
         .iter()

@@ -13,6 +13,7 @@ mod bench_serve;
 mod cuda;
 mod inspect;
 mod launch;
+mod plan;
 mod signals;
 
 /// Environment variables that size the compute thread pools (candle and rayon read them once).
@@ -67,6 +68,9 @@ enum Command {
     Drain(DrainArgs),
     /// Add or drain instances of a running `pdserve launch` cluster.
     Scale(launch::ScaleArgs),
+    /// The SLA planner offline: simulate it on a trace against fixed P/D splits.
+    #[command(subcommand)]
+    Plan(plan::PlanCommand),
 }
 
 #[derive(Args, Debug)]
@@ -713,6 +717,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Cuda(cmd) => cuda::run(cmd),
         Command::Drain(args) => drain(args),
         Command::Scale(args) => launch::scale(args),
+        Command::Plan(cmd) => plan::run(cmd),
         Command::Cluster(ClusterCommand::Init { dir, name, nodes }) => {
             pdserve_transport::control::tls::init_cluster(&dir, &name)?;
             println!("cluster `{name}`: CA written to {}", dir.display());

@@ -11,10 +11,14 @@
 //! | [`kv_events`] | the prefix-cache event log an instance drains for the proxy (pool and KV tiers, by medium), the proxy's `KvIndex` |
 //! | [`block_manager`] | the KV block pool: allocation, reference counts, watermark, the prefix cache |
 //! | [`handoff`] | the hand-off's error, the joining of its per-rank reports (`Aggregation`, `Epochs`), the KV path negotiated at the handshake (`kv_path`: host or CUDA IPC), the decode side of one hand-off (`pull::PullCore`), the memory of recent aborts (`aborts::RecentAborts`) |
+//! | [`planner`] | the SLA planner: throughput mode (forecast + profiled engine curves) and load mode (online regression, ±1), hysteresis and bounds |
+//! | [`simulator`] | a deterministic discrete-event P/D cluster built from engine curves, trace generators, the best fixed split |
 //! | [`router`] | the proxy's routing decision: least loaded, round-robin, conditional disaggregation, the KV router's cost |
 
 pub mod block_manager;
 pub mod handoff;
 pub mod kv_events;
+pub mod planner;
 pub mod prefix;
 pub mod router;
+pub mod simulator;

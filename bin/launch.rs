@@ -128,6 +128,8 @@ pub struct LaunchArgs {
     /// or `round-robin` (the proxy's `proxy.router`).
     #[arg(long, default_value = "kv")]
     router: pdserve_runtime::config::RouterKind,
+    #[command(flatten)]
+    planner: crate::planner_driver::PlannerArgs,
 }
 
 /// `pdserve scale` flags.
@@ -617,6 +619,11 @@ pub fn run(args: LaunchArgs) -> Result<()> {
     if args.prefill == 0 || args.decode == 0 {
         bail!("a cluster needs at least one prefill and one decode instance");
     }
+    // A planner that cannot run is refused before anything starts.
+    let planner = args.planner.planner()?;
+    if planner.is_some() && args.in_process {
+        bail!("--planner scales instance processes; it cannot be used with --in-process");
+    }
     // A device that cannot run fails here, with its reason, before any child starts.
     crate::cuda::check(args.device, args.tp)?;
     // Fetch the model once, here, with its progress bar, before children race for it.
@@ -732,6 +739,13 @@ pub fn run(args: LaunchArgs) -> Result<()> {
             args.prefill, args.decode, args.encode, args.model, args.transport, template.dir
         );
         let mut check = tokio::time::interval(Duration::from_millis(500));
+        let mut driver = match planner {
+            Some(p) => Some(crate::planner_driver::Driver::new(p, creds.dir(), proxy_url.clone(), control, args.api_key.as_deref())?),
+            None => None,
+        };
+        let window = driver.as_ref().map_or(Duration::from_secs(3600), |d| d.window());
+        let mut plan_tick = tokio::time::interval_at(tokio::time::Instant::now() + window, window);
+        plan_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let outcome = loop {
             tokio::select! {
                 _ = stop.recv() => break Ok(()),
@@ -744,6 +758,27 @@ pub fn run(args: LaunchArgs) -> Result<()> {
                         Err(e) => format!("error {e:#}"),
                     };
                     let _ = reply.send(answer);
+                }
+                _ = plan_tick.tick(), if driver.is_some() => {
+                    let Some(d) = driver.as_mut() else { continue };
+                    let count = |role: &str| members.iter().filter(|m| m.role == Some(role) && !m.draining).count();
+                    let current = pdserve_core::planner::Split::new(count("prefill"), count("decode"));
+                    match d.observe(current).await {
+                        Ok(decision) => {
+                            eprintln!("pdserve launch: planner window: {current} -> {} ({})", decision.split, decision.reason);
+                            for (role, want, now) in [("prefill", decision.split.prefill, current.prefill), ("decode", decision.split.decode, current.decode)] {
+                                if want == now {
+                                    continue;
+                                }
+                                let line = format!("scale {role} {want}");
+                                match apply_scale(&mut members, &template, &creds, &line) {
+                                    Ok(done) => eprintln!("pdserve launch: planner {current} -> {}: {done} ({})", decision.split, decision.reason),
+                                    Err(e) => eprintln!("pdserve launch: planner: {line}: {e:#}"),
+                                }
+                            }
+                        }
+                        Err(e) => eprintln!("pdserve launch: planner window skipped: {e:#}"),
+                    }
                 }
                 _ = check.tick() => {
                     let mut failed = None;

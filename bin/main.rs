@@ -14,6 +14,7 @@ mod cuda;
 mod inspect;
 mod launch;
 mod plan;
+mod planner_driver;
 mod signals;
 
 /// Environment variables that size the compute thread pools (candle and rayon read them once).

@@ -11,6 +11,8 @@
 //! - A decode instance frozen with SIGSTOP leaves the routing set when its lease expires (its
 //!   heartbeats are set 20 s apart and the control connection's idle timeout is 10 s, so only
 //!   etcd can drop it first), and comes back under a new lease after SIGCONT.
+//! - etcd itself frozen for longer than a lease: the proxy serves on its last view; after
+//!   etcd comes back every member is listed and routed to again.
 //!
 //! Without an `etcd` binary the test is skipped, except under `CI=true` (.ci/run installs
 //! `etcd-server`), where it fails.
@@ -388,6 +390,46 @@ fn two_proxies_over_etcd_survive_one_killed_and_drop_a_frozen_instance_within_it
         (1, 2, 3.0),
         bound,
     ));
+
+    // etcd itself frozen for longer than a lease: the proxy keeps its last view and serves;
+    // after etcd comes back, every member is listed again and served.
+    let mut etcd = etcd;
+    common::signal(&mut etcd.child, libc::SIGSTOP);
+    rt.block_on(async {
+        let until = Instant::now() + Duration::from_secs(5);
+        let mut served = 0;
+        while Instant::now() < until {
+            assert_eq!(
+                complete(&client, &proxies[1..], &prompts[2]).await.unwrap(),
+                reference[2],
+                "serving while etcd is frozen"
+            );
+            served += 1;
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        eprintln!("{served} requests served while etcd was frozen for 5 s (lease 3 s)");
+    });
+    common::signal(&mut etcd.child, libc::SIGCONT);
+    rt.block_on(async {
+        // What the proxy's view does as etcd resumes (leases it let lapse while frozen).
+        let metrics = format!("{}/metrics", proxies[1]);
+        let until = Instant::now() + Duration::from_secs(4);
+        let mut fewest = f64::INFINITY;
+        while Instant::now() < until {
+            let seen = metric_sum(
+                &get_text(&client, &metrics).await,
+                "pdserve_proxy_etcd_members",
+            );
+            fewest = fewest.min(seen);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        eprintln!("fewest etcd members seen in the 4 s after etcd resumed: {fewest}");
+        wait_routing(&mut procs, &client, &proxies[1], (1, 2, 3.0), bound).await;
+        assert_eq!(
+            complete(&client, &proxies[1..], &prompts[3]).await.unwrap(),
+            reference[3]
+        );
+    });
     drop(procs);
     drop(etcd);
 }

@@ -262,7 +262,10 @@ fn two_proxies_over_etcd_survive_one_killed_and_drop_a_frozen_instance_within_it
     // The reference texts, through proxy A; proxy B learns of the cached prefixes from the
     // instances' KV events.
     let prompts: Vec<String> = (0..4)
-        .map(|i| format!("membership in etcd, prompt {i}: the same words many times over "))
+        .map(|i| {
+            format!("membership in etcd, prompt {i}: ")
+                + &"the same words many times over ".repeat(24)
+        })
         .collect();
     let reference: Vec<String> = rt.block_on(async {
         let mut texts = Vec::new();
@@ -277,10 +280,21 @@ fn two_proxies_over_etcd_survive_one_killed_and_drop_a_frozen_instance_within_it
             "pdserve_router_kv_index_blocks",
         )
     };
-    rt.block_on(async {
+    // Both proxies index the same blocks: each has every instance's KV events (the requests
+    // above went through A only).
+    let agreed = rt.block_on(async {
         let deadline = Instant::now() + bound;
-        while index_b(client.clone(), proxies[1].clone()).await == 0.0 {
-            assert!(Instant::now() < deadline, "proxy B never indexed a block");
+        loop {
+            let a = index_b(client.clone(), proxies[0].clone()).await;
+            let b = index_b(client.clone(), proxies[1].clone()).await;
+            if a > 0.0 && a == b {
+                eprintln!("both proxies index {b} blocks");
+                break b;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the proxies' KV indexes never agreed: A {a}, B {b}"
+            );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     });
@@ -336,7 +350,8 @@ fn two_proxies_over_etcd_survive_one_killed_and_drop_a_frozen_instance_within_it
     // B still routes to everything, with its index; A's record left etcd with its lease.
     rt.block_on(async {
         wait_routing(&mut procs, &client, &proxies[1], (1, 2, 3.0), bound).await;
-        assert!(index_b(client.clone(), proxies[1].clone()).await > 0.0);
+        let b = index_b(client.clone(), proxies[1].clone()).await;
+        assert!(b >= agreed, "B's index shrank: {b} < {agreed}");
         assert_eq!(
             complete(&client, &proxies[1..], &prompts[0]).await.unwrap(),
             reference[0]

@@ -192,15 +192,7 @@ pub fn shifting_mix(p: &ShiftingMix, seed: u64) -> Trace {
         });
         t += rng.exp(1.0 / p.rate.max(1e-9));
     }
-    Trace::new(requests).unwrap_or_else(|_| Trace {
-        requests: vec![TraceRequest {
-            t: 0.0,
-            isl: 1,
-            osl: 1,
-            session: None,
-            prefix: 0,
-        }],
-    })
+    generated(requests)
 }
 
 /// Parameters of [`multi_turn`].
@@ -284,6 +276,12 @@ pub fn multi_turn(p: &MultiTurn, seed: u64) -> Trace {
             at += rng.exp(p.think_s.max(1e-9));
         }
     }
+    generated(requests)
+}
+
+/// A generated trace, or one request of one token each way when the parameters generated
+/// none (a zero duration or rate): the generators never fail.
+fn generated(requests: Vec<TraceRequest>) -> Trace {
     Trace::new(requests).unwrap_or_else(|_| Trace {
         requests: vec![TraceRequest {
             t: 0.0,

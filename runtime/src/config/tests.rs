@@ -831,6 +831,9 @@ fn every_config_key_is_settable_from_env() {
                 "transfer.rdma_port" => "2",
                 "transfer.rdma_send_queue_depth" => "256",
                 "transfer.listen" | "control.listen" | "control.proxy" => "127.0.0.1:9999",
+                // A table: one of its keys, as figment reads a dict from the environment
+                // (kind stays `static`, which needs no credentials).
+                "control.discovery" => "{lease_ttl_s=30}",
                 "model.weights" => "q8_0",
                 "scheduler.kv_cache_dtype" => "f16",
                 "model.device" => "cuda:1",

@@ -657,8 +657,16 @@ fn proxy(args: ProxyArgs) -> Result<()> {
                 .with_context(|| format!("proxy.control_listen {}", p.control_listen))?;
             let discovery =
                 pdserve_actors::discovery::EtcdSettings::from_config(&p.discovery, creds.cluster());
+            // Validated with the config: an IP, not unspecified.
+            let advertise = p
+                .advertise_addr
+                .as_deref()
+                .map(str::parse::<std::net::IpAddr>)
+                .transpose()
+                .with_context(|| format!("proxy.advertise_addr {:?}", p.advertise_addr))?;
             Some(pdserve_actors::proxy::ProxyControlArgs {
                 discovery,
+                advertise,
                 ..pdserve_actors::proxy::ProxyControlArgs::new(creds, listen)
             })
         }

@@ -147,6 +147,26 @@ pub struct ProxyActorState {
 
 /// Keeps the registry's member set to the instances `watch` lists (etcd discovery), and the
 /// `pdserve_proxy_etcd_members` gauge to their count.
+/// The record a proxy keeps in etcd: its API and control addresses as bound, with the IP
+/// replaced by `advertise` when set (a proxy bound to `0.0.0.0` in a pod publishes its pod IP:
+/// instances connect to the control address they read here, and `0.0.0.0` would be
+/// themselves).
+fn proxy_record(
+    node: String,
+    scheme: &str,
+    http: SocketAddr,
+    control: SocketAddr,
+    advertise: Option<std::net::IpAddr>,
+) -> MemberRecord {
+    let published = |a: SocketAddr| advertise.map_or(a, |ip| SocketAddr::new(ip, a.port()));
+    MemberRecord {
+        node,
+        role: Role::Proxy,
+        url: format!("{scheme}://{}", published(http)),
+        control_addr: published(control).to_string(),
+    }
+}
+
 async fn follow_members(state: Arc<ProxyState>, watch: MemberWatch) {
     let mut members = watch.members.clone();
     loop {
@@ -208,10 +228,13 @@ impl Actor for Proxy {
             outstanding: Mutex::new(Default::default()),
             decisions: Mutex::new(Default::default()),
         });
-        let etcd_member = start
-            .control
-            .as_ref()
-            .and_then(|c| Some((c.discovery.clone()?, c.credentials.node().to_string())));
+        let etcd_member = start.control.as_ref().and_then(|c| {
+            Some((
+                c.discovery.clone()?,
+                c.credentials.node().to_string(),
+                c.advertise,
+            ))
+        });
         // Bind the control endpoint first: if it fails, nothing else is running yet.
         let control = match start.control {
             Some(c) => Some(Arc::new(ProxyControl::bind(
@@ -236,13 +259,9 @@ impl Actor for Proxy {
         let http_url = format!("{}://{}", args.tls.scheme(), server.addr());
         let etcd = etcd_member
             .zip(control.as_ref())
-            .map(|((settings, node), c)| {
-                let record = MemberRecord {
-                    node,
-                    role: Role::Proxy,
-                    url: http_url.clone(),
-                    control_addr: c.addr.to_string(),
-                };
+            .map(|((settings, node, advertise), c)| {
+                let record =
+                    proxy_record(node, args.tls.scheme(), server.addr(), c.addr, advertise);
                 let watch = MemberWatch::start(settings.clone(), MemberKind::Instance);
                 (
                     Announcement::start(settings, MemberKind::Proxy, record),
@@ -563,4 +582,43 @@ pub async fn start_proxy_with_control(
     let addr = ractor::call_t!(proxy, ProxyMsg::LocalAddr, call_timeout.as_millis() as u64)
         .map_err(|e| StartError::actor("proxy", e))?;
     Ok(StartedProxy { addr, ..started })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_proxy_bound_to_every_interface_publishes_its_advertised_ip() {
+        let http: SocketAddr = "0.0.0.0:8000".parse().unwrap();
+        let control: SocketAddr = "0.0.0.0:7000".parse().unwrap();
+        let r = proxy_record(
+            "proxy-0".into(),
+            "http",
+            http,
+            control,
+            Some("10.244.1.7".parse().unwrap()),
+        );
+        assert_eq!(r.node, "proxy-0");
+        assert_eq!(r.role, Role::Proxy);
+        assert_eq!(r.url, "http://10.244.1.7:8000");
+        assert_eq!(r.control_addr, "10.244.1.7:7000");
+        // What instances read back: the advertised address, not 0.0.0.0.
+        let view = Some(std::collections::BTreeMap::from([(r.node.clone(), r)]));
+        assert_eq!(
+            crate::discovery::control_addrs(&view),
+            vec!["10.244.1.7:7000".parse::<SocketAddr>().unwrap()]
+        );
+        // Without an advertised IP the bound addresses are published as they are.
+        let bound: SocketAddr = "10.0.0.1:7000".parse().unwrap();
+        let r = proxy_record(
+            "proxy".into(),
+            "https",
+            "10.0.0.1:8443".parse().unwrap(),
+            bound,
+            None,
+        );
+        assert_eq!(r.url, "https://10.0.0.1:8443");
+        assert_eq!(r.control_addr, "10.0.0.1:7000");
+    }
 }

@@ -112,6 +112,9 @@ pub struct ProxyControlArgs {
     /// Membership in etcd: keep this proxy's record there (instances find it and register)
     /// and route only to instances whose record is alive.
     pub discovery: Option<crate::discovery::EtcdSettings>,
+    /// The IP the proxy's etcd record publishes in place of the bound one (`proxy.advertise_addr`:
+    /// a proxy bound to `0.0.0.0` in a pod publishes its pod IP). `None`: the bound addresses.
+    pub advertise: Option<std::net::IpAddr>,
 }
 
 impl ProxyControlArgs {
@@ -123,6 +126,7 @@ impl ProxyControlArgs {
             inspect_timeout: Duration::from_secs(2),
             max_requests: crate::control_plane::MAX_CONTROL_REQUESTS,
             discovery: None,
+            advertise: None,
         }
     }
 }

@@ -78,6 +78,11 @@ pub struct ProxySection {
     /// Control-plane listen address (UDP; port 0 picks one).
     #[serde(deserialize_with = "lenient::string")]
     pub control_listen: String,
+    /// The IP this proxy publishes in its etcd record (its control address and URL, with the
+    /// ports it bound), for a proxy bound to all interfaces (`0.0.0.0`), whose bound address
+    /// nobody can reach: in a Kubernetes pod, the pod IP. Unset: the bound addresses.
+    #[serde(deserialize_with = "lenient::opt_string")]
+    pub advertise_addr: Option<String>,
     /// Bound on one call between the proxy's actors, in milliseconds.
     pub actor_call_timeout_ms: u64,
     /// PEM certificate chain (leaf first): with `tls_key`, the proxy serves HTTPS only.
@@ -235,6 +240,7 @@ impl Default for ProxySection {
             credentials_dir: None,
             node: "proxy".into(),
             control_listen: "127.0.0.1:0".into(),
+            advertise_addr: None,
             actor_call_timeout_ms: 5_000,
             tls_cert: None,
             tls_key: None,
@@ -361,12 +367,36 @@ impl ProxyConfig {
                 "proxy.actor_call_timeout_ms must be > 0".into(),
             );
         }
-        if p.control_listen.parse::<std::net::SocketAddr>().is_err() {
+        let Ok(control_listen) = p.control_listen.parse::<std::net::SocketAddr>() else {
             return invalid(
                 "proxy.control_listen",
                 format!(
                     "proxy.control_listen must be an IP:port, got `{}`",
                     p.control_listen
+                ),
+            );
+        };
+        if let Some(a) = &p.advertise_addr {
+            if !a
+                .parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| !ip.is_unspecified())
+            {
+                return invalid(
+                    "proxy.advertise_addr",
+                    format!("proxy.advertise_addr must be an IP address others reach this proxy at (not 0.0.0.0 or ::), got `{a}`"),
+                );
+            }
+        }
+        // Instances connect to the control address the proxy's etcd record names: `0.0.0.0`
+        // there would send each of them to itself.
+        if p.discovery.is_etcd()
+            && control_listen.ip().is_unspecified()
+            && p.advertise_addr.is_none()
+        {
+            return invalid(
+                "proxy.control_listen",
+                format!(
+                    "proxy.control_listen {control_listen} binds every interface: with proxy.discovery.kind = \"etcd\" set proxy.advertise_addr to the IP instances reach this proxy at (in a pod, its pod IP), which its etcd record publishes"
                 ),
             );
         }

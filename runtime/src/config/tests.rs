@@ -831,6 +831,9 @@ fn every_config_key_is_settable_from_env() {
                 "transfer.rdma_port" => "2",
                 "transfer.rdma_send_queue_depth" => "256",
                 "transfer.listen" | "control.listen" | "control.proxy" => "127.0.0.1:9999",
+                // A table: one of its keys, as figment reads a dict from the environment
+                // (kind stays `static`, which needs no credentials).
+                "control.discovery" => "{lease_ttl_s=30}",
                 "model.weights" => "q8_0",
                 "scheduler.kv_cache_dtype" => "f16",
                 "model.device" => "cuda:1",
@@ -985,6 +988,41 @@ fn the_proxy_router_settings_parse_and_bad_ones_are_named() {
                 .unwrap_err()
                 .to_string();
             assert!(e.contains(&format!("proxy.{key}")), "{key}: {e}");
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn an_etcd_proxy_bound_to_every_interface_needs_an_address_to_publish() {
+    // In a jail: the loader reads PDSERVE_PROXY__* variables other tests set.
+    figment::Jail::expect_with(|jail| {
+        let load = || ProxyConfig::load(None, serde_json::json!({}));
+        jail.set_env("PDSERVE_PROXY__CREDENTIALS_DIR", "/etc/pdserve/cluster");
+        jail.set_env("PDSERVE_PROXY__DISCOVERY__KIND", "etcd");
+        jail.set_env(
+            "PDSERVE_PROXY__DISCOVERY__ETCD_ENDPOINTS",
+            "[http://etcd:2379]",
+        );
+        // A specific control address is published as it is.
+        jail.set_env("PDSERVE_PROXY__CONTROL_LISTEN", "10.0.0.1:7000");
+        assert_eq!(load().unwrap().proxy.advertise_addr, None);
+        // 0.0.0.0 would be published as is, and every instance would connect to itself.
+        jail.set_env("PDSERVE_PROXY__CONTROL_LISTEN", "0.0.0.0:7000");
+        let e = load().unwrap_err().to_string();
+        assert!(e.contains("proxy.advertise_addr"), "{e}");
+        assert!(e.contains("pod IP"), "{e}");
+        // Without etcd nothing is published: binding every interface needs no address.
+        jail.set_env("PDSERVE_PROXY__DISCOVERY__KIND", "static");
+        load().unwrap();
+        jail.set_env("PDSERVE_PROXY__DISCOVERY__KIND", "etcd");
+        jail.set_env("PDSERVE_PROXY__ADVERTISE_ADDR", "10.244.1.7");
+        let c = load().unwrap();
+        assert_eq!(c.proxy.advertise_addr.as_deref(), Some("10.244.1.7"));
+        for bad in ["0.0.0.0", "::", "proxy-0", "10.244.1.7:7000"] {
+            jail.set_env("PDSERVE_PROXY__ADVERTISE_ADDR", bad);
+            let e = load().unwrap_err().to_string();
+            assert!(e.contains("proxy.advertise_addr"), "{bad}: {e}");
         }
         Ok(())
     });

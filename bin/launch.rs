@@ -740,7 +740,7 @@ pub fn run(args: LaunchArgs) -> Result<()> {
         );
         let mut check = tokio::time::interval(Duration::from_millis(500));
         let mut driver = match planner {
-            Some(p) => Some(crate::planner_driver::Driver::new(p, creds.dir(), proxy_url.clone(), control, args.api_key.as_deref())?),
+            Some(p) => Some(crate::planner_driver::Driver::new(p, (creds.dir(), "inspect"), proxy_url.clone(), control, args.api_key.as_deref())?),
             None => None,
         };
         let window = driver.as_ref().map_or(Duration::from_secs(3600), |d| d.window());
@@ -763,8 +763,8 @@ pub fn run(args: LaunchArgs) -> Result<()> {
                     let Some(d) = driver.as_mut() else { continue };
                     let count = |role: &str| members.iter().filter(|m| m.role == Some(role) && !m.draining).count();
                     let current = pdserve_core::planner::Split::new(count("prefill"), count("decode"));
-                    match d.observe(current).await {
-                        Ok(decision) => {
+                    match d.observe(Some(current)).await {
+                        Ok((_, decision)) => {
                             eprintln!("pdserve launch: planner window: {current} -> {} ({})", decision.split, decision.reason);
                             for (role, want, now) in [("prefill", decision.split.prefill, current.prefill), ("decode", decision.split.decode, current.decode)] {
                                 if want == now {

@@ -5,9 +5,13 @@
 //!   the search needs, and prints the planner beside the best fixed split meeting the SLA.
 //! - `pdserve plan trace KIND`: writes a generated trace as JSONL (the format `--trace FILE`
 //!   reads), to inspect it or to edit it.
+//! - `pdserve plan watch --control ADDR --proxy URL --credentials-dir DIR`: the planner on a
+//!   running cluster (the driver of `pdserve launch --planner`, `planner_driver.rs`), printing
+//!   its advice each window and, with `--etcd-endpoint`, putting it in etcd for whoever
+//!   scales the deployment.
 //!
-//! Everything runs in this process, single-threaded and deterministic for a seed; the
-//! planner and the simulator are `pdserve_core::planner` and `pdserve_core::simulator`.
+//! `simulate` and `trace` run in this process, single-threaded and deterministic for a seed;
+//! the planner and the simulator are `pdserve_core::planner` and `pdserve_core::simulator`.
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
@@ -28,6 +32,42 @@ pub enum PlanCommand {
     Simulate(Box<SimulateArgs>),
     /// Write a generated trace (`shifting` or `multi-turn`) as JSONL to stdout.
     Trace(TraceArgs),
+    /// Run the planner against a running cluster and print its advice each window (one JSON
+    /// line), also putting it in etcd with `--etcd-endpoint`: for deployments scaled by
+    /// someone else (Kubernetes, an operator). `pdserve launch --planner` acts instead.
+    Watch(Box<WatchArgs>),
+}
+
+/// `pdserve plan watch` flags.
+#[derive(Args, Debug)]
+pub struct WatchArgs {
+    /// The proxy's control address (`IP:port`, UDP).
+    #[arg(long)]
+    control: String,
+    /// The proxy's HTTP URL (its `/metrics`).
+    #[arg(long)]
+    proxy: String,
+    /// Cluster credentials directory (`pdserve cluster init`).
+    #[arg(long)]
+    credentials_dir: PathBuf,
+    /// The member to connect as.
+    #[arg(long, default_value = "inspect")]
+    node: String,
+    /// etcd client URL (repeatable): put each window's advice at
+    /// `PREFIX/CLUSTER/planner/recommendation`, under a lease of three windows.
+    #[arg(long = "etcd-endpoint")]
+    etcd: Vec<String>,
+    /// The etcd key prefix (the members' `discovery.etcd_prefix`).
+    #[arg(long, default_value = "/pdserve")]
+    etcd_prefix: String,
+    /// Stop after this many windows (default: until stopped).
+    #[arg(long)]
+    windows: Option<u64>,
+    /// Bearer token of the instances' and proxy's `/metrics` (their API key).
+    #[arg(long)]
+    api_key: Option<String>,
+    #[command(flatten)]
+    planner: crate::planner_driver::PlannerArgs,
 }
 
 /// The generated traces' knobs, shared by `simulate` and `trace`.
@@ -213,7 +253,83 @@ pub fn run(cmd: PlanCommand) -> Result<()> {
             Ok(())
         }
         PlanCommand::Simulate(a) => simulate_cmd(&a),
+        PlanCommand::Watch(a) => watch_cmd(*a),
     }
+}
+
+fn watch_cmd(mut a: WatchArgs) -> Result<()> {
+    a.planner.planner.get_or_insert_with(|| "throughput".into());
+    let planner = a.planner.planner()?.context("--planner")?;
+    let control: std::net::SocketAddr = a
+        .control
+        .parse()
+        .with_context(|| format!("--control `{}`: expected IP:port", a.control))?;
+    let creds =
+        pdserve_transport::control::tls::MemberCredentials::load(&a.credentials_dir, &a.node)
+            .with_context(|| format!("member `{}` in {}", a.node, a.credentials_dir.display()))?;
+    let etcd = (!a.etcd.is_empty())
+        .then(|| {
+            let cfg = pdserve_runtime::config::DiscoveryConfig {
+                etcd_prefix: a.etcd_prefix.clone(),
+                ..pdserve_runtime::config::DiscoveryConfig::etcd(a.etcd.clone())
+            };
+            if let Some((key, message)) = cfg.invalid("etcd") {
+                bail!(
+                    "--{}: {message}",
+                    key.trim_start_matches("etcd.").replace('_', "-")
+                );
+            }
+            Ok(pdserve_actors::discovery::EtcdSettings::from_config(
+                &cfg,
+                creds.cluster(),
+            ))
+        })
+        .transpose()?
+        .flatten();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let mut driver = crate::planner_driver::Driver::new(
+            planner,
+            (&a.credentials_dir, &a.node),
+            a.proxy.trim_end_matches('/').to_string(),
+            control,
+            a.api_key.as_deref(),
+        )?;
+        let window = driver.window();
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + window, window);
+        let mut n = 0u64;
+        while a.windows.is_none_or(|w| n < w) {
+            tick.tick().await;
+            n += 1;
+            let (current, d) = match driver.observe(None).await {
+                Ok(o) => o,
+                Err(e) => {
+                    eprintln!("pdserve plan watch: window {n} skipped: {e:#}");
+                    continue;
+                }
+            };
+            let advice = serde_json::json!({
+                "window": n,
+                "current": {"prefill": current.prefill, "decode": current.decode},
+                "recommended": {"prefill": d.split.prefill, "decode": d.split.decode},
+                "wanted": {"prefill": d.wanted.prefill, "decode": d.wanted.decode},
+                "reason": d.reason,
+                "ttft_ms": driver.config().sla.ttft_s * 1e3,
+                "itl_ms": driver.config().sla.itl_s * 1e3,
+            });
+            println!("{advice}");
+            if let Some(etcd) = &etcd {
+                if let Err(e) =
+                    pdserve_actors::discovery::put_recommendation(etcd, &advice, window * 3).await
+                {
+                    eprintln!("pdserve plan watch: advice not put in etcd: {e}");
+                }
+            }
+        }
+        Ok(())
+    })
 }
 
 fn simulate_cmd(a: &SimulateArgs) -> Result<()> {

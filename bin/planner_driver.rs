@@ -229,19 +229,19 @@ pub struct Driver {
 
 impl Driver {
     /// A driver for the cluster whose proxy serves `proxy_url` and whose control plane is at
-    /// `proxy_control`, reached with the launcher's `inspect` credentials in `dir`.
+    /// `proxy_control`, reached as member `node` of the credentials in `dir`.
     ///
     /// # Errors
     /// Unusable credentials or an unbindable control endpoint.
     pub fn new(
         planner: Planner,
-        dir: &Path,
+        (dir, node): (&Path, &str),
         proxy_url: String,
         proxy_control: SocketAddr,
         api_key: Option<&str>,
     ) -> Result<Self> {
-        let creds = pdserve_transport::control::tls::MemberCredentials::load(dir, "inspect")
-            .context("the launcher's inspect credentials")?;
+        let creds = pdserve_transport::control::tls::MemberCredentials::load(dir, node)
+            .with_context(|| format!("member credentials `{node}` in {}", dir.display()))?;
         let config = ControlConfig {
             listen: "127.0.0.1:0".parse()?,
             role: pdserve_runtime::Role::Other,
@@ -270,6 +270,11 @@ impl Driver {
             arrivals: f64::NAN,
             last: HashMap::new(),
         })
+    }
+
+    /// The planner's configuration.
+    pub fn config(&self) -> &PlannerConfig {
+        self.planner.config()
     }
 
     /// The window's length.
@@ -304,12 +309,23 @@ impl Driver {
     }
 
     /// Observes the window that just ended (`current`: the instances the launcher runs per
-    /// role, draining ones excluded) and returns the planner's decision.
+    /// role, draining ones excluded; `None`: those the proxy lists, draining ones excluded)
+    /// and returns the planner's decision with the split it was made from.
     ///
     /// # Errors
     /// The proxy's snapshot could not be fetched (the window is skipped).
-    pub async fn observe(&mut self, current: Split) -> Result<Decision> {
+    pub async fn observe(&mut self, current: Option<Split>) -> Result<(Split, Decision)> {
         let cluster = self.cluster().await?;
+        let current = current.unwrap_or_else(|| {
+            let count = |role: &str| {
+                cluster
+                    .instances
+                    .iter()
+                    .filter(|m| m.role == role && !m.draining)
+                    .count()
+            };
+            Split::new(count("prefill"), count("decode"))
+        });
         let proxy_page = self.page(&self.proxy_url).await;
         let arrivals_now = sum(
             &proxy_page,
@@ -389,7 +405,7 @@ impl Driver {
             current.prefill.saturating_sub(routable.prefill),
             current.decode.saturating_sub(routable.decode),
         );
-        Ok(self.planner.observe(&obs))
+        Ok((current, self.planner.observe(&obs)))
     }
 }
 

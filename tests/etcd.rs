@@ -203,7 +203,7 @@ fn two_proxies_over_etcd_survive_one_killed_and_drop_a_frozen_instance_within_it
     init.args(["cluster", "init"])
         .arg(&creds)
         .args(["--name", &name]);
-    for n in nodes {
+    for n in nodes.iter().chain(&["inspect"]) {
         init.args(["--node", n]);
     }
     let out = init.output().unwrap();
@@ -258,6 +258,64 @@ fn two_proxies_over_etcd_survive_one_killed_and_drop_a_frozen_instance_within_it
             wait_routing(&mut procs, &client, p, (1, 2, 3.0), bound).await;
         }
     });
+
+    // The planner's advice on this cluster, two 1-second windows, printed and put in etcd.
+    let watch = Command::new(env!("CARGO_BIN_EXE_pdserve"))
+        .args([
+            "plan",
+            "watch",
+            "--control",
+            &format!("127.0.0.1:{}", controls[1]),
+        ])
+        .args(["--proxy", &proxies[1], "--credentials-dir"])
+        .arg(&creds)
+        .args([
+            "--etcd-endpoint",
+            &etcd.url,
+            "--windows",
+            "2",
+            "--planner-window-s",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    assert!(watch.status.success(), "{watch:?}");
+    let advice: Vec<serde_json::Value> = String::from_utf8_lossy(&watch.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(advice.len(), 2, "{advice:?}");
+    assert_eq!(
+        advice[1]["current"],
+        serde_json::json!({"prefill": 1, "decode": 2})
+    );
+    assert!(
+        advice[1]["recommended"]["prefill"].as_u64().unwrap() >= 1,
+        "{advice:?}"
+    );
+    let stored = rt.block_on(async {
+        use base64::Engine as _;
+        let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
+        let key = format!("/pdserve/{name}/planner/recommendation");
+        let v: serde_json::Value = client
+            .post(format!("{}/v3/kv/range", etcd.url))
+            .json(&serde_json::json!({"key": b64(&key)}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let value = v["kvs"][0]["value"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        base64::engine::general_purpose::STANDARD
+            .decode(value)
+            .unwrap_or_default()
+    });
+    let stored: serde_json::Value = serde_json::from_slice(&stored).unwrap_or_default();
+    assert_eq!(stored["window"], 2, "the last advice in etcd: {stored}");
 
     // The reference texts, through proxy A; proxy B learns of the cached prefixes from the
     // instances' KV events.

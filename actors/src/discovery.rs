@@ -93,9 +93,13 @@ pub enum DiscoveryError {
     /// etcd says the lease is gone (the member was frozen longer than its TTL).
     #[error("the lease expired")]
     LeaseExpired,
-    /// The watch ended, was cancelled or compacted, or stayed silent too long.
+    /// The watch ended, or was cancelled or compacted.
     #[error("the watch ended: {0}")]
     WatchEnded(String),
+    /// The watch stayed silent for [`WATCH_IDLE`] (routine on a quiet cluster: it is listed
+    /// and watched again).
+    #[error("the watch was silent for {0:?}")]
+    WatchIdle(Duration),
 }
 
 /// An int64 of etcd's JSON (a string, as proto3 JSON writes 64-bit numbers; absent = 0).
@@ -604,6 +608,28 @@ async fn announce(
     }
 }
 
+/// Puts `value` (JSON) at `PREFIX/CLUSTER/planner/recommendation` under a fresh lease of
+/// `ttl`: a reader sees the planner's latest advice, and none once the planner has stopped
+/// for longer than `ttl`. Returns the key.
+///
+/// # Errors
+/// etcd could not be reached or refused the put.
+pub async fn put_recommendation(
+    settings: &EtcdSettings,
+    value: &serde_json::Value,
+    ttl: Duration,
+) -> Result<String, DiscoveryError> {
+    let client = EtcdClient::new(&settings.endpoints)?;
+    let key = format!("{}/planner/recommendation", settings.root);
+    let lease = client.grant(ttl.as_secs().max(2) as i64).await?;
+    let bytes = serde_json::to_vec(value).map_err(|e| DiscoveryError::BadAnswer {
+        call: "/v3/kv/put",
+        detail: e.to_string(),
+    })?;
+    client.put(&key, &bytes, lease).await?;
+    Ok(key)
+}
+
 /// The live members of one kind, as a watcher last saw them: `None` until etcd first
 /// answered.
 pub type Members = Option<BTreeMap<String, MemberRecord>>;
@@ -680,7 +706,7 @@ async fn watch_members(settings: EtcdSettings, kind: MemberKind, tx: watch::Send
             loop {
                 let chunk = tokio::time::timeout(WATCH_IDLE, stream.chunk())
                     .await
-                    .map_err(|_| DiscoveryError::WatchEnded(format!("silent for {WATCH_IDLE:?}")))?
+                    .map_err(|_| DiscoveryError::WatchIdle(WATCH_IDLE))?
                     .map_err(|e| DiscoveryError::WatchEnded(e.to_string()))?
                     .ok_or_else(|| DiscoveryError::WatchEnded("etcd closed it".into()))?;
                 pending.extend_from_slice(&chunk);
@@ -732,6 +758,12 @@ async fn watch_members(settings: EtcdSettings, kind: MemberKind, tx: watch::Send
             Ok(never) => match never {},
             Err(e) => e,
         };
+        if let DiscoveryError::WatchIdle(_) = e {
+            // A quiet cluster: list and watch again at once (a silent partition cannot leave
+            // the view stale for longer than this).
+            tracing::debug!(error = %e, "watching the cluster's members again");
+            continue;
+        }
         delay = backoff(
             &mut last,
             &e,

@@ -145,8 +145,6 @@ pub struct ProxyActorState {
     etcd: Option<(Announcement, tokio::task::JoinHandle<()>)>,
 }
 
-/// Keeps the registry's member set to the instances `watch` lists (etcd discovery), and the
-/// `pdserve_proxy_etcd_members` gauge to their count.
 /// The record a proxy keeps in etcd: its API and control addresses as bound, with the IP
 /// replaced by `advertise` when set (a proxy bound to `0.0.0.0` in a pod publishes its pod IP:
 /// instances connect to the control address they read here, and `0.0.0.0` would be
@@ -167,6 +165,8 @@ fn proxy_record(
     }
 }
 
+/// Keeps the registry's member set to the instances `watch` lists (etcd discovery), and the
+/// `pdserve_proxy_etcd_members` gauge to their count.
 async fn follow_members(state: Arc<ProxyState>, watch: MemberWatch) {
     let mut members = watch.members.clone();
     loop {

@@ -639,6 +639,7 @@ fn proxy(args: ProxyArgs) -> Result<()> {
         },
     };
     let scheme = pargs.tls.scheme();
+    let drain_timeout = std::time::Duration::from_secs(p.drain_timeout_s);
     let control = match &p.credentials_dir {
         Some(dir) => {
             let creds = pdserve_transport::control::tls::MemberCredentials::load(
@@ -685,6 +686,20 @@ fn proxy(args: ProxyArgs) -> Result<()> {
             println!("pdserve proxy: control plane at {control}");
         }
         stop.recv().await;
+        // Drain: /health answers 503 so clients move to another proxy; what is in flight
+        // finishes (bounded by proxy.drain_timeout_s).
+        let started = std::time::Instant::now();
+        match proxy.drain(drain_timeout).await {
+            Ok(0) => eprintln!(
+                "pdserve proxy: drained in {:.1} s",
+                started.elapsed().as_secs_f64()
+            ),
+            Ok(left) => eprintln!(
+                "pdserve proxy: {left} request(s) still in flight after the drain timeout ({} s); closing them",
+                drain_timeout.as_secs()
+            ),
+            Err(e) => eprintln!("pdserve proxy: drain: {e}"),
+        }
         proxy.stop().await;
         Ok(())
     })

@@ -348,3 +348,116 @@ fn a_killed_proxy_fails_its_streams_clearly_and_its_restart_gets_every_instance_
         }
     });
 }
+
+/// A proxy asked to stop (SIGTERM) drains: `/health` answers 503 `draining` at once, so load
+/// balancers send clients to another proxy, and the stream it carries finishes complete
+/// before it exits 0.
+#[test]
+fn a_stopping_proxy_answers_draining_and_finishes_its_stream_before_it_exits() {
+    let (proxy, prefill, decode) = (free_port(), free_port(), free_port());
+    let file = tempfile::NamedTempFile::new().unwrap();
+    common::write_deployment(
+        file.path(),
+        "drain",
+        "synthetic:tiny",
+        None,
+        proxy,
+        &[
+            ("prefill-0", "prefill", prefill),
+            ("decode-0", "decode", decode),
+        ],
+    );
+    let mut procs = Procs::new();
+    for node in ["prefill-0", "decode-0", "proxy"] {
+        procs.spawn(
+            node,
+            node_cmd(file.path(), node).env("PDSERVE_LOGGING__FILTER", "warn"),
+        );
+    }
+    let url = format!("http://127.0.0.1:{proxy}");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let client = pdserve_actors::http::http_client().build().unwrap();
+    rt.block_on(proxy_ready(&mut procs, &client, &url));
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let stream = {
+        let (client, url) = (client.clone(), url.clone());
+        rt.spawn(async move {
+            let body = serde_json::json!({"prompt": "a draining proxy", "max_tokens": 200,
+                                          "temperature": 0, "ignore_eos": true, "stream": true});
+            let mut r = client
+                .post(format!("{url}/v1/completions"))
+                .json(&body)
+                .send()
+                .await
+                .map_err(|e| e.to_string())?;
+            let mut raw = String::new();
+            let mut tx = Some(tx);
+            loop {
+                match r.chunk().await {
+                    Ok(Some(c)) => {
+                        raw.push_str(&String::from_utf8_lossy(&c));
+                        if raw.contains("\"text\"") {
+                            if let Some(tx) = tx.take() {
+                                let _ = tx.send(());
+                            }
+                        }
+                    }
+                    Ok(None) => return Ok::<_, String>(raw),
+                    Err(e) => return Err(e.to_string()),
+                }
+            }
+        })
+    };
+    rt.block_on(async {
+        tokio::time::timeout(Duration::from_secs(30), rx)
+            .await
+            .expect("the stream produced no token")
+            .expect("the stream ended before its first token");
+    });
+    // The decode instance is held (stopped) so the stream cannot finish before the proxy has
+    // been asked to stop, however fast the machine.
+    common::signal(procs.child("decode-0"), libc::SIGSTOP);
+    common::signal(procs.stopping("proxy"), libc::SIGTERM);
+    rt.block_on(async {
+        // Liveness bound: the proxy marks itself draining within a poll or two.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let r = client
+                .get(format!("{url}/health"))
+                .timeout(Duration::from_secs(2))
+                .send()
+                .await
+                .unwrap();
+            let status = r.status();
+            let v: serde_json::Value = r.json().await.unwrap_or_default();
+            if v["draining"] == true {
+                assert_eq!(status, 503, "{v}");
+                assert_eq!(v["status"], "draining", "{v}");
+                break;
+            }
+            assert!(Instant::now() < deadline, "never draining: {v}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+    assert!(
+        procs.child("proxy").try_wait().unwrap().is_none(),
+        "the proxy exited with a stream in flight"
+    );
+    common::signal(procs.child("decode-0"), libc::SIGCONT);
+    let raw = rt.block_on(stream).unwrap().expect("the stream failed");
+    assert!(raw.contains("[DONE]"), "the stream was cut: {raw}");
+    // Nothing left in flight: it exits by itself (liveness bound 30 s).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = procs.child("proxy").try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "the drained proxy did not exit");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "the proxy exited with {status}");
+}

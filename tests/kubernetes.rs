@@ -514,6 +514,15 @@ fn pdserve_accepts_the_config_and_environment_of_every_pod() {
                 pod.check_probes(u64::from(p.port));
                 let control: std::net::SocketAddr = p.control_listen.parse().unwrap();
                 assert_eq!(pod.container_port("control"), u64::from(control.port()));
+                // SIGTERM drains the proxy (in-flight requests finish within
+                // proxy.drain_timeout_s); the grace period covers it.
+                assert!(
+                    pod.grace_s() > p.drain_timeout_s,
+                    "{}: grace period {} s within the proxy's drain timeout {} s",
+                    pod.name,
+                    pod.grace_s(),
+                    p.drain_timeout_s
+                );
             }
             other => panic!("{}: unexpected command {other}", pod.name),
         }

@@ -138,6 +138,7 @@ pub struct Proxy(pub Inbox, pub Arc<Mutex<SupervisedFigures>>);
 /// The Proxy's state: its server, poller and control plane.
 pub struct ProxyActorState {
     server: HttpServer,
+    state: Arc<ProxyState>,
     poller: tokio::task::JoinHandle<()>,
     control: Option<(Arc<ProxyControl>, tokio::task::JoinHandle<()>)>,
     /// With etcd discovery: this proxy's record, and the task that keeps the registry's
@@ -227,6 +228,7 @@ impl Actor for Proxy {
             tokenizer: args.tokenizer.clone(),
             outstanding: Mutex::new(Default::default()),
             decisions: Mutex::new(Default::default()),
+            draining: std::sync::atomic::AtomicBool::new(false),
         });
         let etcd_member = start.control.as_ref().and_then(|c| {
             Some((
@@ -275,6 +277,7 @@ impl Actor for Proxy {
         });
         Ok(ProxyActorState {
             server,
+            state,
             poller,
             control,
             etcd,
@@ -298,6 +301,16 @@ impl Actor for Proxy {
                 if !reply.is_closed() {
                     let _ = reply.send(st.control.as_ref().map(|(c, _)| c.addr));
                 }
+            }
+            ProxyMsg::Drain(reply) => {
+                st.state
+                    .draining
+                    .store(true, std::sync::atomic::Ordering::SeqCst);
+                let in_flight = st
+                    .state
+                    .max_concurrent_requests
+                    .saturating_sub(st.state.admission.available_permits());
+                let _ = reply.send(in_flight);
             }
         }
         Ok(())
@@ -534,6 +547,27 @@ impl StartedProxy {
             self.call_timeout.as_millis() as u64
         )
         .map_err(|e| StartError::actor("proxy", e))
+    }
+
+    /// Drains the proxy: `/health` answers 503 (`draining`) from now on, so load balancers
+    /// and clients move to another proxy, while the requests in flight (and any still sent
+    /// here) are served. Returns once none is in flight, or after `within`, with the number
+    /// left.
+    ///
+    /// # Errors
+    /// The proxy did not answer.
+    pub async fn drain(&self, within: Duration) -> Result<usize, StartError> {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            let proxy = self.proxy().await?;
+            let left =
+                ractor::call_t!(proxy, ProxyMsg::Drain, self.call_timeout.as_millis() as u64)
+                    .map_err(|e| StartError::actor("proxy", e))?;
+            if left == 0 || tokio::time::Instant::now() >= deadline {
+                return Ok(left);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 
     /// Stops the proxy and its supervisor (bounded).

@@ -62,8 +62,20 @@ pub(super) async fn health(State(s): State<Arc<ProxyState>>) -> Response {
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
+    // Draining (stopping): not ready, whatever it routes to, so load balancers move on.
+    let draining = s.draining.load(std::sync::atomic::Ordering::SeqCst);
+    let status = if draining {
+        StatusCode::SERVICE_UNAVAILABLE
+    } else {
+        status
+    };
     let ready = status == StatusCode::OK;
-    (status, Json(json!({"status": if ready { "ok" } else { "degraded" }, "live": true, "ready": ready, "prefill": p, "decode": d, "encode": e}))).into_response()
+    let word = match (ready, draining) {
+        (true, _) => "ok",
+        (false, true) => "draining",
+        (false, false) => "degraded",
+    };
+    (status, Json(json!({"status": word, "live": true, "ready": ready, "draining": draining, "prefill": p, "decode": d, "encode": e}))).into_response()
 }
 
 pub(super) async fn models(State(s): State<Arc<ProxyState>>, headers: HeaderMap) -> Response {

@@ -12,6 +12,9 @@ pub enum ProxyMsg {
     LocalAddr(RpcReplyPort<SocketAddr>),
     /// Where the control plane listens (`None`: started without one).
     ControlAddr(RpcReplyPort<Option<SocketAddr>>),
+    /// Start draining (`/health` answers 503 from now on; requests still arriving are served)
+    /// and answer how many requests are in flight.
+    Drain(RpcReplyPort<usize>),
 }
 
 /// Where the proxy listens and what it routes to.

@@ -101,6 +101,9 @@ pub struct ProxyState {
     pub(super) outstanding: Mutex<HashMap<String, Outstanding>>,
     /// Router decisions by (role, reason), for `pdserve inspect`.
     pub(super) decisions: Mutex<HashMap<(Role, Reason), u64>>,
+    /// The proxy is draining (it was asked to stop): `/health` answers 503 so load balancers
+    /// send no more, and what is in flight finishes.
+    pub(super) draining: std::sync::atomic::AtomicBool,
 }
 
 impl ProxyState {

@@ -65,6 +65,10 @@ pub struct ProxySection {
     /// Seconds a client has to send a request's whole header (and to finish a TLS
     /// handshake); an idle keep-alive connection is closed after as long.
     pub header_read_timeout_s: u64,
+    /// Seconds a stopping proxy (SIGTERM, Ctrl-C) waits for the requests in flight to finish,
+    /// answering `/health` with 503 `draining` meanwhile, before it closes what is left
+    /// (0..=3600).
+    pub drain_timeout_s: u64,
     /// Bearer token clients must send on `/v1/*` (and that the proxy sends on to instances).
     #[serde(deserialize_with = "lenient::opt_string")]
     pub api_key: Option<String>,
@@ -236,6 +240,7 @@ impl Default for ProxySection {
             max_concurrent_requests: 1024,
             max_connections: 4096,
             header_read_timeout_s: 30,
+            drain_timeout_s: 30,
             api_key: None,
             credentials_dir: None,
             node: "proxy".into(),
@@ -353,6 +358,15 @@ impl ProxyConfig {
             return invalid(
                 "proxy.discovery.kind",
                 "proxy.discovery.kind = \"etcd\" needs proxy.credentials_dir: instances register with the proxy over the control plane (pdserve cluster init)".into(),
+            );
+        }
+        if p.drain_timeout_s > 3600 {
+            return invalid(
+                "proxy.drain_timeout_s",
+                format!(
+                    "proxy.drain_timeout_s must be 0..=3600, got {}",
+                    p.drain_timeout_s
+                ),
             );
         }
         if p.kv_index_max_blocks == 0 {

@@ -382,45 +382,60 @@ fn a_stopping_proxy_answers_draining_and_finishes_its_stream_before_it_exits() {
         .unwrap();
     let client = pdserve_actors::http::http_client().build().unwrap();
     rt.block_on(proxy_ready(&mut procs, &client, &url));
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let stream = {
-        let (client, url) = (client.clone(), url.clone());
-        rt.spawn(async move {
-            let body = serde_json::json!({"prompt": "a draining proxy", "max_tokens": 200,
-                                          "temperature": 0, "ignore_eos": true, "stream": true});
-            let mut r = client
-                .post(format!("{url}/v1/completions"))
-                .json(&body)
-                .send()
-                .await
-                .map_err(|e| e.to_string())?;
-            let mut raw = String::new();
-            let mut tx = Some(tx);
-            loop {
-                match r.chunk().await {
-                    Ok(Some(c)) => {
-                        raw.push_str(&String::from_utf8_lossy(&c));
-                        if raw.contains("\"text\"") {
-                            if let Some(tx) = tx.take() {
-                                let _ = tx.send(());
+    // A stream through the proxy, held mid-way: once it has its first token the decode
+    // instance is stopped (SIGSTOP). On a fast machine the stream may already have ended by
+    // then; then it is resumed and another is tried (5 at most).
+    let mut held = None;
+    for attempt in 0..5 {
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let stream = {
+            let (client, url) = (client.clone(), url.clone());
+            rt.spawn(async move {
+                let body = serde_json::json!({"prompt": format!("a draining proxy {attempt}"),
+                                              "max_tokens": 1000, "temperature": 0,
+                                              "ignore_eos": true, "stream": true});
+                let mut r = client
+                    .post(format!("{url}/v1/completions"))
+                    .json(&body)
+                    .send()
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let mut raw = String::new();
+                let mut tx = Some(tx);
+                loop {
+                    match r.chunk().await {
+                        Ok(Some(c)) => {
+                            raw.push_str(&String::from_utf8_lossy(&c));
+                            if raw.contains("\"text\"") {
+                                if let Some(tx) = tx.take() {
+                                    let _ = tx.send(());
+                                }
                             }
                         }
+                        Ok(None) => return Ok::<_, String>(raw),
+                        Err(e) => return Err(e.to_string()),
                     }
-                    Ok(None) => return Ok::<_, String>(raw),
-                    Err(e) => return Err(e.to_string()),
                 }
-            }
-        })
-    };
-    rt.block_on(async {
-        tokio::time::timeout(Duration::from_secs(30), rx)
-            .await
-            .expect("the stream produced no token")
-            .expect("the stream ended before its first token");
-    });
-    // The decode instance is held (stopped) so the stream cannot finish before the proxy has
-    // been asked to stop, however fast the machine.
-    common::signal(procs.child("decode-0"), libc::SIGSTOP);
+            })
+        };
+        rt.block_on(async {
+            tokio::time::timeout(Duration::from_secs(30), rx)
+                .await
+                .expect("the stream produced no token")
+                .expect("the stream ended before its first token");
+        });
+        common::signal(procs.child("decode-0"), libc::SIGSTOP);
+        // Whatever was already sent reaches the client within this; a stream that ended
+        // before the stop has ended by then.
+        std::thread::sleep(Duration::from_millis(300));
+        if !stream.is_finished() {
+            held = Some(stream);
+            break;
+        }
+        common::signal(procs.child("decode-0"), libc::SIGCONT);
+        rt.block_on(stream).unwrap().expect("the stream failed");
+    }
+    let stream = held.expect("every stream ended before the decode instance was stopped");
     common::signal(procs.stopping("proxy"), libc::SIGTERM);
     rt.block_on(async {
         // Liveness bound: the proxy marks itself draining within a poll or two.

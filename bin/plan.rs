@@ -15,9 +15,7 @@
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
-use pdserve_core::planner::{
-    Bounds, CurvesFile, EngineCurves, PlannerConfig, PlannerMode, RoleBounds, SlaTargets,
-};
+use pdserve_core::planner::{Bounds, PlannerConfig, PlannerMode, RoleBounds, SlaTargets};
 use pdserve_core::simulator::{
     best_fixed_split, multi_turn, shifting_mix, simulate, MultiTurn, SearchRange, ShiftingMix,
     SimConfig, SimReport, Trace, TraceRequest,
@@ -194,17 +192,7 @@ fn read_trace(path: &Path) -> Result<Trace> {
     Trace::new(requests).with_context(|| format!("trace {}", path.display()))
 }
 
-/// Reads and checks a curves file.
-///
-/// # Errors
-/// Unreadable file, TOML or a curves error.
-pub fn read_curves(path: &Path) -> Result<EngineCurves> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    let file: CurvesFile =
-        toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
-    EngineCurves::new(file).with_context(|| format!("curves {}", path.display()))
-}
+pub use crate::planner_driver::read_curves;
 
 fn range(flag: &str, v: Option<&str>, default: (usize, usize)) -> Result<(usize, usize)> {
     let Some(v) = v else { return Ok(default) };

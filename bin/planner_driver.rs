@@ -81,7 +81,7 @@ impl PlannerArgs {
             bail!("--planner load: load mode regresses on per-step engine figures the instances do not export yet; use --planner throughput (load mode runs in `pdserve plan simulate`)");
         }
         let curves = match &self.planner_curves {
-            Some(path) => crate::plan::read_curves(path)?,
+            Some(path) => read_curves(path)?,
             None => {
                 let file: CurvesFile =
                     toml::from_str(DEFAULT_CURVES).context("the shipped planner curves")?;
@@ -111,6 +111,18 @@ impl PlannerArgs {
         };
         Ok(Some(Planner::new(cfg, Some(curves)).context("--planner")?))
     }
+}
+
+/// Reads and checks a curves file (`pdserve plan simulate --curves`, `--planner-curves`).
+///
+/// # Errors
+/// Unreadable file, TOML or a curves error.
+pub fn read_curves(path: &Path) -> Result<EngineCurves> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let file: CurvesFile =
+        toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    EngineCurves::new(file).with_context(|| format!("curves {}", path.display()))
 }
 
 /// The start-up delay the curves name (seconds).

@@ -159,6 +159,46 @@ async fn get_json(client: &reqwest::Client, url: &str) -> serde_json::Value {
     }
 }
 
+/// A streamed completion of `body` through `url`, on `rt`: its whole raw answer (or why it
+/// failed), and a signal sent once its first token has arrived.
+fn stream(
+    rt: &tokio::runtime::Runtime,
+    client: &reqwest::Client,
+    url: &str,
+    b: serde_json::Value,
+) -> (
+    tokio::task::JoinHandle<Result<String, String>>,
+    tokio::sync::oneshot::Receiver<()>,
+) {
+    let (client, url) = (client.clone(), url.to_string());
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let h = rt.spawn(async move {
+        let mut r = client
+            .post(format!("{url}/v1/completions"))
+            .json(&b)
+            .send()
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut raw = String::new();
+        let mut tx = Some(tx);
+        loop {
+            match r.chunk().await {
+                Ok(Some(c)) => {
+                    raw.push_str(&String::from_utf8_lossy(&c));
+                    if raw.contains("\"text\"") {
+                        if let Some(tx) = tx.take() {
+                            let _ = tx.send(());
+                        }
+                    }
+                }
+                Ok(None) => return Ok(raw),
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+    });
+    (h, rx)
+}
+
 /// Waits (bounded) until `url`'s pool is full and nothing runs, waits or is held.
 async fn pool_full(procs: &mut Procs, client: &reqwest::Client, url: &str) {
     // Liveness bound: blocks come back within a second or two; 30 s only catches a leak.
@@ -267,35 +307,7 @@ fn a_killed_proxy_fails_its_streams_clearly_and_its_restart_gets_every_instance_
 
     // Four streams run through the proxy; it is SIGKILLed once each has its first tokens.
     let streams: Vec<_> = (0..4)
-        .map(|_| {
-            let (client, url, b) = (client.clone(), url.clone(), body(true));
-            let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-            let h = rt.spawn(async move {
-                let mut r = client
-                    .post(format!("{url}/v1/completions"))
-                    .json(&b)
-                    .send()
-                    .await
-                    .map_err(|e| e.to_string())?;
-                let mut raw = String::new();
-                let mut tx = Some(tx);
-                loop {
-                    match r.chunk().await {
-                        Ok(Some(c)) => {
-                            raw.push_str(&String::from_utf8_lossy(&c));
-                            if raw.contains("\"text\"") {
-                                if let Some(tx) = tx.take() {
-                                    let _ = tx.send(());
-                                }
-                            }
-                        }
-                        Ok(None) => return Ok(raw),
-                        Err(e) => return Err(e.to_string()),
-                    }
-                }
-            });
-            (h, rx)
-        })
+        .map(|_| stream(&rt, &client, &url, body(true)))
         .collect();
     let mut handles = Vec::new();
     for (h, rx) in streams {
@@ -387,37 +399,10 @@ fn a_stopping_proxy_answers_draining_and_finishes_its_stream_before_it_exits() {
     // then; then it is resumed and another is tried (5 at most).
     let mut held = None;
     for attempt in 0..5 {
-        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        let stream = {
-            let (client, url) = (client.clone(), url.clone());
-            rt.spawn(async move {
-                let body = serde_json::json!({"prompt": format!("a draining proxy {attempt}"),
-                                              "max_tokens": 1000, "temperature": 0,
-                                              "ignore_eos": true, "stream": true});
-                let mut r = client
-                    .post(format!("{url}/v1/completions"))
-                    .json(&body)
-                    .send()
-                    .await
-                    .map_err(|e| e.to_string())?;
-                let mut raw = String::new();
-                let mut tx = Some(tx);
-                loop {
-                    match r.chunk().await {
-                        Ok(Some(c)) => {
-                            raw.push_str(&String::from_utf8_lossy(&c));
-                            if raw.contains("\"text\"") {
-                                if let Some(tx) = tx.take() {
-                                    let _ = tx.send(());
-                                }
-                            }
-                        }
-                        Ok(None) => return Ok::<_, String>(raw),
-                        Err(e) => return Err(e.to_string()),
-                    }
-                }
-            })
-        };
+        let body = serde_json::json!({"prompt": format!("a draining proxy {attempt}"),
+                                      "max_tokens": 1000, "temperature": 0,
+                                      "ignore_eos": true, "stream": true});
+        let (stream, rx) = stream(&rt, &client, &url, body);
         rt.block_on(async {
             tokio::time::timeout(Duration::from_secs(30), rx)
                 .await
